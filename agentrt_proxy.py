@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import datetime as _dt
 import hashlib
@@ -84,7 +85,6 @@ MAX_RESULT_BYTES = 64 * 1024         # a result or quoted result shown to the mo
 MAX_POLICY_ID_BYTES = 256            # a policy identity
 MAX_SCHEMA_ERRORS = 8                # schema failures listed in one message
 
-SCHEMA_VERSION = 1                   # the runtime tables this build writes
 BUSY_TIMEOUT_MS = 5000               # SQLite busy_timeout on every connection
 WAL_SWITCH_SECONDS = 5.0             # how long to retry switching to WAL while busy
 WAL_SWITCH_STEP = 0.005
@@ -449,6 +449,26 @@ def parse_json(raw: bytes, strict: bool = True) -> Any:
 def check_json(raw: bytes) -> None:
     """Refuse what the strict parser refuses; accept everything else."""
     parse_json(raw)
+
+
+def member_spans(raw: bytes) -> dict[str, bytes]:
+    """The exact bytes of each member value of a top-level object, so that a record can hand
+    back what was written into it byte for byte, never a re-serialisation."""
+    if not isinstance(parse_json(raw, strict=False), dict):
+        raise JSONError("not valid JSON: expected an object", raw, 0)
+    text = raw.decode("utf-8")
+    p = _Parser(raw, text, strict=False)
+    spans: dict[str, bytes] = {}
+    pos = p.skip_ws(p.skip_ws(0) + 1)
+    while text[pos] != "}":
+        pos, key = p.string(pos + 1)
+        start = p.skip_ws(p.skip_ws(pos) + 1)
+        pos, _ = p.value(start)
+        spans[key] = text[start:pos].encode("utf-8")
+        pos = p.skip_ws(pos)
+        if text[pos] == ",":
+            pos = p.skip_ws(pos + 1)
+    return spans
 
 
 # ==== 4. Canonical JSON and request keys ====
@@ -1139,3 +1159,1783 @@ del _keys, _check, _key, _runner
 def compile_schema(raw: bytes) -> Schema:
     """Compile a tool's input schema, refusing what this validator cannot check."""
     return Schema(raw)
+
+
+# ==== 7. Time and records ====
+# Every timestamp is stored as RFC 3339 UTC text with microseconds, fixed width, so it sorts.
+# Durations are written as the configuration writes them: 15s, 10m, 1h30m, 300ms, 0s.
+# Records are small frozen dataclasses read from, and written to, the store.
+
+Clock = Callable[[], float]          # seconds since the epoch
+_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+(?:\.\d+)?)s)?(?:(\d+)ms)?")
+
+
+def fmt_time(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def fmt_time_s(t: float) -> str:
+    """Whole seconds, for text a model or an operator reads."""
+    return _dt.datetime.fromtimestamp(int(t), _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> float:
+    return _dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as 15s, 10m, 1h30m, 1.5s, 300ms or 0s."""
+    m = _DURATION.fullmatch(text) if isinstance(text, str) and text else None
+    if not m or not any(m.groups()):
+        raise ValueError(f"{text!r} is not a duration such as 15s, 10m, 1h30m or 300ms")
+    h, mins, secs, ms = m.groups()
+    return int(h or 0) * 3600 + int(mins or 0) * 60 + float(secs or 0) + int(ms or 0) / 1000
+
+
+def fmt_duration(seconds: float) -> str:
+    """The spelling of ``seconds`` that parse_duration reads back (to the microsecond)."""
+    micros = round(seconds * 1_000_000)
+    if micros <= 0:
+        return "0s"
+    if micros < 1_000_000 and micros % 1000 == 0:
+        return f"{micros // 1000}ms"
+    whole, frac = divmod(micros, 1_000_000)
+    hours, rest = divmod(whole, 3600)
+    mins, secs = divmod(rest, 60)
+    out = (f"{hours}h" if hours else "") + (f"{mins}m" if mins else "")
+    if secs or frac:
+        out += (f"{secs}.{frac:06d}".rstrip("0") if frac else str(secs)) + "s"
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolSpec:
+    """What a tool is. Its canonical JSON is hashed into every approval for it."""
+    name: str
+    description: str
+    input_schema: bytes
+    side_effect: str
+    timeout: float
+    terminal: bool = False
+
+    def as_value(self) -> dict:
+        doc = {"name": self.name, "description": self.description,
+               "input_schema": parse_json(self.input_schema, strict=False),
+               "side_effect": self.side_effect, "timeout": fmt_duration(self.timeout)}
+        if self.terminal:
+            doc["terminal"] = True
+        return doc
+
+    def canonical(self) -> bytes:
+        return encode_canonical(self.as_value())
+
+    def hash(self) -> str:
+        return sha256_hex(self.canonical())
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "ToolSpec":
+        doc = parse_json(raw, strict=False)
+        return cls(doc["name"], doc["description"], encode_canonical(doc["input_schema"]),
+                   doc["side_effect"], parse_duration(doc["timeout"]), doc.get("terminal", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolRequest:
+    """One request to execute: the exact argument bytes for one step of one run."""
+    run_id: str
+    step_id: str
+    spec: ToolSpec
+    args: bytes
+
+    def as_value(self) -> dict:
+        return {"run_id": self.run_id, "step_id": self.step_id, "spec": self.spec.as_value(),
+                "args": parse_json(self.args)}
+
+    def record(self) -> str:
+        """The request as stored with an approval: the arguments byte for byte."""
+        spec = self.spec.as_value()
+        spec["input_schema"] = Raw(encode_canonical(spec["input_schema"]))
+        return dump_json({"run_id": self.run_id, "step_id": self.step_id, "spec": spec,
+                          "args": Raw(self.args)})
+
+    @classmethod
+    def from_record(cls, text: str) -> "ToolRequest":
+        raw = text.encode("utf-8")
+        doc, spans = parse_json(raw, strict=False), member_spans(raw)
+        return cls(doc["run_id"], doc["step_id"], ToolSpec.from_json(spans["spec"]), spans["args"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyDecision:
+    """A policy's answer. ``capability`` and ``presentation`` are JSON bytes (or empty)."""
+    outcome: str
+    reason: str = ""
+    kind: str = ""
+    capability: bytes = b""
+    presentation: bytes = b""
+
+
+def need_approval(kind: str, reason: str, capability: Any, presentation: Any) -> PolicyDecision:
+    """A require_approval decision with the two values encoded as JSON."""
+    def enc(v: Any) -> bytes:
+        return b"{}" if v is None else v if isinstance(v, bytes) else dump_json(v).encode()
+    return PolicyDecision("require_approval", reason, kind, enc(capability), enc(presentation))
+
+
+def approval_hash(kind: str, capability: bytes, presentation: bytes, request: ToolRequest) -> str:
+    """SHA-256 of the canonical JSON of everything an approval binds: its kind, capability and
+    presentation, and the request (run, step, the whole tool spec, the arguments). A value
+    that will not encode raises; there is never a substitute hash."""
+    doc = {"capability": parse_json(capability or b"{}"), "kind": kind,
+           "presentation": parse_json(presentation or b"{}"), "request": request.as_value()}
+    return sha256_hex(encode_canonical(doc))
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-run limits; a TTL of 0 means no expiry."""
+    max_steps: int = 50
+    max_consecutive_tool_failures: int = 3
+    loop_threshold: int = 3
+    approval_ttl: float = 0.0
+    grant_ttl: float = 0.0
+
+    def record(self) -> str:
+        return dump_json({"max_steps": self.max_steps,
+                          "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
+                          "loop_threshold": self.loop_threshold,
+                          "approval_ttl": fmt_duration(self.approval_ttl),
+                          "grant_ttl": fmt_duration(self.grant_ttl)})
+
+    @classmethod
+    def from_record(cls, text: str) -> "Limits":
+        d = loads_own(text)
+        return cls(d["max_steps"], d["max_consecutive_tool_failures"], d["loop_threshold"],
+                   parse_duration(d.get("approval_ttl", "0s")),
+                   parse_duration(d.get("grant_ttl", "0s")))
+
+    def validate(self) -> None:
+        for name in ("max_steps", "max_consecutive_tool_failures", "loop_threshold"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"limits: {name} must be positive")
+        if self.approval_ttl < 0 or self.grant_ttl < 0:
+            raise ValueError("limits: a TTL cannot be negative")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    id: str
+    goal: str
+    status: str
+    reason: str
+    reason_detail: str
+    limits: Limits
+    step_count: int
+    created_at: str
+    finished_at: str
+    result_json: str
+    lease_owner: str
+    lease_expires_at: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    id: str
+    run_id: str
+    idx: int
+    status: str
+    decision: dict | None          # parsed, numbers plain; exact args are in ``args``
+    args: bytes                    # the decision's argument bytes as recorded
+    policy: dict | None
+    observation: dict | None
+    observation_hash: str
+    started_at: str
+    finished_at: str
+    spec_hash: str
+    policy_id: str
+
+    @property
+    def obs_kind(self) -> str:
+        return (self.observation or {}).get("kind", "")
+
+    @property
+    def obs_content(self) -> dict:
+        content = (self.observation or {}).get("content")
+        return content if isinstance(content, dict) else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Approval:
+    id: str
+    run_id: str
+    step_id: str
+    kind: str
+    capability: bytes
+    presentation: bytes
+    request_json: str
+    hash: str
+    status: str
+    created_at: str
+    decided_at: str
+    decided_by: str
+    note: str
+    expires_at: str
+
+    def request(self) -> ToolRequest:
+        return ToolRequest.from_record(self.request_json)
+
+    def verify(self) -> None:
+        """Refuse an approval whose stored hash is not the hash of its stored contents."""
+        try:
+            again = approval_hash(self.kind, self.capability, self.presentation, self.request())
+        except (ProxyError, KeyError, TypeError, ValueError) as exc:
+            raise ApprovalHashMismatch(f"approval {self.id} could not be decoded: {exc}") from None
+        if not hmac.compare_digest(again, self.hash):
+            raise ApprovalHashMismatch(f"approval {self.id}: the stored hash does not match "
+                                       "its recorded request")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunView:
+    """What a policy is shown of the run it decides in."""
+    run: Run
+    steps: list[Step]
+    approvals: list[Approval]
+
+
+# ==== 8. Policy ====
+# A policy maps a request and a view of its run to allow, require_approval, deny or abort.
+# The default decides by the tool's side-effect class alone.
+
+class SideEffectPolicy:
+    """Decide by side-effect class; a class missing from the map is denied."""
+
+    policy_id = ""
+
+    def __init__(self, outcomes: dict[str, str] | None = None):
+        self.outcomes = dict(DEFAULT_POLICY if outcomes is None else outcomes)
+
+    def evaluate(self, request: ToolRequest, view: RunView) -> PolicyDecision:
+        cls = request.spec.side_effect
+        outcome = self.outcomes.get(cls)
+        if outcome is None:
+            return PolicyDecision("deny", f'no policy for side effect "{cls}"')
+        reason = f"side effect {cls} is {outcome} by policy"
+        if outcome != "require_approval":
+            return PolicyDecision(outcome, reason)
+        cap = b'{"args":' + request.args + b',"tool":' + \
+            json.dumps(request.spec.name).encode() + b"}"
+        return PolicyDecision(outcome, reason, cls, cap, cap)
+
+
+def check_policy_id(pid: str) -> str:
+    """A policy identity is short, UTF-8, and free of control characters."""
+    if len(pid.encode("utf-8", "surrogatepass")) > MAX_POLICY_ID_BYTES:
+        raise ValueError(f"policy identity is {len(pid.encode())} bytes, "
+                         f"more than {MAX_POLICY_ID_BYTES}")
+    for ch in pid:
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            raise ValueError(f"policy identity holds the control character U+{ord(ch):04X}")
+    return pid
+
+
+# ==== 9. The store ====
+# One SQLite file. Every state change is one BEGIN IMMEDIATE transaction holding the row
+# writes and their audit events; events form a SHA-256 hash chain across all runs. Status
+# changes are compare-and-set inside the transaction, so two processes never both win.
+# The file is created 0600; a symbolic link, a file others can write, a schema holding
+# triggers or views, and a schema from another version are refused.
+
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (  # 1: runs, their steps, approvals, the event chain, and the tool specs runs refer to
+        """CREATE TABLE runs (
+            id TEXT PRIMARY KEY, goal TEXT NOT NULL, status TEXT NOT NULL,
+            reason TEXT NOT NULL DEFAULT '', reason_detail TEXT NOT NULL DEFAULT '',
+            limits_json TEXT NOT NULL, step_count INTEGER NOT NULL DEFAULT 0,
+            created_at TEXT NOT NULL, started_at TEXT NOT NULL DEFAULT '',
+            finished_at TEXT NOT NULL DEFAULT '', result_json TEXT NOT NULL DEFAULT '',
+            active_ms INTEGER NOT NULL DEFAULT 0,
+            lease_owner TEXT NOT NULL DEFAULT '', lease_expires_at TEXT NOT NULL DEFAULT '')""",
+        """CREATE TABLE steps (
+            id TEXT PRIMARY KEY, run_id TEXT NOT NULL REFERENCES runs(id),
+            idx INTEGER NOT NULL, status TEXT NOT NULL,
+            decision_json TEXT NOT NULL DEFAULT '', policy_json TEXT NOT NULL DEFAULT '',
+            observation_json TEXT NOT NULL DEFAULT '', observation_hash TEXT NOT NULL DEFAULT '',
+            started_at TEXT NOT NULL, finished_at TEXT NOT NULL DEFAULT '',
+            spec_hash TEXT NOT NULL DEFAULT '', policy_id TEXT NOT NULL DEFAULT '',
+            UNIQUE(run_id, idx))""",
+        """CREATE TABLE events (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL REFERENCES runs(id),
+            step_id TEXT NOT NULL DEFAULT '', at TEXT NOT NULL, type TEXT NOT NULL,
+            payload_json TEXT NOT NULL, hash TEXT NOT NULL DEFAULT '')""",
+        "CREATE INDEX events_run ON events(run_id, seq)",
+        """CREATE TABLE approvals (
+            id TEXT PRIMARY KEY, run_id TEXT NOT NULL REFERENCES runs(id),
+            step_id TEXT NOT NULL, kind TEXT NOT NULL, capability_json TEXT NOT NULL,
+            presentation_json TEXT NOT NULL, request_json TEXT NOT NULL, hash TEXT NOT NULL,
+            status TEXT NOT NULL, created_at TEXT NOT NULL,
+            decided_at TEXT NOT NULL DEFAULT '', decided_by TEXT NOT NULL DEFAULT '',
+            note TEXT NOT NULL DEFAULT '', expires_at TEXT NOT NULL DEFAULT '')""",
+        "CREATE INDEX approvals_run ON approvals(run_id, created_at)",
+        "CREATE TABLE tool_specs (hash TEXT PRIMARY KEY, spec_json TEXT NOT NULL)",
+    ),
+)
+SCHEMA_VERSION = len(_MIGRATIONS)    # the version of the runtime tables this build writes
+
+_RUN_COLS = ("id, goal, status, reason, reason_detail, limits_json, step_count, created_at, "
+             "finished_at, result_json, lease_owner, lease_expires_at")
+_STEP_COLS = ("id, run_id, idx, status, decision_json, policy_json, observation_json, "
+              "observation_hash, started_at, finished_at, spec_hash, policy_id")
+_APPROVAL_COLS = ("id, run_id, step_id, kind, capability_json, presentation_json, request_json, "
+                  "hash, status, created_at, decided_at, decided_by, note, expires_at")
+
+
+def _insecure(path: str, mode: int, reason: str) -> UnsafeDatabase:
+    return UnsafeDatabase(
+        f"{path} (mode {stat.filemode(mode)}) is {reason}; the database must be readable and "
+        f"writable by its owner only: run 'chmod 600 {path}' and make it owned by the user "
+        "that runs the proxy")
+
+
+def check_database_file(path: str, writer: bool) -> bool:
+    """Refuse a database path we must not trust; False when it does not exist yet.
+    Writers tighten an owned file (and its WAL sidecars) that others may read to 0600."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeDatabase(f"{path} is a symbolic link; name the database file itself")
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeDatabase(f"{path} is not a regular file")
+    for name in (path, path + "-wal", path + "-shm"):
+        try:
+            side = os.lstat(name)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(side.st_mode):
+            raise _insecure(name, side.st_mode, "not a regular file")
+        if side.st_uid != st.st_uid:
+            raise _insecure(name, side.st_mode, "owned by another user than the database")
+        if side.st_mode & 0o022:
+            raise _insecure(name, side.st_mode, "writable by group or others")
+        if writer and side.st_uid == os.getuid() and side.st_mode & 0o077:
+            os.chmod(name, 0o600)
+    return True
+
+
+def _sqlite_uri(path: str, mode: str) -> str:
+    quoted = path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
+    return ("file://" if quoted.startswith("/") else "file:") + quoted + f"?mode={mode}"
+
+
+def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str,
+               payload: str) -> str:
+    """SHA-256 over seven netstrings: the previous hash and the event's stored fields."""
+    parts = (prev, str(seq), run_id, step_id, at, typ, payload)
+    data = b"".join(b"%d:%s," % (len(p.encode()), p.encode()) for p in parts)
+    return sha256_hex(data)
+
+
+class Tx:
+    """One open write transaction: compare-and-set reads, writes, and chained events."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.c = conn
+        self._head: tuple[int, str] | None = None
+
+    def run(self, run_id: str) -> Run:
+        row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"run {run_id} not found")
+        return _run_from_row(row)
+
+    def require(self, run_id: str, statuses: tuple[str, ...], owner: str = "") -> Run:
+        """The run, if its status is one of ``statuses`` and (with ``owner``) a RUNNING run
+        is leased to that owner; else nothing is written and the caller is told why."""
+        run = self.run(run_id)
+        if run.status not in statuses:
+            raise RunStateError(f"run {run_id} is {run.status}, not {' or '.join(statuses)}")
+        if owner and run.status == RUNNING and run.lease_owner != owner:
+            raise RunLeased(run_id, run.lease_owner or "nobody", run.lease_expires_at or "-")
+        return run
+
+    def exec(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
+        return self.c.execute(sql, params)
+
+    def event(self, run_id: str, step_id: str, at: str, typ: str, payload: Any) -> int:
+        """Append one event, chained to the newest event of any run."""
+        if self._head is None:
+            row = self.c.execute("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1").fetchone()
+            used = self.c.execute(
+                "SELECT seq FROM sqlite_sequence WHERE name='events'").fetchone()
+            seq = max(row[0] if row else 0, used[0] if used else 0)
+            self._head = (seq, row[1] if row else "")
+        text = payload if isinstance(payload, str) else dump_json(payload or {})
+        seq = self._head[0] + 1
+        digest = event_hash(self._head[1], seq, run_id, step_id, at, typ, text)
+        self.c.execute("INSERT INTO events (seq, run_id, step_id, at, type, payload_json, hash) "
+                       "VALUES (?,?,?,?,?,?,?)", (seq, run_id, step_id, at, typ, text, digest))
+        self._head = (seq, digest)
+        return seq
+
+    def transition(self, run_id: str, statuses: tuple[str, ...], to: str, *, owner: str = "",
+                   lease_until: str = "", reason: str = "", detail: str = "",
+                   finished_at: str = "", result: str = "") -> Run:
+        """Move a run to ``to``. Entering or staying RUNNING under a lease writes the lease;
+        pausing or finishing releases it in the same transaction."""
+        self.require(run_id, statuses, owner)
+        lease = (owner, lease_until) if to == RUNNING and owner else ("", "")
+        self.c.execute("UPDATE runs SET status=?, reason=?, reason_detail=?, finished_at=?, "
+                       "result_json=?, lease_owner=?, lease_expires_at=? WHERE id=?",
+                       (to, reason, detail, finished_at, result, *lease, run_id))
+        return self.run(run_id)
+
+    def update_step(self, step_id: str, from_statuses: tuple[str, ...], **cols: Any) -> None:
+        sets = ", ".join(f"{k}=?" for k in cols)
+        marks = ",".join("?" * len(from_statuses))
+        cur = self.c.execute(f"UPDATE steps SET {sets} WHERE id=? AND status IN ({marks})",
+                             (*cols.values(), step_id, *from_statuses))
+        if cur.rowcount != 1:
+            row = self.c.execute("SELECT status FROM steps WHERE id=?", (step_id,)).fetchone()
+            raise RunStateError(f"step {step_id} is {row[0] if row else 'missing'}")
+
+    def save_spec(self, spec: ToolSpec) -> str:
+        canon = spec.canonical()
+        digest = sha256_hex(canon)
+        self.c.execute("INSERT OR IGNORE INTO tool_specs (hash, spec_json) VALUES (?,?)",
+                       (digest, canon.decode()))
+        return digest
+
+
+def _run_from_row(row: tuple) -> Run:
+    return Run(row[0], row[1], row[2], row[3], row[4], Limits.from_record(row[5]), *row[6:])
+
+
+def _step_from_row(row: tuple) -> Step:
+    decision = policy = observation = None
+    args = b""
+    if row[4]:
+        raw = row[4].encode()
+        decision = loads_own(raw)
+        args = member_spans(raw).get("args", b"")
+    if row[5]:
+        policy = loads_own(row[5])
+    if row[6]:
+        observation = loads_own(row[6])
+    return Step(row[0], row[1], row[2], row[3], decision, args, policy, observation, *row[7:])
+
+
+def _approval_from_row(row: tuple) -> Approval:
+    return Approval(*row[:4], row[4].encode(), row[5].encode(), *row[6:])
+
+
+class Store:
+    """The database: opened once per process for writing, or read-only by an operator."""
+
+    def __init__(self, path: str, *, create: bool = False, readonly: bool = False):
+        self.path, self.readonly = path, readonly
+        self._lock = threading.RLock()
+        exists = check_database_file(path, writer=not readonly)
+        if not exists:
+            if not create:
+                raise NotFound(f"{path} does not exist")
+            _create_private(path)
+        self.conn = self._connect("ro" if readonly else "rw")
+        try:
+            self._refuse_triggers_and_views()
+            if create:
+                self._migrate()
+            self._check_version()
+        except BaseException:
+            self.conn.close()
+            raise
+
+    @classmethod
+    def open(cls, path: str) -> "Store":
+        """For the proxy: create the file (0600) and migrate it when needed."""
+        return cls(path, create=True)
+
+    @classmethod
+    def open_existing(cls, path: str, readonly: bool) -> "Store":
+        """For operator commands: never create and never migrate."""
+        return cls(path, readonly=readonly)
+
+    def _connect(self, mode: str) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(_sqlite_uri(self.path, mode), uri=True,
+                                   isolation_level=None, check_same_thread=False)
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA trusted_schema=OFF")
+            if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
+                conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
+            if mode != "ro":
+                conn.execute("PRAGMA synchronous=FULL")
+                _switch_to_wal(conn, self.path)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot open the database: {exc}") from None
+        return conn
+
+    def _refuse_triggers_and_views(self) -> None:
+        try:
+            row = self.conn.execute("SELECT type, name FROM sqlite_master "
+                                    "WHERE type IN ('trigger','view') LIMIT 1").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path} is not a database this proxy can read: {exc}") from None
+        if row:
+            raise UnsafeDatabase(
+                f"{self.path} holds a {row[0]} named {_quote(row[1])}, which could run SQL "
+                "nobody reviewed; this proxy refuses databases with triggers or views")
+
+    def _migrate(self) -> None:
+        with self.tx() as tx:
+            tx.exec("CREATE TABLE IF NOT EXISTS schema_migrations "
+                    "(version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
+            have = tx.exec("SELECT COALESCE(MAX(version),0) FROM schema_migrations").fetchone()[0]
+            _refuse_newer(self.path, have, SCHEMA_VERSION)
+            for version in range(have + 1, SCHEMA_VERSION + 1):
+                for sql in _MIGRATIONS[version - 1]:
+                    tx.exec(sql)
+                tx.exec("INSERT INTO schema_migrations (version, applied_at) VALUES (?,?)",
+                        (version, fmt_time(time.time())))
+
+    def _check_version(self) -> None:
+        try:
+            have = self.conn.execute(
+                "SELECT COALESCE(MAX(version),0) FROM schema_migrations").fetchone()[0]
+        except sqlite3.Error:
+            raise StoreError(f"{self.path} is not a database of this proxy "
+                             "(it has no schema_migrations table)") from None
+        _refuse_newer(self.path, have, SCHEMA_VERSION)
+        if have < SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{self.path} has schema version {have}, older than version {SCHEMA_VERSION} "
+                "this build writes; operator commands do not migrate a database: start the "
+                "proxy that owns it once to migrate it")
+
+    @contextlib.contextmanager
+    def tx(self):
+        """A write transaction begun IMMEDIATE: it takes the write lock up front, so a
+        compare-and-set read inside it cannot be overtaken by another writer."""
+        if self.readonly:
+            raise StoreError(f"{self.path} is open read-only")
+        with self._lock:
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
+            try:
+                yield Tx(self.conn)
+                self.conn.execute("COMMIT")
+            except BaseException as exc:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"{self.path}: write failed: {exc}") from None
+                raise
+
+    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return self.conn.execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: read failed: {exc}") from None
+
+    def get_run(self, run_id: str) -> Run:
+        rows = self._read(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,))
+        if not rows:
+            raise NotFound(f"run {run_id} not found")
+        return _run_from_row(rows[0])
+
+    def find_run(self, run_id: str) -> Run | None:
+        try:
+            return self.get_run(run_id)
+        except NotFound:
+            return None
+
+    def list_runs(self, limit: int, offset: int = 0) -> tuple[list[Run], int]:
+        """Newest first, with the total count."""
+        rows = self._read(f"SELECT {_RUN_COLS} FROM runs ORDER BY rowid DESC LIMIT ? OFFSET ?",
+                          (limit if limit > 0 else -1, offset))
+        total = self._read("SELECT COUNT(*) FROM runs")[0][0]
+        return [_run_from_row(r) for r in rows], total
+
+    def list_steps(self, run_id: str) -> list[Step]:
+        rows = self._read(f"SELECT {_STEP_COLS} FROM steps WHERE run_id=? ORDER BY idx", (run_id,))
+        return [_step_from_row(r) for r in rows]
+
+    def list_approvals(self, run_id: str) -> list[Approval]:
+        rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? ORDER BY rowid",
+                          (run_id,))
+        return [_approval_from_row(r) for r in rows]
+
+    def get_approval(self, approval_id: str) -> Approval:
+        rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,))
+        if not rows:
+            raise NotFound(f"approval {approval_id} not found")
+        return _approval_from_row(rows[0])
+
+    def pending_approvals(self, run_id: str) -> list[Approval]:
+        return [a for a in self.list_approvals(run_id) if a.status == PENDING]
+
+    def spec(self, digest: str) -> ToolSpec:
+        rows = self._read("SELECT spec_json FROM tool_specs WHERE hash=?", (digest,))
+        if not rows or sha256_hex(rows[0][0].encode()) != digest:
+            raise NotFound(f"tool spec {digest} not found or does not match its hash")
+        return ToolSpec.from_json(rows[0][0].encode())
+
+    def list_events(self, run_id: str, limit: int = -1, offset: int = 0) -> list[tuple]:
+        """(seq, run_id, step_id, at, type, payload_json, hash) in seq order."""
+        return self._read("SELECT seq, run_id, step_id, at, type, payload_json, hash FROM events "
+                          "WHERE run_id=? ORDER BY seq LIMIT ? OFFSET ?", (run_id, limit, offset))
+
+    def count_events(self, run_id: str) -> int:
+        return self._read("SELECT COUNT(*) FROM events WHERE run_id=?", (run_id,))[0][0]
+
+    def chain_head(self) -> tuple[int, str]:
+        rows = self._read("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1")
+        return (rows[0][0], rows[0][1]) if rows else (0, "")
+
+    def verify_events(self, first: int = 1, last: int = 0) -> "ChainReport":
+        """Walk the chain from ``first`` to ``last`` (the head when 0); writes nothing."""
+        first = max(first, 1)
+        last = last if last > 0 else self.chain_head()[0]
+        report = ChainReport(first, last)
+        if last < first:
+            return report
+        prev = ""
+        if first > 1:
+            rows = self._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
+                              (first,))
+            prev = rows[0][0] if rows else ""
+        expect = first
+        while expect <= last:
+            rows = self._read("SELECT seq, run_id, step_id, at, type, payload_json, hash FROM "
+                              "events WHERE seq>=? AND seq<=? ORDER BY seq LIMIT ?",
+                              (expect, last, VERIFY_PAGE))
+            if not rows:
+                break
+            for seq, run_id, step_id, at, typ, payload, stored in rows:
+                if seq != expect:
+                    detail = (f"the first event is seq {seq}: an event is missing" if
+                              report.checked == 0 and first == 1 else
+                              f"seq {seq} follows {expect - 1}: an event is missing")
+                    report.broken = ChainBreak(seq, "", stored[:128], detail)
+                    return report
+                want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
+                if not hmac.compare_digest(want, stored):
+                    report.broken = ChainBreak(
+                        seq, want, stored[:128], "the stored hash is not the one the event's "
+                        "fields and the previous event's hash give")
+                    return report
+                prev, expect = stored, seq + 1
+                report.checked, report.hash = report.checked + 1, stored[:128]
+        return report
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()
+
+
+@dataclasses.dataclass
+class ChainBreak:
+    seq: int
+    expected: str
+    found: str
+    detail: str
+
+
+@dataclasses.dataclass
+class ChainReport:
+    first: int
+    last: int
+    checked: int = 0
+    hash: str = ""
+    broken: ChainBreak | None = None
+
+
+def _refuse_newer(path: str, have: int, known: int) -> None:
+    if have > known:
+        raise SchemaVersionError(
+            f"{path} has schema version {have}, newer than version {known} this build knows; "
+            "a newer version of the proxy wrote it: use that version")
+
+
+def _create_private(path: str) -> None:
+    """Create the database file owner-only, never through a link."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        check_database_file(path, writer=True)
+        return
+    os.close(fd)
+
+
+def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:
+    """Switching can answer SQLITE_BUSY without waiting on busy_timeout, so retry briefly."""
+    deadline = time.monotonic() + WAL_SWITCH_SECONDS
+    while True:
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            break
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(WAL_SWITCH_STEP)
+    if str(mode).lower() != "wal":
+        raise StoreError(f"{path}: journal mode is {mode}, not wal")
+
+
+# ==== 10. The gate ====
+# Record, validate, evaluate, pause, execute, record. A run is begun under a caller-chosen id
+# and leased to one executor at a time; the lease is renewed on its own thread so a crashed
+# executor's run can be taken over once its lease runs out. Nothing is executed that was not
+# recorded first, and what executes after an approval is the recorded request, never new
+# bytes. The gate holds a transaction only around its own state, never across a tool call.
+
+TOOL_RESULT, TOOL_ERROR = "tool_result", "tool_error"
+POLICY_DENIED, INVALID_DECISION, INTERRUPTED_OBS = "policy_denied", "invalid_decision", "interrupted"
+ORIGINS = ("", "model", "plan", "operator")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """What a tool returned: JSON content bytes and a one-line summary."""
+    content: bytes = b"{}"
+    summary: str = ""
+
+
+class ToolFailure(Exception):
+    """A tool's own error answer: the tool ran and reported a failure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    spec: ToolSpec
+    call: Callable[[bytes], Awaitable[ToolResult]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the caller proposes: a tool call, or ending the run."""
+    kind: str                      # tool_call, complete or fail
+    tool: str = ""
+    args: bytes = b""
+    result: bytes = b""
+    message: str = ""
+    origin: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """allowed (call execute), denied (the step is over), pending (the run waits on
+    ``approval``), ended (the run is over); empty for a session ready for a step."""
+    kind: str = ""
+    approval: Approval | None = None
+    run: Run | None = None
+    observation: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconciliation:
+    """A reconcile hook's answer for a run found mid-step: continue, or wait on ``pause``."""
+    outcome: str
+    pause: PolicyDecision | None = None
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class _Allowed:
+    """An allowed request waiting for execute: nothing about it is written yet."""
+    request: ToolRequest
+    decision: PolicyDecision
+    policy_at: str
+    view: dict
+    granted: Approval | None
+
+
+def new_hex_id() -> str:
+    return secrets.token_hex(16)
+
+
+def _obs(kind: str, content: Any, summary: str) -> tuple[dict, str, str]:
+    """An observation: the dict, its stored JSON, and its content hash."""
+    raw = content if isinstance(content, bytes) else dump_json(content).encode()
+    digest = content_hash(raw)
+    doc = {"kind": kind, "content": Raw(raw), "summary": summary, "content_hash": digest}
+    text = dump_json(doc)
+    return loads_own(text), text, digest
+
+
+def _decision_record(d: Decision) -> str:
+    """The decision as recorded: argument and result bytes verbatim when they are JSON,
+    else kept as text (base64 when not UTF-8) under invalid_* and never as JSON."""
+    doc: dict[str, Any] = {"kind": d.kind}
+    if d.tool:
+        doc["tool"] = d.tool
+    bad: dict[str, bytes] = {}
+    for name, raw in (("args", d.args.strip()), ("result", d.result.strip())):
+        if not raw:
+            continue
+        try:
+            check_json(raw)
+            doc[name] = Raw(raw)
+        except JSONError:
+            bad[name] = raw
+    if d.message:
+        doc["message"] = d.message
+    if d.origin:
+        doc["origin"] = d.origin
+    if bad:
+        try:
+            texts = {k: v.decode("utf-8") for k, v in bad.items()}
+        except UnicodeDecodeError:
+            texts = {k: base64.b64encode(v).decode() for k, v in bad.items()}
+            doc["invalid_base64"] = True
+        for name, text in texts.items():
+            doc["invalid_" + name] = text
+    return dump_json(doc)
+
+
+def _policy_record(p: PolicyDecision, extra: dict | None = None) -> str:
+    doc: dict[str, Any] = {"outcome": p.outcome}
+    if p.reason:
+        doc["reason"] = p.reason
+    if p.kind:
+        doc["kind"] = p.kind
+    for name in ("capability", "presentation"):
+        raw = getattr(p, name).strip()
+        if raw:
+            doc[name] = Raw(raw)
+    doc.update({k: v for k, v in (extra or {}).items() if v})
+    return dump_json(doc)
+
+
+class Leases:
+    """Renews this process's leases every ttl/3 on a connection and thread of its own, so a
+    busy event loop or a long transaction elsewhere cannot starve the renewals."""
+
+    def __init__(self, path: str, owner: str, ttl: float, wall: Clock):
+        self.path, self.owner, self.ttl, self.wall = path, owner, ttl, wall
+        self._held: dict[str, float] = {}
+        self._lost: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, run_id: str, until: float) -> None:
+        with self._lock:
+            self._held[run_id] = until
+            self._lost.discard(run_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="agentrt-proxy-leases")
+                self._thread.start()
+
+    def drop(self, run_id: str) -> None:
+        with self._lock:
+            self._held.pop(run_id, None)
+            self._lost.discard(run_id)
+
+    def ok(self, run_id: str) -> bool:
+        with self._lock:
+            until = self._held.get(run_id)
+            return until is not None and run_id not in self._lost and self.wall() < until
+
+    def holds(self, run_id: str) -> bool:
+        with self._lock:
+            return run_id in self._held
+
+    def _loop(self) -> None:
+        conn = sqlite3.connect(_sqlite_uri(self.path, "rw"), uri=True, isolation_level=None)
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA synchronous=FULL")
+        try:
+            while not self._stop.wait(self.ttl / LEASE_RENEW_FRACTION):
+                self.renew(conn)
+        finally:
+            conn.close()
+
+    def renew(self, conn: sqlite3.Connection) -> None:
+        with self._lock:
+            runs = list(self._held)
+        for run_id in runs:
+            until = self.wall() + self.ttl
+            try:
+                cur = conn.execute("UPDATE runs SET lease_expires_at=? WHERE id=? AND "
+                                   "lease_owner=? AND status='RUNNING'",
+                                   (fmt_time(until), run_id, self.owner))
+            except sqlite3.Error:
+                continue            # retried at the next tick; ok() judges the old expiry
+            with self._lock:
+                if run_id not in self._held:
+                    continue
+                if cur.rowcount == 1:
+                    self._held[run_id] = until
+                else:
+                    self._lost.add(run_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl)
+
+
+class Gate:
+    """The gate over one store and one set of tools. Clock and ids are injected."""
+
+    def __init__(self, store: Store, tools: Iterable[Tool], policy: Any, *,
+                 now: Clock = time.time, wall: Clock = time.time,
+                 new_id: Callable[[], str] = new_hex_id, lease_owner: str = "",
+                 lease_ttl: float = DEFAULT_LEASE_TTL,
+                 reconcile: Callable[[RunView], Reconciliation] | None = None):
+        self.store, self.policy, self.reconcile = store, policy, reconcile
+        self.tools: dict[str, Tool] = {}
+        for tool in sorted(tools, key=lambda t: t.spec.name):
+            _check_tool(tool.spec, self.tools)
+            self.tools[tool.spec.name] = tool
+        self.clock, self.wall, self.new_id = now, wall, new_id
+        self.lease_ttl = lease_ttl if lease_ttl > 0 else DEFAULT_LEASE_TTL
+        suffix = new_id()
+        self.owner = f"{lease_owner}/{suffix[:12]}" if lease_owner else suffix
+        self.policy_id = check_policy_id(getattr(policy, "policy_id", "") or "")
+        self.leases = Leases(store.path, self.owner, self.lease_ttl, wall)
+        self._claimed: set[str] = set()
+        self._claim_lock = threading.Lock()
+
+    def now(self) -> str:
+        return fmt_time(self.clock())
+
+    def close(self) -> None:
+        self.leases.close()
+
+    # -- runs --
+
+    def begin(self, run_id: str, goal: str, limits: Limits) -> "Session":
+        """Create a run under ``run_id`` (which must be new), leased to this gate."""
+        limits.validate()
+        if not run_id:
+            raise ValueError("a run id is required")
+        self._claim(run_id)
+        try:
+            now, until = self.now(), self.wall() + self.lease_ttl
+            with self.store.tx() as tx:
+                if tx.exec("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone():
+                    raise RunStateError(f"run {run_id} already exists")
+                tx.exec("INSERT INTO runs (id, goal, status, limits_json, created_at, started_at, "
+                        "lease_owner, lease_expires_at) VALUES (?,?,?,?,?,?,?,?)",
+                        (run_id, goal, RUNNING, limits.record(), now, now, self.owner,
+                         fmt_time(until)))
+                hashes = [tx.save_spec(t.spec) for t in self.tools.values()]
+                tx.event(run_id, "", now, "run.created",
+                         {"goal": goal, "limits": Raw(limits.record().encode()), "tools": hashes})
+                tx.event(run_id, "", now, "run.started", {})
+        except BaseException:
+            self._release_claim(run_id)
+            raise
+        self.leases.hold(run_id, until)
+        return Session(self, run_id)
+
+    def attach(self, run_id: str) -> tuple["Session | None", Verdict]:
+        """Continue a run left waiting or running: collect an approved grant (the policy is
+        evaluated again on the recorded request), expire what is overdue, or take over a run
+        whose lease ran out."""
+        run = self.store.get_run(run_id)
+        if run.status in TERMINAL:
+            raise RunStateError(f"run {run_id} is already {run.status}")
+        if run.status == RUNNING:
+            return self._take_over(run)
+        self._claim(run_id)
+        try:
+            return self._resume_waiting(run)
+        except BaseException:
+            self._release_claim(run_id)
+            raise
+
+    def _claim(self, run_id: str) -> None:
+        with self._claim_lock:
+            if run_id in self._claimed:
+                raise RunLeased(run_id, self.owner, "this session ends")
+            self._claimed.add(run_id)
+
+    def _release_claim(self, run_id: str) -> None:
+        with self._claim_lock:
+            self._claimed.discard(run_id)
+
+    def _resume_waiting(self, run: Run) -> tuple["Session | None", Verdict]:
+        steps, approvals = self.store.list_steps(run.id), self.store.list_approvals(run.id)
+        waiting = [s for s in steps if s.status == "awaiting_approval"]
+        if not waiting:
+            raise RunStateError(f"run {run.id} is waiting but has no awaiting step")
+        step = waiting[-1]
+        mine = [a for a in approvals if a.step_id == step.id]
+        if not mine:
+            raise RunStateError(f"run {run.id}: step {step.id} has no approval")
+        granted = mine[-1]
+        if granted.status == PENDING and granted.expires_at and \
+                self.clock() > parse_time(granted.expires_at):
+            self._release_claim(run.id)
+            return None, Verdict("ended", run=expire_approval(self.store, granted, self.now()))
+        if granted.status != APPROVED:
+            raise RunStateError(f"the latest approval for step {step.id} is {granted.status}, "
+                                "not approved")
+        granted.verify()
+        stored = granted.request()
+        tool = self.tools.get(stored.spec.name)
+        if tool is None:
+            raise RunStateError(f"approved tool {_quote(stored.spec.name)} is not registered")
+        request = dataclasses.replace(stored, spec=tool.spec)
+        resumed = self.clock()
+        if self._grant_stale(run, granted, resumed):
+            self._release_claim(run.id)
+            return None, Verdict("ended", run=expire_approval(self.store, granted, fmt_time(resumed)))
+        session = Session(self, run.id, step=step)
+        return session, session._resume(request, step, steps, approvals, granted, fmt_time(resumed))
+
+    def _grant_stale(self, run: Run, granted: Approval, at: float) -> bool:
+        ttl = run.limits.grant_ttl
+        return ttl > 0 and bool(granted.decided_at) and at > parse_time(granted.decided_at) + ttl
+
+    def _take_over(self, run: Run) -> tuple["Session | None", Verdict]:
+        """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
+        interrupted; a non-read-only tool cut off while executing waits for an operator."""
+        wall = self.wall()
+        if run.lease_owner and run.lease_expires_at and \
+                parse_time(run.lease_expires_at) > wall:
+            raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
+        self._claim(run.id)
+        try:
+            return self._take_over_claimed(run)
+        except BaseException:
+            self._release_claim(run.id)
+            raise
+
+    def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
+        steps = self.store.list_steps(run.id)
+        now, wall = self.now(), self.wall()
+        until = wall + self.lease_ttl
+        in_flight = [s for s in steps if s.status in ("deciding", "executing")]
+        executing = next((s for s in in_flight if s.status == "executing"), None)
+        if executing is None and steps and steps[-1].status == "interrupted" and \
+                steps[-1].obs_content.get("previous_status") == "executing":
+            executing = steps[-1]
+        with self.store.tx() as tx:
+            current = tx.require(run.id, (RUNNING,))
+            if current.lease_owner and current.lease_expires_at and \
+                    parse_time(current.lease_expires_at) > wall:
+                raise RunLeased(run.id, current.lease_owner, current.lease_expires_at)
+            tx.transition(run.id, (RUNNING,), RUNNING, owner=self.owner,
+                          lease_until=fmt_time(until))
+            if current.lease_owner:
+                tx.event(run.id, "", now, "lease.taken_over",
+                         {"owner": self.owner, "previous_expires_at": current.lease_expires_at,
+                          "previous_owner": current.lease_owner})
+            for s in in_flight:
+                content = {"previous_status": s.status}
+                _, text, digest = _obs(INTERRUPTED_OBS, content, f"step interrupted while {s.status}")
+                tx.update_step(s.id, (s.status,), status="interrupted", finished_at=now,
+                               observation_json=text, observation_hash=digest)
+                tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
+        self.leases.hold(run.id, until)
+        session = Session(self, run.id)
+        steps = self.store.list_steps(run.id)
+        if executing is not None:
+            executing = next(s for s in steps if s.id == executing.id)
+            verdict = session._after_interruption(executing, steps, now)
+            if verdict is not None:
+                return session, verdict
+        with self.store.tx() as tx:
+            tx.transition(run.id, (RUNNING,), RUNNING, owner=self.owner,
+                          lease_until=fmt_time(self.wall() + self.lease_ttl))
+            tx.event(run.id, "", now, "run.resumed", {"after": "interruption"})
+        return session, Verdict()
+
+    # -- helpers the session uses --
+
+    def evaluate(self, request: ToolRequest, view: RunView) -> PolicyDecision:
+        """Hand the policy a copy in policy form: arguments and schema canonical, unescaped."""
+        spec = dataclasses.replace(request.spec,
+                                   input_schema=policy_json(request.spec.input_schema, False))
+        handed = dataclasses.replace(request, spec=spec, args=policy_json(request.args))
+        return self.policy.evaluate(handed, view)
+
+    def check_args(self, tool: Tool, args: bytes) -> str:
+        """Why the arguments are not acceptable, or ''."""
+        try:
+            check_json(args)
+        except JSONError as exc:
+            return f"arguments are not usable JSON: {exc}"
+        try:
+            _schema_for(tool.spec).check(args)
+        except SchemaError as exc:
+            return f"arguments do not match schema: {exc}"
+        return ""
+
+
+_SCHEMAS: dict[bytes, Schema] = {}
+
+
+def _schema_for(spec: ToolSpec) -> Schema:
+    """Compiled schemas, cached by their bytes (registration compiled each already)."""
+    found = _SCHEMAS.get(spec.input_schema)
+    if found is None:
+        found = _SCHEMAS[spec.input_schema] = compile_schema(spec.input_schema)
+    return found
+
+
+def _check_tool(spec: ToolSpec, seen: dict) -> None:
+    if not spec.name:
+        raise ValueError("tool with empty name")
+    if spec.name in seen:
+        raise ValueError(f"duplicate tool {_quote(spec.name)}")
+    if spec.side_effect not in SIDE_EFFECTS:
+        raise ValueError(f"tool {_quote(spec.name)}: invalid side effect {_quote(spec.side_effect)}")
+    if spec.timeout <= 0:
+        raise ValueError(f"tool {_quote(spec.name)}: timeout is required")
+    if not spec.input_schema.strip():
+        raise ValueError(f"tool {_quote(spec.name)}: input schema is required")
+    try:
+        _schema_for(spec)
+    except (SchemaError, JSONError) as exc:
+        raise ValueError(f"tool {_quote(spec.name)}: {exc}") from None
+
+
+class Session:
+    """One executor's hold on one run: at most one open step, calls in order."""
+
+    def __init__(self, gate: Gate, run_id: str, step: Step | None = None):
+        self.gate, self.store, self.run_id = gate, gate.store, run_id
+        self.current: Step | None = step
+        self._allowed: _Allowed | None = None
+        self.state = "open"            # open, paused, ended, lost, closed
+        self.final: Run | None = None
+
+    # -- the step cycle --
+
+    def step(self) -> Step | None:
+        """Open the next step, or None when the run is no longer running (an operator
+        cancelled it, or a limit ended it now)."""
+        self._usable()
+        if self.current is not None:
+            raise RunStateError(f"run {self.run_id}: a step is already open")
+        run = self.store.get_run(self.run_id)
+        if run.status != RUNNING:
+            return self._over(run)
+        if not self.gate.leases.ok(self.run_id):
+            raise self._lose()
+        steps = self.store.list_steps(self.run_id)
+        hit = _limit_hit(run, steps)
+        if hit:
+            return self._over(self._end_by_limit(*hit))
+        now, step_id = self.gate.now(), self.gate.new_id()
+        with self.store.tx() as tx:
+            cur = tx.exec("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? AND "
+                          "step_count=? AND lease_owner=?",
+                          (self.run_id, RUNNING, run.step_count, self.gate.owner))
+            if cur.rowcount != 1:
+                tx.require(self.run_id, (RUNNING,), self.gate.owner)
+                raise RunStateError(f"run {self.run_id} cannot start step {run.step_count}")
+            tx.exec("INSERT INTO steps (id, run_id, idx, status, started_at) VALUES (?,?,?,?,?)",
+                    (step_id, self.run_id, run.step_count, "deciding", now))
+            tx.event(self.run_id, step_id, now, "step.started", {"index": run.step_count})
+        self.current = Step(step_id, self.run_id, run.step_count, "deciding", None, b"", None,
+                            None, "", now, "", "", "")
+        return self.current
+
+    def propose(self, decision: Decision) -> Verdict:
+        """Record the decision, validate it, and (for a tool call) evaluate the policy."""
+        self._usable()
+        step = self.current
+        if step is None or step.status != "deciding" or self._allowed is not None:
+            raise RunStateError(f"run {self.run_id}: no step is open for a proposal")
+        if not self.gate.leases.ok(self.run_id):
+            raise self._lose()
+        tool = self.gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
+        record, now = _decision_record(decision), self.gate.now()
+        with self.store.tx() as tx:
+            tx.require(self.run_id, (RUNNING,), self.gate.owner)
+            spec_hash = tx.save_spec(tool.spec) if tool else ""
+            tx.update_step(step.id, ("deciding",), decision_json=record, spec_hash=spec_hash)
+            tx.event(self.run_id, step.id, now, "step.decided", record)
+        self.current = step = dataclasses.replace(step, decision=loads_own(record),
+                                                  args=decision.args.strip(), spec_hash=spec_hash)
+        problem = self._invalid(decision, tool)
+        if problem:
+            return self._end_invalid(step, problem, "invalid decision")
+        if decision.kind in ("complete", "fail"):
+            status = COMPLETED if decision.kind == "complete" else FAILED
+            reason = "goal_completed" if status == COMPLETED else "goal_failed"
+            run = self._settle(step, ("deciding",), "done", None, status, reason,
+                               decision.message if status == FAILED else "",
+                               decision.result.strip().decode() if status == COMPLETED else "")
+            return Verdict("ended", run=run)
+        run = self.store.get_run(self.run_id)
+        prior = [s for s in self.store.list_steps(self.run_id) if s.idx < step.idx]
+        approvals = self.store.list_approvals(self.run_id)
+        request = ToolRequest(self.run_id, step.id, tool.spec, decision.args.strip() or b"{}")
+        return self._apply(request, step, RunView(run, prior, approvals), None, None)
+
+    def _invalid(self, d: Decision, tool: Tool | None) -> str:
+        if d.origin not in ORIGINS:
+            return f"unknown decision origin {_quote(d.origin)}"
+        if d.kind == "fail":
+            return ""
+        if d.kind == "complete":
+            result = d.result.strip()
+            try:
+                if result:
+                    check_json(result)
+            except JSONError as exc:
+                return f"result is not usable JSON: {exc}"
+            return ""
+        if d.kind != "tool_call":
+            return f"unknown decision kind {_quote(d.kind)}" if d.kind else "decision has no kind"
+        if not d.tool:
+            return "tool_call without a tool name"
+        if tool is None:
+            return f"unknown tool {_quote(d.tool)}"
+        return self.gate.check_args(tool, d.args.strip() or b"{}")
+
+    def _apply(self, request: ToolRequest, step: Step, view: RunView,
+               granted: Approval | None, resumed_at: str | None) -> Verdict:
+        """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
+        origin = WAITING if granted else RUNNING
+        on_resume = " on resume" if granted else ""
+        from_steps = ("awaiting_approval",) if granted else ("deciding",)
+        view_doc = {"status": view.run.status, "step_count": view.run.step_count,
+                    "steps": len(view.steps), "approvals": len(view.approvals)}
+        try:
+            decision = self.gate.evaluate(request, view)
+        except Exception as exc:            # a policy's failure ends the run, never allows
+            return self._policy_failure(step, from_steps, origin, f"{exc}")
+        policy_at = resumed_at or self.gate.now()
+        extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
+                 "view": view_doc}
+        for name in ("capability", "presentation"):
+            raw = getattr(decision, name).strip()
+            try:
+                if raw:
+                    check_json(raw)
+            except JSONError as exc:
+                bare = PolicyDecision(decision.outcome, decision.reason, decision.kind)
+                return self._policy_failure(step, from_steps, origin,
+                                            f"{name} is not usable JSON: {exc}", bare, extra,
+                                            policy_at)
+        allowed = decision.outcome == "allow" or (
+            granted is not None and decision.outcome == "require_approval" and
+            hmac.compare_digest(approval_hash(decision.kind, decision.capability,
+                                              decision.presentation, request), granted.hash))
+        if allowed:
+            self._allowed = _Allowed(request, decision, policy_at, view_doc, granted)
+            return Verdict("allowed", approval=granted)
+        if decision.outcome == "deny":
+            summary = f"denied{on_resume}: {decision.reason}"
+            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
+                       summary)
+            return self._deny(step, from_steps, granted, decision, extra, policy_at, obs)
+        if decision.outcome == "abort":
+            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
+                       f"aborted: {decision.reason}")
+            pre = [("step.policy", policy_at, _policy_event(decision, extra))]
+            run = self._settle(step, from_steps, "failed", obs, FAILED, "policy_abort",
+                               decision.reason, origin=origin, pre=pre,
+                               policy_json=_policy_record(decision))
+            return Verdict("ended", run=run)
+        if decision.outcome == "require_approval":
+            return self._pause(request, step, from_steps, origin, decision, extra, policy_at)
+        return self._policy_failure(step, from_steps, origin,
+                                    f"unknown policy outcome {_quote(decision.outcome)}",
+                                    decision, extra, policy_at)
+
+    def _policy_failure(self, step, from_steps, origin, detail, decision=None, extra=None,
+                        policy_at=""):
+        pre = [("step.policy", policy_at, _policy_event(decision, extra))] if decision else []
+        run = self._settle(step, from_steps, "failed", None, FAILED, "internal_error",
+                           f"policy: {detail}", origin=origin, pre=pre,
+                           step_detail=f"policy error: {detail}",
+                           policy_json=_policy_record(decision) if decision else "")
+        return Verdict("ended", run=run)
+
+    def _deny(self, step, from_steps, granted, decision, extra, policy_at, obs) -> Verdict:
+        now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
+        with self.store.tx() as tx:
+            if granted:
+                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
+                              lease_until=fmt_time(until))
+                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
+            else:
+                tx.require(self.run_id, (RUNNING,), self.gate.owner)
+            tx.event(self.run_id, step.id, policy_at, "step.policy",
+                     _policy_event(decision, extra))
+            self._end_step(tx, step, from_steps, "failed", obs, now,
+                           policy_json=_policy_record(decision), policy_id=self.gate.policy_id)
+        if granted:
+            self.gate.leases.hold(self.run_id, until)
+        self.current = None
+        return Verdict("denied", observation=obs[0])
+
+    def _pause(self, request, step, from_steps, origin, decision, extra, policy_at) -> Verdict:
+        """Wait on a new approval bound by hash to exactly this request."""
+        now = self.gate.clock()
+        run = self.store.get_run(self.run_id)
+        ttl = run.limits.approval_ttl
+        approval = Approval(
+            self.gate.new_id(), self.run_id, step.id, decision.kind,
+            decision.capability.strip() or b"{}", decision.presentation.strip() or b"{}",
+            request.record(), "", PENDING, fmt_time(now), "", "", "",
+            fmt_time(now + ttl) if ttl > 0 else "")
+        approval = dataclasses.replace(approval, hash=approval_hash(
+            approval.kind, approval.capability, approval.presentation, request))
+        with self.store.tx() as tx:
+            tx.transition(self.run_id, (origin,), WAITING,
+                          owner=self.gate.owner if origin == RUNNING else "")
+            tx.update_step(step.id, from_steps, status="awaiting_approval",
+                           policy_json=_policy_record(decision), spec_hash=step.spec_hash or
+                           request.spec.hash(), policy_id=extra.get("policy_id", ""),
+                           observation_json="", observation_hash="", finished_at="")
+            tx.event(self.run_id, step.id, policy_at, "step.policy", _policy_event(decision, extra))
+            tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
+                    f"({','.join('?' * 14)})",
+                    (approval.id, approval.run_id, approval.step_id, approval.kind,
+                     approval.capability.decode(), approval.presentation.decode(),
+                     approval.request_json, approval.hash, PENDING, approval.created_at,
+                     "", "", "", approval.expires_at))
+            tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
+                     {"approval_id": approval.id, "capability": Raw(approval.capability),
+                      "hash": approval.hash, "kind": approval.kind,
+                      "presentation": Raw(approval.presentation), "reason": decision.reason})
+        self._finish("paused", None)
+        return Verdict("pending", approval=approval)
+
+    def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
+        """An approved step: check the recorded arguments against today's schema, then
+        evaluate the policy again while the run is still WAITING."""
+        tool = self.gate.tools[request.spec.name]
+        problem = self.gate.check_args(tool, request.args)
+        if problem:
+            detail = f"invalid decision on resume: {problem}"
+            obs = _obs(INVALID_DECISION, {"error": problem}, detail)
+            now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
+            with self.store.tx() as tx:
+                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
+                              lease_until=fmt_time(until))
+                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
+                self._end_step(tx, step, ("awaiting_approval",), "failed", obs, now)
+            self.gate.leases.hold(self.run_id, until)
+            self.current = None
+            return Verdict("denied", observation=obs[0])
+        run = self.store.get_run(self.run_id)
+        prior = [s for s in steps if s.idx < step.idx]
+        return self._apply(request, step, RunView(run, prior, approvals), granted, resumed_at)
+
+    def _after_interruption(self, step: Step, steps: list[Step], now: str) -> Verdict | None:
+        """A step cut off while executing: ask the reconcile hook, or, without one, pause a
+        tool that is not read-only on an interrupted_side_effect approval. None: go on."""
+        tool = self.gate.tools.get((step.decision or {}).get("tool", ""))
+        run = self.store.get_run(self.run_id)
+        if self.gate.reconcile is not None:
+            rec = self.gate.reconcile(RunView(run, steps, self.store.list_approvals(self.run_id)))
+            if rec.outcome == "continue":
+                return None
+            if rec.outcome != "waiting" or rec.pause is None:
+                return self._conflict(step, rec.detail or f"reconcile answered {rec.outcome}")
+            decision = rec.pause
+        elif tool is not None and tool.spec.side_effect == "read_only":
+            return None
+        else:
+            args = step.args or b"{}"
+            cap = {"args": Raw(args), "tool": (step.decision or {}).get("tool", "")}
+            pres = dict(cap, notice=INTERRUPTED_NOTICE,
+                        side_effect=tool.spec.side_effect if tool else "")
+            decision = need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON,
+                                     {k: cap[k] for k in sorted(cap)},
+                                     {k: pres[k] for k in sorted(pres)})
+        if tool is None:
+            return self._conflict(step, "the tool is no longer offered")
+        problem = self.gate.check_args(tool, step.args or b"{}")
+        if problem:
+            return self._conflict(step, problem)
+        request = ToolRequest(self.run_id, step.id, tool.spec, step.args or b"{}")
+        return self._pause(request, step, ("interrupted",), RUNNING, decision,
+                           {"spec_hash": tool.spec.hash()}, now)
+
+    def _conflict(self, step: Step, why: str) -> Verdict:
+        detail = (f"step {step.idx} was interrupted while executing a tool call whose outcome "
+                  f"is unknown and cannot wait for an operator ({why})")
+        run = self._settle(None, (), "", None, FAILED, "reconcile_conflict", detail)
+        return Verdict("ended", run=run)
+
+    async def execute(self) -> dict:
+        """Run the allowed request once and record its outcome. Returns the observation."""
+        self._usable()
+        allowed, step = self._allowed, self.current
+        if allowed is None or step is None:
+            raise RunStateError(f"run {self.run_id}: nothing is allowed to execute")
+        self._allowed = None
+        gate, granted = self.gate, allowed.granted
+        run = self.store.get_run(self.run_id)
+        if granted is not None and self._grant_check(run, granted):
+            raise ApprovalExpired(f"approval {granted.id} was granted at {granted.decided_at} "
+                                  f"and its grant expired ({fmt_duration(run.limits.grant_ttl)}) "
+                                  "before it was executed")
+        if granted is None and not gate.leases.ok(self.run_id):
+            raise self._lose()
+        start_at = gate.now() if granted else allowed.policy_at
+        until = gate.wall() + gate.lease_ttl
+        spec, request = allowed.request.spec, allowed.request
+        started = {"args": Raw(request.args), "tool": spec.name}
+        with self.store.tx() as tx:
+            if granted:
+                tx.transition(self.run_id, (WAITING,), RUNNING, owner=gate.owner,
+                              lease_until=fmt_time(until))
+                tx.event(self.run_id, step.id, start_at, "run.resumed", {"approval_id": granted.id})
+                started = {"approval_id": granted.id, **started}
+            else:
+                _require_live_lease(tx, self.run_id, gate.owner, gate.wall())
+            cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
+                    "policy_id": gate.policy_id}
+            if granted:
+                cols["started_at"] = start_at
+            tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",), **cols)
+            tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
+                     _policy_event(allowed.decision, {"policy_id": gate.policy_id,
+                                                      "spec_hash": spec.hash(),
+                                                      "view": allowed.view}))
+            tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
+        gate.leases.hold(self.run_id, until)
+        self.current = dataclasses.replace(step, status="executing", started_at=start_at)
+        began = time.monotonic()
+        try:
+            obs = await _call_tool(gate.tools[spec.name], request.args)
+        except asyncio.CancelledError:
+            content = {"error": "the caller was cancelled while the tool ran",
+                       "failure": "cancelled", "tool": spec.name}
+            self._record(_obs(INTERRUPTED_OBS, content,
+                              f"{spec.name} was cancelled; its outcome is unknown: "
+                              + content["error"]), began)
+            raise
+        return self._record(obs, began)
+
+    def _grant_check(self, run: Run, granted: Approval) -> bool:
+        """Judge the grant's age again just before executing; expire it when stale."""
+        at = self.gate.clock()
+        if not self.gate._grant_stale(run, granted, at):
+            return False
+        self._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
+        return True
+
+    def _record(self, obs: tuple[dict, str, str], began: float) -> dict:
+        """Record a finished tool call. Needs only that this gate still owns the lease, not
+        that it is unexpired; a run taken over meanwhile keeps what its new owner wrote."""
+        doc, step = obs[0], self.current
+        spec = self.gate.tools[step.decision["tool"]].spec
+        elapsed = int((time.monotonic() - began) * 1000)
+        ok = doc["kind"] == TOOL_RESULT
+        finished = {"duration_ms": elapsed, "tool": spec.name}
+        finished.update({"content_hash": obs[2], "summary": doc["summary"]} if ok
+                        else {"error": doc["summary"]})
+        try:
+            if ok and spec.terminal:
+                self._settle(step, ("executing",), "done", obs, COMPLETED, "goal_completed",
+                             f"terminal tool {spec.name}", _content_bytes(obs[1]).decode(),
+                             finished_event=finished)
+            else:
+                now = self.gate.now()
+                with self.store.tx() as tx:
+                    tx.require(self.run_id, (RUNNING,), self.gate.owner)
+                    self._end_step(tx, step, ("executing",), "done" if ok else "failed", obs,
+                                   now, finished_event=finished)
+                self.current = None
+        except RunStateError:
+            self._late(doc, obs, finished)
+        return doc
+
+    def _late(self, doc: dict, obs: tuple, finished: dict) -> None:
+        """The run was cancelled or taken over while the tool ran."""
+        run = self.store.get_run(self.run_id)
+        if run.status == CANCELLED and run.reason == "operator_cancelled":
+            late = {"duration_ms": finished["duration_ms"], "late": True,
+                    "observation": Raw(obs[1].encode()), "tool": finished["tool"]}
+            if doc["kind"] == TOOL_RESULT:
+                late.update(content_hash=obs[2], summary=doc["summary"])
+            with self.store.tx() as tx:
+                tx.event(self.run_id, self.current.id, self.gate.now(), "step.tool_finished", late)
+            self._finish("ended", run)
+            return
+        raise self._lose()
+
+    # -- ending steps and runs --
+
+    def _end_step(self, tx: Tx, step: Step, from_steps: tuple, status: str,
+                  obs: tuple | None, now: str, *, finished_event: dict | None = None,
+                  detail: str = "", **cols: Any) -> None:
+        if obs is not None:
+            cols.update(observation_json=obs[1], observation_hash=obs[2])
+        tx.update_step(step.id, from_steps, status=status, finished_at=now, **cols)
+        if finished_event is not None:
+            tx.event(self.run_id, step.id, now, "step.tool_finished", finished_event)
+        if status == "failed":
+            payload: dict[str, Any] = {"detail": detail or (obs[0]["summary"] if obs else "")}
+            if obs is not None:
+                payload.update(content_hash=obs[2], observation=obs[0]["kind"])
+            tx.event(self.run_id, step.id, now, "step.failed", payload)
+
+    def _end_invalid(self, step: Step, problem: str, label: str) -> Verdict:
+        obs = _obs(INVALID_DECISION, {"error": problem}, f"{label}: {problem}")
+        now = self.gate.now()
+        with self.store.tx() as tx:
+            tx.require(self.run_id, (RUNNING,), self.gate.owner)
+            self._end_step(tx, step, ("deciding",), "failed", obs, now, detail=problem)
+        self.current = None
+        return Verdict("denied", observation=obs[0])
+
+    def _settle(self, step: Step | None, from_steps: tuple, step_status: str,
+                obs: tuple | None, status: str, reason: str, detail: str, result: str = "", *,
+                origin: str = RUNNING, pre: list | None = None, step_detail: str = "",
+                finished_event: dict | None = None, **cols: Any) -> Run:
+        """End the run (and its open step) in one transaction."""
+        step_at = self.gate.now()
+        run_at = self.gate.now()
+        with self.store.tx() as tx:
+            tx.require(self.run_id, (origin,), self.gate.owner if origin == RUNNING else "")
+            for typ, at, payload in pre or []:
+                tx.event(self.run_id, step.id if step else "", at, typ, payload)
+            if step is not None:
+                self._end_step(tx, step, from_steps, step_status, obs, step_at,
+                               finished_event=finished_event, detail=step_detail, **cols)
+            run = tx.transition(self.run_id, (origin,), status, reason=reason, detail=detail,
+                                finished_at=run_at, result=result)
+            if reason.startswith("limit_") or reason == "repeated_tool_failures":
+                tx.event(self.run_id, "", run_at, "limit.exceeded",
+                         {"detail": detail, "reason": reason})
+            tx.event(self.run_id, "", run_at, "run.finished",
+                     {"detail": detail, "reason": reason, "status": status,
+                      "steps": run.step_count})
+        self._finish("ended", run)
+        return run
+
+    def _end_by_limit(self, reason: str, detail: str, loop: dict | None) -> Run:
+        at = self.gate.now()
+        with self.store.tx() as tx:
+            tx.require(self.run_id, (RUNNING,), self.gate.owner)
+            if loop:
+                tx.event(self.run_id, "", at, "loop.detected", loop)
+            else:
+                tx.event(self.run_id, "", at, "limit.exceeded", {"detail": detail, "reason": reason})
+            run = tx.transition(self.run_id, (RUNNING,), FAILED, reason=reason, detail=detail,
+                                finished_at=at)
+            tx.event(self.run_id, "", at, "run.finished",
+                     {"detail": detail, "reason": reason, "status": FAILED,
+                      "steps": run.step_count})
+        return run
+
+    def fail(self, detail: str) -> Run:
+        """End the run as failed from the open step (as a fail decision would)."""
+        if not detail:
+            raise ValueError("fail needs a reason")
+        verdict = self.propose(Decision("fail", message=detail, origin="operator"))
+        return verdict.run
+
+    # -- session state --
+
+    def _usable(self) -> None:
+        if self.state != "open":
+            raise RunStateError(f"run {self.run_id}: the session is {self.state}")
+
+    def _over(self, run: Run) -> None:
+        self._finish("ended" if run.status in TERMINAL else "paused", run)
+        return None
+
+    def _finish(self, state: str, run: Run | None) -> None:
+        self.state, self.final, self.current, self._allowed = state, run, None, None
+        self.gate.leases.drop(self.run_id)
+        self.gate._release_claim(self.run_id)
+
+    def _lose(self) -> LeaseLost:
+        run = self.store.find_run(self.run_id)
+        self._finish("lost", run)
+        return LeaseLost(f"run {self.run_id}: the lease was lost")
+
+    def close(self) -> None:
+        """End the session; a lease still held is released. An open step is left as a
+        crash would leave it, for the next executor to take over."""
+        if self.state == "open" and self.gate.leases.holds(self.run_id):
+            with contextlib.suppress(StoreError):
+                with self.store.tx() as tx:
+                    tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' "
+                            "WHERE id=? AND lease_owner=?", (self.run_id, self.gate.owner))
+        if self.state == "open":
+            self._finish("closed", self.final)
+
+
+def _content_bytes(observation_json: str) -> bytes:
+    return member_spans(observation_json.encode()).get("content", b"{}")
+
+
+def _policy_event(decision: PolicyDecision, extra: dict | None) -> str:
+    return _policy_record(decision, extra)
+
+
+def _require_live_lease(tx: Tx, run_id: str, owner: str, wall: float) -> None:
+    """Starting a side effect needs the lease unexpired, checked inside the transaction."""
+    run = tx.require(run_id, (RUNNING,), owner)
+    if not run.lease_expires_at or parse_time(run.lease_expires_at) <= wall:
+        raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
+
+
+async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
+    """Call the tool under its timeout and turn every outcome into an observation."""
+    name = tool.spec.name
+    try:
+        result = await asyncio.wait_for(tool.call(args), timeout=tool.spec.timeout)
+    except asyncio.TimeoutError:
+        err = f"no answer within {fmt_duration(tool.spec.timeout)}"
+        return _obs(TOOL_ERROR, {"error": err, "failure": "timeout", "tool": name},
+                    f"{name} timeout: {err}")
+    except ToolFailure as exc:
+        return _obs(TOOL_ERROR, {"error": str(exc), "failure": "error", "tool": name},
+                    f"{name} error: {exc}")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a tool's own bug is recorded as its failure, never lost
+        return _obs(TOOL_ERROR, {"error": f"panic: {exc!r}", "tool": name}, f"{name} panicked")
+    content = result.content.strip() or b"{}"
+    try:
+        check_json(content)
+    except JSONError as exc:
+        err = f"content is not usable JSON: {exc}"
+        try:
+            kept = {"content": content.decode("utf-8")}
+        except UnicodeDecodeError:
+            kept = {"content_base64": base64.b64encode(content).decode()}
+        return _obs(TOOL_ERROR, {**kept, "error": err, "failure": "invalid_content",
+                                 "tool": name}, f"{name} returned content is not usable JSON: {exc}")
+    return _obs(TOOL_RESULT, content, result.summary)
+
+
+def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | None:
+    """The limit that stops the next step, checked in the runtime's order."""
+    lim = run.limits
+    if run.step_count >= lim.max_steps:
+        return "limit_steps", f"step limit {lim.max_steps} reached", None
+    failures = 0
+    for s in reversed(steps):
+        if s.observation is None or s.obs_kind == TOOL_RESULT:
+            break
+        failures += 1
+    if failures >= lim.max_consecutive_tool_failures:
+        return "repeated_tool_failures", f"{failures} consecutive failed steps", None
+    sigs = []
+    for s in reversed(steps):
+        d = s.decision or {}
+        if d.get("kind") != "tool_call" or s.observation is None or \
+                s.obs_kind == INVALID_DECISION:
+            break
+        sigs.append((d.get("tool", ""), content_hash(s.args or b"{}"), s.observation_hash))
+    repeats = 0
+    for sig in sigs:
+        if sig != sigs[0]:
+            break
+        repeats += 1
+    if sigs and repeats >= lim.loop_threshold:
+        tool, args_hash, obs_hash = sigs[0]
+        return "loop_detected", (f"tool {tool} produced the same observation {repeats} times "
+                                 "in a row"), {"args_hash": args_hash, "observation_hash": obs_hash,
+                                               "repeats": repeats, "tool": tool}
+    return None
+
+
+# -- operator decisions: approve, reject, cancel, expire --
+
+def expire_approval(store: Store, approval: Approval, now: str) -> Run:
+    """Expire a pending approval or a stale grant and cancel its run."""
+    with store.tx() as tx:
+        cur = tx.exec("UPDATE approvals SET status=?, decided_at=CASE WHEN status=? THEN ? "
+                      "ELSE decided_at END, note=CASE WHEN status=? THEN 'expired' ELSE note END "
+                      "WHERE id=? AND status IN (?,?)",
+                      (EXPIRED, PENDING, now, PENDING, approval.id, PENDING, APPROVED))
+        if cur.rowcount != 1:
+            raise NotPending(f"approval {approval.id} is no longer pending or approved")
+        detail = f"approval {approval.id} expired"
+        run = tx.transition(approval.run_id, (WAITING,), CANCELLED, reason="approval_expired",
+                            detail=detail, finished_at=now)
+        tx.event(run.id, approval.step_id, now, "approval.decided",
+                 {"approval_id": approval.id, "status": EXPIRED})
+        tx.event(run.id, "", now, "run.finished",
+                 {"detail": detail, "reason": "approval_expired", "status": CANCELLED,
+                  "steps": run.step_count})
+    return run
+
+
+def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, by: str,
+                    note: str, shown_hash: str, now: float) -> tuple[Approval, Run]:
+    """Approve or reject the approval the operator was shown, bound to the hash shown."""
+    run = store.get_run(run_id)
+    if run.status != WAITING:
+        raise RunStateError(f"run {run_id} is {run.status}, not waiting for approval")
+    approval = store.get_approval(approval_id)
+    if approval.run_id != run_id:
+        raise NotFound(f"approval {approval_id} is not an approval of run {run_id}")
+    _check_shown(approval, shown_hash)
+    if approval.expires_at and now > parse_time(approval.expires_at):
+        expire_approval(store, approval, fmt_time(now))
+        raise ApprovalExpired(f"approval {approval_id} expired at {approval.expires_at}")
+    at, status = fmt_time(now), APPROVED if approve else REJECTED
+    with store.tx() as tx:
+        tx.require(run_id, (WAITING,))
+        row = tx.exec(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,)).fetchone()
+        _check_shown(_approval_from_row(row), shown_hash)
+        cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
+                      "WHERE id=? AND status=? AND hash=?",
+                      (status, at, by, note, approval_id, PENDING, shown_hash))
+        if cur.rowcount != 1:
+            raise ApprovalChanged(f"approval {approval_id} changed after it was shown")
+        tx.event(run_id, approval.step_id, at, "approval.decided",
+                 {"approval_id": approval_id, "by": by, "note": note, "status": status})
+        if not approve:
+            obs = _obs(POLICY_DENIED, {"approval_id": approval_id, "note": note},
+                       f"approval rejected: {note}")
+            tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
+                    "finished_at=? WHERE id=?", (obs[1], obs[2], at, approval.step_id))
+            run = tx.transition(run_id, (WAITING,), CANCELLED, reason="approval_rejected",
+                                detail=note, finished_at=at)
+            tx.event(run_id, "", at, "run.finished",
+                     {"detail": note, "reason": "approval_rejected", "status": CANCELLED,
+                      "steps": run.step_count})
+        else:
+            run = tx.run(run_id)
+    return store.get_approval(approval_id), run
+
+
+def _check_shown(approval: Approval, shown_hash: str) -> None:
+    if approval.status == EXPIRED:
+        raise ApprovalExpired(f"approval {approval.id} is already expired")
+    if approval.status != PENDING:
+        raise NotPending(f"approval {approval.id} is already {approval.status}")
+    if not shown_hash:
+        raise ApprovalChanged(f"approval {approval.id}: no hash was shown")
+    if not hmac.compare_digest(approval.hash, shown_hash):
+        raise ApprovalChanged(f"approval {approval.id} is not the one that was shown")
+    approval.verify()
+
+
+def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run:
+    """End a run that has not finished; a tool already running is not interrupted."""
+    run = store.get_run(run_id)
+    if run.status in TERMINAL:
+        raise RunStateError(f"run {run_id} is already {run.status}")
+    at = fmt_time(now)
+    with store.tx() as tx:
+        tx.require(run_id, (RUNNING, WAITING))
+        obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
+        for step_id, in tx.exec("SELECT id FROM steps WHERE run_id=? AND status IN "
+                                "('deciding','awaiting_approval','executing')", (run_id,)).fetchall():
+            tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
+                    "finished_at=? WHERE id=?", (obs[1], obs[2], at, step_id))
+        run = tx.transition(run_id, (RUNNING, WAITING), CANCELLED, reason="operator_cancelled",
+                            detail=note, finished_at=at)
+        tx.event(run_id, "", at, "run.finished",
+                 {"by": by, "detail": note, "reason": "operator_cancelled", "status": CANCELLED,
+                  "steps": run.step_count})
+    return run

@@ -2939,3 +2939,540 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
                  {"by": by, "detail": note, "reason": "operator_cancelled", "status": CANCELLED,
                   "steps": run.step_count})
     return run
+
+
+# ==== 11. Operator commands ====
+# runs, show, events, approve, reject, cancel, verify. Arguments are checked before the
+# database is touched; the database is opened as it is (never created, never migrated),
+# read-only except for deciding and cancelling. approve and reject print the approval in full
+# first and bind the decision to the hash of what they printed. Text that a model, a server
+# or an operator chose is sanitised before it reaches the terminal; -json output is not.
+
+HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
+USAGE = """usage:
+  python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
+  python agentrt_proxy.py -db DATABASE [-json] show RUN
+  python agentrt_proxy.py -db DATABASE [-json] events RUN [-limit N] [-offset N]
+  python agentrt_proxy.py -db DATABASE approve RUN [-approval ID] [-by WHO] [-note TEXT] [-yes]
+  python agentrt_proxy.py -db DATABASE reject  RUN [-approval ID] [-by WHO] [-note TEXT] [-yes]
+  python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
+  python agentrt_proxy.py -db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]
+
+The database is the -db file, else the 'database' of the -config file, else $AGENTRT_DB.
+Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."""
+
+
+class _Parser_(argparse.ArgumentParser):
+    """argparse that reports a usage error instead of exiting."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _flags(parser: argparse.ArgumentParser, *specs: tuple) -> None:
+    """Add flags spelled with one dash or two (-limit and --limit)."""
+    for name, kwargs in specs:
+        parser.add_argument("-" + name, "--" + name, dest=name.replace("-", "_"), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    top = _Parser_(prog="agentrt_proxy.py", add_help=False, allow_abbrev=False)
+    _flags(top, ("db", {}), ("config", {}), ("json", {"action": "store_true"}))
+    sub = top.add_subparsers(dest="command", parser_class=_Parser_)
+    page = (("limit", {"type": int}), ("offset", {"type": int, "default": 0}))
+    _flags(sub.add_parser("runs", add_help=False, allow_abbrev=False), *page)
+    show = sub.add_parser("show", add_help=False, allow_abbrev=False)
+    show.add_argument("run")
+    _flags(show, *page)
+    events = sub.add_parser("events", add_help=False, allow_abbrev=False)
+    events.add_argument("run")
+    _flags(events, *page)
+    for verb in ("approve", "reject"):
+        p = sub.add_parser(verb, add_help=False, allow_abbrev=False)
+        p.add_argument("run")
+        _flags(p, ("approval", {}), ("by", {}), ("note", {"default": ""}),
+               ("yes", {"action": "store_true"}))
+    cancel = sub.add_parser("cancel", add_help=False, allow_abbrev=False)
+    cancel.add_argument("run")
+    _flags(cancel, ("by", {}), ("note", {"default": ""}))
+    _flags(sub.add_parser("verify", add_help=False, allow_abbrev=False),
+           ("from", {"type": int, "default": 1}), ("to", {"type": int, "default": 0}),
+           ("head", {}))
+    return top
+
+
+class Out:
+    """Where a command writes: stdout for results, stderr for everything else."""
+
+    def __init__(self, stdout, stderr, stdin=None):
+        self.stdout, self.stderr, self.stdin = stdout, stderr, stdin
+
+    def line(self, text: str = "") -> None:
+        self.stdout.write(text + "\n")
+
+    def log(self, text: str) -> None:
+        self.stderr.write(LOG_PREFIX + text + "\n")
+
+    def json(self, doc: Any) -> None:
+        self.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
+def _stamp(text: str, millis: bool = False) -> str:
+    """A stored time as local time for an operator; '-' when empty."""
+    if not text:
+        return "-"
+    local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
+    fmt = "%Y-%m-%d %H:%M:%S" + (".%f" if millis else "") + " %z"
+    out = local.strftime(fmt)
+    return out[:23] + out[26:] if millis else out
+
+
+def _clip(text: str, width: int) -> str:
+    return truncate(sanitize(text), width)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _pending_id(store: Store, run: Run) -> str:
+    if run.status != WAITING:
+        return ""
+    pending = store.pending_approvals(run.id)
+    return pending[0].id if len(pending) == 1 else ""
+
+
+def _run_summary(store: Store, run: Run) -> dict:
+    return {"id": run.id, "goal": run.goal, "status": run.status, "reason": run.reason,
+            "reason_detail": run.reason_detail, "steps": run.step_count,
+            "created_at": run.created_at, "finished_at": run.finished_at,
+            "pending_approval_id": _pending_id(store, run)}
+
+
+def cmd_runs(store: Store, args, out: Out) -> int:
+    limit = CLI_RUNS_LIMIT if args.limit is None else args.limit
+    runs, total = store.list_runs(limit, args.offset)
+    if args.json:
+        out.json({"runs": [_run_summary(store, r) for r in runs], "total": total})
+        return 0
+    if not runs:
+        out.line("no runs")
+        return 0
+    rows = [["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL"]]
+    for r in runs:
+        rows.append([r.id, r.status, r.reason or "-", str(r.step_count), _stamp(r.created_at),
+                     _pending_id(store, r) or "-", _clip(r.goal, CLI_GOAL_WIDTH)])
+    for line in _table(rows):
+        out.line(line)
+    shown = args.offset + len(runs)
+    if shown < total:
+        out.line(f"... {total - shown} more run(s): use -offset {shown} "
+                 f"(shown {len(runs)} of {total})")
+    return 0
+
+
+def _pretty(value: Any, indent: int = 0) -> str:
+    """Indented JSON of a parsed value, number literals as written."""
+    pad = "  " * (indent + 1)
+    if isinstance(value, dict) and value:
+        items = [f'{pad}{json.dumps(k, ensure_ascii=False)}: {_pretty(v, indent + 1)}'
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * indent + "}"
+    if isinstance(value, list) and value:
+        items = [pad + _pretty(v, indent + 1) for v in value]
+        return "[\n" + ",\n".join(items) + "\n" + "  " * indent + "]"
+    if isinstance(value, str) and len(value.encode()) > CLI_FIELD_BYTES:
+        data = value.encode()
+        head = data[:CLI_FIELD_KEEP].decode("utf-8", "ignore")
+        tail = data[-CLI_FIELD_KEEP:].decode("utf-8", "ignore")
+        value = f"{head}\u2026[{len(data) - len(head.encode()) - len(tail.encode())} " \
+                f"bytes omitted]\u2026{tail}"
+    return dump_json(value) if not isinstance(value, (dict, list)) else dump_json(value)
+
+
+def _fields(raw: bytes) -> list[str]:
+    """An object's fields, one per key with its own size, pretty and sanitised."""
+    if not raw.strip():
+        return ["  (none)"]
+    try:
+        value = parse_json(raw.strip(), strict=False)
+    except JSONError:
+        return ["  value (not JSON)", "    " + _clip(raw.decode("utf-8", "replace"),
+                                                    CLI_FIELD_BYTES)]
+    if not isinstance(value, dict):
+        value = {"value": value}
+    if not value:
+        return ["  (no fields)"]
+    lines = []
+    for key in sorted(value):
+        size = len(encode_canonical(value[key]))
+        lines.append(f"  {sanitize(key)} ({size} bytes)")
+        lines += ["    " + sanitize(line) for line in _pretty(value[key]).split("\n")]
+    return lines
+
+
+def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
+    """Everything an operator must read before deciding, as printed by show/approve/reject."""
+    try:
+        cap = parse_json(approval.capability, strict=False)
+        request = approval.request()
+    except (ProxyError, KeyError, ValueError) as exc:
+        return [f"APPROVAL WAITING  {approval.id}", f"unread  {sanitize(str(exc))}"]
+    cap = cap if isinstance(cap, dict) else {}
+    step = next((s for s in store.list_steps(approval.run_id) if s.id == approval.step_id), None)
+    reason = ((step.policy or {}).get("reason", "") if step else "")
+    lines = ["", f"APPROVAL WAITING  {approval.id}", f"kind          {sanitize(approval.kind)}"]
+    if cap.get("server"):
+        lines.append(f"server        {sanitize(str(cap['server']))}")
+    if cap.get("tool") and cap.get("server"):
+        lines.append(f"upstream tool {sanitize(str(cap['tool']))}")
+    lines += [f"tool          {sanitize(request.spec.name)}",
+              f"side effect   {sanitize(str(cap.get('side_effect') or request.spec.side_effect))}",
+              f"reason        {sanitize(reason) or '-'}"]
+    if approval.expires_at:
+        lines.append(f"expires       {_stamp(approval.expires_at)}")
+    lines.append("arguments: the tool call the model made, one field per line "
+                 "(each byte count is that field's own size)")
+    lines += _fields(request.args)
+    if "fixed" in cap:
+        lines.append("fixed values: set by the operator's configuration, not by the model")
+        lines += _fields(dump_json(cap["fixed"]).encode())
+    if "interrupted" in cap:
+        lines.append("interrupted attempt: an earlier run of this request whose outcome is unknown")
+        lines += _fields(dump_json(cap["interrupted"]).encode())
+    lines.append("presentation: built by the policy; it may hold text the model chose")
+    lines += _fields(approval.presentation)
+    lines.append(f'decide with: {_self_command()} -db "{db_path}" approve {approval.run_id} '
+                 f"-approval {approval.id}   (or reject)")
+    lines.append(f"---- end of approval {approval.id} for tool {sanitize(request.spec.name)} ----")
+    return lines
+
+
+def _self_command() -> str:
+    return f"{sys.executable or 'python3'} {os.path.abspath(__file__)}"
+
+
+def _step_row(s: Step) -> dict:
+    d = s.decision or {}
+    row: dict[str, Any] = {"index": s.idx, "id": s.id, "status": s.status}
+    if d.get("tool"):
+        row["tool"] = d["tool"]
+    if d:
+        row["decision"] = d.get("kind", "")
+    if s.policy:
+        row["policy"] = s.policy.get("outcome", "")
+    if s.observation:
+        row["observation"] = s.obs_kind
+        row["summary"] = s.observation.get("summary", "")
+    return row
+
+
+def _approval_row(a: Approval) -> dict:
+    try:
+        tool = a.request().spec.name
+    except (ProxyError, KeyError, ValueError):
+        tool = ""
+    return {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
+            "created_at": a.created_at, "expires_at": a.expires_at,
+            "decided_by": a.decided_by, "note": a.note}
+
+
+def cmd_show(store: Store, args, out: Out) -> int:
+    run = store.get_run(args.run)
+    steps, approvals = store.list_steps(run.id), store.list_approvals(run.id)
+    limit = CLI_SHOW_LIMIT if args.limit is None else args.limit
+    page = steps[args.offset:args.offset + limit] if limit > 0 else steps[args.offset:]
+    if args.json:
+        out.json({"run": _run_summary(store, run), "steps": [_step_row(s) for s in page],
+                  "approvals": [_approval_row(a) for a in approvals]})
+        return 0
+    status = run.status + (f" ({run.reason})" if run.reason else "") + \
+        (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
+    out.line(f"run     {run.id}")
+    out.line(f"goal    {sanitize(run.goal)}")
+    out.line(f"status  {status}")
+    out.line(f"steps   {run.step_count}")
+    out.line(f"created {_stamp(run.created_at)}" +
+             (f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""))
+    for a in approvals:
+        if a.status == PENDING and run.status == WAITING:
+            for line in approval_block(store, a, store.path):
+                out.line(line)
+    out.line()
+    rows = [["STEP", "TOOL", "DECISION", "STATUS", "POLICY", "OBSERVATION", "SUMMARY"]]
+    for s in page:
+        r = _step_row(s)
+        rows.append([str(s.idx), sanitize(r.get("tool", "-")), r.get("decision", "-"), s.status,
+                     r.get("policy", "-"), r.get("observation", "-"),
+                     _clip(r.get("summary", ""), CLI_SUMMARY_WIDTH) or "-"])
+    for line in _table(rows):
+        out.line(line)
+    shown = args.offset + len(page)
+    if shown < len(steps):
+        out.line(f"... {len(steps) - shown} more step(s): use -offset {shown}")
+    return 0
+
+
+def cmd_events(store: Store, args, out: Out) -> int:
+    store.get_run(args.run)
+    limit = CLI_EVENTS_LIMIT if args.limit is None else args.limit
+    rows = store.list_events(args.run, limit if limit > 0 else -1, args.offset)
+    total = store.count_events(args.run)
+    if args.json:
+        out.json({"events": [{"seq": seq, "run_id": run_id, "step_id": step_id, "at": at,
+                              "type": typ, "payload": _payload(payload), "hash": digest}
+                             for seq, run_id, step_id, at, typ, payload, digest in rows],
+                  "total": total})
+        return 0
+    for seq, _run, _step, at, typ, payload, _hash in rows:
+        text = payload if len(payload.encode()) <= CLI_EVENT_PAYLOAD else \
+            truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{len(payload.encode()) - CLI_EVENT_PAYLOAD} more bytes]"
+        out.line(f"{_stamp(at, millis=True)}  {typ:<22} {sanitize(text)}")
+    shown = args.offset + len(rows)
+    if shown < total:
+        out.line(f"... {total - shown} more event(s): use -offset {shown} "
+                 f"(shown {len(rows)} of {total})")
+    return 0
+
+
+def _payload(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _is_terminal(stream) -> bool:
+    """A character device that is not /dev/null: someone who can answer a prompt."""
+    try:
+        st = os.fstat(stream.fileno())
+        null = os.stat(os.devnull)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return stat.S_ISCHR(st.st_mode) and (st.st_dev, st.st_ino) != (null.st_dev, null.st_ino)
+
+
+def _choose_approval(store: Store, run_id: str, wanted: str | None) -> Approval:
+    store.get_run(run_id)
+    if wanted:
+        approval = store.get_approval(wanted)
+        if approval.run_id != run_id:
+            raise NotFound(f"approval {wanted} is not an approval of run {run_id}")
+        if approval.status != PENDING:
+            raise NotPending(f"approval {wanted} is {approval.status}: approval is not pending")
+        return approval
+    pending = store.pending_approvals(run_id)
+    if not pending:
+        raise NotPending(f"run {run_id}: no pending approval")
+    if len(pending) > 1:
+        ids = ", ".join(a.id for a in pending[:CLI_LIST_IDS])
+        more = f" and {len(pending) - CLI_LIST_IDS} more" if len(pending) > CLI_LIST_IDS else ""
+        raise UsageError(f"run {run_id} has {len(pending)} pending approvals ({ids}{more}); "
+                         "name one with -approval: more than one pending approval")
+    return pending[0]
+
+
+def cmd_decide(store: Store, args, out: Out) -> int:
+    verb = args.command
+    by = args.by if args.by is not None else os.environ.get("USER", "")
+    if not by:
+        raise UsageError("-by is empty and $USER is unset: pass -by WHO")
+    approval = _choose_approval(store, args.run, args.approval)
+    block = approval_block(store, approval, store.path)
+    for line in block:
+        (out.stderr.write(line + "\n") if args.json else out.line(line))
+    if not (args.approval or args.yes):
+        if args.json or not _is_terminal(out.stdin):
+            raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
+                             "terminal to confirm at; pass -approval <id> or -yes")
+        out.stdout.write(f"{verb} approval {approval.id} of run {args.run}? [y/N] ")
+        out.stdout.flush()
+        answer = out.stdin.readline()
+        if not answer:
+            raise UsageError(f"{verb}: no answer at the prompt; pass -approval <id> or -yes")
+        if answer.strip().lower() not in ("y", "yes"):
+            raise ProxyError(f"{verb}: declined at the prompt")
+    try:
+        decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
+                                       args.note, approval.hash, time.time())
+    except ApprovalChanged:
+        raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown; run the "
+                         "command again and read it before deciding") from None
+    if args.json:
+        out.json({"run": _run_summary(store, run), "approval": _approval_row(decided)})
+        return 0
+    out.line(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
+    out.line(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+    if run.status == WAITING:
+        out.line("the run stays waiting until the model calls the tool again with exactly "
+                 "the same arguments; the proxy then executes the recorded request once")
+    return 0
+
+
+def cmd_cancel(store: Store, args, out: Out) -> int:
+    by = args.by if args.by is not None else os.environ.get("USER", "")
+    if not by:
+        raise UsageError("-by is empty and $USER is unset: pass -by WHO")
+    run = cancel_run(store, args.run, by, args.note, time.time())
+    if args.json:
+        out.json({"run": _run_summary(store, run)})
+    else:
+        out.line(f"run {run.id}: {run.status} ({run.reason})")
+    return 0
+
+
+def _parse_head(text: str | None) -> tuple[int, str] | None:
+    if text is None:
+        return None
+    seq, sep, digest = text.partition(":")
+    if not sep or not seq.isdigit() or int(seq) < 1 or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise UsageError("-head is SEQ:HASH: a positive seq and the hash kept for it")
+    return int(seq), digest
+
+
+def cmd_verify(store: Store, args, out: Out) -> int:
+    head = _parse_head(args.head)
+    first, last = getattr(args, "from"), args.to
+    if first < 0 or last < 0:
+        raise UsageError("-from and -to cannot be negative")
+    if last and last < first:
+        raise UsageError("-to is before -from")
+    if head and last and head[0] > last:
+        raise UsageError("-head is past -to")
+    if head and head[0] < first:
+        raise UsageError("-head is before -from")
+    head_seq, head_hash = store.chain_head()
+    report = store.verify_events(first, last or head_seq)
+    problems = []
+    if report.broken:
+        problems.append(f"the event chain is broken at seq {report.broken.seq}")
+    reached = first + report.checked - 1
+    if last and not report.broken and reached < last:
+        problems.append(f"the chain is shorter than asked: -to {last} was not reached "
+                        f"(last seq checked {reached})")
+    kept = None
+    if head:
+        found = store._read("SELECT hash FROM events WHERE seq=?", (head[0],))
+        found_hash = found[0][0] if found else ""
+        kept = {"seq": head[0], "hash": head[1], "found": found_hash,
+                "matches": hmac.compare_digest(found_hash, head[1])}
+        if not kept["matches"]:
+            problems.append(f"the chain does not match the head kept: seq {head[0]} has "
+                            f"{found_hash or 'no event'}, kept {head[1]}")
+    if args.json:
+        doc: dict[str, Any] = {"head": {"seq": head_seq, "hash": head_hash}, "from": first,
+                               "to": report.last, "hash": report.hash,
+                               "checked": report.checked, "intact": report.broken is None}
+        if report.broken:
+            doc["break"] = dataclasses.asdict(report.broken)
+        if last:
+            doc["requested"] = {"to": last, "reached": reached >= last}
+        if kept:
+            doc["kept_head"] = kept
+        out.json(doc)
+    else:
+        out.line(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
+        if report.broken:
+            b = report.broken
+            out.line(f"broken at seq {b.seq}: {b.detail}")
+            out.line(f"  expected {b.expected or '-'}")
+            out.line(f"  found    {b.found or '-'}")
+        elif report.checked == 0:
+            out.line("intact: no events in the range")
+        else:
+            out.line(f"intact: {report.checked} event(s), seq {first} to {reached}")
+            out.line(f"last checked: seq {reached} {report.hash}")
+        if kept and kept["matches"]:
+            out.line(f"kept head: seq {head[0]} matches")
+    for p in problems:
+        out.log("error: " + p)
+    return 1 if problems else 0
+
+
+_COMMANDS = {"runs": (cmd_runs, True), "show": (cmd_show, True), "events": (cmd_events, True),
+             "approve": (cmd_decide, False), "reject": (cmd_decide, False),
+             "cancel": (cmd_cancel, False), "verify": (cmd_verify, True)}
+
+
+def _database_path(args) -> str:
+    if args.db:
+        return args.db
+    if args.config:
+        return _database_from_config(args.config)
+    env = os.environ.get("AGENTRT_DB", "")
+    if env:
+        return env
+    raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
+                     "or set AGENTRT_DB")
+
+
+def _database_from_config(path: str) -> str:
+    """The configuration's database, relative to the configuration's own directory."""
+    try:
+        with open(path, "rb") as f:
+            doc = parse_json(f.read())
+    except (OSError, JSONError) as exc:
+        raise UsageError(f"-config {path}: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("database"), str) or not doc["database"]:
+        raise UsageError(f"-config {path}: no 'database' field")
+    return os.path.join(os.path.dirname(os.path.abspath(path)), doc["database"])
+
+
+def _describe_failure(exc: Exception, command: str) -> str:
+    """One sentence an operator can act on, for each kind of failure."""
+    if isinstance(exc, RunStateError) and command in ("approve", "reject"):
+        return f"run is not waiting for approval: {exc}"
+    if isinstance(exc, RunStateError) and command == "cancel":
+        return f"run is already finished: {exc}"
+    if isinstance(exc, NotPending):
+        return f"approval is already decided: {exc}"
+    if isinstance(exc, StoreError) and "locked" in str(exc):
+        return f"database is locked by another writer: {exc}"
+    if isinstance(exc, SchemaVersionError):
+        return f"{exc}"
+    return str(exc)
+
+
+def run_operator(args, out: Out) -> int:
+    handler, readonly = _COMMANDS[args.command]
+    if args.command in ("runs", "show", "events") and \
+            ((args.limit is not None and args.limit < 0) or args.offset < 0):
+        raise UsageError("-limit and -offset cannot be negative")
+    path = _database_path(args)
+    try:
+        store = Store.open_existing(path, readonly=readonly)
+    except NotFound:
+        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+    try:
+        return handler(store, args, out)
+    finally:
+        store.close()
+
+
+# ==== 12. main ====
+
+def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
+    """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""
+    argv = sys.argv[1:] if argv is None else argv
+    out = Out(stdout or sys.stdout, stderr or sys.stderr, stdin or sys.stdin)
+    if any(a in ("-h", "--help", "help") for a in argv[:1]) or argv[-1:] in (["-h"], ["--help"]):
+        out.line(HELP_SCOPE + "\n\n" + USAGE)
+        return 0
+    args = None
+    try:
+        args = build_parser().parse_args(argv)
+        if not args.command:
+            raise UsageError("no command given")
+        return run_operator(args, out)
+    except UsageError as exc:
+        out.log(str(exc))
+        out.stderr.write(USAGE + "\n")
+        return 2
+    except (ProxyError, ValueError, OSError) as exc:
+        out.log("error: " + _describe_failure(exc, getattr(args, "command", "")))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -243,7 +243,10 @@ class _Parser:
 
     def __init__(self, raw: bytes, text: str, strict: bool):
         self.raw, self.src, self.strict = raw, text, strict
+        self.depth = 0
         self.surrogate: tuple[str, int] | None = None
+        # A repeated key, or a number inside a container beyond a 64-bit float: the
+        # runtime's decoder refuses both in one pass, so the first of them is reported.
         self.duplicate: tuple[str, int] | None = None
         self.number: tuple[str, int] | None = None
 
@@ -262,10 +265,11 @@ class _Parser:
         if pos >= len(src):
             raise self.syntax("unexpected end of input", pos)
         ch = src[pos]
-        if ch == "{":
-            return self.obj(pos + 1)
-        if ch == "[":
-            return self.array(pos + 1)
+        if ch in "{[":
+            self.depth += 1
+            pos, val = self.obj(pos + 1) if ch == "{" else self.array(pos + 1)
+            self.depth -= 1
+            return pos, val
         if ch == '"':
             return self.string(pos + 1)
         if ch == "-" or "0" <= ch <= "9":
@@ -367,6 +371,9 @@ class _Parser:
             zero = m and m.group().lstrip("-") == "0" and nxt.isdigit()
             raise self.syntax("leading zero in a number" if zero else "malformed number", pos)
         lit = m.group()
+        if self.depth and self.duplicate is None and abs(float(lit)) == float("inf"):
+            self.duplicate = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
+                              "64-bit float", pos)
         if self.number is None:
             problem = _number_problem(lit)
             if problem:
@@ -542,9 +549,18 @@ def sha256_hex(data: bytes) -> str:
 
 
 def content_hash(raw: bytes) -> str:
-    """Hash of the canonical form, or of the bytes themselves when they are not JSON."""
+    """Hash of the canonical form of the first value in ``raw`` (read leniently: a repeated
+    key keeps its last value, bad bytes become U+FFFD, blank is null), or of the bytes
+    themselves when there is no value to read. Only hashes what was recorded; never judges."""
+    text = _decode_lossy(raw)
+    p = _Parser(raw, text, strict=False)
+    pos = p.skip_ws(0)
+    if pos >= len(text):
+        return sha256_hex(b"null")
+    if _depth_exceeds(raw, MAX_DEPTH) is not None:
+        return sha256_hex(raw)
     try:
-        return sha256_hex(canonical_json(raw))
+        return sha256_hex(encode_canonical(p.value(pos)[1]))
     except JSONError:
         return sha256_hex(raw)
 
@@ -1591,6 +1607,13 @@ class Tx:
                        (to, reason, detail, finished_at, result, *lease, run_id))
         return self.run(run_id)
 
+    def take_lease(self, run_id: str, owner: str, until: str) -> None:
+        """Write a new lease on a RUNNING run (a take-over: the caller judged the old one)."""
+        cur = self.c.execute("UPDATE runs SET lease_owner=?, lease_expires_at=? "
+                             "WHERE id=? AND status=?", (owner, until, run_id, RUNNING))
+        if cur.rowcount != 1:
+            raise RunStateError(f"run {run_id} is no longer RUNNING")
+
     def update_step(self, step_id: str, from_statuses: tuple[str, ...], **cols: Any) -> None:
         sets = ", ".join(f"{k}=?" for k in cols)
         marks = ",".join("?" * len(from_statuses))
@@ -2225,8 +2248,7 @@ class Gate:
             if current.lease_owner and current.lease_expires_at and \
                     parse_time(current.lease_expires_at) > wall:
                 raise RunLeased(run.id, current.lease_owner, current.lease_expires_at)
-            tx.transition(run.id, (RUNNING,), RUNNING, owner=self.owner,
-                          lease_until=fmt_time(until))
+            tx.take_lease(run.id, self.owner, fmt_time(until))
             if current.lease_owner:
                 tx.event(run.id, "", now, "lease.taken_over",
                          {"owner": self.owner, "previous_expires_at": current.lease_expires_at,
@@ -2731,9 +2753,12 @@ class Session:
         return run
 
     def fail(self, detail: str) -> Run:
-        """End the run as failed from the open step (as a fail decision would)."""
+        """End the run with a fail decision of origin operator, in a step of its own when
+        none is open. Returns the run as it ended (a limit or an operator may end it first)."""
         if not detail:
             raise ValueError("fail needs a reason")
+        if self.current is None and self.step() is None:
+            return self.final
         verdict = self.propose(Decision("fail", message=detail, origin="operator"))
         return verdict.run
 

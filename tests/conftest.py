@@ -1,0 +1,87 @@
+"""Shared helpers for tests that need a database with runs in it (test_store.py, test_cli.py).
+
+Data is written the way the proxy writes it: through a Gate over a Store on a temporary file,
+with in-process async tools. ``pay`` is remote_mutation (the default policy asks an operator),
+``balance`` is read_only (allowed, executes).
+"""
+
+import asyncio
+import io
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import agentrt_proxy as ap  # noqa: E402
+
+PAY_SCHEMA = b'{"type":"object","properties":{"amount":{"type":"number"}}}'
+PAY = ap.ToolSpec("pay", "pays", PAY_SCHEMA, "remote_mutation", 5.0, True)
+BALANCE = ap.ToolSpec("balance", "reads the balance", b'{"type":"object"}', "read_only", 5.0)
+LIMITS = ap.Limits(3, 3, 3, 3600, 3600)
+
+
+class Harness:
+    """A store and a gate on one database file, and short ways to leave runs in it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.store = ap.Store.open(path)
+        self.paid: list[bytes] = []
+
+        async def pay(args: bytes) -> ap.ToolResult:
+            self.paid.append(args)
+            return ap.ToolResult(b'{"paid":true}', "paid")
+
+        async def balance(args: bytes) -> ap.ToolResult:
+            return ap.ToolResult(b'{"balance":10}', "balance 10")
+
+        self.gate = ap.Gate(self.store, [ap.Tool(PAY, pay), ap.Tool(BALANCE, balance)],
+                            ap.SideEffectPolicy())
+
+    def completed(self, run_id: str, goal: str = "read the balance") -> ap.Run:
+        """A run that read the balance (allowed, executed) and then completed."""
+        s = self.gate.begin(run_id, goal, LIMITS)
+        s.step()
+        v = s.propose(ap.Decision("tool_call", "balance", b"{}", origin="model"))
+        assert v.kind == "allowed"
+        asyncio.run(s.execute())
+        s.step()
+        v = s.propose(ap.Decision("complete", origin="model"))
+        assert v.run.status == ap.COMPLETED
+        return v.run
+
+    def waiting(self, run_id: str, args: bytes = b'{"amount": 25.00}',
+                goal: str = "call pay") -> ap.Approval:
+        """A run waiting for an operator on a pay call; returns its pending approval."""
+        s = self.gate.begin(run_id, goal, LIMITS)
+        s.step()
+        v = s.propose(ap.Decision("tool_call", "pay", args, origin="model"))
+        assert v.kind == "pending"
+        return v.approval
+
+    def close(self) -> None:
+        self.gate.close()
+        self.store.close()
+
+
+@pytest.fixture
+def harness(tmp_path):
+    h = Harness(str(tmp_path / "runs.db"))
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def cli():
+    """Run the operator command in-process: cli(*argv, stdin=text) -> (code, stdout, stderr).
+    stdin is a StringIO, never a terminal."""
+    def run(*argv: str, stdin: str = "") -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        code = ap.main(list(argv), stdin=io.StringIO(stdin), stdout=out, stderr=err)
+        return code, out.getvalue(), err.getvalue()
+    return run

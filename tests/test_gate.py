@@ -1,0 +1,710 @@
+"""The gate's state machine: every transition a run, a step and an approval can make.
+
+Time is driven through the injected clock; leases through an injected wall clock. Tools are
+in-process coroutines that count their calls, so every test can assert how many times a
+side effect ran.
+"""
+
+import asyncio
+import itertools
+import os
+import sqlite3
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import agentrt_proxy as ap  # noqa: E402
+
+T0 = 1_800_000_000.0
+PAY_SCHEMA = (b'{"type":"object","properties":{"amount":{"type":"number"},'
+              b'"to":{"type":"string"}},"required":["amount","to"],"additionalProperties":false}')
+READ_SCHEMA = b'{"type":"object","properties":{"account":{"type":"string"}}}'
+LIMITS = ap.Limits(3, 3, 3, 3600.0, 3600.0)
+
+
+class Crash(BaseException):
+    """Stands for the process dying inside a tool: nothing after it runs or is recorded."""
+
+
+class Clock:
+    def __init__(self, t=T0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+class Harness:
+    """A store, counted tools and gates over them. ``gate()`` makes another executor."""
+
+    def __init__(self, tmp_path, policy=None, lease_ttl=30.0):
+        self.path = str(tmp_path / "runs.db")
+        self.store = ap.Store.open(self.path)
+        self.clock = Clock()
+        self.policy = policy or ap.SideEffectPolicy()
+        self.calls = {"pay": [], "read": [], "wipe": []}
+        self.behaviour = {}          # tool name -> coroutine function replacing the default
+        self.lease_ttl = lease_ttl
+        self.gates = []
+        self.ids = (f"{i:032x}" for i in itertools.count(1))
+
+    def tools(self):
+        def make(name, content):
+            async def call(args):
+                self.calls[name].append(args)
+                special = self.behaviour.get(name)
+                if special:
+                    return await special(args)
+                return ap.ToolResult(content, f"{name} done")
+            return call
+        return [
+            ap.Tool(ap.ToolSpec("pay", "pays someone", PAY_SCHEMA, "remote_mutation", 5.0, True),
+                    make("pay", b'{"paid":true}')),
+            ap.Tool(ap.ToolSpec("read", "reads a balance", READ_SCHEMA, "read_only", 5.0, True),
+                    make("read", b'{"balance":"120.00"}')),
+            ap.Tool(ap.ToolSpec("wipe", "wipes", b'{"type":"object"}', "destructive", 5.0, True),
+                    make("wipe", b'{}')),
+        ]
+
+    def gate(self, wall=None, **kw):
+        g = ap.Gate(self.store, self.tools(), kw.pop("policy", self.policy), now=self.clock,
+                    wall=wall or (lambda: self.clock.t), new_id=lambda: next(self.ids),
+                    lease_ttl=self.lease_ttl, **kw)
+        self.gates.append(g)
+        return g
+
+    def events(self, run_id):
+        return [e[4] for e in self.store.list_events(run_id)]
+
+    def close(self):
+        for g in self.gates:
+            g.close()
+        self.store.close()
+
+
+@pytest.fixture
+def h(tmp_path):
+    harness = Harness(tmp_path)
+    yield harness
+    harness.close()
+
+
+def propose(session, tool, args, origin="model"):
+    assert session.step() is not None
+    return session.propose(ap.Decision("tool_call", tool, args, origin=origin))
+
+
+def pending_pay(h, gate, run_id="run-1", args=b'{"amount": 25.00, "to": "bob"}'):
+    s = gate.begin(run_id, "call pay", LIMITS)
+    v = propose(s, "pay", args)
+    assert v.kind == "pending"
+    return v.approval
+
+
+def approve(h, approval, note="ok"):
+    return ap.decide_approval(h.store, approval.run_id, approval.id, True, "operator", note,
+                              approval.hash, h.clock.t)
+
+
+# ---- allowed, denied, invalid -------------------------------------------------------------
+
+def test_allowed_read_executes_once_and_completes(h):
+    g = h.gate()
+    s = g.begin("run-1", "call read", LIMITS)
+    v = propose(s, "read", b'{"account": "A-1"}')
+    assert v.kind == "allowed"
+    obs = asyncio.run(s.execute())
+    assert obs["kind"] == "tool_result" and obs["content"] == {"balance": "120.00"}
+    assert h.calls["read"] == [b'{"account": "A-1"}']
+    run = h.store.get_run("run-1")
+    assert (run.status, run.reason, run.reason_detail) == ("COMPLETED", "goal_completed",
+                                                           "terminal tool read")
+    assert run.result_json == '{"balance":"120.00"}'
+    assert run.lease_owner == "" and run.lease_expires_at == ""
+    assert h.events("run-1") == ["run.created", "run.started", "step.started", "step.decided",
+                                 "step.policy", "step.tool_started", "step.tool_finished",
+                                 "run.finished"]
+
+
+def test_denied_call_runs_nothing_and_the_run_fails(h):
+    g = h.gate()
+    s = g.begin("run-1", "call wipe", LIMITS)
+    v = propose(s, "wipe", b"{}")
+    assert v.kind == "denied"
+    assert v.observation["content"]["reason"] == "side effect destructive is deny by policy"
+    assert s.fail("the request was denied").status == "FAILED"
+    assert h.calls["wipe"] == []
+    assert h.events("run-1") == ["run.created", "run.started", "step.started", "step.decided",
+                                 "step.policy", "step.failed", "step.started", "step.decided",
+                                 "run.finished"]
+    steps = h.store.list_steps("run-1")
+    assert [s.decision["origin"] for s in steps] == ["model", "operator"]
+
+
+def test_invalid_arguments_are_recorded_and_run_nothing(h):
+    g = h.gate()
+    s = g.begin("run-1", "call pay", LIMITS)
+    v = propose(s, "pay", b'{"amount": "lots", "to": "bob"}')
+    assert v.kind == "denied" and v.observation["kind"] == "invalid_decision"
+    assert "arguments do not match schema: at '/amount'" in v.observation["content"]["error"]
+    s.fail("the request was invalid")
+    assert h.calls["pay"] == []
+    assert "step.policy" not in h.events("run-1")
+
+
+@pytest.mark.parametrize("raw", [b'{"amount":1,"amount":2,"to":"x"}', b'{"amount":1e99999}',
+                                 b'{"to":"\\ud800","amount":1}', b"{\"to\":\"\xff\"}", b"[1,]"])
+def test_arguments_that_are_not_usable_json_are_kept_verbatim(h, raw):
+    g = h.gate()
+    s = g.begin("run-1", "call pay", LIMITS)
+    v = propose(s, "pay", raw)
+    assert v.kind == "denied"
+    assert v.observation["content"]["error"].startswith("arguments are not usable JSON: ")
+    decision = h.store.list_steps("run-1")[0].decision
+    assert "args" not in decision
+    kept = decision["invalid_args"]
+    if decision.get("invalid_base64"):
+        import base64
+        kept = base64.b64decode(kept)
+    else:
+        kept = kept.encode()
+    assert kept == raw
+
+
+def test_unknown_tool_and_bad_decisions_are_invalid(h):
+    g = h.gate()
+    s = g.begin("run-1", "x", ap.Limits(10, 10, 10))
+    s.step()
+    assert s.propose(ap.Decision("tool_call", "nope", b"{}")).observation["content"]["error"] \
+        == 'unknown tool "nope"'
+    s.step()
+    assert s.propose(ap.Decision("")).observation["content"]["error"] == "decision has no kind"
+    s.step()
+    assert "unknown decision origin" in \
+        s.propose(ap.Decision("fail", message="x", origin="martian")).observation["content"]["error"]
+
+
+def test_complete_decision_keeps_the_result_bytes(h):
+    g = h.gate()
+    s = g.begin("run-1", "x", LIMITS)
+    s.step()
+    v = s.propose(ap.Decision("complete", result=b' {"b": 1.50, "a": 1} '))
+    assert v.kind == "ended" and v.run.status == "COMPLETED"
+    assert v.run.result_json == '{"b": 1.50, "a": 1}'
+
+
+# ---- the approval round trip ----------------------------------------------------------------
+
+def test_pending_approval_then_collected_executes_the_recorded_request_once(h):
+    g = h.gate()
+    args = b'{ "to" : "bob", "amount" : 25.00 }'
+    approval = pending_pay(h, g, args=args)
+    assert h.store.get_run("run-1").status == "WAITING_FOR_APPROVAL"
+    assert h.calls["pay"] == []
+    approve(h, approval)
+    assert h.store.get_run("run-1").status == "WAITING_FOR_APPROVAL"   # approving is not running
+    s, v = g.attach("run-1")
+    assert v.kind == "allowed"
+    obs = asyncio.run(s.execute())
+    assert obs["kind"] == "tool_result"
+    assert h.calls["pay"] == [args]        # the recorded bytes, exactly
+    assert h.store.get_run("run-1").status == "COMPLETED"
+    assert h.events("run-1") == [
+        "run.created", "run.started", "step.started", "step.decided", "step.policy",
+        "approval.requested", "approval.decided", "run.resumed", "step.policy",
+        "step.tool_started", "step.tool_finished", "run.finished"]
+    with pytest.raises(ap.RunStateError):
+        g.attach("run-1")
+    assert len(h.calls["pay"]) == 1
+
+
+def test_attach_before_a_decision_executes_nothing(h):
+    g = h.gate()
+    pending_pay(h, g)
+    with pytest.raises(ap.RunStateError, match="pending, not approved"):
+        g.attach("run-1")
+    assert h.calls["pay"] == []
+
+
+def test_an_approval_collected_after_the_policy_changed_to_deny_executes_nothing(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    approve(h, approval)
+    deny = ap.SideEffectPolicy(dict(ap.DEFAULT_POLICY, remote_mutation="deny"))
+    s, v = h.gate(policy=deny).attach("run-1")
+    assert v.kind == "denied"
+    assert v.observation["summary"] == \
+        "denied on resume: side effect remote_mutation is deny by policy"
+    assert h.calls["pay"] == []
+    assert s.fail("the request was denied").status == "FAILED"
+
+
+class FixedPolicy:
+    """Like the proxy's policy: the operator's fixed values are part of the capability."""
+
+    def __init__(self, fixed):
+        self.fixed = fixed
+
+    def evaluate(self, request, view):
+        cap = b'{"args":' + request.args + b',"fixed":' + self.fixed + b',"tool":"pay"}'
+        return ap.PolicyDecision("require_approval", "asks", request.spec.side_effect, cap, cap)
+
+
+def test_a_changed_fixed_value_asks_for_a_new_approval(h):
+    g = h.gate(policy=FixedPolicy(b'{"currency":"EUR"}'))
+    first = pending_pay(h, g)
+    approve(h, first)
+    s, v = h.gate(policy=FixedPolicy(b'{"currency":"USD"}')).attach("run-1")
+    assert v.kind == "pending"
+    assert v.approval.id != first.id and v.approval.hash != first.hash
+    assert h.store.get_run("run-1").status == "WAITING_FOR_APPROVAL"
+    assert h.calls["pay"] == []
+    # The unchanged value would have executed: the hash binds exactly the capability.
+    approve(h, v.approval)
+    s, v = h.gate(policy=FixedPolicy(b'{"currency":"USD"}')).attach("run-1")
+    assert v.kind == "allowed"
+
+
+def test_an_expired_approval_executes_nothing(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    h.clock.t += 2 * 3600
+    s, v = g.attach("run-1")
+    assert s is None and v.kind == "ended"
+    run = h.store.get_run("run-1")
+    assert (run.status, run.reason) == ("CANCELLED", "approval_expired")
+    assert h.store.get_approval(approval.id).status == "expired"
+    with pytest.raises(ap.RunStateError):
+        approve(h, approval)
+    assert h.calls["pay"] == []
+
+
+def test_deciding_an_expired_approval_expires_it(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    with pytest.raises(ap.ApprovalExpired):
+        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", approval.hash,
+                           T0 + 2 * 3600)
+    assert h.store.get_run("run-1").reason == "approval_expired"
+
+
+def test_a_stale_grant_executes_nothing(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    approve(h, approval)
+    h.clock.t += 2 * 3600
+    s, v = g.attach("run-1")
+    assert v.kind == "ended" and v.run.reason == "approval_expired"
+    assert h.store.get_approval(approval.id).status == "expired"
+    assert h.calls["pay"] == []
+
+
+def test_a_grant_that_goes_stale_between_attach_and_execute_executes_nothing(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    approve(h, approval)
+    s, v = g.attach("run-1")
+    assert v.kind == "allowed"
+    h.clock.t += 2 * 3600
+    with pytest.raises(ap.ApprovalExpired):
+        asyncio.run(s.execute())
+    assert h.calls["pay"] == []
+    assert h.store.get_run("run-1").reason == "approval_expired"
+
+
+def test_a_decision_on_an_approval_that_changed_after_it_was_shown_is_refused(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    with pytest.raises(ap.ApprovalChanged):
+        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", "0" * 64, T0)
+    with pytest.raises(ap.ApprovalChanged):
+        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", "", T0)
+    # Someone rewrites the request under the same hash: the hash no longer verifies.
+    raw = sqlite3.connect(h.path)
+    raw.execute("UPDATE approvals SET request_json=replace(request_json, 'bob', 'eve')")
+    raw.commit()
+    raw.close()
+    with pytest.raises(ap.ApprovalHashMismatch):
+        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", approval.hash, T0)
+    assert h.store.get_approval(approval.id).status == "pending"
+
+
+def test_a_tampered_grant_is_not_executed(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    approve(h, approval)
+    raw = sqlite3.connect(h.path)
+    raw.execute("UPDATE approvals SET request_json=replace(request_json, '25.00', '2500')")
+    raw.commit()
+    raw.close()
+    with pytest.raises(ap.ApprovalHashMismatch):
+        g.attach("run-1")
+    assert h.calls["pay"] == []
+
+
+def test_reject_cancels_the_run_and_nothing_runs(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    decided, run = ap.decide_approval(h.store, "run-1", approval.id, False, "op", "not to bob",
+                                      approval.hash, T0)
+    assert decided.status == "rejected" and decided.note == "not to bob"
+    assert (run.status, run.reason, run.reason_detail) == ("CANCELLED", "approval_rejected",
+                                                           "not to bob")
+    step = h.store.list_steps("run-1")[0]
+    assert step.status == "failed" and step.obs_kind == "policy_denied"
+    with pytest.raises(ap.RunStateError):
+        g.attach("run-1")
+    with pytest.raises(ap.RunStateError):
+        approve(h, approval)
+    assert h.calls["pay"] == []
+
+
+def test_a_decided_approval_cannot_be_decided_again(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    approve(h, approval)
+    with pytest.raises(ap.NotPending):
+        approve(h, approval)
+
+
+def test_cancel_ends_a_waiting_run_and_a_running_one(h):
+    g = h.gate()
+    pending_pay(h, g)
+    run = ap.cancel_run(h.store, "run-1", "op", "changed my mind", T0)
+    assert (run.status, run.reason) == ("CANCELLED", "operator_cancelled")
+    assert h.store.list_steps("run-1")[0].status == "failed"
+    s = g.begin("run-2", "x", LIMITS)
+    ap.cancel_run(h.store, "run-2", "op", "", T0)
+    assert s.step() is None and s.final.status == "CANCELLED"
+    with pytest.raises(ap.RunStateError):
+        ap.cancel_run(h.store, "run-2", "op", "", T0)
+
+
+def test_a_cancel_while_the_tool_runs_keeps_the_late_outcome(h):
+    g = h.gate()
+
+    async def slow(args):
+        ap.cancel_run(h.store, "run-1", "op", "stop", T0)
+        return ap.ToolResult(b'{"read":1}', "late")
+    h.behaviour["read"] = slow
+    s = g.begin("run-1", "call read", LIMITS)
+    propose(s, "read", b"{}")
+    obs = asyncio.run(s.execute())
+    assert obs["kind"] == "tool_result"
+    run = h.store.get_run("run-1")
+    assert run.status == "CANCELLED"
+    last = h.store.list_events("run-1")[-1]
+    assert last[4] == "step.tool_finished" and '"late":true' in last[5]
+
+
+def test_several_approvals_wait_at_once_in_separate_runs(h):
+    g = h.gate()
+    a1 = pending_pay(h, g, "run-1", b'{"amount":1,"to":"a"}')
+    a2 = pending_pay(h, g, "run-2", b'{"amount":2,"to":"b"}')
+    approve(h, a2)
+    s, v = g.attach("run-2")
+    asyncio.run(s.execute())
+    assert h.calls["pay"] == [b'{"amount":2,"to":"b"}']
+    assert h.store.get_approval(a1.id).status == "pending"
+
+
+# ---- leases, crashes, take-over -------------------------------------------------------------
+
+def crash_while_executing(h, tool, args, run_id="run-1"):
+    """A first executor starts the tool and dies inside it, its lease left behind."""
+    allow_pay = ap.SideEffectPolicy(dict(ap.DEFAULT_POLICY, remote_mutation="allow"))
+    crashed = h.gate(wall=lambda: T0, policy=allow_pay)
+
+    async def die(_args):
+        raise Crash()
+    h.behaviour[tool] = die
+    s = crashed.begin(run_id, f"call {tool}", LIMITS)
+    assert propose(s, tool, args).kind == "allowed"
+    with pytest.raises(Crash):
+        asyncio.run(s.execute())
+    crashed.close()                    # the heartbeat dies with the process
+    del h.behaviour[tool]
+    run = h.store.get_run(run_id)
+    assert run.status == "RUNNING" and run.lease_owner == crashed.owner
+    return crashed
+
+
+def test_a_live_lease_refuses_take_over(h):
+    crash_while_executing(h, "pay", b'{"amount":5,"to":"rob"}')
+    with pytest.raises(ap.RunLeased):
+        h.gate(wall=lambda: T0 + 10).attach("run-1")
+    assert len(h.calls["pay"]) == 1
+
+
+def test_a_mutating_step_cut_off_while_executing_waits_for_an_operator(h):
+    crash_while_executing(h, "pay", b'{"amount":5,"to":"rob"}')
+    allow_pay = ap.SideEffectPolicy(dict(ap.DEFAULT_POLICY, remote_mutation="allow"))
+    g = h.gate(wall=lambda: T0 + 31, policy=allow_pay)
+    s, v = g.attach("run-1")
+    assert v.kind == "pending"
+    assert v.approval.kind == ap.INTERRUPTED_KIND
+    assert h.store.get_run("run-1").status == "WAITING_FOR_APPROVAL"
+    assert len(h.calls["pay"]) == 1
+    # Approved, the same step runs once more, with the recorded bytes.
+    approve(h, v.approval)
+    s, v = g.attach("run-1")
+    assert v.kind == "allowed"
+    asyncio.run(s.execute())
+    assert h.calls["pay"] == [b'{"amount":5,"to":"rob"}'] * 2
+    assert h.store.get_run("run-1").status == "COMPLETED"
+    assert h.events("run-1") == [
+        "run.created", "run.started", "step.started", "step.decided", "step.policy",
+        "step.tool_started", "lease.taken_over", "step.interrupted", "step.policy",
+        "approval.requested", "approval.decided", "run.resumed", "step.policy",
+        "step.tool_started", "step.tool_finished", "run.finished"]
+    assert len(h.store.list_steps("run-1")) == 1
+
+
+def test_an_approved_interruption_meets_the_policy_again(h):
+    crash_while_executing(h, "pay", b'{"amount":5,"to":"rob"}')
+    g = h.gate(wall=lambda: T0 + 31)          # remote_mutation requires its own approval
+    s, v = g.attach("run-1")
+    approve(h, v.approval)
+    s, v = g.attach("run-1")
+    assert v.kind == "pending" and v.approval.kind == "remote_mutation"
+    assert len(h.calls["pay"]) == 1
+
+
+def test_an_interrupted_side_effect_rejected_runs_nothing_more(h):
+    crash_while_executing(h, "pay", b'{"amount":5,"to":"rob"}')
+    g = h.gate(wall=lambda: T0 + 31)
+    s, v = g.attach("run-1")
+    ap.decide_approval(h.store, "run-1", v.approval.id, False, "op", "it went through",
+                       v.approval.hash, T0)
+    assert h.store.get_run("run-1").reason == "approval_rejected"
+    assert len(h.calls["pay"]) == 1
+
+
+def test_a_read_cut_off_while_executing_simply_ends(h):
+    crash_while_executing(h, "read", b'{"account":"A-1"}')
+    g = h.gate(wall=lambda: T0 + 31)
+    s, v = g.attach("run-1")
+    assert v.kind == ""                      # nothing waits: the session is open
+    assert h.store.list_steps("run-1")[0].status == "interrupted"
+    run = s.fail("the run was taken over after an interruption")
+    assert run.status == "FAILED"
+    assert h.store.list_approvals("run-1") == []
+    assert len(h.calls["read"]) == 1
+
+
+def test_a_step_cut_off_before_its_tool_ran_asks_nothing(h):
+    crashed = h.gate(wall=lambda: T0)
+    s = crashed.begin("run-1", "call pay", LIMITS)
+    s.step()                                 # the process dies while deciding
+    crashed.close()
+    s2, v = h.gate(wall=lambda: T0 + 31).attach("run-1")
+    assert v.kind == ""
+    step = h.store.list_steps("run-1")[0]
+    assert step.status == "interrupted" and step.obs_content == {"previous_status": "deciding"}
+    assert h.store.list_approvals("run-1") == []
+
+
+def test_a_reconcile_hook_decides_what_a_takeover_does(h):
+    crash_while_executing(h, "pay", b'{"amount":5,"to":"rob"}')
+    seen = []
+
+    def reconcile(view):
+        seen.append([s.status for s in view.steps])
+        return ap.Reconciliation("continue")
+    s, v = h.gate(wall=lambda: T0 + 31, reconcile=reconcile).attach("run-1")
+    assert v.kind == "" and seen == [["interrupted"]]
+
+
+def test_execute_refuses_once_the_lease_has_run_out(h):
+    wall = Clock(T0)
+    g = h.gate(wall=wall)
+    s = g.begin("run-1", "call read", LIMITS)
+    assert propose(s, "read", b"{}").kind == "allowed"
+    wall.t += 60                                  # no renewal happened in between
+    with pytest.raises(ap.LeaseLost):
+        asyncio.run(s.execute())
+    assert h.calls["read"] == []
+
+
+def test_an_outcome_is_dropped_when_the_run_was_taken_over_meanwhile(h):
+    g = h.gate(wall=lambda: T0)
+    other = h.gate(wall=lambda: T0 + 31)
+    taken = {}
+
+    async def slow(args):
+        taken["v"] = other.attach("run-1")
+        return ap.ToolResult(b"{}", "done")
+    h.behaviour["pay"] = slow
+    g.policy = ap.SideEffectPolicy(dict(ap.DEFAULT_POLICY, remote_mutation="allow"))
+    s = g.begin("run-1", "call pay", LIMITS)
+    assert propose(s, "pay", b'{"amount":1,"to":"x"}').kind == "allowed"
+    with pytest.raises(ap.LeaseLost):
+        asyncio.run(s.execute())
+    assert taken["v"][1].kind == "pending"       # the new owner asks an operator
+    assert h.store.get_run("run-1").status == "WAITING_FOR_APPROVAL"
+
+
+def test_a_second_executor_cannot_begin_an_existing_run(h):
+    g = h.gate()
+    g.begin("run-1", "x", LIMITS)
+    with pytest.raises((ap.RunStateError, ap.RunLeased)):
+        h.gate().begin("run-1", "x", LIMITS)
+
+
+def test_the_heartbeat_renews_the_lease(tmp_path):
+    h = Harness(tmp_path, lease_ttl=0.3)
+    try:
+        g = h.gate(wall=__import__("time").time)
+        g.begin("run-1", "x", LIMITS)
+        first = h.store.get_run("run-1").lease_expires_at
+        import time
+        deadline = time.monotonic() + 5
+        while h.store.get_run("run-1").lease_expires_at == first:
+            assert time.monotonic() < deadline, "the lease was never renewed"
+            time.sleep(0.05)
+        assert g.leases.ok("run-1")
+    finally:
+        h.close()
+
+
+# ---- tool outcomes ----------------------------------------------------------------------------
+
+def run_read(h, behaviour):
+    h.behaviour["read"] = behaviour
+    g = h.gate()
+    s = g.begin("run-1", "call read", LIMITS)
+    propose(s, "read", b"{}")
+    return asyncio.run(s.execute())
+
+
+def test_a_tool_error_is_recorded_as_its_failure(h):
+    async def declined(args):
+        raise ap.ToolFailure("card declined")
+    obs = run_read(h, declined)
+    assert obs["kind"] == "tool_error"
+    assert obs["content"] == {"error": "card declined", "failure": "error", "tool": "read"}
+    assert h.store.get_run("run-1").status == "RUNNING"   # the caller decides what follows
+
+
+def test_a_tool_timeout_is_recorded_as_a_timeout(h, monkeypatch):
+    async def hang(args):
+        await asyncio.sleep(30)
+    h.tools_timeout = 0.05
+    original = h.tools
+
+    def quick():
+        return [ap.Tool(dataclasses_replace(t.spec, timeout=0.05), t.call) for t in original()]
+    monkeypatch.setattr(h, "tools", quick)
+    obs = run_read(h, hang)
+    assert obs["content"]["failure"] == "timeout"
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
+
+
+def test_content_that_is_not_json_is_recorded_as_invalid_content(h):
+    async def garbage(args):
+        return ap.ToolResult(b'{"a":1,"a":2}', "dup")
+    obs = run_read(h, garbage)
+    assert obs["content"]["failure"] == "invalid_content"
+    assert obs["content"]["content"] == '{"a":1,"a":2}'
+
+
+def test_a_tool_that_raises_is_recorded_not_lost(h):
+    async def bug(args):
+        raise RuntimeError("oops")
+    obs = run_read(h, bug)
+    assert obs["kind"] == "tool_error" and "oops" in obs["content"]["error"]
+
+
+def test_a_caller_cancelled_during_the_tool_records_an_interruption(h):
+    async def hang(args):
+        await asyncio.sleep(30)
+    h.behaviour["read"] = hang
+    g = h.gate()
+    s = g.begin("run-1", "call read", LIMITS)
+    propose(s, "read", b"{}")
+
+    async def go():
+        task = asyncio.create_task(s.execute())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(go())
+    step = h.store.list_steps("run-1")[0]
+    assert step.obs_kind == "interrupted" and step.obs_content["failure"] == "cancelled"
+
+
+# ---- run limits --------------------------------------------------------------------------------
+
+def test_the_step_limit_ends_the_run(h):
+    g = h.gate()
+    s = g.begin("run-1", "x", ap.Limits(2, 10, 10))
+    for _ in range(2):
+        propose(s, "pay", b'{"amount":"x","to":"y"}')
+    assert s.step() is None
+    run = h.store.get_run("run-1")
+    assert (run.status, run.reason, run.step_count) == ("FAILED", "limit_steps", 2)
+    assert h.events("run-1")[-2:] == ["limit.exceeded", "run.finished"]
+
+
+def test_consecutive_failures_end_the_run(h):
+    g = h.gate()
+    s = g.begin("run-1", "x", ap.Limits(10, 2, 10))
+    propose(s, "pay", b'{"amount":"x","to":"y"}')
+    propose(s, "wipe", b"{}")
+    assert s.step() is None
+    assert h.store.get_run("run-1").reason == "repeated_tool_failures"
+
+
+def test_a_loop_of_identical_outcomes_ends_the_run(h):
+    g = h.gate()
+    s = g.begin("run-1", "x", ap.Limits(10, 10, 2))
+    for _ in range(2):
+        propose(s, "wipe", b"{}")
+    assert s.step() is None
+    run = h.store.get_run("run-1")
+    assert run.reason == "loop_detected"
+    assert h.events("run-1")[-2:] == ["loop.detected", "run.finished"]
+
+
+# ---- records ---------------------------------------------------------------------------------------
+
+def test_ids_and_times_come_from_the_injected_sources(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    assert approval.id == f"{3:032x}"             # gate owner, step, approval: in draw order
+    assert approval.created_at == ap.fmt_time(T0)
+    assert approval.expires_at == ap.fmt_time(T0 + 3600)
+
+
+def test_the_approval_hash_binds_the_request_and_its_spec(h):
+    g = h.gate()
+    approval = pending_pay(h, g)
+    request = approval.request()
+    assert ap.approval_hash(approval.kind, approval.capability, approval.presentation,
+                            request) == approval.hash
+    for changed in (dataclasses_replace(request, args=b'{"amount":25.0,"to":"bob"}'),
+                    dataclasses_replace(request, step_id="other"),
+                    dataclasses_replace(request, spec=dataclasses_replace(
+                        request.spec, description="pays anyone"))):
+        assert ap.approval_hash(approval.kind, approval.capability, approval.presentation,
+                                changed) != approval.hash
+    # Spelling does not matter, values do.
+    respelled = dataclasses_replace(request, args=b'{"to":"b\\u006fb","amount":25.00}')
+    assert ap.approval_hash(approval.kind, approval.capability, approval.presentation,
+                            respelled) == approval.hash
+
+
+def test_every_run_leaves_an_intact_chain(h):
+    g = h.gate()
+    pending_pay(h, g, "run-1")
+    s = g.begin("run-2", "call read", LIMITS)
+    propose(s, "read", b"{}")
+    asyncio.run(s.execute())
+    report = h.store.verify_events()
+    assert report.broken is None and report.checked == h.store.chain_head()[0] > 10

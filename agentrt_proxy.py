@@ -217,6 +217,20 @@ class UsageError(ProxyError):
 _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _STRING_CHUNK = re.compile(r'[^"\\\x00-\x1f]*')
+_PLAIN_STRING = re.compile(r'"([^"\\\x00-\x1f]*)"')           # no escapes: most strings
+_PLAIN_KEY = re.compile(r'"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*')
+_SEPARATOR = re.compile(r'[ \t\n\r]*([,\]}])[ \t\n\r]*')
+# A member value that is a plain string, a number or a literal, with the separator after it,
+# in one match: most values in real arguments. Anything else takes the slow path, which
+# reports exact errors.
+_SCALAR_THEN = re.compile(
+    r'(?:"([^"\\\x00-\x1f]*)"|(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)'
+    r'|(true|false|null))[ \t\n\r]*([,\]}])[ \t\n\r]*')
+_LITERAL_VALUES = {"true": True, "false": False, "null": None}
+# A whole string whose escapes are all well formed, and one escape (a surrogate pair first).
+_ESCAPED_STRING = re.compile(r'"((?:[^"\\\x00-\x1f]+|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"')
+_ONE_ESCAPE = re.compile(r'\\(?:u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})'
+                         r'|u([0-9a-fA-F]{4})|(.))')
 _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
 _BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"?|[\[{]|[\]}]', re.DOTALL)
 _SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f",
@@ -224,10 +238,22 @@ _SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f",
 _LITERALS = (("true", True), ("false", False), ("null", None))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Num:
-    """A JSON number, kept as the literal text it was written with."""
-    text: str
+    """A JSON number, kept as the literal text it was written with. Immutable by use: a
+    plain slotted class because a frozen dataclass costs a microsecond to build."""
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Num) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(("Num", self.text))
+
+    def __repr__(self) -> str:
+        return f"Num({self.text!r})"
 
     def exact(self) -> Fraction:
         """The number's exact value (bounded by the literal limits of this section)."""
@@ -271,7 +297,8 @@ class _Parser:
             self.depth -= 1
             return pos, val
         if ch == '"':
-            return self.string(pos + 1)
+            m = _PLAIN_STRING.match(src, pos)
+            return (m.end(), m.group(1)) if m else self.string(pos + 1)
         if ch == "-" or "0" <= ch <= "9":
             return self.num(pos)
         for word, val in _LITERALS:
@@ -280,54 +307,96 @@ class _Parser:
         raise self.syntax(f"unexpected character {_show_char(ch)}", pos)
 
     def obj(self, pos: int) -> tuple[int, dict]:
-        out: dict[str, Any] = {}
+        src, out = self.src, {}
         pos = self.skip_ws(pos)
-        if pos < len(self.src) and self.src[pos] == "}":
+        if src.startswith("}", pos):
             return pos + 1, out
         while True:
-            if pos >= len(self.src):
-                raise self.syntax("unexpected end of input", pos)
-            if self.src[pos] != '"':
-                reason = "trailing comma" if self.src[pos] == "}" and out else \
-                    f"expected a string key, found {_show_char(self.src[pos])}"
-                raise self.syntax(reason, pos)
             key_at = pos
-            pos, key = self.string(pos + 1)
-            pos = self.skip_ws(pos)
-            if pos >= len(self.src) or self.src[pos] != ":":
-                raise self.syntax("expected ':' after an object key", pos)
-            pos, val = self.value(self.skip_ws(pos + 1))
+            m = _PLAIN_KEY.match(src, pos)          # the common case, in one match
+            if m:
+                key, pos = m.group(1), m.end()
+            else:
+                pos, key = self.key(pos, bool(out))
+            m = _SCALAR_THEN.match(src, pos)
+            if m:
+                val, sep = self.scalar(m), m.group(4)
+            else:
+                pos, val = self.value(pos)
+                m = _SEPARATOR.match(src, pos)
+                sep = m.group(1) if m else ""
             if key in out and self.duplicate is None:
                 self.duplicate = (f"duplicate key {_quote(key)}", key_at)
             out[key] = val
-            pos = self.skip_ws(pos)
-            if pos < len(self.src) and self.src[pos] == ",":
-                pos = self.skip_ws(pos + 1)
-                continue
-            if pos < len(self.src) and self.src[pos] == "}":
-                return pos + 1, out
-            raise self.syntax("expected ',' or '}' in an object", pos)
+            if sep == ",":
+                pos = m.end()
+            elif sep == "}":
+                return m.start(m.lastindex) + 1, out
+            else:
+                raise self.syntax("expected ',' or '}' in an object", self.skip_ws(pos))
+
+    def key(self, pos: int, after_member: bool) -> tuple[int, str]:
+        """A key and its colon, the slow way: escapes, or an error to report exactly."""
+        src = self.src
+        if pos >= len(src):
+            raise self.syntax("unexpected end of input", pos)
+        if src[pos] != '"':
+            reason = "trailing comma" if src[pos] == "}" and after_member else \
+                f"expected a string key, found {_show_char(src[pos])}"
+            raise self.syntax(reason, pos)
+        pos, key = self.string(pos + 1)
+        pos = self.skip_ws(pos)
+        if pos >= len(src) or src[pos] != ":":
+            raise self.syntax("expected ':' after an object key", pos)
+        return self.skip_ws(pos + 1), key
 
     def array(self, pos: int) -> tuple[int, list]:
-        out: list[Any] = []
+        src, out = self.src, []
         pos = self.skip_ws(pos)
-        if pos < len(self.src) and self.src[pos] == "]":
+        if src.startswith("]", pos):
             return pos + 1, out
         while True:
-            if pos < len(self.src) and self.src[pos] == "]":
+            if src.startswith("]", pos):
                 raise self.syntax("trailing comma", pos)
-            pos, val = self.value(pos)
-            out.append(val)
-            pos = self.skip_ws(pos)
-            if pos < len(self.src) and self.src[pos] == ",":
-                pos = self.skip_ws(pos + 1)
-                continue
-            if pos < len(self.src) and self.src[pos] == "]":
-                return pos + 1, out
-            raise self.syntax("expected ',' or ']' in an array", pos)
+            m = _SCALAR_THEN.match(src, pos)
+            if m:
+                out.append(self.scalar(m))
+                sep = m.group(4)
+            else:
+                pos, val = self.value(pos)
+                out.append(val)
+                m = _SEPARATOR.match(src, pos)
+                sep = m.group(1) if m else ""
+            if sep == ",":
+                pos = m.end()
+            elif sep == "]":
+                return m.start(m.lastindex) + 1, out
+            else:
+                raise self.syntax("expected ',' or ']' in an array", self.skip_ws(pos))
 
     def string(self, pos: int) -> tuple[int, str]:
         """Parse from just after the opening quote to just after the closing one."""
+        m = _ESCAPED_STRING.match(self.src, pos - 1)
+        if m:
+            body_at = m.start(1)
+            return m.end(), _ONE_ESCAPE.sub(lambda e: self.unescape(e, body_at), m.group(1))
+        return self.string_exactly(pos)
+
+    def unescape(self, m: re.Match, body_at: int) -> str:
+        high, low, code, simple = m.group(1, 2, 3, 4)
+        if high:
+            return chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + (int(low, 16) - 0xDC00))
+        if simple:
+            return _SIMPLE_ESCAPES[simple]
+        value = int(code, 16)
+        if 0xD800 <= value <= 0xDFFF:
+            if self.surrogate is None:
+                self.surrogate = (f"unpaired surrogate {m.group()}", body_at + m.start())
+            return "\ufffd"
+        return chr(value)
+
+    def string_exactly(self, pos: int) -> tuple[int, str]:
+        """The same, one piece at a time, to find and report exactly what is wrong."""
         src, parts = self.src, []
         while True:
             end = _STRING_CHUNK.match(src, pos).end()
@@ -363,6 +432,29 @@ class _Parser:
             return pos + 6, "\ufffd"
         return pos + 6, chr(code)
 
+    def scalar(self, m: re.Match) -> Any:
+        """The value of a _SCALAR_THEN match."""
+        text, lit, word = m.group(1, 2, 3)
+        if text is not None:
+            return text
+        if lit is not None:
+            self.check_number(lit, m.start(2))
+            return Num(lit)
+        return _LITERAL_VALUES[word]
+
+    def check_number(self, lit: str, pos: int) -> None:
+        """Remember the first number past our bounds; only long literals or ones with an
+        exponent can be, so the common case costs two string tests."""
+        if len(lit) <= NUMBER_SHOWN and "e" not in lit and "E" not in lit:
+            return
+        if self.depth and self.duplicate is None and abs(float(lit)) == float("inf"):
+            self.duplicate = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
+                              "64-bit float", pos)
+        if self.number is None:
+            problem = _number_problem(lit)
+            if problem:
+                self.number = (problem, pos)
+
     def num(self, pos: int) -> tuple[int, Num]:
         m = _NUMBER.match(self.src, pos)
         end = m.end() if m else pos
@@ -371,13 +463,7 @@ class _Parser:
             zero = m and m.group().lstrip("-") == "0" and nxt.isdigit()
             raise self.syntax("leading zero in a number" if zero else "malformed number", pos)
         lit = m.group()
-        if self.depth and self.duplicate is None and abs(float(lit)) == float("inf"):
-            self.duplicate = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
-                              "64-bit float", pos)
-        if self.number is None:
-            problem = _number_problem(lit)
-            if problem:
-                self.number = (problem, pos)
+        self.check_number(lit, pos)
         return end, Num(lit)
 
 
@@ -483,37 +569,68 @@ def member_spans(raw: bytes) -> dict[str, bytes]:
 # strings escaped one fixed way, number literals verbatim. Hashes and request keys are taken
 # over this form, so key order and escape spelling never matter and literals always do.
 
-_CANON_ESCAPE = re.compile('[\x00-\x1f"\\\\<>&\u2028\u2029]')
-_POLICY_ESCAPE = re.compile('[\x00-\x1f"\\\\]')
-_NAMED_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f",
-                  "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_HTML_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",
+                            "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _escape_char(m: re.Match) -> str:
-    ch = m.group()
-    return _NAMED_ESCAPES.get(ch) or f"\\u{ord(ch):04x}"
+_HTML_CHARS = re.compile("[<>&\u2028\u2029]")
 
 
-def _encode(value: Any, out: list[str], escaper: re.Pattern) -> None:
-    if isinstance(value, str):
-        out.append('"' + escaper.sub(_escape_char, value) + '"')
-    elif isinstance(value, Num):
+def _canon_str(text: str) -> str:
+    """A string in canonical form: the stdlib's escaping of '"', '\\' and C0 controls
+    (named escapes, else \\u00xx in lower case), then <, >, &, U+2028, U+2029 escaped."""
+    out = _json_str(text)
+    return out.translate(_HTML_SAFE) if _HTML_CHARS.search(out) else out
+
+
+def _policy_str(text: str) -> str:
+    """A string in policy form: only '"', '\\' and C0 controls escaped."""
+    return _json_str(text)
+
+
+_json_str = json.encoder.encode_basestring   # ensure_ascii off: other characters stay raw
+
+
+_KEY_CACHE: dict[tuple[Callable, str], str] = {}
+KEY_CACHE_SIZE = 4096
+
+
+def _quote_key(quote: Callable[[str], str], key: str) -> str:
+    """Object keys repeat across documents and calls; their quoted forms are cached."""
+    found = _KEY_CACHE.get((quote, key))
+    if found is None:
+        if len(_KEY_CACHE) >= KEY_CACHE_SIZE:
+            _KEY_CACHE.clear()
+        found = _KEY_CACHE[(quote, key)] = quote(key)
+    return found
+
+
+def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
+    kind = type(value)
+    if kind is str:
+        out.append(quote(value))
+    elif kind is Num:
         out.append(value.text)
-    elif isinstance(value, dict):
+    elif kind is dict:
         out.append("{")
         # Python orders str by code point, which for scalar values is UTF-8 byte order.
         for i, key in enumerate(sorted(value)):
-            if i:
-                out.append(",")
-            out.append('"' + escaper.sub(_escape_char, key) + '":')
-            _encode(value[key], out, escaper)
+            item = value[key]
+            head = ("," if i else "") + _quote_key(quote, key) + ":"
+            if type(item) is str:          # scalars inline: most members are
+                out.append(head + quote(item))
+            elif type(item) is Num:
+                out.append(head + item.text)
+            else:
+                out.append(head)
+                _encode(item, out, quote)
         out.append("}")
-    elif isinstance(value, list):
+    elif kind is list:
         out.append("[")
         for i, item in enumerate(value):
             if i:
                 out.append(",")
-            _encode(item, out, escaper)
+            _encode(item, out, quote)
         out.append("]")
     elif value is True:
         out.append("true")
@@ -528,7 +645,7 @@ def _encode(value: Any, out: list[str], escaper: re.Pattern) -> None:
 def encode_canonical(value: Any) -> bytes:
     """The canonical bytes of an already parsed value."""
     out: list[str] = []
-    _encode(value, out, _CANON_ESCAPE)
+    _encode(value, out, _canon_str)
     return "".join(out).encode("utf-8")
 
 
@@ -540,7 +657,7 @@ def canonical_json(raw: bytes) -> bytes:
 def policy_json(raw: bytes, strict: bool = True) -> bytes:
     """The canonical form without HTML escaping: what a policy is handed. Never hashed."""
     out: list[str] = []
-    _encode(parse_json(raw, strict), out, _POLICY_ESCAPE)
+    _encode(parse_json(raw, strict), out, _policy_str)
     return "".join(out).encode("utf-8")
 
 
@@ -1560,6 +1677,9 @@ class Tx:
         self.c = conn
         self._head: tuple[int, str] | None = None
 
+    def forget_head(self) -> None:
+        self._head = None
+
     def run(self, run_id: str) -> Run:
         row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
         if row is None:
@@ -1659,6 +1779,8 @@ class Store:
     def __init__(self, path: str, *, create: bool = False, readonly: bool = False):
         self.path, self.readonly = path, readonly
         self._lock = threading.RLock()
+        self._batch: Tx | None = None
+        self._savepoints: list[str] = []
         exists = check_database_file(path, writer=not readonly)
         if not exists:
             if not create:
@@ -1740,10 +1862,15 @@ class Store:
     @contextlib.contextmanager
     def tx(self):
         """A write transaction begun IMMEDIATE: it takes the write lock up front, so a
-        compare-and-set read inside it cannot be overtaken by another writer."""
+        compare-and-set read inside it cannot be overtaken by another writer. Inside a
+        batch it is a savepoint of the batch's transaction instead."""
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only")
         with self._lock:
+            if self._batch is not None:
+                with self._savepoint() as tx:
+                    yield tx
+                return
             try:
                 self.conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
@@ -1757,6 +1884,50 @@ class Store:
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"{self.path}: write failed: {exc}") from None
                 raise
+
+    @contextlib.contextmanager
+    def _savepoint(self):
+        name = f"sp{len(self._savepoints)}"
+        self._savepoints.append(name)
+        self.conn.execute(f"SAVEPOINT {name}")
+        try:
+            yield self._batch
+            self.conn.execute(f"RELEASE {name}")
+        except BaseException as exc:
+            self.conn.execute(f"ROLLBACK TO {name}")
+            self.conn.execute(f"RELEASE {name}")
+            self._batch.forget_head()      # events appended in the savepoint are gone
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"{self.path}: write failed: {exc}") from None
+            raise
+        finally:
+            self._savepoints.pop()
+
+    @contextlib.contextmanager
+    def batch(self):
+        """One transaction for several state changes that happen with nothing outside in
+        between (begin, step, propose, start a tool): one commit instead of four. The
+        store's lock is held throughout, so no other thread sees the batch half done."""
+        with self._lock:
+            if self._batch is not None:
+                yield
+                return
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
+            self._batch = Tx(self.conn)
+            try:
+                yield
+                self.conn.execute("COMMIT")
+            except BaseException as exc:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"{self.path}: write failed: {exc}") from None
+                raise
+            finally:
+                self._batch = None
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:
@@ -2160,6 +2331,27 @@ class Gate:
         self.leases.hold(run_id, until)
         return Session(self, run_id)
 
+    async def call(self, run_id: str, goal: str, limits: Limits,
+                   decision: Decision) -> tuple["Session", Verdict, dict | None]:
+        """Begin a run and propose one decision. When it is allowed the tool runs: the
+        run's creation, the proposal and the tool's start commit together, and its outcome
+        in a second commit. Returns the session, the verdict, and the observation if the
+        tool ran."""
+        with self.store.batch():
+            session = self.begin(run_id, goal, limits)
+            try:
+                if session.step() is None:
+                    return session, Verdict("ended", run=session.final), None
+                verdict = session.propose(decision)
+                if verdict.kind == "allowed":
+                    session.start()
+            except BaseException:
+                session._finish("lost", None)
+                raise
+        if verdict.kind != "allowed":
+            return session, verdict, None
+        return session, verdict, await session.run_started()
+
     def attach(self, run_id: str) -> tuple["Session | None", Verdict]:
         """Continue a run left waiting or running: collect an approved grant (the policy is
         evaluated again on the recorded request), expire what is overdue, or take over a run
@@ -2330,6 +2522,7 @@ class Session:
         self.gate, self.store, self.run_id = gate, gate.store, run_id
         self.current: Step | None = step
         self._allowed: _Allowed | None = None
+        self._started: ToolRequest | None = None
         self.state = "open"            # open, paused, ended, lost, closed
         self.final: Run | None = None
 
@@ -2590,6 +2783,12 @@ class Session:
 
     async def execute(self) -> dict:
         """Run the allowed request once and record its outcome. Returns the observation."""
+        self.start()
+        return await self.run_started()
+
+    def start(self) -> None:
+        """Commit the policy's decision and the tool's start: after this the attempt is on
+        record, before anything leaves the process. Raises when nothing may execute."""
         self._usable()
         allowed, step = self._allowed, self.current
         if allowed is None or step is None:
@@ -2627,9 +2826,17 @@ class Session:
             tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
         gate.leases.hold(self.run_id, until)
         self.current = dataclasses.replace(step, status="executing", started_at=start_at)
+        self._started = request
+
+    async def run_started(self) -> dict:
+        """Call the tool whose start was committed, and record what came of it."""
+        request, self._started = self._started, None
+        if request is None:
+            raise RunStateError(f"run {self.run_id}: no tool call was started")
+        spec = request.spec
         began = time.monotonic()
         try:
-            obs = await _call_tool(gate.tools[spec.name], request.args)
+            obs = await _call_tool(self.gate.tools[spec.name], request.args)
         except asyncio.CancelledError:
             content = {"error": "the caller was cancelled while the tool ran",
                        "failure": "cancelled", "tool": spec.name}

@@ -68,6 +68,7 @@ import stat
 import sys
 import threading
 import time
+import urllib.parse
 import unicodedata
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -84,6 +85,11 @@ NUMBER_SHOWN = 24                    # bytes of a refused literal quoted in the 
 MAX_RESULT_BYTES = 64 * 1024         # a result or quoted result shown to the model
 MAX_POLICY_ID_BYTES = 256            # a policy identity
 MAX_SCHEMA_ERRORS = 8                # schema failures listed in one message
+MAX_SCHEMA_CHAIN = 64                # $refs and combinators applying to one value, in a row
+# Arguments nest up to MAX_DEPTH and checking takes a few frames per level; Python's default
+# of 1000 frames is too few. Deeper still is refused (RecursionError), never accepted.
+RECURSION_LIMIT = 6000
+sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
 
 BUSY_TIMEOUT_MS = 5000               # SQLite busy_timeout on every connection
 WAL_SWITCH_SECONDS = 5.0             # how long to retry switching to WAL while busy
@@ -895,16 +901,63 @@ class Schema:
             raise SchemaError("input schema is not an object")
         self.raw = raw
         self._patterns: dict[str, re.Pattern] = {}
+        self._schemas: dict[tuple, Any] = {}       # every compiled subschema, by location
+        self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
         self._compile(self.root, ())
+        self._check_refs()
+
+    def _check_refs(self) -> None:
+        """Every $ref names a subschema we compiled, and following $refs and the keywords
+        that apply to the same value (allOf, not, if, ...) never comes back to where it
+        started, nor runs longer than MAX_SCHEMA_CHAIN: a schema that could recurse
+        without consuming input is refused here, not discovered while checking."""
+        for ref in list(self._refs):
+            target = self._refs[ref]
+            if target not in self._schemas:
+                raise SchemaError(f"$ref {_quote(ref)} does not name a schema")
+        longest: dict[tuple, int] = {}
+        for start in self._schemas:
+            self._chain(start, longest, set())
+
+    def _chain(self, at: tuple, longest: dict, active: set) -> int:
+        if at in longest:
+            return longest[at]
+        if at in active:
+            raise SchemaError(f"the schema at #{_pointer(at)} refers to itself through "
+                              "$ref without consuming input")
+        active.add(at)
+        node, depth = self._schemas[at], 0
+        for nxt in self._same_value_children(at, node):
+            depth = max(depth, 1 + self._chain(nxt, longest, active))
+        active.discard(at)
+        if depth > MAX_SCHEMA_CHAIN:
+            raise SchemaError(f"the schema at #{_pointer(at)} chains more than "
+                              f"{MAX_SCHEMA_CHAIN} references and combinators")
+        longest[at] = depth
+        return depth
+
+    def _same_value_children(self, at: tuple, node: Any) -> list[tuple]:
+        """The subschemas that apply to the same value as the one at ``at``."""
+        if not isinstance(node, dict):
+            return []
+        out = [self._refs[node["$ref"]]] if "$ref" in node else []
+        for key in ("allOf", "anyOf", "oneOf"):
+            out += [at + (key, i) for i in range(len(node.get(key, [])))]
+        out += [at + (key,) for key in ("not", "if", "then", "else") if key in node]
+        for key in ("dependentSchemas", "dependencies"):
+            out += [at + (key, name) for name, dep in node.get(key, {}).items()
+                    if not isinstance(dep, list)]
+        return out
 
     # -- compiling: every keyword is known and well formed, every $ref resolves locally --
 
     def _compile(self, node: Any, at: tuple) -> None:
         where = "#" + _pointer(at)
+        if not isinstance(node, (bool, dict)):
+            raise SchemaError(f"schema at {where} is not an object or boolean")
+        self._schemas[at] = node
         if isinstance(node, bool):
             return
-        if not isinstance(node, dict):
-            raise SchemaError(f"schema at {where} is not an object or boolean")
         for key, val in node.items():
             if key not in SCHEMA_KEYWORDS:
                 raise SchemaError(f"schema at {where} uses {_quote(key)}, "
@@ -949,7 +1002,7 @@ class Schema:
                 raise SchemaError(f"{where} is not an array")
         elif key == "type":
             names = val if isinstance(val, list) else [val]
-            if not names or any(n not in _TYPES for n in names):
+            if not names or any(not isinstance(n, str) or n not in _TYPES for n in names):
                 raise SchemaError(f"{where} names a type that does not exist")
         elif key == "required":
             if not isinstance(val, list) or not all(isinstance(n, str) for n in val):
@@ -964,7 +1017,7 @@ class Schema:
         elif key == "$ref":
             if not isinstance(val, str):
                 raise SchemaError(f"{where} is not a string")
-            self._resolve(val)
+            self._refs[val] = self._resolve(val)
         elif key == "$id":
             if at != ("$id",):
                 raise SchemaError(f"{where}: an $id inside the schema is not supported")
@@ -983,30 +1036,32 @@ class Schema:
         found = self._patterns.get(pattern)
         if found is None:
             try:
-                found = re.compile(pattern, re.ASCII)
+                found = re.compile(_ecma_pattern(pattern), re.ASCII)
             except (re.error, RecursionError, OverflowError) as exc:
                 raise SchemaError(f"{where}: pattern does not compile: {exc}") from None
             self._patterns[pattern] = found
         return found
 
-    def _resolve(self, ref: str) -> Any:
-        """The subschema a local reference names. Anything else is refused: no URL is loaded."""
+    def _resolve(self, ref: str) -> tuple:
+        """The location a local reference names (RFC 6901 within this document).
+        Anything else is refused: no URL is ever loaded."""
         if not ref.startswith("#"):
             raise SchemaError(f"$ref {_quote(ref)} is outside the schema; "
                               "only references within the schema are resolved")
-        node = self.root
-        frag = ref[1:]
+        frag = urllib.parse.unquote(ref[1:])
         if frag and not frag.startswith("/"):
             raise SchemaError(f"$ref {_quote(ref)} is not a JSON pointer")
+        node, at = self.root, ()
         for part in frag.split("/")[1:] if frag else []:
-            part = _unquote_url(part).replace("~1", "/").replace("~0", "~")
+            part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
+                node, at = node[part], at + (part,)
+            elif isinstance(node, list) and _ARRAY_INDEX.fullmatch(part) and \
+                    int(part) < len(node):
+                node, at = node[int(part)], at + (int(part),)
             else:
                 raise SchemaError(f"$ref {_quote(ref)} does not resolve")
-        return node
+        return at
 
     # -- validating --
 
@@ -1015,42 +1070,54 @@ class Schema:
         Raises JSONError for bytes that are not usable JSON, SchemaError for a mismatch."""
         value = parse_json(raw)
         errors: list[tuple[str, str]] = []
-        self._validate(self.root, value, [], errors, set())
+        try:
+            self._validate(self.root, value, [], errors)
+        except RecursionError:      # a refusal, never an acceptance
+            raise SchemaError("the arguments are nested too deeply to check against this "
+                              "schema") from None
         if errors:
             shown = "; ".join(f"at '{p}': {d}" for p, d in errors[:MAX_SCHEMA_ERRORS])
             more = len(errors) - MAX_SCHEMA_ERRORS
             raise SchemaError(shown + (f"; and {more} more" if more > 0 else ""))
         return value
 
-    def _validate(self, node: Any, value: Any, path: list, errors: list, active: set) -> None:
+    def _validate(self, node: Any, value: Any, path: list, errors: list) -> None:
         if node is True:
             return
         if node is False:
             errors.append((_pointer(path), "no value is allowed here"))
             return
-        # A $ref chain that comes back to where it started without consuming input would
-        # recurse forever; it is a refusal, never an acceptance.
-        token = (id(node), len(path), id(value))
-        if token in active:
-            errors.append((_pointer(path), "the schema refers to itself without end"))
-            return
-        active.add(token)
-        try:
-            for key, val in node.items():
-                check = _CHECKS.get(key)
-                if check:
-                    check(self, node, val, value, path, errors, active)
-        finally:
-            active.discard(token)
+        for key, val in node.items():
+            check = _CHECKS.get(key)
+            if check:
+                check(self, node, val, value, path, errors)
 
-    def _sub_ok(self, node: Any, value: Any, path: list, active: set) -> bool:
+    def _sub_ok(self, node: Any, value: Any, path: list) -> bool:
         errs: list = []
-        self._validate(node, value, path, errs, active)
+        self._validate(node, value, path, errs)
         return not errs
 
 
-def _unquote_url(part: str) -> str:
-    return re.sub("%([0-9a-fA-F]{2})", lambda m: chr(int(m.group(1), 16)), part)
+_ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
+
+
+def _ecma_pattern(pattern: str) -> str:
+    """Python's reading of a JSON Schema (ECMA-262) pattern: a '$' outside a character class
+    matches only at the very end, never before a final newline."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+        elif ch == "]" and in_class:
+            in_class = False
+        out.append("\\Z" if ch == "$" and not in_class else ch)
+        i += 1
+    return "".join(out)
 
 
 def _fail(errors: list, path: list, detail: str) -> None:
@@ -1061,7 +1128,7 @@ def _show(value: Any) -> str:
     return truncate(sanitize(encode_canonical(value).decode("utf-8")), NUMBER_SHOWN * 4)
 
 
-def _k_type(s, node, want, value, path, errors, active):
+def _k_type(s, node, want, value, path, errors):
     names = want if isinstance(want, list) else [want]
     kind = _kind(value)
     if kind in names or (kind == "integer" and "number" in names):
@@ -1069,12 +1136,12 @@ def _k_type(s, node, want, value, path, errors, active):
     _fail(errors, path, f"got {kind}, want {' or '.join(names)}")
 
 
-def _k_enum(s, node, options, value, path, errors, active):
+def _k_enum(s, node, options, value, path, errors):
     if not any(_equal(value, o) for o in options):
         _fail(errors, path, "value must be one of " + ", ".join(_show(o) for o in options))
 
 
-def _k_const(s, node, const, value, path, errors, active):
+def _k_const(s, node, const, value, path, errors):
     if not _equal(value, const):
         _fail(errors, path, f"value must be {_show(const)}")
 
@@ -1083,7 +1150,7 @@ _RANGE = (("minimum", lambda v, b: v < b), ("exclusiveMinimum", lambda v, b: v <
           ("maximum", lambda v, b: v > b), ("exclusiveMaximum", lambda v, b: v >= b))
 
 
-def _k_range(s, node, _unused, value, path, errors, active):
+def _k_range(s, node, _unused, value, path, errors):
     if not isinstance(value, Num):
         return
     v = value.exact()
@@ -1095,12 +1162,12 @@ def _k_range(s, node, _unused, value, path, errors, active):
             _fail(errors, path, f"{key}: got {value.text}, want {bound.text}")
 
 
-def _k_multiple(s, node, m, value, path, errors, active):
+def _k_multiple(s, node, m, value, path, errors):
     if isinstance(value, Num) and (value.exact() / m.exact()).denominator != 1:
         _fail(errors, path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
 
 
-def _k_length(s, node, _unused, value, path, errors, active):
+def _k_length(s, node, _unused, value, path, errors):
     if not isinstance(value, str):
         return
     n = len(value)
@@ -1110,13 +1177,13 @@ def _k_length(s, node, _unused, value, path, errors, active):
         _fail(errors, path, f"maxLength: got {n} characters, want {node['maxLength'].text}")
 
 
-def _k_pattern(s, node, pattern, value, path, errors, active):
+def _k_pattern(s, node, pattern, value, path, errors):
     if isinstance(value, str) and not s._regex(pattern, "pattern").search(value):
         _fail(errors, path, f"does not match pattern {_quote(pattern)}")
 
 
 def _k_count(kind: type, low: str, high: str, noun: str):
-    def check(s, node, _unused, value, path, errors, active):
+    def check(s, node, _unused, value, path, errors):
         if not isinstance(value, kind):
             return
         n = len(value)
@@ -1127,14 +1194,14 @@ def _k_count(kind: type, low: str, high: str, noun: str):
     return check
 
 
-def _k_required(s, node, names, value, path, errors, active):
+def _k_required(s, node, names, value, path, errors):
     if isinstance(value, dict):
         for name in names:
             if name not in value:
                 _fail(errors, path, f"missing property {_quote(name)}")
 
 
-def _k_properties(s, node, _unused, value, path, errors, active):
+def _k_properties(s, node, _unused, value, path, errors):
     """properties, patternProperties and additionalProperties together, as they interact."""
     if not isinstance(value, dict):
         return
@@ -1146,29 +1213,29 @@ def _k_properties(s, node, _unused, value, path, errors, active):
         matched = False
         if name in props:
             matched = True
-            s._validate(props[name], item, path + [name], errors, active)
+            s._validate(props[name], item, path + [name], errors)
         for pat, sub in patterns.items():
             if s._regex(pat, "patternProperties").search(name):
                 matched = True
-                s._validate(sub, item, path + [name], errors, active)
+                s._validate(sub, item, path + [name], errors)
         if not matched:
             if extra is False:
                 unexpected.append(name)
             elif extra is not True:
-                s._validate(extra, item, path + [name], errors, active)
+                s._validate(extra, item, path + [name], errors)
     if unexpected:
         names = ", ".join(_quote(n) for n in unexpected)
         _fail(errors, path, f"additional properties {names} not allowed")
 
 
-def _k_property_names(s, node, sub, value, path, errors, active):
+def _k_property_names(s, node, sub, value, path, errors):
     if isinstance(value, dict):
         for name in value:
-            if not s._sub_ok(sub, name, path, active):
+            if not s._sub_ok(sub, name, path):
                 _fail(errors, path, f"property name {_quote(name)} is not allowed")
 
 
-def _k_items(s, node, _unused, value, path, errors, active):
+def _k_items(s, node, _unused, value, path, errors):
     """prefixItems, items (either draft's form) and additionalItems together."""
     if not isinstance(value, list):
         return
@@ -1182,13 +1249,13 @@ def _k_items(s, node, _unused, value, path, errors, active):
         if sub is False and i >= len(prefix):
             _fail(errors, path, f"array has {len(value)} items, at most {len(prefix)} allowed")
             return
-        s._validate(sub, item, path + [i], errors, active)
+        s._validate(sub, item, path + [i], errors)
 
 
-def _k_contains(s, node, sub, value, path, errors, active):
+def _k_contains(s, node, sub, value, path, errors):
     if not isinstance(value, list):
         return
-    n = sum(1 for i, item in enumerate(value) if s._sub_ok(sub, item, path + [i], active))
+    n = sum(1 for i, item in enumerate(value) if s._sub_ok(sub, item, path + [i]))
     low = node["minContains"].exact() if "minContains" in node else 1
     if n < low:
         _fail(errors, path, f"contains: {n} items match, want at least {low}")
@@ -1196,7 +1263,7 @@ def _k_contains(s, node, sub, value, path, errors, active):
         _fail(errors, path, f"contains: {n} items match, want at most {node['maxContains'].text}")
 
 
-def _k_unique(s, node, flag, value, path, errors, active):
+def _k_unique(s, node, flag, value, path, errors):
     if flag and isinstance(value, list):
         seen: set = set()
         for i, item in enumerate(value):
@@ -1207,38 +1274,38 @@ def _k_unique(s, node, flag, value, path, errors, active):
             seen.add(h)
 
 
-def _k_all_of(s, node, subs, value, path, errors, active):
+def _k_all_of(s, node, subs, value, path, errors):
     for sub in subs:
-        s._validate(sub, value, path, errors, active)
+        s._validate(sub, value, path, errors)
 
 
-def _k_any_of(s, node, subs, value, path, errors, active):
-    if not any(s._sub_ok(sub, value, path, active) for sub in subs):
+def _k_any_of(s, node, subs, value, path, errors):
+    if not any(s._sub_ok(sub, value, path) for sub in subs):
         _fail(errors, path, "does not match any schema of anyOf")
 
 
-def _k_one_of(s, node, subs, value, path, errors, active):
-    n = sum(1 for sub in subs if s._sub_ok(sub, value, path, active))
+def _k_one_of(s, node, subs, value, path, errors):
+    n = sum(1 for sub in subs if s._sub_ok(sub, value, path))
     if n != 1:
         _fail(errors, path, f"matches {n} schemas of oneOf, want exactly one")
 
 
-def _k_not(s, node, sub, value, path, errors, active):
-    if s._sub_ok(sub, value, path, active):
+def _k_not(s, node, sub, value, path, errors):
+    if s._sub_ok(sub, value, path):
         _fail(errors, path, "matches a schema it must not match")
 
 
-def _k_if(s, node, cond, value, path, errors, active):
-    branch = node.get("then") if s._sub_ok(cond, value, path, active) else node.get("else")
+def _k_if(s, node, cond, value, path, errors):
+    branch = node.get("then") if s._sub_ok(cond, value, path) else node.get("else")
     if branch is not None:
-        s._validate(branch, value, path, errors, active)
+        s._validate(branch, value, path, errors)
 
 
-def _k_ref(s, node, ref, value, path, errors, active):
-    s._validate(s._resolve(ref), value, path, errors, active)
+def _k_ref(s, node, ref, value, path, errors):
+    s._validate(s._schemas[s._refs[ref]], value, path, errors)
 
 
-def _k_dependent(s, node, deps, value, path, errors, active):
+def _k_dependent(s, node, deps, value, path, errors):
     if not isinstance(value, dict):
         return
     for name, dep in deps.items():
@@ -1249,7 +1316,7 @@ def _k_dependent(s, node, deps, value, path, errors, active):
                 if need not in value:
                     _fail(errors, path, f"property {_quote(need)} is required with {_quote(name)}")
         else:
-            s._validate(dep, value, path, errors, active)
+            s._validate(dep, value, path, errors)
 
 
 # Each keyword that constrains a value, once: keywords read together (the bounds, the
@@ -1267,10 +1334,10 @@ _CHECKS: dict[str, Callable] = {
 
 def _first_of(keys: tuple[str, ...], check: Callable) -> Callable:
     """Run ``check`` once per schema node, from whichever of ``keys`` comes first in it."""
-    def run(s, node, val, value, path, errors, active, _keys=keys):
+    def run(s, node, val, value, path, errors, _keys=keys):
         first = next(k for k in node if k in _keys)
         if first == run.key:
-            check(s, node, val, value, path, errors, active)
+            check(s, node, val, value, path, errors)
     return run
 
 

@@ -3573,14 +3573,12 @@ def _choose_approval(store: Store, run_id: str, wanted: str | None) -> Approval:
 
 
 def cmd_decide(store: Store, args, out: Out) -> int:
-    verb = args.command
-    by = args.by if args.by is not None else os.environ.get("USER", "")
-    if not by:
-        raise UsageError("-by is empty and $USER is unset: pass -by WHO")
+    verb, by = args.command, args.by
     approval = _choose_approval(store, args.run, args.approval)
-    block = approval_block(store, approval, store.path)
-    for line in block:
-        (out.stderr.write(line + "\n") if args.json else out.line(line))
+    # Under -json stdout carries one JSON document, so the block goes to stderr.
+    emit = out.log if args.json else out.line
+    for line in approval_block(store, approval, store.path):
+        emit(line)
     if not (args.approval or args.yes):
         if args.json or not _is_terminal(out.stdin):
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
@@ -3610,10 +3608,7 @@ def cmd_decide(store: Store, args, out: Out) -> int:
 
 
 def cmd_cancel(store: Store, args, out: Out) -> int:
-    by = args.by if args.by is not None else os.environ.get("USER", "")
-    if not by:
-        raise UsageError("-by is empty and $USER is unset: pass -by WHO")
-    run = cancel_run(store, args.run, by, args.note, time.time())
+    run = cancel_run(store, args.run, args.by, args.note, time.time())
     if args.json:
         out.json({"run": _run_summary(store, run)})
     else:
@@ -3631,16 +3626,7 @@ def _parse_head(text: str | None) -> tuple[int, str] | None:
 
 
 def cmd_verify(store: Store, args, out: Out) -> int:
-    head = _parse_head(args.head)
-    first, last = getattr(args, "from"), args.to
-    if first < 0 or last < 0:
-        raise UsageError("-from and -to cannot be negative")
-    if last and last < first:
-        raise UsageError("-to is before -from")
-    if head and last and head[0] > last:
-        raise UsageError("-head is past -to")
-    if head and head[0] < first:
-        raise UsageError("-head is before -from")
+    head, first, last = args.head, getattr(args, "from"), args.to
     head_seq, head_hash = store.chain_head()
     report = store.verify_events(first, last or head_seq)
     problems = []
@@ -3733,11 +3719,31 @@ def _describe_failure(exc: Exception, command: str) -> str:
     return str(exc)
 
 
-def run_operator(args, out: Out) -> int:
-    handler, readonly = _COMMANDS[args.command]
+def _check_arguments(args) -> None:
+    """Every argument is judged before the database is touched."""
     if args.command in ("runs", "show", "events") and \
             ((args.limit is not None and args.limit < 0) or args.offset < 0):
         raise UsageError("-limit and -offset cannot be negative")
+    if args.command in ("approve", "reject", "cancel"):
+        args.by = args.by if args.by is not None else os.environ.get("USER", "")
+        if not args.by:
+            raise UsageError("-by is empty and $USER is unset: pass -by WHO")
+    if args.command == "verify":
+        first, last = getattr(args, "from"), args.to
+        args.head = _parse_head(args.head)
+        if first < 0 or last < 0:
+            raise UsageError("-from and -to cannot be negative")
+        if last and last < first:
+            raise UsageError("-to is before -from")
+        if args.head and last and args.head[0] > last:
+            raise UsageError("-head is past -to")
+        if args.head and args.head[0] < first:
+            raise UsageError("-head is before -from")
+
+
+def run_operator(args, out: Out) -> int:
+    handler, readonly = _COMMANDS[args.command]
+    _check_arguments(args)
     path = _database_path(args)
     try:
         store = Store.open_existing(path, readonly=readonly)

@@ -668,17 +668,11 @@ def test_verify_malformed_head_is_usage_error(harness, cli, head):
     assert "SEQ:HASH" in err
 
 
-@pytest.mark.xfail(strict=True, reason="core.md 15: arguments are validated before the "
-                   "database is touched; the code opens the database first, so a malformed "
-                   "-head against a missing file exits 1 (database missing) instead of 2")
 def test_verify_malformed_head_is_usage_error_before_the_database_is_opened(tmp_path, cli):
     code, _, err = cli("-db", str(tmp_path / "missing.db"), "verify", "-head", "abc")
     assert code == 2, err
 
 
-@pytest.mark.xfail(strict=True, reason="core.md 15: arguments are validated before the "
-                   "database is touched; an empty -by with $USER unset is found only after "
-                   "the database is opened, so a missing database exits 1 instead of 2")
 def test_empty_by_is_usage_error_before_the_database_is_opened(tmp_path, cli, monkeypatch):
     monkeypatch.delenv("USER", raising=False)
     code, _, err = cli("-db", str(tmp_path / "missing.db"), "approve", "run-1", "-yes")
@@ -858,9 +852,6 @@ def test_every_stderr_line_is_prefixed(harness, cli, tmp_path):
     assert status_of(harness.path, approval.id) == "pending"
 
 
-@pytest.mark.xfail(strict=True, reason="DESIGN.md 3: every stderr line starts with "
-                   "'agentrt-proxy: '; with -json, cmd_decide writes the approval block to "
-                   "stderr without the prefix")
 def test_approve_json_keeps_stderr_prefixed(harness, cli):
     approval = harness.waiting("run-1")
     code, out, err = cli("-db", harness.path, "-json", "approve", "run-1", "-approval",

@@ -59,10 +59,13 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import hmac
+import http.client
 import json
 import os
 import re
 import secrets
+import shutil
+import signal
 import sqlite3
 import stat
 import sys
@@ -72,7 +75,7 @@ import urllib.parse
 import unicodedata
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 # ==== 1. Constants and limits ====
 # Every bound the proxy enforces is named here; bodies use these names, never bare numbers.
@@ -557,13 +560,18 @@ def member_spans(raw: bytes) -> dict[str, bytes]:
         raise JSONError("not valid JSON: expected an object", raw, 0)
     text = raw.decode("utf-8")
     p = _Parser(raw, text, strict=False)
-    spans: dict[str, bytes] = {}
-    pos = p.skip_ws(p.skip_ws(0) + 1)
+    return {k: text[a:b].encode("utf-8") for k, (a, b) in _spans(p, p.skip_ws(0)).items()}
+
+
+def _spans(p: _Parser, pos: int) -> dict[str, tuple[int, int]]:
+    """Character spans of the member values of the (already parsed) object at ``pos``."""
+    text, spans = p.src, {}
+    pos = p.skip_ws(pos + 1)
     while text[pos] != "}":
         pos, key = p.string(pos + 1)
         start = p.skip_ws(p.skip_ws(pos) + 1)
         pos, _ = p.value(start)
-        spans[key] = text[start:pos].encode("utf-8")
+        spans[key] = (start, pos)
         pos = p.skip_ws(pos)
         if text[pos] == ",":
             pos = p.skip_ws(pos + 1)
@@ -3240,6 +3248,1917 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
     return run
 
 
+# ==== 11. JSON-RPC framing ====
+# Newline-delimited JSON-RPC 2.0 over bytes. A message is parsed leniently for routing (its
+# method, id and params), and the exact bytes of its members are kept: the host's
+# ``params.arguments`` and an upstream's ``result`` are judged later, strictly, as sent.
+
+MAX_FRAME = 16 * 1024 * 1024          # one message, on stdio or in an HTTP body
+ENVELOPE_DEPTH = MAX_DEPTH + 8         # room around arguments nested to the limit
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
+INVALID_PARAMS, INTERNAL_ERROR = -32602, -32603
+HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+MODERN_VERSION = "2026-07-28"
+LEGACY_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
+META_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_CLIENT = "io.modelcontextprotocol/clientInfo"
+META_SERVER = "io.modelcontextprotocol/serverInfo"
+PROXY_VERSION = "0.1.0"
+
+
+class ProtocolError(ProxyError):
+    """A peer broke the protocol, or a JSON-RPC request failed."""
+
+    def __init__(self, msg: str, code: int = INTERNAL_ERROR, data: Any = None):
+        super().__init__(msg)
+        self.code, self.data = code, data
+
+
+@dataclasses.dataclass
+class Message:
+    """One JSON-RPC message: its lenient parse and the exact bytes of its members."""
+    doc: dict
+    text: str                                    # the line, decoded with surrogateescape
+    spans: dict[str, tuple[int, int]]            # top-level members
+    params_spans: dict[str, tuple[int, int]]     # members of params, when it is an object
+
+    def raw(self, name: str, in_params: bool = False) -> bytes | None:
+        """The bytes of a member as they were sent, or None when it is absent."""
+        span = (self.params_spans if in_params else self.spans).get(name)
+        return None if span is None else \
+            self.text[span[0]:span[1]].encode("utf-8", "surrogateescape")
+
+    @property
+    def method(self) -> str | None:
+        m = self.doc.get("method")
+        return m if isinstance(m, str) else None
+
+    @property
+    def params(self) -> dict:
+        p = self.doc.get("params")
+        return p if isinstance(p, dict) else {}
+
+    @property
+    def has_id(self) -> bool:
+        return "id" in self.doc and self.doc["id"] is not None
+
+    def id_raw(self) -> Raw:
+        """The id to echo, exactly as sent when it is a string or a number."""
+        raw = self.raw("id")
+        if raw is not None and isinstance(self.doc.get("id"), (str, Num)):
+            try:
+                check_json(raw)
+                return Raw(raw)
+            except JSONError:
+                pass
+        return Raw(b"null")
+
+
+def parse_message(line: bytes) -> Message:
+    """Parse one frame. Bytes that are not UTF-8 are kept (they may sit inside arguments,
+    which the gate then refuses as INVALID); anything that is not a JSON object raises."""
+    at = _depth_exceeds(line, ENVELOPE_DEPTH)
+    if at is not None:
+        raise JSONError(f"nested deeper than {ENVELOPE_DEPTH} levels", line, at)
+    text = line.decode("utf-8", "surrogateescape")
+    p = _Parser(line, text, strict=False)
+    pos = p.skip_ws(0)
+    if pos >= len(text):
+        raise p.syntax("no value", pos)
+    end, doc = p.value(pos)
+    if p.skip_ws(end) != len(text):
+        raise p.syntax("data after the value", p.skip_ws(end))
+    if not isinstance(doc, dict):
+        raise JSONError("not a JSON-RPC message: expected an object", line, pos)
+    spans = _spans(p, pos)
+    params_spans = {}
+    if isinstance(doc.get("params"), dict):
+        params_spans = _spans(p, spans["params"][0])
+    return Message(doc, text, spans, params_spans)
+
+
+def rpc_request(msg_id: int, method: str, params: Any) -> bytes:
+    return (dump_json({"jsonrpc": "2.0", "id": msg_id, "method": method,
+                       "params": params}) + "\n").encode()
+
+
+def rpc_notification(method: str, params: Any) -> bytes:
+    return (dump_json({"jsonrpc": "2.0", "method": method, "params": params}) + "\n").encode()
+
+
+def rpc_result(msg_id: Raw, result: Any) -> bytes:
+    return (dump_json({"jsonrpc": "2.0", "id": msg_id, "result": result}) + "\n").encode()
+
+
+def rpc_error(msg_id: Raw, code: int, message: str, data: Any = None) -> bytes:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        err["data"] = data
+    return (dump_json({"jsonrpc": "2.0", "id": msg_id, "error": err}) + "\n").encode()
+
+
+def error_code(exc: BaseException) -> int:
+    """The one place a JSON-RPC error code is chosen for an exception."""
+    if isinstance(exc, ProtocolError):
+        return exc.code
+    if isinstance(exc, JSONError):
+        return PARSE_ERROR
+    if isinstance(exc, (SchemaError, ValueError)):
+        return INVALID_PARAMS
+    return INTERNAL_ERROR
+
+
+# ==== 12. Upstream client ====
+# The proxy as an MCP client of each real server, over stdio or streamable HTTP. The era is
+# probed per server (server/discover, falling back to initialize on any error or timeout)
+# and kept for the connection. Requests a server sends the proxy are refused, its
+# notifications ignored. Every wait is bounded; nothing is read past MAX_FRAME.
+
+STDERR_TAIL = 4096
+STDERR_WAIT = 2.0
+CLOSE_WAIT = 5.0                      # each step of: close stdin, SIGTERM, SIGKILL
+DISCOVER_TIMEOUT = 5.0                # the era probe, within the connect deadline
+DEFAULT_CONNECT_TIMEOUT = 30.0
+HTTP_POOL = 4                         # idle keep-alive connections per HTTP server
+CLIENT_INFO = {"name": "agentrt-proxy", "version": PROXY_VERSION}
+_BASE_ENV = ("PATH", "HOME", "TMPDIR")
+
+
+class UpstreamError(ProxyError):
+    """A server could not be reached or answered outside the protocol."""
+
+
+def child_env(inherit: Iterable[str], env: Iterable[str]) -> dict[str, str]:
+    """A stdio server's whole environment: PATH, HOME and TMPDIR when set here, then the
+    names the operator passes through, then the operator's NAME=value entries. Nothing else:
+    not proxy variables, not credentials."""
+    out: dict[str, str] = {}
+    for name in (*_BASE_ENV, *inherit):
+        if name in os.environ:
+            out[name] = os.environ[name]
+    for entry in env:
+        name, _, value = entry.partition("=")
+        out[name] = value
+    return out
+
+
+def _contain_child() -> None:
+    """Run in the child before exec (Linux): die when the proxy dies."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)        # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Upstream:
+    """One server connection: its era, its requests, its tools. Subclasses move the bytes."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.modern = False
+        self.version = ""
+        self._next_id = 0
+        self.closed = False
+
+    # -- transport hooks --
+    async def _exchange(self, msg_id: int, method: str, payload: bytes,
+                        timeout: float, tool: str = "") -> Message:
+        raise NotImplementedError
+
+    async def _post(self, payload: bytes, method: str) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    def stderr_tail(self) -> str:
+        return ""
+
+    # -- the protocol --
+    def _params(self, params: dict) -> dict:
+        """Modern requests carry the protocol version and capabilities in every _meta."""
+        if not self.modern:
+            return params
+        meta = {META_VERSION: MODERN_VERSION, META_CAPABILITIES: {}, META_CLIENT: CLIENT_INFO}
+        return {**params, "_meta": meta}
+
+    async def request(self, method: str, params: dict, timeout: float,
+                      tool: str = "") -> Message:
+        """Send a request and return the response message, or raise ProtocolError for an
+        error answer, asyncio.TimeoutError when none came in time."""
+        if self.closed:
+            raise UpstreamError(f"the connection to {self.name} is closed")
+        self._next_id += 1
+        msg_id = self._next_id
+        payload = rpc_request(msg_id, method, self._params(params))
+        reply = await self._exchange(msg_id, method, payload, timeout, tool)
+        err = reply.doc.get("error")
+        if err is not None:
+            err = err if isinstance(err, dict) else {}
+            code = err.get("code")
+            raise ProtocolError(sanitize(str(err.get("message", "error"))),
+                                int(code.exact()) if isinstance(code, Num) and
+                                code.is_integer() else INTERNAL_ERROR, err.get("data"))
+        if "result" not in reply.doc:
+            raise ProtocolError("the answer has neither a result nor an error")
+        return reply
+
+    async def connect(self, deadline: float) -> None:
+        """Probe the era: server/discover first; any error or timeout means the legacy
+        handshake. The answer holds for this connection."""
+        probe = min(DISCOVER_TIMEOUT, max(0.0, deadline - time.monotonic()) / 2)
+        self.modern = True
+        try:
+            reply = await self.request("server/discover", {}, probe)
+            versions = reply.doc["result"].get("supportedVersions", []) \
+                if isinstance(reply.doc["result"], dict) else []
+            if MODERN_VERSION in versions:
+                self.version = MODERN_VERSION
+                return
+        except ProtocolError as exc:
+            supported = exc.data.get("supported") if isinstance(exc.data, dict) else None
+            if exc.code == UNSUPPORTED_VERSION and isinstance(supported, list) and \
+                    MODERN_VERSION in supported:
+                self.version = MODERN_VERSION
+                return
+        except (asyncio.TimeoutError, UpstreamError):
+            if self.closed:
+                raise
+        self.modern = False
+        reply = await self.request("initialize", {
+            "protocolVersion": LEGACY_VERSIONS[0], "capabilities": {},
+            "clientInfo": CLIENT_INFO}, max(0.0, deadline - time.monotonic()))
+        result = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
+        version = result.get("protocolVersion")
+        if version not in LEGACY_VERSIONS:
+            raise UpstreamError(f"unsupported protocol version: {_quote(str(version))}")
+        self.version = version
+        await self._post(rpc_notification("notifications/initialized", {}),
+                         "notifications/initialized")
+
+    async def list_tools(self, deadline: float) -> list["LiveTool"]:
+        """Every tool, following cursors: at most MAX_TOOL_PAGES pages and MAX_TOOLS tools;
+        a repeated cursor or a tool listed twice fails the listing."""
+        tools: dict[str, LiveTool] = {}
+        seen: set[str] = set()
+        cursor = None
+        for _page in range(MAX_TOOL_PAGES):
+            params = {} if cursor is None else {"cursor": cursor}
+            reply = await self.request("tools/list", params,
+                                       max(0.0, deadline - time.monotonic()))
+            result_raw = reply.raw("result") or b"{}"
+            for tool in _page_tools(result_raw):
+                if tool.name in tools:
+                    raise UpstreamError(f"the server lists tool {_quote(tool.name)} twice")
+                if len(tools) >= MAX_TOOLS:
+                    raise UpstreamError(f"more than {MAX_TOOLS} tools")
+                tools[tool.name] = tool
+            result = reply.doc.get("result")
+            cursor = result.get("nextCursor") if isinstance(result, dict) else None
+            if not cursor:
+                return list(tools.values())
+            if not isinstance(cursor, str):
+                raise UpstreamError("the listing's nextCursor is not a string")
+            if cursor in seen:
+                raise UpstreamError(f"the cursor {_quote(cursor)} repeats")
+            seen.add(cursor)
+        raise UpstreamError(f"more than {MAX_TOOL_PAGES} pages")
+
+    async def call_tool(self, remote: str, args: bytes, timeout: float) -> Message:
+        """One tools/call; the arguments go as the given bytes."""
+        return await self.request("tools/call", {"name": remote, "arguments": Raw(args)},
+                                  timeout, tool=remote)
+
+    def _route(self, msg: Message) -> bytes | None:
+        """What to answer a message the server sent on its own: requests are refused (the
+        proxy neither samples, elicits nor lists roots), ping is answered."""
+        if msg.method and msg.has_id:
+            if msg.method == "ping" and not self.modern:
+                return rpc_result(msg.id_raw(), {})
+            return rpc_error(msg.id_raw(), METHOD_NOT_FOUND,
+                             f"{msg.method} is not available through this proxy")
+        return None
+
+
+MAX_TOOL_PAGES = 100
+MAX_TOOLS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveTool:
+    """One tool as the server lists it now."""
+    name: str
+    description: str
+    schema: bytes                       # canonical bytes of its input schema
+    annotations: dict | None
+
+
+def canonical_schema(raw: bytes) -> bytes:
+    """The form schemas are pinned and hashed in: canonical, lenient about repeated keys
+    (the last wins) and unpaired surrogates; nothing else is forgiven."""
+    if not raw.strip():
+        raw = b"null"
+    return encode_canonical(parse_json(raw, strict=False))
+
+
+def _page_tools(result_raw: bytes) -> list[LiveTool]:
+    """The tools of one listing page, read from the result's exact bytes."""
+    result = parse_json(result_raw, strict=False)
+    if not isinstance(result, dict):
+        raise UpstreamError("the listing is not an object")
+    entries = result.get("tools", [])
+    if not isinstance(entries, list):
+        raise UpstreamError("the listing's tools is not an array")
+    spans = member_spans(result_raw).get("tools", b"[]")
+    raw_entries = _array_items(spans)
+    out = []
+    for entry, raw_entry in zip(entries, raw_entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            continue
+        desc = entry.get("description", "")
+        if not isinstance(desc, str):
+            raise UpstreamError(f"tool {_quote(entry['name'])}: description is not a string")
+        ann = entry.get("annotations")
+        if ann is not None and not isinstance(ann, dict):
+            raise UpstreamError(f"tool {_quote(entry['name'])}: annotations is not an object")
+        schema_raw = member_spans(raw_entry).get("inputSchema", b"null")
+        try:
+            schema = canonical_schema(schema_raw)
+        except JSONError as exc:
+            raise UpstreamError(f"tool {_quote(entry['name'])}: input schema: {exc}") from None
+        out.append(LiveTool(entry["name"], desc, schema, _annotations(ann)))
+    return out
+
+
+def _array_items(raw: bytes) -> list[bytes]:
+    """The exact bytes of each item of a JSON array."""
+    text = raw.decode("utf-8")
+    p = _Parser(raw, text, strict=False)
+    pos, items = p.skip_ws(p.skip_ws(0) + 1), []
+    while pos < len(text) and text[pos] != "]":
+        end, _ = p.value(pos)
+        items.append(text[pos:end].encode("utf-8"))
+        pos = p.skip_ws(end)
+        if text[pos] == ",":
+            pos = p.skip_ws(pos + 1)
+    return items
+
+
+_HINTS = ("readOnlyHint", "destructiveHint", "idempotentHint", "openWorldHint")
+
+
+def _annotations(ann: dict | None) -> dict | None:
+    """The hints as the server asserts them (values must be booleans), and the title."""
+    if ann is None:
+        return None
+    out: dict[str, Any] = {}
+    if isinstance(ann.get("title"), str) and ann["title"]:
+        out["title"] = ann["title"]
+    for hint in _HINTS:
+        if hint in ann and ann[hint] is not None:
+            if not isinstance(ann[hint], bool):
+                raise UpstreamError(f"annotation {hint} is not a boolean")
+            out[hint] = ann[hint]
+    return out
+
+
+class StdioUpstream(Upstream):
+    """A server started as a child process: its own process group, a minimal environment,
+    newline-delimited JSON-RPC, the last 4 KiB of its stderr kept for error messages."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+        super().__init__(name)
+        self.argv, self.env = argv, env
+        self.proc: asyncio.subprocess.Process | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._write_lock = asyncio.Lock()
+        self._tail = bytearray()
+        self._tasks: list[asyncio.Task] = []
+        self._close_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        exe = shutil.which(self.argv[0], path=os.environ.get("PATH")) or self.argv[0]
+        kwargs: dict[str, Any] = {"process_group": 0}
+        if sys.platform.startswith("linux"):
+            kwargs["preexec_fn"] = _contain_child
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env=self.env, limit=MAX_FRAME + 1024, **kwargs)
+        except OSError as exc:
+            raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
+
+    async def _drain(self) -> None:
+        """Keep the last STDERR_TAIL bytes of the server's stderr."""
+        while True:
+            chunk = await self.proc.stderr.read(4096)
+            if not chunk:
+                return
+            self._tail += chunk
+            del self._tail[:-STDERR_TAIL]
+
+    def stderr_tail(self) -> str:
+        return sanitize(bytes(self._tail)).strip()
+
+    async def _read(self) -> None:
+        """Dispatch answers by id; a broken frame or EOF ends the connection."""
+        reason = "the server closed its output"
+        try:
+            while True:
+                try:
+                    line = await self.proc.stdout.readuntil(b"\n")
+                except asyncio.IncompleteReadError:
+                    break
+                except asyncio.LimitOverrunError:
+                    reason = f"the server sent a message larger than {MAX_FRAME} bytes"
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    msg = parse_message(line)
+                except JSONError as exc:
+                    reason = f"the server sent a line that is not JSON-RPC: {exc}"
+                    break
+                await self._dispatch(msg)
+        finally:
+            self.closed = True
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(UpstreamError(reason))
+            self._pending.clear()
+
+    async def _dispatch(self, msg: Message) -> None:
+        if msg.method is None:
+            ident = msg.doc.get("id")
+            key = int(ident.exact()) if isinstance(ident, Num) and ident.is_integer() else None
+            fut = self._pending.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
+        answer = self._route(msg)
+        if answer is not None:
+            await self._write(answer)
+
+    async def _write(self, data: bytes) -> None:
+        async with self._write_lock:
+            if self.proc is None or self.proc.stdin.is_closing():
+                raise UpstreamError("the server's input is closed")
+            self.proc.stdin.write(data)
+            try:
+                await self.proc.stdin.drain()
+            except (ConnectionError, BrokenPipeError) as exc:
+                raise UpstreamError(f"the server's input is closed: {exc}") from None
+
+    async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = fut
+        try:
+            await self._write(payload)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            # Tell the server we stopped waiting; its late answer is dropped.
+            with contextlib.suppress(ProxyError, OSError):
+                await self._write(rpc_notification(
+                    "notifications/cancelled",
+                    {"requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"}))
+            raise
+        finally:
+            self._pending.pop(msg_id, None)
+
+    async def _post(self, payload: bytes, method: str) -> None:
+        await self._write(payload)
+
+    async def close(self) -> None:
+        """Close stdin, wait, SIGTERM, wait, SIGKILL; then kill the whole process group.
+        Safe to call twice and while a call is in flight."""
+        async with self._close_lock:
+            proc, self.closed = self.proc, True
+            if proc is None:
+                return
+            if not proc.stdin.is_closing():
+                proc.stdin.close()
+            for sig in (None, signal.SIGTERM, signal.SIGKILL):
+                if proc.returncode is not None:
+                    break
+                if sig is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(sig)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(proc.wait(), CLOSE_WAIT)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(task, STDERR_WAIT)
+            self.proc = None
+
+
+class HttpUpstream(Upstream):
+    """A server at a streamable-HTTP endpoint, spoken to with http.client: JSON or SSE
+    answers, the session id and protocol version headers (legacy), the method and name
+    headers (modern), no redirects, bodies capped at MAX_FRAME, connections kept alive."""
+
+    def __init__(self, name: str, endpoint: str):
+        super().__init__(name)
+        url = urllib.parse.urlsplit(endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise UpstreamError(f"endpoint {_quote(endpoint)} is not an http(s) URL")
+        self.url = url
+        self.path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+        self.session_id = ""
+        self._idle: list[http.client.HTTPConnection] = []
+        self._pool_lock = threading.Lock()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        with self._pool_lock:
+            if self._idle:
+                return self._idle.pop()
+        cls = http.client.HTTPSConnection if self.url.scheme == "https" else \
+            http.client.HTTPConnection
+        return cls(self.url.hostname, self.url.port)
+
+    def _release(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
+        with self._pool_lock:
+            if reusable and not self.closed and len(self._idle) < HTTP_POOL:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _headers(self, method: str, tool: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json",
+                   "Accept": "application/json, text/event-stream"}
+        if self.modern:
+            headers.update({"MCP-Protocol-Version": MODERN_VERSION, "Mcp-Method": method})
+            if tool:
+                headers["Mcp-Name"] = tool
+        elif self.version:
+            headers["MCP-Protocol-Version"] = self.version
+        if self.session_id and not self.modern:
+            headers["Mcp-Session-Id"] = self.session_id
+        return headers
+
+    def _round_trip(self, msg_id: int | None, payload: bytes, method: str, tool: str,
+                    timeout: float) -> Message | None:
+        """One POST, in a worker thread. Returns the answer to ``msg_id`` (None for a
+        notification)."""
+        conn = self._connection()
+        conn.timeout = max(timeout, 0.001)
+        reusable = False
+        try:
+            conn.request("POST", self.path, body=payload, headers=self._headers(method, tool))
+            resp = conn.getresponse()
+            if method == "initialize" and resp.getheader("Mcp-Session-Id"):
+                self.session_id = resp.getheader("Mcp-Session-Id")
+            answer = self._read_answer(resp, msg_id)
+            reusable = not resp.will_close
+            return answer
+        except (OSError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) or "timed out" in str(exc):
+                raise asyncio.TimeoutError() from None
+            raise UpstreamError(f"{self.url.geturl()}: {exc}") from None
+        finally:
+            self._release(conn, reusable)
+
+    def _read_answer(self, resp: http.client.HTTPResponse, msg_id: int | None) -> Message | None:
+        status, ctype = resp.status, (resp.getheader("Content-Type") or "").split(";")[0]
+        length = resp.getheader("Content-Length")
+        if length and length.isdigit() and int(length) > MAX_FRAME:
+            raise UpstreamError(f"response body of {length} bytes exceeds {MAX_FRAME}")
+        if 300 <= status < 400:
+            resp.read(MAX_FRAME)
+            raise UpstreamError(f"the server answered {status} (a redirect), "
+                                "which this proxy does not follow")
+        if status == 202 and msg_id is None:
+            resp.read(MAX_FRAME)
+            return None
+        if status == 404 and self.session_id:
+            resp.read(MAX_FRAME)
+            self.closed = True
+            raise UpstreamError("the server ended the session (404)")
+        if ctype == "text/event-stream" and status == 200:
+            return self._read_events(resp, msg_id)
+        body = _read_capped(resp)
+        if ctype == "application/json" and body.strip():
+            try:
+                msg = parse_message(body)
+            except JSONError as exc:
+                raise UpstreamError(f"the server's answer is not JSON-RPC: {exc}") from None
+            if status == 200 or "error" in msg.doc:
+                return msg
+        raise UpstreamError(f"the server answered HTTP {status}: "
+                            f"{truncate(sanitize(body), 200)}")
+
+    def _read_events(self, resp: http.client.HTTPResponse, msg_id: int | None) -> Message:
+        """Read SSE events until the answer to ``msg_id``; only events named 'message' (or
+        unnamed) carry messages; requests on the stream are refused by _route."""
+        total, data, event = 0, [], ""
+        while True:
+            line = resp.readline(MAX_FRAME + 1)
+            total += len(line)
+            if total > MAX_FRAME:
+                raise UpstreamError(f"response body exceeds {MAX_FRAME} bytes")
+            at_end = not line
+            line = line.rstrip(b"\n").rstrip(b"\r")
+            if line and not at_end:
+                field, _, value = line.partition(b":")
+                value = value[1:] if value.startswith(b" ") else value
+                if field == b"data":
+                    data.append(value)
+                elif field == b"event":
+                    event = value.strip().decode("utf-8", "replace")
+                continue
+            if data and event in ("", "message"):
+                msg = parse_message(b"\n".join(data))
+                if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
+                    return msg
+            data, event = [], ""
+            if at_end:
+                raise UpstreamError("the event stream ended before the answer")
+
+    async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
+        return await asyncio.wait_for(
+            asyncio.to_thread(self._round_trip, msg_id, payload, method, tool, timeout),
+            timeout + 1.0)
+
+    async def _post(self, payload: bytes, method: str) -> None:
+        await asyncio.to_thread(self._round_trip, None, payload, method, "", DISCOVER_TIMEOUT)
+
+    async def close(self) -> None:
+        if self.closed and not self._idle:
+            return
+        if self.session_id and not self.modern:
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                await asyncio.to_thread(self._delete)
+        self.closed = True
+        with self._pool_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _delete(self) -> None:
+        conn = self._connection()
+        conn.timeout = DISCOVER_TIMEOUT
+        try:
+            conn.request("DELETE", self.path, headers=self._headers("", ""))
+            conn.getresponse().read(MAX_FRAME)
+        finally:
+            conn.close()
+
+
+def _same_id(got: Any, want: int | None) -> bool:
+    return isinstance(got, Num) and got.is_integer() and int(got.exact()) == want
+
+
+def _read_capped(resp: http.client.HTTPResponse) -> bytes:
+    body = resp.read(MAX_FRAME + 1)
+    if len(body) > MAX_FRAME:
+        raise UpstreamError(f"response body exceeds {MAX_FRAME} bytes")
+    return body
+
+
+# ==== 13. Pinning and loading upstream tools ====
+# `pin` records what each server presents: every tool's description and canonical input
+# schema, hashed. Loading connects again and registers a tool only when it is pinned,
+# classified by the operator's rule, unchanged since the pin, not contradicted by the hints
+# the server asserts (unless the rule allows it), named acceptably, self-contained, and
+# compiled by the gate's validator. Denied and fixed parameters are hidden from the model.
+
+MAX_CONTENT_BYTES = MAX_RESULT_BYTES
+TRUNCATION_MARKER = "\n[truncated]"
+STRUCTURED_DROPPED = "[structured content dropped: too large]"
+_PLACEHOLDERS = {"image": "[image omitted]", "audio": "[audio omitted]",
+                 "resource_link": "[resource link omitted]",
+                 "resource": "[embedded resource omitted]"}
+_DRAFT_URI = re.compile(r"https?://json-schema\.org/(draft-0[467]/schema|draft/2019-09/schema|"
+                        r"draft/2020-12/schema|schema)#?")
+_HIDE_CHECKED = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
+                 "dependentSchemas", "dependencies", "$defs", "definitions")
+
+
+class MCPError(ProxyError):
+    """Pinning or loading a server failed. ``report`` is kept when one was made."""
+
+    def __init__(self, msg: str, report: "Report | None" = None):
+        super().__init__(msg)
+        self.report = report
+
+
+def hash_string(text: str) -> str:
+    """A description's hash: of its JSON form, quotes included."""
+    return sha256_hex(encode_canonical(text))
+
+
+async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
+    """Start or reach the server and settle its era, all within ``deadline``."""
+    if server.command:
+        conn: Upstream = StdioUpstream(server.name, list(server.command),
+                                       child_env(server.inherit_env, server.env))
+        await conn.start()
+    else:
+        conn = HttpUpstream(server.name, server.endpoint)
+    try:
+        await asyncio.wait_for(conn.connect(deadline), max(0.0, deadline - time.monotonic()))
+    except BaseException as exc:
+        await conn.close()
+        raise _phase_error(server, conn, "connect", exc) from exc
+    return conn
+
+
+def _phase_error(server: ServerConfig, conn: Upstream, step: str,
+                 exc: BaseException) -> MCPError:
+    if isinstance(exc, asyncio.TimeoutError):
+        text = f"timed out after {fmt_duration(server.connect_timeout)}"
+    else:
+        text = sanitize(str(exc) or type(exc).__name__)
+    tail = conn.stderr_tail()
+    return MCPError(f"mcp: server {_quote(server.name)}: {step}: {text}" +
+                    (f"; stderr: {_quote(tail)}" if tail else ""))
+
+
+async def _connect_and_list(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
+    deadline = time.monotonic() + server.connect_timeout
+    conn = await open_upstream(server, deadline)
+    try:
+        tools = await asyncio.wait_for(conn.list_tools(deadline),
+                                       max(0.0, deadline - time.monotonic()))
+    except BaseException as exc:
+        await conn.close()
+        raise _phase_error(server, conn, "list tools", exc) from exc
+    return conn, tools, deadline
+
+
+async def pin_server(server: ServerConfig, now: float) -> dict:
+    """Connect, list every tool, and return the manifest (nothing is written here)."""
+    conn, tools, _ = await _connect_and_list(server)
+    await conn.close()
+    entries = {}
+    for tool in sorted(tools, key=lambda t: t.name):
+        entry: dict[str, Any] = {
+            "name": tool.name, "description": tool.description,
+            "input_schema": Raw(tool.schema), "schema_hash": sha256_hex(tool.schema),
+            "description_hash": hash_string(tool.description)}
+        if tool.annotations is not None:
+            entry["annotations"] = tool.annotations
+        entries[tool.name] = entry
+    return {"server": server.name, "pinned_at": fmt_time(now), "tools": entries}
+
+
+def write_manifest(path: str, manifest: dict) -> None:
+    """Write the manifest owner-only (an existing file is made 0600 too)."""
+    text = _pretty(parse_json(dump_json(manifest).encode(), strict=False), cut=False) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedTool:
+    name: str
+    description: str
+    schema: bytes
+    schema_hash: str
+    description_hash: str
+    annotations: dict | None
+
+
+def read_manifest(path: str, server: str) -> dict[str, PinnedTool]:
+    """The pinned tools of a manifest that only its owner can write."""
+    raw = read_owned(path)
+    try:
+        doc = parse_json(raw)
+    except JSONError as exc:
+        raise ConfigError(f"{path}: not usable JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tools"), dict):
+        raise ConfigError(f"{path}: not a manifest (no tools object)")
+    if doc.get("server") != server:
+        raise ConfigError(f"mcp: manifest is for server {_quote(str(doc.get('server')))}, "
+                          f"not {_quote(server)}")
+    tools = {}
+    for key, entry in doc["tools"].items():
+        try:
+            tools[key] = PinnedTool(
+                entry["name"], entry["description"], encode_canonical(entry["input_schema"]),
+                entry["schema_hash"], entry["description_hash"], entry.get("annotations"))
+        except (KeyError, TypeError):
+            raise ConfigError(f"{path}: tool {_quote(key)} is not a manifest entry") from None
+    return tools
+
+
+@dataclasses.dataclass
+class Report:
+    """What loading one server decided, tool by tool, in the server's name order."""
+    server: str
+    registered: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)
+    refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    unpinned: list[str] = dataclasses.field(default_factory=list)
+    unclassified: list[str] = dataclasses.field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        s = sanitize
+        out = []
+        for tool, name, cls, mismatch in self.registered:
+            out.append(f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
+                       (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else ""))
+        out += [f"{s(self.server)}: refused {s(t)}: {s(r)}" for t, r in self.refused]
+        out += [f"{s(self.server)}: unclassified {s(t)}: no rule" for t in self.unclassified]
+        out += [f"{s(self.server)}: unpinned {s(t)}: not in the manifest" for t in self.unpinned]
+        return out
+
+    def __str__(self) -> str:
+        return "".join(line + "\n" for line in self.lines())
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamTool:
+    """A registered upstream tool: what the gate calls, and what the proxy's rules need."""
+    spec: ToolSpec
+    server: str
+    remote: str
+    rule: Rule
+    conn: Upstream
+    max_content: int = MAX_CONTENT_BYTES
+
+    @property
+    def fixed(self) -> dict[str, bytes]:
+        return dict(self.rule.fixed)
+
+    async def call(self, args: bytes) -> ToolResult:
+        """Send the call: denied or fixed parameters the model set are refused before
+        anything is sent; fixed values are injected; the answer is mapped to content."""
+        name = self.spec.name
+        raw = args.strip() or b"{}"
+        try:
+            value = parse_json(raw)
+        except JSONError as exc:
+            raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}") from None
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}")
+        for param in self.rule.deny:
+            if param in value:
+                raise ToolFailure(f'{name}: parameter "{param}" is denied by the operator')
+        for param, _ in self.rule.fixed:
+            if param in value:
+                raise ToolFailure(f'{name}: parameter "{param}" is fixed by the operator')
+        if self.rule.fixed:
+            for param, fixed in self.rule.fixed:
+                value[param] = parse_json(fixed)
+            raw = policy_json(encode_canonical(value))
+        try:
+            reply = await self.conn.call_tool(self.remote, raw, self.spec.timeout)
+        except asyncio.TimeoutError:
+            raise
+        except (ProxyError, OSError) as exc:
+            raise ToolFailure(f"mcp: server {_quote(self.server)}: tool {_quote(self.remote)}: "
+                              f"{sanitize(str(exc))}") from None
+        return map_result(self, reply)
+
+
+def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
+    """The server's structured content when it sent some and it fits, else its text blocks
+    joined (other content as placeholders), capped with a marker. isError is a failure
+    whose text is what the model is told."""
+    raw = reply.raw("result") or b"{}"
+    try:
+        result = parse_json(raw, strict=False)
+        spans = member_spans(raw) if isinstance(result, dict) else {}
+    except JSONError as exc:
+        raise ToolFailure(f"mcp: server {_quote(tool.server)}: tool {_quote(tool.remote)}: "
+                          f"the result is not JSON: {exc}") from None
+    if not isinstance(result, dict):
+        result = {}
+    if result.get("resultType") == "input_required":
+        raise ToolFailure(f"{tool.spec.name}: the server asked for more input, which this "
+                          "proxy does not support")
+    cap, content, dropped = tool.max_content, None, 0
+    structured = spans.get("structuredContent")
+    if structured is not None and structured.strip() != b"null":
+        try:
+            encoded = policy_json(structured, strict=False)
+        except JSONError:
+            encoded = None            # content we cannot keep exactly is not counted
+        if encoded is not None and len(encoded) <= cap:
+            content = encoded
+        elif encoded is not None:
+            dropped = len(encoded)
+    truncated = False
+    if content is None:
+        text = _joined_text(result.get("content"))
+        if dropped and not text:
+            text = STRUCTURED_DROPPED
+        content, truncated = cap_text(text, cap)
+        truncated = truncated or dropped > 0
+    summary = f"{tool.server}/{tool.remote}: {len(content)} bytes" + \
+        (", truncated" if truncated else "") + \
+        (f", structured content of {dropped} bytes dropped for the text" if dropped else "")
+    if result.get("isError") is True:
+        shown = parse_json(content, strict=False)
+        shown = shown if isinstance(shown, str) else content.decode("utf-8", "replace")
+        raise ToolFailure(f"{summary}, error: {shown}")
+    return ToolResult(content, summary)
+
+
+def _joined_text(blocks: Any) -> str:
+    if not isinstance(blocks, list):
+        return ""
+    parts = []
+    for block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+        else:
+            parts.append(_PLACEHOLDERS.get(kind, "[content omitted]"))
+    return "\n".join(parts)
+
+
+def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
+    """``text`` as a JSON string of at most ``limit`` bytes (at least the marker's size):
+    the longest prefix that fits, with the marker, when it must be cut."""
+    text = _SURROGATES.sub("\ufffd", text)
+    whole = _policy_str(text).encode("utf-8")
+    if len(whole) <= limit:
+        return whole, False
+    limit = max(limit, len(_policy_str(TRUNCATION_MARKER).encode()))
+    lo, hi = 0, len(text)
+    while lo < hi:                               # the longest prefix that fits
+        mid = (lo + hi + 1) // 2
+        if len(_policy_str(text[:mid] + TRUNCATION_MARKER).encode()) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return _policy_str(text[:lo] + TRUNCATION_MARKER).encode("utf-8"), True
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
+                      ) -> tuple[list[UpstreamTool], Report]:
+    """Connect, list, and register what passes every check. Nothing registered is an
+    error that carries the report."""
+    rules = server.rule_map
+    unknown = sorted(set(rules) - set(pinned))
+    if unknown:
+        raise MCPError(f"mcp: server {_quote(server.name)}: rules name tools the manifest "
+                       f"does not pin: {', '.join(unknown)}")
+    conn, live_list, deadline = await _connect_and_list(server)
+    live = {t.name: t for t in live_list}
+    report = Report(server.name, unpinned=sorted(set(live) - set(pinned)))
+    tools: list[UpstreamTool] = []
+    taken: dict[str, str] = {}
+    for key in sorted(pinned):
+        rule = rules.get(key)
+        if rule is None:
+            report.unclassified.append(key)
+            continue
+        try:
+            tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
+        except ConfigError as exc:
+            report.refused.append((key, str(exc)))
+            continue
+        if tool.spec.name in taken:
+            report.refused.append((key, f"the name {_quote(tool.spec.name)} is already taken "
+                                        f"by tool {_quote(taken[tool.spec.name])}"))
+            continue
+        taken[tool.spec.name] = key
+        tools.append(tool)
+        report.registered.append((key, tool.spec.name, rule.side_effect, mismatch))
+    if time.monotonic() > deadline:
+        await conn.close()
+        raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
+                       f"{fmt_duration(server.connect_timeout)}")
+    if not tools:
+        await conn.close()
+        raise MCPError(f"mcp: server {_quote(server.name)}: no tool registered", report)
+    return tools, report
+
+
+def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: Rule,
+           conn: Upstream) -> tuple[UpstreamTool, str]:
+    """The checks for one tool, in order; the first failure is the reason it is refused."""
+    if live is None:
+        raise ConfigError("the server no longer offers it")
+    if not hmac.compare_digest(sha256_hex(live.schema), pin.schema_hash):
+        raise ConfigError("the input schema changed since the pin")
+    if not hmac.compare_digest(hash_string(live.description), pin.description_hash):
+        raise ConfigError("the description changed since the pin; a description is model "
+                          "input, so the tool must be pinned again")
+    mismatch = _hint_mismatch(rule.side_effect, pin.annotations) or \
+        (lambda m: m and f"the server now says: {m}")(_hint_mismatch(rule.side_effect,
+                                                                      live.annotations))
+    if mismatch and not rule.allow_hint_mismatch:
+        raise ConfigError(mismatch)
+    timeout = rule.timeout or server.default_timeout
+    if timeout <= 0:
+        raise ConfigError("no timeout: set the rule's timeout or the server's default_timeout")
+    name = rule.rename or f"{server.name}_{pin.name}"
+    if not _NAME_RE.fullmatch(name):
+        raise ConfigError(f"the name {_quote(name)} does not match ^[a-zA-Z0-9_-]{{1,64}}$")
+    schema = parse_json(pin.schema, strict=False)
+    if not isinstance(schema, dict):
+        raise ConfigError("the input schema is not a JSON object")
+    if schema.get("type") != "object":
+        raise ConfigError('the input schema is not an object schema ("type":"object")')
+    _self_contained(schema)
+    hidden = list(rule.deny) + [k for k, _ in rule.fixed]
+    _hideable(schema, hidden)
+    restricted = _restrict(schema, hidden)
+    spec = ToolSpec(name, rule.description or pin.description, restricted, rule.side_effect,
+                    timeout, terminal=True)
+    try:
+        _check_tool(spec, {})
+    except ValueError as exc:
+        raise ConfigError(f"the runtime refuses it: {exc}") from None
+    return UpstreamTool(spec, server.name, pin.name, rule, conn), mismatch or ""
+
+
+def _hint_mismatch(cls: str, ann: dict | None) -> str:
+    """A hint the server asserts that disputes the operator's class. Silence claims nothing;
+    a hint can dispute a class, never relax one."""
+    if ann is None:
+        return ""
+    if cls == "read_only" and ann.get("readOnlyHint") is not True:
+        return "classified read_only, but the server does not claim readOnlyHint"
+    if cls != "destructive" and ann.get("readOnlyHint") is not True and \
+            ann.get("destructiveHint") is True:
+        return f"classified {cls}, but the server claims destructiveHint"
+    return ""
+
+
+def _self_contained(node: Any, at: str = "#", root: Any = None) -> None:
+    """Refuse any key that could make a schema compiler read outside the schema, wherever
+    it stands (in defaults and examples too): no URL is ever fetched."""
+    root = node if root is None else root
+    draft04 = isinstance(root, dict) and "draft-04" in str(root.get("$schema", ""))
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _self_contained(item, f"{at}/{i}", root)
+        return
+    if not isinstance(node, dict):
+        return
+    for key in sorted(node):
+        value = node[key]
+        if isinstance(value, str):
+            outside = (
+                (key in ("$ref", "$dynamicRef", "$recursiveRef") and not value.startswith("#"))
+                or (key == "$id" and not value.startswith("#") and not _DRAFT_URI.fullmatch(value))
+                or (key == "$schema" and not _DRAFT_URI.fullmatch(value))
+                or (key == "id" and draft04 and not value.startswith("#")
+                    and (":" in value or value.startswith("//"))))
+            if outside:
+                raise ConfigError(f"{key} at {at} is {_quote(value)}, which could make the "
+                                  "schema compiler read outside it")
+        _self_contained(value, f"{at}/{key}", root)
+
+
+def _mentions(node: Any, name: str) -> bool:
+    if isinstance(node, str):
+        return node == name
+    if isinstance(node, list):
+        return any(_mentions(v, name) for v in node)
+    if isinstance(node, dict):
+        return name in node or any(_mentions(v, name) for v in node.values())
+    return False
+
+
+def _hideable(schema: dict, hidden: list[str]) -> None:
+    """A hidden parameter must be a top-level property that nothing else in the schema could
+    still require or match; this over-refuses on purpose."""
+    if not hidden:
+        return
+    props = schema.get("properties")
+    for name in hidden:
+        if not isinstance(props, dict) or name not in props:
+            raise ConfigError(f"the rule hides {_quote(name)}, which is not a top-level "
+                              "property of the input schema")
+    if "patternProperties" in schema:
+        raise ConfigError("the rule hides parameters and the input schema has "
+                          "patternProperties, which could still match them")
+    for keyword in _HIDE_CHECKED:
+        if keyword in schema:
+            for name in hidden:
+                if _mentions(schema[keyword], name):
+                    raise ConfigError(f"the rule hides {_quote(name)} and the input schema's "
+                                      f"{keyword} mentions it")
+
+
+def _restrict(schema: dict, hidden: list[str]) -> bytes:
+    """The schema the model is offered: hidden names removed from properties and required."""
+    if not hidden:
+        return encode_canonical(schema)
+    out = dict(schema)
+    out["properties"] = {k: v for k, v in schema["properties"].items() if k not in hidden}
+    if isinstance(schema.get("required"), list):
+        required = [r for r in schema["required"] if r not in hidden]
+        if required:
+            out["required"] = required
+        else:
+            out.pop("required")
+    return encode_canonical(out)
+
+
+# ==== 14. Configuration ====
+# One JSON file, read with the strict parser: a repeated key anywhere, an unknown field at any
+# level, or a value of the wrong type is refused with an error naming the field and the file.
+# It is read only when the current user owns it and nobody else can write it; so are the
+# manifests. Relative paths are relative to the file's own directory.
+
+DEFAULT_HOLD = 15.0
+DEFAULT_REPEAT_WINDOW = 600.0
+DEFAULT_MAX_PENDING = 5
+DEFAULT_STATUS_TOOL = "gate_status"
+MIN_LEASE_TTL = 3.0
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+CONFIG_OUTCOMES = ("allow", "require_approval", "deny")
+
+
+class ConfigError(ProxyError):
+    """A configuration, manifest or rule that cannot be used as written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The operator's classification of one upstream tool."""
+    side_effect: str = ""
+    timeout: float = 0.0
+    terminal: bool = False
+    description: str = ""
+    deny: tuple[str, ...] = ()
+    fixed: tuple[tuple[str, bytes], ...] = ()      # name -> canonical JSON bytes, sorted
+    rename: str = ""
+    allow_hint_mismatch: bool = False
+    outcome: str = ""
+    repeat_window: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    name: str
+    command: tuple[str, ...] = ()
+    endpoint: str = ""
+    env: tuple[str, ...] = ()
+    inherit_env: tuple[str, ...] = ()
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    default_timeout: float = 0.0
+    manifest: str = ""
+    rules: tuple[tuple[str, Rule], ...] = ()
+    skip_path_check: bool = False
+
+    @property
+    def rule_map(self) -> dict[str, Rule]:
+        return dict(self.rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    path: str
+    database: str
+    session: str
+    servers: tuple[ServerConfig, ...]
+    policy: tuple[tuple[str, str], ...] = tuple(DEFAULT_POLICY.items())
+    hold: float = DEFAULT_HOLD
+    repeat_window: float = DEFAULT_REPEAT_WINDOW
+    max_pending: int = DEFAULT_MAX_PENDING
+    approval_ttl: float = DEFAULT_APPROVAL_TTL
+    grant_ttl: float = DEFAULT_GRANT_TTL
+    status_tool: str = DEFAULT_STATUS_TOOL
+    lease_ttl: float = DEFAULT_LEASE_TTL
+
+    @property
+    def policy_map(self) -> dict[str, str]:
+        return dict(self.policy)
+
+
+def read_owned(path: str) -> bytes:
+    """Read a file that decides what tools may do, only if it is a regular file owned by the
+    current user that group and others cannot write. What is checked is what is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{path} is not a regular file")
+        mode = stat.filemode(stat.S_IFREG | (st.st_mode & 0o777))
+        if st.st_mode & 0o022:
+            raise ConfigError(f"{path} ({mode}) lets its group or others write it: "
+                              f"run 'chmod go-w {path}'")
+        if st.st_uid != os.getuid():
+            raise ConfigError(f"{path} ({mode}) is owned by uid {st.st_uid}, "
+                              "not by the current user")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class _Fields:
+    """Strict reading of one JSON object: each field once, of its type, none unknown."""
+
+    def __init__(self, doc: Any, where: str, known: Iterable[str]):
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{where}: expected an object")
+        unknown = sorted(set(doc) - set(known))
+        if unknown:
+            raise ConfigError(f"{where}: unknown field {_quote(unknown[0])}")
+        self.doc, self.where = doc, where
+
+    def _get(self, name: str, kinds: tuple, what: str, default: Any) -> Any:
+        if name not in self.doc:
+            return default
+        value = self.doc[name]
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+            raise ConfigError(f"{self.where}: {name} must be {what}")
+        return value
+
+    def text(self, name: str, default: str = "") -> str:
+        return self._get(name, (str,), "a string", default)
+
+    def flag(self, name: str) -> bool:
+        return self._get(name, (bool,), "true or false", False)
+
+    def texts(self, name: str) -> tuple[str, ...]:
+        items = self._get(name, (list,), "an array of strings", [])
+        if not all(isinstance(i, str) for i in items):
+            raise ConfigError(f"{self.where}: {name} must be an array of strings")
+        return tuple(items)
+
+    def count(self, name: str, default: int) -> int:
+        value = self._get(name, (Num,), "a whole number", None)
+        if value is None:
+            return default
+        if not value.is_integer():
+            raise ConfigError(f"{self.where}: {name} must be a whole number")
+        return int(value.exact())
+
+    def duration(self, name: str, default: float | None) -> float | None:
+        value = self._get(name, (str,), 'a duration string such as "15s"', None)
+        if value is None:
+            return default
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            raise ConfigError(f"{self.where}: {name}: {exc}") from None
+
+    def obj(self, name: str) -> dict:
+        return self._get(name, (dict,), "an object", {})
+
+
+_TOP_FIELDS = ("database", "session", "servers", "policy", "hold", "repeat_window",
+               "max_pending", "approval_ttl", "grant_ttl", "status_tool", "lease_ttl")
+_SERVER_FIELDS = ("name", "command", "endpoint", "env", "inherit_env", "connect_timeout",
+                  "default_timeout", "manifest", "rules", "skip_path_check")
+_RULE_FIELDS = ("side_effect", "timeout", "terminal", "description", "deny", "fixed",
+                "rename", "allow_hint_mismatch", "outcome", "repeat_window")
+
+
+def load_config(path: str) -> Config:
+    """Read, parse and validate the configuration at ``path``."""
+    path = os.path.abspath(path)
+    raw = read_owned(path)
+    try:
+        return parse_config(raw, path)
+    except ConfigError as exc:
+        raise ConfigError(f"config {path}: {exc}") from None
+
+
+def parse_config(raw: bytes, path: str) -> Config:
+    try:
+        doc = parse_json(raw)
+    except JSONError as exc:
+        raise ConfigError(f"not usable JSON: {exc}") from None
+    top = _Fields(doc, "configuration", _TOP_FIELDS)
+    base = os.path.dirname(path)
+    database = top.text("database")
+    if not database:
+        raise ConfigError("database is required")
+    session = top.text("session")
+    if not _NAME_RE.fullmatch(session):
+        raise ConfigError(f"session {_quote(session)} must be 1 to 64 letters, digits, _ or -")
+    policy = dict(DEFAULT_POLICY)
+    for cls, outcome in top.obj("policy").items():
+        if cls not in SIDE_EFFECTS:
+            raise ConfigError(f"policy: unknown side effect {_quote(cls)}")
+        if outcome not in CONFIG_OUTCOMES:
+            raise ConfigError(f"policy: {cls}: outcome {_quote(str(outcome))} is not allow, "
+                              "require_approval, or deny")
+        policy[cls] = outcome
+    max_pending = top.count("max_pending", DEFAULT_MAX_PENDING)
+    if max_pending < 0:
+        raise ConfigError("max_pending must not be negative")
+    lease_ttl = top.duration("lease_ttl", DEFAULT_LEASE_TTL)
+    if lease_ttl < MIN_LEASE_TTL:
+        raise ConfigError(f"lease_ttl {fmt_duration(lease_ttl)} is shorter than "
+                          f"{fmt_duration(MIN_LEASE_TTL)}")
+    status_tool = top.text("status_tool", DEFAULT_STATUS_TOOL)
+    if not _NAME_RE.fullmatch(status_tool):
+        raise ConfigError(f"status_tool {_quote(status_tool)} does not match "
+                          "^[a-zA-Z0-9_-]{1,64}$")
+    servers_doc = top._get("servers", (list,), "an array of servers", [])
+    if not servers_doc:
+        raise ConfigError("at least one server is required")
+    servers, names = [], set()
+    for i, entry in enumerate(servers_doc):
+        server = _parse_server(entry, i, base)
+        if server.name in names:
+            raise ConfigError(f"servers[{i}]: the name {_quote(server.name)} is used twice")
+        names.add(server.name)
+        servers.append(server)
+    return Config(
+        path=path, database=os.path.join(base, database), session=session,
+        servers=tuple(servers), policy=tuple(policy.items()),
+        hold=top.duration("hold", DEFAULT_HOLD),
+        repeat_window=top.duration("repeat_window", DEFAULT_REPEAT_WINDOW),
+        max_pending=max_pending or DEFAULT_MAX_PENDING,
+        approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
+        grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
+        status_tool=status_tool, lease_ttl=lease_ttl)
+
+
+def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
+    f = _Fields(entry, f"servers[{i}]", _SERVER_FIELDS)
+    name = f.text("name")
+    if not name:
+        raise ConfigError(f"servers[{i}]: name is required")
+    where = f"server {_quote(name)}"
+    command, endpoint = f.texts("command"), f.text("endpoint")
+    if bool(command) == bool(endpoint):
+        raise ConfigError(f"{where}: exactly one of command or endpoint is required")
+    manifest = f.text("manifest")
+    if not manifest:
+        raise ConfigError(f"{where}: manifest is required")
+    env, inherit = f.texts("env"), f.texts("inherit_env")
+    for entry_text in env:
+        if "=" not in entry_text or entry_text.startswith("="):
+            raise ConfigError(f"{where}: env entry {_quote(entry_text)} is not NAME=value")
+    for var in inherit:
+        if not var or "=" in var:
+            raise ConfigError(f"{where}: inherit_env entry {_quote(var)} is not a variable name")
+    rules = []
+    for tool, rule_doc in sorted(f.obj("rules").items()):
+        rules.append((tool, _parse_rule(rule_doc, f"{where}: tool {_quote(tool)}")))
+    return ServerConfig(
+        name=name, command=command, endpoint=endpoint, env=env, inherit_env=inherit,
+        connect_timeout=f.duration("connect_timeout", 0.0) or DEFAULT_CONNECT_TIMEOUT,
+        default_timeout=f.duration("default_timeout", 0.0),
+        manifest=os.path.join(base, manifest), rules=tuple(rules),
+        skip_path_check=f.flag("skip_path_check"))
+
+
+def _parse_rule(doc: Any, where: str) -> Rule:
+    f = _Fields(doc, where, _RULE_FIELDS)
+    outcome = f.text("outcome")
+    if outcome and outcome not in CONFIG_OUTCOMES:
+        raise ConfigError(f"{where}: outcome {_quote(outcome)} is not allow, "
+                          "require_approval, or deny")
+    fixed = tuple(sorted((k, encode_canonical(v)) for k, v in f.obj("fixed").items()))
+    return Rule(side_effect=f.text("side_effect"), timeout=f.duration("timeout", 0.0),
+                terminal=f.flag("terminal"), description=f.text("description"),
+                deny=f.texts("deny"), fixed=fixed, rename=f.text("rename"),
+                allow_hint_mismatch=f.flag("allow_hint_mismatch"), outcome=outcome,
+                repeat_window=f.duration("repeat_window", None))
+
+
+# ==== 15. The proxy: one run per call ====
+# Each tools/call is a run of its own, `<session>.<16 hex>`, goal `call <tool>`, holding the
+# call's one step; every upstream tool is terminal, so a call that succeeds completes its run
+# in the transaction that records the result. A call that was denied, invalid or failed
+# leaves its run running after that step, and the proxy ends it with a fail decision of
+# origin operator. Answers that are not the tool's own result are prose with a fixed prefix;
+# nothing the model sees names the runtime, the operator command, the database, the
+# configuration or a run id.
+
+CALL_LIMITS_STEPS = 3                  # the call, one re-run, a closing decision
+CLOSE_TOOL_ERROR = "this run held one call; the tool call returned an error"
+CLOSE_DENIED = "this run held one call; the request was denied"
+CLOSE_INVALID = "this run held one call; the request was invalid"
+CLOSE_UNRECORDED = "this run held one call; it executed and its result could not be recorded"
+CLOSE_TAKEN_OVER = ("this run held one call; it was taken over after an interruption with "
+                    "nothing left in it to execute")
+PENDING_TEXT = (
+    "PENDING_APPROVAL: this request is waiting for an operator's approval (approval {id}). "
+    "Nothing has been executed. Do not call this tool again until you have been told it was "
+    "approved, do not try another tool to achieve the same thing, and do not ask the user to "
+    "approve it: the operator decides elsewhere. Tell the user it is waiting. After approval, "
+    "call this tool again with exactly the same arguments to run it and get the result.")
+_RUNTIME_URL = re.compile(r" with '[a-z]+://tools/[^']*'")
+REASON_BYTES, SCHEMA_ERROR_BYTES, NOTE_BYTES = 500, 1000, 500
+
+
+def prose(prefix: str, text: str, is_error: bool) -> dict:
+    """An answer in prose: one text block that starts with its prefix."""
+    return {"content": [{"type": "text", "text": f"{prefix}: {text}"}], "isError": is_error}
+
+
+def result_of(obs: dict) -> dict:
+    """What the gate recorded, as the host's CallToolResult: the server's content as it was
+    recorded (not escaped: it is data), or its error text."""
+    content = obs.get("content")
+    if obs.get("kind") == TOOL_RESULT:
+        text = content if isinstance(content, str) else dump_json(content)
+        out = {"content": [{"type": "text", "text": text}], "isError": False}
+        if isinstance(content, dict):
+            out["structuredContent"] = content
+        return out
+    if obs.get("kind") == TOOL_ERROR:
+        return {"content": [{"type": "text", "text": clean(error_text(obs), MAX_RESULT_BYTES)}],
+                "isError": True}
+    return prose("UNAVAILABLE", "the call's outcome was not recorded. Tell the user.", True)
+
+
+def error_text(obs: dict) -> str:
+    content = obs.get("content")
+    if isinstance(content, dict) and isinstance(content.get("error"), str) and content["error"]:
+        return content["error"]
+    return dump_json(content) if content is not None else ""
+
+
+def denied_text(reason: str) -> dict:
+    return prose("DENIED", f"the policy does not allow this request: "
+                           f"{clean(reason, REASON_BYTES)}. Nothing was executed.", True)
+
+
+def invalid_text(reason: str) -> dict:
+    reason = reason.removeprefix("arguments do not match schema: ")
+    reason = clean(_RUNTIME_URL.sub("", reason), SCHEMA_ERROR_BYTES)
+    return prose("INVALID", f"the arguments do not match the tool's input schema: {reason}. "
+                            "Nothing was executed. Correct the arguments and call again.", True)
+
+
+def unavailable_text(what: str, executed: str = "Nothing was executed.") -> dict:
+    return prose("UNAVAILABLE", f"the gate could not {what}. {executed} Tell the user.", True)
+
+
+class ProxyPolicy:
+    """The policy the gate evaluates: the rule's outcome for the tool, else its class's
+    outcome in the configured map; approvals bind the server, the upstream tool, the
+    registered name, the class, the arguments and the operator's fixed values."""
+
+    def __init__(self, policy: dict[str, str], tools: dict[str, UpstreamTool],
+                 policy_id: str = ""):
+        self.policy, self.tools, self.policy_id = policy, tools, policy_id
+
+    def decide(self, tool: UpstreamTool) -> tuple[str, str]:
+        if tool.rule.outcome:
+            return tool.rule.outcome, \
+                f"tool {tool.spec.name} is {tool.rule.outcome} by the operator's rule"
+        cls = tool.spec.side_effect
+        outcome = self.policy.get(cls)
+        if outcome is None:
+            return "deny", f'no policy for side effect "{cls}"'
+        return outcome, f"side effect {cls} is {outcome} by policy"
+
+    def evaluate(self, request: ToolRequest, view: RunView) -> PolicyDecision:
+        tool = self.tools.get(request.spec.name)
+        if tool is None:
+            return PolicyDecision("deny", f"tool {_quote(request.spec.name)} is not offered")
+        outcome, reason = self.decide(tool)
+        if outcome in ("allow", "deny"):
+            return PolicyDecision(outcome, reason)
+        if outcome != "require_approval":
+            return PolicyDecision("deny", f"unknown outcome {_quote(outcome)}")
+        cap = self.capability(tool, request.args)
+        question = (f"May the model call {tool.remote} on server {tool.server} with these "
+                    "arguments?")
+        pres = {"question": question, **cap, "reason": reason}
+        return need_approval(tool.spec.side_effect, reason, cap, pres)
+
+    @staticmethod
+    def capability(tool: UpstreamTool, args: bytes) -> dict:
+        cap: dict[str, Any] = {"server": tool.server, "tool": tool.remote,
+                               "name": tool.spec.name, "side_effect": tool.spec.side_effect,
+                               "args": Raw(args)}
+        if tool.rule.fixed:
+            cap["fixed"] = {k: Raw(v) for k, v in tool.rule.fixed}
+        return cap
+
+
+class Proxy:
+    """The gate behind the host, and the answers it gives the model."""
+
+    def __init__(self, cfg: Config, store: Store, tools: list[UpstreamTool], log: Callable[[str], None],
+                 clock: Clock = time.time):
+        self.cfg, self.store, self.log, self.clock = cfg, store, log, clock
+        self.tools = {t.spec.name: t for t in tools}
+        self.policy = ProxyPolicy(cfg.policy_map, self.tools)
+        self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
+                         lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl)
+        self.limits = Limits(CALL_LIMITS_STEPS, CALL_LIMITS_STEPS, CALL_LIMITS_STEPS,
+                             cfg.approval_ttl, cfg.grant_ttl)
+
+    def close(self) -> None:
+        self.gate.close()
+
+    def listing(self) -> list[dict]:
+        """The classified tools, then the status tool; no output schemas."""
+        out = [{"name": t.spec.name, "description": t.spec.description,
+                "inputSchema": Raw(t.spec.input_schema)} for t in self.tools.values()]
+        out.append(status_tool_entry(self.cfg.status_tool))
+        return out
+
+    def new_run_id(self) -> str:
+        return f"{self.cfg.session}.{secrets.token_hex(8)}"
+
+    def hint(self, run_id: str, approval: Approval, tool: str) -> None:
+        """The two lines that tell the operator an approval waits and how to decide it."""
+        self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
+                 f"run {run_id}")
+        self.log(f'  decide with: {_self_command()} -db "{self.store.path}" approve {run_id} '
+                 f"-approval {approval.id}   (or reject)")
+
+    async def call(self, name: str, args: bytes) -> dict:
+        """One tools/call for an upstream tool: a run of its own through the gate."""
+        run_id = self.new_run_id()
+        decision = Decision("tool_call", name, args, origin="model")
+        try:
+            session, verdict, obs = await self.gate.call(run_id, f"call {name}", self.limits,
+                                                         decision)
+        except (StoreError, sqlite3.Error) as exc:
+            self.log(f"error: {exc}")
+            return unavailable_text("record this request")
+        except ProxyError as exc:
+            self.log(f"error: run {run_id}: {exc}")
+            return unavailable_text("start this request")
+        if obs is not None:
+            return self.finish_call(session, obs)
+        return self.after_verdict(session, verdict, name)
+
+    def after_verdict(self, session: Session, verdict: Verdict, tool: str) -> dict:
+        if verdict.kind == "pending":
+            self.hint(session.run_id, verdict.approval, tool)
+            return prose_pending(verdict.approval)
+        if verdict.kind == "denied":
+            return self.denied(session, verdict.observation)
+        reason = verdict.run.reason_detail if verdict.run else "the run ended"
+        return denied_text(reason)
+
+    def denied(self, session: Session, obs: dict) -> dict:
+        content = obs.get("content") or {}
+        if obs.get("kind") == INVALID_DECISION:
+            self.close_run(session, CLOSE_INVALID)
+            return invalid_text(str(content.get("error", "")))
+        self.close_run(session, CLOSE_DENIED)
+        return denied_text(str(content.get("reason", "")))
+
+    def finish_call(self, session: Session, obs: dict) -> dict:
+        if obs.get("kind") == TOOL_ERROR:
+            self.close_run(session, CLOSE_TOOL_ERROR)
+        else:
+            session.close()
+        return result_of(obs)
+
+    def close_run(self, session: Session, why: str) -> None:
+        """End a run the proxy has nothing more to do in, with a fail decision."""
+        try:
+            if session.state == "open":
+                session.fail(why)
+        except ProxyError as exc:
+            self.log(f"run {session.run_id}: closing: {exc}")
+        finally:
+            session.close()
+
+
+def prose_pending(approval: Approval) -> dict:
+    return {"content": [{"type": "text", "text": PENDING_TEXT.format(id=approval.id)}],
+            "isError": False}
+
+
+def status_tool_entry(name: str) -> dict:
+    return {"name": name,
+            "description": ("Reports the requests in this session that are waiting for an "
+                            "operator's approval, or, given approval_id, what became of that "
+                            "one: pending, approved, executed, rejected or expired. It only "
+                            "reports; it never runs or approves anything."),
+            "inputSchema": {"type": "object", "properties": {"approval_id": {
+                "type": "string",
+                "description": "The approval id that a pending result named."}},
+                "additionalProperties": False}}
+
+
+# ==== 16. The host-facing server ====
+# The proxy as an MCP server on stdin and stdout, in both protocol eras: the legacy handshake
+# (initialize) and the stateless 2026-07-28 era (per-request _meta, server/discover). stdin is
+# read as bytes so each call's arguments reach the gate exactly as sent. Each call is its own
+# task; answers go out in any order. A host's cancel ends only a wait, never an upstream call
+# already running. On EOF or a signal: accept no new call, finish the ones in flight, exit.
+
+SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
+
+
+class HostServer:
+    def __init__(self, proxy: Proxy, write: Callable[[bytes], None]):
+        self.proxy, self.write = proxy, write
+        self.closing = False
+        self.inflight: set[asyncio.Task] = set()
+        self.cancelled: dict[str, asyncio.Event] = {}
+
+    async def serve(self, lines: "AsyncIterator[bytes]") -> None:
+        async for line in lines:
+            if line.strip():
+                self.handle(line)
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """No new call is admitted; the ones in flight finish and are recorded."""
+        self.closing = True
+        while self.inflight:
+            await asyncio.wait(set(self.inflight))
+
+    def handle(self, line: bytes) -> None:
+        try:
+            msg = parse_message(line)
+        except JSONError as exc:
+            self.write(rpc_error(Raw(b"null"), PARSE_ERROR, f"parse error: {exc.msg}"))
+            return
+        method = msg.method
+        if method is None:
+            return                       # a response to nothing we asked: ignored
+        if not msg.has_id:
+            self.notification(msg)
+            return
+        try:
+            self.request(msg)
+        except ProtocolError as exc:
+            self.write(rpc_error(msg.id_raw(), exc.code, str(exc), exc.data))
+
+    def notification(self, msg: Message) -> None:
+        if msg.method == "notifications/cancelled":
+            ident = msg.raw("requestId", in_params=True)
+            event = self.cancelled.get(_id_key(ident))
+            if event is not None:
+                event.set()
+
+    def _era(self, msg: Message) -> bool:
+        """Whether the request is of the stateless era; refuses a version we do not speak."""
+        meta = msg.params.get("_meta")
+        version = meta.get(META_VERSION) if isinstance(meta, dict) else None
+        if version is None:
+            return False
+        if version != MODERN_VERSION:
+            raise ProtocolError(f"unsupported protocol version {_quote(str(version))}",
+                                UNSUPPORTED_VERSION, {"supported": [MODERN_VERSION],
+                                                      "requested": version})
+        return True
+
+    def request(self, msg: Message) -> None:
+        modern, method = self._era(msg), msg.method
+        if method == "initialize" and not modern:
+            asked = msg.params.get("protocolVersion")
+            version = asked if asked in LEGACY_VERSIONS else LEGACY_VERSIONS[0]
+            self.reply(msg, {"protocolVersion": version,
+                             "capabilities": {"tools": {"listChanged": False}},
+                             "serverInfo": SERVER_INFO}, False)
+        elif method == "server/discover":
+            self.reply(msg, {"supportedVersions": [MODERN_VERSION],
+                             "capabilities": {"tools": {"listChanged": False}},
+                             "serverInfo": SERVER_INFO, "ttlMs": 0, "cacheScope": "private"},
+                       True)
+        elif method == "ping" and not modern:
+            self.reply(msg, {}, False)
+        elif method == "tools/list":
+            result: dict[str, Any] = {"tools": self.proxy.listing()}
+            if modern:
+                result.update(ttlMs=0, cacheScope="private")
+            self.reply(msg, result, modern)
+        elif method == "tools/call":
+            self.start_call(msg, modern)
+        else:
+            raise ProtocolError(f"method {_quote(method)} not found", METHOD_NOT_FOUND)
+
+    def reply(self, msg: Message, result: dict, modern: bool) -> None:
+        if modern:
+            result = {**result, "resultType": "complete", "_meta": {META_SERVER: SERVER_INFO}}
+        self.write(rpc_result(msg.id_raw(), result))
+
+    def start_call(self, msg: Message, modern: bool) -> None:
+        if self.closing:
+            raise ProtocolError("the proxy is shutting down and accepts no new call")
+        name = msg.params.get("name")
+        tools = self.proxy.tools
+        if not isinstance(name, str) or (name not in tools and name != self.proxy.cfg.status_tool):
+            raise ProtocolError(f"unknown tool {_quote(str(name))}", INVALID_PARAMS)
+        args = (msg.raw("arguments", in_params=True) or b"").strip()
+        if args in (b"", b"null"):
+            args = b"{}"
+        event = asyncio.Event()
+        key = _id_key(msg.raw("id"))
+        self.cancelled[key] = event
+        task = asyncio.create_task(self.run_call(msg, modern, name, args, event))
+        self.inflight.add(task)
+        task.add_done_callback(self.inflight.discard)
+
+    async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
+                       cancelled: asyncio.Event) -> None:
+        try:
+            # Shielded: a host's cancel never cancels the gate's work or an upstream call.
+            result = await asyncio.shield(self.proxy.call(name, args))
+        except Exception as exc:            # an answer is owed even when something broke
+            self.proxy.log(f"error: {sanitize(str(exc))}")
+            result = unavailable_text("complete this request",
+                                      "Whether anything was executed is not known here.")
+        finally:
+            self.cancelled.pop(_id_key(msg.raw("id")), None)
+        self.reply(msg, result, modern)
+
+
+def _id_key(raw: bytes | None) -> str:
+    """Request ids compare as JSON values, whatever their spelling."""
+    if raw is None:
+        return ""
+    try:
+        return encode_canonical(parse_json(raw, strict=False)).decode()
+    except JSONError:
+        return raw.decode("utf-8", "replace")
+
+
+# ==== 17. Serving, pinning and checking ====
+
+async def load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
+    """Load every server as serving does. A failure closes what was opened; the reports
+    made so far travel with the error so they can be printed."""
+    tools: list[UpstreamTool] = []
+    reports: list[Report] = []
+    owners: dict[str, str] = {}
+    try:
+        for server in cfg.servers:
+            try:
+                pinned = read_manifest(server.manifest, server.name)
+            except ConfigError as exc:
+                raise MCPError(f"server {_quote(server.name)}: manifest: {exc}") from None
+            try:
+                got, report = await load_server(server, pinned)
+            except MCPError as exc:
+                if exc.report is not None:
+                    reports.append(exc.report)
+                raise
+            reports.append(report)
+            tools += got
+            for tool in got:
+                if tool.spec.name == cfg.status_tool:
+                    raise MCPError(
+                        f"server {_quote(server.name)}: tool {_quote(tool.remote)} registers "
+                        f"as {_quote(tool.spec.name)}, which is the status tool's name: rename "
+                        "one, through status_tool or the rule's rename")
+                if tool.spec.name in owners:
+                    raise MCPError(f"server {_quote(server.name)}: the name "
+                                   f"{_quote(tool.spec.name)} is already registered by another "
+                                   f"server, {_quote(owners[tool.spec.name])}")
+                owners[tool.spec.name] = server.name
+    except BaseException as exc:
+        await close_tools(tools)
+        if isinstance(exc, MCPError):
+            exc.reports = reports
+        raise
+    return tools, reports
+
+
+async def close_tools(tools: list[UpstreamTool]) -> None:
+    for conn in {id(t.conn): t.conn for t in tools}.values():
+        with contextlib.suppress(Exception):
+            await conn.close()
+
+
+def _hints_text(ann: dict | None) -> str:
+    if ann is None:
+        return "no annotations"
+    flags = [label for hint, label in (("readOnlyHint", "readOnly"),
+                                       ("destructiveHint", "destructive"),
+                                       ("idempotentHint", "idempotent"),
+                                       ("openWorldHint", "openWorld")) if ann.get(hint) is True]
+    return ",".join(flags) or "claims nothing"
+
+
+async def cmd_pin(cfg: Config, out: Out) -> int:
+    for server in cfg.servers:
+        manifest = await pin_server(server, time.time())
+        write_manifest(server.manifest, manifest)
+        tools = manifest["tools"]
+        out.line(f"{sanitize(server.name)}: {len(tools)} tools pinned to "
+                 f"{sanitize(server.manifest)}; the hints below are the server's own and "
+                 "classify nothing")
+        for name, entry in tools.items():
+            desc = truncate(sanitize(" ".join(entry["description"].split())), 72)
+            out.line(f"  {sanitize(name):<28} {_hints_text(entry.get('annotations')):<26} {desc}")
+    out.line(f"classify the tools in the configuration's rules, then run: "
+             f"{_self_command()} check -config {cfg.path}")
+    return 0
+
+
+async def cmd_check(cfg: Config, out: Out) -> int:
+    check_database_file(cfg.database, writer=True)
+    try:
+        tools, reports = await load_tools(cfg)
+    except MCPError as exc:
+        for report in getattr(exc, "reports", []):
+            for line in report.lines():
+                out.line(line)
+        raise
+    try:
+        store = Store.open(cfg.database)
+        store.close()
+        for report in reports:
+            for line in report.lines():
+                out.line(line)
+        out.line(f"status tool: {sanitize(cfg.status_tool)}")
+        out.line(f"session: {sanitize(cfg.session)}")
+        out.line(f"database: {sanitize(cfg.database)}")
+    finally:
+        await close_tools(tools)
+    return 0
+
+
+async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
+    """Serve the host on stdin and stdout until EOF or a signal."""
+    check_database_file(cfg.database, writer=True)
+    try:
+        tools, reports = await load_tools(cfg)
+    except MCPError as exc:
+        for report in getattr(exc, "reports", []):
+            for line in report.lines():
+                out.log(line)
+        raise
+    try:
+        for report in reports:
+            for line in report.lines():
+                out.log(line)
+        store = Store.open(cfg.database)
+        check_database_file(cfg.database, writer=True)
+        proxy = Proxy(cfg, store, tools, out.log)
+    except BaseException:
+        await close_tools(tools)
+        raise
+    out.log(f"serving session {sanitize(cfg.session)} with database {sanitize(cfg.database)}")
+
+    def write(data: bytes) -> None:
+        stdout.write(data)
+        stdout.flush()
+    host = HostServer(proxy, write)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    lines = LineReader(stdin, loop)
+
+    async def feed() -> None:
+        while (line := await lines.next()) is not None:
+            if line.strip():
+                host.handle(line)
+        stop.set()
+    reader = asyncio.create_task(feed())
+    try:
+        await stop.wait()
+        await host.shutdown()
+    finally:
+        reader.cancel()
+        await close_tools(tools)
+        proxy.close()
+        store.close()
+    return 0
+
+
+class LineReader:
+    """Lines of a binary stream, read on a daemon thread so that a signal can end serving
+    while a read is blocked. A line longer than MAX_FRAME is passed on cut (it then fails
+    to parse and is answered as such); the rest of it is skipped."""
+
+    def __init__(self, stream, loop: asyncio.AbstractEventLoop):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stream, self.loop = stream, loop
+        threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                line = self.stream.readline(MAX_FRAME + 1)
+                if not line:
+                    break
+                skipping = len(line) > MAX_FRAME and not line.endswith(b"\n")
+                while skipping:
+                    rest = self.stream.readline(MAX_FRAME + 1)
+                    skipping = bool(rest) and not rest.endswith(b"\n")
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, line)
+        except (OSError, ValueError):
+            pass
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+    async def next(self) -> bytes | None:
+        return await self.queue.get()
+
+
 # ==== 11. Operator commands ====
 # runs, show, events, approve, reject, cancel, verify. Arguments are checked before the
 # database is touched; the database is opened as it is (never created, never migrated),
@@ -3249,6 +5168,9 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
 USAGE = """usage:
+  python agentrt_proxy.py -config proxy.json          serve the host over stdin and stdout
+  python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
+  python agentrt_proxy.py check -config proxy.json    what is offered, refused, unclassified
   python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
   python agentrt_proxy.py -db DATABASE [-json] show RUN
   python agentrt_proxy.py -db DATABASE [-json] events RUN [-limit N] [-offset N]
@@ -3291,6 +5213,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run")
         _flags(p, ("approval", {}), ("by", {}), ("note", {"default": ""}),
                ("yes", {"action": "store_true"}))
+    for name in ("serve", "pin", "check"):
+        _flags(sub.add_parser(name, add_help=False, allow_abbrev=False),
+               ("config", {"default": argparse.SUPPRESS}))
     cancel = sub.add_parser("cancel", add_help=False, allow_abbrev=False)
     cancel.add_argument("run")
     _flags(cancel, ("by", {}), ("note", {"default": ""}))
@@ -3371,23 +5296,23 @@ def cmd_runs(store: Store, args, out: Out) -> int:
     return 0
 
 
-def _pretty(value: Any, indent: int = 0) -> str:
-    """Indented JSON of a parsed value, number literals as written."""
+def _pretty(value: Any, indent: int = 0, cut: bool = True) -> str:
+    """Indented JSON of a parsed value, number literals as written. With ``cut``, a string
+    over CLI_FIELD_BYTES shows its two ends (for a terminal, never for a file)."""
     pad = "  " * (indent + 1)
     if isinstance(value, dict) and value:
-        items = [f'{pad}{json.dumps(k, ensure_ascii=False)}: {_pretty(v, indent + 1)}'
-                 for k, v in value.items()]
+        items = [f"{pad}{dump_json(k)}: {_pretty(v, indent + 1, cut)}" for k, v in value.items()]
         return "{\n" + ",\n".join(items) + "\n" + "  " * indent + "}"
     if isinstance(value, list) and value:
-        items = [pad + _pretty(v, indent + 1) for v in value]
+        items = [pad + _pretty(v, indent + 1, cut) for v in value]
         return "[\n" + ",\n".join(items) + "\n" + "  " * indent + "]"
-    if isinstance(value, str) and len(value.encode()) > CLI_FIELD_BYTES:
+    if cut and isinstance(value, str) and len(value.encode()) > CLI_FIELD_BYTES:
         data = value.encode()
         head = data[:CLI_FIELD_KEEP].decode("utf-8", "ignore")
         tail = data[-CLI_FIELD_KEEP:].decode("utf-8", "ignore")
         value = f"{head}\u2026[{len(data) - len(head.encode()) - len(tail.encode())} " \
                 f"bytes omitted]\u2026{tail}"
-    return dump_json(value) if not isinstance(value, (dict, list)) else dump_json(value)
+    return dump_json(value)
 
 
 def _fields(raw: bytes) -> list[str]:
@@ -3755,6 +5680,22 @@ def run_operator(args, out: Out) -> int:
         store.close()
 
 
+_PROXY_COMMANDS = ("serve", "pin", "check")
+
+
+def run_proxy_command(args, out: Out) -> int:
+    if not args.config:
+        raise UsageError(f"{args.command}: -config <file> is required")
+    cfg = load_config(args.config)
+    if args.command == "pin":
+        return asyncio.run(cmd_pin(cfg, out))
+    if args.command == "check":
+        return asyncio.run(cmd_check(cfg, out))
+    stdin = getattr(out.stdin, "buffer", out.stdin)
+    stdout = getattr(out.stdout, "buffer", out.stdout)
+    return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
+
+
 # ==== 12. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
@@ -3767,8 +5708,12 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
     args = None
     try:
         args = build_parser().parse_args(argv)
+        if not args.command and args.config and not args.db:
+            args.command = "serve"
         if not args.command:
             raise UsageError("no command given")
+        if args.command in _PROXY_COMMANDS:
+            return run_proxy_command(args, out)
         return run_operator(args, out)
     except UsageError as exc:
         out.log(str(exc))

@@ -2406,23 +2406,31 @@ class Gate:
         self.leases.hold(run_id, until)
         return Session(self, run_id)
 
-    async def call(self, run_id: str, goal: str, limits: Limits,
-                   decision: Decision) -> tuple["Session", Verdict, dict | None]:
-        """Begin a run and propose one decision. When it is allowed the tool runs: the
-        run's creation, the proposal and the tool's start commit together, and its outcome
-        in a second commit. Returns the session, the verdict, and the observation if the
-        tool ran."""
+    def start(self, run_id: str, goal: str, limits: Limits, decision: Decision,
+              also: Callable[[], None] | None = None) -> tuple["Session", Verdict]:
+        """Begin a run and propose one decision; when it is allowed, start the tool. All of
+        it, and ``also`` (a caller's own write), commits as one transaction, before anything
+        leaves the process. Then ``await session.run_started()`` runs the tool."""
         with self.store.batch():
             session = self.begin(run_id, goal, limits)
             try:
+                if also is not None:
+                    also()
                 if session.step() is None:
-                    return session, Verdict("ended", run=session.final), None
+                    return session, Verdict("ended", run=session.final)
                 verdict = session.propose(decision)
                 if verdict.kind == "allowed":
                     session.start()
             except BaseException:
                 session._finish("lost", None)
                 raise
+        return session, verdict
+
+    async def call(self, run_id: str, goal: str, limits: Limits,
+                   decision: Decision) -> tuple["Session", Verdict, dict | None]:
+        """start(), then run the tool when allowed: two commits for an allowed call.
+        Returns the session, the verdict, and the observation if the tool ran."""
+        session, verdict = self.start(run_id, goal, limits, decision)
         if verdict.kind != "allowed":
             return session, verdict, None
         return session, verdict, await session.run_started()
@@ -4686,32 +4694,18 @@ def error_text(obs: dict) -> str:
     return dump_json(content) if content is not None else ""
 
 
-def denied_text(reason: str) -> dict:
-    return prose("DENIED", f"the policy does not allow this request: "
-                           f"{clean(reason, REASON_BYTES)}. Nothing was executed.", True)
-
-
-def invalid_text(reason: str) -> dict:
-    reason = reason.removeprefix("arguments do not match schema: ")
-    reason = clean(_RUNTIME_URL.sub("", reason), SCHEMA_ERROR_BYTES)
-    return prose("INVALID", f"the arguments do not match the tool's input schema: {reason}. "
-                            "Nothing was executed. Correct the arguments and call again.", True)
-
-
-def unavailable_text(what: str, executed: str = "Nothing was executed.") -> dict:
-    return prose("UNAVAILABLE", f"the gate could not {what}. {executed} Tell the user.", True)
-
-
 class ProxyPolicy:
     """The policy the gate evaluates: the rule's outcome for the tool, else its class's
-    outcome in the configured map; approvals bind the server, the upstream tool, the
-    registered name, the class, the arguments and the operator's fixed values."""
+    outcome in the configured map. An approval binds the server, the upstream tool, the
+    registered name, the class, the arguments and the operator's fixed values; a re-run of
+    an attempt whose outcome is unknown asks with an interruption approval naming it,
+    whatever the policy says short of deny."""
 
-    def __init__(self, policy: dict[str, str], tools: dict[str, UpstreamTool],
-                 policy_id: str = ""):
-        self.policy, self.tools, self.policy_id = policy, tools, policy_id
+    def __init__(self, policy: dict[str, str], tools: dict[str, "UpstreamTool"],
+                 proxy: "Proxy | None" = None, policy_id: str = ""):
+        self.policy, self.tools, self.proxy, self.policy_id = policy, tools, proxy, policy_id
 
-    def decide(self, tool: UpstreamTool) -> tuple[str, str]:
+    def decide(self, tool: "UpstreamTool") -> tuple[str, str]:
         if tool.rule.outcome:
             return tool.rule.outcome, \
                 f"tool {tool.spec.name} is {tool.rule.outcome} by the operator's rule"
@@ -4726,18 +4720,56 @@ class ProxyPolicy:
         if tool is None:
             return PolicyDecision("deny", f"tool {_quote(request.spec.name)} is not offered")
         outcome, reason = self.decide(tool)
-        if outcome in ("allow", "deny"):
+        if outcome == "deny":
+            return PolicyDecision(outcome, reason)
+        attempt = self.rerun_of(request, view)
+        if attempt is not None:
+            return self.interruption(tool, request.args, attempt)
+        if outcome == "allow":
             return PolicyDecision(outcome, reason)
         if outcome != "require_approval":
             return PolicyDecision("deny", f"unknown outcome {_quote(outcome)}")
         cap = self.capability(tool, request.args)
-        question = (f"May the model call {tool.remote} on server {tool.server} with these "
-                    "arguments?")
-        pres = {"question": question, **cap, "reason": reason}
-        return need_approval(tool.spec.side_effect, reason, cap, pres)
+        question = f"May the model call {tool.remote} on server {tool.server} with these " \
+                   "arguments?"
+        return need_approval(tool.spec.side_effect, reason, cap,
+                             {"question": question, **cap, "reason": reason})
+
+    def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
+        """The earlier attempt this request re-runs, if it does: named by the step's own
+        interruption approval, or by the proxy as it proposes the re-run."""
+        mine = [a for a in view.approvals if a.step_id == request.step_id]
+        if mine and mine[-1].kind == INTERRUPTED_KIND:
+            at = _interrupted_attempt(mine[-1])
+            if at is not None:
+                return at
+            step = next((s for s in view.steps if s.id == request.step_id), None)
+            if step is None and self.proxy is not None:
+                step = next((s for s in self.proxy.store.list_steps(request.run_id)
+                             if s.id == request.step_id), None)
+            if step is not None:
+                return _attempt(request.run_id, step, "cut_off")
+        if self.proxy is not None:
+            return self.proxy.reruns.get(request.run_id)
+        return None
+
+    def interruption(self, tool: "UpstreamTool", args: bytes, at: dict) -> PolicyDecision:
+        """Built only from its inputs, so the pause, the collection and a re-check of the
+        record hash alike."""
+        cap = {**self.capability(tool, args), "interrupted": at}
+        notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in run "
+                  f"{at.get('run_id')}, ended as follows: {HOW.get(at.get('ended'), HOW['cut_off'])}. "
+                  "Whether it took effect is unknown: it may have. Approving runs it again with "
+                  "these arguments once the model calls it again. Rejecting ends this request, "
+                  "and an identical call later asks an operator again, whatever the policy.")
+        question = f"May the model run {tool.remote} on server {tool.server} again with " \
+                   "these arguments?"
+        return need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON, cap,
+                             {"question": question, **cap, "reason": INTERRUPTED_REASON,
+                              "notice": notice})
 
     @staticmethod
-    def capability(tool: UpstreamTool, args: bytes) -> dict:
+    def capability(tool: "UpstreamTool", args: bytes) -> dict:
         cap: dict[str, Any] = {"server": tool.server, "tool": tool.remote,
                                "name": tool.spec.name, "side_effect": tool.spec.side_effect,
                                "args": Raw(args)}
@@ -4746,94 +4778,213 @@ class ProxyPolicy:
         return cap
 
 
-class Proxy:
-    """The gate behind the host, and the answers it gives the model."""
+# -- the answers the model reads: each starts with its prefix; chosen text is cleaned --
 
-    def __init__(self, cfg: Config, store: Store, tools: list[UpstreamTool], log: Callable[[str], None],
-                 clock: Clock = time.time):
-        self.cfg, self.store, self.log, self.clock = cfg, store, log, clock
-        self.tools = {t.spec.name: t for t in tools}
-        self.policy = ProxyPolicy(cfg.policy_map, self.tools)
-        self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
-                         lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl)
-        self.limits = Limits(CALL_LIMITS_STEPS, CALL_LIMITS_STEPS, CALL_LIMITS_STEPS,
-                             cfg.approval_ttl, cfg.grant_ttl)
-
-    def close(self) -> None:
-        self.gate.close()
-
-    def listing(self) -> list[dict]:
-        """The classified tools, then the status tool; no output schemas."""
-        out = [{"name": t.spec.name, "description": t.spec.description,
-                "inputSchema": Raw(t.spec.input_schema)} for t in self.tools.values()]
-        out.append(status_tool_entry(self.cfg.status_tool))
-        return out
-
-    def new_run_id(self) -> str:
-        return f"{self.cfg.session}.{secrets.token_hex(8)}"
-
-    def hint(self, run_id: str, approval: Approval, tool: str) -> None:
-        """The two lines that tell the operator an approval waits and how to decide it."""
-        self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
-                 f"run {run_id}")
-        self.log(f'  decide with: {_self_command()} -db "{self.store.path}" approve {run_id} '
-                 f"-approval {approval.id}   (or reject)")
-
-    async def call(self, name: str, args: bytes) -> dict:
-        """One tools/call for an upstream tool: a run of its own through the gate."""
-        run_id = self.new_run_id()
-        decision = Decision("tool_call", name, args, origin="model")
-        try:
-            session, verdict, obs = await self.gate.call(run_id, f"call {name}", self.limits,
-                                                         decision)
-        except (StoreError, sqlite3.Error) as exc:
-            self.log(f"error: {exc}")
-            return unavailable_text("record this request")
-        except ProxyError as exc:
-            self.log(f"error: run {run_id}: {exc}")
-            return unavailable_text("start this request")
-        if obs is not None:
-            return self.finish_call(session, obs)
-        return self.after_verdict(session, verdict, name)
-
-    def after_verdict(self, session: Session, verdict: Verdict, tool: str) -> dict:
-        if verdict.kind == "pending":
-            self.hint(session.run_id, verdict.approval, tool)
-            return prose_pending(verdict.approval)
-        if verdict.kind == "denied":
-            return self.denied(session, verdict.observation)
-        reason = verdict.run.reason_detail if verdict.run else "the run ended"
-        return denied_text(reason)
-
-    def denied(self, session: Session, obs: dict) -> dict:
-        content = obs.get("content") or {}
-        if obs.get("kind") == INVALID_DECISION:
-            self.close_run(session, CLOSE_INVALID)
-            return invalid_text(str(content.get("error", "")))
-        self.close_run(session, CLOSE_DENIED)
-        return denied_text(str(content.get("reason", "")))
-
-    def finish_call(self, session: Session, obs: dict) -> dict:
-        if obs.get("kind") == TOOL_ERROR:
-            self.close_run(session, CLOSE_TOOL_ERROR)
-        else:
-            session.close()
-        return result_of(obs)
-
-    def close_run(self, session: Session, why: str) -> None:
-        """End a run the proxy has nothing more to do in, with a fail decision."""
-        try:
-            if session.state == "open":
-                session.fail(why)
-        except ProxyError as exc:
-            self.log(f"run {session.run_id}: closing: {exc}")
-        finally:
-            session.close()
+_NOT_AGAIN = ("Do not call this tool again until you are told the operator decided, and do "
+              "not try another tool to achieve the same thing. Tell the user. If you are told "
+              "it was approved, call this tool again with exactly the same arguments.")
 
 
-def prose_pending(approval: Approval) -> dict:
-    return {"content": [{"type": "text", "text": PENDING_TEXT.format(id=approval.id)}],
+def pending_approval(approval_id: str) -> dict:
+    return {"content": [{"type": "text", "text": PENDING_TEXT.format(id=approval_id)}],
             "isError": False}
+
+
+def interrupted(approval_id: str) -> dict:
+    return prose("INTERRUPTED", "an earlier attempt of this exact request was cut off, and "
+                 f"its outcome is unknown. An operator must decide whether it runs again "
+                 f"(approval {approval_id}). Nothing further has been executed. {_NOT_AGAIN}",
+                 False)
+
+
+def unknown_outcome(ended: str, error: str, approval_id: str) -> dict:
+    text = f"an attempt of this exact request ended as follows: {HOW.get(ended, HOW['cut_off'])}"
+    if error:
+        text += f" ({clean(error, REASON_BYTES)})"
+    text += ". Whether it took effect is unknown: it may have. "
+    text += (f"An operator must decide whether it runs again (approval {approval_id}). "
+             if approval_id else "An identical call will wait for an operator to decide "
+                                 "whether it runs again. ")
+    return prose("UNKNOWN_OUTCOME", text + "Nothing further has been executed. " + _NOT_AGAIN,
+                 False)
+
+
+def unrecorded_answer(reason: str, window: float) -> dict:
+    text = ("the server answered this request, so it executed, but its answer could not be "
+            f"recorded ({clean(reason, REASON_BYTES)}). What it did is not known here: it may "
+            "have taken effect. Do not call this tool again to retry it.")
+    if window > 0:
+        text += (f" An identical call within {fmt_duration(window)} is refused as a "
+                 "duplicate.")
+    return prose("UNRECORDED", text + " Tell the user.", False)
+
+
+def in_progress() -> dict:
+    return prose("IN_PROGRESS", "this exact request is already being executed, or the outcome "
+                 "of an attempt of it is not yet known. Nothing new was started. Wait a little, "
+                 "then call this tool again with exactly the same arguments to learn its "
+                 "outcome.", False)
+
+
+def denied_answer(reason: str) -> dict:
+    return prose("DENIED", f"the policy does not allow this request: "
+                           f"{clean(reason, REASON_BYTES)}. Nothing was executed.", True)
+
+
+def invalid_answer(reason: str) -> dict:
+    reason = reason.removeprefix("arguments do not match schema: ")
+    reason = clean(_RUNTIME_URL.sub("", reason), SCHEMA_ERROR_BYTES)
+    return prose("INVALID", f"the arguments do not match the tool's input schema: {reason}. "
+                            "Nothing was executed. Correct the arguments and call again.", True)
+
+
+def _note(note: str) -> str:
+    note = note.strip()
+    return f' The operator\'s note: "{clean(note, NOTE_BYTES)}".' if note else ""
+
+
+def rejected(approval_id: str, note: str, until: float) -> dict:
+    return prose("REJECTED", f"an operator rejected this exact request (approval "
+                 f"{approval_id}).{_note(note)} It was not executed. An identical request is "
+                 f"refused until {fmt_time_s(until)}. Do not ask for it again; tell the user.",
+                 True)
+
+
+def cancelled_answer(note: str, until: float) -> dict:
+    return prose("REJECTED", f"an operator cancelled this exact request.{_note(note)} Nothing "
+                 f"further was executed. An identical request is refused until "
+                 f"{fmt_time_s(until)}. Do not ask for it again; tell the user.", True)
+
+
+def expired(approval_id: str, until: float) -> dict:
+    return prose("EXPIRED", f"the approval for this exact request (approval {approval_id}) "
+                 "expired before it was used. It was not executed. An identical request is "
+                 f"refused until {fmt_time_s(until)}. Tell the user.", True)
+
+
+def duplicate(at: float, window: float, outcome: str) -> dict:
+    return prose("DUPLICATE", f"this exact request already executed, at {fmt_time_s(at)}. It "
+                 f"is not executed again: an identical call to this tool within "
+                 f"{fmt_duration(window)} of an earlier one is refused, whether it is a retry "
+                 f"or meant as a new one. The earlier call's outcome: {outcome}", True)
+
+
+def blocked_interrupted(tool: str, approval_id: str) -> dict:
+    return prose("BLOCKED", f"an earlier call to {tool} may have taken effect and its outcome "
+                 f"is unknown (approval {approval_id}), so no other call to {tool} that "
+                 "changes anything runs until an operator decides it. Nothing was executed. "
+                 "Tell the user.", True)
+
+
+def blocked_pending(limit: int) -> dict:
+    return prose("BLOCKED", f"{limit} requests are already waiting for an operator's approval, "
+                 "the most this session allows. Nothing was executed and no approval was "
+                 "requested. Tell the user, and wait for the waiting requests to be decided.",
+                 True)
+
+
+def unavailable(what: str, executed: str = "Nothing was executed.") -> dict:
+    return prose("UNAVAILABLE", f"the gate could not {what}. {executed} Tell the user.".replace(
+        ".  ", ". "), True)
+
+
+def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
+    now = proxy.clock()
+    if wanted:
+        item = next((i for i in items if i[2].id == wanted), None)
+        if item is None:
+            return prose("GATE_STATUS", f"no approval {clean(wanted, 100)} is known in this "
+                                        "session from the last hour.", False)
+        return prose("GATE_STATUS", describe(proxy, item, items, now), False)
+    waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)]
+    if not waiting:
+        return prose("GATE_STATUS", "no request in this session is waiting for an operator's "
+                                    "approval.", False)
+    head = "1 request in this session is waiting" if len(waiting) == 1 else \
+        f"{len(waiting)} requests in this session are waiting"
+    lines = [f"{head} for an operator's approval:"]
+    lines += ["- " + describe(proxy, i, items, now) for i in waiting]
+    return prose("GATE_STATUS", "\n".join(lines), False)
+
+
+def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
+    """One approval: which call, then the first state that holds."""
+    row, state, a = item
+    try:
+        args = a.request().args
+        args = encode_canonical(parse_json(args, strict=False)).decode()
+    except (ProxyError, KeyError, ValueError):
+        args = ""
+    who = f"approval {a.id}, {clean(row.tool, 64)} with {clean(args, 200)}: "
+    age = fmt_duration(max(0, round(now - parse_time(a.created_at))))
+    waiting = a.status == PENDING and not _expired(a, now)
+    if waiting and a.kind == INTERRUPTED_KIND:
+        return who + (f"OUTCOME UNKNOWN, waiting {age} for an operator to decide whether it "
+                      "runs again; an earlier attempt may have taken effect; nothing further "
+                      "has been executed.")
+    if waiting:
+        return who + (f"PENDING for {age}; nothing has been executed; the operator decides "
+                      "elsewhere; do not call the tool again until it is approved.")
+    if a.status == PENDING:
+        return who + "EXPIRED without a decision; it was not executed."
+    if a.status == REJECTED:
+        return who + f"REJECTED by the operator.{_note(a.note)} It was not executed; do not " \
+                     "ask for it again."
+    if a.status == EXPIRED:
+        return who + "EXPIRED; it was not executed."
+    step = next((s for s in state.steps if s.id == a.step_id), None)
+    ran = _ran(proxy, row, state, step, items, a) if step is not None else ""
+    if ran:
+        return who + "APPROVED and executed: " + ran
+    latest = state.latest()
+    if latest is not None and latest.id != a.id:
+        return who + f"APPROVED, and then a different approval was asked for the same call " \
+                     f"(approval {latest.id})."
+    if state.run.status == WAITING:
+        return who + (f"APPROVED, awaiting collection: call {clean(row.tool, 64)} again with "
+                      "exactly the same arguments to run it and get the result.")
+    if not state.terminal:
+        return who + "APPROVED and executing now."
+    kind = step.obs_kind if step is not None else ""
+    why = ("the policy denied it when it was collected" if kind == POLICY_DENIED else
+           "its arguments no longer matched the tool's schema when it was collected"
+           if kind == INVALID_DECISION else
+           "an operator cancelled it" if state.run.reason == "operator_cancelled" else
+           "the approval expired before it was collected"
+           if state.run.reason == "approval_expired" else
+           f"its run ended ({clean(state.run.reason, 64)})")
+    return who + f"APPROVED but not executed, because {why}."
+
+
+def _ran(proxy: "Proxy", row, state: RunState, step: Step, items: list, a: Approval) -> str:
+    """What an approved step that executed came to; '' when it did not execute."""
+    tool = proxy.tools.get(row.tool)
+    if step.status == "interrupted" and step.obs_content.get("previous_status") == "executing":
+        return _ran_unknown(row, items, a, "cut_off")
+    if step.obs_kind == TOOL_RESULT:
+        return "it succeeded."
+    if step.obs_kind != TOOL_ERROR:
+        return ""
+    if tool is None:
+        return _ran_unknown(row, items, a, "no_answer")
+    err = clean(error_text(step.observation), REASON_BYTES)
+    if _unrecorded(tool, step.observation):
+        return (f"the server answered but its result could not be recorded ({err}); it may "
+                "have taken effect.")
+    ended = unknown_ending(tool, step.observation)
+    if ended is None:
+        return f"the server reported a failure: {err}"
+    return _ran_unknown(row, items, a, ended)
+
+
+def _ran_unknown(row, items: list, a: Approval, ended: str) -> str:
+    text = f"{HOW[ended]}, so whether it took effect is unknown: it may have. "
+    nxt = [i for i in items if i[0].key == row.key and i[2].id != a.id and
+           i[2].kind == INTERRUPTED_KIND and i[2].status == PENDING]
+    if nxt:
+        return text + f"Approval {nxt[-1][2].id} now waits for an operator to decide whether " \
+                      "it runs again."
+    return text + "No approval to run it again is waiting now."
 
 
 def status_tool_entry(name: str) -> dict:
@@ -4848,7 +4999,883 @@ def status_tool_entry(name: str) -> dict:
                 "additionalProperties": False}}
 
 
-# ==== 16. The host-facing server ====
+# ==== 16. The rules across calls ====
+# MCP gives a server no conversation, so each call is a run of its own; the rules that span
+# calls are the proxy's, kept in its own table, proxy_calls. A row says "a call with this
+# request key was given this run id"; it is written before its run begins, and what a call
+# did is always read from its run and steps, never from the row. At most one row per key is
+# open. Within one process a call's reading of the index and the runs, and whatever it
+# begins or collects, happens without an await in between (atomic on the event loop);
+# executing and holding happen outside that. Across processes the unique open-row index and
+# IMMEDIATE transactions let exactly one call begin a row's run; the loser retries.
+
+PROXY_SCHEMA_VERSION = 1
+APPROVAL_POLL = 0.2                    # how often a held call looks at its approval
+PROGRESS_EVERY = 1.0                   # seconds between progress notifications while held
+MAX_RETRIES = 5                        # lost races before a call answers IN_PROGRESS
+STATUS_WINDOW = 3600.0                 # the status tool answers for the last hour
+STATUS_ROWS = 200                      # ... from at most this many calls
+UNSEEN, NO_ATTEMPT, KNOWN, UNKNOWN = 0, 1, 2, 3
+HOW = {"timed_out": "it timed out before the server answered",
+       "no_answer": "it failed without an answer from the server",
+       "cut_off": "it was cut off before its outcome was recorded"}
+_INDEX_SQL = (
+    """CREATE TABLE proxy_calls (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, session TEXT NOT NULL,
+        request_key TEXT NOT NULL, tool TEXT NOT NULL, side_effect TEXT NOT NULL,
+        run_id TEXT NOT NULL UNIQUE, created_at REAL NOT NULL,
+        open INTEGER NOT NULL DEFAULT 1, closed_at REAL NOT NULL DEFAULT 0,
+        settled_at REAL NOT NULL DEFAULT 0, outcome INTEGER NOT NULL DEFAULT 0)""",
+    "CREATE UNIQUE INDEX proxy_calls_open ON proxy_calls(session, request_key) WHERE open = 1",
+    "CREATE INDEX proxy_calls_key ON proxy_calls(session, request_key, id)",
+    "CREATE INDEX proxy_calls_unsettled ON proxy_calls(session, settled_at, id)",
+    "CREATE INDEX proxy_calls_outcome ON proxy_calls(session, request_key, outcome, id)",
+)
+_ROW_COLS = "id, session, request_key, tool, side_effect, run_id, created_at, open, closed_at, " \
+            "settled_at, outcome"
+
+
+class IndexRace(ProxyError):
+    """Another call changed this request's index row first; the caller decides again."""
+
+
+@dataclasses.dataclass
+class CallRow:
+    id: int
+    session: str
+    key: str
+    tool: str
+    side_effect: str
+    run_id: str
+    created_at: float
+    open: int
+    closed_at: float
+    settled_at: float
+    outcome: int
+
+
+class CallIndex:
+    """proxy_calls: which request key was given which run, and caches of what came of it."""
+
+    def __init__(self, store: Store, session: str):
+        self.store, self.session = store, session
+
+    def migrate(self, now: float) -> None:
+        with self.store.tx() as tx:
+            tx.exec("CREATE TABLE IF NOT EXISTS proxy_schema_migrations "
+                    "(version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+            have = tx.exec("SELECT COALESCE(MAX(version),0) FROM proxy_schema_migrations"
+                           ).fetchone()[0]
+            if have > PROXY_SCHEMA_VERSION:
+                raise SchemaVersionError(
+                    f"the call index in {self.store.path} has version {have}, newer than "
+                    f"version {PROXY_SCHEMA_VERSION} this build knows; a newer proxy wrote it")
+            if have < 1:
+                for sql in _INDEX_SQL:
+                    tx.exec(sql)
+                tx.exec("INSERT INTO proxy_schema_migrations VALUES (1, ?)", (now,))
+
+    def _rows(self, sql: str, params: tuple) -> list[CallRow]:
+        return [CallRow(*r) for r in self.store._read(f"SELECT {_ROW_COLS} FROM proxy_calls "
+                                                      f"WHERE {sql}", params)]
+
+    def for_key(self, key: str, since: float) -> tuple[CallRow | None, list[CallRow]]:
+        """The key's open row, and every row of it open or closed since ``since``."""
+        rows = self._rows("session=? AND request_key=? AND (open=1 OR closed_at>=?) "
+                          "ORDER BY id DESC", (self.session, key, since))
+        return next((r for r in rows if r.open), None), rows
+
+    def unsettled(self) -> list[CallRow]:
+        return self._rows("session=? AND settled_at=0 ORDER BY id", (self.session,))
+
+    def attempts(self, key: str) -> list[CallRow]:
+        return self._rows("session=? AND request_key=? AND outcome!=? ORDER BY id DESC",
+                          (self.session, key, NO_ATTEMPT))
+
+    def unknown_for_tool(self, tool: str, except_key: str) -> list[CallRow]:
+        """For every other key of this tool, its newest row with an attempt, when that row's
+        outcome is unseen or unknown."""
+        return self._rows(
+            "session=? AND tool=? AND request_key!=? AND outcome IN (?,?) AND id=(SELECT "
+            "MAX(q.id) FROM proxy_calls q WHERE q.session=proxy_calls.session AND "
+            "q.request_key=proxy_calls.request_key AND q.outcome!=?) ORDER BY id",
+            (self.session, tool, except_key, UNSEEN, UNKNOWN, NO_ATTEMPT))
+
+    def recent(self, since: float, limit: int) -> list[CallRow]:
+        return self._rows("session=? AND (settled_at=0 OR settled_at>=?) ORDER BY id DESC "
+                          "LIMIT ?", (self.session, since, limit))
+
+    def by_run(self, run_id: str) -> CallRow | None:
+        rows = self._rows("run_id=?", (run_id,))
+        return rows[0] if rows else None
+
+    def claim(self, key: str, tool: str, cls: str, run_id: str, prev: CallRow | None,
+              now: float) -> None:
+        """Open a row for ``key``, closing ``prev``; refused when the open row is not the one
+        the caller read (another call got there first)."""
+        with self.store.tx() as tx:
+            row = tx.exec("SELECT id FROM proxy_calls WHERE session=? AND request_key=? AND "
+                          "open=1", (self.session, key)).fetchone()
+            if (row is None) != (prev is None) or (row and row[0] != prev.id):
+                raise IndexRace("proxy: the request's index row changed")
+            if prev is not None:
+                tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE id=? AND open=1",
+                        (now, prev.id))
+            tx.exec("INSERT INTO proxy_calls (session, request_key, tool, side_effect, run_id, "
+                    "created_at) VALUES (?,?,?,?,?,?)",
+                    (self.session, key, tool, cls, run_id, now))
+
+    def settle(self, row: CallRow, outcome: int, now: float) -> None:
+        """Cache what the row's run came to (once: only while it is unseen)."""
+        if row.outcome != UNSEEN:
+            return
+        with self.store.tx() as tx:
+            tx.exec("UPDATE proxy_calls SET settled_at=CASE WHEN settled_at=0 THEN ? ELSE "
+                    "settled_at END, outcome=? WHERE id=? AND outcome=?",
+                    (now, outcome, row.id, UNSEEN))
+        row.outcome = outcome
+
+    def settle_empty(self, row: CallRow, now: float) -> None:
+        """A row whose run never began: nothing started (checked in the same statement)."""
+        with self.store.tx() as tx:
+            tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE id=? AND settled_at=0 "
+                    "AND NOT EXISTS (SELECT 1 FROM runs WHERE runs.id=proxy_calls.run_id)",
+                    (now, NO_ATTEMPT, row.id))
+
+    def unsettle(self, run_id: str) -> None:
+        """A run began under a row a scan had settled as empty: it is unseen again."""
+        with self.store.tx() as tx:
+            tx.exec("UPDATE proxy_calls SET settled_at=0, outcome=? WHERE run_id=? AND "
+                    "settled_at!=0", (UNSEEN, run_id))
+
+
+@dataclasses.dataclass
+class RunState:
+    run: Run
+    steps: list[Step]
+    approvals: list[Approval]
+
+    @property
+    def terminal(self) -> bool:
+        return self.run.status in TERMINAL
+
+    def latest(self) -> Approval | None:
+        return self.approvals[-1] if self.approvals else None
+
+
+# -- what the proxy decides, before anything executes --
+
+@dataclasses.dataclass
+class Answer:
+    result: dict
+
+
+@dataclasses.dataclass
+class Pending:
+    approval: Approval
+
+
+@dataclasses.dataclass
+class Execute:
+    session: Session
+    tool: "UpstreamTool"
+    args: bytes
+    last_approval: str = ""
+
+
+class Retry:
+    """A race was lost: decide again."""
+
+
+def _attempt(run_id: str, step: Step, ended: str) -> dict:
+    return {"run_id": run_id, "step_id": step.id, "started_at": step.started_at, "ended": ended}
+
+
+def _interrupted_attempt(approval: Approval | None) -> dict | None:
+    """The earlier attempt an interruption approval names, from its capability."""
+    if approval is None or approval.kind != INTERRUPTED_KIND:
+        return None
+    try:
+        cap = loads_own(approval.capability)
+    except JSONError:
+        return None
+    at = cap.get("interrupted") if isinstance(cap, dict) else None
+    return at if isinstance(at, dict) else None
+
+
+class Proxy:
+    """The gate behind the host, the proxy's rules across calls, and its answers."""
+
+    def __init__(self, cfg: Config, store: Store, tools: list["UpstreamTool"],
+                 log: Callable[[str], None], clock: Clock = time.time,
+                 poll: float = APPROVAL_POLL):
+        self.cfg, self.store, self.log, self.clock, self.poll = cfg, store, log, clock, poll
+        self.tools = {t.spec.name: t for t in tools}
+        self.reruns: dict[str, dict] = {}      # run id -> the attempt its proposal re-runs
+        self.policy = ProxyPolicy(cfg.policy_map, self.tools, self)
+        self.index = CallIndex(store, cfg.session)
+        self.index.migrate(clock())
+        self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
+                         lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl,
+                         reconcile=self.reconcile)
+        self.limits = Limits(CALL_LIMITS_STEPS, CALL_LIMITS_STEPS, CALL_LIMITS_STEPS,
+                             cfg.approval_ttl, cfg.grant_ttl)
+        self.stopping = asyncio.Event()
+
+    def close(self) -> None:
+        self.gate.close()
+
+    def window(self, tool: "UpstreamTool") -> float:
+        w = tool.rule.repeat_window
+        return self.cfg.repeat_window if w is None else w
+
+    def listing(self) -> list[dict]:
+        """The classified tools, then the status tool; no output schemas."""
+        out = [{"name": t.spec.name, "description": t.spec.description,
+                "inputSchema": Raw(t.spec.input_schema)} for t in self.tools.values()]
+        out.append(status_tool_entry(self.cfg.status_tool))
+        return out
+
+    def new_run_id(self) -> str:
+        return f"{self.cfg.session}.{secrets.token_hex(8)}"
+
+    def inspect(self, run_id: str) -> RunState | None:
+        run = self.store.find_run(run_id)
+        if run is None:
+            return None
+        return RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
+
+    def hint(self, run_id: str, approval: Approval) -> None:
+        """The two lines that tell the operator an approval waits and how to decide it."""
+        tool = approval.request().spec.name
+        self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
+                 f"run {run_id}")
+        self.log(f'  decide with: {_self_command()} -db "{self.store.path}" approve {run_id} '
+                 f"-approval {approval.id}   (or reject)")
+
+    # -- a call --
+
+    async def call(self, name: str, args: bytes, progress: Callable[[float, float], None]
+                   | None = None, cancelled: asyncio.Event | None = None) -> dict:
+        """One tools/call. Rules first (atomic: no await while deciding), then at most one
+        hold for an approval, then at most one execution."""
+        if name == self.cfg.status_tool:
+            return self.status(args)
+        tool, key = self.tools[name], request_key(name, args)
+        held = False
+        for _ in range(MAX_RETRIES + 1):
+            try:
+                action = self.decide(tool, key, args)
+            except StoreError as exc:
+                self.log(f"error: {exc}")
+                return unavailable("read its records")
+            if isinstance(action, Execute):
+                return await self.execute(action)
+            if isinstance(action, Pending):
+                if not held and self.cfg.hold > 0 and not _is_set(cancelled) and \
+                        not self.stopping.is_set():
+                    held = True
+                    if await self.wait(action.approval, progress, cancelled):
+                        continue
+                return self.pending_answer(action.approval)
+            if isinstance(action, Answer):
+                return action.result
+        return in_progress()
+
+    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes):
+        """The rules, in order. Returns an Answer, a Pending approval, an Execute, or Retry."""
+        now = self.clock()
+        if key is None:                 # arguments with no canonical form: INVALID, no rule
+            return self.begin(tool, None, args, None, False, None)
+        open_row, recent = self.index.for_key(key, now - self.window(tool))
+        reuse = False
+        if open_row is not None:
+            state = self.inspect(open_row.run_id)
+            if state is None:
+                reuse = True                                  # begin the row's run
+            elif not state.terminal:
+                action = self.unfinished(tool, open_row, state)   # rules 1 to 3
+                if action is not None:
+                    return action
+                state = self.inspect(open_row.run_id)
+                if state is not None and not state.terminal:
+                    return Answer(in_progress())
+        action = self.refusal(tool, recent, now)                  # rules 4 and 5
+        if action is not None:
+            return action
+        prior = self.unresolved(key) if tool.spec.side_effect != "read_only" else None
+        action = self.session_rules(tool, key, prior is not None)  # BLOCKED, max_pending
+        if action is not None:
+            return action
+        return self.begin(tool, key, args, open_row, reuse, prior)  # rule 7 (and rule 6)
+
+    # rules 1 to 3: the request's own run, not finished
+
+    def unfinished(self, tool, row: CallRow, state: RunState):
+        if state.run.status == RUNNING:
+            if _lease_live(state.run):
+                return Answer(in_progress())                     # rule 2
+            return self.recover(tool, row)                        # rule 3
+        latest = state.latest()                                   # rule 1
+        if latest is None:
+            return Answer(in_progress())
+        if latest.status == PENDING:
+            if not _expired(latest, self.clock()):
+                return Pending(latest)
+            self._attach_and_close(row.run_id)     # the gate expires it and ends the run
+            return None
+        if latest.status == APPROVED:
+            return self.collect(tool, row, state)
+        return Answer(in_progress())
+
+    def _attach_and_close(self, run_id: str) -> None:
+        with contextlib.suppress(ProxyError):
+            session, _ = self.gate.attach(run_id)
+            if session is not None:
+                session.close()
+
+    def collect(self, tool, row: CallRow, state: RunState):
+        """The operator approved: the gate evaluates the policy again on the recorded request
+        and judges the grant's age; what executes is the recorded request."""
+        try:
+            session, verdict = self.gate.attach(row.run_id)
+        except RunLeased:
+            return Answer(in_progress())
+        except RunStateError:
+            return Retry()
+        except ProxyError as exc:
+            self.log(f"error: run {row.run_id}: {exc}")
+            return Answer(unavailable("collect the approved request"))
+        if verdict.kind == "allowed":
+            latest = state.latest()
+            return Execute(session, tool, b"", latest.id if latest else "")
+        if verdict.kind == "pending":
+            self.hint(row.run_id, verdict.approval)
+            return Pending(verdict.approval)
+        if verdict.kind == "denied":
+            return Answer(self.denied(session, verdict.observation))
+        if verdict.kind == "ended":
+            return None
+        session.close()
+        return Retry()
+
+    def recover(self, tool, row: CallRow):
+        """A run left running by a call that is gone: take it over. A mutating step cut off
+        while executing waits for an operator; otherwise nothing is left to execute."""
+        try:
+            session, verdict = self.gate.attach(row.run_id)
+        except RunLeased:
+            return Answer(in_progress())
+        except RunStateError:
+            return Retry()
+        except ProxyError as exc:
+            self.log(f"error: run {row.run_id}: {exc}")
+            return Answer(unavailable("recover an earlier attempt of this request"))
+        if verdict.kind == "pending":
+            self.hint(row.run_id, verdict.approval)
+            self.log(f"run {row.run_id}: {tool.spec.name} was cut off while executing; "
+                     "its outcome is unknown")
+            return Pending(verdict.approval)
+        if verdict.kind != "ended":
+            self.finish(session, CLOSE_TAKEN_OVER)
+        self.settle_run(row.run_id)
+        return None
+
+    def reconcile(self, view: RunView) -> Reconciliation:
+        """For the gate's take-over: a mutating call cut off while executing waits on an
+        interruption approval naming that attempt."""
+        step = next((s for s in reversed(view.steps) if s.status == "interrupted" and
+                     s.obs_content.get("previous_status") == "executing"), None)
+        if step is None:
+            return Reconciliation("continue")
+        tool = self.tools.get((step.decision or {}).get("tool", ""))
+        if tool is None:
+            return Reconciliation("waiting", detail="the tool is no longer offered")
+        if tool.spec.side_effect == "read_only":
+            return Reconciliation("continue")
+        attempt = _attempt(view.run.id, step, "cut_off")
+        return Reconciliation("waiting", self.policy.interruption(
+            tool, policy_json(step.args or b"{}"), attempt))
+
+    # rules 4 and 5: the request was refused, expired, or ran, within its window
+
+    def refusal(self, tool, recent: list[CallRow], now: float):
+        window = self.window(tool)
+        if window <= 0:
+            return None
+        for row in recent:
+            state = self.inspect(row.run_id)
+            if state is None or not state.terminal:
+                continue
+            outcome, _ = last_attempt(self, state)
+            self.settle(row, outcome)
+            end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
+            if not end or end < now - window:
+                continue
+            until, latest = end + window, state.latest()
+            reason = state.run.reason
+            if reason == "approval_rejected" and latest is not None:
+                return Answer(rejected(latest.id, latest.note, until))
+            if reason == "approval_expired":
+                if outcome == UNKNOWN:
+                    return None                  # an expiry resolves nothing: rule 6 asks
+                if latest is not None:
+                    return Answer(expired(latest.id, until))
+            if reason == "operator_cancelled":
+                return Answer(cancelled_answer(state.run.reason_detail, until))
+            if tool.spec.side_effect == "read_only":
+                continue
+            if outcome == KNOWN:
+                step = next((s for s in reversed(state.steps)
+                             if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)), None)
+                if step is not None:
+                    return Answer(duplicate(end, window, known_outcome(step)))
+            elif outcome == UNKNOWN:
+                return None
+        return None
+
+    # rule 6: an unknown outcome of this request, at any age
+
+    def unresolved(self, key: str) -> dict | None:
+        for row in self.index.attempts(key):
+            if row.outcome == KNOWN:
+                return None
+            state = self.inspect(row.run_id)
+            if state is None or not state.terminal:
+                continue
+            outcome, at = last_attempt(self, state)
+            self.settle(row, outcome)
+            if outcome == KNOWN:
+                return None
+            if outcome == UNKNOWN:
+                return at
+        return None
+
+    # the rules over the session: BLOCKED while an unknown outcome waits, max_pending
+
+    def session_rules(self, tool, key: str, rerun: bool):
+        outcome, _ = self.policy.decide(tool)
+        needs_approval = outcome == "require_approval" or (rerun and outcome != "deny")
+        mutating = tool.spec.side_effect != "read_only"
+        if not mutating and not needs_approval:
+            return None
+        now, pending = self.clock(), 0
+        for row in self.index.unsettled():
+            if row.key == key:
+                continue
+            state = self.inspect(row.run_id)
+            if state is None:
+                with contextlib.suppress(StoreError):
+                    self.index.settle_empty(row, now)
+                continue
+            if state.terminal:
+                self.settle(row, last_attempt(self, state)[0])
+                continue
+            same_tool = mutating and row.tool == tool.spec.name
+            if state.run.status == WAITING:
+                latest = state.latest()
+                if latest is None:
+                    continue
+                live = (latest.status == PENDING and not _expired(latest, now)) or \
+                    (latest.status == APPROVED and not _grant_stale(state.run, latest, now))
+                if same_tool and latest.kind == INTERRUPTED_KIND:
+                    if live:
+                        return Answer(blocked_interrupted(tool.spec.name, latest.id))
+                    self._attach_and_close(row.run_id)
+                elif live and latest.status == PENDING:
+                    pending += 1
+            elif same_tool and not _lease_live(state.run):
+                action = self.recover(tool, row)
+                if isinstance(action, Pending):
+                    return Answer(blocked_interrupted(tool.spec.name, action.approval.id))
+                if action is not None:
+                    return Answer(in_progress())
+        if mutating:
+            action = self.unknown_block(tool, key)
+            if action is not None:
+                return action
+        if needs_approval and pending >= self.cfg.max_pending:
+            return Answer(blocked_pending(self.cfg.max_pending))
+        return None
+
+    def unknown_block(self, tool, key: str):
+        """Another request to this tool has an unknown outcome with nothing waiting for an
+        operator (its re-run met the step limit, its run stopped before asking, or its
+        approval expired): ask again in a fresh run of that request, and refuse this one."""
+        if self.policy.decide(tool)[0] == "deny":
+            return None
+        for row in self.index.unknown_for_tool(tool.spec.name, key):
+            state = self.inspect(row.run_id)
+            if state is None or not state.terminal:
+                continue
+            outcome, at = last_attempt(self, state)
+            self.settle(row, outcome)
+            if outcome != UNKNOWN or state.run.reason in ("approval_rejected",
+                                                          "operator_cancelled"):
+                continue
+            approval = self.reopen(tool, row.key, _last_args(state), at)
+            if approval is None:
+                return Answer(unavailable("ask an operator about an earlier call to this tool "
+                                          "whose outcome is unknown"))
+            return Answer(blocked_interrupted(tool.spec.name, approval.id))
+        return None
+
+    def reopen(self, tool, key: str | None, args: bytes, at: dict) -> Approval | None:
+        """Ask about an unknown outcome again, in a fresh run of that request."""
+        if key is None:
+            return None
+        try:
+            open_row, _ = self.index.for_key(key, self.clock())
+            reuse = False
+            if open_row is not None:
+                state = self.inspect(open_row.run_id)
+                if state is None:
+                    reuse = True
+                elif not state.terminal:
+                    self.log(f"error: run {at.get('run_id')}: asking again about an unknown "
+                             f"outcome failed: the request's run {open_row.run_id} has not "
+                             "finished")
+                    return None
+            action = self.begin(tool, key, args, open_row, reuse, at, origin="operator")
+        except StoreError as exc:
+            self.log(f"error: {exc}")
+            return None
+        if isinstance(action, Execute):      # a re-run is never allowed outright
+            action.session.close()
+        if isinstance(action, Pending):
+            return action.approval
+        self.log(f"error: run {at.get('run_id')}: asking again about an unknown outcome "
+                 "opened no approval")
+        return None
+
+    # rule 7: a new run
+
+    def begin(self, tool, key: str | None, args: bytes, open_row: CallRow | None,
+              reuse: bool, prior: dict | None, origin: str = "model"):
+        run_id = open_row.run_id if reuse else self.new_run_id()
+        claim = None
+        if not reuse:
+            row_key = key or f"invalid:{run_id}"
+            prev = open_row if key else None
+            claim = lambda: self.index.claim(row_key, tool.spec.name, tool.spec.side_effect,
+                                             run_id, prev, self.clock())
+        also = claim or (lambda: self.index.unsettle(run_id))
+        if prior is not None:
+            self.reruns[run_id] = prior
+        try:
+            session, verdict = self.gate.start(
+                run_id, f"call {tool.spec.name}", self.limits,
+                Decision("tool_call", tool.spec.name, args, origin=origin), also=also)
+        except IndexRace:
+            return Retry()
+        except (RunStateError, StoreError, LeaseLost) as exc:
+            if self.store.find_run(run_id) is not None:
+                return Retry()              # another call began this row's run
+            self.log(f"error: run {run_id}: {exc}")
+            return Answer(unavailable("start this request" if reuse or not claim
+                                      else "record this request"))
+        finally:
+            self.reruns.pop(run_id, None)
+        return self.verdict(session, verdict, tool, args)
+
+    def verdict(self, session: Session, verdict: Verdict, tool, args: bytes):
+        if verdict.kind == "allowed":
+            return Execute(session, tool, args)
+        if verdict.kind == "pending":
+            self.hint(session.run_id, verdict.approval)
+            return Pending(verdict.approval)
+        if verdict.kind == "denied":
+            return Answer(self.denied(session, verdict.observation))
+        session.close()
+        self.settle_run(session.run_id)
+        run = verdict.run
+        return Answer(denied_answer(run.reason_detail if run else "the run ended"))
+
+    # after the proposal
+
+    def denied(self, session: Session, obs: dict) -> dict:
+        content = obs.get("content") or {}
+        invalid = obs.get("kind") == INVALID_DECISION
+        self.finish(session, CLOSE_INVALID if invalid else CLOSE_DENIED)
+        self.settle_run(session.run_id)
+        if invalid:
+            return invalid_answer(str(content.get("error", "")))
+        return denied_answer(str(content.get("reason", "")))
+
+    def finish(self, session: Session, why: str) -> None:
+        """End a run the proxy has nothing more to do in, with a fail decision."""
+        try:
+            if session.state == "open":
+                session.fail(why)
+        except ProxyError as exc:
+            self.log(f"run {session.run_id}: closing: {exc}")
+        finally:
+            session.close()
+
+    def settle(self, row: CallRow, outcome: int) -> None:
+        try:
+            self.index.settle(row, outcome, self.clock())
+        except StoreError as exc:
+            self.log(f"error: {exc}")
+
+    def settle_run(self, run_id: str) -> None:
+        try:
+            row = self.index.by_run(run_id)
+            state = self.inspect(run_id)
+        except StoreError as exc:
+            self.log(f"error: {exc}")
+            return
+        if row is not None and state is not None and state.terminal:
+            self.settle(row, last_attempt(self, state)[0])
+
+    async def execute(self, action: Execute) -> dict:
+        """Run the allowed request once (outside the rules) and answer with what the gate
+        recorded. An outcome that may have taken effect unseen is asked about at once."""
+        session, tool = action.session, action.tool
+        run_id = session.run_id
+        try:
+            if session._started is None:
+                session.start()
+            obs = await session.run_started()
+        except ApprovalExpired:
+            self.settle_run(run_id)
+            return expired(action.last_approval, self.clock() + self.window(tool))
+        except (RunStateError, LeaseLost):
+            session.close()
+            return in_progress()
+        except ProxyError as exc:
+            session.close()
+            self.log(f"error: {exc}")
+            return unavailable("start this request")
+        if obs.get("kind") == TOOL_ERROR:
+            ended = unknown_ending(tool, obs)
+            if ended is not None:
+                return self.rerun(session, tool, ended, obs)
+            if _unrecorded(tool, obs):
+                self.finish(session, CLOSE_UNRECORDED)
+                self.settle_run(run_id)
+                return unrecorded_answer(error_text(obs), self.window(tool))
+            self.finish(session, CLOSE_TOOL_ERROR)
+        else:
+            session.close()
+        self.settle_run(run_id)
+        return result_of(obs)
+
+    def rerun(self, session: Session, tool, ended: str, obs: dict) -> dict:
+        """The call may have taken effect: propose the recorded request again in the same
+        run, with origin operator, so that it waits on an interruption approval."""
+        run_id, text = session.run_id, error_text(obs)
+        self.log(f"run {run_id}: {tool.spec.name}: {HOW[ended]}; its outcome is unknown")
+        steps = self.store.list_steps(run_id)
+        executed = next((s for s in reversed(steps) if s.obs_kind == TOOL_ERROR), None)
+        if executed is None:
+            session.close()
+            return unknown_outcome(ended, text, "")
+        at, args = _attempt(run_id, executed, ended), executed.args or b"{}"
+        try:
+            step = session.step()
+        except ProxyError as exc:
+            self.log(f"error: run {run_id}: no step for the re-run: {exc}")
+            step = None
+        if step is None:
+            session.close()
+            self.settle_run(run_id)
+            approval = self.reopen(tool, request_key(tool.spec.name, args), args, at)
+            return unknown_outcome(ended, text, approval.id if approval else "")
+        self.reruns[run_id] = at
+        try:
+            verdict = session.propose(Decision("tool_call", tool.spec.name, args,
+                                               origin="operator"))
+        except ProxyError as exc:
+            self.log(f"error: run {run_id}: proposing the re-run: {exc}")
+            session.close()
+            return unknown_outcome(ended, text, "")
+        finally:
+            self.reruns.pop(run_id, None)
+        if verdict.kind == "pending":
+            self.hint(run_id, verdict.approval)
+            return unknown_outcome(ended, text, verdict.approval.id)
+        if verdict.kind == "denied":
+            self.denied(session, verdict.observation)
+            return unknown_outcome(ended, text, "")
+        session.close()
+        self.settle_run(run_id)
+        approval = self.reopen(tool, request_key(tool.spec.name, args), args, at)
+        return unknown_outcome(ended, text, approval.id if approval else "")
+
+    # holding a call for its approval
+
+    async def wait(self, approval: Approval, progress, cancelled) -> bool:
+        """Hold until the approval is decided (True), or the hold ends, the host cancels, or
+        the proxy stops (False). A progress notification about once a second."""
+        began = time.monotonic()
+        last = began
+        while True:
+            await asyncio.sleep(self.poll)
+            now = time.monotonic()
+            if _is_set(cancelled) or self.stopping.is_set() or now - began >= self.cfg.hold:
+                return False
+            try:
+                current = self.store.get_approval(approval.id)
+            except StoreError:
+                continue
+            if current.status != PENDING or _expired(current, self.clock()):
+                return True
+            if progress is not None and now - last >= PROGRESS_EVERY:
+                last = now
+                progress(now - began, self.cfg.hold)
+
+    def pending_answer(self, approval: Approval) -> dict:
+        if approval.kind != INTERRUPTED_KIND:
+            return pending_approval(approval.id)
+        at = _interrupted_attempt(approval)
+        if at is not None and at.get("ended") != "cut_off":
+            return unknown_outcome(str(at.get("ended")), "", approval.id)
+        return interrupted(approval.id)
+
+    # the status tool
+
+    def status(self, raw: bytes) -> dict:
+        """What became of the session's approvals, from the database: never a write."""
+        try:
+            doc = parse_json(raw.strip() or b"{}")
+            if doc is None:
+                doc = {}
+            if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
+                    not isinstance(doc.get("approval_id", ""), str):
+                raise ValueError("unexpected field")
+        except (JSONError, ValueError):
+            return prose("INVALID", "the arguments do not match the tool's input schema: its "
+                                    "only argument is approval_id, a string. Nothing was "
+                                    "executed. Correct the arguments and call again.", True)
+        wanted = doc.get("approval_id", "").strip()
+        try:
+            items = self.status_items()
+            return status_answer(self, items, wanted)
+        except StoreError as exc:
+            self.log(f"error: {exc}")
+            return unavailable("read its records", "")
+
+    def status_items(self) -> list[tuple[CallRow, RunState, Approval]]:
+        items = []
+        for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
+            state = self.inspect(row.run_id)
+            if state is not None:
+                items += [(row, state, a) for a in state.approvals]
+        return items
+
+
+def _is_set(event: asyncio.Event | None) -> bool:
+    return event is not None and event.is_set()
+
+
+def _lease_live(run: Run) -> bool:
+    """Lease liveness is judged on the wall clock only, never the proxy's clock."""
+    return bool(run.lease_owner) and bool(run.lease_expires_at) and \
+        parse_time(run.lease_expires_at) > time.time()
+
+
+def _expired(approval: Approval, now: float) -> bool:
+    return bool(approval.expires_at) and now > parse_time(approval.expires_at)
+
+
+def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
+    ttl = run.limits.grant_ttl
+    return ttl > 0 and bool(approval.decided_at) and now > parse_time(approval.decided_at) + ttl
+
+
+def _last_args(state: RunState) -> bytes:
+    for step in reversed(state.steps):
+        if (step.decision or {}).get("kind") == "tool_call":
+            return step.args or b"{}"
+    return b"{}"
+
+
+def _known_error(tool) -> re.Pattern:
+    """What an error the server answered, or a refusal before sending, looks like as it was
+    recorded (anchored at the start); anything else may have left the request unanswered."""
+    server, remote, name = map(re.escape, (tool.server, tool.remote, tool.spec.name))
+    return re.compile(
+        rf"{server}/{remote}: [0-9]+ bytes(, truncated)?(, structured content of [0-9]+ bytes "
+        rf"dropped for the text)?, error: |{name}: (arguments are not a JSON object|parameter "
+        rf'".*" is denied by the operator|parameter ".*" is fixed by the operator|the server '
+        rf"asked for more input)")
+
+
+def unknown_ending(tool, obs: dict) -> str | None:
+    """How a mutating call's error leaves its outcome: None when known (the server answered,
+    or nothing was sent), else 'timed_out' or 'no_answer'."""
+    if tool is None:
+        return "no_answer"
+    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR:
+        return None
+    content = obs.get("content")
+    if not isinstance(content, dict):
+        return "no_answer"
+    failure = content.get("failure")
+    if failure == "timeout":
+        return "timed_out"
+    if failure == "invalid_content":
+        return None
+    if _known_error(tool).match(str(content.get("error", ""))):
+        return None
+    return "no_answer"
+
+
+def _unrecorded(tool, obs: dict) -> bool:
+    content = obs.get("content")
+    return tool.spec.side_effect != "read_only" and isinstance(content, dict) and \
+        content.get("failure") == "invalid_content"
+
+
+def last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
+    """What the run's last attempt came to: KNOWN, UNKNOWN (with the attempt), or
+    NO_ATTEMPT when nothing was executed."""
+    by_step = {a.step_id: a for a in state.approvals}      # the latest per step
+    for step in reversed(state.steps):
+        decision = step.decision or {}
+        if decision.get("kind") != "tool_call":
+            continue
+        tool = proxy.tools.get(decision.get("tool", ""))
+        previous = step.obs_content.get("previous_status")
+        if step.status == "interrupted" and step.obs_kind == INTERRUPTED_OBS:
+            if previous == "executing":
+                return UNKNOWN, _attempt(state.run.id, step, "cut_off")
+            if previous:
+                continue                                  # cut off before its tool ran
+        if step.obs_kind == TOOL_RESULT:
+            return KNOWN, None
+        if step.obs_kind == INTERRUPTED_OBS:
+            return UNKNOWN, _attempt(state.run.id, step, "cut_off")
+        if step.obs_kind == TOOL_ERROR:
+            ended = unknown_ending(tool, step.observation)
+            if ended is not None:
+                return UNKNOWN, _attempt(state.run.id, step, ended)
+            return KNOWN, None
+        approval = by_step.get(step.id)
+        if approval is not None and approval.kind == INTERRUPTED_KIND:
+            return UNKNOWN, _interrupted_attempt(approval) or \
+                _attempt(state.run.id, step, "cut_off")
+    return NO_ATTEMPT, None
+
+
+def known_outcome(step: Step) -> str:
+    """The earlier call's outcome, as a DUPLICATE quotes it."""
+    content = step.obs_content
+    if step.obs_kind == TOOL_RESULT:
+        return "it succeeded: " + clean(result_text(step.observation), MAX_RESULT_BYTES)
+    if content.get("failure") == "invalid_content":
+        return ("the server answered, but its result could not be recorded: " +
+                clean(error_text(step.observation), REASON_BYTES))
+    return "it failed: " + clean(error_text(step.observation), MAX_RESULT_BYTES)
+
+
+def result_text(obs: dict) -> str:
+    content = obs.get("content")
+    return content if isinstance(content, str) else dump_json(content)
+
+
+# ==== 17. The host-facing server ====
 # The proxy as an MCP server on stdin and stdout, in both protocol eras: the legacy handshake
 # (initialize) and the stateless 2026-07-28 era (per-request _meta, server/discover). stdin is
 # read as bytes so each call's arguments reach the gate exactly as sent. Each call is its own
@@ -4872,8 +5899,10 @@ class HostServer:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """No new call is admitted; the ones in flight finish and are recorded."""
+        """No new call is admitted; holds end at once; the calls in flight finish and are
+        recorded."""
         self.closing = True
+        self.proxy.stopping.set()
         while self.inflight:
             await asyncio.wait(set(self.inflight))
 
@@ -4962,16 +5991,36 @@ class HostServer:
 
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event) -> None:
+        meta = msg.params.get("_meta")
+        token = meta.get("progressToken") if isinstance(meta, dict) else None
+        token_raw = _member_raw(msg, "_meta", "progressToken") if token is not None else None
+
+        def progress(done: float, total: float) -> None:
+            self.write(rpc_notification("notifications/progress", {
+                "progressToken": token_raw, "progress": Num(f"{done:.3f}"),
+                "total": Num(f"{total:.3f}"),
+                "message": "waiting for an operator's approval"}))
         try:
-            # Shielded: a host's cancel never cancels the gate's work or an upstream call.
-            result = await asyncio.shield(self.proxy.call(name, args))
+            # Shielded: a host's cancel ends a hold, never the gate's work or an upstream call.
+            result = await asyncio.shield(self.proxy.call(
+                name, args, progress if token_raw is not None else None, cancelled))
         except Exception as exc:            # an answer is owed even when something broke
             self.proxy.log(f"error: {sanitize(str(exc))}")
-            result = unavailable_text("complete this request",
-                                      "Whether anything was executed is not known here.")
+            result = unavailable("complete this request",
+                                 "Whether anything was executed is not known here.")
         finally:
             self.cancelled.pop(_id_key(msg.raw("id")), None)
         self.reply(msg, result, modern)
+
+
+def _member_raw(msg: Message, outer: str, inner: str) -> Raw | None:
+    """The exact bytes of params.<outer>.<inner>, for echoing a value such as a token."""
+    raw = msg.raw(outer, in_params=True)
+    try:
+        value = member_spans(raw).get(inner) if raw else None
+        return Raw(value) if value is not None else None
+    except JSONError:
+        return None
 
 
 def _id_key(raw: bytes | None) -> str:
@@ -4984,7 +6033,7 @@ def _id_key(raw: bytes | None) -> str:
         return raw.decode("utf-8", "replace")
 
 
-# ==== 17. Serving, pinning and checking ====
+# ==== 18. Serving, pinning and checking ====
 
 async def load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     """Load every server as serving does. A failure closes what was opened; the reports
@@ -5159,7 +6208,7 @@ class LineReader:
         return await self.queue.get()
 
 
-# ==== 11. Operator commands ====
+# ==== 19. Operator commands ====
 # runs, show, events, approve, reject, cancel, verify. Arguments are checked before the
 # database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
@@ -5222,6 +6271,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(sub.add_parser("verify", add_help=False, allow_abbrev=False),
            ("from", {"type": int, "default": 1}), ("to", {"type": int, "default": 0}),
            ("head", {}))
+    for parser in sub.choices.values():    # -json is accepted after the command too
+        if parser.prog.split()[-1] not in _PROXY_COMMANDS:
+            _flags(parser, ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
     return top
 
 
@@ -5696,7 +6748,7 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
-# ==== 12. main ====
+# ==== 20. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""

@@ -81,6 +81,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 # Every bound the proxy enforces is named here; bodies use these names, never bare numbers.
 
 MAX_DEPTH = 256                      # nesting of arrays and objects in any JSON we accept
+JSON_WS = b" \t\n\r"                  # the only whitespace JSON has; bytes.strip() takes more
 MAX_NUMBER_LITERAL = 10_000          # bytes in one number literal
 MAX_EXPONENT = 10_000                # absolute value of a number's written exponent
 MAX_EXPONENT_DIGITS = 5              # exponent digits (after leading zeros) before we refuse
@@ -282,7 +283,7 @@ class _Parser:
         self.surrogate: tuple[str, int] | None = None
         # A repeated key, or a number inside a container beyond a 64-bit float: the
         # runtime's decoder refuses both in one pass, so the first of them is reported.
-        self.duplicate: tuple[str, int] | None = None
+        self.decode_fault: tuple[str, int] | None = None
         self.number: tuple[str, int] | None = None
 
     def fail(self, reason: str, pos: int) -> JSONError:
@@ -334,8 +335,8 @@ class _Parser:
                 pos, val = self.value(pos)
                 m = _SEPARATOR.match(src, pos)
                 sep = m.group(1) if m else ""
-            if key in out and self.duplicate is None:
-                self.duplicate = (f"duplicate key {_quote(key)}", key_at)
+            if key in out and self.decode_fault is None:
+                self.decode_fault = (f"duplicate key {_quote(key)}", key_at)
             out[key] = val
             if sep == ",":
                 pos = m.end()
@@ -456,8 +457,8 @@ class _Parser:
         exponent can be, so the common case costs two string tests."""
         if len(lit) <= NUMBER_SHOWN and "e" not in lit and "E" not in lit:
             return
-        if self.depth and self.duplicate is None and abs(float(lit)) == float("inf"):
-            self.duplicate = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
+        if self.depth and self.decode_fault is None and abs(float(lit)) == float("inf"):
+            self.decode_fault = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
                               "64-bit float", pos)
         if self.number is None:
             problem = _number_problem(lit)
@@ -540,7 +541,7 @@ def parse_json(raw: bytes, strict: bool = True) -> Any:
     pos = p.skip_ws(pos)
     if pos != len(text):
         raise p.syntax("data after the value", pos)
-    for found in (p.surrogate, p.duplicate) if strict else ():
+    for found in (p.surrogate, p.decode_fault) if strict else ():
         if found:
             raise p.fail(*found)
     if p.number:
@@ -822,7 +823,8 @@ def sanitize(text: str | bytes) -> str:
 
 
 def truncate(text: str, limit: int) -> str:
-    """At most ``limit`` UTF-8 bytes without splitting a character; '…' marks a cut."""
+    """The longest prefix of at most ``limit`` UTF-8 bytes that splits no character, then
+    '…' (three more bytes) when anything was cut."""
     data = text.encode("utf-8", "surrogatepass")
     if len(data) <= limit:
         return text
@@ -2215,6 +2217,14 @@ class Reconciliation:
 
 
 @dataclasses.dataclass
+class _Judged:
+    """A proposal's validation and policy decision, worked out before its transaction."""
+    problem: str
+    decision: "PolicyDecision | None" = None
+    error: Exception | None = None
+
+
+@dataclasses.dataclass
 class _Allowed:
     """An allowed request waiting for execute: nothing about it is written yet."""
     request: ToolRequest
@@ -2229,7 +2239,12 @@ def new_hex_id() -> str:
 
 
 def _obs(kind: str, content: Any, summary: str) -> tuple[dict, str, str]:
-    """An observation: the dict, its stored JSON, and its content hash."""
+    """An observation: the dict, its stored JSON, and its content hash. Text that will not
+    encode (a lone surrogate) is replaced, never allowed to stop the recording."""
+    summary = _SURROGATES.sub("\ufffd", str(summary))
+    if isinstance(content, dict):
+        content = {k: _SURROGATES.sub("\ufffd", v) if isinstance(v, str) else v
+                   for k, v in content.items()}
     raw = content if isinstance(content, bytes) else dump_json(content).encode()
     digest = content_hash(raw)
     doc = {"kind": kind, "content": Raw(raw), "summary": summary, "content_hash": digest}
@@ -2244,7 +2259,7 @@ def _decision_record(d: Decision) -> str:
     if d.tool:
         doc["tool"] = d.tool
     bad: dict[str, bytes] = {}
-    for name, raw in (("args", d.args.strip()), ("result", d.result.strip())):
+    for name, raw in (("args", d.args.strip(JSON_WS)), ("result", d.result.strip(JSON_WS))):
         if not raw:
             continue
         try:
@@ -2274,11 +2289,22 @@ def _policy_record(p: PolicyDecision, extra: dict | None = None) -> str:
     if p.kind:
         doc["kind"] = p.kind
     for name in ("capability", "presentation"):
-        raw = getattr(p, name).strip()
+        raw = getattr(p, name).strip(JSON_WS)
         if raw:
             doc[name] = Raw(raw)
     doc.update({k: v for k, v in (extra or {}).items() if v})
     return dump_json(doc)
+
+
+def _lease_connection(path: str) -> sqlite3.Connection:
+    """The heartbeat's own connection, set up as every other connection is."""
+    conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None)
+    for pragma in (f"busy_timeout={BUSY_TIMEOUT_MS}", "foreign_keys=ON", "trusted_schema=OFF",
+                   "synchronous=FULL"):
+        conn.execute(f"PRAGMA {pragma}")
+    if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
+        conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
+    return conn
 
 
 class Leases:
@@ -2317,14 +2343,17 @@ class Leases:
             return run_id in self._held
 
     def _loop(self) -> None:
-        conn = sqlite3.connect(_sqlite_uri(self.path, "rw"), uri=True, isolation_level=None)
-        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        conn.execute("PRAGMA synchronous=FULL")
+        conn = None
         try:
             while not self._stop.wait(self.ttl / LEASE_RENEW_FRACTION):
-                self.renew(conn)
+                try:
+                    conn = conn or _lease_connection(self.path)
+                    self.renew(conn)
+                except sqlite3.Error:
+                    conn = None     # opened again at the next tick; ok() judges the expiry
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
 
     def renew(self, conn: sqlite3.Connection) -> None:
         with self._lock:
@@ -2408,23 +2437,66 @@ class Gate:
 
     def start(self, run_id: str, goal: str, limits: Limits, decision: Decision,
               also: Callable[[], None] | None = None) -> tuple["Session", Verdict]:
-        """Begin a run and propose one decision; when it is allowed, start the tool. All of
-        it, and ``also`` (a caller's own write), commits as one transaction, before anything
+        """Begin a run and propose one decision; when it is allowed, start the tool. The
+        arguments are checked and the policy evaluated first, outside any transaction (a
+        schema's pattern or a policy may be slow); then the run, ``also`` (a caller's own
+        write), the proposal and the tool's start commit as one transaction, before anything
         leaves the process. Then ``await session.run_started()`` runs the tool."""
-        with self.store.batch():
-            session = self.begin(run_id, goal, limits)
-            try:
+        step_id = self.new_id()
+        judged = self._prejudge(run_id, step_id, goal, limits, decision)
+        session = None
+        try:
+            with self.store.batch():
+                session = self.begin(run_id, goal, limits)
                 if also is not None:
                     also()
-                if session.step() is None:
+                if session.step(step_id) is None:
                     return session, Verdict("ended", run=session.final)
-                verdict = session.propose(decision)
+                verdict = session.propose(decision, judged)
                 if verdict.kind == "allowed":
                     session.start()
-            except BaseException:
+        except BaseException:
+            if session is not None:
                 session._finish("lost", None)
-                raise
+            raise
         return session, verdict
+
+    def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
+                  decision: Decision) -> "_Judged":
+        """What propose would find for this decision as the first step of a new run."""
+        tool = self.tools.get(decision.tool) if decision.kind == "tool_call" else None
+        problem = self.invalid_reason(decision, tool)
+        if problem or tool is None:
+            return _Judged(problem)
+        run = Run(run_id, goal, RUNNING, "", "", limits, 1, self.now(), "", "", self.owner, "")
+        request = ToolRequest(run_id, step_id, tool.spec,
+                              decision.args.strip(JSON_WS) or b"{}")
+        try:
+            return _Judged("", self.evaluate(request, RunView(run, [], [])))
+        except Exception as exc:          # a policy's failure ends the run, never allows
+            return _Judged("", error=exc)
+
+    def invalid_reason(self, d: Decision, tool: "Tool | None") -> str:
+        """Why a decision cannot be acted on, or ''."""
+        if d.origin not in ORIGINS:
+            return f"unknown decision origin {_quote(d.origin)}"
+        if d.kind == "fail":
+            return ""
+        if d.kind == "complete":
+            result = d.result.strip(JSON_WS)
+            try:
+                if result:
+                    check_json(result)
+            except JSONError as exc:
+                return f"result is not usable JSON: {exc}"
+            return ""
+        if d.kind != "tool_call":
+            return f"unknown decision kind {_quote(d.kind)}" if d.kind else "decision has no kind"
+        if not d.tool:
+            return "tool_call without a tool name"
+        if tool is None:
+            return f"unknown tool {_quote(d.tool)}"
+        return self.check_args(tool, d.args.strip(JSON_WS) or b"{}")
 
     async def call(self, run_id: str, goal: str, limits: Limits,
                    decision: Decision) -> tuple["Session", Verdict, dict | None]:
@@ -2611,7 +2683,7 @@ class Session:
 
     # -- the step cycle --
 
-    def step(self) -> Step | None:
+    def step(self, step_id: str = "") -> Step | None:
         """Open the next step, or None when the run is no longer running (an operator
         cancelled it, or a limit ended it now)."""
         self._usable()
@@ -2626,7 +2698,7 @@ class Session:
         hit = _limit_hit(run, steps)
         if hit:
             return self._over(self._end_by_limit(*hit))
-        now, step_id = self.gate.now(), self.gate.new_id()
+        now, step_id = self.gate.now(), step_id or self.gate.new_id()
         with self.store.tx() as tx:
             cur = tx.exec("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? AND "
                           "step_count=? AND lease_owner=?",
@@ -2641,8 +2713,9 @@ class Session:
                             None, "", now, "", "", "")
         return self.current
 
-    def propose(self, decision: Decision) -> Verdict:
-        """Record the decision, validate it, and (for a tool call) evaluate the policy."""
+    def propose(self, decision: Decision, judged: "_Judged | None" = None) -> Verdict:
+        """Record the decision, validate it, and (for a tool call) evaluate the policy;
+        ``judged`` carries both worked out already (Gate.start)."""
         self._usable()
         step = self.current
         if step is None or step.status != "deciding" or self._allowed is not None:
@@ -2657,8 +2730,8 @@ class Session:
             tx.update_step(step.id, ("deciding",), decision_json=record, spec_hash=spec_hash)
             tx.event(self.run_id, step.id, now, "step.decided", record)
         self.current = step = dataclasses.replace(step, decision=loads_own(record),
-                                                  args=decision.args.strip(), spec_hash=spec_hash)
-        problem = self._invalid(decision, tool)
+                                                  args=decision.args.strip(JSON_WS), spec_hash=spec_hash)
+        problem = judged.problem if judged else self.gate.invalid_reason(decision, tool)
         if problem:
             return self._end_invalid(step, problem, "invalid decision")
         if decision.kind in ("complete", "fail"):
@@ -2666,37 +2739,17 @@ class Session:
             reason = "goal_completed" if status == COMPLETED else "goal_failed"
             run = self._settle(step, ("deciding",), "done", None, status, reason,
                                decision.message if status == FAILED else "",
-                               decision.result.strip().decode() if status == COMPLETED else "")
+                               decision.result.strip(JSON_WS).decode() if status == COMPLETED else "")
             return Verdict("ended", run=run)
         run = self.store.get_run(self.run_id)
         prior = [s for s in self.store.list_steps(self.run_id) if s.idx < step.idx]
         approvals = self.store.list_approvals(self.run_id)
-        request = ToolRequest(self.run_id, step.id, tool.spec, decision.args.strip() or b"{}")
-        return self._apply(request, step, RunView(run, prior, approvals), None, None)
-
-    def _invalid(self, d: Decision, tool: Tool | None) -> str:
-        if d.origin not in ORIGINS:
-            return f"unknown decision origin {_quote(d.origin)}"
-        if d.kind == "fail":
-            return ""
-        if d.kind == "complete":
-            result = d.result.strip()
-            try:
-                if result:
-                    check_json(result)
-            except JSONError as exc:
-                return f"result is not usable JSON: {exc}"
-            return ""
-        if d.kind != "tool_call":
-            return f"unknown decision kind {_quote(d.kind)}" if d.kind else "decision has no kind"
-        if not d.tool:
-            return "tool_call without a tool name"
-        if tool is None:
-            return f"unknown tool {_quote(d.tool)}"
-        return self.gate.check_args(tool, d.args.strip() or b"{}")
+        request = ToolRequest(self.run_id, step.id, tool.spec, decision.args.strip(JSON_WS) or b"{}")
+        return self._apply(request, step, RunView(run, prior, approvals), None, None, judged)
 
     def _apply(self, request: ToolRequest, step: Step, view: RunView,
-               granted: Approval | None, resumed_at: str | None) -> Verdict:
+               granted: Approval | None, resumed_at: str | None,
+               judged: "_Judged | None" = None) -> Verdict:
         """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
         origin = WAITING if granted else RUNNING
         on_resume = " on resume" if granted else ""
@@ -2704,14 +2757,20 @@ class Session:
         view_doc = {"status": view.run.status, "step_count": view.run.step_count,
                     "steps": len(view.steps), "approvals": len(view.approvals)}
         try:
-            decision = self.gate.evaluate(request, view)
+            if judged is not None and judged.error is not None:
+                raise judged.error
+            decision = judged.decision if judged is not None and judged.decision else \
+                self.gate.evaluate(request, view)
+            decision = dataclasses.replace(     # one spelling of "no value" for both fields
+                decision, capability=decision.capability.strip(JSON_WS),
+                presentation=decision.presentation.strip(JSON_WS))
         except Exception as exc:            # a policy's failure ends the run, never allows
             return self._policy_failure(step, from_steps, origin, f"{exc}")
         policy_at = resumed_at or self.gate.now()
         extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
                  "view": view_doc}
         for name in ("capability", "presentation"):
-            raw = getattr(decision, name).strip()
+            raw = getattr(decision, name).strip(JSON_WS)
             try:
                 if raw:
                     check_json(raw)
@@ -2720,10 +2779,15 @@ class Session:
                 return self._policy_failure(step, from_steps, origin,
                                             f"{name} is not usable JSON: {exc}", bare, extra,
                                             policy_at)
-        allowed = decision.outcome == "allow" or (
-            granted is not None and decision.outcome == "require_approval" and
-            hmac.compare_digest(approval_hash(decision.kind, decision.capability,
-                                              decision.presentation, request), granted.hash))
+        try:
+            allowed = decision.outcome == "allow" or (
+                granted is not None and decision.outcome == "require_approval" and
+                hmac.compare_digest(approval_hash(decision.kind, decision.capability,
+                                                  decision.presentation, request),
+                                    granted.hash))
+        except (JSONError, TypeError, ValueError) as exc:
+            return self._policy_failure(step, from_steps, origin, f"the approval will not "
+                                        f"encode: {exc}", decision, extra, policy_at)
         if allowed:
             self._allowed = _Allowed(request, decision, policy_at, view_doc, granted)
             return Verdict("allowed", approval=granted)
@@ -2735,7 +2799,7 @@ class Session:
         if decision.outcome == "abort":
             obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
                        f"aborted: {decision.reason}")
-            pre = [("step.policy", policy_at, _policy_event(decision, extra))]
+            pre = [("step.policy", policy_at, _policy_record(decision, extra))]
             run = self._settle(step, from_steps, "failed", obs, FAILED, "policy_abort",
                                decision.reason, origin=origin, pre=pre,
                                policy_json=_policy_record(decision))
@@ -2748,7 +2812,7 @@ class Session:
 
     def _policy_failure(self, step, from_steps, origin, detail, decision=None, extra=None,
                         policy_at=""):
-        pre = [("step.policy", policy_at, _policy_event(decision, extra))] if decision else []
+        pre = [("step.policy", policy_at, _policy_record(decision, extra))] if decision else []
         run = self._settle(step, from_steps, "failed", None, FAILED, "internal_error",
                            f"policy: {detail}", origin=origin, pre=pre,
                            step_detail=f"policy error: {detail}",
@@ -2765,7 +2829,7 @@ class Session:
             else:
                 tx.require(self.run_id, (RUNNING,), self.gate.owner)
             tx.event(self.run_id, step.id, policy_at, "step.policy",
-                     _policy_event(decision, extra))
+                     _policy_record(decision, extra))
             self._end_step(tx, step, from_steps, "failed", obs, now,
                            policy_json=_policy_record(decision), policy_id=self.gate.policy_id)
         if granted:
@@ -2780,7 +2844,7 @@ class Session:
         ttl = run.limits.approval_ttl
         approval = Approval(
             self.gate.new_id(), self.run_id, step.id, decision.kind,
-            decision.capability.strip() or b"{}", decision.presentation.strip() or b"{}",
+            decision.capability.strip(JSON_WS) or b"{}", decision.presentation.strip(JSON_WS) or b"{}",
             request.record(), "", PENDING, fmt_time(now), "", "", "",
             fmt_time(now + ttl) if ttl > 0 else "")
         approval = dataclasses.replace(approval, hash=approval_hash(
@@ -2792,7 +2856,7 @@ class Session:
                            policy_json=_policy_record(decision), spec_hash=step.spec_hash or
                            request.spec.hash(), policy_id=extra.get("policy_id", ""),
                            observation_json="", observation_hash="", finished_at="")
-            tx.event(self.run_id, step.id, policy_at, "step.policy", _policy_event(decision, extra))
+            tx.event(self.run_id, step.id, policy_at, "step.policy", _policy_record(decision, extra))
             tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
                     f"({','.join('?' * 14)})",
                     (approval.id, approval.run_id, approval.step_id, approval.kind,
@@ -2879,7 +2943,7 @@ class Session:
         self._allowed = None
         gate, granted = self.gate, allowed.granted
         run = self.store.get_run(self.run_id)
-        if granted is not None and self._grant_check(run, granted):
+        if granted is not None and self._expire_if_stale(run, granted):
             raise ApprovalExpired(f"approval {granted.id} was granted at {granted.decided_at} "
                                   f"and its grant expired ({fmt_duration(run.limits.grant_ttl)}) "
                                   "before it was executed")
@@ -2891,6 +2955,7 @@ class Session:
         started = {"args": Raw(request.args), "tool": spec.name}
         with self.store.tx() as tx:
             if granted:
+                _require_grant(tx, step.id, granted)
                 tx.transition(self.run_id, (WAITING,), RUNNING, owner=gate.owner,
                               lease_until=fmt_time(until))
                 tx.event(self.run_id, step.id, start_at, "run.resumed", {"approval_id": granted.id})
@@ -2903,7 +2968,7 @@ class Session:
                 cols["started_at"] = start_at
             tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",), **cols)
             tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
-                     _policy_event(allowed.decision, {"policy_id": gate.policy_id,
+                     _policy_record(allowed.decision, {"policy_id": gate.policy_id,
                                                       "spec_hash": spec.hash(),
                                                       "view": allowed.view}))
             tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
@@ -2912,10 +2977,15 @@ class Session:
         self._started = request
 
     async def run_started(self) -> dict:
-        """Call the tool whose start was committed, and record what came of it."""
+        """Call the tool whose start was committed, and record what came of it. When the
+        outcome cannot be recorded the lease is let go, so that the next executor takes the
+        run over as cut off while executing, and StoreError is raised."""
         request, self._started = self._started, None
         if request is None:
             raise RunStateError(f"run {self.run_id}: no tool call was started")
+        if self.store._batch is not None:
+            raise RunStateError("a tool never runs inside an open transaction: its start "
+                                "must be committed first")
         spec = request.spec
         began = time.monotonic()
         try:
@@ -2923,14 +2993,30 @@ class Session:
         except asyncio.CancelledError:
             content = {"error": "the caller was cancelled while the tool ran",
                        "failure": "cancelled", "tool": spec.name}
-            self._record(_obs(INTERRUPTED_OBS, content,
-                              f"{spec.name} was cancelled; its outcome is unknown: "
-                              + content["error"]), began)
+            self._record_or_let_go(_obs(INTERRUPTED_OBS, content,
+                                        f"{spec.name} was cancelled; its outcome is unknown: "
+                                        + content["error"]), began)
             raise
-        return self._record(obs, began)
+        return self._record_or_let_go(obs, began)
 
-    def _grant_check(self, run: Run, granted: Approval) -> bool:
-        """Judge the grant's age again just before executing; expire it when stale."""
+    def _record_or_let_go(self, obs: tuple, began: float) -> dict:
+        try:
+            return self._record(obs, began)
+        except (LeaseLost, RunStateError):
+            raise
+        except Exception as exc:
+            self.gate.leases.drop(self.run_id)
+            with contextlib.suppress(Exception):
+                with self.store.tx() as tx:
+                    tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
+                            "AND lease_owner=?", (self.run_id, self.gate.owner))
+            self._finish("lost", None)
+            raise StoreError(f"run {self.run_id}: the tool ran, and its outcome could not be "
+                             f"recorded: {exc}") from exc
+
+    def _expire_if_stale(self, run: Run, granted: Approval) -> bool:
+        """Judge the grant's age again just before executing; a stale grant is expired here
+        (its run cancelled) and True returned."""
         at = self.gate.clock()
         if not self.gate._grant_stale(run, granted, at):
             return False
@@ -3088,8 +3174,14 @@ def _content_bytes(observation_json: str) -> bytes:
     return member_spans(observation_json.encode()).get("content", b"{}")
 
 
-def _policy_event(decision: PolicyDecision, extra: dict | None) -> str:
-    return _policy_record(decision, extra)
+def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
+    """Only the step's latest approval is a grant, and only while it is approved as it was
+    read: another executor may have asked for a new approval in between."""
+    row = tx.exec("SELECT id, status, hash FROM approvals WHERE step_id=? ORDER BY rowid DESC "
+                  "LIMIT 1", (step_id,)).fetchone()
+    if row is None or row[0] != granted.id or row[1] != APPROVED or \
+            not hmac.compare_digest(row[2], granted.hash):
+        raise RunStateError(f"approval {granted.id} is no longer the step's grant")
 
 
 def _require_live_lease(tx: Tx, run_id: str, owner: str, wall: float) -> None:
@@ -3115,7 +3207,10 @@ async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
         raise
     except Exception as exc:  # a tool's own bug is recorded as its failure, never lost
         return _obs(TOOL_ERROR, {"error": f"panic: {exc!r}", "tool": name}, f"{name} panicked")
-    content = result.content.strip() or b"{}"
+    if not isinstance(result, ToolResult) or not isinstance(result.content, bytes):
+        return _obs(TOOL_ERROR, {"error": f"the tool returned {type(result).__name__}, not "
+                                          "a ToolResult", "tool": name}, f"{name} panicked")
+    content = result.content.strip(JSON_WS) or b"{}"
     try:
         check_json(content)
     except JSONError as exc:
@@ -3567,7 +3662,7 @@ class LiveTool:
 def canonical_schema(raw: bytes) -> bytes:
     """The form schemas are pinned and hashed in: canonical, lenient about repeated keys
     (the last wins) and unpaired surrogates; nothing else is forgiven."""
-    if not raw.strip():
+    if not raw.strip(JSON_WS):
         raw = b"null"
     return encode_canonical(parse_json(raw, strict=False))
 
@@ -4103,7 +4198,7 @@ class UpstreamTool:
         """Send the call: denied or fixed parameters the model set are refused before
         anything is sent; fixed values are injected; the answer is mapped to content."""
         name = self.spec.name
-        raw = args.strip() or b"{}"
+        raw = args.strip(JSON_WS) or b"{}"
         try:
             value = parse_json(raw)
         except JSONError as exc:
@@ -4150,7 +4245,7 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
                           "proxy does not support")
     cap, content, dropped = tool.max_content, None, 0
     structured = spans.get("structuredContent")
-    if structured is not None and structured.strip() != b"null":
+    if structured is not None and structured.strip(JSON_WS) != b"null":
         try:
             encoded = policy_json(structured, strict=False)
         except JSONError:
@@ -4381,6 +4476,7 @@ def _restrict(schema: dict, hidden: list[str]) -> bytes:
 # It is read only when the current user owns it and nobody else can write it; so are the
 # manifests. Relative paths are relative to the file's own directory.
 
+POLICY_ID_PREFIX = "agentrt-proxy/sha256:"
 DEFAULT_HOLD = 15.0
 DEFAULT_REPEAT_WINDOW = 600.0
 DEFAULT_MAX_PENDING = 5
@@ -4445,6 +4541,26 @@ class Config:
     @property
     def policy_map(self) -> dict[str, str]:
         return dict(self.policy)
+
+    def policy_id(self) -> str:
+        """The identity of exactly what the policy decides from: the policy map (defaults
+        merged) and, per server by name, each rule's class, outcome, fixed values and
+        rename. Descriptions, timeouts, hold, windows, TTLs and paths leave it unchanged."""
+        servers = []
+        for server in sorted(self.servers, key=lambda s: s.name):
+            rules = {}
+            for tool, rule in server.rules:
+                entry: dict[str, Any] = {"side_effect": rule.side_effect}
+                if rule.outcome:
+                    entry["outcome"] = rule.outcome
+                if rule.fixed:
+                    entry["fixed"] = {k: Raw(v) for k, v in rule.fixed}
+                if rule.rename:
+                    entry["rename"] = rule.rename
+                rules[tool] = entry
+            servers.append({"name": server.name, "rules": rules})
+        doc = dump_json({"policy": self.policy_map, "servers": servers}).encode()
+        return POLICY_ID_PREFIX + sha256_hex(canonical_json(doc))
 
 
 def read_owned(path: str) -> bytes:
@@ -4594,6 +4710,87 @@ def parse_config(raw: bytes, path: str) -> Config:
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
         status_tool=status_tool, lease_ttl=lease_ttl)
+
+
+def check_database_owner(path: str) -> None:
+    """The proxy's own database: not a link, not writable by others, owned by this user."""
+    if check_database_file(path, writer=True):
+        st = os.lstat(path)
+        if st.st_uid != os.getuid():
+            raise UnsafeDatabase(f"database: {path} is owned by uid {st.st_uid}, not by the "
+                                 "current user")
+
+
+def check_reach(cfg: Config) -> None:
+    """Refuse a stdio server whose arguments name the configuration, a manifest, the database,
+    or a directory holding one. A guard against a mistake in the configuration, not a
+    boundary: it cannot see what a server reaches by other means."""
+    protected = [p for p in (cfg.path, cfg.database, *(s.manifest for s in cfg.servers)) if p]
+    idents: dict[tuple[int, int], str] = {}
+    unborn: dict[str, str] = {}
+    for path in protected:
+        if not os.path.lexists(path):
+            unborn.setdefault(_real_path(path), path)
+        for start in (os.path.abspath(path), _real_path(path)):
+            for ancestor in _ancestors(start):
+                with contextlib.suppress(OSError):
+                    st = os.stat(ancestor)
+                    idents.setdefault((st.st_dev, st.st_ino), path)
+    for server in cfg.servers:
+        if server.skip_path_check:
+            continue
+        for arg in server.command[1:]:
+            for candidate in _reach_candidates(arg):
+                try:
+                    st = os.stat(candidate)
+                    hit = idents.get((st.st_dev, st.st_ino))
+                except OSError:
+                    hit = unborn.get(_real_path(candidate))
+                if hit:
+                    raise ConfigError(
+                        f"server {_quote(server.name)}: the argument {_quote(arg)} reaches "
+                        f"{hit}, which the proxy's policy and approvals depend on: point the "
+                        "server elsewhere, or set skip_path_check on it if it cannot write "
+                        "there")
+
+
+def _ancestors(path: str) -> list[str]:
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out
+
+
+def _real_path(path: str) -> str:
+    """Absolute, symbolic links resolved; a path that does not exist yet is resolved through
+    its directory."""
+    path = os.path.abspath(path)
+    if os.path.lexists(path):
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def _reach_candidates(arg: str) -> list[str]:
+    """The paths an argument may name: itself, after its first '=' or ':', the rest of a
+    short flag such as -r/path, a file:// URL's path, and a leading ~ expanded."""
+    found = [arg]
+    for sep in ("=", ":"):
+        if sep in arg:
+            found.append(arg.split(sep, 1)[1])
+    if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
+        found.append(arg[2:])
+    for cand in list(found):
+        url = urllib.parse.urlsplit(cand)
+        if url.scheme.lower() == "file":
+            found.append(urllib.parse.unquote(url.path))
+    home = os.path.expanduser("~")
+    out = []
+    for cand in found:
+        if cand == "~" or cand.startswith("~/"):
+            cand = home + cand[1:]
+        if cand:
+            out.append(cand)
+    return out
 
 
 def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
@@ -5212,7 +5409,7 @@ class Proxy:
         self.cfg, self.store, self.log, self.clock, self.poll = cfg, store, log, clock, poll
         self.tools = {t.spec.name: t for t in tools}
         self.reruns: dict[str, dict] = {}      # run id -> the attempt its proposal re-runs
-        self.policy = ProxyPolicy(cfg.policy_map, self.tools, self)
+        self.policy = ProxyPolicy(cfg.policy_map, self.tools, self, cfg.policy_id())
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
         self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
@@ -5643,6 +5840,14 @@ class Proxy:
         except (RunStateError, LeaseLost):
             session.close()
             return in_progress()
+        except StoreError as exc:
+            session.close()
+            self.log(f"error: {exc}")
+            if session._started is None and "the tool ran" in str(exc):
+                return unavailable("record the outcome of this request",
+                                   "It was executed, so it may have taken effect; do not call "
+                                   "it again to retry.")
+            return unavailable("start this request")
         except ProxyError as exc:
             session.close()
             self.log(f"error: {exc}")
@@ -5738,7 +5943,7 @@ class Proxy:
     def status(self, raw: bytes) -> dict:
         """What became of the session's approvals, from the database: never a write."""
         try:
-            doc = parse_json(raw.strip() or b"{}")
+            doc = parse_json(raw.strip(JSON_WS) or b"{}")
             if doc is None:
                 doc = {}
             if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
@@ -6107,7 +6312,8 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
 
 
 async def cmd_check(cfg: Config, out: Out) -> int:
-    check_database_file(cfg.database, writer=True)
+    check_database_owner(cfg.database)
+    check_reach(cfg)
     try:
         tools, reports = await load_tools(cfg)
     except MCPError as exc:
@@ -6117,6 +6323,7 @@ async def cmd_check(cfg: Config, out: Out) -> int:
         raise
     try:
         store = Store.open(cfg.database)
+        check_database_owner(cfg.database)
         store.close()
         for report in reports:
             for line in report.lines():
@@ -6131,7 +6338,8 @@ async def cmd_check(cfg: Config, out: Out) -> int:
 
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     """Serve the host on stdin and stdout until EOF or a signal."""
-    check_database_file(cfg.database, writer=True)
+    check_database_owner(cfg.database)
+    check_reach(cfg)
     try:
         tools, reports = await load_tools(cfg)
     except MCPError as exc:
@@ -6144,7 +6352,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
             for line in report.lines():
                 out.log(line)
         store = Store.open(cfg.database)
-        check_database_file(cfg.database, writer=True)
+        check_database_owner(cfg.database)
         proxy = Proxy(cfg, store, tools, out.log)
     except BaseException:
         await close_tools(tools)
@@ -6290,7 +6498,9 @@ class Out:
         self.stderr.write(LOG_PREFIX + text + "\n")
 
     def json(self, doc: Any) -> None:
-        self.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        """One JSON document, indented; number literals and embedded records as stored."""
+        self.stdout.write(_pretty(parse_json(dump_json(doc).encode(), strict=False),
+                                  cut=False) + "\n")
 
 
 def _stamp(text: str, millis: bool = False) -> str:
@@ -6369,10 +6579,10 @@ def _pretty(value: Any, indent: int = 0, cut: bool = True) -> str:
 
 def _fields(raw: bytes) -> list[str]:
     """An object's fields, one per key with its own size, pretty and sanitised."""
-    if not raw.strip():
+    if not raw.strip(JSON_WS):
         return ["  (none)"]
     try:
-        value = parse_json(raw.strip(), strict=False)
+        value = parse_json(raw.strip(JSON_WS), strict=False)
     except JSONError:
         return ["  value (not JSON)", "    " + _clip(raw.decode("utf-8", "replace"),
                                                     CLI_FIELD_BYTES)]
@@ -6497,7 +6707,7 @@ def cmd_events(store: Store, args, out: Out) -> int:
     total = store.count_events(args.run)
     if args.json:
         out.json({"events": [{"seq": seq, "run_id": run_id, "step_id": step_id, "at": at,
-                              "type": typ, "payload": _payload(payload), "hash": digest}
+                              "type": typ, "payload": _raw_or_text(payload), "hash": digest}
                              for seq, run_id, step_id, at, typ, payload, digest in rows],
                   "total": total})
         return 0
@@ -6512,10 +6722,12 @@ def cmd_events(store: Store, args, out: Out) -> int:
     return 0
 
 
-def _payload(text: str) -> Any:
+def _raw_or_text(text: str) -> Any:
+    """A stored JSON payload embedded as written; anything else as a string."""
     try:
-        return json.loads(text)
-    except ValueError:
+        check_json(text.encode())
+        return Raw(text.encode())
+    except JSONError:
         return text
 
 
@@ -6544,7 +6756,7 @@ def _choose_approval(store: Store, run_id: str, wanted: str | None) -> Approval:
     if len(pending) > 1:
         ids = ", ".join(a.id for a in pending[:CLI_LIST_IDS])
         more = f" and {len(pending) - CLI_LIST_IDS} more" if len(pending) > CLI_LIST_IDS else ""
-        raise UsageError(f"run {run_id} has {len(pending)} pending approvals ({ids}{more}); "
+        raise ProxyError(f"run {run_id} has {len(pending)} pending approvals ({ids}{more}); "
                          "name one with -approval: more than one pending approval")
     return pending[0]
 
@@ -6670,15 +6882,8 @@ def _database_path(args) -> str:
 
 
 def _database_from_config(path: str) -> str:
-    """The configuration's database, relative to the configuration's own directory."""
-    try:
-        with open(path, "rb") as f:
-            doc = parse_json(f.read())
-    except (OSError, JSONError) as exc:
-        raise UsageError(f"-config {path}: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("database"), str) or not doc["database"]:
-        raise UsageError(f"-config {path}: no 'database' field")
-    return os.path.join(os.path.dirname(os.path.abspath(path)), doc["database"])
+    """The configuration's database, read as serving reads it (owner checked, strict)."""
+    return load_config(path).database
 
 
 def _describe_failure(exc: Exception, command: str) -> str:

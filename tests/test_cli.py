@@ -509,7 +509,7 @@ def test_approve_with_two_pending_approvals_names_both(harness, cli):
     sql(harness.path, f"INSERT INTO approvals (id, {cols}) SELECT 'second-approval', {cols} "
         "FROM approvals WHERE id=?", (approval.id,))
     code, _, err = cli("-db", harness.path, "approve", "run-1", "-yes")
-    assert code == 2
+    assert code == 1                       # an error, not a usage error (core.md 15)
     assert approval.id in err and "second-approval" in err
     assert "-approval" in err
     assert status_of(harness.path, approval.id) == "pending"
@@ -724,7 +724,8 @@ def test_config_database_resolves_against_the_config_directory(tmp_path, cli, mo
     finally:
         h.close()
     config = conf_dir / "proxy.json"
-    config.write_text(json.dumps({"database": "proxy.db"}))
+    config.write_text(json.dumps({"database": "proxy.db", "session": "s", "servers": [
+        {"name": "x", "command": ["true"], "manifest": "x.manifest.json"}]}))
     os.chmod(config, 0o600)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

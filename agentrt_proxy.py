@@ -36,17 +36,16 @@ Trust boundaries
 
 Sections, in dependency order
 -----------------------------
- 1. Constants and limits
- 2. Errors
- 3. Strict JSON
- 4. Canonical JSON and request keys
- 5. Sanitising
- 6. Schema validation
- 7. Policy
- 8. The store
- 9. The gate
-10. Operator commands
-11. main
+ 1. Constants and limits          11. JSON-RPC framing
+ 2. Errors                        12. Upstream client (stdio, streamable HTTP)
+ 3. Strict JSON                   13. Pinning and loading upstream tools
+ 4. Canonical JSON, request keys  14. Configuration
+ 5. Sanitising                    15. The proxy: one run per call, its answers
+ 6. Schema validation             16. The rules across calls
+ 7. Time and records              17. The host-facing server
+ 8. Policy                        18. Serving, pinning and checking
+ 9. The store                     19. Operator commands
+10. The gate                      20. main
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ import threading
 import time
 import urllib.parse
 import unicodedata
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
@@ -86,6 +85,11 @@ MAX_NUMBER_LITERAL = 10_000          # bytes in one number literal
 MAX_EXPONENT = 10_000                # absolute value of a number's written exponent
 MAX_EXPONENT_DIGITS = 5              # exponent digits (after leading zeros) before we refuse
 NUMBER_SHOWN = 24                    # bytes of a refused literal quoted in the error
+VALUE_SHOWN = 96                     # bytes of a schema's value quoted in a mismatch
+HASH_SHOWN = 128                     # characters of a stored hash a chain report quotes
+ID_BYTES = 16                        # random bytes in a run, step, approval or lease id
+OWNER_SUFFIX = 12                    # hex characters of the id a named lease owner shows
+RUN_SUFFIX_BYTES = 8                 # random bytes after the session in a proxy run id
 MAX_RESULT_BYTES = 64 * 1024         # a result or quoted result shown to the model
 MAX_POLICY_ID_BYTES = 256            # a policy identity
 MAX_SCHEMA_ERRORS = 8                # schema failures listed in one message
@@ -100,11 +104,9 @@ WAL_SWITCH_SECONDS = 5.0             # how long to retry switching to WAL while 
 WAL_SWITCH_STEP = 0.005
 DEFAULT_LEASE_TTL = 30.0             # seconds a run's lease lasts without renewal
 LEASE_RENEW_FRACTION = 3             # the heartbeat renews every ttl / this
-RECORD_DEADLINE = 10.0               # seconds a tool's outcome may take to be recorded
 DEFAULT_APPROVAL_TTL = 24 * 3600.0
 DEFAULT_GRANT_TTL = 24 * 3600.0
 
-MAX_PAGE_TEXT = 65_536               # characters of one column an operator page reads
 CLI_FIELD_BYTES = 2000               # a string in an approval's printed fields
 CLI_FIELD_KEEP = 200                 # bytes kept at each end of a cut field string
 CLI_EVENT_PAYLOAD = 8000             # bytes of one event payload in `events` text output
@@ -124,7 +126,6 @@ INTERRUPTED_NOTICE = (
     "arguments; rejecting ends the run.")
 
 SIDE_EFFECTS = ("read_only", "local_mutation", "remote_mutation", "destructive")
-OUTCOMES = ("allow", "require_approval", "deny", "abort")
 DEFAULT_POLICY = {"read_only": "allow", "local_mutation": "allow",
                   "remote_mutation": "require_approval", "destructive": "deny"}
 
@@ -1135,7 +1136,7 @@ def _fail(errors: list, path: list, detail: str) -> None:
 
 
 def _show(value: Any) -> str:
-    return truncate(sanitize(encode_canonical(value).decode("utf-8")), NUMBER_SHOWN * 4)
+    return truncate(sanitize(encode_canonical(value).decode("utf-8")), VALUE_SHOWN)
 
 
 def _k_type(s, node, want, value, path, errors):
@@ -1377,6 +1378,7 @@ def compile_schema(raw: bytes) -> Schema:
 # Records are small frozen dataclasses read from, and written to, the store.
 
 Clock = Callable[[], float]          # seconds since the epoch
+NANOS = 1_000_000_000                # a tool spec's timeout is hashed in integer nanoseconds
 _DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+(?:\.\d+)?)s)?(?:(\d+)ms)?")
 
 
@@ -1431,7 +1433,8 @@ class ToolSpec:
     def as_value(self) -> dict:
         doc = {"name": self.name, "description": self.description,
                "input_schema": parse_json(self.input_schema, strict=False),
-               "side_effect": self.side_effect, "timeout": fmt_duration(self.timeout)}
+               "side_effect": self.side_effect,
+               "timeout": Num(str(round(self.timeout * NANOS)))}      # integer nanoseconds
         if self.terminal:
             doc["terminal"] = True
         return doc
@@ -1446,7 +1449,8 @@ class ToolSpec:
     def from_json(cls, raw: bytes) -> "ToolSpec":
         doc = parse_json(raw, strict=False)
         return cls(doc["name"], doc["description"], encode_canonical(doc["input_schema"]),
-                   doc["side_effect"], parse_duration(doc["timeout"]), doc.get("terminal", False))
+                   doc["side_effect"], int(doc["timeout"].text) / NANOS,
+                   doc.get("terminal", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2092,16 +2096,16 @@ class Store:
                     detail = (f"the first event is seq {seq}: an event is missing" if
                               report.checked == 0 and first == 1 else
                               f"seq {seq} follows {expect - 1}: an event is missing")
-                    report.broken = ChainBreak(seq, "", stored[:128], detail)
+                    report.broken = ChainBreak(seq, "", stored[:HASH_SHOWN], detail)
                     return report
                 want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
                 if not hmac.compare_digest(want, stored):
                     report.broken = ChainBreak(
-                        seq, want, stored[:128], "the stored hash is not the one the event's "
+                        seq, want, stored[:HASH_SHOWN], "the stored hash is not the one the event's "
                         "fields and the previous event's hash give")
                     return report
                 prev, expect = stored, seq + 1
-                report.checked, report.hash = report.checked + 1, stored[:128]
+                report.checked, report.hash = report.checked + 1, stored[:HASH_SHOWN]
         return report
 
     def close(self) -> None:
@@ -2235,7 +2239,7 @@ class _Allowed:
 
 
 def new_hex_id() -> str:
-    return secrets.token_hex(16)
+    return secrets.token_hex(ID_BYTES)
 
 
 def _obs(kind: str, content: Any, summary: str) -> tuple[dict, str, str]:
@@ -2396,7 +2400,7 @@ class Gate:
         self.clock, self.wall, self.new_id = now, wall, new_id
         self.lease_ttl = lease_ttl if lease_ttl > 0 else DEFAULT_LEASE_TTL
         suffix = new_id()
-        self.owner = f"{lease_owner}/{suffix[:12]}" if lease_owner else suffix
+        self.owner = f"{lease_owner}/{suffix[:OWNER_SUFFIX]}" if lease_owner else suffix
         self.policy_id = check_policy_id(getattr(policy, "policy_id", "") or "")
         self.leases = Leases(store.path, self.owner, self.lease_ttl, wall)
         self._claimed: set[str] = set()
@@ -2858,7 +2862,7 @@ class Session:
                            observation_json="", observation_hash="", finished_at="")
             tx.event(self.run_id, step.id, policy_at, "step.policy", _policy_record(decision, extra))
             tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
-                    f"({','.join('?' * 14)})",
+                    f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
                     (approval.id, approval.run_id, approval.step_id, approval.kind,
                      approval.capability.decode(), approval.presentation.decode(),
                      approval.request_json, approval.hash, PENDING, approval.created_at,
@@ -5434,7 +5438,7 @@ class Proxy:
         return out
 
     def new_run_id(self) -> str:
-        return f"{self.cfg.session}.{secrets.token_hex(8)}"
+        return f"{self.cfg.session}.{secrets.token_hex(RUN_SUFFIX_BYTES)}"
 
     def inspect(self, run_id: str) -> RunState | None:
         run = self.store.find_run(run_id)
@@ -6508,9 +6512,10 @@ def _stamp(text: str, millis: bool = False) -> str:
     if not text:
         return "-"
     local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
-    fmt = "%Y-%m-%d %H:%M:%S" + (".%f" if millis else "") + " %z"
-    out = local.strftime(fmt)
-    return out[:23] + out[26:] if millis else out
+    stamp = local.strftime("%Y-%m-%d %H:%M:%S")
+    if millis:
+        stamp += f".{local.microsecond // 1000:03d}"
+    return stamp + local.strftime(" %z")
 
 
 def _clip(text: str, width: int) -> str:

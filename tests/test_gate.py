@@ -708,3 +708,13 @@ def test_every_run_leaves_an_intact_chain(h):
     asyncio.run(s.execute())
     report = h.store.verify_events()
     assert report.broken is None and report.checked == h.store.chain_head()[0] > 10
+
+
+def test_approval_hash_matches_the_reference_golden_value():
+    """core.md 7.2: the hash covers kind, capability, presentation and the whole request,
+    over the canonical form (the spec's timeout in integer nanoseconds)."""
+    spec = ap.ToolSpec("push", "push <main> & tag", b'{"type":"object"}', "remote_mutation", 30.0)
+    request = ap.ToolRequest("r1", "s1", spec, b'{"n":7,"ref":"refs/heads/main"}')
+    got = ap.approval_hash("remote_mutation", b'{"tool":"push","args":{"n":7}}',
+                           b'{"title":"Publish <PR> & tag","lines":1.0}', request)
+    assert got == "175bcfc7a7e3cdab6b98d7b50caf9f2a8e59d5208211b97de39a4b027c7fa0b2"

@@ -44,8 +44,9 @@ Sections, in dependency order
  6. Schema validation             16. The rules across calls
  7. Time and records              17. The host-facing server
  8. Policy                        18. Serving, pinning and checking
- 9. The store                     19. Operator commands
-10. The gate                      20. main
+ 9. The store                     19. Re-checking recorded calls
+10. The gate                      20. Operator commands
+                                  21. main
 """
 
 from __future__ import annotations
@@ -2058,7 +2059,16 @@ class Store:
         rows = self._read("SELECT spec_json FROM tool_specs WHERE hash=?", (digest,))
         if not rows or sha256_hex(rows[0][0].encode()) != digest:
             raise NotFound(f"tool spec {digest} not found or does not match its hash")
-        return ToolSpec.from_json(rows[0][0].encode())
+        try:
+            return ToolSpec.from_json(rows[0][0].encode())
+        except (JSONError, KeyError, TypeError, AttributeError, ValueError):
+            raise NotFound(f"tool spec {digest} cannot be read") from None
+
+    def ensure_spec(self, spec: ToolSpec) -> None:
+        """Store a tool spec unless it is stored already (a read first: no needless commit)."""
+        if not self._read("SELECT 1 FROM tool_specs WHERE hash=?", (spec.hash(),)):
+            with self.tx() as tx:
+                tx.save_spec(spec)
 
     def list_events(self, run_id: str, limit: int = -1, offset: int = 0) -> list[tuple]:
         """(seq, run_id, step_id, at, type, payload_json, hash) in seq order."""
@@ -2878,6 +2888,7 @@ class Session:
         """An approved step: check the recorded arguments against today's schema, then
         evaluate the policy again while the run is still WAITING."""
         tool = self.gate.tools[request.spec.name]
+        self.store.ensure_spec(request.spec)     # the spec the re-evaluation is recorded with
         problem = self.gate.check_args(tool, request.args)
         if problem:
             detail = f"invalid decision on resume: {problem}"
@@ -6420,7 +6431,336 @@ class LineReader:
         return await self.queue.get()
 
 
-# ==== 19. Operator commands ====
+# ==== 19. Re-checking recorded calls ====
+# `recheck` rebuilds the policy today's configuration gives the proxy and hands it every
+# decision the proxy's policy recorded, rebuilt as it was handed then: the request (its
+# recorded spec, or with -current-tools the tool's spec as loaded now) and the view of its
+# run at that moment. It reports which decisions would now be made otherwise. It opens the
+# database read-only, reads no clock, and writes nothing. It covers the gate's policy, not the
+# rules applied before it.
+
+RECHECK_LIMIT = 50
+RECHECK_TEXT = 240                     # bytes of one value in a report line
+RECHECK_SCOPE = (
+    "A re-check covers the gate's policy: the policy map, each rule's outcome, its fixed "
+    "values and its rename. It does not cover the rules applied before the policy (the "
+    "duplicate rule, the repeat window, max_pending, the refusal of a rejected or expired "
+    "approval) or any call refused before the gate; without -current-tools it covers no "
+    "change to a tool's schema or denied parameters either.")
+
+
+@dataclasses.dataclass
+class Evaluation:
+    step_index: int
+    step_id: str
+    seq: int
+    tool: str
+    result: str                         # same, different, not_recheckable, not_a_policy_evaluation
+    recorded: str
+    rechecked: str = ""
+    on_resume: bool = False
+    detail: str = ""
+    recorded_hash: str = ""
+    rechecked_hash: str = ""
+    policy_id: str = ""
+
+
+@dataclasses.dataclass
+class RecheckReport:
+    run_id: str
+    run_status: str
+    policy_id: str
+    spec_source: str
+    evaluations: list[Evaluation] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def count(self, *results: str) -> int:
+        return sum(1 for e in self.evaluations if e.result in results)
+
+    @property
+    def identity(self) -> str:
+        asked = [e.policy_id for e in self.evaluations if e.result in ("same", "different")]
+        if not asked or not self.policy_id or not all(asked):
+            return "unknown"
+        return "unchanged" if all(p == self.policy_id for p in asked) else "changed"
+
+    def as_json(self) -> dict:
+        return {"run_id": self.run_id, "run_status": self.run_status,
+                "policy_id": self.policy_id, "identity": self.identity,
+                "spec_source": self.spec_source, "notes": self.notes,
+                "evaluations": [dataclasses.asdict(e) for e in self.evaluations],
+                "same": self.count("different") == 0,
+                "differences": self.count("different"),
+                "rechecked": self.count("same", "different"),
+                "not_recheckable": self.count("not_recheckable"),
+                "complete": self.count("not_recheckable") == 0}
+
+    def lines(self) -> list[str]:
+        differ, checked = self.count("different"), self.count("same", "different")
+        asked = sorted({e.policy_id for e in self.evaluations
+                        if e.result in ("same", "different") and e.policy_id})
+        identity = {"unchanged": f'policy unchanged: "{self.policy_id}"',
+                    "changed": "policy changed: recorded " + ", ".join(f'"{p}"' for p in asked)
+                               + f', given "{self.policy_id}"',
+                    "unknown": "policy identity unknown"}[self.identity]
+        out = [sanitize(f"run {self.run_id} {self.run_status}: {differ} of {checked} "
+                        f"re-checked decision(s) differ; {identity}; {self.spec_source} specs")]
+        ordered = [e for e in self.evaluations if e.result == "different"] + \
+            [e for e in self.evaluations if e.result != "different"]
+        for e in ordered:
+            where = f"step {e.step_index} seq {e.seq} {_bound(e.tool) or '-'}" + \
+                (" (on resume)" if e.on_resume else "")
+            detail = f": {_bound(e.detail)}" if e.detail else ""
+            if e.result == "same":
+                out.append(f"same      {where}: {_bound(e.recorded)}{detail}")
+            elif e.result == "different":
+                out.append(f"DIFFERENT {where}: {_bound(e.recorded)} -> "
+                           f"{_bound(e.rechecked) or 'none'}{detail}")
+            else:
+                out.append(f"skipped   {where}: {_bound(e.detail)}")
+        out += [f"note: {_bound(n)}" for n in self.notes]
+        return out
+
+
+def _bound(text: str) -> str:
+    return truncate(sanitize(text), RECHECK_TEXT)
+
+
+class _RecordedPolicy(ProxyPolicy):
+    """The proxy's policy as re-check hands it a recorded request: whether a request re-ran
+    an unknown outcome is read from the interruption approval the policy asked for then."""
+
+    def __init__(self, cfg: Config, tools: dict, policy_id: str, store: Store):
+        super().__init__(cfg.policy_map, tools, None, policy_id)
+        self.store = store
+        self.following: Approval | None = None
+
+    def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
+        at = super().rerun_of(request, view)
+        if at is not None:
+            return at
+        nxt = self.following
+        if nxt is not None and nxt.step_id == request.step_id and nxt.kind == INTERRUPTED_KIND:
+            named = _interrupted_attempt(nxt)
+            if named is not None and not (named.get("run_id") == request.run_id and
+                                          named.get("step_id") == request.step_id):
+                return named
+        return None
+
+
+def recorded_tools(cfg: Config) -> dict[str, "UpstreamTool"]:
+    """A tool per rule, for re-checking with the specs the runs recorded."""
+    tools = {}
+    for server in cfg.servers:
+        for remote, rule in server.rules:
+            name = rule.rename or f"{server.name}_{remote}"
+            spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
+            tools[name] = UpstreamTool(spec, server.name, remote, rule, None)
+    return tools
+
+
+def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
+                current: dict[str, ToolSpec] | None) -> RecheckReport:
+    run = store.get_run(run_id)
+    steps = {s.id: s for s in store.list_steps(run_id)}
+    ordered_steps = sorted(steps.values(), key=lambda s: s.idx)
+    approvals = store.list_approvals(run_id)
+    events = store.list_events(run_id)
+    report = RecheckReport(run_id, run.status, policy.policy_id,
+                           "current" if current is not None else "recorded")
+    if run.status not in TERMINAL:
+        report.notes.append(f"the run is {run.status}; it was re-checked up to its current "
+                            "state")
+    decided_at: dict[str, int] = {}
+    for i, (seq, _r, step_id, _at, typ, payload, _h) in enumerate(events):
+        if typ == "approval.decided":
+            continue
+        if typ == "step.failed" and payload and '"policy error: ' in payload and \
+                not (i and events[i - 1][4] == "step.policy" and events[i - 1][2] == step_id):
+            step = steps.get(step_id)
+            report.evaluations.append(Evaluation(
+                step.idx if step else -1, step_id, seq, "", "not_recheckable", "error",
+                detail="not re-checkable: policy failed; no evaluation recorded: " +
+                loads_own(payload).get("detail", "").removeprefix("policy error: ")))
+        if typ != "step.policy":
+            continue
+        report.evaluations.append(_recheck_one(store, run, steps, ordered_steps, approvals,
+                                               events, seq, step_id, payload, policy, current))
+    if not report.evaluations:
+        report.notes.append("no policy evaluation is recorded")
+    return report
+
+
+def _approvals_as_of(approvals: list[Approval], events: list, seq: int,
+                     count: int) -> list[Approval]:
+    """The first ``count`` approvals, each with the status it had at event ``seq``."""
+    out = []
+    for a in approvals[:count]:
+        status, decided = PENDING, None
+        for e in events:
+            if e[0] >= seq:
+                break
+            if e[4] == "approval.decided":
+                doc = loads_own(e[5])
+                if doc.get("approval_id") == a.id:
+                    status, decided = doc.get("status", PENDING), doc
+        if decided is None:
+            out.append(dataclasses.replace(a, status=PENDING, decided_at="", decided_by="",
+                                           note=""))
+        else:
+            out.append(dataclasses.replace(a, status=status))
+    return out
+
+
+def _recheck_one(store, run, steps, ordered_steps, approvals, events, seq, step_id, payload,
+                 policy: _RecordedPolicy, current) -> Evaluation:
+    step = steps.get(step_id)
+    try:
+        rec = loads_own(payload)
+    except JSONError:
+        return Evaluation(-1, step_id, seq, "", "not_recheckable", "",
+                          detail="not re-checkable: the recorded decision is unreadable")
+    outcome = rec.get("outcome", "")
+    tool_name = ((step.decision or {}).get("tool", "") if step else "")
+    ev = Evaluation(step.idx if step else -1, step_id, seq, tool_name, "", outcome,
+                    policy_id=rec.get("policy_id", ""))
+    view = rec.get("view")
+    if not isinstance(view, dict):
+        ev.result = "not_a_policy_evaluation"
+        ev.detail = ("an interrupted side effect's pause" if rec.get("kind") == INTERRUPTED_KIND
+                     else "a pause the policy did not make")
+        return ev
+    ev.on_resume = view.get("status") == WAITING
+    if step is None or (step.decision or {}).get("kind") != "tool_call":
+        ev.result, ev.detail = "not_recheckable", "not re-checkable: the step is not a tool call"
+        return ev
+    try:
+        recorded_spec = store.spec(rec.get("spec_hash", ""))
+    except NotFound:
+        ev.result, ev.detail = "not_recheckable", "not re-checkable: no spec is recorded"
+        return ev
+    spec = recorded_spec
+    if current is not None:
+        spec = current.get(tool_name)
+        if spec is None:
+            ev.result, ev.detail = "different", f"the tool {tool_name} is no longer offered"
+            return ev
+    args = step.args or b"{}"
+    recorded_request = ToolRequest(run.id, step_id, recorded_spec, args)
+    request = ToolRequest(run.id, step_id, spec, args)
+    n_steps, n_approvals = int(view.get("steps", 0)), int(view.get("approvals", 0))
+    view_run = dataclasses.replace(run, status=view.get("status", RUNNING),
+                                   step_count=int(view.get("step_count", 0)), reason="",
+                                   reason_detail="", finished_at="", result_json="")
+    handed_view = RunView(view_run, ordered_steps[:n_steps],
+                          _approvals_as_of(approvals, events, seq, n_approvals))
+    policy.following = approvals[n_approvals] if n_approvals < len(approvals) else None
+    try:
+        handed = dataclasses.replace(
+            request, spec=dataclasses.replace(spec, input_schema=policy_json(spec.input_schema,
+                                                                             False)),
+            args=policy_json(args))
+        now = policy.evaluate(handed, handed_view)
+    except Exception as exc:
+        ev.result, ev.rechecked, ev.detail = "different", "error", f"policy failed: {exc}"
+        return ev
+    finally:
+        policy.following = None
+    ev.rechecked = now.outcome
+    if now.outcome != outcome:
+        ev.result, ev.detail = "different", now.reason
+        return ev
+    if outcome == "require_approval":
+        if now.kind != rec.get("kind", ""):
+            ev.result = "different"
+            ev.detail = f"asks for approval kind {_quote(now.kind)}, not {_quote(rec.get('kind', ''))}"
+            return ev
+        try:
+            was = approval_hash(rec.get("kind", ""), _raw_member(payload, "capability"),
+                                _raw_member(payload, "presentation"), recorded_request)
+            new = approval_hash(now.kind, now.capability.strip(JSON_WS),
+                                now.presentation.strip(JSON_WS), request)
+        except (JSONError, TypeError, ValueError) as exc:
+            ev.result, ev.detail = "not_recheckable", f"not re-checkable: {exc}"
+            return ev
+        ev.recorded_hash, ev.rechecked_hash = was, new
+        if was != new:
+            ev.result = "different"
+            ev.detail = ("asks for another approval: its capability, presentation or tool spec "
+                         "changed")
+            return ev
+    ev.result = "same"
+    return ev
+
+
+def _raw_member(payload: str, name: str) -> bytes:
+    return member_spans(payload.encode()).get(name, b"{}")
+
+
+async def cmd_recheck(cfg: Config, args, out: Out) -> int:
+    """The recheck command: exit 0 when every run is the same and something was re-checked,
+    1 when any differs or nothing was, 2 on a usage error (judged before this)."""
+    check_database_owner(cfg.database)
+    store = Store.open_existing(cfg.database, readonly=True)
+    tools: list[UpstreamTool] = []
+    try:
+        current = None
+        if args.current_tools:
+            check_reach(cfg)
+            try:
+                tools, reports = await load_tools(cfg)
+            except MCPError as exc:
+                for report in getattr(exc, "reports", []):
+                    for line in report.lines():
+                        out.log(line)
+                raise
+            for report in reports:
+                for line in report.lines():
+                    out.log(line)
+            current = {t.spec.name: t.spec for t in tools}
+        by_name = {t.spec.name: t for t in tools} if tools else recorded_tools(cfg)
+        policy = _RecordedPolicy(cfg, by_name, cfg.policy_id(), store)
+        session = args.session or cfg.session
+        if args.run:
+            run_ids = [args.run]
+        else:
+            try:
+                rows = store._read("SELECT run_id FROM proxy_calls WHERE session=? ORDER BY id "
+                                   "DESC LIMIT ?", (session, args.limit))
+            except StoreError as exc:
+                raise ProxyError(f"recheck: the database has no index of proxy calls: {exc}") \
+                    from None
+            run_ids = [r[0] for r in rows if store.find_run(r[0]) is not None]
+        reports = [recheck_run(store, run_id, policy, current) for run_id in run_ids]
+    finally:
+        await close_tools(tools)
+        store.close()
+    differ = sum(1 for r in reports if r.count("different"))
+    rechecked = sum(r.count("same", "different") for r in reports)
+    skipped = sum(r.count("not_recheckable") for r in reports)
+    if args.json:
+        out.json([r.as_json() for r in reports])
+    else:
+        for report in reports:
+            for line in report.lines():
+                out.line(line)
+            out.line()
+        out.line(f"{len(reports)} run(s) re-checked under {cfg.policy_id()}; {rechecked} "
+                 f"decision(s) re-checked; {skipped} not re-checkable and skipped; {differ} "
+                 "run(s) differ")
+        out.line(RECHECK_SCOPE)
+    if not reports:
+        out.log(f"recheck: no run of session {_quote(session)} was found, so nothing was "
+                "re-checked")
+        return 1
+    if rechecked == 0:
+        out.log(f"recheck: no decision of the policy was re-checked ({skipped} not "
+                "re-checkable)")
+        return 1
+    return 1 if differ else 0
+
+
+# ==== 20. Operator commands ====
 # runs, show, events, approve, reject, cancel, verify. Arguments are checked before the
 # database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
@@ -6432,6 +6772,8 @@ USAGE = """usage:
   python agentrt_proxy.py -config proxy.json          serve the host over stdin and stdout
   python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
   python agentrt_proxy.py check -config proxy.json    what is offered, refused, unclassified
+  python agentrt_proxy.py recheck -config proxy.json [-run ID | -session NAME] [-limit N]
+                                  [-current-tools] [-json]   what today's policy decides otherwise
   python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
   python agentrt_proxy.py -db DATABASE [-json] show RUN
   python agentrt_proxy.py -db DATABASE [-json] events RUN [-limit N] [-offset N]
@@ -6474,6 +6816,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run")
         _flags(p, ("approval", {}), ("by", {}), ("note", {"default": ""}),
                ("yes", {"action": "store_true"}))
+    recheck = sub.add_parser("recheck", add_help=False, allow_abbrev=False)
+    _flags(recheck, ("config", {"default": argparse.SUPPRESS}), ("run", {}), ("session", {}),
+           ("limit", {"type": int, "default": RECHECK_LIMIT}),
+           ("current-tools", {"action": "store_true"}),
+           ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
     for name in ("serve", "pin", "check"):
         _flags(sub.add_parser(name, add_help=False, allow_abbrev=False),
                ("config", {"default": argparse.SUPPRESS}))
@@ -6942,13 +7289,20 @@ def run_operator(args, out: Out) -> int:
         store.close()
 
 
-_PROXY_COMMANDS = ("serve", "pin", "check")
+_PROXY_COMMANDS = ("serve", "pin", "check", "recheck")
 
 
 def run_proxy_command(args, out: Out) -> int:
     if not args.config:
         raise UsageError(f"{args.command}: -config <file> is required")
+    if args.command == "recheck":
+        if args.run and args.session:
+            raise UsageError("recheck: -run and -session are exclusive")
+        if args.limit <= 0:
+            raise UsageError("recheck: -limit must be positive")
     cfg = load_config(args.config)
+    if args.command == "recheck":
+        return asyncio.run(cmd_recheck(cfg, args, out))
     if args.command == "pin":
         return asyncio.run(cmd_pin(cfg, out))
     if args.command == "check":
@@ -6958,7 +7312,7 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
-# ==== 20. main ====
+# ==== 21. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""

@@ -519,7 +519,7 @@ def _depth_exceeds(raw: bytes, limit: int) -> int | None:
     return None
 
 
-def parse_json(raw: bytes, strict: bool = True) -> Any:
+def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH) -> Any:
     """Parse exactly one JSON value from ``raw``.
 
     Objects become dicts, arrays lists, numbers ``Num``. With ``strict`` false (only for
@@ -528,9 +528,9 @@ def parse_json(raw: bytes, strict: bool = True) -> Any:
     """
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogatepass")
-    at = _depth_exceeds(raw, MAX_DEPTH)
+    at = _depth_exceeds(raw, max_depth)
     if at is not None:
-        raise JSONError(f"nested deeper than {MAX_DEPTH} levels", raw, at)
+        raise JSONError(f"nested deeper than {max_depth} levels", raw, at)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -556,10 +556,10 @@ def check_json(raw: bytes) -> None:
     parse_json(raw)
 
 
-def member_spans(raw: bytes) -> dict[str, bytes]:
+def member_spans(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, bytes]:
     """The exact bytes of each member value of a top-level object, so that a record can hand
     back what was written into it byte for byte, never a re-serialisation."""
-    if not isinstance(parse_json(raw, strict=False), dict):
+    if not isinstance(parse_json(raw, strict=False, max_depth=max_depth), dict):
         raise JSONError("not valid JSON: expected an object", raw, 0)
     text = raw.decode("utf-8")
     p = _Parser(raw, text, strict=False)
@@ -3373,6 +3373,10 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
 
 MAX_FRAME = 16 * 1024 * 1024          # one message, on stdio or in an HTTP body
 ENVELOPE_DEPTH = MAX_DEPTH + 8         # room around arguments nested to the limit
+# An upstream's answer is read deeper than the gate accepts, so that content nested past
+# MAX_DEPTH is recorded as refused content (the server answered) rather than breaking the
+# connection; past this the line is not JSON-RPC we can route.
+UPSTREAM_DEPTH = 4 * MAX_DEPTH
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR = -32602, -32603
 HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
@@ -3433,12 +3437,12 @@ class Message:
         return Raw(b"null")
 
 
-def parse_message(line: bytes) -> Message:
+def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
     """Parse one frame. Bytes that are not UTF-8 are kept (they may sit inside arguments,
     which the gate then refuses as INVALID); anything that is not a JSON object raises."""
-    at = _depth_exceeds(line, ENVELOPE_DEPTH)
+    at = _depth_exceeds(line, max_depth)
     if at is not None:
-        raise JSONError(f"nested deeper than {ENVELOPE_DEPTH} levels", line, at)
+        raise JSONError(f"nested deeper than {max_depth} levels", line, at)
     text = line.decode("utf-8", "surrogateescape")
     p = _Parser(line, text, strict=False)
     pos = p.skip_ws(0)
@@ -3798,7 +3802,7 @@ class StdioUpstream(Upstream):
                 if not line.strip():
                     continue
                 try:
-                    msg = parse_message(line)
+                    msg = parse_message(line, UPSTREAM_DEPTH)
                 except JSONError as exc:
                     reason = f"the server sent a line that is not JSON-RPC: {exc}"
                     break
@@ -3963,7 +3967,7 @@ class HttpUpstream(Upstream):
         body = _read_capped(resp)
         if ctype == "application/json" and body.strip():
             try:
-                msg = parse_message(body)
+                msg = parse_message(body, UPSTREAM_DEPTH)
             except JSONError as exc:
                 raise UpstreamError(f"the server's answer is not JSON-RPC: {exc}") from None
             if status == 200 or "error" in msg.doc:
@@ -3991,7 +3995,7 @@ class HttpUpstream(Upstream):
                     event = value.strip().decode("utf-8", "replace")
                 continue
             if data and event in ("", "message"):
-                msg = parse_message(b"\n".join(data))
+                msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH)
                 if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
                     return msg
             data, event = [], ""
@@ -4248,8 +4252,8 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     whose text is what the model is told."""
     raw = reply.raw("result") or b"{}"
     try:
-        result = parse_json(raw, strict=False)
-        spans = member_spans(raw) if isinstance(result, dict) else {}
+        result = parse_json(raw, strict=False, max_depth=UPSTREAM_DEPTH)
+        spans = member_spans(raw, UPSTREAM_DEPTH) if isinstance(result, dict) else {}
     except JSONError as exc:
         raise ToolFailure(f"mcp: server {_quote(tool.server)}: tool {_quote(tool.remote)}: "
                           f"the result is not JSON: {exc}") from None
@@ -4264,10 +4268,12 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
         try:
             encoded = policy_json(structured, strict=False)
         except JSONError:
-            encoded = None            # content we cannot keep exactly is not counted
-        if encoded is not None and len(encoded) <= cap:
+            # Handed on as the server sent it: the gate refuses it as content it cannot
+            # record, and the call counts as executed (the server answered).
+            encoded = structured.strip(JSON_WS)
+        if len(encoded) <= cap:
             content = encoded
-        elif encoded is not None:
+        else:
             dropped = len(encoded)
     truncated = False
     if content is None:

@@ -3372,6 +3372,7 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
 # ``params.arguments`` and an upstream's ``result`` are judged later, strictly, as sent.
 
 MAX_FRAME = 16 * 1024 * 1024          # one message, on stdio or in an HTTP body
+READ_CHUNK = 64 * 1024                 # bytes read from the host's input at a time
 ENVELOPE_DEPTH = MAX_DEPTH + 8         # room around arguments nested to the limit
 # An upstream's answer is read deeper than the gate accepts, so that content nested past
 # MAX_DEPTH is recorded as refused content (the server answered) rather than breaking the
@@ -6409,29 +6410,52 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
 
 
 class LineReader:
-    """Lines of a binary stream, read on a daemon thread so that a signal can end serving
-    while a read is blocked. A line longer than MAX_FRAME is passed on cut (it then fails
-    to parse and is answered as such); the rest of it is skipped."""
+    """Lines of the host's input, read on a daemon thread so that a signal can end serving
+    while a read is blocked. The descriptor is read directly: a thread blocked inside a
+    buffered reader would hold its lock when the interpreter shuts down. A line longer than
+    MAX_FRAME is passed on cut (it then fails to parse and is answered so); the rest of it is
+    skipped."""
 
     def __init__(self, stream, loop: asyncio.AbstractEventLoop):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stream, self.loop = stream, loop
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
-    def _run(self) -> None:
+    def _chunks(self) -> Iterable[bytes]:
         try:
-            while True:
-                line = self.stream.readline(MAX_FRAME + 1)
-                if not line:
-                    break
-                skipping = len(line) > MAX_FRAME and not line.endswith(b"\n")
-                while skipping:
-                    rest = self.stream.readline(MAX_FRAME + 1)
-                    skipping = bool(rest) and not rest.endswith(b"\n")
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, line)
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            fd = None
+        while True:
+            chunk = os.read(fd, READ_CHUNK) if fd is not None else \
+                self.stream.readline(READ_CHUNK)
+            if not chunk:
+                return
+            yield chunk
+
+    def _run(self) -> None:
+        pending, skipping = b"", False
+        try:
+            for chunk in self._chunks():
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    if not skipping:
+                        self._put(line + b"\n")
+                    skipping = False
+                if len(pending) > MAX_FRAME and not skipping:
+                    self._put(pending[:MAX_FRAME + 1])
+                    pending, skipping = b"", True
+                elif skipping:
+                    pending = b""
+            if pending and not skipping:
+                self._put(pending)
         except (OSError, ValueError):
             pass
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+        self._put(None)
+
+    def _put(self, item: bytes | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self) -> bytes | None:
         return await self.queue.get()

@@ -1,0 +1,395 @@
+"""The proxy as a real process: the command line, restarts, two proxies on one session,
+crashes, and shutdown (reference/proxy.md §17.2 rows 52 to 60, §2.4, §16.3; the seed's
+"Timeouts, crashes, and restarts", "The approval round trip" and "One run per call").
+
+Each test starts `python3 agentrt_proxy.py -config proxy.json` over pipes as a host would
+(tests/process_helpers.py), with the fake payment server behind it, and decides approvals
+with the operator command, as the operator does. Every wait has a deadline; every process a
+test starts is killed by its pid in a finally.
+"""
+
+import json
+import os
+import signal
+import stat
+import time
+
+import pytest
+
+from process_helpers import (EVENTS_ALLOWED, EVENTS_CRASH_INTERRUPTED_APPROVED, ProcessDir,
+                             eventually, is_error, prefix, text)
+
+LEASE = "3s"
+
+
+@pytest.fixture
+def procs():
+    """Directories made by a test; every proxy started in them is killed at the end."""
+    made: list[ProcessDir] = []
+
+    def make(tmp, **kw) -> ProcessDir:
+        d = ProcessDir(tmp, **kw)
+        made.append(d)
+        return d
+    yield make
+    for d in made:
+        d.cleanup()
+
+
+def want(result: dict, pfx: str, error: bool) -> str:
+    """The answer's text, which must start with `PREFIX:`, with isError as given."""
+    t = text(result)
+    assert t.startswith(pfx + ":"), f"want {pfx}, got: {t}"
+    assert is_error(result) is error, f"isError {is_error(result)} for: {t}"
+    return t
+
+
+def only_run(d: ProcessDir) -> dict:
+    runs = d.runs()
+    assert len(runs) == 1, f"want one run, got {[(r['id'], r['status']) for r in runs]}"
+    return runs[0]
+
+
+def only_pending(d: ProcessDir) -> dict:
+    pending = d.pending()
+    assert len(pending) == 1, f"want one pending approval, got {pending}"
+    return pending[0]
+
+
+def observation(d: ProcessDir, run_id: str, index: int = 0) -> dict:
+    raw = d.query("SELECT observation_json FROM steps WHERE run_id=? AND idx=?",
+                  (run_id, index))[0][0]
+    return json.loads(raw) if raw else {}
+
+
+# -- the command line --------------------------------------------------------------------
+
+SCOPE_PHRASES = [
+    # reference/proxy.md §12.6, as the seed words them
+    "The proxy governs only calls that go through it.",
+    "can approve its own request with the operator command or by editing the database",
+    "one person who is both the host's user and the operator. It does not separate them.",
+    "no limits or policy over a conversation's history",
+    "refuses a deliberate identical repeat",
+    "The pin covers what a server presents, not what it does.",
+]
+
+
+def test_cli_help_states_the_scope(tmp_path):
+    d = ProcessDir(tmp_path, pin=False)
+    for flag in ("-h", "--help"):
+        code, out, err = d.run(flag)
+        assert code == 0, f"{flag}: exit {code}\n{err}"
+        # reference/proxy.md §12.6 puts the usage on stderr; core.md §15 puts the operator
+        # command's -h on stdout, and DESIGN.md §2 merges the two commands without saying
+        # which. The help is read from whichever stream carries it.
+        helptext = " ".join((out + "\n" + err).split())
+        for phrase in SCOPE_PHRASES:
+            assert phrase in helptext, f"{flag}: help lacks {phrase!r}"
+        # DESIGN.md §2: the help starts with the scope statement, before the usage lines.
+        scope_at = helptext.find(SCOPE_PHRASES[0])
+        usage_at = helptext.lower().find("usage")
+        assert usage_at < 0 or scope_at < usage_at, helptext[:400]
+    code, out, err = d.run()
+    assert code == 2, f"no arguments: exit {code}\n{out}\n{err}"
+
+
+def test_cli_pin_and_check(tmp_path):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "5s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "20s"}}
+    d = ProcessDir(tmp_path, rules=rules, pin=False)
+    code, out, err = d.pin()
+    assert code == 0, f"pin: exit {code}\n{out}\n{err}"
+    assert stat.S_IMODE(os.stat(d.manifest).st_mode) == 0o600
+    for want_text in ("3 tools pinned", "balance", "readOnly", "refund", "claims nothing"):
+        assert want_text in out, f"pin output lacks {want_text!r}:\n{out}"
+    assert not os.path.exists(d.db), "pin must not touch the database"
+
+    code, out, err = d.check()
+    assert code == 0, f"check: exit {code}\n{out}\n{err}"
+    for want_text in ("registered balance as bank_balance (read_only)",
+                      "registered pay as bank_pay (remote_mutation)",
+                      "unclassified refund", "status tool: gate_status"):
+        assert want_text in out, f"check output lacks {want_text!r}:\n{out}"
+
+    d.write_config({})
+    code, out, err = d.check()
+    assert code == 1, f"check with no rules: exit {code}\n{out}\n{err}"
+    assert "no tool registered" in err, err
+
+
+# -- restarts and two processes ------------------------------------------------------------
+
+def test_process_restart_collects_an_approval_granted_while_it_was_gone(tmp_path, procs):
+    d = procs(tmp_path)
+    args = {"to": "nina", "amount": 12}
+    p1 = d.start("first")
+    want(p1.call("bank_pay", args), "PENDING_APPROVAL", False)
+    p1.stop()
+    assert "approve laptop." in p1.stderr(), p1.stderr()
+    assert d.payments() == 0
+
+    a = only_pending(d)
+    d.approve(a["run_id"], a["id"])
+
+    p2 = d.start("second")
+    r = p2.call("bank_pay", args)
+    assert not is_error(r) and text(r) == "paid 12.00 to nina", text(r)
+    assert d.payments() == 1
+    p2.stop()
+    assert d.payments() == 1
+    assert only_run(d)["status"] == "COMPLETED"
+
+
+def test_process_two_proxies_on_one_session(tmp_path, procs):
+    d = procs(tmp_path, allow_pay=True)
+    p1, p2 = d.start("one"), d.start("two")
+
+    args = {"to": "olga", "amount": 3, "mode": "slow"}
+    i1, i2 = p1.send_call("bank_pay", args), p2.send_call("bank_pay", args)
+    r1, r2 = p1.result(i1, 30), p2.result(i2, 30)
+    answers = sorted([r1, r2], key=lambda r: text(r) != "paid 3.00 to olga")
+    assert text(answers[0]) == "paid 3.00 to olga" and not is_error(answers[0]), \
+        [text(r1), text(r2)]
+    other = answers[1]
+    assert prefix(other) in ("IN_PROGRESS", "DUPLICATE"), [text(r1), text(r2)]
+    assert is_error(other) is (prefix(other) == "DUPLICATE")
+    assert d.payments() == 1
+
+    began = time.monotonic()
+    i1 = p1.send_call("bank_pay", {"to": "pia", "amount": 4, "mode": "slow"})
+    i2 = p2.send_call("bank_pay", {"to": "quin", "amount": 6, "mode": "slow"})
+    r1, r2 = p1.result(i1, 30), p2.result(i2, 30)
+    took = time.monotonic() - began
+    assert text(r1) == "paid 4.00 to pia" and not is_error(r1), text(r1)
+    assert text(r2) == "paid 6.00 to quin" and not is_error(r2), text(r2)
+    assert took < 3.9, f"two slow calls with different arguments took {took:.1f} s: not parallel"
+    assert d.payments() == 3
+
+    p1.stop()
+    p2.stop()
+    assert d.payments() == 3
+    assert all(r["status"] == "COMPLETED" for r in d.runs()), d.runs()
+
+
+# -- crashes -------------------------------------------------------------------------------
+
+def crash_mid_payment(d: ProcessDir, args: dict):
+    """A proxy that will survive, then a victim that pays `args` (mode block) and is killed
+    while the payment is inside the server. Returns (survivor, run id)."""
+    survivor = d.start("survivor")
+    victim = d.start("victim")
+    victim.send_call("bank_pay", args)
+    eventually(lambda: d.payments() == 1, 15, "the payment to reach the server")
+    run_id = only_run(d)["id"]
+    status, owner, until = d.lease(run_id)
+    assert status == "RUNNING" and owner and until and until > time.time(), (status, owner, until)
+    victim.crash()
+    return survivor, run_id
+
+
+def wait_out_the_lease(d: ProcessDir, run_id: str) -> None:
+    """Sleep until the crashed call's lease has expired by the wall clock."""
+    status, owner, until = d.lease(run_id)
+    assert status == "RUNNING" and until is not None, (status, owner, until)
+    left = until - time.time()
+    assert left < 10, f"lease has {left:.1f} s left; lease_ttl is {LEASE}"
+    time.sleep(max(0.0, left) + 0.2)
+
+
+def interrupted(d: ProcessDir, p, args: dict, run_id: str) -> dict:
+    """After the lease: the identical call answers INTERRUPTED naming the one pending
+    interruption approval, which waits on the crashed run."""
+    t = want(p.call("bank_pay", args), "INTERRUPTED", False)
+    a = only_pending(d)
+    assert a["kind"] == "interrupted_side_effect", a
+    assert a["run_id"] == run_id, a
+    assert a["id"] in t, t
+    assert d.show(run_id)["run"]["status"] == "WAITING_FOR_APPROVAL"
+    return a
+
+
+def test_process_crash_then_approve_runs_it_again_once(tmp_path, procs):
+    d = procs(tmp_path, allow_pay=True, lease_ttl=LEASE)
+    args = {"to": "rob", "amount": 5, "mode": "block"}
+    p, run_id = crash_mid_payment(d, args)
+
+    status, owner, until = d.lease(run_id)
+    assert status == "RUNNING" and owner
+    assert until - time.time() >= 1.0, f"only {until - time.time():.2f} s of lease left"
+    want(p.call("bank_pay", args), "IN_PROGRESS", False)
+    assert d.payments() == 1
+
+    wait_out_the_lease(d, run_id)
+    a = interrupted(d, p, args, run_id)
+
+    t = want(p.call("bank_pay", {"to": "sam", "amount": 1}), "BLOCKED", True)
+    assert a["id"] in t, t
+    r = p.call("bank_balance", {"account": "A-1"})
+    assert not is_error(r) and text(r) == "account A-1 holds 120.00 EUR", text(r)
+    assert d.payments() == 1
+
+    d.release()
+    d.approve(run_id, a["id"])
+    r = p.call("bank_pay", args)
+    assert not is_error(r) and text(r) == "paid 5.00 to rob", text(r)
+    assert d.payments() == 2
+    assert d.show(run_id)["run"]["status"] == "COMPLETED"
+    assert d.event_types(run_id) == EVENTS_CRASH_INTERRUPTED_APPROVED
+
+    want(p.call("bank_pay", args), "DUPLICATE", True)
+    assert d.payments() == 2
+    p.stop()
+    assert d.payments() == 2
+
+
+def test_process_crash_then_reject_runs_nothing_and_unblocks(tmp_path, procs):
+    d = procs(tmp_path, allow_pay=True, lease_ttl=LEASE)
+    args = {"to": "tim", "amount": 7, "mode": "block"}
+    p, run_id = crash_mid_payment(d, args)
+    wait_out_the_lease(d, run_id)
+    a = interrupted(d, p, args, run_id)
+
+    d.reject(run_id, a["id"], "the bank says it went through")
+    t = want(p.call("bank_pay", args), "REJECTED", True)
+    assert "it went through" in t, t
+    assert d.payments() == 1
+
+    r = p.call("bank_pay", {"to": "uma", "amount": 1})
+    assert not is_error(r) and text(r) == "paid 1.00 to uma", text(r)
+    assert d.payments() == 2
+    p.stop()
+    assert d.payments() == 2
+    crashed = d.show(run_id)["run"]
+    assert (crashed["status"], crashed["reason"]) == ("CANCELLED", "approval_rejected"), crashed
+
+
+def test_process_crash_then_reject_asks_again_after_the_window(tmp_path, procs):
+    d = procs(tmp_path, allow_pay=True, lease_ttl=LEASE, repeat_window="2s")
+    args = {"to": "vic", "amount": 8, "mode": "block"}
+    p, run_id = crash_mid_payment(d, args)
+    wait_out_the_lease(d, run_id)
+    first = interrupted(d, p, args, run_id)
+
+    d.reject(run_id, first["id"], "no")
+    rejected_at = time.monotonic()
+    want(p.call("bank_pay", args), "REJECTED", True)      # within the window
+    assert d.pending() == []
+
+    time.sleep(max(0.0, rejected_at + 2.5 - time.monotonic()))
+    t = want(p.call("bank_pay", args), "INTERRUPTED", False)
+    again = only_pending(d)
+    assert again["kind"] == "interrupted_side_effect", again
+    assert again["id"] != first["id"]
+    assert again["id"] in t, t
+    assert d.payments() == 1
+    p.stop()
+    assert d.payments() == 1
+
+
+def test_process_crash_of_an_approved_payment_asks_again(tmp_path, procs):
+    d = procs(tmp_path, lease_ttl=LEASE)
+    args = {"to": "wes", "amount": 9, "mode": "block"}
+    survivor = d.start("survivor")
+    victim = d.start("victim")
+    want(victim.call("bank_pay", args), "PENDING_APPROVAL", False)
+    asked = only_pending(d)
+    run_id = asked["run_id"]
+    d.approve(run_id, asked["id"])
+    victim.send_call("bank_pay", args)                    # collects, executes, blocks
+    eventually(lambda: d.payments() == 1, 15, "the approved payment to reach the server")
+    assert d.lease(run_id)[0] == "RUNNING"
+    victim.crash()
+
+    wait_out_the_lease(d, run_id)
+    a = interrupted(d, survivor, args, run_id)
+    assert a["capability"]["interrupted"]["step_id"] == a["step_id"], a
+    assert d.payments() == 1
+
+    d.release()
+    d.approve(run_id, a["id"])
+    r = survivor.call("bank_pay", args)
+    assert not is_error(r) and text(r) == "paid 9.00 to wes", text(r)
+    assert d.payments() == 2
+    assert d.show(run_id)["run"]["status"] == "COMPLETED"
+    survivor.stop()
+    assert d.payments() == 2
+
+
+# -- shutdown ------------------------------------------------------------------------------
+
+def assert_completed_cleanly(d: ProcessDir, paid: str) -> None:
+    run = only_run(d)
+    assert run["status"] == "COMPLETED", run
+    events = d.event_types(run["id"])
+    assert "step.interrupted" not in events, events
+    assert events[-1] == "run.finished", events
+    assert events == EVENTS_ALLOWED, events
+    obs = observation(d, run["id"])
+    assert paid in json.dumps(obs), obs
+
+
+def test_process_stdin_close_mid_call_finishes_the_step(tmp_path, procs):
+    d = procs(tmp_path, allow_pay=True)
+    p = d.start()
+    p.send_call("bank_pay", {"to": "xena", "amount": 2, "mode": "slow"})
+    eventually(lambda: d.payments() == 1, 15, "the slow payment to reach the server")
+    p.stop(30)
+    assert d.payments() == 1
+    assert_completed_cleanly(d, "paid 2.00 to xena")
+
+
+@pytest.fixture(scope="module")
+def sigterm_mid_call(tmp_path_factory):
+    """A proxy sent SIGTERM while an allowed slow payment is inside the server: the
+    directory and the exit code (None if it did not exit within 30 s)."""
+    d = ProcessDir(tmp_path_factory.mktemp("sigterm"), allow_pay=True)
+    try:
+        p = d.start()
+        p.send_call("bank_pay", {"to": "yan", "amount": 4, "mode": "slow"})
+        eventually(lambda: d.payments() == 1, 15, "the slow payment to reach the server")
+        os.kill(p.pid, signal.SIGTERM)
+        code = p.wait_exit(30)
+        yield d, p, code
+    finally:
+        d.cleanup()
+
+
+def test_process_sigterm_mid_call_records_the_call(sigterm_mid_call):
+    d, p, code = sigterm_mid_call
+    assert code is not None, "the proxy did not exit within 30 s of SIGTERM"
+    assert d.payments() == 1
+    assert_completed_cleanly(d, "paid 4.00 to yan")
+
+
+def test_process_sigterm_mid_call_exits_zero_after_the_call_is_recorded(sigterm_mid_call):
+    d, p, code = sigterm_mid_call
+    assert d.payments() == 1
+    assert_completed_cleanly(d, "paid 4.00 to yan")
+    assert code == 0, f"exit {code} after SIGTERM; stderr:\n{p.stderr()}"
+
+
+# -- the host-facing protocol --------------------------------------------------------------
+
+def test_process_a_line_that_is_not_json_is_answered_and_serving_goes_on(tmp_path, procs):
+    d = procs(tmp_path)
+    p = d.start()
+    p.send_line(b"this is not JSON {")
+    msg = p.answer(None, 15)
+    assert msg.get("jsonrpc") == "2.0", msg
+    assert msg["error"]["code"] == -32700, msg
+    r = p.call("bank_balance", {"account": "B-2"})
+    assert not is_error(r) and text(r) == "account B-2 holds 120.00 EUR", text(r)
+    assert p.proc.poll() is None
+    p.stop()
+
+
+def test_process_an_unknown_method_gets_method_not_found(tmp_path, procs):
+    d = procs(tmp_path)
+    p = d.start()
+    msg = p.request("no/such/method", {}, timeout=15)
+    assert msg.get("id") is not None and "result" not in msg, msg
+    assert msg["error"]["code"] == -32601, msg
+    names = [t["name"] for t in p.request("tools/list", {}, 15)["result"]["tools"]]
+    assert names == ["bank_balance", "bank_pay", "bank_refund", "gate_status"], names
+    p.stop()

@@ -1380,7 +1380,8 @@ def compile_schema(raw: bytes) -> Schema:
 
 Clock = Callable[[], float]          # seconds since the epoch
 NANOS = 1_000_000_000                # a tool spec's timeout is hashed in integer nanoseconds
-_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+(?:\.\d+)?)s)?(?:(\d+)ms)?")
+_DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m(?!s))?(?:([0-9]+(?:\.[0-9]+)?)s)?"
+                       r"(?:([0-9]+)ms)?")
 
 
 def fmt_time(t: float) -> str:
@@ -1398,6 +1399,8 @@ def parse_time(text: str) -> float:
 
 def parse_duration(text: str) -> float:
     """Seconds in a duration such as 15s, 10m, 1h30m, 1.5s, 300ms or 0s."""
+    if isinstance(text, str) and text.startswith("-"):
+        raise ValueError(f"duration {text!r} is negative")
     m = _DURATION.fullmatch(text) if isinstance(text, str) and text else None
     if not m or not any(m.groups()):
         raise ValueError(f"{text!r} is not a duration such as 15s, 10m, 1h30m or 300ms")
@@ -4734,9 +4737,10 @@ def parse_config(raw: bytes, path: str) -> Config:
         status_tool=status_tool, lease_ttl=lease_ttl)
 
 
-def check_database_owner(path: str) -> None:
-    """The proxy's own database: not a link, not writable by others, owned by this user."""
-    if check_database_file(path, writer=True):
+def check_database_owner(path: str, writer: bool = True) -> None:
+    """The proxy's own database: not a link, not writable by others, owned by this user.
+    A writer also tightens an owned file others may read to 0600; a reader changes nothing."""
+    if check_database_file(path, writer=writer):
         st = os.lstat(path)
         if st.st_uid != os.getuid():
             raise UnsafeDatabase(f"database: {path} is owned by uid {st.st_uid}, not by the "
@@ -6730,7 +6734,7 @@ def _raw_member(payload: str, name: str) -> bytes:
 async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     """The recheck command: exit 0 when every run is the same and something was re-checked,
     1 when any differs or nothing was, 2 on a usage error (judged before this)."""
-    check_database_owner(cfg.database)
+    check_database_owner(cfg.database, writer=False)
     store = Store.open_existing(cfg.database, readonly=True)
     tools: list[UpstreamTool] = []
     try:

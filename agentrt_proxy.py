@@ -286,6 +286,7 @@ class _Parser:
         # A repeated key, or a number inside a container beyond a 64-bit float: the
         # runtime's decoder refuses both in one pass, so the first of them is reported.
         self.decode_fault: tuple[str, int] | None = None
+        self.overflow: tuple[str, int] | None = None     # refused even when lenient
         self.number: tuple[str, int] | None = None
 
     def fail(self, reason: str, pos: int) -> JSONError:
@@ -459,9 +460,10 @@ class _Parser:
         exponent can be, so the common case costs two string tests."""
         if len(lit) <= NUMBER_SHOWN and "e" not in lit and "E" not in lit:
             return
-        if self.depth and self.decode_fault is None and abs(float(lit)) == float("inf"):
-            self.decode_fault = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
-                              "64-bit float", pos)
+        if self.depth and self.overflow is None and abs(float(lit)) == float("inf"):
+            self.overflow = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
+                             "64-bit float", pos)
+            self.decode_fault = self.decode_fault or self.overflow
         if self.number is None:
             problem = _number_problem(lit)
             if problem:
@@ -519,12 +521,15 @@ def _depth_exceeds(raw: bytes, limit: int) -> int | None:
     return None
 
 
-def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH) -> Any:
+def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH,
+               bounds: bool = True) -> Any:
     """Parse exactly one JSON value from ``raw``.
 
     Objects become dicts, arrays lists, numbers ``Num``. With ``strict`` false (only for
     documents we canonicalise but do not judge, such as an upstream's schema) a repeated key
-    keeps its last value and an unpaired surrogate escape becomes U+FFFD.
+    keeps its last value and an unpaired surrogate escape becomes U+FFFD. With ``bounds``
+    false (only for reading a message to route it; its parts are judged on their own) numbers
+    past our bounds are not refused either.
     """
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogatepass")
@@ -543,11 +548,11 @@ def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH) -> A
     pos = p.skip_ws(pos)
     if pos != len(text):
         raise p.syntax("data after the value", pos)
-    for found in (p.surrogate, p.decode_fault) if strict else ():
+    checks = (p.surrogate, p.decode_fault, p.number) if strict else \
+        (p.overflow, p.number) if bounds else ()
+    for found in checks:
         if found:
             raise p.fail(*found)
-    if p.number:
-        raise p.fail(*p.number)
     return value
 
 
@@ -559,7 +564,7 @@ def check_json(raw: bytes) -> None:
 def member_spans(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, bytes]:
     """The exact bytes of each member value of a top-level object, so that a record can hand
     back what was written into it byte for byte, never a re-serialisation."""
-    if not isinstance(parse_json(raw, strict=False, max_depth=max_depth), dict):
+    if not isinstance(parse_json(raw, strict=False, max_depth=max_depth, bounds=False), dict):
         raise JSONError("not valid JSON: expected an object", raw, 0)
     text = raw.decode("utf-8")
     p = _Parser(raw, text, strict=False)
@@ -3456,7 +3461,7 @@ def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
     if p.skip_ws(end) != len(text):
         raise p.syntax("data after the value", p.skip_ws(end))
     if not isinstance(doc, dict):
-        raise JSONError("not a JSON-RPC message: expected an object", line, pos)
+        raise ProtocolError("not a JSON-RPC message: expected an object", INVALID_REQUEST)
     spans = _spans(p, pos)
     params_spans = {}
     if isinstance(doc.get("params"), dict):
@@ -3504,9 +3509,11 @@ def error_code(exc: BaseException) -> int:
 STDERR_TAIL = 4096
 STDERR_WAIT = 2.0
 CLOSE_WAIT = 5.0                      # each step of: close stdin, SIGTERM, SIGKILL
+EXIT_POLL = 0.02                      # how often a closing server's exit is looked for
 DISCOVER_TIMEOUT = 5.0                # the era probe, within the connect deadline
 DEFAULT_CONNECT_TIMEOUT = 30.0
 HTTP_POOL = 4                         # idle keep-alive connections per HTTP server
+HTTP_SLACK = 1.0                      # beyond a request's timeout, for the socket to give up
 CLIENT_INFO = {"name": "agentrt-proxy", "version": PROXY_VERSION}
 _BASE_ENV = ("PATH", "HOME", "TMPDIR")
 
@@ -3692,7 +3699,7 @@ def canonical_schema(raw: bytes) -> bytes:
 
 def _page_tools(result_raw: bytes) -> list[LiveTool]:
     """The tools of one listing page, read from the result's exact bytes."""
-    result = parse_json(result_raw, strict=False)
+    result = parse_json(result_raw, strict=False, bounds=False)
     if not isinstance(result, dict):
         raise UpstreamError("the listing is not an object")
     entries = result.get("tools", [])
@@ -3807,7 +3814,7 @@ class StdioUpstream(Upstream):
                     continue
                 try:
                     msg = parse_message(line, UPSTREAM_DEPTH)
-                except JSONError as exc:
+                except (JSONError, ProtocolError) as exc:
                     reason = f"the server sent a line that is not JSON-RPC: {exc}"
                     break
                 await self._dispatch(msg)
@@ -3874,14 +3881,20 @@ class StdioUpstream(Upstream):
                 if sig is not None:
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(sig)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(proc.wait(), CLOSE_WAIT)
+                await _exited(proc, CLOSE_WAIT)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             for task in self._tasks:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(task, STDERR_WAIT)
             self.proc = None
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> None:
+    """Wait for the process itself to exit (not for its pipes: a descendant may hold them)."""
+    deadline = time.monotonic() + timeout
+    while proc.returncode is None and time.monotonic() < deadline:
+        await asyncio.sleep(EXIT_POLL)
 
 
 class HttpUpstream(Upstream):
@@ -3998,7 +4011,7 @@ class HttpUpstream(Upstream):
                 elif field == b"event":
                     event = value.strip().decode("utf-8", "replace")
                 continue
-            if data and event in ("", "message"):
+            if b"".join(data).strip() and event in ("", "message"):   # not a priming event
                 msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH)
                 if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
                     return msg
@@ -4007,9 +4020,19 @@ class HttpUpstream(Upstream):
                 raise UpstreamError("the event stream ended before the answer")
 
     async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
-        return await asyncio.wait_for(
-            asyncio.to_thread(self._round_trip, msg_id, payload, method, tool, timeout),
-            timeout + 1.0)
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(self._round_trip, msg_id, payload, method, tool, timeout),
+                timeout + HTTP_SLACK)
+        except asyncio.TimeoutError:
+            if not self.modern:    # a legacy server does not read a dropped stream as a cancel
+                with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
+                    await asyncio.wait_for(self._post(rpc_notification(
+                        "notifications/cancelled",
+                        {"requestId": msg_id, "reason": f"no answer within "
+                                                        f"{fmt_duration(timeout)}"}),
+                        "notifications/cancelled"), DISCOVER_TIMEOUT)
+            raise
 
     async def _post(self, payload: bytes, method: str) -> None:
         await asyncio.to_thread(self._round_trip, None, payload, method, "", DISCOVER_TIMEOUT)
@@ -4168,6 +4191,11 @@ def read_manifest(path: str, server: str) -> dict[str, PinnedTool]:
     if doc.get("server") != server:
         raise ConfigError(f"mcp: manifest is for server {_quote(str(doc.get('server')))}, "
                           f"not {_quote(server)}")
+    if "pinned_at" in doc:
+        try:
+            parse_time(doc["pinned_at"])
+        except (TypeError, ValueError, AttributeError):
+            raise ConfigError(f"{path}: pinned_at is not an RFC 3339 time") from None
     tools = {}
     for key, entry in doc["tools"].items():
         try:
@@ -4227,7 +4255,7 @@ class UpstreamTool:
         except JSONError as exc:
             raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}") from None
         if value is None:
-            value = {}
+            value, raw = {}, b"{}"
         if not isinstance(value, dict):
             raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}")
         for param in self.rule.deny:
@@ -4255,8 +4283,9 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     joined (other content as placeholders), capped with a marker. isError is a failure
     whose text is what the model is told."""
     raw = reply.raw("result") or b"{}"
+    raw = raw.decode("utf-8", "replace").encode("utf-8")  # a bad byte reads as U+FFFD
     try:
-        result = parse_json(raw, strict=False, max_depth=UPSTREAM_DEPTH)
+        result = parse_json(raw, strict=False, max_depth=UPSTREAM_DEPTH, bounds=False)
         spans = member_spans(raw, UPSTREAM_DEPTH) if isinstance(result, dict) else {}
     except JSONError as exc:
         raise ToolFailure(f"mcp: server {_quote(tool.server)}: tool {_quote(tool.remote)}: "
@@ -4271,13 +4300,14 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     if structured is not None and structured.strip(JSON_WS) != b"null":
         try:
             encoded = policy_json(structured, strict=False)
-        except JSONError:
-            # Handed on as the server sent it: the gate refuses it as content it cannot
-            # record, and the call counts as executed (the server answered).
-            encoded = structured.strip(JSON_WS)
-        if len(encoded) <= cap:
+        except JSONError as exc:
+            # Nested too deep: handed on as sent, so the gate refuses it as content it cannot
+            # record and the call counts as executed. A number we cannot keep: the text
+            # stands instead.
+            encoded = structured.strip(JSON_WS) if exc.msg.startswith("nested") else None
+        if encoded is not None and len(encoded) <= cap:
             content = encoded
-        else:
+        elif encoded is not None:
             dropped = len(encoded)
     truncated = False
     if content is None:
@@ -6142,6 +6172,9 @@ class HostServer:
             msg = parse_message(line)
         except JSONError as exc:
             self.write(rpc_error(Raw(b"null"), PARSE_ERROR, f"parse error: {exc.msg}"))
+            return
+        except ProtocolError as exc:
+            self.write(rpc_error(Raw(b"null"), exc.code, str(exc)))
             return
         method = msg.method
         if method is None:

@@ -522,14 +522,15 @@ def _depth_exceeds(raw: bytes, limit: int) -> int | None:
 
 
 def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH,
-               bounds: bool = True) -> Any:
+               bounds: bool = True, float_range: bool | None = None) -> Any:
     """Parse exactly one JSON value from ``raw``.
 
     Objects become dicts, arrays lists, numbers ``Num``. With ``strict`` false (only for
     documents we canonicalise but do not judge, such as an upstream's schema) a repeated key
     keeps its last value and an unpaired surrogate escape becomes U+FFFD. With ``bounds``
     false (only for reading a message to route it; its parts are judged on their own) numbers
-    past our bounds are not refused either.
+    past our bounds are not refused either. ``float_range`` (on when strict) also refuses a
+    number inside a container beyond a 64-bit float, as a server's pinned schema must.
     """
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogatepass")
@@ -549,7 +550,7 @@ def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH,
     if pos != len(text):
         raise p.syntax("data after the value", pos)
     checks = (p.surrogate, p.decode_fault, p.number) if strict else \
-        (p.overflow, p.number) if bounds else ()
+        (p.overflow if float_range else None, p.number) if bounds else ()
     for found in checks:
         if found:
             raise p.fail(*found)
@@ -3694,7 +3695,7 @@ def canonical_schema(raw: bytes) -> bytes:
     (the last wins) and unpaired surrogates; nothing else is forgiven."""
     if not raw.strip(JSON_WS):
         raw = b"null"
-    return encode_canonical(parse_json(raw, strict=False))
+    return encode_canonical(parse_json(raw, strict=False, float_range=True))
 
 
 def _page_tools(result_raw: bytes) -> list[LiveTool]:
@@ -4299,7 +4300,10 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     structured = spans.get("structuredContent")
     if structured is not None and structured.strip(JSON_WS) != b"null":
         try:
-            encoded = policy_json(structured, strict=False)
+            out: list[str] = []
+            _encode(parse_json(structured, strict=False, max_depth=MAX_DEPTH, float_range=True),
+                    out, _policy_str)
+            encoded = "".join(out).encode("utf-8")
         except JSONError as exc:
             # Nested too deep: handed on as sent, so the gate refuses it as content it cannot
             # record and the call counts as executed. A number we cannot keep: the text

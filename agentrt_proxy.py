@@ -64,11 +64,14 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
+import socket
 import sqlite3
 import stat
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -193,6 +196,10 @@ class RunLeased(RunStateError):
     def __init__(self, run_id: str, owner: str, until: str):
         self.run_id, self.owner, self.until = run_id, owner, until
         super().__init__(f"run {run_id} is leased by {owner} until {until}")
+
+
+class OutcomeNotRecorded(StoreError):
+    """The tool ran and what came of it could not be written: it may have taken effect."""
 
 
 class LeaseLost(ProxyError):
@@ -2580,15 +2587,11 @@ class Gate:
             raise RunStateError(f"approved tool {_quote(stored.spec.name)} is not registered")
         request = dataclasses.replace(stored, spec=tool.spec)
         resumed = self.clock()
-        if self._grant_stale(run, granted, resumed):
+        if _grant_stale(run, granted, resumed):
             self._release_claim(run.id)
             return None, Verdict("ended", run=expire_approval(self.store, granted, fmt_time(resumed)))
         session = Session(self, run.id, step=step)
         return session, session._resume(request, step, steps, approvals, granted, fmt_time(resumed))
-
-    def _grant_stale(self, run: Run, granted: Approval, at: float) -> bool:
-        ttl = run.limits.grant_ttl
-        return ttl > 0 and bool(granted.decided_at) and at > parse_time(granted.decided_at) + ttl
 
     def _take_over(self, run: Run) -> tuple["Session | None", Verdict]:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
@@ -3035,14 +3038,14 @@ class Session:
                     tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
                             "AND lease_owner=?", (self.run_id, self.gate.owner))
             self._finish("lost", None)
-            raise StoreError(f"run {self.run_id}: the tool ran, and its outcome could not be "
-                             f"recorded: {exc}") from exc
+            raise OutcomeNotRecorded(f"run {self.run_id}: the tool ran, and its outcome "
+                                     f"could not be recorded: {exc}") from exc
 
     def _expire_if_stale(self, run: Run, granted: Approval) -> bool:
         """Judge the grant's age again just before executing; a stale grant is expired here
         (its run cancelled) and True returned."""
         at = self.gate.clock()
-        if not self.gate._grant_stale(run, granted, at):
+        if not _grant_stale(run, granted, at):
             return False
         self._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
         return True
@@ -3196,6 +3199,12 @@ class Session:
 
 def _content_bytes(observation_json: str) -> bytes:
     return member_spans(observation_json.encode()).get("content", b"{}")
+
+
+def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
+    """An approved grant older than the run's grant_ttl (strictly after) executes nothing."""
+    ttl = run.limits.grant_ttl
+    return ttl > 0 and bool(approval.decided_at) and now > parse_time(approval.decided_at) + ttl
 
 
 def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
@@ -3382,11 +3391,11 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
 
 MAX_FRAME = 16 * 1024 * 1024          # one message, on stdio or in an HTTP body
 READ_CHUNK = 64 * 1024                 # bytes read from the host's input at a time
-ENVELOPE_DEPTH = MAX_DEPTH + 8         # room around arguments nested to the limit
-# An upstream's answer is read deeper than the gate accepts, so that content nested past
-# MAX_DEPTH is recorded as refused content (the server answered) rather than breaking the
-# connection; past this the line is not JSON-RPC we can route.
-UPSTREAM_DEPTH = 4 * MAX_DEPTH
+# A message is read deeper than the gate accepts, so that arguments or content nested past
+# MAX_DEPTH reach the gate and are recorded as refused (INVALID arguments; content the server
+# answered with) rather than lost; past this the line is not JSON-RPC we can route.
+ENVELOPE_DEPTH = 4 * MAX_DEPTH
+UPSTREAM_DEPTH = ENVELOPE_DEPTH
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR = -32602, -32603
 HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
@@ -3515,12 +3524,17 @@ DISCOVER_TIMEOUT = 5.0                # the era probe, within the connect deadli
 DEFAULT_CONNECT_TIMEOUT = 30.0
 HTTP_POOL = 4                         # idle keep-alive connections per HTTP server
 HTTP_SLACK = 1.0                      # beyond a request's timeout, for the socket to give up
+HTTP_BODY_SHOWN = 200                 # bytes of an unexpected HTTP answer quoted in an error
 CLIENT_INFO = {"name": "agentrt-proxy", "version": PROXY_VERSION}
 _BASE_ENV = ("PATH", "HOME", "TMPDIR")
 
 
 class UpstreamError(ProxyError):
     """A server could not be reached or answered outside the protocol."""
+
+
+class NotSent(UpstreamError):
+    """A request that never left the proxy: nothing can have taken effect."""
 
 
 def child_env(inherit: Iterable[str], env: Iterable[str]) -> dict[str, str]:
@@ -3584,7 +3598,7 @@ class Upstream:
         """Send a request and return the response message, or raise ProtocolError for an
         error answer, asyncio.TimeoutError when none came in time."""
         if self.closed:
-            raise UpstreamError(f"the connection to {self.name} is closed")
+            raise NotSent(f"the connection to {self.name} is closed")
         self._next_id += 1
         msg_id = self._next_id
         payload = rpc_request(msg_id, method, self._params(params))
@@ -3855,6 +3869,8 @@ class StdioUpstream(Upstream):
             await self._write(payload)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
+            if method == "server/discover":      # a legacy server must see initialize first
+                raise
             # Tell the server we stopped waiting; its late answer is dropped.
             with contextlib.suppress(ProxyError, OSError):
                 await self._write(rpc_notification(
@@ -3915,9 +3931,15 @@ class HttpUpstream(Upstream):
         self._pool_lock = threading.Lock()
 
     def _connection(self) -> http.client.HTTPConnection:
-        with self._pool_lock:
-            if self._idle:
-                return self._idle.pop()
+        """An idle kept-alive connection the server has not closed, else a new one."""
+        while True:
+            with self._pool_lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            if not _peer_closed(conn):
+                return conn
+            conn.close()
         cls = http.client.HTTPSConnection if self.url.scheme == "https" else \
             http.client.HTTPConnection
         return cls(self.url.hostname, self.url.port)
@@ -3948,23 +3970,32 @@ class HttpUpstream(Upstream):
         notification)."""
         conn = self._connection()
         conn.timeout = max(timeout, 0.001)
+        if conn.sock is not None:             # a kept-alive socket keeps its old timeout
+            conn.sock.settimeout(conn.timeout)
+        deadline = time.monotonic() + timeout
         reusable = False
         try:
             conn.request("POST", self.path, body=payload, headers=self._headers(method, tool))
             resp = conn.getresponse()
             if method == "initialize" and resp.getheader("Mcp-Session-Id"):
                 self.session_id = resp.getheader("Mcp-Session-Id")
-            answer = self._read_answer(resp, msg_id)
+            answer = self._read_answer(resp, msg_id, deadline)
             reusable = not resp.will_close
             return answer
+        except TimeoutError:
+            raise asyncio.TimeoutError() from None
+        except ConnectionRefusedError as exc:
+            raise NotSent(f"the server refused the connection: {exc.strerror}") from None
         except (OSError, http.client.HTTPException) as exc:
-            if isinstance(exc, TimeoutError) or "timed out" in str(exc):
-                raise asyncio.TimeoutError() from None
-            raise UpstreamError(f"{self.url.geturl()}: {exc}") from None
+            # The endpoint is configuration: it may carry credentials, and never reaches
+            # the model's text. The server's name does.
+            raise UpstreamError(f"HTTP request failed: {type(exc).__name__}: "
+                                f"{getattr(exc, 'strerror', None) or exc}") from None
         finally:
             self._release(conn, reusable)
 
-    def _read_answer(self, resp: http.client.HTTPResponse, msg_id: int | None) -> Message | None:
+    def _read_answer(self, resp: http.client.HTTPResponse, msg_id: int | None,
+                     deadline: float) -> Message | None:
         status, ctype = resp.status, (resp.getheader("Content-Type") or "").split(";")[0]
         length = resp.getheader("Content-Length")
         if length and length.isdigit() and int(length) > MAX_FRAME:
@@ -3981,7 +4012,7 @@ class HttpUpstream(Upstream):
             self.closed = True
             raise UpstreamError("the server ended the session (404)")
         if ctype == "text/event-stream" and status == 200:
-            return self._read_events(resp, msg_id)
+            return self._read_events(resp, msg_id, deadline)
         body = _read_capped(resp)
         if ctype == "application/json" and body.strip():
             try:
@@ -3991,13 +4022,17 @@ class HttpUpstream(Upstream):
             if status == 200 or "error" in msg.doc:
                 return msg
         raise UpstreamError(f"the server answered HTTP {status}: "
-                            f"{truncate(sanitize(body), 200)}")
+                            f"{truncate(sanitize(body), HTTP_BODY_SHOWN)}")
 
-    def _read_events(self, resp: http.client.HTTPResponse, msg_id: int | None) -> Message:
-        """Read SSE events until the answer to ``msg_id``; only events named 'message' (or
-        unnamed) carry messages; requests on the stream are refused by _route."""
+    def _read_events(self, resp: http.client.HTTPResponse, msg_id: int | None,
+                     deadline: float) -> Message:
+        """Read SSE events until the answer to ``msg_id``, within ``deadline`` however the
+        server trickles; only events named 'message' (or unnamed) carry messages; a request
+        the server sends on the stream is answered with a refusal."""
         total, data, event = 0, [], ""
         while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError()
             line = resp.readline(MAX_FRAME + 1)
             total += len(line)
             if total > MAX_FRAME:
@@ -4016,6 +4051,11 @@ class HttpUpstream(Upstream):
                 msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH)
                 if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
                     return msg
+                refusal = self._route(msg)
+                if refusal is not None:
+                    with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
+                                             TimeoutError):
+                        self._round_trip(None, refusal, "", "", DISCOVER_TIMEOUT)
             data, event = [], ""
             if at_end:
                 raise UpstreamError("the event stream ended before the answer")
@@ -4058,6 +4098,17 @@ class HttpUpstream(Upstream):
             conn.getresponse().read(MAX_FRAME)
         finally:
             conn.close()
+
+
+def _peer_closed(conn: http.client.HTTPConnection) -> bool:
+    """Whether the server closed an idle kept-alive connection (it is readable at EOF)."""
+    if conn.sock is None:
+        return True
+    try:
+        readable, _, _ = select.select([conn.sock], [], [], 0)
+        return bool(readable) and conn.sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
 
 
 def _same_id(got: Any, want: int | None) -> bool:
@@ -4161,13 +4212,17 @@ async def pin_server(server: ServerConfig, now: float) -> dict:
 def write_manifest(path: str, manifest: dict) -> None:
     """Write the manifest owner-only (an existing file is made 0600 too)."""
     text = _pretty(parse_json(dump_json(manifest).encode(), strict=False), cut=False) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode("utf-8"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with os.fdopen(fd, "wb") as f:          # mkstemp creates it 0600
+            f.write(text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)                   # whole, or not at all
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -4273,6 +4328,9 @@ class UpstreamTool:
             reply = await self.conn.call_tool(self.remote, raw, self.spec.timeout)
         except asyncio.TimeoutError:
             raise
+        except NotSent as exc:
+            raise ToolFailure(f"{name}: nothing was sent to server {_quote(self.server)}: "
+                              f"{sanitize(str(exc))}") from None
         except (ProxyError, OSError) as exc:
             raise ToolFailure(f"mcp: server {_quote(self.server)}: tool {_quote(self.remote)}: "
                               f"{sanitize(str(exc))}") from None
@@ -4324,8 +4382,12 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
         (", truncated" if truncated else "") + \
         (f", structured content of {dropped} bytes dropped for the text" if dropped else "")
     if result.get("isError") is True:
-        shown = parse_json(content, strict=False)
-        shown = shown if isinstance(shown, str) else content.decode("utf-8", "replace")
+        try:
+            shown = parse_json(content, strict=False, max_depth=UPSTREAM_DEPTH, bounds=False)
+        except JSONError:
+            shown = None
+        if not isinstance(shown, str):
+            shown = content.decode("utf-8", "replace")
         raise ToolFailure(f"{summary}, error: {shown}")
     return ToolResult(content, summary)
 
@@ -4388,6 +4450,9 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
         except ConfigError as exc:
             report.refused.append((key, str(exc)))
             continue
+        except BaseException:
+            await conn.close()
+            raise
         if tool.spec.name in taken:
             report.refused.append((key, f"the name {_quote(tool.spec.name)} is already taken "
                                         f"by tool {_quote(taken[tool.spec.name])}"))
@@ -5190,7 +5255,7 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     if a.status == EXPIRED:
         return who + "EXPIRED; it was not executed."
     step = next((s for s in state.steps if s.id == a.step_id), None)
-    ran = _ran(proxy, row, state, step, items, a) if step is not None else ""
+    ran = _ran(proxy, row, state, step, items, a, now) if step is not None else ""
     if ran:
         return who + "APPROVED and executed: " + ran
     latest = state.latest()
@@ -5213,17 +5278,18 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     return who + f"APPROVED but not executed, because {why}."
 
 
-def _ran(proxy: "Proxy", row, state: RunState, step: Step, items: list, a: Approval) -> str:
+def _ran(proxy: "Proxy", row, state: RunState, step: Step, items: list, a: Approval,
+         now: float) -> str:
     """What an approved step that executed came to; '' when it did not execute."""
     tool = proxy.tools.get(row.tool)
     if step.status == "interrupted" and step.obs_content.get("previous_status") == "executing":
-        return _ran_unknown(row, items, a, "cut_off")
+        return _ran_unknown(row, items, a, "cut_off", now)
     if step.obs_kind == TOOL_RESULT:
         return "it succeeded."
     if step.obs_kind != TOOL_ERROR:
         return ""
     if tool is None:
-        return _ran_unknown(row, items, a, "no_answer")
+        return _ran_unknown(row, items, a, "no_answer", now)
     err = clean(error_text(step.observation), REASON_BYTES)
     if _unrecorded(tool, step.observation):
         return (f"the server answered but its result could not be recorded ({err}); it may "
@@ -5231,13 +5297,13 @@ def _ran(proxy: "Proxy", row, state: RunState, step: Step, items: list, a: Appro
     ended = unknown_ending(tool, step.observation)
     if ended is None:
         return f"the server reported a failure: {err}"
-    return _ran_unknown(row, items, a, ended)
+    return _ran_unknown(row, items, a, ended, now)
 
 
-def _ran_unknown(row, items: list, a: Approval, ended: str) -> str:
+def _ran_unknown(row, items: list, a: Approval, ended: str, now: float) -> str:
     text = f"{HOW[ended]}, so whether it took effect is unknown: it may have. "
     nxt = [i for i in items if i[0].key == row.key and i[2].id != a.id and
-           i[2].kind == INTERRUPTED_KIND and i[2].status == PENDING]
+           i[2].kind == INTERRUPTED_KIND and i[2].status == PENDING and not _expired(i[2], now)]
     if nxt:
         return text + f"Approval {nxt[-1][2].id} now waits for an operator to decide whether " \
                       "it runs again."
@@ -5434,9 +5500,9 @@ class Pending:
 
 @dataclasses.dataclass
 class Execute:
+    """Run what the session's gate allowed: the recorded request, never this call's bytes."""
     session: Session
     tool: "UpstreamTool"
-    args: bytes
     last_approval: str = ""
 
 
@@ -5605,7 +5671,7 @@ class Proxy:
             return Answer(unavailable("collect the approved request"))
         if verdict.kind == "allowed":
             latest = state.latest()
-            return Execute(session, tool, b"", latest.id if latest else "")
+            return Execute(session, tool, latest.id if latest else "")
         if verdict.kind == "pending":
             self.hint(row.run_id, verdict.approval)
             return Pending(verdict.approval)
@@ -5833,11 +5899,11 @@ class Proxy:
                                       else "record this request"))
         finally:
             self.reruns.pop(run_id, None)
-        return self.verdict(session, verdict, tool, args)
+        return self.verdict(session, verdict, tool)
 
-    def verdict(self, session: Session, verdict: Verdict, tool, args: bytes):
+    def verdict(self, session: Session, verdict: Verdict, tool):
         if verdict.kind == "allowed":
-            return Execute(session, tool, args)
+            return Execute(session, tool)
         if verdict.kind == "pending":
             self.hint(session.run_id, verdict.approval)
             return Pending(verdict.approval)
@@ -5900,14 +5966,12 @@ class Proxy:
         except (RunStateError, LeaseLost):
             session.close()
             return in_progress()
-        except StoreError as exc:
+        except OutcomeNotRecorded as exc:
             session.close()
             self.log(f"error: {exc}")
-            if session._started is None and "the tool ran" in str(exc):
-                return unavailable("record the outcome of this request",
-                                   "It was executed, so it may have taken effect; do not call "
-                                   "it again to retry.")
-            return unavailable("start this request")
+            return unavailable("record the outcome of this request",
+                               "It was executed, so it may have taken effect; do not call it "
+                               "again to retry.")
         except ProxyError as exc:
             session.close()
             self.log(f"error: {exc}")
@@ -5915,7 +5979,15 @@ class Proxy:
         if obs.get("kind") == TOOL_ERROR:
             ended = unknown_ending(tool, obs)
             if ended is not None:
-                return self.rerun(session, tool, ended, obs)
+                try:
+                    return self.rerun(session, tool, ended, obs)
+                except ProxyError as exc:
+                    # The run is let go of: the next call to this tool takes it over and
+                    # asks an operator, so nothing runs again unseen.
+                    self.log(f"error: run {session.run_id}: asking about the unknown outcome: "
+                             f"{exc}")
+                    session.close()
+                    return unknown_outcome(ended, error_text(obs), "")
             if _unrecorded(tool, obs):
                 self.finish(session, CLOSE_UNRECORDED)
                 self.settle_run(run_id)
@@ -6044,11 +6116,6 @@ def _expired(approval: Approval, now: float) -> bool:
     return bool(approval.expires_at) and now > parse_time(approval.expires_at)
 
 
-def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
-    ttl = run.limits.grant_ttl
-    return ttl > 0 and bool(approval.decided_at) and now > parse_time(approval.decided_at) + ttl
-
-
 def _last_args(state: RunState) -> bytes:
     for step in reversed(state.steps):
         if (step.decision or {}).get("kind") == "tool_call":
@@ -6064,7 +6131,7 @@ def _known_error(tool) -> re.Pattern:
         rf"{server}/{remote}: [0-9]+ bytes(, truncated)?(, structured content of [0-9]+ bytes "
         rf"dropped for the text)?, error: |{name}: (arguments are not a JSON object|parameter "
         rf'".*" is denied by the operator|parameter ".*" is fixed by the operator|the server '
-        rf"asked for more input)")
+        rf"asked for more input|nothing was sent)")
 
 
 def unknown_ending(tool, obs: dict) -> str | None:
@@ -6110,6 +6177,11 @@ def last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
                 continue                                  # cut off before its tool ran
         if step.obs_kind == TOOL_RESULT:
             return KNOWN, None
+        if step.obs_kind == INTERRUPTED_OBS and "by" in step.obs_content:
+            # An operator cancelled the run at this step: an attempt only if its tool started.
+            if not _tool_started(proxy.store, state.run.id, step.id):
+                continue
+            return UNKNOWN, _attempt(state.run.id, step, "cut_off")
         if step.obs_kind == INTERRUPTED_OBS:
             return UNKNOWN, _attempt(state.run.id, step, "cut_off")
         if step.obs_kind == TOOL_ERROR:
@@ -6122,6 +6194,12 @@ def last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
             return UNKNOWN, _interrupted_attempt(approval) or \
                 _attempt(state.run.id, step, "cut_off")
     return NO_ATTEMPT, None
+
+
+def _tool_started(store: Store, run_id: str, step_id: str) -> bool:
+    """Whether the record shows the step's tool call leaving the proxy."""
+    return bool(store._read("SELECT 1 FROM events WHERE run_id=? AND step_id=? AND "
+                            "type='step.tool_started' LIMIT 1", (run_id, step_id)))
 
 
 def known_outcome(step: Step) -> str:
@@ -6208,6 +6286,8 @@ class HostServer:
             raise ProtocolError(f"unsupported protocol version {_quote(str(version))}",
                                 UNSUPPORTED_VERSION, {"supported": [MODERN_VERSION],
                                                       "requested": version})
+        if not isinstance(meta.get(META_CAPABILITIES), dict):
+            raise ProtocolError(f"_meta lacks {META_CAPABILITIES}", INVALID_PARAMS)
         return True
 
     def request(self, msg: Message) -> None:
@@ -6278,7 +6358,8 @@ class HostServer:
                                  "Whether anything was executed is not known here.")
         finally:
             self.cancelled.pop(_id_key(msg.raw("id")), None)
-        self.reply(msg, result, modern)
+        if not cancelled.is_set():             # a cancelled request gets no answer
+            self.reply(msg, result, modern)
 
 
 def _member_raw(msg: Message, outer: str, inner: str) -> Raw | None:
@@ -6386,8 +6467,11 @@ async def cmd_check(cfg: Config, out: Out) -> int:
         raise
     try:
         store = Store.open(cfg.database)
-        check_database_owner(cfg.database)
-        store.close()
+        try:
+            check_database_owner(cfg.database)
+            CallIndex(store, cfg.session).migrate(time.time())
+        finally:
+            store.close()
         for report in reports:
             for line in report.lines():
                 out.line(line)
@@ -6415,18 +6499,27 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
             for line in report.lines():
                 out.log(line)
         store = Store.open(cfg.database)
+    except BaseException:
+        await close_tools(tools)
+        raise
+    try:
         check_database_owner(cfg.database)
         proxy = Proxy(cfg, store, tools, out.log)
     except BaseException:
         await close_tools(tools)
+        store.close()
         raise
     out.log(f"serving session {sanitize(cfg.session)} with database {sanitize(cfg.database)}")
 
-    def write(data: bytes) -> None:
-        stdout.write(data)
-        stdout.flush()
-    host = HostServer(proxy, write)
     stop = asyncio.Event()
+
+    def write(data: bytes) -> None:
+        try:
+            stdout.write(data)
+            stdout.flush()
+        except (OSError, ValueError):      # the host stopped reading: finish and exit
+            stop.set()
+    host = HostServer(proxy, write)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -6917,7 +7010,7 @@ class Out:
         self.stdout.write(text + "\n")
 
     def log(self, text: str) -> None:
-        self.stderr.write(LOG_PREFIX + text + "\n")
+        self.stderr.write(LOG_PREFIX + sanitize(text) + "\n")
 
     def json(self, doc: Any) -> None:
         """One JSON document, indented; number literals and embedded records as stored."""

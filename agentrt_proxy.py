@@ -3804,7 +3804,7 @@ class StdioUpstream(Upstream):
     async def _drain(self) -> None:
         """Keep the last STDERR_TAIL bytes of the server's stderr."""
         while True:
-            chunk = await self.proc.stderr.read(4096)
+            chunk = await self.proc.stderr.read(STDERR_TAIL)
             if not chunk:
                 return
             self._tail += chunk
@@ -4480,9 +4480,10 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     if not hmac.compare_digest(hash_string(live.description), pin.description_hash):
         raise ConfigError("the description changed since the pin; a description is model "
                           "input, so the tool must be pinned again")
-    mismatch = _hint_mismatch(rule.side_effect, pin.annotations) or \
-        (lambda m: m and f"the server now says: {m}")(_hint_mismatch(rule.side_effect,
-                                                                      live.annotations))
+    mismatch = _hint_mismatch(rule.side_effect, pin.annotations)
+    if not mismatch:                   # the pinned hints first, then what the server says now
+        now_says = _hint_mismatch(rule.side_effect, live.annotations)
+        mismatch = f"the server now says: {now_says}" if now_says else ""
     if mismatch and not rule.allow_hint_mismatch:
         raise ConfigError(mismatch)
     timeout = rule.timeout or server.default_timeout
@@ -4971,7 +4972,11 @@ def _parse_rule(doc: Any, where: str) -> Rule:
 # nothing the model sees names the runtime, the operator command, the database, the
 # configuration or a run id.
 
-CALL_LIMITS_STEPS = 3                  # the call, one re-run, a closing decision
+CALL_MAX_STEPS = 3                     # the call, one re-run, a closing decision
+CALL_MAX_FAILURES = 3                  # consecutive failed steps in one call's run
+CALL_LOOP_THRESHOLD = 3                # identical outcomes in a row in one call's run
+TOOL_NAME_SHOWN, ARGS_SHOWN, ID_SHOWN, RUN_REASON_SHOWN = 64, 200, 100, 64
+PIN_NAME_WIDTH, PIN_HINTS_WIDTH, PIN_DESCRIPTION_BYTES = 28, 26, 72
 CLOSE_TOOL_ERROR = "this run held one call; the tool call returned an error"
 CLOSE_DENIED = "this run held one call; the request was denied"
 CLOSE_INVALID = "this run held one call; the request was invalid"
@@ -4984,8 +4989,9 @@ PENDING_TEXT = (
     "approved, do not try another tool to achieve the same thing, and do not ask the user to "
     "approve it: the operator decides elsewhere. Tell the user it is waiting. After approval, "
     "call this tool again with exactly the same arguments to run it and get the result.")
-_RUNTIME_URL = re.compile(r" with '[a-z]+://tools/[^']*'")
 REASON_BYTES, SCHEMA_ERROR_BYTES, NOTE_BYTES = 500, 1000, 500
+# A schema compiler's resource URL would name the runtime in a model's text: never shown.
+_RUNTIME_URL = re.compile(r" with '[a-z]+://tools/[^']*'")
 
 
 def prose(prefix: str, text: str, is_error: bool) -> dict:
@@ -5206,8 +5212,9 @@ def blocked_pending(limit: int) -> dict:
 
 
 def unavailable(what: str, executed: str = "Nothing was executed.") -> dict:
-    return prose("UNAVAILABLE", f"the gate could not {what}. {executed} Tell the user.".replace(
-        ".  ", ". "), True)
+    said = " ".join(part for part in (f"the gate could not {what}.", executed, "Tell the user.")
+                    if part)
+    return prose("UNAVAILABLE", said, True)
 
 
 def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
@@ -5215,7 +5222,7 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
     if wanted:
         item = next((i for i in items if i[2].id == wanted), None)
         if item is None:
-            return prose("GATE_STATUS", f"no approval {clean(wanted, 100)} is known in this "
+            return prose("GATE_STATUS", f"no approval {clean(wanted, ID_SHOWN)} is known in this "
                                         "session from the last hour.", False)
         return prose("GATE_STATUS", describe(proxy, item, items, now), False)
     waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)]
@@ -5237,7 +5244,7 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
         args = encode_canonical(parse_json(args, strict=False)).decode()
     except (ProxyError, KeyError, ValueError):
         args = ""
-    who = f"approval {a.id}, {clean(row.tool, 64)} with {clean(args, 200)}: "
+    who = f"approval {a.id}, {clean(row.tool, TOOL_NAME_SHOWN)} with {clean(args, ARGS_SHOWN)}: "
     age = fmt_duration(max(0, round(now - parse_time(a.created_at))))
     waiting = a.status == PENDING and not _expired(a, now)
     if waiting and a.kind == INTERRUPTED_KIND:
@@ -5263,7 +5270,7 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
         return who + f"APPROVED, and then a different approval was asked for the same call " \
                      f"(approval {latest.id})."
     if state.run.status == WAITING:
-        return who + (f"APPROVED, awaiting collection: call {clean(row.tool, 64)} again with "
+        return who + (f"APPROVED, awaiting collection: call {clean(row.tool, TOOL_NAME_SHOWN)} again with "
                       "exactly the same arguments to run it and get the result.")
     if not state.terminal:
         return who + "APPROVED and executing now."
@@ -5274,7 +5281,7 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
            "an operator cancelled it" if state.run.reason == "operator_cancelled" else
            "the approval expired before it was collected"
            if state.run.reason == "approval_expired" else
-           f"its run ended ({clean(state.run.reason, 64)})")
+           f"its run ended ({clean(state.run.reason, RUN_REASON_SHOWN)})")
     return who + f"APPROVED but not executed, because {why}."
 
 
@@ -5328,8 +5335,9 @@ def status_tool_entry(name: str) -> dict:
 # request key was given this run id"; it is written before its run begins, and what a call
 # did is always read from its run and steps, never from the row. At most one row per key is
 # open. Within one process a call's reading of the index and the runs, and whatever it
-# begins or collects, happens without an await in between (atomic on the event loop);
-# executing and holding happen outside that. Across processes the unique open-row index and
+# begins or collects, happens without an await in between (atomic on the event loop; the
+# SQLite calls block the loop while they run, at most busy_timeout); executing and holding
+# happen outside that. Across processes the unique open-row index and
 # IMMEDIATE transactions let exactly one call begin a row's run; the loser retries.
 
 PROXY_SCHEMA_VERSION = 1
@@ -5541,7 +5549,7 @@ class Proxy:
         self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
                          lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl,
                          reconcile=self.reconcile)
-        self.limits = Limits(CALL_LIMITS_STEPS, CALL_LIMITS_STEPS, CALL_LIMITS_STEPS,
+        self.limits = Limits(CALL_MAX_STEPS, CALL_MAX_FAILURES, CALL_LOOP_THRESHOLD,
                              cfg.approval_ttl, cfg.grant_ttl)
         self.stopping = asyncio.Event()
 
@@ -6448,8 +6456,10 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
                  f"{sanitize(server.manifest)}; the hints below are the server's own and "
                  "classify nothing")
         for name, entry in tools.items():
-            desc = truncate(sanitize(" ".join(entry["description"].split())), 72)
-            out.line(f"  {sanitize(name):<28} {_hints_text(entry.get('annotations')):<26} {desc}")
+            desc = truncate(sanitize(" ".join(entry["description"].split())),
+                            PIN_DESCRIPTION_BYTES)
+            out.line(f"  {sanitize(name):<{PIN_NAME_WIDTH}} "
+                     f"{_hints_text(entry.get('annotations')):<{PIN_HINTS_WIDTH}} {desc}")
     out.line(f"classify the tools in the configuration's rules, then run: "
              f"{_self_command()} check -config {cfg.path}")
     return 0

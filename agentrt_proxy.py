@@ -5665,18 +5665,26 @@ class Proxy:
             if session is not None:
                 session.close()
 
-    def collect(self, tool, row: CallRow, state: RunState):
-        """The operator approved: the gate evaluates the policy again on the recorded request
-        and judges the grant's age; what executes is the recorded request."""
+    def _attach(self, run_id: str, what: str):
+        """The gate's attach, its refusals as actions: a live lease answers IN_PROGRESS, a
+        run that moved meanwhile is decided again, anything else is UNAVAILABLE."""
         try:
-            session, verdict = self.gate.attach(row.run_id)
+            return self.gate.attach(run_id)
         except RunLeased:
             return Answer(in_progress())
         except RunStateError:
             return Retry()
         except ProxyError as exc:
-            self.log(f"error: run {row.run_id}: {exc}")
-            return Answer(unavailable("collect the approved request"))
+            self.log(f"error: run {run_id}: {exc}")
+            return Answer(unavailable(what))
+
+    def collect(self, tool, row: CallRow, state: RunState):
+        """The operator approved: the gate evaluates the policy again on the recorded request
+        and judges the grant's age; what executes is the recorded request."""
+        attached = self._attach(row.run_id, "collect the approved request")
+        if not isinstance(attached, tuple):
+            return attached
+        session, verdict = attached
         if verdict.kind == "allowed":
             latest = state.latest()
             return Execute(session, tool, latest.id if latest else "")
@@ -5693,15 +5701,10 @@ class Proxy:
     def recover(self, tool, row: CallRow):
         """A run left running by a call that is gone: take it over. A mutating step cut off
         while executing waits for an operator; otherwise nothing is left to execute."""
-        try:
-            session, verdict = self.gate.attach(row.run_id)
-        except RunLeased:
-            return Answer(in_progress())
-        except RunStateError:
-            return Retry()
-        except ProxyError as exc:
-            self.log(f"error: run {row.run_id}: {exc}")
-            return Answer(unavailable("recover an earlier attempt of this request"))
+        attached = self._attach(row.run_id, "recover an earlier attempt of this request")
+        if not isinstance(attached, tuple):
+            return attached
+        session, verdict = attached
         if verdict.kind == "pending":
             self.hint(row.run_id, verdict.approval)
             self.log(f"run {row.run_id}: {tool.spec.name} was cut off while executing; "

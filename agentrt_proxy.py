@@ -36,17 +36,18 @@ Trust boundaries
 
 Sections, in dependency order
 -----------------------------
- 1. Constants and limits          11. JSON-RPC framing
- 2. Errors                        12. Upstream client (stdio, streamable HTTP)
- 3. Strict JSON                   13. Pinning and loading upstream tools
- 4. Canonical JSON, request keys  14. Configuration
- 5. Sanitising                    15. The proxy: one run per call, its answers
- 6. Schema validation             16. The rules across calls
- 7. Time and records              17. The host-facing server
- 8. Policy                        18. Serving, pinning and checking
- 9. The store                     19. Re-checking recorded calls
-10. The gate                      20. Operator commands
-                                  21. main
+ 1. Constants and limits          13. JSON-RPC framing
+ 2. Errors                        14. Upstream client (stdio, streamable HTTP)
+ 3. Strict JSON                   15. Pinning and loading upstream tools
+ 4. Canonical JSON, request keys  16. Configuration
+ 5. Sanitising                    17. The proxy: one run per call, its answers
+ 6. Schema validation             18. The rules across calls: the call index
+ 7. Time and records              19. Deciding a call
+ 8. Policy                        20. The host-facing server
+ 9. The store                     21. Serving, pinning and checking
+10. The gate                      22. Re-checking recorded calls
+11. A run's session               23. Operator commands
+12. Operator decisions            24. main
 """
 
 from __future__ import annotations
@@ -2696,6 +2697,11 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
         raise ValueError(f"tool {_quote(spec.name)}: {exc}") from None
 
 
+# ==== 11. A run's session ====
+# One executor's hold on one run: steps opened one at a time, each proposal recorded before
+# it is judged, each allowed request started (committed) before its tool is called, and each
+# outcome recorded with nothing but this executor's ownership of the lease required.
+
 class Session:
     """One executor's hold on one run: at most one open step, calls in order."""
 
@@ -3289,7 +3295,9 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
     return None
 
 
-# -- operator decisions: approve, reject, cancel, expire --
+# ==== 12. Operator decisions ====
+# Approve and reject bound to the hash of the approval the operator was shown; cancel; and
+# expiry. Each is one transaction with its events; none executes anything.
 
 def expire_approval(store: Store, approval: Approval, now: str) -> Run:
     """Expire a pending approval or a stale grant and cancel its run."""
@@ -3384,7 +3392,7 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
     return run
 
 
-# ==== 11. JSON-RPC framing ====
+# ==== 13. JSON-RPC framing ====
 # Newline-delimited JSON-RPC 2.0 over bytes. A message is parsed leniently for routing (its
 # method, id and params), and the exact bytes of its members are kept: the host's
 # ``params.arguments`` and an upstream's ``result`` are judged later, strictly, as sent.
@@ -3510,7 +3518,7 @@ def error_code(exc: BaseException) -> int:
     return INTERNAL_ERROR
 
 
-# ==== 12. Upstream client ====
+# ==== 14. Upstream client ====
 # The proxy as an MCP client of each real server, over stdio or streamable HTTP. The era is
 # probed per server (server/discover, falling back to initialize on any error or timeout)
 # and kept for the connection. Requests a server sends the proxy are refused, its
@@ -4122,7 +4130,7 @@ def _read_capped(resp: http.client.HTTPResponse) -> bytes:
     return body
 
 
-# ==== 13. Pinning and loading upstream tools ====
+# ==== 15. Pinning and loading upstream tools ====
 # `pin` records what each server presents: every tool's description and canonical input
 # schema, hashed. Loading connects again and registers a tool only when it is pinned,
 # classified by the operator's rule, unchanged since the pin, not contradicted by the hints
@@ -4595,7 +4603,7 @@ def _restrict(schema: dict, hidden: list[str]) -> bytes:
     return encode_canonical(out)
 
 
-# ==== 14. Configuration ====
+# ==== 16. Configuration ====
 # One JSON file, read with the strict parser: a repeated key anywhere, an unknown field at any
 # level, or a value of the wrong type is refused with an error naming the field and the file.
 # It is read only when the current user owns it and nobody else can write it; so are the
@@ -4963,7 +4971,7 @@ def _parse_rule(doc: Any, where: str) -> Rule:
                 repeat_window=f.duration("repeat_window", None))
 
 
-# ==== 15. The proxy: one run per call ====
+# ==== 17. The proxy: one run per call ====
 # Each tools/call is a run of its own, `<session>.<16 hex>`, goal `call <tool>`, holding the
 # call's one step; every upstream tool is terminal, so a call that succeeds completes its run
 # in the transaction that records the result. A call that was denied, invalid or failed
@@ -5329,7 +5337,7 @@ def status_tool_entry(name: str) -> dict:
                 "additionalProperties": False}}
 
 
-# ==== 16. The rules across calls ====
+# ==== 18. The rules across calls: the call index ====
 # MCP gives a server no conversation, so each call is a run of its own; the rules that span
 # calls are the proxy's, kept in its own table, proxy_calls. A row says "a call with this
 # request key was given this run id"; it is written before its run begins, and what a call
@@ -5494,7 +5502,9 @@ class RunState:
         return self.approvals[-1] if self.approvals else None
 
 
-# -- what the proxy decides, before anything executes --
+# ==== 19. Deciding a call ====
+# The rules in the seed's order, then at most one hold for an approval and at most one
+# execution. What executes is always what the gate recorded.
 
 @dataclasses.dataclass
 class Answer:
@@ -6229,7 +6239,7 @@ def result_text(obs: dict) -> str:
     return content if isinstance(content, str) else dump_json(content)
 
 
-# ==== 17. The host-facing server ====
+# ==== 20. The host-facing server ====
 # The proxy as an MCP server on stdin and stdout, in both protocol eras: the legacy handshake
 # (initialize) and the stateless 2026-07-28 era (per-request _meta, server/discover). stdin is
 # read as bytes so each call's arguments reach the gate exactly as sent. Each call is its own
@@ -6393,7 +6403,7 @@ def _id_key(raw: bytes | None) -> str:
         return raw.decode("utf-8", "replace")
 
 
-# ==== 18. Serving, pinning and checking ====
+# ==== 21. Serving, pinning and checking ====
 
 async def load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     """Load every server as serving does. A failure closes what was opened; the reports
@@ -6608,7 +6618,7 @@ class LineReader:
         return await self.queue.get()
 
 
-# ==== 19. Re-checking recorded calls ====
+# ==== 22. Re-checking recorded calls ====
 # `recheck` rebuilds the policy today's configuration gives the proxy and hands it every
 # decision the proxy's policy recorded, rebuilt as it was handed then: the request (its
 # recorded spec, or with -current-tools the tool's spec as loaded now) and the view of its
@@ -6937,7 +6947,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     return 1 if differ else 0
 
 
-# ==== 20. Operator commands ====
+# ==== 23. Operator commands ====
 # runs, show, events, approve, reject, cancel, verify. Arguments are checked before the
 # database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
@@ -7489,7 +7499,7 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
-# ==== 21. main ====
+# ==== 24. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""

@@ -108,6 +108,7 @@ BUSY_TIMEOUT_MS = 5000               # SQLite busy_timeout on every connection
 WAL_SWITCH_SECONDS = 5.0             # how long to retry switching to WAL while busy
 WAL_SWITCH_STEP = 0.005
 DEFAULT_LEASE_TTL = 30.0             # seconds a run's lease lasts without renewal
+TOOL_TIMEOUT_SLACK = 2.0             # the gate's bound on a tool call, past its own timeout
 LEASE_RENEW_FRACTION = 3             # the heartbeat renews every ttl / this
 DEFAULT_APPROVAL_TTL = 24 * 3600.0
 DEFAULT_GRANT_TTL = 24 * 3600.0
@@ -3234,7 +3235,10 @@ async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
     """Call the tool under its timeout and turn every outcome into an observation."""
     name = tool.spec.name
     try:
-        result = await asyncio.wait_for(tool.call(args), timeout=tool.spec.timeout)
+        # A backstop just past the tool's own timeout, so that an upstream client's timeout
+        # fires first and tells the server it stopped waiting.
+        result = await asyncio.wait_for(tool.call(args),
+                                        timeout=tool.spec.timeout + TOOL_TIMEOUT_SLACK)
     except asyncio.TimeoutError:
         err = f"no answer within {fmt_duration(tool.spec.timeout)}"
         return _obs(TOOL_ERROR, {"error": err, "failure": "timeout", "tool": name},
@@ -4080,7 +4084,7 @@ class HttpUpstream(Upstream):
                         "notifications/cancelled",
                         {"requestId": msg_id, "reason": f"no answer within "
                                                         f"{fmt_duration(timeout)}"}),
-                        "notifications/cancelled"), DISCOVER_TIMEOUT)
+                        "notifications/cancelled"), HTTP_SLACK)
             raise
 
     async def _post(self, payload: bytes, method: str) -> None:

@@ -18,9 +18,10 @@ flattened. The pin covers what a server presents, not what it does.
 
 What it keeps: an approval bound by hash to the exact request, durable across restarts, with
 the policy evaluated again when the request is collected; a mutating call whose outcome is
-unknown is not run again without an operator's approval; the audit record is committed with
-each state change, in a SHA-256 hash chain; an identical mutating call is not executed twice
-within the window.
+unknown is not run again, as the identical request, without an operator's approval, and
+other mutating calls to its tool are refused until an operator resolves it; the audit record
+is committed with each state change, in a SHA-256 hash chain; an identical mutating call is
+not executed twice within the window.
 
 Trust boundaries
 ----------------
@@ -63,12 +64,12 @@ import hmac
 import http.client
 import json
 import os
+import queue
 import re
 import secrets
 import select
 import shutil
 import signal
-import socket
 import sqlite3
 import stat
 import sys
@@ -3403,6 +3404,7 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
 
 MAX_FRAME = 16 * 1024 * 1024          # one message, on stdio or in an HTTP body
 READ_CHUNK = 64 * 1024                 # bytes read from the host's input at a time
+WRITE_DRAIN = 5.0                      # seconds at exit for answers still being written
 # A message is read deeper than the gate accepts, so that arguments or content nested past
 # MAX_DEPTH reach the gate and are recorded as refused (INVALID arguments; content the server
 # answered with) rather than lost; past this the line is not JSON-RPC we can route.
@@ -3969,7 +3971,7 @@ class HttpUpstream(Upstream):
         if self.modern:
             headers.update({"MCP-Protocol-Version": MODERN_VERSION, "Mcp-Method": method})
             if tool:
-                headers["Mcp-Name"] = tool
+                headers["Mcp-Name"] = _header_value(tool)
         elif self.version:
             headers["MCP-Protocol-Version"] = self.version
         if self.session_id and not self.modern:
@@ -3981,18 +3983,17 @@ class HttpUpstream(Upstream):
         """One POST, in a worker thread. Returns the answer to ``msg_id`` (None for a
         notification)."""
         conn = self._connection()
-        conn.timeout = max(timeout, 0.001)
-        if conn.sock is not None:             # a kept-alive socket keeps its old timeout
-            conn.sock.settimeout(conn.timeout)
         deadline = time.monotonic() + timeout
         reusable = False
         try:
+            self._ready(conn, timeout)
             conn.request("POST", self.path, body=payload, headers=self._headers(method, tool))
             resp = conn.getresponse()
             if method == "initialize" and resp.getheader("Mcp-Session-Id"):
                 self.session_id = resp.getheader("Mcp-Session-Id")
             answer = self._read_answer(resp, msg_id, deadline)
-            reusable = not resp.will_close
+            # An event stream may go on after the answer: its connection is not reused.
+            reusable = not resp.will_close and resp.isclosed()
             return answer
         except TimeoutError:
             raise asyncio.TimeoutError() from None
@@ -4006,6 +4007,19 @@ class HttpUpstream(Upstream):
         finally:
             self._release(conn, reusable)
 
+    @staticmethod
+    def _ready(conn: http.client.HTTPConnection, timeout: float) -> None:
+        """Connect (a failure here sent nothing) and give the socket this request's timeout
+        (a kept-alive socket keeps the timeout it was made with)."""
+        conn.timeout = max(timeout, 0.001)
+        if conn.sock is None:
+            try:
+                conn.connect()
+            except OSError as exc:
+                raise NotSent(f"cannot connect to the server: "
+                              f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+        conn.sock.settimeout(conn.timeout)
+
     def _read_answer(self, resp: http.client.HTTPResponse, msg_id: int | None,
                      deadline: float) -> Message | None:
         status, ctype = resp.status, (resp.getheader("Content-Type") or "").split(";")[0]
@@ -4013,19 +4027,19 @@ class HttpUpstream(Upstream):
         if length and length.isdigit() and int(length) > MAX_FRAME:
             raise UpstreamError(f"response body of {length} bytes exceeds {MAX_FRAME}")
         if 300 <= status < 400:
-            resp.read(MAX_FRAME)
+            resp.close()
             raise UpstreamError(f"the server answered {status} (a redirect), "
                                 "which this proxy does not follow")
         if status == 202 and msg_id is None:
-            resp.read(MAX_FRAME)
+            _read_capped(resp, deadline)
             return None
         if status == 404 and self.session_id:
-            resp.read(MAX_FRAME)
+            resp.close()
             self.closed = True
             raise UpstreamError("the server ended the session (404)")
         if ctype == "text/event-stream" and status == 200:
             return self._read_events(resp, msg_id, deadline)
-        body = _read_capped(resp)
+        body = _read_capped(resp, deadline)
         if ctype == "application/json" and body.strip():
             try:
                 msg = parse_message(body, UPSTREAM_DEPTH)
@@ -4094,8 +4108,9 @@ class HttpUpstream(Upstream):
         if self.closed and not self._idle:
             return
         if self.session_id and not self.modern:
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                await asyncio.to_thread(self._delete)
+            with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
+                                     asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(self._delete), DISCOVER_TIMEOUT)
         self.closed = True
         with self._pool_lock:
             idle, self._idle = self._idle, []
@@ -4104,21 +4119,29 @@ class HttpUpstream(Upstream):
 
     def _delete(self) -> None:
         conn = self._connection()
-        conn.timeout = DISCOVER_TIMEOUT
         try:
+            self._ready(conn, DISCOVER_TIMEOUT)
             conn.request("DELETE", self.path, headers=self._headers("", ""))
-            conn.getresponse().read(MAX_FRAME)
+            conn.getresponse().close()
         finally:
             conn.close()
 
 
+def _header_value(text: str) -> str:
+    """A header value as the modern transport spells one that is not plain ASCII."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "=?base64?" + base64.b64encode(text.encode("utf-8")).decode() + "?="
+
+
 def _peer_closed(conn: http.client.HTTPConnection) -> bool:
-    """Whether the server closed an idle kept-alive connection (it is readable at EOF)."""
+    """Whether an idle kept-alive connection is unusable: an idle connection has nothing to
+    read, so anything readable (the server's close, or stray bytes) means it is not reused."""
     if conn.sock is None:
         return True
     try:
         readable, _, _ = select.select([conn.sock], [], [], 0)
-        return bool(readable) and conn.sock.recv(1, socket.MSG_PEEK) == b""
+        return bool(readable)
     except (OSError, ValueError):
         return True
 
@@ -4127,11 +4150,17 @@ def _same_id(got: Any, want: int | None) -> bool:
     return isinstance(got, Num) and got.is_integer() and int(got.exact()) == want
 
 
-def _read_capped(resp: http.client.HTTPResponse) -> bytes:
-    body = resp.read(MAX_FRAME + 1)
-    if len(body) > MAX_FRAME:
-        raise UpstreamError(f"response body exceeds {MAX_FRAME} bytes")
-    return body
+def _read_capped(resp: http.client.HTTPResponse, deadline: float) -> bytes:
+    """A whole body, at most MAX_FRAME bytes, by ``deadline`` however slowly it comes."""
+    chunks, total = [], 0
+    while chunk := resp.read1(READ_CHUNK):
+        total += len(chunk)
+        if total > MAX_FRAME:
+            raise UpstreamError(f"response body exceeds {MAX_FRAME} bytes")
+        if time.monotonic() > deadline:
+            raise TimeoutError()
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 # ==== 15. Pinning and loading upstream tools ====
@@ -5305,6 +5334,9 @@ def _ran(proxy: "Proxy", row, state: RunState, step: Step, items: list, a: Appro
         return _ran_unknown(row, items, a, "cut_off", now)
     if step.obs_kind == TOOL_RESULT:
         return "it succeeded."
+    if step.obs_kind == INTERRUPTED_OBS and "by" in step.obs_content and \
+            _tool_started(proxy.store, state.run.id, step.id):
+        return "an operator cancelled its run while it executed, so it may have taken effect."
     if step.obs_kind != TOOL_ERROR:
         return ""
     if tool is None:
@@ -6511,11 +6543,26 @@ async def cmd_check(cfg: Config, out: Out) -> int:
 
 
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
-    """Serve the host on stdin and stdout until EOF or a signal."""
+    """Serve the host on stdin and stdout until EOF or a signal. A signal during start-up
+    ends it as cleanly as one while serving."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
     check_database_owner(cfg.database)
     check_reach(cfg)
+    loading = asyncio.create_task(load_tools(cfg))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not loading.done():                 # a signal while connecting: nothing to finish
+        loading.cancel()
+        await asyncio.gather(loading, return_exceptions=True)
+        out.log("stopped before serving")
+        return 0
     try:
-        tools, reports = await load_tools(cfg)
+        tools, reports = loading.result()
     except MCPError as exc:
         for report in getattr(exc, "reports", []):
             for line in report.lines():
@@ -6537,20 +6584,8 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
         store.close()
         raise
     out.log(f"serving session {sanitize(cfg.session)} with database {sanitize(cfg.database)}")
-
-    stop = asyncio.Event()
-
-    def write(data: bytes) -> None:
-        try:
-            stdout.write(data)
-            stdout.flush()
-        except (OSError, ValueError):      # the host stopped reading: finish and exit
-            stop.set()
-    host = HostServer(proxy, write)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    writer = LineWriter(stdout, lambda: loop.call_soon_threadsafe(stop.set))
+    host = HostServer(proxy, writer.write)
     lines = LineReader(stdin, loop)
 
     async def feed() -> None:
@@ -6562,12 +6597,48 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     try:
         await stop.wait()
         await host.shutdown()
+        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
     finally:
         reader.cancel()
         await close_tools(tools)
         proxy.close()
         store.close()
     return 0
+
+
+class LineWriter:
+    """Messages to the host, written on a daemon thread so that a host that stops reading
+    never blocks the event loop (nor, with it, the handling of a signal). A write that fails
+    means the host is gone: ``gone`` is called and later messages are dropped."""
+
+    def __init__(self, stream, gone: Callable[[], None]):
+        self.stream, self.gone = stream, gone
+        self.queue: queue.Queue = queue.Queue()
+        self.broken = False
+        threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdout").start()
+
+    def write(self, data: bytes) -> None:
+        self.queue.put(data)
+
+    def _run(self) -> None:
+        while True:
+            data = self.queue.get()
+            try:
+                if not self.broken:
+                    self.stream.write(data)
+                    self.stream.flush()
+            except (OSError, ValueError):
+                self.broken = True
+                self.gone()
+            finally:
+                self.queue.task_done()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait, at most ``timeout``, until every message is written."""
+        deadline = time.monotonic() + timeout
+        while self.queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(EXIT_POLL)
+        return not self.queue.unfinished_tasks
 
 
 class LineReader:

@@ -6309,11 +6309,8 @@ class HostServer:
     def handle(self, line: bytes) -> None:
         try:
             msg = parse_message(line)
-        except JSONError as exc:
-            self.write(rpc_error(Raw(b"null"), PARSE_ERROR, f"parse error: {exc.msg}"))
-            return
-        except ProtocolError as exc:
-            self.write(rpc_error(Raw(b"null"), exc.code, str(exc)))
+        except (JSONError, ProtocolError) as exc:
+            self.write(rpc_error(Raw(b"null"), error_code(exc), str(exc)))
             return
         method = msg.method
         if method is None:
@@ -6324,7 +6321,7 @@ class HostServer:
         try:
             self.request(msg)
         except ProtocolError as exc:
-            self.write(rpc_error(msg.id_raw(), exc.code, str(exc), exc.data))
+            self.write(rpc_error(msg.id_raw(), error_code(exc), str(exc), exc.data))
 
     def notification(self, msg: Message) -> None:
         if msg.method == "notifications/cancelled":
@@ -6441,9 +6438,25 @@ def _id_key(raw: bytes | None) -> str:
 
 # ==== 21. Serving, pinning and checking ====
 
-async def load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
-    """Load every server as serving does. A failure closes what was opened; the reports
-    made so far travel with the error so they can be printed."""
+async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
+                     ) -> tuple[list[UpstreamTool], list[Report]]:
+    """Load every server as serving does; with ``emit``, every report line is handed to it,
+    after a failure too. A failure closes what was opened; the reports made so far travel
+    with the error."""
+    try:
+        tools, reports = await _load_tools(cfg)
+    except MCPError as exc:
+        for report in getattr(exc, "reports", []) if emit else []:
+            for line in report.lines():
+                emit(line)
+        raise
+    for report in reports if emit else []:
+        for line in report.lines():
+            emit(line)
+    return tools, reports
+
+
+async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     tools: list[UpstreamTool] = []
     reports: list[Report] = []
     owners: dict[str, str] = {}
@@ -6517,13 +6530,7 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
 async def cmd_check(cfg: Config, out: Out) -> int:
     check_database_owner(cfg.database)
     check_reach(cfg)
-    try:
-        tools, reports = await load_tools(cfg)
-    except MCPError as exc:
-        for report in getattr(exc, "reports", []):
-            for line in report.lines():
-                out.line(line)
-        raise
+    tools, _ = await load_tools(cfg, out.line)
     try:
         store = Store.open(cfg.database)
         try:
@@ -6531,9 +6538,6 @@ async def cmd_check(cfg: Config, out: Out) -> int:
             CallIndex(store, cfg.session).migrate(time.time())
         finally:
             store.close()
-        for report in reports:
-            for line in report.lines():
-                out.line(line)
         out.line(f"status tool: {sanitize(cfg.status_tool)}")
         out.line(f"session: {sanitize(cfg.session)}")
         out.line(f"database: {sanitize(cfg.database)}")
@@ -6552,7 +6556,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
             loop.add_signal_handler(sig, stop.set)
     check_database_owner(cfg.database)
     check_reach(cfg)
-    loading = asyncio.create_task(load_tools(cfg))
+    loading = asyncio.create_task(load_tools(cfg, out.log))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
@@ -6561,17 +6565,8 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
         await asyncio.gather(loading, return_exceptions=True)
         out.log("stopped before serving")
         return 0
+    tools, _ = loading.result()
     try:
-        tools, reports = loading.result()
-    except MCPError as exc:
-        for report in getattr(exc, "reports", []):
-            for line in report.lines():
-                out.log(line)
-        raise
-    try:
-        for report in reports:
-            for line in report.lines():
-                out.log(line)
         store = Store.open(cfg.database)
     except BaseException:
         await close_tools(tools)
@@ -6969,16 +6964,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
         current = None
         if args.current_tools:
             check_reach(cfg)
-            try:
-                tools, reports = await load_tools(cfg)
-            except MCPError as exc:
-                for report in getattr(exc, "reports", []):
-                    for line in report.lines():
-                        out.log(line)
-                raise
-            for report in reports:
-                for line in report.lines():
-                    out.log(line)
+            tools, _ = await load_tools(cfg, out.log)
             current = {t.spec.name: t.spec for t in tools}
         by_name = {t.spec.name: t for t in tools} if tools else recorded_tools(cfg)
         policy = _RecordedPolicy(cfg, by_name, cfg.policy_id(), store)

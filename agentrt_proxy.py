@@ -1972,19 +1972,26 @@ class Store:
                 with self._savepoint() as tx:
                     yield tx
                 return
-            try:
-                self.conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
-            try:
+            with self._immediate():
                 yield Tx(self.conn)
-                self.conn.execute("COMMIT")
-            except BaseException as exc:
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise StoreError(f"{self.path}: write failed: {exc}") from None
-                raise
+
+    @contextlib.contextmanager
+    def _immediate(self):
+        """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure; SQLite's errors become
+        StoreError."""
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
+        try:
+            yield
+            self.conn.execute("COMMIT")
+        except BaseException as exc:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"{self.path}: write failed: {exc}") from None
+            raise
 
     @contextlib.contextmanager
     def _savepoint(self):
@@ -2009,26 +2016,18 @@ class Store:
         """One transaction for several state changes that happen with nothing outside in
         between (begin, step, propose, start a tool): one commit instead of four. The
         store's lock is held throughout, so no other thread sees the batch half done."""
+        if self.readonly:
+            raise StoreError(f"{self.path} is open read-only")
         with self._lock:
             if self._batch is not None:
                 yield
                 return
-            try:
-                self.conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
-            self._batch = Tx(self.conn)
-            try:
-                yield
-                self.conn.execute("COMMIT")
-            except BaseException as exc:
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise StoreError(f"{self.path}: write failed: {exc}") from None
-                raise
-            finally:
-                self._batch = None
+            with self._immediate():
+                self._batch = Tx(self.conn)
+                try:
+                    yield
+                finally:
+                    self._batch = None
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:

@@ -7029,8 +7029,11 @@ USAGE = """usage:
   python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
   python agentrt_proxy.py -db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]
 
-The database is the -db file, else the 'database' of the -config file, else $AGENTRT_DB.
-Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."""
+A host starts the proxy as one stdio MCP server, with absolute paths:
+  {"command": "python3", "args": ["/path/to/agentrt_proxy.py", "-config", "/path/to/proxy.json"]}
+stdout carries only the protocol; everything else, including the operator's hints, goes to
+stderr. The database is the -db file, else the 'database' of the -config file, else
+$AGENTRT_DB. Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."""
 
 
 class _Parser_(argparse.ArgumentParser):

@@ -2575,8 +2575,7 @@ class Gate:
         if not mine:
             raise RunStateError(f"run {run.id}: step {step.id} has no approval")
         granted = mine[-1]
-        if granted.status == PENDING and granted.expires_at and \
-                self.clock() > parse_time(granted.expires_at):
+        if granted.status == PENDING and _expired(granted, self.clock()):
             self._release_claim(run.id)
             return None, Verdict("ended", run=expire_approval(self.store, granted, self.now()))
         if granted.status != APPROVED:
@@ -2599,8 +2598,7 @@ class Gate:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
         interrupted; a non-read-only tool cut off while executing waits for an operator."""
         wall = self.wall()
-        if run.lease_owner and run.lease_expires_at and \
-                parse_time(run.lease_expires_at) > wall:
+        if _lease_live(run, wall):
             raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
         self._claim(run.id)
         try:
@@ -2620,8 +2618,7 @@ class Gate:
             executing = steps[-1]
         with self.store.tx() as tx:
             current = tx.require(run.id, (RUNNING,))
-            if current.lease_owner and current.lease_expires_at and \
-                    parse_time(current.lease_expires_at) > wall:
+            if _lease_live(current, wall):
                 raise RunLeased(run.id, current.lease_owner, current.lease_expires_at)
             tx.take_lease(run.id, self.owner, fmt_time(until))
             if current.lease_owner:
@@ -3214,6 +3211,17 @@ def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
     return ttl > 0 and bool(approval.decided_at) and now > parse_time(approval.decided_at) + ttl
 
 
+def _lease_live(run: Run, wall: float | None = None) -> bool:
+    """Someone holds the run's lease: judged on the wall clock only, never the proxy's."""
+    return bool(run.lease_owner) and bool(run.lease_expires_at) and \
+        parse_time(run.lease_expires_at) > (time.time() if wall is None else wall)
+
+
+def _expired(approval: Approval, now: float) -> bool:
+    """A pending approval past its expiry (strictly after)."""
+    return bool(approval.expires_at) and now > parse_time(approval.expires_at)
+
+
 def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
     """Only the step's latest approval is a grant, and only while it is approved as it was
     read: another executor may have asked for a new approval in between."""
@@ -3227,7 +3235,7 @@ def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
 def _require_live_lease(tx: Tx, run_id: str, owner: str, wall: float) -> None:
     """Starting a side effect needs the lease unexpired, checked inside the transaction."""
     run = tx.require(run_id, (RUNNING,), owner)
-    if not run.lease_expires_at or parse_time(run.lease_expires_at) <= wall:
+    if not _lease_live(run, wall):
         raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
 
 
@@ -3333,7 +3341,7 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
     if approval.run_id != run_id:
         raise NotFound(f"approval {approval_id} is not an approval of run {run_id}")
     _check_shown(approval, shown_hash)
-    if approval.expires_at and now > parse_time(approval.expires_at):
+    if _expired(approval, now):
         expire_approval(store, approval, fmt_time(now))
         raise ApprovalExpired(f"approval {approval_id} expired at {approval.expires_at}")
     at, status = fmt_time(now), APPROVED if approve else REJECTED
@@ -6160,16 +6168,6 @@ class Proxy:
 
 def _is_set(event: asyncio.Event | None) -> bool:
     return event is not None and event.is_set()
-
-
-def _lease_live(run: Run) -> bool:
-    """Lease liveness is judged on the wall clock only, never the proxy's clock."""
-    return bool(run.lease_owner) and bool(run.lease_expires_at) and \
-        parse_time(run.lease_expires_at) > time.time()
-
-
-def _expired(approval: Approval, now: float) -> bool:
-    return bool(approval.expires_at) and now > parse_time(approval.expires_at)
 
 
 def _last_args(state: RunState) -> bytes:

@@ -86,6 +86,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 # Every bound the proxy enforces is named here; bodies use these names, never bare numbers.
 
 MAX_DEPTH = 256                      # nesting of arrays and objects in any JSON we accept
+# Our own records wrap data that may nest MAX_DEPTH levels: a step's decision holds the
+# arguments, an event's payload holds an approval's capability holding the arguments, and
+# an operator command's -json output wraps those again. Records are read back with this
+# allowance, so that data the gate accepted can never make its own record unreadable.
+RECORD_WRAP = 16
+RECORD_DEPTH = MAX_DEPTH + RECORD_WRAP
 JSON_WS = b" \t\n\r"                  # the only whitespace JSON has; bytes.strip() takes more
 MAX_NUMBER_LITERAL = 10_000          # bytes in one number literal
 MAX_EXPONENT = 10_000                # absolute value of a number's written exponent
@@ -572,7 +578,7 @@ def check_json(raw: bytes) -> None:
     parse_json(raw)
 
 
-def member_spans(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, bytes]:
+def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH) -> dict[str, bytes]:
     """The exact bytes of each member value of a top-level object, so that a record can hand
     back what was written into it byte for byte, never a re-serialisation."""
     if not isinstance(parse_json(raw, strict=False, max_depth=max_depth, bounds=False), dict):
@@ -725,42 +731,92 @@ def request_key(tool: str, raw_args: bytes) -> str | None:
     return sha256_hex(tool.encode("utf-8") + b"\x00" + canon)
 
 
+# The proxy's own encoding, of every frame it writes (to a server or to the host) and every
+# record it stores: compact, members in the order given, number literals as written, and
+# strings escaped so that no reader can find a line break in them. Bytes a peer chose never
+# pass through: a host's CR between two tokens is JSON whitespace to a strict parser but a
+# line end to a server that reads with universal newlines, and would let one frame carry
+# two. So C0 controls, DEL, C1 controls (U+0085 is a line end to str.splitlines) and
+# U+2028/U+2029 are escaped, and a lone surrogate (bytes that were not UTF-8) is U+FFFD.
+_WIRE_ESCAPES = {code: f"\\u{code:04x}" for code in (*range(0x7F, 0xA0), 0x2028, 0x2029)}
+_WIRE_ESCAPES.update({code: "\ufffd" for code in range(0xD800, 0xE000)})
+_WIRE_SPECIAL = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+# What must never appear in a frame outside our own escaping: line ends of every reader.
+_LINE_BREAKS = (b"\n", b"\r", b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
+
+
+def _wire_str(text: str) -> str:
+    out = _json_str(text)
+    return out.translate(_WIRE_ESCAPES) if _WIRE_SPECIAL.search(out) else out
+
+
 def dump_json(value: Any) -> str:
-    """Compact JSON text of a value built by this module (dicts keep their order, raw JSON
-    fragments wrapped in ``Raw`` are embedded as they are)."""
+    """The proxy's own compact JSON text of a value built by this module (dicts keep their
+    order; ``Raw`` fragments, already in this encoding, are embedded as they are)."""
     out: list[str] = []
     _dump(value, out)
     return "".join(out)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+def wire_json(raw: bytes) -> bytes:
+    """A JSON document in the proxy's own encoding: what the gate records and sends for a
+    host's arguments. Member order and number literals are kept, so the request is the one
+    the host made, and its canonical form (which the approval hash covers) is unchanged.
+    Raises JSONError for anything the strict parser refuses."""
+    return dump_json(parse_json(raw)).encode("utf-8")
+
+
+@dataclasses.dataclass(frozen=True)
 class Raw:
-    """Bytes already checked as JSON, embedded verbatim when a record is written."""
+    """JSON bytes in the proxy's own encoding, embedded as they are when a record or frame
+    is written. Bytes holding a line break of any reader are written again by the encoder
+    instead: a guard, so that no fragment can ever split a frame."""
     data: bytes
 
 
+def _raw_text(data: bytes) -> str:
+    if any(brk in data for brk in _LINE_BREAKS):
+        return dump_json(parse_json(data, strict=False, max_depth=RECORD_DEPTH, bounds=False))
+    return data.decode("utf-8")
+
+
 def _dump(value: Any, out: list[str]) -> None:
-    if isinstance(value, Raw):
-        out.append(value.data.decode("utf-8"))
-    elif isinstance(value, Num):
+    kind = type(value)
+    if kind is str:
+        out.append(_wire_str(value))
+    elif kind is Num:
         out.append(value.text)
-    elif isinstance(value, dict):
+    elif kind is Raw:
+        out.append(_raw_text(value.data))
+    elif kind is dict:
         out.append("{")
         for i, (key, item) in enumerate(value.items()):
-            out.append(("," if i else "") + json.dumps(key, ensure_ascii=False) + ":")
+            out.append(("," if i else "") + _wire_str(key) + ":")
             _dump(item, out)
         out.append("}")
-    elif isinstance(value, (list, tuple)):
+    elif kind is list or kind is tuple:
         out.append("[")
         for i, item in enumerate(value):
             if i:
                 out.append(",")
             _dump(item, out)
         out.append("]")
-    elif isinstance(value, float):
+    elif value is True:
+        out.append("true")
+    elif value is False:
+        out.append("false")
+    elif value is None:
+        out.append("null")
+    elif kind is int:
+        out.append(str(value))
+    elif kind is float:
         raise TypeError("floats are not written into records; use Num or int")
+    elif isinstance(value, str):
+        out.append(_wire_str(str(value)))
+    elif isinstance(value, int):
+        out.append(str(int(value)))
     else:
-        out.append(json.dumps(value, ensure_ascii=False))
+        raise TypeError(f"not a JSON value: {type(value).__name__}")
 
 
 def to_plain(value: Any) -> Any:
@@ -776,11 +832,17 @@ def to_plain(value: Any) -> Any:
     return value
 
 
-def loads_own(text: str | bytes) -> Any:
-    """Parse a record this module wrote, with numbers as plain Python numbers."""
+def read_own(text: str | bytes) -> Any:
+    """Parse a record this module wrote, number literals kept, with the allowance for the
+    levels a record adds around the data it holds."""
     if isinstance(text, str):
         text = text.encode("utf-8")
-    return to_plain(parse_json(text, strict=False))
+    return parse_json(text, strict=False, max_depth=RECORD_DEPTH, bounds=False)
+
+
+def loads_own(text: str | bytes) -> Any:
+    """Parse a record this module wrote, with numbers as plain Python numbers."""
+    return to_plain(read_own(text))
 
 
 # ==== 5. Sanitising ====
@@ -1467,7 +1529,7 @@ class ToolSpec:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "ToolSpec":
-        doc = parse_json(raw, strict=False)
+        doc = read_own(raw)
         return cls(doc["name"], doc["description"], encode_canonical(doc["input_schema"]),
                    doc["side_effect"], int(doc["timeout"].text) / NANOS,
                    doc.get("terminal", False))
@@ -1495,7 +1557,7 @@ class ToolRequest:
     @classmethod
     def from_record(cls, text: str) -> "ToolRequest":
         raw = text.encode("utf-8")
-        doc, spans = parse_json(raw, strict=False), member_spans(raw)
+        doc, spans = read_own(raw), member_spans(raw)
         return cls(doc["run_id"], doc["step_id"], ToolSpec.from_json(spans["spec"]), spans["args"])
 
 
@@ -1520,8 +1582,9 @@ def approval_hash(kind: str, capability: bytes, presentation: bytes, request: To
     """SHA-256 of the canonical JSON of everything an approval binds: its kind, capability and
     presentation, and the request (run, step, the whole tool spec, the arguments). A value
     that will not encode raises; there is never a substitute hash."""
-    doc = {"capability": parse_json(capability or b"{}"), "kind": kind,
-           "presentation": parse_json(presentation or b"{}"), "request": request.as_value()}
+    doc = {"capability": parse_json(capability or b"{}", max_depth=RECORD_DEPTH), "kind": kind,
+           "presentation": parse_json(presentation or b"{}", max_depth=RECORD_DEPTH),
+           "request": request.as_value()}
     return sha256_hex(encode_canonical(doc))
 
 
@@ -1852,22 +1915,36 @@ class Tx:
         return digest
 
 
+# A row this build cannot read (damaged, or written by hand) is a StoreError naming its run,
+# never a parsing exception that escapes the code reading it.
+_UNREADABLE = (JSONError, KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
 def _run_from_row(row: tuple) -> Run:
-    return Run(row[0], row[1], row[2], row[3], row[4], Limits.from_record(row[5]), *row[6:])
+    try:
+        return Run(row[0], row[1], row[2], row[3], row[4], Limits.from_record(row[5]), *row[6:])
+    except _UNREADABLE as exc:
+        raise StoreError(f"run {sanitize(str(row[0]))}: its record cannot be read: "
+                         f"{sanitize(str(exc))}") from None
 
 
 def _step_from_row(row: tuple) -> Step:
     decision = policy = observation = None
     args = b""
-    if row[4]:
-        raw = row[4].encode()
-        decision = loads_own(raw)
-        args = member_spans(raw).get("args", b"")
-    if row[5]:
-        policy = loads_own(row[5])
-    if row[6]:
-        observation = loads_own(row[6])
-    return Step(row[0], row[1], row[2], row[3], decision, args, policy, observation, *row[7:])
+    try:
+        if row[4]:
+            raw = row[4].encode()
+            decision = loads_own(raw)
+            args = member_spans(raw).get("args", b"")
+        if row[5]:
+            policy = loads_own(row[5])
+        if row[6]:
+            observation = read_own(row[6])       # literals kept: a result is passed on as is
+        return Step(row[0], row[1], row[2], row[3], decision, args, policy, observation,
+                    *row[7:])
+    except _UNREADABLE as exc:
+        raise StoreError(f"run {sanitize(str(row[1]))}: step {sanitize(str(row[0]))} cannot "
+                         f"be read: {sanitize(str(exc))}") from None
 
 
 def _approval_from_row(row: tuple) -> Approval:
@@ -2281,7 +2358,7 @@ def _obs(kind: str, content: Any, summary: str) -> tuple[dict, str, str]:
     digest = content_hash(raw)
     doc = {"kind": kind, "content": Raw(raw), "summary": summary, "content_hash": digest}
     text = dump_json(doc)
-    return loads_own(text), text, digest
+    return read_own(text), text, digest
 
 
 def _decision_record(d: Decision) -> str:
@@ -2802,8 +2879,8 @@ class Session:
         for name in ("capability", "presentation"):
             raw = getattr(decision, name).strip(JSON_WS)
             try:
-                if raw:
-                    check_json(raw)
+                if raw:                     # it wraps the arguments: the records' allowance
+                    parse_json(raw, max_depth=RECORD_DEPTH)
             except JSONError as exc:
                 bare = PolicyDecision(decision.outcome, decision.reason, decision.kind)
                 return self._policy_failure(step, from_steps, origin,
@@ -3465,16 +3542,17 @@ class Message:
     def has_id(self) -> bool:
         return "id" in self.doc and self.doc["id"] is not None
 
-    def id_raw(self) -> Raw:
-        """The id to echo, exactly as sent when it is a string or a number."""
-        raw = self.raw("id")
-        if raw is not None and isinstance(self.doc.get("id"), (str, Num)):
-            try:
-                check_json(raw)
-                return Raw(raw)
-            except JSONError:
-                pass
-        return Raw(b"null")
+    def id_raw(self) -> Any:
+        """The id to echo: the same JSON value when it is a string or a number, else null.
+        It is written again by the proxy's encoder, never copied: a number keeps its literal
+        (which has no room for anything but digits, a sign, a point and an exponent), a string
+        is escaped the proxy's way. A string holding bytes that were not UTF-8 is no id we
+        can echo."""
+        ident = self.doc.get("id")
+        if isinstance(ident, Num) or (isinstance(ident, str) and
+                                      not _LONE_SURROGATE.search(ident)):
+            return ident
+        return None
 
 
 def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
@@ -3509,11 +3587,14 @@ def rpc_notification(method: str, params: Any) -> bytes:
     return (dump_json({"jsonrpc": "2.0", "method": method, "params": params}) + "\n").encode()
 
 
-def rpc_result(msg_id: Raw, result: Any) -> bytes:
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def rpc_result(msg_id: Any, result: Any) -> bytes:
     return (dump_json({"jsonrpc": "2.0", "id": msg_id, "result": result}) + "\n").encode()
 
 
-def rpc_error(msg_id: Raw, code: int, message: str, data: Any = None) -> bytes:
+def rpc_error(msg_id: Any, code: int, message: str, data: Any = None) -> bytes:
     err: dict[str, Any] = {"code": code, "message": message}
     if data is not None:
         err["data"] = data
@@ -4259,7 +4340,7 @@ async def pin_server(server: ServerConfig, now: float) -> dict:
 
 def write_manifest(path: str, manifest: dict) -> None:
     """Write the manifest owner-only (an existing file is made 0600 too)."""
-    text = _pretty(parse_json(dump_json(manifest).encode(), strict=False), cut=False) + "\n"
+    text = _pretty(read_own(dump_json(manifest)), cut=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:          # mkstemp creates it 0600
@@ -4287,7 +4368,7 @@ def read_manifest(path: str, server: str) -> dict[str, PinnedTool]:
     """The pinned tools of a manifest that only its owner can write."""
     raw = read_owned(path)
     try:
-        doc = parse_json(raw)
+        doc = parse_json(raw, max_depth=RECORD_DEPTH)      # it wraps schemas
     except JSONError as exc:
         raise ConfigError(f"{path}: not usable JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tools"), dict):
@@ -4371,7 +4452,7 @@ class UpstreamTool:
         if self.rule.fixed:
             for param, fixed in self.rule.fixed:
                 value[param] = parse_json(fixed)
-            raw = policy_json(encode_canonical(value))
+            raw = dump_json(value).encode("utf-8")
         try:
             reply = await self.conn.call_tool(self.remote, raw, self.spec.timeout)
         except asyncio.TimeoutError:
@@ -5645,6 +5726,7 @@ class Proxy:
         hold for an approval, then at most one execution."""
         if name == self.cfg.status_tool:
             return self.status(args)
+        args = host_arguments(args)
         tool, key = self.tools[name], request_key(name, args)
         held = False
         for _ in range(MAX_RETRIES + 1):
@@ -6166,6 +6248,18 @@ class Proxy:
         return items
 
 
+def host_arguments(raw: bytes) -> bytes:
+    """The arguments as the gate records them, sends them, and shows them to an operator:
+    the proxy's own encoding of what the host sent (section 4). Nothing the host wrote
+    between two tokens survives, so the bytes that leave for a server are exactly the
+    recorded request, and an approval view hides nothing. Arguments the strict parser refuses
+    are kept as they came: they have no key, are recorded as INVALID text, never sent."""
+    try:
+        return wire_json(raw)
+    except JSONError:
+        return raw
+
+
 def _is_set(event: asyncio.Event | None) -> bool:
     return event is not None and event.is_set()
 
@@ -6307,7 +6401,7 @@ class HostServer:
         try:
             msg = parse_message(line)
         except (JSONError, ProtocolError) as exc:
-            self.write(rpc_error(Raw(b"null"), error_code(exc), str(exc)))
+            self.write(rpc_error(None, error_code(exc), str(exc)))
             return
         method = msg.method
         if method is None:
@@ -6392,17 +6486,19 @@ class HostServer:
                        cancelled: asyncio.Event) -> None:
         meta = msg.params.get("_meta")
         token = meta.get("progressToken") if isinstance(meta, dict) else None
-        token_raw = _member_raw(msg, "_meta", "progressToken") if token is not None else None
+        if not isinstance(token, (str, Num)) or (isinstance(token, str) and
+                                                  _LONE_SURROGATE.search(token)):
+            token = None                 # MCP's token is a string or a number; nothing else
 
         def progress(done: float, total: float) -> None:
             self.write(rpc_notification("notifications/progress", {
-                "progressToken": token_raw, "progress": Num(f"{done:.3f}"),
+                "progressToken": token, "progress": Num(f"{done:.3f}"),
                 "total": Num(f"{total:.3f}"),
                 "message": "waiting for an operator's approval"}))
         try:
             # Shielded: a host's cancel ends a hold, never the gate's work or an upstream call.
             result = await asyncio.shield(self.proxy.call(
-                name, args, progress if token_raw is not None else None, cancelled))
+                name, args, progress if token is not None else None, cancelled))
         except Exception as exc:            # an answer is owed even when something broke
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",
@@ -6411,16 +6507,6 @@ class HostServer:
             self.cancelled.pop(_id_key(msg.raw("id")), None)
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
-
-
-def _member_raw(msg: Message, outer: str, inner: str) -> Raw | None:
-    """The exact bytes of params.<outer>.<inner>, for echoing a value such as a token."""
-    raw = msg.raw(outer, in_params=True)
-    try:
-        value = member_spans(raw).get(inner) if raw else None
-        return Raw(value) if value is not None else None
-    except JSONError:
-        return None
 
 
 def _id_key(raw: bytes | None) -> str:

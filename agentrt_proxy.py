@@ -3317,24 +3317,40 @@ def _require_live_lease(tx: Tx, run_id: str, owner: str, wall: float) -> None:
 
 
 async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
-    """Call the tool under its timeout and turn every outcome into an observation."""
+    """Call the tool under its timeout and turn every outcome into an observation. Once the
+    call has returned, whatever fails in making its observation is an answer that could not
+    be recorded: the call executed, and counts as executed (UNRECORDED), never as nothing."""
     name = tool.spec.name
     try:
         # A backstop just past the tool's own timeout, so that an upstream client's timeout
         # fires first and tells the server it stopped waiting.
-        result = await asyncio.wait_for(tool.call(args),
-                                        timeout=tool.spec.timeout + TOOL_TIMEOUT_SLACK)
-    except asyncio.TimeoutError:
-        err = f"no answer within {fmt_duration(tool.spec.timeout)}"
-        return _obs(TOOL_ERROR, {"error": err, "failure": "timeout", "tool": name},
-                    f"{name} timeout: {err}")
-    except ToolFailure as exc:
-        return _obs(TOOL_ERROR, {"error": str(exc), "failure": "error", "tool": name},
-                    f"{name} error: {exc}")
+        outcome: Any = await asyncio.wait_for(
+            tool.call(args), timeout=tool.spec.timeout + TOOL_TIMEOUT_SLACK)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # a tool's own bug is recorded as its failure, never lost
-        return _obs(TOOL_ERROR, {"error": f"panic: {exc!r}", "tool": name}, f"{name} panicked")
+    except Exception as exc:             # an outcome too: observed below, like a result
+        outcome = exc
+    try:
+        return _observe(name, tool.spec.timeout, outcome)
+    except Exception as exc:
+        return _obs(TOOL_ERROR, {"error": f"the answer could not be recorded "
+                                          f"({type(exc).__name__})",
+                                 "failure": "invalid_content", "tool": name},
+                    f"{name} answered, and its answer could not be recorded")
+
+
+def _observe(name: str, timeout: float, result: Any) -> tuple[dict, str, str]:
+    """The observation of what a tool call came to: its result, or the exception it raised."""
+    if isinstance(result, asyncio.TimeoutError):
+        err = f"no answer within {fmt_duration(timeout)}"
+        return _obs(TOOL_ERROR, {"error": err, "failure": "timeout", "tool": name},
+                    f"{name} timeout: {err}")
+    if isinstance(result, ToolFailure):
+        return _obs(TOOL_ERROR, {"error": str(result), "failure": "error", "tool": name},
+                    f"{name} error: {result}")
+    if isinstance(result, Exception):   # a tool's own bug is recorded as its failure, never lost
+        return _obs(TOOL_ERROR, {"error": f"panic: {result!r}", "tool": name},
+                    f"{name} panicked")
     if not isinstance(result, ToolResult) or not isinstance(result.content, bytes):
         return _obs(TOOL_ERROR, {"error": f"the tool returned {type(result).__name__}, not "
                                           "a ToolResult", "tool": name}, f"{name} panicked")

@@ -42,11 +42,12 @@ class SkewClock:
         return ap.time.time() + self.skew
 
 
-def write_config(tmp, rules=None, server_env=None, **top) -> str:
-    """A configuration file (0600) for one server `bank`, the fake payment server."""
+def write_config(tmp, rules=None, server_env=None, command=None, name="bank", **top) -> str:
+    """A configuration file (0600) for one server, by default `bank`, the fake payment
+    server; ``command`` names another stdio server (and ``name`` its name)."""
     env = [f"FAKE_PAYMENTS_LEDGER={tmp}/ledger"] + list(server_env or [])
-    server = {"name": "bank", "command": [sys.executable, FAKE_SERVER], "env": env,
-              "manifest": "bank.manifest.json",
+    server = {"name": name, "command": command or [sys.executable, FAKE_SERVER], "env": env,
+              "manifest": f"{name}.manifest.json",
               "rules": DEFAULT_RULES if rules is None else rules}
     doc = {"database": "runs.db", "session": "test", "hold": "0s", "servers": [server]}
     doc.update(top)
@@ -58,9 +59,10 @@ def write_config(tmp, rules=None, server_env=None, **top) -> str:
 
 
 class ProxyHarness:
-    def __init__(self, tmp, rules=None, server_env=None, pin=True, poll=0.02, **top):
+    def __init__(self, tmp, rules=None, server_env=None, pin=True, poll=0.02, command=None,
+                 name="bank", **top):
         self.tmp = str(tmp)
-        self.config_path = write_config(self.tmp, rules, server_env, **top)
+        self.config_path = write_config(self.tmp, rules, server_env, command, name, **top)
         self.loop = asyncio.new_event_loop()
         self.clock = SkewClock()
         self.log_lines: list[str] = []

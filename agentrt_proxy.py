@@ -215,6 +215,15 @@ class LeaseLost(ProxyError):
     """This process no longer holds the lease of the run it was working on."""
 
 
+class LateOutcome(LeaseLost):
+    """The tool returned after its run was taken over. What it returned is recorded, as a
+    late event on its step, and carried here in ``observation``."""
+
+    def __init__(self, msg: str, observation: dict):
+        super().__init__(msg)
+        self.observation = observation
+
+
 class NotPending(ProxyError):
     """The approval was already decided or has expired."""
 
@@ -2566,7 +2575,7 @@ class Gate:
                     session.start()
         except BaseException:
             if session is not None:
-                session._finish("lost", None)
+                session._let_go()
             raise
         return session, verdict
 
@@ -2710,16 +2719,23 @@ class Gate:
                 tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
         self.leases.hold(run.id, until)
         session = Session(self, run.id)
-        steps = self.store.list_steps(run.id)
-        if executing is not None:
-            executing = next(s for s in steps if s.id == executing.id)
-            verdict = session._after_interruption(executing, steps, now)
-            if verdict is not None:
-                return session, verdict
-        with self.store.tx() as tx:
-            tx.transition(run.id, (RUNNING,), RUNNING, owner=self.owner,
-                          lease_until=fmt_time(self.wall() + self.lease_ttl))
-            tx.event(run.id, "", now, "run.resumed", {"after": "interruption"})
+        try:
+            steps = self.store.list_steps(run.id)
+            if executing is not None:
+                executing = next(s for s in steps if s.id == executing.id)
+                verdict = session._after_interruption(executing, steps, now)
+                if verdict is not None:
+                    return session, verdict
+            with self.store.tx() as tx:
+                tx.transition(run.id, (RUNNING,), RUNNING, owner=self.owner,
+                              lease_until=fmt_time(self.wall() + self.lease_ttl))
+                tx.event(run.id, "", now, "run.resumed", {"after": "interruption"})
+        except BaseException:
+            # Whatever failed, the lease taken above is let go, in memory and on disk: a
+            # lease renewed by a process that is not working on the run would hide it from
+            # every other executor, and from the operator, for good.
+            session._let_go()
+            raise
         return session, Verdict()
 
     # -- helpers the session uses --
@@ -3113,14 +3129,20 @@ class Session:
         except (LeaseLost, RunStateError):
             raise
         except Exception as exc:
-            self.gate.leases.drop(self.run_id)
-            with contextlib.suppress(Exception):
-                with self.store.tx() as tx:
-                    tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
-                            "AND lease_owner=?", (self.run_id, self.gate.owner))
-            self._finish("lost", None)
+            self._let_go()
             raise OutcomeNotRecorded(f"run {self.run_id}: the tool ran, and its outcome "
                                      f"could not be recorded: {exc}") from exc
+
+    def _let_go(self) -> None:
+        """Give up the run after a failure: the lease is dropped here and cleared on disk
+        (best effort: it runs out by itself unrenewed), so the next executor takes the run
+        over at once and judges what it was doing."""
+        self.gate.leases.drop(self.run_id)
+        with contextlib.suppress(Exception):
+            with self.store.tx() as tx:
+                tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
+                        "AND lease_owner=?", (self.run_id, self.gate.owner))
+        self._finish("lost", None)
 
     def _expire_if_stale(self, run: Run, granted: Approval) -> bool:
         """Judge the grant's age again just before executing; a stale grant is expired here
@@ -3158,18 +3180,23 @@ class Session:
         return doc
 
     def _late(self, doc: dict, obs: tuple, finished: dict) -> None:
-        """The run was cancelled or taken over while the tool ran."""
+        """The run was cancelled or taken over while the tool ran. What came of the call is
+        recorded all the same, as a late event on its step (an event needs no lease), so an
+        operator asked whether the cut-off attempt runs again can see that it finished and
+        how: a known outcome is never thrown away."""
+        late = {"duration_ms": finished["duration_ms"], "late": True,
+                "observation": Raw(obs[1].encode()), "tool": finished["tool"]}
+        if doc["kind"] == TOOL_RESULT:
+            late.update(content_hash=obs[2], summary=doc["summary"])
+        with self.store.tx() as tx:
+            tx.event(self.run_id, self.current.id, self.gate.now(), "step.tool_finished", late)
         run = self.store.get_run(self.run_id)
         if run.status == CANCELLED and run.reason == "operator_cancelled":
-            late = {"duration_ms": finished["duration_ms"], "late": True,
-                    "observation": Raw(obs[1].encode()), "tool": finished["tool"]}
-            if doc["kind"] == TOOL_RESULT:
-                late.update(content_hash=obs[2], summary=doc["summary"])
-            with self.store.tx() as tx:
-                tx.event(self.run_id, self.current.id, self.gate.now(), "step.tool_finished", late)
             self._finish("ended", run)
             return
-        raise self._lose()
+        self._finish("lost", run)
+        raise LateOutcome(f"run {self.run_id}: the tool returned after the run was taken "
+                          "over; its outcome is recorded as a late event", doc)
 
     # -- ending steps and runs --
 
@@ -5381,6 +5408,31 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
     return prose("GATE_STATUS", "\n".join(lines), False)
 
 
+def late_outcome(store: Store, approval: Approval) -> str:
+    """What the attempt an interruption approval asks about came to, when its tool returned
+    after the attempt was cut off and a late event records it; '' otherwise. An operator
+    reads this before deciding whether the attempt runs again."""
+    at = _interrupted_attempt(approval) or {}
+    run_id, step_id = at.get("run_id") or approval.run_id, at.get("step_id") or approval.step_id
+    if not isinstance(run_id, str) or not isinstance(step_id, str):
+        return ""
+    for _seq, _run, step, when, typ, payload, _hash in reversed(store.list_events(run_id)):
+        if step != step_id or typ != "step.tool_finished":
+            continue
+        try:
+            doc = read_own(payload)
+        except JSONError:
+            continue
+        obs = doc.get("observation") if isinstance(doc, dict) and doc.get("late") is True \
+            else None
+        if not isinstance(obs, dict):
+            continue
+        how = "it succeeded" if obs.get("kind") == TOOL_RESULT else \
+            f"it failed: {clean(error_text(obs), REASON_BYTES)}"
+        return f"finished after it was cut off, at {fmt_time_s(parse_time(when))}: {how}"
+    return ""
+
+
 def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     """One approval: which call, then the first state that holds."""
     row, state, a = item
@@ -5393,6 +5445,11 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     age = fmt_duration(max(0, round(now - parse_time(a.created_at))))
     waiting = a.status == PENDING and not _expired(a, now)
     if waiting and a.kind == INTERRUPTED_KIND:
+        late = late_outcome(proxy.store, a)
+        if late:
+            return who + (f"waiting {age} for an operator to decide whether it runs again; "
+                          f"the earlier attempt it asks about {late}; nothing further has been "
+                          "executed.")
         return who + (f"OUTCOME UNKNOWN, waiting {age} for an operator to decide whether it "
                       "runs again; an earlier attempt may have taken effect; nothing further "
                       "has been executed.")
@@ -6125,6 +6182,11 @@ class Proxy:
         except ApprovalExpired:
             self.settle_run(run_id)
             return expired(action.last_approval, self.clock() + self.window(tool))
+        except LateOutcome as late:
+            session.close()
+            self.log(f"run {run_id}: {tool.spec.name} returned after its run was taken over; "
+                     "its outcome is recorded as a late event")
+            return self.late_answer(tool, late.observation)
         except (RunStateError, LeaseLost):
             session.close()
             return in_progress()
@@ -6158,6 +6220,16 @@ class Proxy:
         else:
             session.close()
         self.settle_run(run_id)
+        return result_of(obs)
+
+    def late_answer(self, tool, obs: dict) -> dict:
+        """A call whose tool returned after its run was taken over: the model gets what the
+        tool returned, as it was recorded; the run itself is the new owner's."""
+        ended = unknown_ending(tool, obs) if obs.get("kind") == TOOL_ERROR else None
+        if ended is not None:
+            return unknown_outcome(ended, error_text(obs), "")
+        if _unrecorded(tool, obs):
+            return unrecorded_answer(error_text(obs), self.window(tool))
         return result_of(obs)
 
     def rerun(self, session: Session, tool, ended: str, obs: dict) -> dict:
@@ -7329,6 +7401,10 @@ def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
     if "interrupted" in cap:
         lines.append("interrupted attempt: an earlier run of this request whose outcome is unknown")
         lines += _fields(dump_json(cap["interrupted"]).encode())
+    late = late_outcome(store, approval) if approval.kind == INTERRUPTED_KIND else ""
+    if late:
+        lines.append(f"LATE OUTCOME  the attempt this approval asks about {late}; approving "
+                     "runs it again")
     lines.append("presentation: built by the policy; it may hold text the model chose")
     lines += _fields(approval.presentation)
     lines.append(f'decide with: {_self_command()} -db "{db_path}" approve {approval.run_id} '

@@ -527,7 +527,7 @@ def test_execute_refuses_once_the_lease_has_run_out(h):
     assert h.calls["read"] == []
 
 
-def test_an_outcome_is_dropped_when_the_run_was_taken_over_meanwhile(h):
+def test_an_outcome_after_a_take_over_is_recorded_as_a_late_event(h):
     g = h.gate(wall=lambda: T0)
     other = h.gate(wall=lambda: T0 + 31)
     taken = {}
@@ -539,10 +539,34 @@ def test_an_outcome_is_dropped_when_the_run_was_taken_over_meanwhile(h):
     g.policy = ap.SideEffectPolicy(dict(ap.DEFAULT_POLICY, remote_mutation="allow"))
     s = g.begin("run-1", "call pay", LIMITS)
     assert propose(s, "pay", b'{"amount":1,"to":"x"}').kind == "allowed"
-    with pytest.raises(ap.LeaseLost):
+    with pytest.raises(ap.LateOutcome) as late:
         asyncio.run(s.execute())
+    assert late.value.observation["kind"] == ap.TOOL_RESULT
     assert taken["v"][1].kind == "pending"       # the new owner asks an operator
     assert h.store.get_run("run-1").status == "WAITING_FOR_APPROVAL"
+    finished = [e for e in h.store.list_events("run-1") if e[4] == "step.tool_finished"]
+    assert len(finished) == 1 and '"late":true' in finished[0][5]
+    assert ap.late_outcome(h.store, taken["v"][1].approval).endswith("it succeeded")
+    assert not g.leases.holds("run-1")
+
+
+def test_a_failed_pause_after_a_take_over_lets_go_of_the_lease(h, monkeypatch):
+    crash_while_executing(h, "pay", b'{"amount":5,"to":"rob"}')
+    g = h.gate(wall=lambda: T0 + 31)
+
+    def broken(*args, **kwargs):
+        raise ap.StoreError("disk I/O error")
+    monkeypatch.setattr(ap.Session, "_pause", broken)
+    with pytest.raises(ap.StoreError):
+        g.attach("run-1")
+    monkeypatch.undo()
+    assert not g.leases.holds("run-1")
+    run = h.store.get_run("run-1")
+    assert run.lease_owner == "" and run.status == "RUNNING"
+    # Nothing hides the run: the next executor takes it over and asks an operator.
+    s, v = h.gate(wall=lambda: T0 + 31).attach("run-1")
+    assert v.kind == "pending" and v.approval.kind == ap.INTERRUPTED_KIND
+    assert len(h.calls["pay"]) == 1
 
 
 def test_a_second_executor_cannot_begin_an_existing_run(h):

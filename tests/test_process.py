@@ -393,3 +393,38 @@ def test_process_an_unknown_method_gets_method_not_found(tmp_path, procs):
     names = [t["name"] for t in p.request("tools/list", {}, 15)["result"]["tools"]]
     assert names == ["bank_balance", "bank_pay", "bank_refund", "gate_status"], names
     p.stop()
+
+
+def test_process_result_after_a_take_over_is_recorded_and_shown(tmp_path, procs):
+    """A proxy stopped (SIGSTOP: swap, a laptop lid) for longer than its lease while a
+    payment is inside the server: another proxy takes the run over and asks an operator.
+    When the stopped proxy goes on and the payment answers, its outcome is recorded as a
+    late event, its host is given the payment's result, and the operator is shown it."""
+    d = procs(tmp_path, allow_pay=True, lease_ttl=LEASE)
+    args = {"to": "rob", "amount": 5, "mode": "block"}
+    survivor = d.start("survivor")
+    stalled = d.start("stalled")
+    ident = stalled.send_call("bank_pay", args)
+    eventually(lambda: d.payments() == 1, 15, "the payment to reach the server")
+    run_id = only_run(d)["id"]
+    os.kill(stalled.pid, signal.SIGSTOP)
+    try:
+        eventually(lambda: d.lease(run_id)[2] is not None and d.lease(run_id)[2] < time.time(),
+                   15, "the stalled proxy's lease to run out")
+        a = interrupted(d, survivor, args, run_id)
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+    d.release()
+    r = stalled.result(ident)
+    assert not is_error(r) and text(r) == "paid 5.00 to rob", text(r)
+    late = [p for t, p in d.query("SELECT type, payload_json FROM events WHERE run_id=?",
+                                  (run_id,)) if t == "step.tool_finished"]
+    assert len(late) == 1 and json.loads(late[0])["late"] is True, late
+    status = text(survivor.call("gate_status", {"approval_id": a["id"]}))
+    assert "finished after it was cut off" in status and "it succeeded" in status, status
+    code, out, err = d.operator("show", run_id)
+    assert code == 0 and "LATE OUTCOME" in out and "it succeeded" in out, out + err
+    assert d.payments() == 1
+    d.reject(run_id, a["id"], "it went through")
+    want(survivor.call("bank_pay", args), "REJECTED", True)
+    assert d.payments() == 1

@@ -867,7 +867,7 @@ def clean(text: str | bytes, limit: int) -> str:
 # pinned pattern could hang the proxy. Patterns are compiled here, once, to a program for a
 # Thompson/Pike simulation that tracks every possible position at once and never backtracks.
 
-MAX_PATTERN_CHARS = 4096             # characters in one pattern
+MAX_PATTERN_CHARS = 2000             # characters in one pattern
 MAX_PATTERN_REPEAT = 1000            # the largest count in {n}, {n,} or {n,m}
 MAX_PATTERN_NESTING = 64             # groups inside groups
 MAX_PATTERN_PROGRAM = 4000           # instructions in one compiled pattern

@@ -931,6 +931,474 @@ def clean(text: str | bytes, limit: int) -> str:
 # document, or a malformed keyword refuses the tool then, so nothing is ever passed silently.
 # Validation errors name the JSON pointer of the failing value.
 
+# -- Patterns: an ECMA-262 matcher that never backtracks --
+# `pattern` and `patternProperties` are ECMA-262 regular expressions, and the model chooses
+# the strings they are matched against. A backtracking matcher (Python's re) takes time
+# exponential in the input for patterns like ^(\w+\s?)*$ and cannot be interrupted, so one
+# pinned pattern could hang the proxy. Patterns are compiled here, once, to a program for a
+# Thompson/Pike simulation that tracks every possible position at once and never backtracks.
+
+MAX_PATTERN_CHARS = 2000             # characters in one pattern
+MAX_PATTERN_REPEAT = 1000            # the largest count in {n}, {n,} or {n,m}
+MAX_PATTERN_NESTING = 64             # groups inside groups
+MAX_PATTERN_PROGRAM = 4000           # instructions in one compiled pattern
+MAX_PATTERN_WORK = 10_000_000        # instruction visits (a few seconds) to match one string
+PATTERN_MEMO_STEPS = 10_000          # memoised steps kept per pattern before the memo empties
+PATTERN_MEMO_STATES = 100_000        # instructions held in memoised states, likewise
+MAX_CODE_POINT = 0x10FFFF
+_SET, _SPLIT, _JMP, _ASSERT, _MATCH = range(5)
+_AT_START, _AT_END, _PREV_WORD, _NEXT_WORD = 1, 2, 4, 8
+_SYNTAX_CHARS = frozenset("^$\\.*+?()[]{}|")
+_CONTROL_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D}
+_DECIMAL = frozenset("0123456789")
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_WORD_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+# ECMA-262's WhiteSpace and LineTerminator (the Zs category as of Unicode 15), not Python's.
+_SPACE_RANGES = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680),
+                 (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
+                 (0x3000, 0x3000), (0xFEFF, 0xFEFF))
+_DIGIT_RANGES = ((0x30, 0x39),)
+_WORD_RANGES = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+_LINE_TERMINATORS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
+_ALL = ((0, MAX_CODE_POINT),)
+
+
+def _merge(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+def _complement(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    out, nxt = [], 0
+    for lo, hi in _merge(ranges):
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = hi + 1
+    if nxt <= MAX_CODE_POINT:
+        out.append((nxt, MAX_CODE_POINT))
+    return tuple(out)
+
+
+_CLASS_ESCAPES = {"d": _DIGIT_RANGES, "D": _complement(_DIGIT_RANGES),
+                  "w": _WORD_RANGES, "W": _complement(_WORD_RANGES),
+                  "s": _SPACE_RANGES, "S": _complement(_SPACE_RANGES)}
+_DOT = _complement(_LINE_TERMINATORS)
+
+
+class _PatternParser:
+    """ECMA-262 pattern syntax, read as with the u flag, to a tree of tuples: ("set", ranges),
+    ("assert", "^" | "$" | "b" | "B"), ("cat", [nodes]), ("alt", [nodes]),
+    ("repeat", node, min, max or None). Anything else raises SchemaError saying why."""
+
+    def __init__(self, text: str):
+        self.text, self.pos, self.depth = text, 0, 0
+
+    def fail(self, why: str) -> SchemaError:
+        return SchemaError(f"{why} at character {self.pos}")
+
+    def peek(self, ahead: int = 0) -> str:
+        at = self.pos + ahead
+        return self.text[at] if at < len(self.text) else ""
+
+    def take(self, want: str = "") -> str:
+        ch = self.peek()
+        if not ch or (want and ch != want):
+            raise self.fail(f"expected {want!r}" if want else "the pattern ends early")
+        self.pos += 1
+        return ch
+
+    def parse(self) -> tuple:
+        node = self.disjunction()
+        if self.pos < len(self.text):
+            raise self.fail("unmatched ')'" if self.peek() == ")" else "unexpected character")
+        return node
+
+    def disjunction(self) -> tuple:
+        branches = [self.alternative()]
+        while self.peek() == "|":
+            self.pos += 1
+            branches.append(self.alternative())
+        return branches[0] if len(branches) == 1 else ("alt", branches)
+
+    def alternative(self) -> tuple:
+        terms = []
+        while self.peek() not in ("", "|", ")"):
+            terms.append(self.term())
+        return terms[0] if len(terms) == 1 else ("cat", terms)
+
+    def term(self) -> tuple:
+        ch = self.peek()
+        if ch in ("^", "$"):
+            self.pos += 1
+            return self.not_quantified(("assert", ch))
+        if ch == "\\" and self.peek(1) in ("b", "B"):
+            self.pos += 2
+            return self.not_quantified(("assert", self.text[self.pos - 1]))
+        return self.quantified(self.atom())
+
+    def not_quantified(self, node: tuple) -> tuple:
+        if self.peek() in ("*", "+", "?", "{"):
+            raise self.fail("an assertion cannot be repeated")
+        return node
+
+    def quantified(self, atom: tuple) -> tuple:
+        ch = self.peek()
+        if ch not in ("*", "+", "?", "{"):
+            return atom
+        self.pos += 1
+        low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(ch) or self.counts()
+        if self.peek() == "?":      # lazy: the same strings match, only captures differ
+            self.pos += 1
+        return ("repeat", atom, low, high)
+
+    def counts(self) -> tuple[int, int | None]:
+        low = self.number()
+        high: int | None = low
+        if self.peek() == ",":
+            self.pos += 1
+            high = None if self.peek() == "}" else self.number()
+        self.take("}")
+        if high is not None and high < low:
+            raise self.fail("the numbers of {n,m} are out of order")
+        return low, high
+
+    def number(self) -> int:
+        start = self.pos
+        while self.peek() in _DECIMAL:
+            self.pos += 1
+        digits = self.text[start:self.pos]
+        if not digits:
+            raise self.fail("'{' does not start a quantifier {n}, {n,} or {n,m}")
+        if len(digits) > len(str(MAX_PATTERN_REPEAT)) or int(digits) > MAX_PATTERN_REPEAT:
+            raise self.fail(f"a count above {MAX_PATTERN_REPEAT} is not supported")
+        return int(digits)
+
+    def atom(self) -> tuple:
+        ch = self.take()
+        if ch == ".":
+            return ("set", _DOT)
+        if ch == "[":
+            return self.char_class()
+        if ch == "(":
+            return self.group()
+        if ch == "\\":
+            return self.atom_escape()
+        if ch in _SYNTAX_CHARS:
+            self.pos -= 1
+            raise self.fail(f"{ch!r} has nothing to repeat" if ch in "*+?{" else
+                            f"a lone {ch!r} must be escaped")
+        return ("set", ((ord(ch), ord(ch)),))
+
+    def group(self) -> tuple:
+        if self.peek() == "?":
+            if self.peek(1) != ":":
+                kind = {"=": "a lookahead", "!": "a lookahead", "<": "a lookbehind"}
+                if self.peek(1) == "<" and self.peek(2) not in ("=", "!"):
+                    raise self.fail("a named group is not supported")
+                raise self.fail(f"{kind.get(self.peek(1), 'this group')} is not supported")
+            self.pos += 2
+        self.depth += 1
+        if self.depth > MAX_PATTERN_NESTING:
+            raise self.fail(f"groups nest deeper than {MAX_PATTERN_NESTING}")
+        node = self.disjunction()
+        self.depth -= 1
+        if self.peek() != ")":
+            raise self.fail("a group is not closed")
+        self.pos += 1
+        return node
+
+    def atom_escape(self) -> tuple:
+        ch = self.peek()
+        if ch in _CLASS_ESCAPES:
+            self.pos += 1
+            return ("set", _CLASS_ESCAPES[ch])
+        if ch in _DECIMAL and ch != "0":
+            raise self.fail("a backreference is not supported")
+        if ch == "k":
+            raise self.fail("a named backreference is not supported")
+        cp = self.char_escape()
+        return ("set", ((cp, cp),))
+
+    def char_escape(self) -> int:
+        """The code point of a CharacterEscape (after the backslash)."""
+        ch = self.take()
+        if ch in _CONTROL_ESCAPES:
+            return _CONTROL_ESCAPES[ch]
+        if ch == "0":
+            if self.peek() in _DECIMAL:
+                raise self.fail("an octal escape is not allowed")
+            return 0
+        if ch == "c" and self.peek().isascii() and self.peek().isalpha():
+            return ord(self.take()) % 32
+        if ch == "x":
+            return self.hex_digits(2)
+        if ch == "u":
+            return self.unicode_escape()
+        if ch in _SYNTAX_CHARS or ch == "/":
+            return ord(ch)
+        if ch in ("p", "P"):
+            raise self.fail("a Unicode property escape is not supported")
+        self.pos -= 1
+        raise self.fail(f"the escape \\{ch} is not allowed")
+
+    def hex_digits(self, count: int) -> int:
+        digits = self.text[self.pos:self.pos + count]
+        if len(digits) != count or not set(digits) <= _HEX_DIGITS:
+            raise self.fail("an escape needs more hexadecimal digits")
+        self.pos += count
+        return int(digits, 16)
+
+    def unicode_escape(self) -> int:
+        if self.peek() == "{":
+            end = self.text.find("}", self.pos)
+            digits = self.text[self.pos + 1:end] if end > 0 else ""
+            if not digits or not set(digits) <= _HEX_DIGITS or \
+                    int(digits, 16) > MAX_CODE_POINT:
+                raise self.fail("a \\u{...} escape is not a code point")
+            self.pos = end + 1
+            return int(digits, 16)
+        cp = self.hex_digits(4)
+        rest = self.text[self.pos:self.pos + 6]
+        if 0xD800 <= cp <= 0xDBFF and rest[:2] == "\\u" and set(rest[2:]) <= _HEX_DIGITS \
+                and len(rest) == 6 and 0xDC00 <= int(rest[2:], 16) <= 0xDFFF:
+            self.pos += 6     # a surrogate pair is one code point, as with the u flag
+            return 0x10000 + ((cp - 0xD800) << 10) + (int(rest[2:], 16) - 0xDC00)
+        return cp
+
+    def char_class(self) -> tuple:
+        negated = self.peek() == "^"
+        self.pos += negated
+        ranges: list[tuple[int, int]] = []
+        while self.peek() != "]":
+            low = self.class_atom()
+            if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                self.pos += 1
+                high = self.class_atom()
+                if isinstance(low, tuple) or isinstance(high, tuple):
+                    raise self.fail("a class escape cannot end a range")
+                if high < low:
+                    raise self.fail("a range is out of order")
+                ranges.append((low, high))
+            else:
+                ranges.extend(low if isinstance(low, tuple) else [(low, low)])
+        self.pos += 1
+        merged = _merge(ranges)
+        return ("set", _complement(merged) if negated else merged)
+
+    def class_atom(self) -> int | tuple:
+        """One code point, or a class escape's ranges."""
+        ch = self.peek()
+        if not ch:
+            raise self.fail("a character class is not closed")
+        self.pos += 1
+        if ch != "\\":
+            return ord(ch)
+        ch = self.peek()
+        if ch in _CLASS_ESCAPES:
+            self.pos += 1
+            return _CLASS_ESCAPES[ch]
+        if ch in ("b", "-"):
+            self.pos += 1
+            return 0x08 if ch == "b" else ord("-")
+        if ch in _DECIMAL and ch != "0":
+            raise self.fail("a backreference is not allowed in a class")
+        return self.char_escape()
+
+
+def _program_size(node: tuple) -> int:
+    """Instructions _emit writes for ``node``; each copy of a repeat counts at least one, so
+    a repeat of nothing cannot make emitting slow."""
+    kind = node[0]
+    if kind in ("set", "assert"):
+        return 1
+    if kind == "cat":
+        return sum(_program_size(n) for n in node[1])
+    if kind == "alt":
+        return sum(_program_size(n) + 2 for n in node[1])
+    body, low, high = max(_program_size(node[1]), 1), node[2], node[3]
+    return low * body + (body + 2 if high is None else (high - low) * (body + 1))
+
+
+def _emit(node: tuple, prog: list) -> None:
+    kind = node[0]
+    if kind in ("set", "assert"):
+        prog.append((_SET if kind == "set" else _ASSERT, node[1]))
+    elif kind == "cat":
+        for sub in node[1]:
+            _emit(sub, prog)
+    elif kind == "alt":
+        _emit_alt(node[1], prog)
+    else:
+        _emit_repeat(node[1], node[2], node[3], prog)
+
+
+def _emit_alt(branches: list, prog: list) -> None:
+    jumps = []
+    for branch in branches[:-1]:
+        split = len(prog)
+        prog.append(None)
+        _emit(branch, prog)
+        jumps.append(len(prog))
+        prog.append(None)
+        prog[split] = (_SPLIT, split + 1, len(prog))
+    _emit(branches[-1], prog)
+    for at in jumps:
+        prog[at] = (_JMP, len(prog))
+
+
+def _emit_repeat(body: tuple, low: int, high: int | None, prog: list) -> None:
+    for _ in range(low):
+        _emit(body, prog)
+    if high is None:                 # L: split(body, out); body; jmp L; out:
+        loop = len(prog)
+        prog.append(None)
+        _emit(body, prog)
+        prog.append((_JMP, loop))
+        prog[loop] = (_SPLIT, loop + 1, len(prog))
+        return
+    splits = []
+    for _ in range(high - low):      # each optional copy may be skipped to the end
+        splits.append(len(prog))
+        prog.append(None)
+        _emit(body, prog)
+    for at in splits:
+        prog[at] = (_SPLIT, at + 1, len(prog))
+
+
+def _in_ranges(ranges: tuple, cp: int) -> bool:
+    lo, hi = 0, len(ranges)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ranges[mid][1] < cp:
+            lo = mid + 1
+        elif ranges[mid][0] > cp:
+            hi = mid
+        else:
+            return True
+    return False
+
+
+class Pattern:
+    """A JSON Schema pattern: an ECMA-262 regular expression, searched for (not anchored).
+
+    The subset: literals; the escapes \\t \\n \\v \\f \\r \\0 \\cX \\xHH \\uHHHH \\u{H...}
+    and escaped syntax characters and '/'; '.'; classes [...] and [^...] with ranges and
+    class escapes; \\d \\D \\w \\W \\s \\S; the assertions ^ $ \\b \\B; groups (...) and
+    (?:...); alternation; the quantifiers * + ? {n} {n,} {n,m} and their lazy forms (which
+    match the same strings). Refused, with the reason, when the schema loads: backreferences,
+    lookahead and lookbehind, named groups, Unicode property escapes, counts above
+    MAX_PATTERN_REPEAT, programs above MAX_PATTERN_PROGRAM instructions, and whatever
+    ECMA-262 itself refuses with the u flag (a lone ']' or '{', an out-of-order range, ...).
+
+    Semantics: ECMA-262's, with the u flag: a Python str is a sequence of code points, and
+    the pattern is read and matched over code points, so an astral character is one
+    character to '.' and to a class. No flags otherwise: '.' matches anything but the line
+    terminators \\n \\r U+2028 U+2029; ^ and $ match only at the very start and end of the
+    string (never before a final newline); \\d \\w are ASCII ([0-9], [A-Za-z0-9_]); \\s is
+    ECMA's WhiteSpace and LineTerminator, \\b is a \\w boundary.
+
+    Cost: a step over one character visits each instruction at most once, so a match takes
+    at most (len(string) + 1) * MAX_PATTERN_PROGRAM instruction visits, and more than
+    MAX_PATTERN_WORK refuses the string rather than matching on. Steps are memoised on
+    (the set of live threads, the character, the context), so most characters cost one
+    dictionary lookup.
+    """
+
+    def __init__(self, text: str):
+        if len(text) > MAX_PATTERN_CHARS:
+            raise SchemaError(f"the pattern is longer than {MAX_PATTERN_CHARS} characters")
+        tree = _PatternParser(text).parse()
+        size = _program_size(tree) + 4
+        if size > MAX_PATTERN_PROGRAM:
+            raise SchemaError(f"the pattern needs {size} instructions, more than "
+                              f"{MAX_PATTERN_PROGRAM}")
+        # A search: "[^]*" first, so a match may start anywhere.
+        prog: list = [(_SPLIT, 3, 1), (_SET, _ALL), (_JMP, 0)]
+        _emit(tree, prog)
+        prog.append((_MATCH,))
+        self.text, self._prog, self._match = text, prog, len(prog) - 1
+        self._words = any(op[0] == _ASSERT and op[1] in "bB" for op in prog)
+        self._memo: dict[tuple, frozenset] = {}
+        self._states: dict[frozenset, frozenset] = {}
+        self._held = 0
+
+    def search(self, s: str) -> bool:
+        """Whether the pattern matches somewhere in ``s``. A string that would take more
+        than MAX_PATTERN_WORK instruction visits is refused with SchemaError."""
+        work = [0]
+        state = self._closure((0,), self._context(s, 0), work)
+        for i, ch in enumerate(s):
+            if self._match in state:
+                return True
+            ctx = self._context(s, i + 1)
+            nxt = self._memo.get((state, ch, ctx))
+            if nxt is None:
+                nxt = self._step(state, ch, ctx, work)
+            state = nxt
+        return self._match in state
+
+    def _context(self, s: str, i: int) -> int:
+        ctx = (_AT_START if i == 0 else 0) | (_AT_END if i == len(s) else 0)
+        if self._words:
+            ctx |= (_PREV_WORD if i and s[i - 1] in _WORD_CHARS else 0) | \
+                   (_NEXT_WORD if i < len(s) and s[i] in _WORD_CHARS else 0)
+        return ctx
+
+    def _step(self, state: frozenset, ch: str, ctx: int, work: list) -> frozenset:
+        cp, prog = ord(ch), self._prog
+        moved = [pc + 1 for pc in state if pc != self._match and _in_ranges(prog[pc][1], cp)]
+        nxt = self._closure(moved, ctx, work)
+        if len(self._memo) >= PATTERN_MEMO_STEPS or self._held >= PATTERN_MEMO_STATES:
+            self._memo.clear()
+            self._states.clear()
+            self._held = 0
+        nxt = self._states.setdefault(nxt, nxt)   # one copy of each state set is kept
+        self._held += len(nxt)
+        self._memo[(state, ch, ctx)] = nxt
+        return nxt
+
+    def _closure(self, starts: Iterable[int], ctx: int, work: list) -> frozenset:
+        """The instructions that consume a character (or match) reachable from ``starts``
+        without consuming one, at a position with context ``ctx``."""
+        prog, seen, out, stack = self._prog, set(), [], list(starts)
+        while stack:
+            pc = stack.pop()
+            if pc in seen:
+                continue
+            seen.add(pc)
+            op = prog[pc]
+            if op[0] == _SPLIT:
+                stack += (op[1], op[2])
+            elif op[0] == _JMP:
+                stack.append(op[1])
+            elif op[0] == _ASSERT:
+                if _holds(op[1], ctx):
+                    stack.append(pc + 1)
+            else:
+                out.append(pc)
+        work[0] += len(seen) + 1
+        if work[0] > MAX_PATTERN_WORK:
+            raise SchemaError(f"the string is too costly to match against pattern "
+                              f"{_quote(self.text)}")
+        return frozenset(out)
+
+
+def _holds(kind: str, ctx: int) -> bool:
+    if kind == "^":
+        return bool(ctx & _AT_START)
+    if kind == "$":
+        return bool(ctx & _AT_END)
+    boundary = bool(ctx & _PREV_WORD) != bool(ctx & _NEXT_WORD)
+    return boundary if kind == "b" else not boundary
+
+
+# -- Schemas --
+
 _ANNOTATIONS = frozenset({
     "$schema", "$comment", "title", "description", "default", "examples", "format",
     "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding"})
@@ -999,7 +1467,7 @@ class Schema:
         if not isinstance(self.root, (dict, bool)):
             raise SchemaError("input schema is not an object")
         self.raw = raw
-        self._patterns: dict[str, re.Pattern] = {}
+        self._patterns: dict[str, Pattern] = {}
         self._schemas: dict[tuple, Any] = {}       # every compiled subschema, by location
         self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
         self._compile(self.root, ())
@@ -1131,15 +1599,28 @@ class Schema:
                 else:
                     raise SchemaError(f"{where}/{name} is not an array of strings")
 
-    def _regex(self, pattern: str, where: str) -> re.Pattern:
+    def _regex(self, pattern: str, where: str) -> Pattern:
+        """The pattern compiled once per schema (by its text), or SchemaError naming where
+        it is and why it is refused."""
         found = self._patterns.get(pattern)
         if found is None:
             try:
-                found = re.compile(_ecma_pattern(pattern), re.ASCII)
-            except (re.error, RecursionError, OverflowError) as exc:
-                raise SchemaError(f"{where}: pattern does not compile: {exc}") from None
+                found = Pattern(pattern)
+            except SchemaError as exc:
+                raise SchemaError(f"{where}: pattern does not compile: {_quote(pattern)}: "
+                                  f"{exc}") from None
             self._patterns[pattern] = found
         return found
+
+    def _found(self, pattern: str, text: str, path: list, errors: list) -> bool:
+        """Whether ``pattern`` (compiled at load) matches in ``text``. A string too costly
+        to match is a failure recorded here, and counts as found so nothing else is
+        reported for it: it is refused, never let through as unmatched."""
+        try:
+            return self._regex(pattern, "pattern").search(text)
+        except SchemaError as exc:
+            _fail(errors, path, str(exc))
+            return True
 
     def _resolve(self, ref: str) -> tuple:
         """The location a local reference names (RFC 6901 within this document).
@@ -1200,25 +1681,6 @@ class Schema:
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
 
 
-def _ecma_pattern(pattern: str) -> str:
-    """Python's reading of a JSON Schema (ECMA-262) pattern: a '$' outside a character class
-    matches only at the very end, never before a final newline."""
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\":
-            out.append(pattern[i:i + 2])
-            i += 2
-            continue
-        if ch == "[" and not in_class:
-            in_class = True
-        elif ch == "]" and in_class:
-            in_class = False
-        out.append("\\Z" if ch == "$" and not in_class else ch)
-        i += 1
-    return "".join(out)
-
-
 def _fail(errors: list, path: list, detail: str) -> None:
     errors.append((_pointer(path), detail))
 
@@ -1277,7 +1739,7 @@ def _k_length(s, node, _unused, value, path, errors):
 
 
 def _k_pattern(s, node, pattern, value, path, errors):
-    if isinstance(value, str) and not s._regex(pattern, "pattern").search(value):
+    if isinstance(value, str) and not s._found(pattern, value, path, errors):
         _fail(errors, path, f"does not match pattern {_quote(pattern)}")
 
 
@@ -1314,7 +1776,7 @@ def _k_properties(s, node, _unused, value, path, errors):
             matched = True
             s._validate(props[name], item, path + [name], errors)
         for pat, sub in patterns.items():
-            if s._regex(pat, "patternProperties").search(name):
+            if s._found(pat, name, path + [name], errors):
                 matched = True
                 s._validate(sub, item, path + [name], errors)
         if not matched:

@@ -198,16 +198,25 @@ def test_grant_collected_after_another_gate_asked_again_does_not_execute(harness
         gate_b.close()
 
 
-def _slow_subject() -> tuple[int, float]:
-    """A length n for which ^(a+)+$ takes at least 0.4 s to refuse 'a'*n + '!'."""
-    rx = re.compile(r"^(a+)+$")
-    for n in range(18, 30):
+SLOW_PATTERN = "a[ab]{30}c"
+
+
+def _slow_subject() -> tuple[str, float]:
+    """A string that SLOW_PATTERN takes at least 0.4 s to refuse. Patterns are matched in
+    linear time, so slowness takes a long string whose prefixes leave many distinct sets of
+    live threads: a fixed pseudo-random mix of 'a' and 'b'."""
+    state, chars = 1, []
+    for n in (20_000, 40_000, 80_000, 160_000):
+        while len(chars) < n:
+            state = (state * 1103515245 + 12345) % 2 ** 31
+            chars.append("ab"[state >> 16 & 1])
+        text = "".join(chars)
         t = time.monotonic()
-        rx.search("a" * n + "!")
+        ap.Pattern(SLOW_PATTERN).search(text)
         took = time.monotonic() - t
         if took >= 0.4:
-            return n, took
-    return n, took
+            break
+    return text, took
 
 
 def test_slow_schema_pattern_does_not_hold_the_write_lock(harness):
@@ -215,9 +224,10 @@ def test_slow_schema_pattern_does_not_hold_the_write_lock(harness):
     inside its write transaction, so a schema pattern with catastrophic backtracking held the
     database's write lock, and every other writer (another proxy, the operator) waited for
     it. Proposals are judged first, outside the transaction."""
-    n, took = _slow_subject()
+    text, took = _slow_subject()
     spec = ap.ToolSpec("note", "notes", b'{"type":"object","properties":{"s":{"type":'
-                       b'"string","pattern":"^(a+)+$"}}}', "read_only", 5.0, True)
+                       b'"string","pattern":"' + SLOW_PATTERN.encode() + b'"}}}',
+                       "read_only", 5.0, True)
 
     async def note(args):
         return ap.ToolResult(b"{}", "ok")
@@ -242,7 +252,7 @@ def test_slow_schema_pattern_does_not_hold_the_write_lock(harness):
     probe.start()
     try:
         time.sleep(0.05)
-        args = b'{"s":"' + b"a" * n + b'!"}'
+        args = b'{"s":"' + text.encode() + b'"}'
         t = time.monotonic()
         asyncio.run(gate.call("r-slow", "note", LIMITS,
                               ap.Decision("tool_call", "note", args, origin="model")))

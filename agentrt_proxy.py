@@ -6267,8 +6267,8 @@ class Proxy:
         for _ in range(MAX_RETRIES + 1):
             try:
                 action = self.decide(tool, key, args)
-            except StoreError as exc:
-                self.log(f"error: {exc}")
+            except ProxyError as exc:       # a record that cannot be read, or written
+                self.log(f"error: {sanitize(str(exc))}")
                 return unavailable("read its records")
             if isinstance(action, Execute):
                 return await self.execute(action)
@@ -6948,21 +6948,35 @@ class HostServer:
             await asyncio.wait(set(self.inflight))
 
     def handle(self, line: bytes) -> None:
+        """Answer one line from the host. Nothing in it can stop serving: whatever goes wrong
+        is answered as an error (when there is a request to answer) and logged."""
+        if len(line) > MAX_FRAME:        # cut by the reader: not parsed at all
+            self.write(rpc_error(None, PARSE_ERROR, f"a message longer than {MAX_FRAME} "
+                                                    "bytes is not read"))
+            return
         try:
             msg = parse_message(line)
         except (JSONError, ProtocolError) as exc:
             self.write(rpc_error(None, error_code(exc), str(exc)))
             return
+        try:
+            self.route(msg)
+        except ProtocolError as exc:
+            self.write(rpc_error(msg.id_raw(), error_code(exc), str(exc), exc.data))
+        except Exception as exc:         # a fault of ours: the host still gets an answer
+            self.proxy.log(f"error: handling a {_quote(str(msg.method))} message: "
+                           f"{type(exc).__name__}: {sanitize(str(exc))}")
+            if msg.method is not None and msg.has_id:
+                self.write(rpc_error(msg.id_raw(), INTERNAL_ERROR, "internal error"))
+
+    def route(self, msg: Message) -> None:
         method = msg.method
         if method is None:
             return                       # a response to nothing we asked: ignored
         if not msg.has_id:
             self.notification(msg)
             return
-        try:
-            self.request(msg)
-        except ProtocolError as exc:
-            self.write(rpc_error(msg.id_raw(), error_code(exc), str(exc), exc.data))
+        self.request(msg)
 
     def notification(self, msg: Message) -> None:
         if msg.method == "notifications/cancelled":
@@ -7294,22 +7308,26 @@ class LineReader:
             yield chunk
 
     def _run(self) -> None:
-        pending, skipping = b"", False
+        # Only each new chunk is searched for line ends, and a long line is joined once, so
+        # reading costs the same per byte however long the host's lines are.
+        parts: list[bytes] = []
+        size, skipping = 0, False
         try:
             for chunk in self._chunks():
-                pending += chunk
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
+                start = 0
+                while (end := chunk.find(b"\n", start)) != -1:
                     if not skipping:
-                        self._put(line + b"\n")
-                    skipping = False
-                if len(pending) > MAX_FRAME and not skipping:
-                    self._put(pending[:MAX_FRAME + 1])
-                    pending, skipping = b"", True
-                elif skipping:
-                    pending = b""
-            if pending and not skipping:
-                self._put(pending)
+                        self._put(b"".join(parts) + chunk[start:end + 1])
+                    parts, size, skipping = [], 0, False
+                    start = end + 1
+                if start < len(chunk) and not skipping:
+                    parts.append(chunk[start:])
+                    size += len(chunk) - start
+                    if size > MAX_FRAME:
+                        self._put(b"".join(parts)[:MAX_FRAME + 1])
+                        parts, size, skipping = [], 0, True
+            if parts and not skipping:
+                self._put(b"".join(parts))
         except (OSError, ValueError):
             pass
         self._put(None)

@@ -310,3 +310,37 @@ def test_structured_result_with_fractional_numbers_is_passed_on_as_recorded(tmp_
         assert not h.is_error(again), h.text(again)
     finally:
         h.close()
+
+
+# -- the host's input: nothing in a line stops serving ---------------------------------------------
+
+def test_a_line_past_the_frame_limit_is_answered_and_serving_goes_on(tmp_path):
+    from process_helpers import ProcessDir, text
+    d = ProcessDir(tmp_path)
+    try:
+        p = d.start()
+        began = ap.time.monotonic()
+        p.send_line(b'{"jsonrpc":"2.0","id":7,"method":"ping","params":{"pad":"' +
+                    b"x" * (20 * 1024 * 1024) + b'"}}\n')
+        r = p.call("bank_balance", {"account": "A-1"}, timeout=60)
+        assert text(r) == "account A-1 holds 120.00 EUR", text(r)
+        assert ap.time.monotonic() - began < 30
+        errors = [json.loads(line) for line in p.raw_lines if b'"id":null' in line]
+        assert errors and errors[0]["error"]["code"] == -32700, p.raw_lines
+        p.stop()
+    finally:
+        d.cleanup()
+
+
+def test_a_fault_while_routing_a_message_is_answered_not_fatal(tmp_path, monkeypatch):
+    h = ProxyHarness(tmp_path)
+    try:
+        def broken():
+            raise RuntimeError("listing failed")
+        monkeypatch.setattr(h.proxy, "listing", broken)
+        msg = h.request("tools/list")
+        assert msg["error"]["code"] == ap.INTERNAL_ERROR
+        monkeypatch.undo()
+        assert "tools" in h.request("tools/list")["result"]
+    finally:
+        h.close()

@@ -3964,6 +3964,7 @@ class HttpUpstream(Upstream):
         self._active: set[_TimedSocket] = set()          # sockets of requests in flight
         self._pool_lock = threading.Lock()
         self._workers = _Workers(HTTP_CONCURRENCY)
+        self._notices: set[asyncio.Task] = set()         # cancellations being sent
 
     def _connection(self) -> http.client.HTTPConnection:
         """An idle kept-alive connection the server has not closed, else a new one."""
@@ -4147,13 +4148,21 @@ class HttpUpstream(Upstream):
                                   deadline), timeout + HTTP_SLACK)
         except asyncio.TimeoutError:
             if not self.modern:    # a legacy server does not read a dropped stream as a cancel
-                with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
-                    await self._notify(rpc_notification(
-                        "notifications/cancelled",
-                        {"requestId": msg_id, "reason": f"no answer within "
-                                                        f"{fmt_duration(timeout)}"}),
-                        "notifications/cancelled", HTTP_SLACK)
+                self._cancel_soon(msg_id, timeout)
             raise
+
+    def _cancel_soon(self, msg_id: int, timeout: float) -> None:
+        """Tell the server we stopped waiting, in the background (within HTTP_SLACK): the
+        caller's timeout comes at its deadline, not after a slow server took this too."""
+        note = rpc_notification("notifications/cancelled", {
+            "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"})
+
+        async def send() -> None:
+            with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
+                await self._notify(note, "notifications/cancelled", HTTP_SLACK)
+        task = asyncio.get_running_loop().create_task(send())
+        self._notices.add(task)                   # held until done: the loop keeps weak refs
+        task.add_done_callback(self._notices.discard)
 
     async def _post(self, payload: bytes, method: str) -> None:
         await self._notify(payload, method, DISCOVER_TIMEOUT)
@@ -4168,7 +4177,10 @@ class HttpUpstream(Upstream):
         """Refuse new requests and interrupt those in flight (their sockets are shut down,
         so no worker is left waiting on a trickling server), then end a legacy session
         with DELETE within HTTP_CLOSE_WAIT. Safe to call twice and while calls are in
-        flight; a session the server ended (404) gets no DELETE."""
+        flight; a session the server ended (404) gets no DELETE. Cancellations still
+        being sent get HTTP_SLACK to go first."""
+        if self._notices:
+            await asyncio.wait(list(self._notices), timeout=HTTP_SLACK)
         with self._pool_lock:
             was_closed, self.closed = self.closed, True
             idle, self._idle = self._idle, []

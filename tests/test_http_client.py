@@ -241,7 +241,6 @@ def test_upstream_exponent_bomb_id_is_no_match(tmp_path):
         try:
             start = time.monotonic()
             reply = await conn.request("tools/list", {}, 5.0)
-            assert json.loads(reply.raw("result")) == {"which": "right"}
             codes = {}
             for method in ("code/bomb", "code/long", "code/fraction", "code/plain"):
                 with pytest.raises(ap.ProtocolError) as info:
@@ -251,12 +250,13 @@ def test_upstream_exponent_bomb_id_is_no_match(tmp_path):
         finally:
             watch.cancel()
             await conn.close()
-        return elapsed, max(gaps), codes
-    elapsed, stall, codes = arun(body())
-    assert codes == {"code/bomb": ap.INTERNAL_ERROR, "code/long": ap.INTERNAL_ERROR,
-                     "code/fraction": ap.INTERNAL_ERROR, "code/plain": -32001}
+        return elapsed, max(gaps), json.loads(reply.raw("result")), codes
+    elapsed, stall, result, codes = arun(body(), timeout=300.0)
     assert stall < LOOP_STALL, f"the event loop stalled for {stall:.2f}s"
     assert elapsed < 2.0
+    assert result == {"which": "right"}      # 1e20000000, 1.0, 1e0, "1", -1: none is id 1
+    assert codes == {"code/bomb": ap.INTERNAL_ERROR, "code/long": ap.INTERNAL_ERROR,
+                     "code/fraction": ap.INTERNAL_ERROR, "code/plain": -32001}
 
 
 # ==== HTTP deadlines and workers ==============================================================
@@ -330,16 +330,16 @@ def test_http_close_is_bounded():
             conn.session_id = "s-1"        # a legacy session: close() also sends DELETE
             calls = [asyncio.create_task(timed(call(conn, 30.0)))
                      for _ in range(ap.HTTP_CONCURRENCY + 2)]
-            await until(lambda: slow.requests == ap.HTTP_CONCURRENCY)
+            await until(lambda: slow.requests >= ap.HTTP_CONCURRENCY)
             start = time.monotonic()
             await conn.close()
             closing = time.monotonic() - start
-            outcomes = await asyncio.wait_for(asyncio.gather(*calls), 3.0)
+            _, pending = await asyncio.wait(calls, timeout=3.0)
             after = await timed(call(conn, 5.0))
-            return closing, time.monotonic() - start, outcomes, after
-        closing, ended, outcomes, after = arun(body())
+            return closing, pending, [c.result() for c in calls if c.done()], after
+        closing, pending, outcomes, after = arun(body())
     assert closing < ap.HTTP_CLOSE_WAIT + DEADLINE_SLACK, closing
-    assert ended < 3.0, ended
+    assert not pending, f"{len(pending)} calls still running 3s after close()"
     kinds = sorted(type(o).__name__ for o, _ in outcomes)
     # In flight: sent, so their outcome is unknown. Still queued: never sent.
     assert kinds == ["NotSent"] * 2 + ["UpstreamError"] * ap.HTTP_CONCURRENCY, kinds

@@ -62,6 +62,7 @@ import datetime as _dt
 import hashlib
 import hmac
 import http.client
+import io
 import json
 import os
 import queue
@@ -70,6 +71,7 @@ import secrets
 import select
 import shutil
 import signal
+import socket
 import sqlite3
 import stat
 import sys
@@ -4130,8 +4132,18 @@ EXIT_POLL = 0.02                      # how often a closing server's exit is loo
 DISCOVER_TIMEOUT = 5.0                # the era probe, within the connect deadline
 DEFAULT_CONNECT_TIMEOUT = 30.0
 HTTP_POOL = 4                         # idle keep-alive connections per HTTP server
+# Requests in flight at once to one HTTP server, each in a worker thread of that server's
+# own: a server that trickles its answers ties up these and no other server's.
+HTTP_CONCURRENCY = 4
 HTTP_SLACK = 1.0                      # beyond a request's timeout, for the socket to give up
+HTTP_CLOSE_WAIT = 2.0                 # the session's DELETE at close, at most
 HTTP_BODY_SHOWN = 200                 # bytes of an unexpected HTTP answer quoted in an error
+# Envelope numbers are read from their literal, never converted exactly: an id or a code of
+# 1e20000000 costs seconds of CPU per conversion. The proxy's own ids are small positive
+# integers, so an answer's id matches only as those plain digits; a code is taken only from a
+# plain integer literal of at most this many digits (else INTERNAL_ERROR).
+MAX_ID_DIGITS = 20
+MAX_CODE_DIGITS = 10
 CLIENT_INFO = {"name": "agentrt-proxy", "version": PROXY_VERSION}
 _BASE_ENV = ("PATH", "HOME", "TMPDIR")
 
@@ -4213,10 +4225,9 @@ class Upstream:
         err = reply.doc.get("error")
         if err is not None:
             err = err if isinstance(err, dict) else {}
-            code = err.get("code")
+            code = _plain_int(err.get("code"), MAX_CODE_DIGITS, signed=True)
             raise ProtocolError(sanitize(str(err.get("message", "error"))),
-                                int(code.exact()) if isinstance(code, Num) and
-                                code.is_integer() else INTERNAL_ERROR, err.get("data"))
+                                INTERNAL_ERROR if code is None else code, err.get("data"))
         if "result" not in reply.doc:
             raise ProtocolError("the answer has neither a result nor an error")
         return reply
@@ -4449,9 +4460,7 @@ class StdioUpstream(Upstream):
 
     async def _dispatch(self, msg: Message) -> None:
         if msg.method is None:
-            ident = msg.doc.get("id")
-            key = int(ident.exact()) if isinstance(ident, Num) and ident.is_integer() else None
-            fut = self._pending.pop(key, None)
+            fut = self._pending.pop(_answer_id(msg.doc.get("id")), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             return
@@ -4524,7 +4533,10 @@ async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> None:
 class HttpUpstream(Upstream):
     """A server at a streamable-HTTP endpoint, spoken to with http.client: JSON or SSE
     answers, the session id and protocol version headers (legacy), the method and name
-    headers (modern), no redirects, bodies capped at MAX_FRAME, connections kept alive."""
+    headers (modern), no redirects, bodies capped at MAX_FRAME, connections kept alive.
+    Every read and write waits only until its request's deadline (``_TimedSocket``), and the
+    blocking work runs in this server's own workers (``_Workers``), so one slow server can
+    neither outlast a deadline nor starve the others."""
 
     def __init__(self, name: str, endpoint: str):
         super().__init__(name)
@@ -4535,7 +4547,10 @@ class HttpUpstream(Upstream):
         self.path = (url.path or "/") + (f"?{url.query}" if url.query else "")
         self.session_id = ""
         self._idle: list[http.client.HTTPConnection] = []
+        self._active: set[_TimedSocket] = set()          # sockets of requests in flight
         self._pool_lock = threading.Lock()
+        self._workers = _Workers(HTTP_CONCURRENCY)
+        self._notices: set[asyncio.Task] = set()         # cancellations being sent
 
     def _connection(self) -> http.client.HTTPConnection:
         """An idle kept-alive connection the server has not closed, else a new one."""
@@ -4558,6 +4573,18 @@ class HttpUpstream(Upstream):
                 return
         conn.close()
 
+    def _track(self, timed: _TimedSocket) -> None:
+        """Register a request's socket for close() to interrupt. Refused once closing, so
+        that no request starts after close() shut down the ones in flight."""
+        with self._pool_lock:
+            if self.closed:
+                raise NotSent(f"the connection to {self.name} is closed")
+            self._active.add(timed)
+
+    def _untrack(self, timed: _TimedSocket | None) -> None:
+        with self._pool_lock:
+            self._active.discard(timed)
+
     def _headers(self, method: str, tool: str) -> dict[str, str]:
         headers = {"Content-Type": "application/json",
                    "Accept": "application/json, text/event-stream"}
@@ -4572,14 +4599,16 @@ class HttpUpstream(Upstream):
         return headers
 
     def _round_trip(self, msg_id: int | None, payload: bytes, method: str, tool: str,
-                    timeout: float) -> Message | None:
-        """One POST, in a worker thread. Returns the answer to ``msg_id`` (None for a
-        notification)."""
+                    deadline: float) -> Message | None:
+        """One POST, in a worker thread, over by ``deadline``. Returns the answer to
+        ``msg_id`` (None for a notification). NotSent only while nothing was written."""
+        if self.closed:
+            raise NotSent(f"the connection to {self.name} is closed")
         conn = self._connection()
-        deadline = time.monotonic() + timeout
-        reusable = False
+        reusable, timed, resp = False, None, None
         try:
-            self._ready(conn, timeout)
+            timed = self._ready(conn, deadline)
+            self._track(timed)
             conn.request("POST", self.path, body=payload, headers=self._headers(method, tool))
             resp = conn.getresponse()
             if method == "initialize" and resp.getheader("Mcp-Session-Id"):
@@ -4598,33 +4627,44 @@ class HttpUpstream(Upstream):
             raise UpstreamError(f"HTTP request failed: {type(exc).__name__}: "
                                 f"{getattr(exc, 'strerror', None) or exc}") from None
         finally:
+            if resp is not None and not reusable:
+                # The response owns the socket once the server said it closes (every
+                # event stream): closing it is what ends the stream, the modern cancel.
+                with contextlib.suppress(OSError):
+                    resp.close()
+            self._untrack(timed)
             self._release(conn, reusable)
 
     @staticmethod
-    def _ready(conn: http.client.HTTPConnection, timeout: float) -> None:
-        """Connect (a failure here sent nothing) and give the socket this request's timeout
-        (a kept-alive socket keeps the timeout it was made with)."""
-        conn.timeout = max(timeout, 0.001)
+    def _ready(conn: http.client.HTTPConnection, deadline: float) -> _TimedSocket:
+        """Connect (a failure here sent nothing) and bound every read and write on the
+        connection by ``deadline`` (a kept-alive socket served an earlier deadline)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NotSent("the deadline passed before the request could be sent")
+        conn.timeout = left
         if conn.sock is None:
             try:
                 conn.connect()
             except OSError as exc:
                 raise NotSent(f"cannot connect to the server: "
                               f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
-        conn.sock.settimeout(conn.timeout)
+            conn.sock = _TimedSocket(conn.sock)
+        conn.sock.deadline = deadline
+        return conn.sock
 
     def _read_answer(self, resp: http.client.HTTPResponse, msg_id: int | None,
                      deadline: float) -> Message | None:
         status, ctype = resp.status, (resp.getheader("Content-Type") or "").split(";")[0]
-        length = resp.getheader("Content-Length")
-        if length and length.isdigit() and int(length) > MAX_FRAME:
-            raise UpstreamError(f"response body of {length} bytes exceeds {MAX_FRAME}")
+        # http.client's own reading of Content-Length: None when absent or not a number.
+        if resp.length is not None and resp.length > MAX_FRAME:
+            raise UpstreamError(f"response body of {resp.length} bytes exceeds {MAX_FRAME}")
         if 300 <= status < 400:
             resp.close()
             raise UpstreamError(f"the server answered {status} (a redirect), "
                                 "which this proxy does not follow")
         if status == 202 and msg_id is None:
-            _read_capped(resp, deadline)
+            _read_capped(resp)
             return None
         if status == 404 and self.session_id:
             resp.close()
@@ -4632,22 +4672,23 @@ class HttpUpstream(Upstream):
             raise UpstreamError("the server ended the session (404)")
         if ctype == "text/event-stream" and status == 200:
             return self._read_events(resp, msg_id, deadline)
-        body = _read_capped(resp, deadline)
+        body = _read_capped(resp)
         if ctype == "application/json" and body.strip():
             try:
                 msg = parse_message(body, UPSTREAM_DEPTH)
             except JSONError as exc:
                 raise UpstreamError(f"the server's answer is not JSON-RPC: {exc}") from None
             if status == 200 or "error" in msg.doc:
-                return msg
+                return None if msg_id is None else _matched(msg, msg_id)
         raise UpstreamError(f"the server answered HTTP {status}: "
                             f"{truncate(sanitize(body), HTTP_BODY_SHOWN)}")
 
     def _read_events(self, resp: http.client.HTTPResponse, msg_id: int | None,
                      deadline: float) -> Message:
         """Read SSE events until the answer to ``msg_id``, within ``deadline`` however the
-        server trickles; only events named 'message' (or unnamed) carry messages; a request
-        the server sends on the stream is answered with a refusal."""
+        server trickles (inside a line too: the socket's reads are bounded); only events
+        named 'message' (or unnamed) carry messages; a request the server sends on the
+        stream is answered with a refusal."""
         total, data, event = 0, [], ""
         while True:
             if time.monotonic() > deadline:
@@ -4670,54 +4711,208 @@ class HttpUpstream(Upstream):
                 msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH)
                 if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
                     return msg
-                refusal = self._route(msg)
-                if refusal is not None:
-                    with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
-                                             TimeoutError):
-                        self._round_trip(None, refusal, "", "", DISCOVER_TIMEOUT)
+                self._refuse(msg, deadline)
             data, event = [], ""
             if at_end:
                 raise UpstreamError("the event stream ended before the answer")
 
+    def _refuse(self, msg: Message, deadline: float) -> None:
+        """Answer a request the server sent on a stream, within the stream's own deadline."""
+        refusal = self._route(msg)
+        if refusal is not None:
+            with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
+                                     TimeoutError):
+                self._round_trip(None, refusal, "", "",
+                                 min(deadline, time.monotonic() + DISCOVER_TIMEOUT))
+
     async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
+        deadline = time.monotonic() + timeout
         try:
+            # The workers end the request at its deadline; this is only a backstop.
             return await asyncio.wait_for(
-                asyncio.to_thread(self._round_trip, msg_id, payload, method, tool, timeout),
-                timeout + HTTP_SLACK)
+                self._workers.run(deadline, self._round_trip, msg_id, payload, method, tool,
+                                  deadline), timeout + HTTP_SLACK)
         except asyncio.TimeoutError:
             if not self.modern:    # a legacy server does not read a dropped stream as a cancel
-                with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
-                    await asyncio.wait_for(self._post(rpc_notification(
-                        "notifications/cancelled",
-                        {"requestId": msg_id, "reason": f"no answer within "
-                                                        f"{fmt_duration(timeout)}"}),
-                        "notifications/cancelled"), HTTP_SLACK)
+                self._cancel_soon(msg_id, timeout)
             raise
 
+    def _cancel_soon(self, msg_id: int, timeout: float) -> None:
+        """Tell the server we stopped waiting, in the background (within HTTP_SLACK): the
+        caller's timeout comes at its deadline, not after a slow server took this too."""
+        note = rpc_notification("notifications/cancelled", {
+            "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"})
+
+        async def send() -> None:
+            with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
+                await self._notify(note, "notifications/cancelled", HTTP_SLACK)
+        task = asyncio.get_running_loop().create_task(send())
+        self._notices.add(task)                   # held until done: the loop keeps weak refs
+        task.add_done_callback(self._notices.discard)
+
     async def _post(self, payload: bytes, method: str) -> None:
-        await asyncio.to_thread(self._round_trip, None, payload, method, "", DISCOVER_TIMEOUT)
+        await self._notify(payload, method, DISCOVER_TIMEOUT)
+
+    async def _notify(self, payload: bytes, method: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        await asyncio.wait_for(
+            self._workers.run(deadline, self._round_trip, None, payload, method, "", deadline),
+            timeout + HTTP_SLACK)
 
     async def close(self) -> None:
-        if self.closed and not self._idle:
-            return
-        if self.session_id and not self.modern:
-            with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
-                                     asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.to_thread(self._delete), DISCOVER_TIMEOUT)
-        self.closed = True
+        """Refuse new requests and interrupt those in flight (their sockets are shut down,
+        so no worker is left waiting on a trickling server), then end a legacy session
+        with DELETE within HTTP_CLOSE_WAIT. Safe to call twice and while calls are in
+        flight; a session the server ended (404) gets no DELETE. Cancellations still
+        being sent get HTTP_SLACK to go first."""
+        if self._notices:
+            await asyncio.wait(list(self._notices), timeout=HTTP_SLACK)
         with self._pool_lock:
+            was_closed, self.closed = self.closed, True
             idle, self._idle = self._idle, []
+            active = list(self._active)
         for conn in idle:
             conn.close()
+        for timed in active:
+            timed.interrupt()
+        if was_closed or not self.session_id or self.modern:
+            return
+        deadline = time.monotonic() + HTTP_CLOSE_WAIT
+        with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
+                                 asyncio.TimeoutError):
+            await asyncio.wait_for(_Workers.in_thread(self._delete, deadline),
+                                   HTTP_CLOSE_WAIT + HTTP_SLACK)
 
-    def _delete(self) -> None:
+    def _delete(self, deadline: float) -> None:
         conn = self._connection()
         try:
-            self._ready(conn, DISCOVER_TIMEOUT)
+            self._ready(conn, deadline)
             conn.request("DELETE", self.path, headers=self._headers("", ""))
             conn.getresponse().close()
         finally:
             conn.close()
+
+
+class _Workers:
+    """One HTTP server's blocking requests: at most ``limit`` at once, each in a daemon
+    thread of its own. A server that never finishes an answer holds only its own slots,
+    never the shared default executor, and a daemon thread never holds up the exit."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._slots: asyncio.Semaphore | None = None      # made in the loop that uses it
+
+    async def run(self, deadline: float, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` in a worker once a slot is free. A request still waiting for one
+        at ``deadline`` never left the proxy: NotSent, never an unknown outcome."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.limit)
+        try:
+            await asyncio.wait_for(self._slots.acquire(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise NotSent(f"all {self.limit} connections to the server stayed busy until "
+                          "the deadline") from None
+        return await self.in_thread(fn, *args, on_done=self._slots.release)
+
+    @staticmethod
+    async def in_thread(fn: Callable, *args: Any, on_done: Callable | None = None) -> Any:
+        """``fn(*args)`` in a new daemon thread. ``on_done`` runs in the loop when the thread
+        ends, even when the caller stopped waiting: a slot is the thread's until then."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(result: Any, exc: BaseException | None) -> None:
+            if on_done is not None:
+                on_done()
+            if done.done():                       # the caller stopped waiting
+                return
+            if exc is None:
+                done.set_result(result)
+            else:
+                done.set_exception(exc)
+
+        def work() -> None:
+            result, exc = None, None
+            try:
+                result = fn(*args)
+            except BaseException as err:          # every outcome goes back to the loop
+                exc = err
+            with contextlib.suppress(RuntimeError):        # the loop is already closed
+                loop.call_soon_threadsafe(settle, result, exc)
+
+        threading.Thread(target=work, daemon=True).start()
+        return await done
+
+
+class _TimedSocket:
+    """A connected socket whose every send and receive waits only until the current
+    request's deadline. A plain socket timeout restarts with each receive, so a server that
+    trickles a byte at a time without a newline would hold a status line, a header, a chunk
+    size or an SSE line (and the worker reading it) for ever; here the time left shrinks."""
+
+    def __init__(self, sock: Any):
+        self.sock = sock
+        self.deadline = 0.0
+
+    def arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request's deadline passed")
+        self.sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self.arm()
+        self.sock.sendall(data)
+
+    def makefile(self, mode: str = "rb", *_args: Any, **_kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_TimedReader(self))
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def interrupt(self) -> None:
+        """End a read or write in flight in a worker (the upstream is closing). The base
+        class's shutdown: a TLS socket's own would tear down its state under the reader."""
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        # While a response still reads, the real close waits for its reader (the socket
+        # counts the reader's reference), as with http.client's own sockets.
+        self.sock.close()
+
+
+class _TimedReader(io.RawIOBase):
+    """The raw stream under an HTTP response: each receive armed with the time left."""
+
+    def __init__(self, timed: _TimedSocket):
+        super().__init__()
+        self.timed = timed
+        self.raw = timed.sock.makefile("rb", buffering=0)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int | None:
+        self.timed.arm()
+        return self.raw.readinto(buf)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
+def _matched(msg: Message, msg_id: int) -> Message:
+    """The answer to ``msg_id``, or a protocol error: an answer with another id, or none,
+    belongs to another exchange (or is forged), and taking it would record another call's
+    outcome as this one's. Not NotSent: the request was sent."""
+    if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
+        return msg
+    got = msg.raw("id")
+    shown = "no id" if got is None else \
+        f"id {truncate(sanitize(got[:HTTP_BODY_SHOWN]), NUMBER_SHOWN)}"
+    raise UpstreamError(f"the server's answer has {shown}, not the request's id {msg_id}")
 
 
 def _header_value(text: str) -> str:
@@ -4739,19 +4934,34 @@ def _peer_closed(conn: http.client.HTTPConnection) -> bool:
         return True
 
 
+def _plain_int(value: Any, max_digits: int, signed: bool = False) -> int | None:
+    """The integer a plain literal of at most ``max_digits`` digits spells (a leading '-'
+    when ``signed``), else None. Nothing else is converted: 1.0, 1e0 and 1e20000000 are
+    no such literal, and an exact conversion of the last would freeze the event loop."""
+    if not isinstance(value, Num):
+        return None
+    digits = value.text[1:] if signed and value.text.startswith("-") else value.text
+    if not (0 < len(digits) <= max_digits and digits.isascii() and digits.isdigit()):
+        return None
+    return int(value.text)
+
+
+def _answer_id(value: Any) -> int | None:
+    """The id of an answer as one the proxy may have sent, else None."""
+    return _plain_int(value, MAX_ID_DIGITS)
+
+
 def _same_id(got: Any, want: int | None) -> bool:
-    return isinstance(got, Num) and got.is_integer() and int(got.exact()) == want
+    return want is not None and _answer_id(got) == want
 
 
-def _read_capped(resp: http.client.HTTPResponse, deadline: float) -> bytes:
-    """A whole body, at most MAX_FRAME bytes, by ``deadline`` however slowly it comes."""
+def _read_capped(resp: http.client.HTTPResponse) -> bytes:
+    """A whole body, at most MAX_FRAME bytes; its socket's reads end at the deadline."""
     chunks, total = [], 0
     while chunk := resp.read1(READ_CHUNK):
         total += len(chunk)
         if total > MAX_FRAME:
             raise UpstreamError(f"response body exceeds {MAX_FRAME} bytes")
-        if time.monotonic() > deadline:
-            raise TimeoutError()
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -102,9 +102,10 @@ MAX_POLICY_ID_BYTES = 256            # a policy identity
 MAX_SCHEMA_ERRORS = 8                # schema failures listed in one message
 MAX_SCHEMA_CHAIN = 64                # $refs and combinators applying to one value, in a row
 MAX_SCHEMA_FAN_OUT = 10_000          # subschemas one value may be checked against, through them
-MAX_SCHEMA_EVALUATIONS = 1_000_000   # what checking one call's arguments may spend (see 6.)
+MAX_SCHEMA_EVALUATIONS = 300_000     # what checking one call's arguments may spend (see 6.)
 MAX_MULTIPLE_OF_DIGITS = 64          # significant digits of a schema's multipleOf
 DIGITS_PER_EVALUATION = 100          # a multipleOf check of a long number costs one more per
+LEVELS_PER_EVALUATION = 32           # an evaluation this deep in the value costs one more
 INT_TEXT_DIGITS = 4000               # digits int() converts from text (the runtime stops at 4300)
 # Arguments nest up to MAX_DEPTH and checking takes a few frames per level; Python's default
 # of 1000 frames is too few. Deeper still is refused (RecursionError), never accepted.
@@ -315,6 +316,9 @@ class Num:
             return self._normal
 
     def is_integer(self) -> bool:
+        text = self.text
+        if "." not in text and "e" not in text and "E" not in text:
+            return True             # most literals: digits alone, decided without a pass
         sign, _, exponent = self.normal()
         return sign == 0 or exponent >= 0
 
@@ -322,14 +326,18 @@ class Num:
 def _normal_form(text: str) -> tuple[int, str, int]:
     """Num.normal from a well-formed literal, in time linear in its length: no big integer
     is built, so a 10,000-character literal costs microseconds, not seconds."""
-    mantissa, _, written = text.lower().partition("e")
-    sign = -1 if mantissa.startswith("-") else 1
-    whole, _, fraction = mantissa.lstrip("-").partition(".")
-    digits = (whole + fraction).lstrip("0")
+    sign = -1 if text.startswith("-") else 1
+    if "." not in text and "e" not in text and "E" not in text:    # digits alone: most
+        digits = text.lstrip("-").lstrip("0")
+        kept = digits.rstrip("0")
+        return (sign, kept, len(digits) - len(kept)) if digits else (0, "", 0)
+    mantissa, _, written = text.lstrip("-").replace("E", "e").partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = (whole + fraction).lstrip("0") if fraction else whole.lstrip("0")
     if not digits:
         return 0, "", 0
     kept = digits.rstrip("0")
-    power = _int_text(written.lstrip("+-").lstrip("0") or "0")
+    power = _int_text(written.lstrip("+-").lstrip("0") or "0") if written else 0
     power = -power if written.startswith("-") else power
     return sign, kept, power - len(fraction) + len(digits) - len(kept)
 
@@ -938,11 +946,11 @@ _OTHER_KEYWORDS = frozenset({"type", "required", "items", "enum", "const", "patt
 SCHEMA_KEYWORDS = (_ANNOTATIONS | _SUBSCHEMA_MAPS | _SUBSCHEMA_LISTS | _SUBSCHEMA_ONE |
                    _NUMERIC | _COUNTS | _OTHER_KEYWORDS)
 _TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
-# Keywords whose check visits every member or item of the value: an evaluation of a schema
-# holding one costs one more for each member (and each patternProperties regex it tries).
+# Keywords whose check does work for every member or item of the value that no evaluation
+# of a subschema pays for (the rest, items or contains, evaluate one for each): a schema
+# holding one costs one more for each member, and for each patternProperties regex tried.
 _MEMBER_LOOPS = frozenset({"properties", "patternProperties", "additionalProperties",
-                           "propertyNames", "items", "prefixItems", "additionalItems",
-                           "contains", "uniqueItems"})
+                           "uniqueItems"})
 # Exact integer arithmetic on a value's digits for multipleOf: the quotient has at most as
 # many digits as a literal may have.
 _EXACT = Context(prec=MAX_NUMBER_LITERAL)
@@ -1028,10 +1036,12 @@ class Schema:
     What checking may cost is bounded twice. When the schema loads, the number of
     subschemas one value is checked against through $ref and the combinators is counted and
     refused past MAX_SCHEMA_FAN_OUT. Each call then has MAX_SCHEMA_EVALUATIONS to spend: an
-    evaluation of a schema object costs one plus one per keyword, per enum or const value,
-    per required name, and per member of the value its keywords loop over; of a boolean
-    schema, one. Spending it all is a refusal (CheckTooCostly), so a schema whose fan-out
-    multiplies through items or properties over a large array is refused, never run long."""
+    evaluation of a schema object costs one per keyword that checks anything (at least one),
+    one per enum or const value and required name, one per member of the value that its
+    keywords visit without evaluating a subschema, and one per LEVELS_PER_EVALUATION levels
+    deep in the value; of a boolean schema, one and the same for depth. Spending it all is a
+    refusal (CheckTooCostly), so a fan-out that multiplies through items or properties over
+    a large array is refused, never run long; nothing is executed either way."""
 
     def __init__(self, raw: bytes):
         try:
@@ -1251,7 +1261,7 @@ class Schema:
         Raises JSONError for bytes that are not usable JSON, SchemaError for a mismatch
         (CheckTooCostly when checking spent the call's budget)."""
         value = parse_json(raw)
-        errors: list[tuple[str, str]] = []
+        errors = _Failures()
         # A compiled schema is shared by every call of its tool: a call's budget and keys
         # live on a shallow copy, which shares the compiled tables.
         run = copy.copy(self)
@@ -1264,19 +1274,23 @@ class Schema:
         except CheckTooCostly as exc:
             raise CheckTooCostly(exc.at or (), exc.path) from None
         if errors:
-            shown = "; ".join(f"at '{p}': {d}" for p, d in errors[:MAX_SCHEMA_ERRORS])
-            more = len(errors) - MAX_SCHEMA_ERRORS
-            raise SchemaError(shown + (f"; and {more} more" if more > 0 else ""))
+            shown = "; ".join(f"at '{p}': {d}" for p, d in errors)
+            raise SchemaError(shown + (f"; and {errors.more} more" if errors.more else ""))
         return value
 
     def _validate(self, node: Any, value: Any, path: list, errors: list) -> None:
         if node is True or node is False:
-            self._spend(1, path)
+            # _spend, inline: this runs once per item of an array
+            self._left -= 1 + len(path) // LEVELS_PER_EVALUATION
+            if self._left < 0:
+                raise CheckTooCostly(None, _pointer(path))
             if node is False:
                 errors.append((_pointer(path), "no value is allowed here"))
             return
         try:
             fixed, per_member = self._costs[id(node)]
+            # deep in a value, each member's path (a list) is copied: that costs too
+            fixed += len(path) // LEVELS_PER_EVALUATION
             loops = per_member and type(value) in (list, dict)
             self._spend(fixed + per_member * len(value) if loops else fixed, path)
             for key, val in node.items():
@@ -1314,9 +1328,25 @@ class Schema:
         return found
 
     def _sub_ok(self, node: Any, value: Any, path: list) -> bool:
-        errs: list = []
+        errs = _Failures()
         self._validate(node, value, path, errs)
         return not errs
+
+
+class _Failures(list):
+    """The failures of one check, as (pointer, detail): the first MAX_SCHEMA_ERRORS kept and
+    the rest only counted. A check may fail hundreds of thousands of times within its budget,
+    each detail quoting a 10,000-character number; holding them all would take gigabytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.more = 0
+
+    def append(self, failure: tuple[str, str]) -> None:
+        if len(self) < MAX_SCHEMA_ERRORS:
+            super().append(failure)
+        else:
+            self.more += 1
 
 
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
@@ -1422,9 +1452,10 @@ def _k_count(kind: type, low: str, high: str, noun: str):
 
 def _k_required(s, node, names, value, path, errors):
     if isinstance(value, dict):
-        for name in names:
-            if name not in value:
-                _fail(errors, path, f"missing property {_quote(name)}")
+        missing = [name for name in names if name not in value]
+        s._spend(len(missing), path)        # a failure costs more to report than to find
+        for name in missing:
+            _fail(errors, path, f"missing property {_quote(name)}")
 
 
 def _k_properties(s, node, _unused, value, path, errors):
@@ -1562,7 +1593,9 @@ _CHECKS: dict[str, Callable] = {
 def _first_of(keys: tuple[str, ...], check: Callable) -> Callable:
     """Run ``check`` once per schema node, from whichever of ``keys`` comes first in it."""
     def run(s, node, val, value, path, errors, _keys=keys):
-        first = next(k for k in node if k in _keys)
+        for first in node:          # a loop, not next(genexpr): this runs for every value
+            if first in _keys:
+                break
         if first == run.key:
             check(s, node, val, value, path, errors)
     return run
@@ -1584,10 +1617,11 @@ del _keys, _check, _key, _runner
 
 
 def _evaluation_cost(node: dict) -> tuple[int, int]:
-    """What one evaluation of a schema object costs: fixed (one, one per keyword, and one
-    per value its keywords compare with or names they require), and per member of the value
-    when a keyword loops over them (one, and one per patternProperties regex)."""
-    fixed = 1 + len(node) + len(node.get("required", ()))
+    """What one evaluation of a schema object costs: fixed (one per keyword that checks
+    anything, at least one, and one per value its keywords compare with or name they
+    require), and per member of the value when a keyword loops over them (one, and one per
+    patternProperties regex)."""
+    fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
     fixed += sum(_size(o) for o in node.get("enum", ())) + (_size(node["const"]) if "const" in node else 0)
     for key in ("dependentRequired", "dependencies"):
         fixed += sum(len(dep) for dep in node.get(key, {}).values() if isinstance(dep, list))

@@ -57,6 +57,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import copy
 import dataclasses
 import datetime as _dt
 import hashlib
@@ -80,7 +81,7 @@ import threading
 import time
 import urllib.parse
 import unicodedata
-from decimal import Decimal
+from decimal import Context, Decimal
 from fractions import Fraction
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
@@ -108,6 +109,12 @@ MAX_RESULT_BYTES = 64 * 1024         # a result or quoted result shown to the mo
 MAX_POLICY_ID_BYTES = 256            # a policy identity
 MAX_SCHEMA_ERRORS = 8                # schema failures listed in one message
 MAX_SCHEMA_CHAIN = 64                # $refs and combinators applying to one value, in a row
+MAX_SCHEMA_FAN_OUT = 10_000          # subschemas one value may be checked against, through them
+MAX_SCHEMA_EVALUATIONS = 300_000     # what checking one call's arguments may spend (see 6.)
+MAX_MULTIPLE_OF_DIGITS = 64          # significant digits of a schema's multipleOf
+DIGITS_PER_EVALUATION = 100          # a multipleOf check of a long number costs one more per
+LEVELS_PER_EVALUATION = 32           # an evaluation this deep in the value costs one more
+INT_TEXT_DIGITS = 4000               # digits int() converts from text (the runtime stops at 4300)
 # Arguments nest up to MAX_DEPTH and checking takes a few frames per level; Python's default
 # of 1000 frames is too few. Deeper still is refused (RecursionError), never accepted.
 RECURSION_LIMIT = 6000
@@ -179,6 +186,21 @@ class JSONError(ProxyError, ValueError):
 
 class SchemaError(ProxyError, ValueError):
     """A schema we refuse to load, or arguments that do not match one."""
+
+
+class CheckTooCostly(SchemaError):
+    """Checking arguments against a schema spent the call's budget: a refusal, like any
+    mismatch. ``at`` is the schema location it ran out in (filled in as the error passes
+    the nearest schema object), ``path`` the pointer of the value being checked."""
+
+    def __init__(self, at: tuple | None, path: str):
+        self.at, self.path = at, path
+        super().__init__(at, path)
+
+    def __str__(self) -> str:
+        where = "" if self.at is None else _pointer(self.at)
+        return (f"checking these arguments against the schema at #{where} exceeded "
+                f"{MAX_SCHEMA_EVALUATIONS} evaluations (at the value '{self.path}')")
 
 
 class StoreError(ProxyError):
@@ -279,8 +301,9 @@ _LITERALS = (("true", True), ("false", False), ("null", None))
 
 class Num:
     """A JSON number, kept as the literal text it was written with. Immutable by use: a
-    plain slotted class because a frozen dataclass costs a microsecond to build."""
-    __slots__ = ("text",)
+    plain slotted class because a frozen dataclass costs a microsecond to build. Its
+    normal form is computed from the text once, when first asked for."""
+    __slots__ = ("text", "_normal")
 
     def __init__(self, text: str):
         self.text = text
@@ -295,11 +318,52 @@ class Num:
         return f"Num({self.text!r})"
 
     def exact(self) -> Fraction:
-        """The number's exact value (bounded by the literal limits of this section)."""
+        """The number's exact value. Costly for long literals (1.7...7e-9999 has a
+        denominator of 20,000 digits): the schema checks use ``normal`` instead."""
         return Fraction(Decimal(self.text))
 
+    def normal(self) -> tuple[int, str, int]:
+        """(sign, digits, exponent): the value is sign * int(digits) * 10**exponent, with no
+        leading or trailing zero in digits; zero is (0, "", 0). Equal values, however they
+        are spelled (1, 1.0, 10e-1), have equal normal forms."""
+        try:
+            return self._normal
+        except AttributeError:
+            self._normal = _normal_form(self.text)
+            return self._normal
+
     def is_integer(self) -> bool:
-        return self.exact().denominator == 1
+        text = self.text
+        if "." not in text and "e" not in text and "E" not in text:
+            return True             # most literals: digits alone, decided without a pass
+        sign, _, exponent = self.normal()
+        return sign == 0 or exponent >= 0
+
+
+def _normal_form(text: str) -> tuple[int, str, int]:
+    """Num.normal from a well-formed literal, in time linear in its length: no big integer
+    is built, so a 10,000-character literal costs microseconds, not seconds."""
+    sign = -1 if text.startswith("-") else 1
+    if "." not in text and "e" not in text and "E" not in text:    # digits alone: most
+        digits = text.lstrip("-").lstrip("0")
+        kept = digits.rstrip("0")
+        return (sign, kept, len(digits) - len(kept)) if digits else (0, "", 0)
+    mantissa, _, written = text.lstrip("-").replace("E", "e").partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = (whole + fraction).lstrip("0") if fraction else whole.lstrip("0")
+    if not digits:
+        return 0, "", 0
+    kept = digits.rstrip("0")
+    power = _int_text(written.lstrip("+-").lstrip("0") or "0") if written else 0
+    power = -power if written.startswith("-") else power
+    return sign, kept, power - len(fraction) + len(digits) - len(kept)
+
+
+def _int_text(digits: str) -> int:
+    """int() of a digit string (no sign, no leading zeros) of any length. Within the
+    parser's bounds an exponent has at most MAX_EXPONENT_DIGITS digits; longer ones only
+    come from documents read without bounds, and are converted the slow way, never refused."""
+    return int(digits) if len(digits) <= INT_TEXT_DIGITS else int(Decimal(digits))
 
 
 class _Parser:
@@ -831,11 +895,16 @@ def _dump(value: Any, out: list[str]) -> None:
 
 
 def to_plain(value: Any) -> Any:
-    """A parsed value with numbers made Python numbers, for display and simple reads."""
+    """A parsed value with numbers made Python numbers, for display and simple reads: an
+    integer literal (no fraction, no exponent) becomes an int, any other a float. Decided
+    from the text: a record holds the model's arguments and a server's results, whose long
+    literals must not cost an exact fraction each."""
     if isinstance(value, Num):
-        exact = value.exact()
-        return int(exact) if exact.denominator == 1 and "." not in value.text \
-            and "e" not in value.text.lower() else float(value.text)
+        text = value.text
+        if "." in text or "e" in text or "E" in text:
+            return float(text)
+        sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text)
+        return sign * _int_text(digits.lstrip("0") or "0")
     if isinstance(value, dict):
         return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -1418,6 +1487,14 @@ _OTHER_KEYWORDS = frozenset({"type", "required", "items", "enum", "const", "patt
 SCHEMA_KEYWORDS = (_ANNOTATIONS | _SUBSCHEMA_MAPS | _SUBSCHEMA_LISTS | _SUBSCHEMA_ONE |
                    _NUMERIC | _COUNTS | _OTHER_KEYWORDS)
 _TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+# Keywords whose check does work for every member or item of the value that no evaluation
+# of a subschema pays for (the rest, items or contains, evaluate one for each): a schema
+# holding one costs one more for each member, and for each patternProperties regex tried.
+_MEMBER_LOOPS = frozenset({"properties", "patternProperties", "additionalProperties",
+                           "uniqueItems"})
+# Exact integer arithmetic on a value's digits for multipleOf: the quotient has at most as
+# many digits as a literal may have.
+_EXACT = Context(prec=MAX_NUMBER_LITERAL)
 
 
 def _pointer(path: Iterable[str | int]) -> str:
@@ -1435,9 +1512,10 @@ def _kind(value: Any) -> str:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    """JSON equality: numbers by exact value, objects without regard to order."""
+    """JSON equality: numbers by exact value (their normal forms), objects without regard to
+    order. Costs at most the size of the smaller value."""
     if isinstance(a, Num) and isinstance(b, Num):
-        return a.exact() == b.exact()
+        return a.normal() == b.normal()
     if type(a) is not type(b):
         return False
     if isinstance(a, list):
@@ -1447,19 +1525,64 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _hashable(value: Any) -> Any:
-    """A form of a JSON value that hashes equal exactly when the values are _equal."""
-    if isinstance(value, Num):
-        return ("n", value.exact())
+def _compare(a: tuple[int, str, int], b: tuple[int, str, int]) -> int:
+    """-1, 0 or 1 as the number with normal form ``a`` is below, equal to or above ``b``.
+    Exact, and linear in the digits: first the signs, then the position of the leading digit,
+    then the digit strings, whose order is the numbers' order once the leading digits line up
+    (neither has a trailing zero)."""
+    (sa, da, ea), (sb, db, eb) = a, b
+    if sa != sb or sa == 0:
+        return (sa > sb) - (sa < sb)
+    lead_a, lead_b = ea + len(da), eb + len(db)
+    if lead_a != lead_b:
+        return sa if lead_a > lead_b else -sa
+    return sa * ((da > db) - (da < db))
+
+
+def _compare_count(n: int, bound: Num) -> int:
+    """_compare for a length or count against a schema's integer bound (which may be
+    1e10000), without building the bound as an integer."""
+    return _compare(_normal_form(str(n)), bound.normal())
+
+
+def _is_multiple(value: tuple[int, str, int], of: tuple[int, str, int]) -> bool:
+    """Whether value / of is an integer, for normal forms with ``of`` positive and at most
+    MAX_MULTIPLE_OF_DIGITS digits. value / of = (digits / divisor) * 10**shift: no power of
+    ten is ever built, however far apart the exponents are (1e10000 and 1e-300)."""
+    sign, digits, exponent = value
+    _, divisor, power = of
+    shift = exponent - power
+    if sign == 0:
+        return True
+    if shift < 0:
+        # digits has no trailing zero, so it is never a multiple of divisor * 10**-shift
+        return False
+    modulus = int(divisor)
+    rest = int(_EXACT.remainder(Decimal(digits), Decimal(divisor)))
+    return rest * pow(10, shift, modulus) % modulus == 0
+
+
+def _size(value: Any) -> int:
+    """The number of JSON values in ``value``, itself included."""
     if isinstance(value, list):
-        return ("a", tuple(_hashable(v) for v in value))
+        return 1 + sum(_size(v) for v in value)
     if isinstance(value, dict):
-        return ("o", tuple(sorted((k, _hashable(v)) for k, v in value.items())))
-    return (type(value).__name__, value)
+        return 1 + sum(_size(v) for v in value.values())
+    return 1
 
 
 class Schema:
-    """A compiled tool input schema. ``check`` takes the raw argument bytes."""
+    """A compiled tool input schema. ``check`` takes the raw argument bytes.
+
+    What checking may cost is bounded twice. When the schema loads, the number of
+    subschemas one value is checked against through $ref and the combinators is counted and
+    refused past MAX_SCHEMA_FAN_OUT. Each call then has MAX_SCHEMA_EVALUATIONS to spend: an
+    evaluation of a schema object costs one per keyword that checks anything (at least one),
+    one per enum or const value and required name, one per member of the value that its
+    keywords visit without evaluating a subschema, and one per LEVELS_PER_EVALUATION levels
+    deep in the value; of a boolean schema, one and the same for depth. Spending it all is a
+    refusal (CheckTooCostly), so a fan-out that multiplies through items or properties over
+    a large array is refused, never run long; nothing is executed either way."""
 
     def __init__(self, raw: bytes):
         try:
@@ -1472,6 +1595,16 @@ class Schema:
         self._patterns: dict[str, Pattern] = {}
         self._schemas: dict[tuple, Any] = {}       # every compiled subschema, by location
         self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
+        # By the id of each schema object (the tree is kept, so ids stay unique): where it
+        # is and what one evaluation of it costs (fixed, per member of the value); and by
+        # the id of each enum and const value, how a mismatch shows it.
+        self._where: dict[int, tuple] = {}
+        self._costs: dict[int, tuple[int, int]] = {}
+        self._shown: dict[int, str] = {}
+        # The state of one call's check, set on a copy of the compiled schema (see check).
+        self._left = 0
+        self._keys: dict[int, int] = {}
+        self._interned: dict[tuple, int] = {}
         self._compile(self.root, ())
         self._check_refs()
 
@@ -1487,6 +1620,27 @@ class Schema:
         longest: dict[tuple, int] = {}
         for start in self._schemas:
             self._chain(start, longest, set())
+        fan: dict[tuple, int] = {}
+        for start in self._schemas:
+            self._fan_out(start, fan)
+
+    def _fan_out(self, at: tuple, fan: dict) -> int:
+        """How many subschemas one value checked against ``at`` is checked against, through
+        the keywords that apply to the same value: a count over the graph of references,
+        memoised (it has no cycle, _chain saw to that). The depth of a chain is bounded, its
+        breadth is not: 31 levels each an allOf of two $refs to the next, 1.3 KB, check every
+        value 2^32 times."""
+        found = fan.get(at)
+        if found is None:
+            found = 1 + sum(self._fan_out(nxt, fan)
+                            for nxt in self._same_value_children(at, self._schemas[at]))
+            if found > MAX_SCHEMA_FAN_OUT:
+                raise SchemaError(
+                    f"the schema at #{_pointer(at)} makes one value be checked against more "
+                    f"than {MAX_SCHEMA_FAN_OUT} subschemas (through $ref, allOf, anyOf, oneOf, "
+                    "not, if, then, else and dependentSchemas)")
+            fan[at] = found
+        return found
 
     def _chain(self, at: tuple, longest: dict, active: set) -> int:
         if at in longest:
@@ -1532,9 +1686,13 @@ class Schema:
                 raise SchemaError(f"schema at {where} uses {_quote(key)}, "
                                   "a keyword this validator does not implement")
             self._keyword(key, val, at + (key,))
+        self._where[id(node)] = at
+        self._costs[id(node)] = _evaluation_cost(node)
 
     def _keyword(self, key: str, val: Any, at: tuple) -> None:
         where = "#" + _pointer(at)
+        if key == "const":
+            self._shown[id(val)] = _show(val)
         if key in _ANNOTATIONS or key == "const":
             return
         if key in _SUBSCHEMA_MAPS:
@@ -1557,10 +1715,14 @@ class Schema:
         elif key in _NUMERIC:
             if key.startswith("exclusive") and isinstance(val, bool):
                 return  # draft-04 spelling: a flag on minimum/maximum
-            if not isinstance(val, Num) or (key == "multipleOf" and val.exact() <= 0):
+            if not isinstance(val, Num) or (key == "multipleOf" and val.normal()[0] <= 0):
                 raise SchemaError(f"{where} is not a {'positive ' if key == 'multipleOf' else ''}number")
+            if key == "multipleOf" and len(val.normal()[1]) > MAX_MULTIPLE_OF_DIGITS:
+                # Checking one needs exact division by its digits: bounded, they stay cheap.
+                raise SchemaError(f"{where}: multipleOf has {len(val.normal()[1])} significant "
+                                  f"digits, more than the {MAX_MULTIPLE_OF_DIGITS} checked")
         elif key in _COUNTS:
-            if not isinstance(val, Num) or not val.is_integer() or val.exact() < 0:
+            if not isinstance(val, Num) or not val.is_integer() or val.normal()[0] < 0:
                 raise SchemaError(f"{where} is not a non-negative integer")
         else:
             self._other(key, val, at, where)
@@ -1569,6 +1731,7 @@ class Schema:
         if key == "enum":
             if not isinstance(val, list):
                 raise SchemaError(f"{where} is not an array")
+            self._shown[id(val)] = ", ".join(_show(o) for o in val)
         elif key == "type":
             names = val if isinstance(val, list) else [val]
             if not names or any(not isinstance(n, str) or n not in _TYPES for n in names):
@@ -1649,35 +1812,95 @@ class Schema:
 
     def check(self, raw: bytes) -> Any:
         """Parse strict JSON arguments and validate them; returns the parsed value.
-        Raises JSONError for bytes that are not usable JSON, SchemaError for a mismatch."""
+        Raises JSONError for bytes that are not usable JSON, SchemaError for a mismatch
+        (CheckTooCostly when checking spent the call's budget)."""
         value = parse_json(raw)
-        errors: list[tuple[str, str]] = []
+        errors = _Failures()
+        # A compiled schema is shared by every call of its tool: a call's budget and keys
+        # live on a shallow copy, which shares the compiled tables.
+        run = copy.copy(self)
+        run._left, run._keys, run._interned = MAX_SCHEMA_EVALUATIONS, {}, {}
         try:
-            self._validate(self.root, value, [], errors)
+            run._validate(self.root, value, [], errors)
         except RecursionError:      # a refusal, never an acceptance
             raise SchemaError("the arguments are nested too deeply to check against this "
                               "schema") from None
+        except CheckTooCostly as exc:
+            raise CheckTooCostly(exc.at or (), exc.path) from None
         if errors:
-            shown = "; ".join(f"at '{p}': {d}" for p, d in errors[:MAX_SCHEMA_ERRORS])
-            more = len(errors) - MAX_SCHEMA_ERRORS
-            raise SchemaError(shown + (f"; and {more} more" if more > 0 else ""))
+            shown = "; ".join(f"at '{p}': {d}" for p, d in errors)
+            raise SchemaError(shown + (f"; and {errors.more} more" if errors.more else ""))
         return value
 
     def _validate(self, node: Any, value: Any, path: list, errors: list) -> None:
-        if node is True:
+        if node is True or node is False:
+            # _spend, inline: this runs once per item of an array
+            self._left -= 1 + len(path) // LEVELS_PER_EVALUATION
+            if self._left < 0:
+                raise CheckTooCostly(None, _pointer(path))
+            if node is False:
+                errors.append((_pointer(path), "no value is allowed here"))
             return
-        if node is False:
-            errors.append((_pointer(path), "no value is allowed here"))
-            return
-        for key, val in node.items():
-            check = _CHECKS.get(key)
-            if check:
-                check(self, node, val, value, path, errors)
+        try:
+            fixed, per_member = self._costs[id(node)]
+            # deep in a value, each member's path (a list) is copied: that costs too
+            fixed += len(path) // LEVELS_PER_EVALUATION
+            loops = per_member and type(value) in (list, dict)
+            self._spend(fixed + per_member * len(value) if loops else fixed, path)
+            for key, val in node.items():
+                check = _CHECKS.get(key)
+                if check:
+                    check(self, node, val, value, path, errors)
+        except CheckTooCostly as exc:
+            # Spent inside this schema object or a boolean schema under it: name this one.
+            # Never caught on the way up (not, anyOf, ...): it is never read as a mismatch.
+            exc.at = self._where[id(node)] if exc.at is None else exc.at
+            raise
+
+    def _spend(self, units: int, path: list) -> None:
+        self._left -= units
+        if self._left < 0:
+            raise CheckTooCostly(None, _pointer(path))
+
+    def _key(self, value: Any) -> Any:
+        """A key that is equal for two values exactly when they are _equal: numbers by
+        normal form, arrays and objects interned to a number once per call (by the id of the
+        parsed value, alive for the call), so checking uniqueItems of the same array again
+        never walks or hashes its contents again."""
+        kind = type(value)
+        if kind is Num:
+            return ("n",) + value.normal()
+        if kind is not list and kind is not dict:
+            return (kind.__name__, value)
+        found = self._keys.get(id(value))
+        if found is None:
+            if kind is list:
+                shape = ("a",) + tuple(self._key(v) for v in value)
+            else:   # names are distinct, so sorting never compares two keys
+                shape = ("o",) + tuple(sorted((k, self._key(v)) for k, v in value.items()))
+            found = self._keys[id(value)] = self._interned.setdefault(shape, len(self._interned))
+        return found
 
     def _sub_ok(self, node: Any, value: Any, path: list) -> bool:
-        errs: list = []
+        errs = _Failures()
         self._validate(node, value, path, errs)
         return not errs
+
+
+class _Failures(list):
+    """The failures of one check, as (pointer, detail): the first MAX_SCHEMA_ERRORS kept and
+    the rest only counted. A check may fail hundreds of thousands of times within its budget,
+    each detail quoting a 10,000-character number; holding them all would take gigabytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.more = 0
+
+    def append(self, failure: tuple[str, str]) -> None:
+        if len(self) < MAX_SCHEMA_ERRORS:
+            super().append(failure)
+        else:
+            self.more += 1
 
 
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
@@ -1701,32 +1924,37 @@ def _k_type(s, node, want, value, path, errors):
 
 def _k_enum(s, node, options, value, path, errors):
     if not any(_equal(value, o) for o in options):
-        _fail(errors, path, "value must be one of " + ", ".join(_show(o) for o in options))
+        _fail(errors, path, "value must be one of " + s._shown[id(options)])
 
 
 def _k_const(s, node, const, value, path, errors):
     if not _equal(value, const):
-        _fail(errors, path, f"value must be {_show(const)}")
+        _fail(errors, path, f"value must be {s._shown[id(const)]}")
 
 
-_RANGE = (("minimum", lambda v, b: v < b), ("exclusiveMinimum", lambda v, b: v <= b),
-          ("maximum", lambda v, b: v > b), ("exclusiveMaximum", lambda v, b: v >= b))
+# Each bound, and whether a comparison of the value with it (-1, 0, 1) is outside it.
+_RANGE = (("minimum", lambda c: c < 0), ("exclusiveMinimum", lambda c: c <= 0),
+          ("maximum", lambda c: c > 0), ("exclusiveMaximum", lambda c: c >= 0))
 
 
 def _k_range(s, node, _unused, value, path, errors):
     if not isinstance(value, Num):
         return
-    v = value.exact()
+    v = value.normal()
     for key, outside in _RANGE:
         bound = node.get(key)
         if bound is True:  # draft-04 spelling: the flag makes minimum or maximum exclusive
             bound = node.get("minimum" if key == "exclusiveMinimum" else "maximum")
-        if isinstance(bound, Num) and outside(v, bound.exact()):
+        if isinstance(bound, Num) and outside(_compare(v, bound.normal())):
             _fail(errors, path, f"{key}: got {value.text}, want {bound.text}")
 
 
 def _k_multiple(s, node, m, value, path, errors):
-    if isinstance(value, Num) and (value.exact() / m.exact()).denominator != 1:
+    if not isinstance(value, Num):
+        return
+    # Exact division reads every digit of the value: a long one costs more evaluations.
+    s._spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
+    if not _is_multiple(value.normal(), m.normal()):
         _fail(errors, path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
 
 
@@ -1734,9 +1962,9 @@ def _k_length(s, node, _unused, value, path, errors):
     if not isinstance(value, str):
         return
     n = len(value)
-    if "minLength" in node and n < node["minLength"].exact():
+    if "minLength" in node and _compare_count(n, node["minLength"]) < 0:
         _fail(errors, path, f"minLength: got {n} characters, want {node['minLength'].text}")
-    if "maxLength" in node and n > node["maxLength"].exact():
+    if "maxLength" in node and _compare_count(n, node["maxLength"]) > 0:
         _fail(errors, path, f"maxLength: got {n} characters, want {node['maxLength'].text}")
 
 
@@ -1750,18 +1978,19 @@ def _k_count(kind: type, low: str, high: str, noun: str):
         if not isinstance(value, kind):
             return
         n = len(value)
-        if low in node and n < node[low].exact():
+        if low in node and _compare_count(n, node[low]) < 0:
             _fail(errors, path, f"{low}: got {n} {noun}, want {node[low].text}")
-        if high in node and n > node[high].exact():
+        if high in node and _compare_count(n, node[high]) > 0:
             _fail(errors, path, f"{high}: got {n} {noun}, want {node[high].text}")
     return check
 
 
 def _k_required(s, node, names, value, path, errors):
     if isinstance(value, dict):
-        for name in names:
-            if name not in value:
-                _fail(errors, path, f"missing property {_quote(name)}")
+        missing = [name for name in names if name not in value]
+        s._spend(len(missing), path)        # a failure costs more to report than to find
+        for name in missing:
+            _fail(errors, path, f"missing property {_quote(name)}")
 
 
 def _k_properties(s, node, _unused, value, path, errors):
@@ -1819,10 +2048,11 @@ def _k_contains(s, node, sub, value, path, errors):
     if not isinstance(value, list):
         return
     n = sum(1 for i, item in enumerate(value) if s._sub_ok(sub, item, path + [i]))
-    low = node["minContains"].exact() if "minContains" in node else 1
-    if n < low:
-        _fail(errors, path, f"contains: {n} items match, want at least {low}")
-    if "maxContains" in node and n > node["maxContains"].exact():
+    low = node.get("minContains")
+    if (_compare_count(n, low) < 0) if low is not None else n < 1:
+        want = low.text if low is not None else "1"
+        _fail(errors, path, f"contains: {n} items match, want at least {want}")
+    if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
         _fail(errors, path, f"contains: {n} items match, want at most {node['maxContains'].text}")
 
 
@@ -1830,7 +2060,7 @@ def _k_unique(s, node, flag, value, path, errors):
     if flag and isinstance(value, list):
         seen: set = set()
         for i, item in enumerate(value):
-            h = _hashable(item)
+            h = s._key(item)
             if h in seen:
                 _fail(errors, path + [i], "uniqueItems: a repeated item")
                 return
@@ -1898,7 +2128,9 @@ _CHECKS: dict[str, Callable] = {
 def _first_of(keys: tuple[str, ...], check: Callable) -> Callable:
     """Run ``check`` once per schema node, from whichever of ``keys`` comes first in it."""
     def run(s, node, val, value, path, errors, _keys=keys):
-        first = next(k for k in node if k in _keys)
+        for first in node:          # a loop, not next(genexpr): this runs for every value
+            if first in _keys:
+                break
         if first == run.key:
             check(s, node, val, value, path, errors)
     return run
@@ -1917,6 +2149,20 @@ for _keys, _check in (
         _runner.key = _key
         _CHECKS[_key] = _runner
 del _keys, _check, _key, _runner
+
+
+def _evaluation_cost(node: dict) -> tuple[int, int]:
+    """What one evaluation of a schema object costs: fixed (one per keyword that checks
+    anything, at least one, and one per value its keywords compare with or name they
+    require), and per member of the value when a keyword loops over them (one, and one per
+    patternProperties regex)."""
+    fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
+    fixed += sum(_size(o) for o in node.get("enum", ())) + (_size(node["const"]) if "const" in node else 0)
+    for key in ("dependentRequired", "dependencies"):
+        fixed += sum(len(dep) for dep in node.get(key, {}).values() if isinstance(dep, list))
+    if _MEMBER_LOOPS.isdisjoint(node):
+        return fixed, 0
+    return fixed, 1 + len(node.get("patternProperties", ()))
 
 
 def compile_schema(raw: bytes) -> Schema:

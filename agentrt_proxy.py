@@ -4657,6 +4657,9 @@ DEFAULT_STATUS_TOOL = "gate_status"
 MIN_LEASE_TTL = 3.0
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CONFIG_OUTCOMES = ("allow", "require_approval", "deny")
+# SQLite keeps part of the database beside it: a server that writes the WAL (or a hot
+# journal) rewrites committed rows, approvals included, as surely as one that writes the file.
+DATABASE_SIDECARS = ("-wal", "-shm", "-journal")
 
 
 class ConfigError(ProxyError):
@@ -4896,10 +4899,11 @@ def check_database_owner(path: str, writer: bool = True) -> None:
 
 
 def check_reach(cfg: Config) -> None:
-    """Refuse a stdio server whose arguments name the configuration, a manifest, the database,
-    or a directory holding one. A guard against a mistake in the configuration, not a
+    """Refuse a stdio server whose arguments name the configuration, a manifest, the database
+    or one of its sidecars, or a directory holding one. A guard against a mistake in the configuration, not a
     boundary: it cannot see what a server reaches by other means."""
-    protected = [p for p in (cfg.path, cfg.database, *(s.manifest for s in cfg.servers)) if p]
+    protected = [p for p in (cfg.path, *_database_files(cfg.database),
+                             *(s.manifest for s in cfg.servers)) if p]
     idents: dict[tuple[int, int], str] = {}
     unborn: dict[str, str] = {}
     for path in protected:
@@ -4926,6 +4930,15 @@ def check_reach(cfg: Config) -> None:
                         f"{hit}, which the proxy's policy and approvals depend on: point the "
                         "server elsewhere, or set skip_path_check on it if it cannot write "
                         "there")
+
+
+def _database_files(path: str) -> list[str]:
+    """The database and its sidecars, each beside the name given and beside the file it
+    resolves to: SQLite names them after the path it opened."""
+    if not path:
+        return []
+    bases = dict.fromkeys((path, _real_path(path)))
+    return [base + suffix for base in bases for suffix in ("", *DATABASE_SIDECARS)]
 
 
 def _ancestors(path: str) -> list[str]:

@@ -2127,7 +2127,10 @@ class Store:
                     report.broken = ChainBreak(seq, "", stored[:HASH_SHOWN], detail)
                     return report
                 want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
-                if not hmac.compare_digest(want, stored):
+                # As bytes: compare_digest raises on a str with non-ASCII, which an edited
+                # row may hold, and verify must report that row, not stop.
+                stored_bytes = stored.encode("utf-8", "surrogatepass")
+                if not hmac.compare_digest(want.encode(), stored_bytes):
                     report.broken = ChainBreak(
                         seq, want, stored[:HASH_SHOWN], "the stored hash is not the one the event's "
                         "fields and the previous event's hash give")
@@ -7023,7 +7026,15 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
 # database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
 # first and bind the decision to the hash of what they printed. Text that a model, a server
-# or an operator chose is sanitised before it reaches the terminal; -json output is not.
+# or an operator chose is sanitised before it reaches the terminal; so is every field read
+# from the database, which verify exists to distrust: a row edited behind the proxy's back
+# must not drive the terminal that reads it. -json output is JSON, its controls escaped.
+
+CLI_BAD_TIME_WIDTH = 40              # characters of a stored time that does not parse
+_SHELL_SAFE = re.compile(r"[A-Za-z0-9._:@%+=,/-]+")    # an id printed as a shell word unquoted
+# JSON may carry DEL, C1 controls and bidirectional characters raw; -json output is read on
+# terminals too, so they are written as \u escapes (they can occur only inside strings).
+_JSON_INERT = re.compile(f"[\x7f-\x9f{_INVISIBLE}]")
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
 USAGE = """usage:
@@ -7106,20 +7117,36 @@ class Out:
     def line(self, text: str = "") -> None:
         self.stdout.write(text + "\n")
 
+    def text(self, line: str = "") -> None:
+        """A line built from stored fields, sanitised whole: an escape sequence, a carriage
+        return or a reordering character in an edited row cannot redraw what the operator
+        reads, even from a field a caller forgot (sanitising twice changes nothing)."""
+        self.stdout.write(sanitize(line) + "\n")
+
     def log(self, text: str) -> None:
         self.stderr.write(LOG_PREFIX + sanitize(text) + "\n")
 
     def json(self, doc: Any) -> None:
         """One JSON document, indented; number literals and embedded records as stored."""
-        self.stdout.write(_pretty(parse_json(dump_json(doc).encode(), strict=False),
-                                  cut=False) + "\n")
+        text = _pretty(parse_json(dump_json(doc).encode(), strict=False), cut=False)
+        self.stdout.write(_JSON_INERT.sub(_json_escape, text) + "\n")
+
+
+def _json_escape(match: re.Match) -> str:
+    """A character as JSON \\u escapes (a pair for one beyond the BMP): the same value."""
+    data = match.group().encode("utf-16-be")
+    return "".join(f"\\u{int.from_bytes(data[i:i + 2], 'big'):04x}"
+                   for i in range(0, len(data), 2))
 
 
 def _stamp(text: str, millis: bool = False) -> str:
     """A stored time as local time for an operator; '-' when empty."""
     if not text:
         return "-"
-    local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
+    try:
+        local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
+    except (ValueError, TypeError, AttributeError, OverflowError, OSError):
+        return "(not a time) " + _clip(str(text), CLI_BAD_TIME_WIDTH)
     stamp = local.strftime("%Y-%m-%d %H:%M:%S")
     if millis:
         stamp += f".{local.microsecond // 1000:03d}"
@@ -7131,6 +7158,8 @@ def _clip(text: str, width: int) -> str:
 
 
 def _table(rows: list[list[str]]) -> list[str]:
+    """Columns aligned on the sanitised cells, so a stored field is measured as printed."""
+    rows = [[sanitize(str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -7156,17 +7185,17 @@ def cmd_runs(store: Store, args, out: Out) -> int:
         out.json({"runs": [_run_summary(store, r) for r in runs], "total": total})
         return 0
     if not runs:
-        out.line("no runs")
+        out.text("no runs")
         return 0
     rows = [["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL"]]
     for r in runs:
         rows.append([r.id, r.status, r.reason or "-", str(r.step_count), _stamp(r.created_at),
                      _pending_id(store, r) or "-", _clip(r.goal, CLI_GOAL_WIDTH)])
     for line in _table(rows):
-        out.line(line)
+        out.text(line)
     shown = args.offset + len(runs)
     if shown < total:
-        out.line(f"... {total - shown} more run(s): use -offset {shown} "
+        out.text(f"... {total - shown} more run(s): use -offset {shown} "
                  f"(shown {len(runs)} of {total})")
     return 0
 
@@ -7217,11 +7246,12 @@ def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
         cap = parse_json(approval.capability, strict=False)
         request = approval.request()
     except (ProxyError, KeyError, ValueError) as exc:
-        return [f"APPROVAL WAITING  {approval.id}", f"unread  {sanitize(str(exc))}"]
+        return [f"APPROVAL WAITING  {sanitize(approval.id)}", f"unread  {sanitize(str(exc))}"]
     cap = cap if isinstance(cap, dict) else {}
     step = next((s for s in store.list_steps(approval.run_id) if s.id == approval.step_id), None)
     reason = ((step.policy or {}).get("reason", "") if step else "")
-    lines = ["", f"APPROVAL WAITING  {approval.id}", f"kind          {sanitize(approval.kind)}"]
+    lines = ["", f"APPROVAL WAITING  {sanitize(approval.id)}",
+             f"kind          {sanitize(approval.kind)}"]
     if cap.get("server"):
         lines.append(f"server        {sanitize(str(cap['server']))}")
     if cap.get("tool") and cap.get("server"):
@@ -7242,10 +7272,20 @@ def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
         lines += _fields(dump_json(cap["interrupted"]).encode())
     lines.append("presentation: built by the policy; it may hold text the model chose")
     lines += _fields(approval.presentation)
-    lines.append(f'decide with: {_self_command()} -db "{db_path}" approve {approval.run_id} '
-                 f"-approval {approval.id}   (or reject)")
-    lines.append(f"---- end of approval {approval.id} for tool {sanitize(request.spec.name)} ----")
-    return lines
+    lines.append(f'decide with: {_self_command()} -db "{db_path}" approve '
+                 f"{_shell_word(approval.run_id)} -approval {_shell_word(approval.id)}"
+                 "   (or reject)")
+    lines.append(f"---- end of approval {approval.id} for tool {request.spec.name} ----")
+    # The ids and names are a stored row's, and the command line above is one to paste.
+    return [sanitize(line) for line in lines]
+
+
+def _shell_word(text: str) -> str:
+    """A stored id as one shell word: an operator pastes the decide line, and an edited row
+    must not add a command to it (run-1; rm -rf ~)."""
+    if _SHELL_SAFE.fullmatch(text):
+        return text
+    return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
 def _self_command() -> str:
@@ -7288,28 +7328,29 @@ def cmd_show(store: Store, args, out: Out) -> int:
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
         (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
-    out.line(f"run     {run.id}")
-    out.line(f"goal    {sanitize(run.goal)}")
-    out.line(f"status  {status}")
-    out.line(f"steps   {run.step_count}")
-    out.line(f"created {_stamp(run.created_at)}" +
+    out.text(f"run     {run.id}")
+    out.text(f"goal    {sanitize(run.goal)}")
+    out.text(f"status  {status}")
+    out.text(f"steps   {run.step_count}")
+    out.text(f"created {_stamp(run.created_at)}" +
              (f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""))
     for a in approvals:
         if a.status == PENDING and run.status == WAITING:
             for line in approval_block(store, a, store.path):
-                out.line(line)
-    out.line()
+                out.text(line)
+    out.text()
     rows = [["STEP", "TOOL", "DECISION", "STATUS", "POLICY", "OBSERVATION", "SUMMARY"]]
     for s in page:
         r = _step_row(s)
-        rows.append([str(s.idx), sanitize(r.get("tool", "-")), r.get("decision", "-"), s.status,
-                     r.get("policy", "-"), r.get("observation", "-"),
-                     _clip(r.get("summary", ""), CLI_SUMMARY_WIDTH) or "-"])
+        # The step's decision and observation are parsed JSON: any type an edit left there.
+        rows.append([str(s.idx), str(r.get("tool", "-")), str(r.get("decision", "-")),
+                     s.status, str(r.get("policy", "-")), str(r.get("observation", "-")),
+                     _clip(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
     for line in _table(rows):
-        out.line(line)
+        out.text(line)
     shown = args.offset + len(page)
     if shown < len(steps):
-        out.line(f"... {len(steps) - shown} more step(s): use -offset {shown}")
+        out.text(f"... {len(steps) - shown} more step(s): use -offset {shown}")
     return 0
 
 
@@ -7327,10 +7368,10 @@ def cmd_events(store: Store, args, out: Out) -> int:
     for seq, _run, _step, at, typ, payload, _hash in rows:
         text = payload if len(payload.encode()) <= CLI_EVENT_PAYLOAD else \
             truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{len(payload.encode()) - CLI_EVENT_PAYLOAD} more bytes]"
-        out.line(f"{_stamp(at, millis=True)}  {typ:<22} {sanitize(text)}")
+        out.text(f"{_stamp(at, millis=True)}  {sanitize(typ):<22} {sanitize(text)}")
     shown = args.offset + len(rows)
     if shown < total:
-        out.line(f"... {total - shown} more event(s): use -offset {shown} "
+        out.text(f"... {total - shown} more event(s): use -offset {shown} "
                  f"(shown {len(rows)} of {total})")
     return 0
 
@@ -7378,14 +7419,14 @@ def cmd_decide(store: Store, args, out: Out) -> int:
     verb, by = args.command, args.by
     approval = _choose_approval(store, args.run, args.approval)
     # Under -json stdout carries one JSON document, so the block goes to stderr.
-    emit = out.log if args.json else out.line
+    emit = out.log if args.json else out.text
     for line in approval_block(store, approval, store.path):
         emit(line)
     if not (args.approval or args.yes):
         if args.json or not _is_terminal(out.stdin):
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
                              "terminal to confirm at; pass -approval <id> or -yes")
-        out.stdout.write(f"{verb} approval {approval.id} of run {args.run}? [y/N] ")
+        out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
         out.stdout.flush()
         answer = out.stdin.readline()
         if not answer:
@@ -7401,10 +7442,10 @@ def cmd_decide(store: Store, args, out: Out) -> int:
     if args.json:
         out.json({"run": _run_summary(store, run), "approval": _approval_row(decided)})
         return 0
-    out.line(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
-    out.line(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+    out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
+    out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
     if run.status == WAITING:
-        out.line("the run stays waiting until the model calls the tool again with exactly "
+        out.text("the run stays waiting until the model calls the tool again with exactly "
                  "the same arguments; the proxy then executes the recorded request once")
     return 0
 
@@ -7414,7 +7455,7 @@ def cmd_cancel(store: Store, args, out: Out) -> int:
     if args.json:
         out.json({"run": _run_summary(store, run)})
     else:
-        out.line(f"run {run.id}: {run.status} ({run.reason})")
+        out.text(f"run {run.id}: {run.status} ({run.reason})")
     return 0
 
 
@@ -7443,7 +7484,8 @@ def cmd_verify(store: Store, args, out: Out) -> int:
         found = store._read("SELECT hash FROM events WHERE seq=?", (head[0],))
         found_hash = found[0][0] if found else ""
         kept = {"seq": head[0], "hash": head[1], "found": found_hash,
-                "matches": hmac.compare_digest(found_hash, head[1])}
+                "matches": hmac.compare_digest(found_hash.encode("utf-8", "surrogatepass"),
+                                               head[1].encode())}
         if not kept["matches"]:
             problems.append(f"the chain does not match the head kept: seq {head[0]} has "
                             f"{found_hash or 'no event'}, kept {head[1]}")
@@ -7459,19 +7501,19 @@ def cmd_verify(store: Store, args, out: Out) -> int:
             doc["kept_head"] = kept
         out.json(doc)
     else:
-        out.line(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
+        out.text(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
         if report.broken:
             b = report.broken
-            out.line(f"broken at seq {b.seq}: {b.detail}")
-            out.line(f"  expected {b.expected or '-'}")
-            out.line(f"  found    {b.found or '-'}")
+            out.text(f"broken at seq {b.seq}: {b.detail}")
+            out.text(f"  expected {b.expected or '-'}")
+            out.text(f"  found    {b.found or '-'}")
         elif report.checked == 0:
-            out.line("intact: no events in the range")
+            out.text("intact: no events in the range")
         else:
-            out.line(f"intact: {report.checked} event(s), seq {first} to {reached}")
-            out.line(f"last checked: seq {reached} {report.hash}")
+            out.text(f"intact: {report.checked} event(s), seq {first} to {reached}")
+            out.text(f"last checked: seq {reached} {report.hash}")
         if kept and kept["matches"]:
-            out.line(f"kept head: seq {head[0]} matches")
+            out.text(f"kept head: seq {head[0]} matches")
     for p in problems:
         out.log("error: " + p)
     return 1 if problems else 0

@@ -2,6 +2,7 @@
 the real host-facing server fed with raw JSON-RPC lines, and a clock the test can move.
 
     h = ProxyHarness(tmp_path)                 # pins and loads; hold 0s
+    h = ProxyHarness(tmp_path, names=("bank", "bank2"))    # two servers, one ledger
     h = ProxyHarness(tmp_path, hold="20s", rules={"pay": {"side_effect": "remote_mutation",
                                                           "timeout": "10s", "outcome": "allow"}})
     r = h.call("bank_pay", {"to": "bob", "amount": 25})     # the CallToolResult dict
@@ -42,13 +43,14 @@ class SkewClock:
         return ap.time.time() + self.skew
 
 
-def write_config(tmp, rules=None, server_env=None, **top) -> str:
-    """A configuration file (0600) for one server `bank`, the fake payment server."""
+def write_config(tmp, rules=None, server_env=None, names=("bank",), **top) -> str:
+    """A configuration file (0600) for servers named ``names`` (one, `bank`, unless told),
+    each the fake payment server with the same rules, all writing one ledger."""
     env = [f"FAKE_PAYMENTS_LEDGER={tmp}/ledger"] + list(server_env or [])
-    server = {"name": "bank", "command": [sys.executable, FAKE_SERVER], "env": env,
-              "manifest": "bank.manifest.json",
-              "rules": DEFAULT_RULES if rules is None else rules}
-    doc = {"database": "runs.db", "session": "test", "hold": "0s", "servers": [server]}
+    servers = [{"name": name, "command": [sys.executable, FAKE_SERVER], "env": env,
+                "manifest": f"{name}.manifest.json",
+                "rules": DEFAULT_RULES if rules is None else rules} for name in names]
+    doc = {"database": "runs.db", "session": "test", "hold": "0s", "servers": servers}
     doc.update(top)
     path = os.path.join(str(tmp), "proxy.json")
     with open(path, "w") as f:
@@ -58,9 +60,10 @@ def write_config(tmp, rules=None, server_env=None, **top) -> str:
 
 
 class ProxyHarness:
-    def __init__(self, tmp, rules=None, server_env=None, pin=True, poll=0.02, **top):
+    def __init__(self, tmp, rules=None, server_env=None, pin=True, poll=0.02, names=("bank",),
+                 **top):
         self.tmp = str(tmp)
-        self.config_path = write_config(self.tmp, rules, server_env, **top)
+        self.config_path = write_config(self.tmp, rules, server_env, names, **top)
         self.loop = asyncio.new_event_loop()
         self.clock = SkewClock()
         self.log_lines: list[str] = []

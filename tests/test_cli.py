@@ -1074,3 +1074,114 @@ def test_decide_line_names_an_edited_id_as_one_shell_word(harness, cli):
     decide = [line for line in out.splitlines() if line.startswith("decide with:")]
     assert len(decide) == 1
     assert "approve 'run-1; touch pwned '\"'\"'x'\"'\"'' -approval " in decide[0], decide[0]
+
+
+# --------------------------------------------------------------------------------------------
+# verify: what an edit of the chain looks like to the operator (core.md 15, verify)
+# --------------------------------------------------------------------------------------------
+
+def _chain(harness) -> list[tuple[int, str]]:
+    """Three runs' events, the harness closed: [(seq, hash)] in seq order."""
+    harness.completed("run-1")
+    harness.completed("run-2")
+    harness.waiting("run-3")
+    harness.close()
+    conn = sqlite3.connect(harness.path)
+    try:
+        return conn.execute("SELECT seq, hash FROM events ORDER BY seq").fetchall()
+    finally:
+        conn.close()
+
+
+def _verify(cli, path: str, *argv: str) -> tuple[int, str, str]:
+    code, out, err = cli("-db", path, "verify", *argv)
+    assert not stderr_lines_prefixed(err), err
+    return code, out, err
+
+
+@pytest.mark.parametrize("which", ["middle", "first"])
+def test_cli_verify_reports_a_missing_event(harness, cli, which):
+    chain = _chain(harness)
+    gone = chain[len(chain) // 2][0] if which == "middle" else chain[0][0]
+    sql(harness.path, "DELETE FROM events WHERE seq=?", (gone,))
+    code, out, err = _verify(cli, harness.path)
+    assert code == 1
+    detail = (f"the first event is seq {gone + 1}: an event is missing" if which == "first"
+              else f"seq {gone + 1} follows {gone - 1}: an event is missing")
+    assert f"broken at seq {gone + 1}: {detail}" in out, out
+    assert f"  found    {chain[gone][1]}" in out                 # the next event's hash
+    assert err == f"{PREFIX}error: the event chain is broken at seq {gone + 1}\n"
+    assert "intact" not in out
+    code, out, _ = cli("-db", harness.path, "-json", "verify")
+    doc = json.loads(out)
+    assert code == 1 and doc["intact"] is False
+    assert doc["break"]["seq"] == gone + 1 and "missing" in doc["break"]["detail"]
+    assert doc["checked"] == gone - 1
+
+
+def test_cli_verify_cannot_see_the_last_events_deleted_without_a_kept_head(harness, cli):
+    chain = _chain(harness)
+    kept_seq, kept_hash = chain[-1]
+    sql(harness.path, "DELETE FROM events WHERE seq>=?", (chain[-3][0],))
+    code, out, err = _verify(cli, harness.path)
+    new_head_seq, new_head_hash = chain[-4]
+    assert (code, err) == (0, "")
+    assert f"head: seq {new_head_seq} {new_head_hash}" in out
+    assert f"intact: {new_head_seq} event(s), seq 1 to {new_head_seq}" in out
+    # The head kept before the cut is past the chain now: no event has that seq.
+    code, out, err = _verify(cli, harness.path, "-head", f"{kept_seq}:{kept_hash}")
+    assert code == 1
+    assert "kept head" not in out
+    assert err == (f"{PREFIX}error: the chain does not match the head kept: seq {kept_seq} "
+                   f"has no event, kept {kept_hash}\n")
+    code, out, _ = cli("-db", harness.path, "-json", "verify", "-head",
+                       f"{kept_seq}:{kept_hash}")
+    assert code == 1
+    assert json.loads(out)["kept_head"] == {"seq": kept_seq, "hash": kept_hash, "found": "",
+                                            "matches": False}
+
+
+def test_cli_verify_kept_head(harness, cli):
+    chain = _chain(harness)
+    seq, digest = chain[len(chain) // 2]
+    code, out, err = _verify(cli, harness.path, "-head", f"{seq}:{digest}")
+    assert (code, err) == (0, "")
+    assert f"kept head: seq {seq} matches" in out
+    assert f"intact: {len(chain)} event(s)" in out
+
+    other = chain[0][1]                          # a real hash, of another seq
+    code, out, err = _verify(cli, harness.path, "-head", f"{seq}:{other}")
+    assert code == 1
+    assert "matches" not in out and f"intact: {len(chain)} event(s)" in out
+    assert err == (f"{PREFIX}error: the chain does not match the head kept: seq {seq} has "
+                   f"{digest}, kept {other}\n")
+    code, out, _ = cli("-db", harness.path, "-json", "verify", "-head", f"{seq}:{other}")
+    assert code == 1
+    assert json.loads(out)["kept_head"] == {"seq": seq, "hash": other, "found": digest,
+                                            "matches": False}
+
+
+@pytest.mark.parametrize("column", ["hash", "payload_json", "type", "run_id", "at"])
+def test_cli_verify_reports_a_changed_event(harness, cli, column):
+    chain = _chain(harness)
+    seq = chain[len(chain) // 2][0]
+    value = {"hash": "f" * 64, "payload_json": '{"index":7}', "type": "run.finished",
+             "run_id": "run-9", "at": "2001-01-01T00:00:00Z"}[column]
+    sql(harness.path, f"UPDATE events SET {column}=? WHERE seq=?", (value, seq))
+    code, out, err = _verify(cli, harness.path)
+    assert code == 1
+    assert (f"broken at seq {seq}: the stored hash is not the one the event's fields and the "
+            "previous event's hash give") in out, out
+    found = "f" * 64 if column == "hash" else chain[seq - 1][1]
+    assert f"  found    {found}" in out
+    assert "  expected -" not in out
+    assert err == f"{PREFIX}error: the event chain is broken at seq {seq}\n"
+    # A walk that ends before the edit does not see it. The next event is chained to the
+    # stored hash, so an edited hash breaks the walk from there too; an edited field not.
+    assert _verify(cli, harness.path, "-to", str(seq - 1))[0] == 0
+    code, out, _ = _verify(cli, harness.path, "-from", str(seq + 1))
+    if column == "hash":
+        assert code == 1 and f"broken at seq {seq + 1}" in out
+        assert _verify(cli, harness.path, "-from", str(seq + 2))[0] == 0
+    else:
+        assert code == 0 and f"intact: {len(chain) - seq} event(s)" in out

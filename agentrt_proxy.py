@@ -2923,7 +2923,10 @@ class Store:
                     report.broken = ChainBreak(seq, "", stored[:HASH_SHOWN], detail)
                     return report
                 want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
-                if not hmac.compare_digest(want, stored):
+                # As bytes: compare_digest raises on a str with non-ASCII, which an edited
+                # row may hold, and verify must report that row, not stop.
+                stored_bytes = stored.encode("utf-8", "surrogatepass")
+                if not hmac.compare_digest(want.encode(), stored_bytes):
                     report.broken = ChainBreak(
                         seq, want, stored[:HASH_SHOWN], "the stored hash is not the one the event's "
                         "fields and the previous event's hash give")
@@ -5699,6 +5702,9 @@ DEFAULT_STATUS_TOOL = "gate_status"
 MIN_LEASE_TTL = 3.0
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CONFIG_OUTCOMES = ("allow", "require_approval", "deny")
+# SQLite keeps part of the database beside it: a server that writes the WAL (or a hot
+# journal) rewrites committed rows, approvals included, as surely as one that writes the file.
+DATABASE_SIDECARS = ("-wal", "-shm", "-journal")
 
 
 class ConfigError(ProxyError):
@@ -5938,10 +5944,11 @@ def check_database_owner(path: str, writer: bool = True) -> None:
 
 
 def check_reach(cfg: Config) -> None:
-    """Refuse a stdio server whose arguments name the configuration, a manifest, the database,
-    or a directory holding one. A guard against a mistake in the configuration, not a
+    """Refuse a stdio server whose arguments name the configuration, a manifest, the database
+    or one of its sidecars, or a directory holding one. A guard against a mistake in the configuration, not a
     boundary: it cannot see what a server reaches by other means."""
-    protected = [p for p in (cfg.path, cfg.database, *(s.manifest for s in cfg.servers)) if p]
+    protected = [p for p in (cfg.path, *_database_files(cfg.database),
+                             *(s.manifest for s in cfg.servers)) if p]
     idents: dict[tuple[int, int], str] = {}
     unborn: dict[str, str] = {}
     for path in protected:
@@ -5968,6 +5975,15 @@ def check_reach(cfg: Config) -> None:
                         f"{hit}, which the proxy's policy and approvals depend on: point the "
                         "server elsewhere, or set skip_path_check on it if it cannot write "
                         "there")
+
+
+def _database_files(path: str) -> list[str]:
+    """The database and its sidecars, each beside the name given and beside the file it
+    resolves to: SQLite names them after the path it opened."""
+    if not path:
+        return []
+    bases = dict.fromkeys((path, _real_path(path)))
+    return [base + suffix for base in bases for suffix in ("", *DATABASE_SIDECARS)]
 
 
 def _ancestors(path: str) -> list[str]:
@@ -8120,7 +8136,15 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
 # database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
 # first and bind the decision to the hash of what they printed. Text that a model, a server
-# or an operator chose is sanitised before it reaches the terminal; -json output is not.
+# or an operator chose is sanitised before it reaches the terminal; so is every field read
+# from the database, which verify exists to distrust: a row edited behind the proxy's back
+# must not drive the terminal that reads it. -json output is JSON, its controls escaped.
+
+CLI_BAD_TIME_WIDTH = 40              # characters of a stored time that does not parse
+_SHELL_SAFE = re.compile(r"[A-Za-z0-9._:@%+=,/-]+")    # an id printed as a shell word unquoted
+# JSON may carry DEL, C1 controls and bidirectional characters raw; -json output is read on
+# terminals too, so they are written as \u escapes (they can occur only inside strings).
+_JSON_INERT = re.compile(f"[\x7f-\x9f{_INVISIBLE}]")
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
 USAGE = """usage:
@@ -8203,20 +8227,36 @@ class Out:
     def line(self, text: str = "") -> None:
         self.stdout.write(text + "\n")
 
+    def text(self, line: str = "") -> None:
+        """A line built from stored fields, sanitised whole: an escape sequence, a carriage
+        return or a reordering character in an edited row cannot redraw what the operator
+        reads, even from a field a caller forgot (sanitising twice changes nothing)."""
+        self.stdout.write(sanitize(line) + "\n")
+
     def log(self, text: str) -> None:
         self.stderr.write(LOG_PREFIX + sanitize(text) + "\n")
 
     def json(self, doc: Any) -> None:
         """One JSON document, indented; number literals and embedded records as stored."""
-        self.stdout.write(_pretty(parse_json(dump_json(doc).encode(), strict=False),
-                                  cut=False) + "\n")
+        text = _pretty(parse_json(dump_json(doc).encode(), strict=False), cut=False)
+        self.stdout.write(_JSON_INERT.sub(_json_escape, text) + "\n")
+
+
+def _json_escape(match: re.Match) -> str:
+    """A character as JSON \\u escapes (a pair for one beyond the BMP): the same value."""
+    data = match.group().encode("utf-16-be")
+    return "".join(f"\\u{int.from_bytes(data[i:i + 2], 'big'):04x}"
+                   for i in range(0, len(data), 2))
 
 
 def _stamp(text: str, millis: bool = False) -> str:
     """A stored time as local time for an operator; '-' when empty."""
     if not text:
         return "-"
-    local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
+    try:
+        local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
+    except (ValueError, TypeError, AttributeError, OverflowError, OSError):
+        return "(not a time) " + _clip(str(text), CLI_BAD_TIME_WIDTH)
     stamp = local.strftime("%Y-%m-%d %H:%M:%S")
     if millis:
         stamp += f".{local.microsecond // 1000:03d}"
@@ -8228,6 +8268,8 @@ def _clip(text: str, width: int) -> str:
 
 
 def _table(rows: list[list[str]]) -> list[str]:
+    """Columns aligned on the sanitised cells, so a stored field is measured as printed."""
+    rows = [[sanitize(str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -8253,17 +8295,17 @@ def cmd_runs(store: Store, args, out: Out) -> int:
         out.json({"runs": [_run_summary(store, r) for r in runs], "total": total})
         return 0
     if not runs:
-        out.line("no runs")
+        out.text("no runs")
         return 0
     rows = [["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL"]]
     for r in runs:
         rows.append([r.id, r.status, r.reason or "-", str(r.step_count), _stamp(r.created_at),
                      _pending_id(store, r) or "-", _clip(r.goal, CLI_GOAL_WIDTH)])
     for line in _table(rows):
-        out.line(line)
+        out.text(line)
     shown = args.offset + len(runs)
     if shown < total:
-        out.line(f"... {total - shown} more run(s): use -offset {shown} "
+        out.text(f"... {total - shown} more run(s): use -offset {shown} "
                  f"(shown {len(runs)} of {total})")
     return 0
 
@@ -8314,11 +8356,12 @@ def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
         cap = parse_json(approval.capability, strict=False)
         request = approval.request()
     except (ProxyError, KeyError, ValueError) as exc:
-        return [f"APPROVAL WAITING  {approval.id}", f"unread  {sanitize(str(exc))}"]
+        return [f"APPROVAL WAITING  {sanitize(approval.id)}", f"unread  {sanitize(str(exc))}"]
     cap = cap if isinstance(cap, dict) else {}
     step = next((s for s in store.list_steps(approval.run_id) if s.id == approval.step_id), None)
     reason = ((step.policy or {}).get("reason", "") if step else "")
-    lines = ["", f"APPROVAL WAITING  {approval.id}", f"kind          {sanitize(approval.kind)}"]
+    lines = ["", f"APPROVAL WAITING  {sanitize(approval.id)}",
+             f"kind          {sanitize(approval.kind)}"]
     if cap.get("server"):
         lines.append(f"server        {sanitize(str(cap['server']))}")
     if cap.get("tool") and cap.get("server"):
@@ -8343,10 +8386,20 @@ def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
                      "runs it again")
     lines.append("presentation: built by the policy; it may hold text the model chose")
     lines += _fields(approval.presentation)
-    lines.append(f'decide with: {_self_command()} -db "{db_path}" approve {approval.run_id} '
-                 f"-approval {approval.id}   (or reject)")
-    lines.append(f"---- end of approval {approval.id} for tool {sanitize(request.spec.name)} ----")
-    return lines
+    lines.append(f'decide with: {_self_command()} -db "{db_path}" approve '
+                 f"{_shell_word(approval.run_id)} -approval {_shell_word(approval.id)}"
+                 "   (or reject)")
+    lines.append(f"---- end of approval {approval.id} for tool {request.spec.name} ----")
+    # The ids and names are a stored row's, and the command line above is one to paste.
+    return [sanitize(line) for line in lines]
+
+
+def _shell_word(text: str) -> str:
+    """A stored id as one shell word: an operator pastes the decide line, and an edited row
+    must not add a command to it (run-1; rm -rf ~)."""
+    if _SHELL_SAFE.fullmatch(text):
+        return text
+    return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
 def _self_command() -> str:
@@ -8389,28 +8442,29 @@ def cmd_show(store: Store, args, out: Out) -> int:
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
         (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
-    out.line(f"run     {run.id}")
-    out.line(f"goal    {sanitize(run.goal)}")
-    out.line(f"status  {status}")
-    out.line(f"steps   {run.step_count}")
-    out.line(f"created {_stamp(run.created_at)}" +
+    out.text(f"run     {run.id}")
+    out.text(f"goal    {sanitize(run.goal)}")
+    out.text(f"status  {status}")
+    out.text(f"steps   {run.step_count}")
+    out.text(f"created {_stamp(run.created_at)}" +
              (f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""))
     for a in approvals:
         if a.status == PENDING and run.status == WAITING:
             for line in approval_block(store, a, store.path):
-                out.line(line)
-    out.line()
+                out.text(line)
+    out.text()
     rows = [["STEP", "TOOL", "DECISION", "STATUS", "POLICY", "OBSERVATION", "SUMMARY"]]
     for s in page:
         r = _step_row(s)
-        rows.append([str(s.idx), sanitize(r.get("tool", "-")), r.get("decision", "-"), s.status,
-                     r.get("policy", "-"), r.get("observation", "-"),
-                     _clip(r.get("summary", ""), CLI_SUMMARY_WIDTH) or "-"])
+        # The step's decision and observation are parsed JSON: any type an edit left there.
+        rows.append([str(s.idx), str(r.get("tool", "-")), str(r.get("decision", "-")),
+                     s.status, str(r.get("policy", "-")), str(r.get("observation", "-")),
+                     _clip(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
     for line in _table(rows):
-        out.line(line)
+        out.text(line)
     shown = args.offset + len(page)
     if shown < len(steps):
-        out.line(f"... {len(steps) - shown} more step(s): use -offset {shown}")
+        out.text(f"... {len(steps) - shown} more step(s): use -offset {shown}")
     return 0
 
 
@@ -8428,10 +8482,10 @@ def cmd_events(store: Store, args, out: Out) -> int:
     for seq, _run, _step, at, typ, payload, _hash in rows:
         text = payload if len(payload.encode()) <= CLI_EVENT_PAYLOAD else \
             truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{len(payload.encode()) - CLI_EVENT_PAYLOAD} more bytes]"
-        out.line(f"{_stamp(at, millis=True)}  {typ:<22} {sanitize(text)}")
+        out.text(f"{_stamp(at, millis=True)}  {sanitize(typ):<22} {sanitize(text)}")
     shown = args.offset + len(rows)
     if shown < total:
-        out.line(f"... {total - shown} more event(s): use -offset {shown} "
+        out.text(f"... {total - shown} more event(s): use -offset {shown} "
                  f"(shown {len(rows)} of {total})")
     return 0
 
@@ -8479,14 +8533,14 @@ def cmd_decide(store: Store, args, out: Out) -> int:
     verb, by = args.command, args.by
     approval = _choose_approval(store, args.run, args.approval)
     # Under -json stdout carries one JSON document, so the block goes to stderr.
-    emit = out.log if args.json else out.line
+    emit = out.log if args.json else out.text
     for line in approval_block(store, approval, store.path):
         emit(line)
     if not (args.approval or args.yes):
         if args.json or not _is_terminal(out.stdin):
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
                              "terminal to confirm at; pass -approval <id> or -yes")
-        out.stdout.write(f"{verb} approval {approval.id} of run {args.run}? [y/N] ")
+        out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
         out.stdout.flush()
         answer = out.stdin.readline()
         if not answer:
@@ -8502,10 +8556,10 @@ def cmd_decide(store: Store, args, out: Out) -> int:
     if args.json:
         out.json({"run": _run_summary(store, run), "approval": _approval_row(decided)})
         return 0
-    out.line(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
-    out.line(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+    out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
+    out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
     if run.status == WAITING:
-        out.line("the run stays waiting until the model calls the tool again with exactly "
+        out.text("the run stays waiting until the model calls the tool again with exactly "
                  "the same arguments; the proxy then executes the recorded request once")
     return 0
 
@@ -8515,7 +8569,7 @@ def cmd_cancel(store: Store, args, out: Out) -> int:
     if args.json:
         out.json({"run": _run_summary(store, run)})
     else:
-        out.line(f"run {run.id}: {run.status} ({run.reason})")
+        out.text(f"run {run.id}: {run.status} ({run.reason})")
     return 0
 
 
@@ -8544,7 +8598,8 @@ def cmd_verify(store: Store, args, out: Out) -> int:
         found = store._read("SELECT hash FROM events WHERE seq=?", (head[0],))
         found_hash = found[0][0] if found else ""
         kept = {"seq": head[0], "hash": head[1], "found": found_hash,
-                "matches": hmac.compare_digest(found_hash, head[1])}
+                "matches": hmac.compare_digest(found_hash.encode("utf-8", "surrogatepass"),
+                                               head[1].encode())}
         if not kept["matches"]:
             problems.append(f"the chain does not match the head kept: seq {head[0]} has "
                             f"{found_hash or 'no event'}, kept {head[1]}")
@@ -8560,19 +8615,19 @@ def cmd_verify(store: Store, args, out: Out) -> int:
             doc["kept_head"] = kept
         out.json(doc)
     else:
-        out.line(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
+        out.text(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
         if report.broken:
             b = report.broken
-            out.line(f"broken at seq {b.seq}: {b.detail}")
-            out.line(f"  expected {b.expected or '-'}")
-            out.line(f"  found    {b.found or '-'}")
+            out.text(f"broken at seq {b.seq}: {b.detail}")
+            out.text(f"  expected {b.expected or '-'}")
+            out.text(f"  found    {b.found or '-'}")
         elif report.checked == 0:
-            out.line("intact: no events in the range")
+            out.text("intact: no events in the range")
         else:
-            out.line(f"intact: {report.checked} event(s), seq {first} to {reached}")
-            out.line(f"last checked: seq {reached} {report.hash}")
+            out.text(f"intact: {report.checked} event(s), seq {first} to {reached}")
+            out.text(f"last checked: seq {reached} {report.hash}")
         if kept and kept["matches"]:
-            out.line(f"kept head: seq {head[0]} matches")
+            out.text(f"kept head: seq {head[0]} matches")
     for p in problems:
         out.log("error: " + p)
     return 1 if problems else 0

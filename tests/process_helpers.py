@@ -59,6 +59,19 @@ def eventually(predicate, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
+async def eventually_async(predicate, timeout: float, what: str, interval: float = 0.02):
+    """eventually() inside an event loop: the loop keeps running while it waits."""
+    import asyncio
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
 def text(result: dict) -> str:
     return "".join(b.get("text", "") for b in result.get("content", []))
 

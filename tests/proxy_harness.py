@@ -2,6 +2,7 @@
 the real host-facing server fed with raw JSON-RPC lines, and a clock the test can move.
 
     h = ProxyHarness(tmp_path)                 # pins and loads; hold 0s
+    h = ProxyHarness(tmp_path, names=("bank", "bank2"))    # two servers, one ledger
     h = ProxyHarness(tmp_path, hold="20s", rules={"pay": {"side_effect": "remote_mutation",
                                                           "timeout": "10s", "outcome": "allow"}})
     r = h.call("bank_pay", {"to": "bob", "amount": 25})     # the CallToolResult dict
@@ -42,14 +43,16 @@ class SkewClock:
         return ap.time.time() + self.skew
 
 
-def write_config(tmp, rules=None, server_env=None, command=None, name="bank", **top) -> str:
-    """A configuration file (0600) for one server, by default `bank`, the fake payment
-    server; ``command`` names another stdio server (and ``name`` its name)."""
+def write_config(tmp, rules=None, server_env=None, names=("bank",), command=None,
+                 **top) -> str:
+    """A configuration file (0600) for servers named ``names`` (one, `bank`, unless told),
+    each the fake payment server (or the stdio server ``command``) with the same rules, all
+    writing one ledger."""
     env = [f"FAKE_PAYMENTS_LEDGER={tmp}/ledger"] + list(server_env or [])
-    server = {"name": name, "command": command or [sys.executable, FAKE_SERVER], "env": env,
-              "manifest": f"{name}.manifest.json",
-              "rules": DEFAULT_RULES if rules is None else rules}
-    doc = {"database": "runs.db", "session": "test", "hold": "0s", "servers": [server]}
+    servers = [{"name": name, "command": command or [sys.executable, FAKE_SERVER], "env": env,
+                "manifest": f"{name}.manifest.json",
+                "rules": DEFAULT_RULES if rules is None else rules} for name in names]
+    doc = {"database": "runs.db", "session": "test", "hold": "0s", "servers": servers}
     doc.update(top)
     path = os.path.join(str(tmp), "proxy.json")
     with open(path, "w") as f:
@@ -59,10 +62,10 @@ def write_config(tmp, rules=None, server_env=None, command=None, name="bank", **
 
 
 class ProxyHarness:
-    def __init__(self, tmp, rules=None, server_env=None, pin=True, poll=0.02, command=None,
-                 name="bank", **top):
+    def __init__(self, tmp, rules=None, server_env=None, pin=True, poll=0.02, names=("bank",),
+                 command=None, **top):
         self.tmp = str(tmp)
-        self.config_path = write_config(self.tmp, rules, server_env, command, name, **top)
+        self.config_path = write_config(self.tmp, rules, server_env, names, command, **top)
         self.loop = asyncio.new_event_loop()
         self.clock = SkewClock()
         self.log_lines: list[str] = []

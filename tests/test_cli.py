@@ -935,3 +935,253 @@ def test_json_output_is_valid_json_and_not_sanitised(harness, cli):
     code, out, _ = cli("-db", harness.path, "-json", "events", "run-1")
     decided = [e for e in json.loads(out)["events"] if e["type"] == "step.decided"][0]
     assert decided["payload"]["args"]["memo"] == "\x1b[2J wipe \u202e evil"
+
+
+# --------------------------------------------------------------------------------------------
+# A database edited behind the proxy's back cannot drive the operator's terminal
+# --------------------------------------------------------------------------------------------
+
+EVIL = "\x1b[31m\x1b]0;title\x07\r\x9b\u202e"
+FORBIDDEN = ("\x1b", "\x07", "\x9b", "\r", "\u202e")
+
+
+def assert_no_controls(text: str, where: str) -> None:
+    found = [repr(c) for c in FORBIDDEN if c in text]
+    assert not found, f"{where}: {found} reached the terminal:\n{text}"
+
+
+def _rename_run(conn, old: str, new: str) -> None:
+    for table, column in (("runs", "id"), ("steps", "run_id"), ("events", "run_id"),
+                          ("approvals", "run_id")):
+        conn.execute(f"UPDATE {table} SET {column}=? WHERE {column}=?", (new, old))
+
+
+def _edit_json(conn, table: str, column: str, key: str, row_id: str, **fields) -> None:
+    raw = conn.execute(f"SELECT {column} FROM {table} WHERE {key}=?", (row_id,)).fetchone()[0]
+    doc = json.loads(raw)
+    doc.update(fields)
+    conn.execute(f"UPDATE {table} SET {column}=? WHERE {key}=?", (json.dumps(doc), row_id))
+
+
+def _rewrite_approval(conn, approval_id: str, new_id: str, run_id: str) -> None:
+    """Every field an approval prints carries EVIL, and its hash is recomputed, so the
+    operator commands read it as a sound approval."""
+    a = ap.Approval(*conn.execute(f"SELECT {ap._APPROVAL_COLS} FROM approvals WHERE id=?",
+                                  (approval_id,)).fetchone())
+    request = a.request()
+    spec = ap.dataclasses.replace(request.spec, name="pay" + EVIL)
+    request = ap.dataclasses.replace(request, run_id=run_id, spec=spec)
+    cap = json.dumps({"server": "bank" + EVIL, "tool": "pay" + EVIL,
+                      "side_effect": "remote" + EVIL}).encode()
+    pres = json.dumps({"title": "pay" + EVIL, "to" + EVIL: EVIL}).encode()
+    digest = ap.approval_hash(a.kind, cap, pres, request)
+    conn.execute("UPDATE approvals SET id=?, capability_json=?, presentation_json=?, "
+                 "request_json=?, hash=? WHERE id=?",
+                 (new_id, cap.decode(), pres.decode(), request.record(), digest, approval_id))
+
+
+def test_text_output_of_an_edited_database_has_no_terminal_controls(harness, cli):
+    """Finding 10: every field the operator commands read from the database is sanitised in
+    text output, verify's quotes of stored hashes included; -json stays parseable JSON."""
+    harness.completed("run-done")
+    first = harness.waiting("run-a")
+    second = harness.waiting("run-b")
+    harness.waiting("run-c")
+    harness.close()
+    done, run_a, run_b = "done" + EVIL, "a" + EVIL, "b" + EVIL
+    conn = sqlite3.connect(harness.path, isolation_level=None)
+    try:
+        for old, new in (("run-done", done), ("run-a", run_a), ("run-b", run_b)):
+            _rename_run(conn, old, new)
+        conn.execute("UPDATE runs SET goal=?", ("goal" + EVIL,))
+        conn.execute("UPDATE runs SET reason=?, reason_detail=? WHERE id=?",
+                     ("reason" + EVIL, "detail" + EVIL, done))
+        conn.execute("UPDATE steps SET status=? WHERE run_id=?", ("DONE" + EVIL, done))
+        step0 = conn.execute("SELECT id FROM steps WHERE run_id=? AND idx=0",
+                             (done,)).fetchone()[0]
+        _edit_json(conn, "steps", "decision_json", "id", step0, tool="balance" + EVIL,
+                   kind="tool_call" + EVIL)
+        _edit_json(conn, "steps", "observation_json", "id", step0, summary="sum" + EVIL,
+                   kind="ok" + EVIL)
+        _edit_json(conn, "steps", "policy_json", "id", step0, outcome="allow" + EVIL)
+        seqs = [r[0] for r in conn.execute("SELECT seq FROM events ORDER BY seq")]
+        conn.execute("UPDATE events SET type=? WHERE run_id=?", ("type" + EVIL, done))
+        conn.execute("UPDATE events SET payload_json=? WHERE seq=?", ('{"raw":"' + EVIL + '"}',
+                                                                      seqs[1]))
+        conn.execute("UPDATE events SET payload_json=? WHERE seq=?",
+                     (json.dumps({"escaped": EVIL}), seqs[2]))
+        for seq in (seqs[0], seqs[-1]):
+            conn.execute("UPDATE events SET hash=? WHERE seq=?", ("hash" + EVIL, seq))
+        _rewrite_approval(conn, first.id, "appr-a" + EVIL, run_a)
+        _rewrite_approval(conn, second.id, "appr-b" + EVIL, run_b)
+        third = conn.execute("SELECT id FROM approvals WHERE run_id='run-c'").fetchone()[0]
+        conn.execute("UPDATE approvals SET request_json=? WHERE id=?", ("unread" + EVIL, third))
+    finally:
+        conn.close()
+
+    head = f"{seqs[-1]}:{'0' * 64}"
+    commands = [["runs"], ["show", done], ["show", run_a], ["show", "run-c"], ["events", done],
+                ["events", run_a], ["verify"], ["verify", "-head", head],
+                ["verify", "-from", str(seqs[1])], ["show", "nope" + EVIL],
+                ["approve", run_a, "-yes", "-by", "op" + EVIL, "-note", "ok" + EVIL],
+                ["reject", run_b, "-approval", "appr-b" + EVIL, "-note", "no" + EVIL],
+                ["cancel", "run-c", "-by", "op" + EVIL, "-note", EVIL], ["show", run_b]]
+    outputs = {}
+    for argv in commands:
+        code, out, err = cli("-db", harness.path, *argv)
+        assert_no_controls(out, f"stdout of {argv[0]}")
+        assert_no_controls(err, f"stderr of {argv[0]}")
+        outputs[" ".join(argv[:2])] = (code, out, err)
+
+    assert "\\x1b[31m" in outputs["runs"][1] and "\\u{202e}" in outputs["runs"][1]
+    assert "DONE\\x1b[31m" in outputs["show " + done][1]
+    assert "sum\\x1b[31m" in outputs["show " + done][1]
+    assert "pay\\x1b[31m" in outputs["show " + run_a][1]         # the approval block
+    assert "unread" in outputs["show run-c"][1]
+    assert "type\\x1b[31m" in outputs["events " + done][1]
+    code, out, err = outputs["verify"]
+    assert code == 1 and "broken at seq" in out and "hash\\x1b[31m" in out
+    code, out, err = outputs["verify -head"]
+    assert code == 1 and "hash\\x1b[31m" in err                  # the stored head, quoted
+    assert outputs["show nope" + EVIL][0] == 1
+    code, out, err = outputs["approve " + run_a]
+    assert code == 0, err
+    assert "appr-a\\x1b[31m" in out and "approved by op\\x1b[31m" in out
+    code, out, err = outputs["reject " + run_b]
+    assert code == 0 and "rejected" in out, err
+    assert outputs["cancel run-c"][0] == 0
+
+    # -json output is JSON whatever the rows hold, the controls escaped by the encoder.
+    for argv in (["runs"], ["show", done], ["events", done], ["verify"]):
+        code, out, _ = cli("-db", harness.path, "-json", *argv)
+        json.loads(out)
+        assert_no_controls(out, f"-json {argv[0]}")
+
+
+def test_decide_line_names_an_edited_id_as_one_shell_word(harness, cli):
+    """An operator pastes the printed decide line: a run id edited to hold a command stays
+    one quoted word of it."""
+    harness.waiting("run-1")
+    harness.close()
+    evil = "run-1; touch pwned 'x'"
+    conn = sqlite3.connect(harness.path, isolation_level=None)
+    try:
+        _rename_run(conn, "run-1", evil)
+    finally:
+        conn.close()
+    code, out, err = cli("-db", harness.path, "show", evil)
+    assert code == 0, err
+    decide = [line for line in out.splitlines() if line.startswith("decide with:")]
+    assert len(decide) == 1
+    assert "approve 'run-1; touch pwned '\"'\"'x'\"'\"'' -approval " in decide[0], decide[0]
+
+
+# --------------------------------------------------------------------------------------------
+# verify: what an edit of the chain looks like to the operator (core.md 15, verify)
+# --------------------------------------------------------------------------------------------
+
+def _chain(harness) -> list[tuple[int, str]]:
+    """Three runs' events, the harness closed: [(seq, hash)] in seq order."""
+    harness.completed("run-1")
+    harness.completed("run-2")
+    harness.waiting("run-3")
+    harness.close()
+    conn = sqlite3.connect(harness.path)
+    try:
+        return conn.execute("SELECT seq, hash FROM events ORDER BY seq").fetchall()
+    finally:
+        conn.close()
+
+
+def _verify(cli, path: str, *argv: str) -> tuple[int, str, str]:
+    code, out, err = cli("-db", path, "verify", *argv)
+    assert not stderr_lines_prefixed(err), err
+    return code, out, err
+
+
+@pytest.mark.parametrize("which", ["middle", "first"])
+def test_cli_verify_reports_a_missing_event(harness, cli, which):
+    chain = _chain(harness)
+    gone = chain[len(chain) // 2][0] if which == "middle" else chain[0][0]
+    sql(harness.path, "DELETE FROM events WHERE seq=?", (gone,))
+    code, out, err = _verify(cli, harness.path)
+    assert code == 1
+    detail = (f"the first event is seq {gone + 1}: an event is missing" if which == "first"
+              else f"seq {gone + 1} follows {gone - 1}: an event is missing")
+    assert f"broken at seq {gone + 1}: {detail}" in out, out
+    assert f"  found    {chain[gone][1]}" in out                 # the next event's hash
+    assert err == f"{PREFIX}error: the event chain is broken at seq {gone + 1}\n"
+    assert "intact" not in out
+    code, out, _ = cli("-db", harness.path, "-json", "verify")
+    doc = json.loads(out)
+    assert code == 1 and doc["intact"] is False
+    assert doc["break"]["seq"] == gone + 1 and "missing" in doc["break"]["detail"]
+    assert doc["checked"] == gone - 1
+
+
+def test_cli_verify_cannot_see_the_last_events_deleted_without_a_kept_head(harness, cli):
+    chain = _chain(harness)
+    kept_seq, kept_hash = chain[-1]
+    sql(harness.path, "DELETE FROM events WHERE seq>=?", (chain[-3][0],))
+    code, out, err = _verify(cli, harness.path)
+    new_head_seq, new_head_hash = chain[-4]
+    assert (code, err) == (0, "")
+    assert f"head: seq {new_head_seq} {new_head_hash}" in out
+    assert f"intact: {new_head_seq} event(s), seq 1 to {new_head_seq}" in out
+    # The head kept before the cut is past the chain now: no event has that seq.
+    code, out, err = _verify(cli, harness.path, "-head", f"{kept_seq}:{kept_hash}")
+    assert code == 1
+    assert "kept head" not in out
+    assert err == (f"{PREFIX}error: the chain does not match the head kept: seq {kept_seq} "
+                   f"has no event, kept {kept_hash}\n")
+    code, out, _ = cli("-db", harness.path, "-json", "verify", "-head",
+                       f"{kept_seq}:{kept_hash}")
+    assert code == 1
+    assert json.loads(out)["kept_head"] == {"seq": kept_seq, "hash": kept_hash, "found": "",
+                                            "matches": False}
+
+
+def test_cli_verify_kept_head(harness, cli):
+    chain = _chain(harness)
+    seq, digest = chain[len(chain) // 2]
+    code, out, err = _verify(cli, harness.path, "-head", f"{seq}:{digest}")
+    assert (code, err) == (0, "")
+    assert f"kept head: seq {seq} matches" in out
+    assert f"intact: {len(chain)} event(s)" in out
+
+    other = chain[0][1]                          # a real hash, of another seq
+    code, out, err = _verify(cli, harness.path, "-head", f"{seq}:{other}")
+    assert code == 1
+    assert "matches" not in out and f"intact: {len(chain)} event(s)" in out
+    assert err == (f"{PREFIX}error: the chain does not match the head kept: seq {seq} has "
+                   f"{digest}, kept {other}\n")
+    code, out, _ = cli("-db", harness.path, "-json", "verify", "-head", f"{seq}:{other}")
+    assert code == 1
+    assert json.loads(out)["kept_head"] == {"seq": seq, "hash": other, "found": digest,
+                                            "matches": False}
+
+
+@pytest.mark.parametrize("column", ["hash", "payload_json", "type", "run_id", "at"])
+def test_cli_verify_reports_a_changed_event(harness, cli, column):
+    chain = _chain(harness)
+    seq = chain[len(chain) // 2][0]
+    value = {"hash": "f" * 64, "payload_json": '{"index":7}', "type": "run.finished",
+             "run_id": "run-9", "at": "2001-01-01T00:00:00Z"}[column]
+    sql(harness.path, f"UPDATE events SET {column}=? WHERE seq=?", (value, seq))
+    code, out, err = _verify(cli, harness.path)
+    assert code == 1
+    assert (f"broken at seq {seq}: the stored hash is not the one the event's fields and the "
+            "previous event's hash give") in out, out
+    found = "f" * 64 if column == "hash" else chain[seq - 1][1]
+    assert f"  found    {found}" in out
+    assert "  expected -" not in out
+    assert err == f"{PREFIX}error: the event chain is broken at seq {seq}\n"
+    # A walk that ends before the edit does not see it. The next event is chained to the
+    # stored hash, so an edited hash breaks the walk from there too; an edited field not.
+    assert _verify(cli, harness.path, "-to", str(seq - 1))[0] == 0
+    code, out, _ = _verify(cli, harness.path, "-from", str(seq + 1))
+    if column == "hash":
+        assert code == 1 and f"broken at seq {seq + 1}" in out
+        assert _verify(cli, harness.path, "-from", str(seq + 2))[0] == 0
+    else:
+        assert code == 0 and f"intact: {len(chain) - seq} event(s)" in out

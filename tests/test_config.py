@@ -655,6 +655,50 @@ def test_config_reach_check_reads_common_spellings(tmp_path, monkeypatch):
     ap.check_reach(ap.load_config(_reach_config(d, ["sandbox", "--root=sandbox"])))
 
 
+SIDECAR_SPELLINGS = {
+    "itself": lambda path, home: path,
+    "after =": lambda path, home: f"--wal={path}",
+    "after :": lambda path, home: f"--wal:{path}",
+    "file URL": lambda path, home: f"file://{path}",
+    "file URL after =": lambda path, home: f"--wal=file://{path}",
+    "short flag": lambda path, home: f"-w{path}",
+    "leading ~": lambda path, home: "~/" + os.path.relpath(path, home),
+    "leading ~ after =": lambda path, home: "--wal=~/" + os.path.relpath(path, home),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(SIDECAR_SPELLINGS))
+@pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
+def test_config_refuses_a_server_that_reaches_the_databases_sidecars(tmp_path, monkeypatch,
+                                                                      suffix, spelling):
+    """A server that writes the database's WAL, shared memory or journal rewrites committed
+    rows, so it may forge an approval: each is refused like the database, in every spelling,
+    before it exists (SQLite makes it later) and once it does."""
+    home = tmp_path / "home"
+    d = home / "proxy"
+    d.mkdir(parents=True)
+    (home / "sandbox").mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    spell = SIDECAR_SPELLINGS[spelling]
+    sidecar = str(d / "runs.db") + suffix
+    arg = spell(sidecar, str(home))
+    path = _reach_config(d, [arg])
+
+    msg = _refusal(path)                              # neither the database nor it exists
+    assert "skip_path_check" in msg and "runs.db" + suffix in msg, msg
+    write(d / "runs.db", b"")
+    msg = _refusal(path)                              # the database exists, its sidecar not
+    assert "skip_path_check" in msg and "runs.db" + suffix in msg, msg
+    write(sidecar, b"")
+    msg = _refusal(path)                              # both exist
+    assert "skip_path_check" in msg and "runs.db" + suffix in msg, msg
+
+    # A file of the same name elsewhere, and a name that only starts the same, are not it.
+    for other in (str(home / "sandbox" / "runs.db") + suffix, sidecar + "x"):
+        ap.check_reach(ap.load_config(_reach_config(d, [spell(other, str(home))])))
+    ap.check_reach(ap.load_config(_reach_config(d, [arg], skip=True)))
+
+
 # ---- row 47 ----
 
 def test_config_refuses_what_could_read_two_ways(tmp_path):

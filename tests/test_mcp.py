@@ -31,6 +31,7 @@ import pytest
 
 from proxy_harness import FAKE_SERVER, ProxyHarness, ap, write_config
 from mcp_http_server import MCPHTTPServer
+from process_helpers import eventually_async
 
 MIB16 = 16 * 1024 * 1024
 MARKER = "\n[truncated]"
@@ -1350,7 +1351,9 @@ def test_upstream_http_legacy_timeout_sends_cancelled(tmp_path):
                 with pytest.raises(TimeoutError):
                     await conn.call_tool("pay", b'{"to":"a","amount":1,"mode":"slow"}', 0.3)
                 assert time.monotonic() - start < 1.5
-                await asyncio.sleep(0.3)
+                await eventually_async(lambda: any(
+                    r.rpc_method == "notifications/cancelled" for r in list(srv.requests)),
+                    5, "notifications/cancelled at the server")
             finally:
                 await conn.close()
         arun(body())
@@ -1580,7 +1583,7 @@ def test_load_the_checks_fall_inside_the_connect_timeout(two_tools, monkeypatch)
     original = ap._build
 
     def slow_build(*args, **kwargs):
-        time.sleep(0.7)
+        time.sleep(0.7)            # slow on purpose: the checks must count against the timeout
         return original(*args, **kwargs)
     monkeypatch.setattr(ap, "_build", slow_build)
     rules = {"read_file": RO, "write_file": {"side_effect": "local_mutation", "timeout": "1s"}}
@@ -1646,7 +1649,8 @@ def test_call_dead_session_fails_fast_naming_the_server(two_tools):
         pinned = await pin(s.server())
         async with loaded(s.server(rules), pinned) as (tools, _):
             os.kill(s.pid(), signal.SIGKILL)
-            await asyncio.sleep(0.2)
+            conn = tools["fs_read_file"].conn
+            await eventually_async(lambda: conn.closed, 5, "the connection to see the server die")
             for _ in range(2):
                 start = time.monotonic()
                 with pytest.raises(ap.ToolFailure) as info:
@@ -1692,7 +1696,8 @@ def test_connection_close_is_safe_twice_and_concurrent_with_a_call(script, tmp_p
                                                                   "timeout": "20s"}}), pinned)
         conn = tools[0].conn
         call = asyncio.create_task(tools[0].call(b'{"path":"p"}'))
-        await asyncio.sleep(0.2)
+        await eventually_async(lambda: "tools/call" in s.methods(), 5,
+                               "the call to reach the server")
         start = time.monotonic()
         await asyncio.gather(conn.close(), conn.close())
         await conn.close()
@@ -1740,7 +1745,7 @@ def test_server_connect_timeout_does_not_shorten_the_session(two_tools):
     async def body():
         pinned = await pin(s.server())
         async with loaded(s.server({"read_file": RO}, connect_timeout=1.0), pinned) as (t, _):
-            await asyncio.sleep(1.3)
+            await asyncio.sleep(1.3)       # the clock must pass the 1 s connect timeout
             r = await t["fs_read_file"].call(b'{"path":"p"}')
             assert json.loads(json.loads(r.content)) == {"path": "p"}
     arun(body())
@@ -1751,7 +1756,8 @@ def test_phase_err_names_the_step_only_when_its_own_deadline_fired(script, tmp_p
 
     async def body():
         task = asyncio.create_task(ap.pin_server(s.server(connect_timeout=5.0), time.time()))
-        await asyncio.sleep(0.5)
+        await eventually_async(lambda: "initialize" in s.methods(), 5,
+                               "initialize to reach the server")
         task.cancel()
         try:
             await asyncio.wait_for(task, 5)

@@ -32,7 +32,8 @@ import time
 import pytest
 
 from conftest import BALANCE, LIMITS, PAY, ap
-from process_helpers import PROXY, PYTHON, ProcessDir, child_pids, _cmdline
+from process_helpers import (PROXY, PYTHON, ProcessDir, child_pids, _cmdline, eventually,
+                             eventually_async)
 from proxy_harness import DEFAULT_RULES, ProxyHarness, write_config
 from mcp_http_server import MCPHTTPServer
 
@@ -244,14 +245,14 @@ def test_slow_schema_pattern_does_not_hold_the_write_lock(harness):
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("COMMIT")
                 waits.append(time.monotonic() - t)
-                time.sleep(0.005)
+                time.sleep(0.005)      # paces the probe: it measures, it does not wait
         finally:
             conn.close()
 
     probe = threading.Thread(target=writer, daemon=True)
     probe.start()
     try:
-        time.sleep(0.05)
+        eventually(lambda: waits, 10, "the writer's first probe")
         args = b'{"s":"' + text.encode() + b'"}'
         t = time.monotonic()
         asyncio.run(gate.call("r-slow", "note", LIMITS,
@@ -602,7 +603,8 @@ def test_idle_connection_the_server_closed_is_not_reused(tmp_path):
     hp = None
     try:
         hp = HttpProxy(tmp_path, f"http://127.0.0.1:{srv.port}/mcp", PAY_ALLOWED)
-        time.sleep(0.8)                     # the server has closed the idle connection
+        # A clock that must pass: longer idle than the server's 0.3 s keep-alive allows.
+        time.sleep(0.8)
         text, _ = hp.call("h_pay", b'{"to":"bob"}')
         assert text == "paid", text
         text, _ = hp.call("h_pay", b'{"to":"carol"}')
@@ -695,11 +697,14 @@ def test_host_that_stops_reading_does_not_hang_the_proxy_after_stdin_eof(tmp_pat
         proc.stdin.flush()
         assert b'"result"' in _read_line(proc.stdout, 30)
         proc.stdout.close()                          # the host stops reading
-        time.sleep(0.2)
         proc.stdin.write(b'{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}\n')
         proc.stdin.flush()
-        time.sleep(0.3)
-        proc.stdin.close()                           # and ends the session
+        # Its answer meets the closed pipe; the proxy may end there (a host that is gone).
+        # Nothing else shows that it tried, so wait, bounded, for that exit, then close.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(2)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()                       # and ends the session
         try:
             code = proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -723,6 +728,9 @@ def test_sigterm_mid_call_exits_zero_after_the_call_is_recorded(tmp_path):
             time.sleep(0.02)
         assert d.payments() == 1
         os.kill(p.pid, signal.SIGTERM)
+        # The proxy shows nothing when the signal is handled; this pause lets it land before
+        # the release. Were it short, the signal would come after the call and the test would
+        # check less, never fail wrongly.
         time.sleep(0.2)
         d.release()
         code = p.wait_exit(30)
@@ -854,7 +862,9 @@ def test_timed_out_legacy_http_request_is_cancelled_at_the_server(tmp_path):
             try:
                 with pytest.raises(asyncio.TimeoutError):
                     await conn.call_tool("pay", b'{"to":"bob","amount":1,"mode":"block"}', 0.5)
-                await asyncio.sleep(0.2)
+                await eventually_async(lambda: any(
+                    r.rpc_method == "notifications/cancelled" for r in list(srv.requests)),
+                    5, "notifications/cancelled at the server")
             finally:
                 await conn.close()
         asyncio.run(asyncio.wait_for(body(), 20))
@@ -898,7 +908,10 @@ def test_call_timed_out_through_the_proxy_is_cancelled_at_the_server(tmp_path):
     try:
         text, _ = hp.call("h_pay", b'{"to":"bob"}')
         assert text.startswith("UNKNOWN_OUTCOME:"), text
-        hp.run(asyncio.sleep(0.5))
+        def cancelled() -> bool:
+            with open(log) as f:
+                return "notifications/cancelled" in f.read()
+        hp.run(eventually_async(cancelled, 10, "notifications/cancelled at the server"))
         with open(log) as f:
             received = [json.loads(line) for line in f]
         calls = [m for m in received if m.get("method") == "tools/call"]

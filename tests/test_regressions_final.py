@@ -15,7 +15,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from proxy_harness import ProxyHarness, ap  # noqa: E402
 from test_regressions import HttpProxy  # noqa: E402
-from process_helpers import ProcessDir, PYTHON, PROXY  # noqa: E402
+from process_helpers import ProcessDir, PYTHON, PROXY, eventually  # noqa: E402
 
 
 class KeptAliveSSE(http.server.BaseHTTPRequestHandler):
@@ -111,7 +111,12 @@ def test_a_signal_while_connecting_exits_zero_and_leaves_no_server(tmp_path):
         d = ProcessDir(str(tmp_path / sig.name))
         doc = json.load(open(d.config))
         marker = f"never-answers-{sig.name}-{os.getpid()}"
-        doc["servers"][0]["command"] = [PYTHON, "-c", f"import time; time.sleep(40)  # {marker}"]
+        started = str(tmp_path / sig.name / "server.started")
+        # The server never answers initialize (it sleeps on purpose); it says it has started
+        # by creating a file, so the signal is sent while the proxy is connecting.
+        doc["servers"][0]["command"] = [
+            PYTHON, "-c", f"import sys, time; open(sys.argv[1], 'w').close(); time.sleep(40)"
+            f"  # {marker}", started]
         doc["servers"][0]["connect_timeout"] = "30s"
         with open(d.config, "w") as f:
             json.dump(doc, f)
@@ -119,7 +124,7 @@ def test_a_signal_while_connecting_exits_zero_and_leaves_no_server(tmp_path):
         proc = subprocess.Popen([PYTHON, PROXY, "-config", d.config], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            time.sleep(1.5)
+            eventually(lambda: os.path.exists(started), 20, "the server to start")
             proc.send_signal(sig)
             assert proc.wait(20) == 0
         finally:

@@ -37,7 +37,7 @@ LINE_ENDS_IN_STRINGS = ["\u2028", "\u2029", "\u0085"]
 
 def newline_harness(tmp_path, rules=None, **top) -> ProxyHarness:
     return ProxyHarness(tmp_path, rules=rules or NEWLINE_RULES, command=NEWLINE_SERVER,
-                        name="nl", server_env=[f"NEWLINE_LOG={tmp_path}/received"], **top)
+                        names=("nl",), server_env=[f"NEWLINE_LOG={tmp_path}/received"], **top)
 
 
 def received(tmp_path) -> list[dict]:
@@ -232,7 +232,7 @@ def test_deep_arguments_waiting_for_approval_poison_nothing(tmp_path, depth, cli
         assert h.prefix(h.call("nl_erase", raw_args=deep)) == "DUPLICATE"
     finally:
         h.close()
-    again = ProxyHarness(tmp_path, rules=rules, command=NEWLINE_SERVER, name="nl",
+    again = ProxyHarness(tmp_path, rules=rules, command=NEWLINE_SERVER, names=("nl",),
                          server_env=[f"NEWLINE_LOG={tmp_path}/received"], pin=False,
                          max_pending=10)
     try:                                            # a restart reads the records too

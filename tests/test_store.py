@@ -617,7 +617,8 @@ OPENER = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
 import agentrt_proxy as ap
-path, go = sys.argv[2], sys.argv[3]
+path, go, ready = sys.argv[2], sys.argv[3], sys.argv[4]
+open(ready, "w").close()
 deadline = time.monotonic() + 60
 while not os.path.exists(go):
     if time.monotonic() > deadline:
@@ -631,10 +632,11 @@ print("opened")
 def test_concurrent_first_opens_migrate_once(tmp_path):
     path = str(tmp_path / "runs.db")
     go = str(tmp_path / "go")
-    procs = [subprocess.Popen([sys.executable, "-c", OPENER, ROOT, path, go],
+    ready = [str(tmp_path / f"opener-{i}.ready") for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", OPENER, ROOT, path, go, r],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]
-    time.sleep(0.3)            # let the interpreters start; the go file releases them together
+             for r in ready]
+    wait_for_files(ready, procs, 60)     # every interpreter started; the go file releases them
     open(go, "w").close()
     for code, out, err in wait_all(procs, 60):
         assert code == 0, err
@@ -664,7 +666,7 @@ def test_opening_twice_does_not_reapply_migrations(tmp_path):
     path = str(tmp_path / "runs.db")
     make_store(path)
     first = rows(path, "SELECT version, applied_at FROM schema_migrations ORDER BY version")
-    time.sleep(0.01)
+    time.sleep(0.01)       # the clock must pass, so a migration applied again stamps anew
     make_store(path)
     ap.Store.open_existing(path, readonly=False).close()
     assert rows(path, "SELECT version, applied_at FROM schema_migrations ORDER BY version") == first

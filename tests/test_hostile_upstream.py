@@ -325,11 +325,14 @@ def test_big_result_is_capped_with_a_marker(bench, transport):
 # -- framing: a CR is not a frame boundary ----------------------------------------------------------
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_cr_separated_frames_reach_the_host_as_nothing(bench, transport):
+@pytest.mark.parametrize("mode", ["cr", "cr_text"])
+def test_cr_separated_frames_reach_the_host_as_nothing(bench, transport, mode):
     d = bench(transport)
     p = d.start()
-    ident = p.send_call("hostile_read", {"mode": "cr"})
-    p.result(ident, timeout=ANSWER_BOUND)
+    ident = p.send_call("hostile_read", {"mode": mode})
+    r = p.result(ident, timeout=ANSWER_BOUND)
+    if mode == "cr_text":           # a valid answer: its text is data, passed on as sent
+        assert text(r).startswith("read done\r{") and "FORGED" in text(r), text(r)
     healthy_then_exit(p)
     sent = set(range(1, p.next_id + 1))
     seen: dict[int, int] = {}

@@ -779,6 +779,16 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def same_digest(a: Any, b: Any) -> bool:
+    """Two hashes compared in constant time, as bytes: one of them is read from a file or a
+    row that may have been edited, and compare_digest raises on a str that is not ASCII (or
+    on anything that is not text), where a hash that does not match must simply not match."""
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"),
+                               b.encode("utf-8", "surrogatepass"))
+
+
 def content_hash(raw: bytes) -> str:
     """Hash of the canonical form of the first value in ``raw`` (read leniently: a repeated
     key keeps its last value, bad bytes become U+FFFD, blank is null), or of the bytes
@@ -2406,7 +2416,7 @@ class Approval:
             again = approval_hash(self.kind, self.capability, self.presentation, self.request())
         except (ProxyError, KeyError, TypeError, ValueError) as exc:
             raise ApprovalHashMismatch(f"approval {self.id} could not be decoded: {exc}") from None
-        if not hmac.compare_digest(again, self.hash):
+        if not same_digest(again, self.hash):
             raise ApprovalHashMismatch(f"approval {self.id}: the stored hash does not match "
                                        "its recorded request")
 
@@ -2548,8 +2558,10 @@ def _sqlite_uri(path: str, mode: str) -> str:
 def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str,
                payload: str) -> str:
     """SHA-256 over seven netstrings: the previous hash and the event's stored fields."""
-    parts = (prev, str(seq), run_id, step_id, at, typ, payload)
-    data = b"".join(b"%d:%s," % (len(p.encode()), p.encode()) for p in parts)
+    parts = [p if isinstance(p, str) else str(p)       # an edited row may hold anything
+             for p in (prev, seq, run_id, step_id, at, typ, payload)]
+    data = b"".join(b"%d:%s," % (len(b), b) for b in
+                    (p.encode("utf-8", "surrogatepass") for p in parts))
     return sha256_hex(data)
 
 
@@ -2920,19 +2932,16 @@ class Store:
                     detail = (f"the first event is seq {seq}: an event is missing" if
                               report.checked == 0 and first == 1 else
                               f"seq {seq} follows {expect - 1}: an event is missing")
-                    report.broken = ChainBreak(seq, "", stored[:HASH_SHOWN], detail)
+                    report.broken = ChainBreak(seq, "", str(stored)[:HASH_SHOWN], detail)
                     return report
                 want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
-                # As bytes: compare_digest raises on a str with non-ASCII, which an edited
-                # row may hold, and verify must report that row, not stop.
-                stored_bytes = stored.encode("utf-8", "surrogatepass")
-                if not hmac.compare_digest(want.encode(), stored_bytes):
+                if not same_digest(want, stored):      # an edited row is reported, never fatal
                     report.broken = ChainBreak(
-                        seq, want, stored[:HASH_SHOWN], "the stored hash is not the one the event's "
+                        seq, want, str(stored)[:HASH_SHOWN], "the stored hash is not the one the event's "
                         "fields and the previous event's hash give")
                     return report
                 prev, expect = stored, seq + 1
-                report.checked, report.hash = report.checked + 1, stored[:HASH_SHOWN]
+                report.checked, report.hash = report.checked + 1, str(stored)[:HASH_SHOWN]
         return report
 
     def close(self) -> None:
@@ -3618,9 +3627,8 @@ class Session:
         try:
             allowed = decision.outcome == "allow" or (
                 granted is not None and decision.outcome == "require_approval" and
-                hmac.compare_digest(approval_hash(decision.kind, decision.capability,
-                                                  decision.presentation, request),
-                                    granted.hash))
+                same_digest(approval_hash(decision.kind, decision.capability,
+                                          decision.presentation, request), granted.hash))
         except (JSONError, TypeError, ValueError) as exc:
             return self._policy_failure(step, from_steps, origin, f"the approval will not "
                                         f"encode: {exc}", decision, extra, policy_at)
@@ -4045,7 +4053,7 @@ def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
     row = tx.exec("SELECT id, status, hash FROM approvals WHERE step_id=? ORDER BY rowid DESC "
                   "LIMIT 1", (step_id,)).fetchone()
     if row is None or row[0] != granted.id or row[1] != APPROVED or \
-            not hmac.compare_digest(row[2], granted.hash):
+            not same_digest(row[2], granted.hash):
         raise RunStateError(f"approval {granted.id} is no longer the step's grant")
 
 
@@ -4211,7 +4219,7 @@ def _check_shown(approval: Approval, shown_hash: str) -> None:
         raise NotPending(f"approval {approval.id} is already {approval.status}")
     if not shown_hash:
         raise ApprovalChanged(f"approval {approval.id}: no hash was shown")
-    if not hmac.compare_digest(approval.hash, shown_hash):
+    if not same_digest(approval.hash, shown_hash):
         raise ApprovalChanged(f"approval {approval.id} is not the one that was shown")
     approval.verify()
 
@@ -4298,7 +4306,7 @@ class Message:
     def has_id(self) -> bool:
         return "id" in self.doc and self.doc["id"] is not None
 
-    def id_raw(self) -> Any:
+    def id_value(self) -> Any:
         """The id to echo: the same JSON value when it is a string or a number, else null.
         It is written again by the proxy's encoder, never copied: a number keeps its literal
         (which has no room for anything but digits, a sign, a point and an exponent), a string
@@ -4552,8 +4560,8 @@ class Upstream:
         proxy neither samples, elicits nor lists roots), ping is answered."""
         if msg.method and msg.has_id:
             if msg.method == "ping" and not self.modern:
-                return rpc_result(msg.id_raw(), {})
-            return rpc_error(msg.id_raw(), METHOD_NOT_FOUND,
+                return rpc_result(msg.id_value(), {})
+            return rpc_error(msg.id_value(), METHOD_NOT_FOUND,
                              f"{msg.method} is not available through this proxy")
         return None
 
@@ -4957,7 +4965,11 @@ class HttpUpstream(Upstream):
                     event = value.strip().decode("utf-8", "replace")
                 continue
             if b"".join(data).strip() and event in ("", "message"):   # not a priming event
-                msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH)
+                try:
+                    msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH)
+                except (JSONError, ProtocolError) as exc:
+                    raise UpstreamError(f"the server sent an event that is not JSON-RPC: "
+                                        f"{exc}") from None
                 if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
                     return msg
                 self._refuse(msg, deadline)
@@ -5568,9 +5580,9 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     """The checks for one tool, in order; the first failure is the reason it is refused."""
     if live is None:
         raise ConfigError("the server no longer offers it")
-    if not hmac.compare_digest(sha256_hex(live.schema), pin.schema_hash):
+    if not same_digest(sha256_hex(live.schema), pin.schema_hash):
         raise ConfigError("the input schema changed since the pin")
-    if not hmac.compare_digest(hash_string(live.description), pin.description_hash):
+    if not same_digest(hash_string(live.description), pin.description_hash):
         raise ConfigError("the description changed since the pin; a description is model "
                           "input, so the tool must be pinned again")
     mismatch = _hint_mismatch(rule.side_effect, pin.annotations)
@@ -7434,12 +7446,12 @@ class HostServer:
         try:
             self.route(msg)
         except ProtocolError as exc:
-            self.write(rpc_error(msg.id_raw(), error_code(exc), str(exc), exc.data))
+            self.write(rpc_error(msg.id_value(), error_code(exc), str(exc), exc.data))
         except Exception as exc:         # a fault of ours: the host still gets an answer
             self.proxy.log(f"error: handling a {_quote(str(msg.method))} message: "
                            f"{type(exc).__name__}: {sanitize(str(exc))}")
             if msg.method is not None and msg.has_id:
-                self.write(rpc_error(msg.id_raw(), INTERNAL_ERROR, "internal error"))
+                self.write(rpc_error(msg.id_value(), INTERNAL_ERROR, "internal error"))
 
     def route(self, msg: Message) -> None:
         method = msg.method
@@ -7499,7 +7511,7 @@ class HostServer:
     def reply(self, msg: Message, result: dict, modern: bool) -> None:
         if modern:
             result = {**result, "resultType": "complete", "_meta": {META_SERVER: SERVER_INFO}}
-        self.write(rpc_result(msg.id_raw(), result))
+        self.write(rpc_result(msg.id_value(), result))
 
     def start_call(self, msg: Message, modern: bool) -> None:
         if self.closing:
@@ -8598,8 +8610,7 @@ def cmd_verify(store: Store, args, out: Out) -> int:
         found = store._read("SELECT hash FROM events WHERE seq=?", (head[0],))
         found_hash = found[0][0] if found else ""
         kept = {"seq": head[0], "hash": head[1], "found": found_hash,
-                "matches": hmac.compare_digest(found_hash.encode("utf-8", "surrogatepass"),
-                                               head[1].encode())}
+                "matches": same_digest(found_hash, head[1])}
         if not kept["matches"]:
             problems.append(f"the chain does not match the head kept: seq {head[0]} has "
                             f"{found_hash or 'no event'}, kept {head[1]}")
@@ -8670,15 +8681,28 @@ def _describe_failure(exc: Exception, command: str) -> str:
     return str(exc)
 
 
+def _operator_name() -> str:
+    """Who decides, when -by does not say: $USER, else this account's name."""
+    name = os.environ.get("USER", "")
+    if name:
+        return name
+    try:
+        import pwd                      # POSIX only; elsewhere -by or $USER names the operator
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError, AttributeError, OSError):
+        return ""
+
+
 def _check_arguments(args) -> None:
     """Every argument is judged before the database is touched."""
     if args.command in ("runs", "show", "events") and \
             ((args.limit is not None and args.limit < 0) or args.offset < 0):
         raise UsageError("-limit and -offset cannot be negative")
     if args.command in ("approve", "reject", "cancel"):
-        args.by = args.by if args.by is not None else os.environ.get("USER", "")
+        args.by = args.by if args.by is not None else _operator_name()
         if not args.by:
-            raise UsageError("-by is empty and $USER is unset: pass -by WHO")
+            raise UsageError("-by is empty, $USER is unset and this account has no name: "
+                             "pass -by WHO")
     if args.command == "verify":
         first, last = getattr(args, "from"), args.to
         args.head = _parse_head(args.head)

@@ -412,10 +412,25 @@ def test_by_defaults_to_user(harness, cli, monkeypatch):
     assert harness.store.get_approval(approval.id).decided_by == "alice"
 
 
-@pytest.mark.parametrize("by", [None, ""])
-def test_empty_by_with_user_unset_is_usage_error(harness, cli, monkeypatch, by):
+def test_by_defaults_to_the_account_name_when_user_is_unset(harness, cli, monkeypatch):
+    import pwd
     approval = harness.waiting("run-1")
     monkeypatch.delenv("USER", raising=False)
+    code, out, err = cli("-db", harness.path, "approve", "run-1", "-approval", approval.id)
+    name = pwd.getpwuid(os.getuid()).pw_name
+    assert code == 0 and f"approved by {name}" in out, out + err
+    assert harness.store.get_approval(approval.id).decided_by == name
+
+
+@pytest.mark.parametrize("by", [None, ""])
+def test_empty_by_with_no_name_to_default_to_is_usage_error(harness, cli, monkeypatch, by):
+    import pwd
+    approval = harness.waiting("run-1")
+    monkeypatch.delenv("USER", raising=False)
+
+    def nameless(uid):
+        raise KeyError(uid)
+    monkeypatch.setattr(pwd, "getpwuid", nameless)
     argv = ["-db", harness.path, "approve", "run-1", "-approval", approval.id]
     if by is not None:
         argv += ["-by", by]
@@ -675,7 +690,8 @@ def test_verify_malformed_head_is_usage_error_before_the_database_is_opened(tmp_
 
 def test_empty_by_is_usage_error_before_the_database_is_opened(tmp_path, cli, monkeypatch):
     monkeypatch.delenv("USER", raising=False)
-    code, _, err = cli("-db", str(tmp_path / "missing.db"), "approve", "run-1", "-yes")
+    code, _, err = cli("-db", str(tmp_path / "missing.db"), "approve", "run-1", "-yes",
+                       "-by", "")
     assert code == 2, err
 
 

@@ -344,3 +344,42 @@ def test_a_fault_while_routing_a_message_is_answered_not_fatal(tmp_path, monkeyp
         assert "tools" in h.request("tools/list")["result"]
     finally:
         h.close()
+
+
+# -- edited rows: a hash that is not ASCII, a value that is not text --------------------------------
+
+def test_an_edited_approval_hash_that_is_not_ascii_is_refused_not_fatal(tmp_path, cli):
+    import sqlite3
+    rules = dict(ALLOW_PAY, pay={"side_effect": "remote_mutation", "timeout": "10s"})
+    h = ProxyHarness(tmp_path, rules=rules)
+    try:
+        assert h.prefix(h.call("bank_pay", {"to": "bob", "amount": 3})) == "PENDING_APPROVAL"
+        [approval] = h.pending()
+        conn = sqlite3.connect(h.cfg.database)
+        conn.execute("UPDATE approvals SET hash=? WHERE id=?",
+                     ("\u202e" + approval.hash[1:], approval.id))
+        conn.commit()
+        conn.close()
+        code, out, err = cli("-db", h.cfg.database, "approve", approval.run_id,
+                             "-approval", approval.id, "-by", "op")
+        assert code == 1 and "Traceback" not in err and "\u202e" not in out + err, out + err
+        assert h.store.get_approval(approval.id).status == ap.PENDING
+    finally:
+        h.close()
+
+
+def test_verify_reports_an_event_whose_fields_are_not_text(tmp_path, cli):
+    import sqlite3
+    h = ProxyHarness(tmp_path)
+    try:
+        assert not h.is_error(h.call("bank_balance", {"account": "A-1"}))
+    finally:
+        h.close()
+    conn = sqlite3.connect(h.cfg.database)
+    conn.execute("UPDATE events SET payload_json=? WHERE seq=2", (b"\x1b[31m{}",))
+    conn.execute("UPDATE events SET hash=? WHERE seq=3", (12345,))
+    conn.commit()
+    conn.close()
+    code, out, err = cli("-db", h.cfg.database, "verify")
+    assert code == 1 and "Traceback" not in err, out + err
+    assert "\x1b" not in out + err

@@ -6491,10 +6491,13 @@ def status_tool_entry(name: str) -> dict:
 # happen outside that. Across processes the unique open-row index and
 # IMMEDIATE transactions let exactly one call begin a row's run; the loser retries.
 
-PROXY_SCHEMA_VERSION = 1
+PROXY_SCHEMA_VERSION = 2
 APPROVAL_POLL = 0.2                    # how often a held call looks at its approval
 PROGRESS_EVERY = 1.0                   # seconds between progress notifications while held
 MAX_RETRIES = 5                        # lost races before a call answers IN_PROGRESS
+RULE_ROWS = 8                          # rows of one request key read at a time, newest first
+MAX_ROW_ID = 2 ** 63 - 1               # above every row id: where a newest-first read starts
+SETTLED_FLOOR = 1e-6                   # settled_at above this: 0 means "not yet settled"
 STATUS_WINDOW = 3600.0                 # the status tool answers for the last hour
 STATUS_ROWS = 200                      # ... from at most this many calls
 UNSEEN, NO_ATTEMPT, KNOWN, UNKNOWN = 0, 1, 2, 3
@@ -6513,6 +6516,10 @@ _INDEX_SQL = (
     "CREATE INDEX proxy_calls_unsettled ON proxy_calls(session, settled_at, id)",
     "CREATE INDEX proxy_calls_outcome ON proxy_calls(session, request_key, outcome, id)",
 )
+# Each later version: its statements, applied in one transaction with its own record.
+_INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("CREATE INDEX proxy_calls_tool_outcome ON proxy_calls(session, tool, outcome, id)",),
+}
 _ROW_COLS = "id, session, request_key, tool, side_effect, run_id, created_at, open, closed_at, " \
             "settled_at, outcome"
 
@@ -6556,23 +6563,54 @@ class CallIndex:
                 for sql in _INDEX_SQL:
                     tx.exec(sql)
                 tx.exec("INSERT INTO proxy_schema_migrations VALUES (1, ?)", (now,))
+        for version in range(max(have, 1) + 1, PROXY_SCHEMA_VERSION + 1):
+            with self.store.tx() as tx:
+                if tx.exec("SELECT 1 FROM proxy_schema_migrations WHERE version=?",
+                           (version,)).fetchone():
+                    continue                 # another process migrated it meanwhile
+                for sql in _INDEX_MIGRATIONS[version]:
+                    tx.exec(sql)
+                tx.exec("INSERT INTO proxy_schema_migrations VALUES (?, ?)", (version, now))
 
     def _rows(self, sql: str, params: tuple) -> list[CallRow]:
         return [CallRow(*r) for r in self.store._read(f"SELECT {_ROW_COLS} FROM proxy_calls "
                                                       f"WHERE {sql}", params)]
 
+    # Every query below is a search of one of _INDEX_SQL's indexes that reads a bounded
+    # number of rows, however long the session's history: a call costs the same on the first
+    # day and after a million (tests/test_index_plans.py holds them to that).
+
+    def open_row(self, key: str) -> CallRow | None:
+        rows = self._rows("session=? AND request_key=? AND open=1", (self.session, key))
+        return rows[0] if rows else None
+
     def for_key(self, key: str, since: float) -> tuple[CallRow | None, list[CallRow]]:
-        """The key's open row, and every row of it open or closed since ``since``."""
-        rows = self._rows("session=? AND request_key=? AND (open=1 OR closed_at>=?) "
-                          "ORDER BY id DESC", (self.session, key, since))
-        return next((r for r in rows if r.open), None), rows
+        """The key's open row, and the rows the window rules read, newest first: the open
+        row, then the newest closed rows (at most RULE_ROWS) closed since ``since``. Rows of
+        one key close in the order they were opened, so the newest rows are the ones a window
+        can hold, and the rules need only the newest."""
+        rows = self._rows("session=? AND request_key=? AND open=0 ORDER BY id DESC LIMIT ?",
+                          (self.session, key, RULE_ROWS))
+        current = self.open_row(key)
+        return current, ([current] if current else []) + [r for r in rows
+                                                          if r.closed_at >= since]
 
     def unsettled(self) -> list[CallRow]:
         return self._rows("session=? AND settled_at=0 ORDER BY id", (self.session,))
 
-    def attempts(self, key: str) -> list[CallRow]:
-        return self._rows("session=? AND request_key=? AND outcome!=? ORDER BY id DESC",
-                          (self.session, key, NO_ATTEMPT))
+    def attempts(self, key: str) -> Iterable[CallRow]:
+        """The key's rows that may hold an attempt, newest first, read a page at a time: the
+        caller stops at the first it can judge, which is almost always the first."""
+        before = None
+        while True:
+            page = self._rows("session=? AND request_key=? AND outcome!=? AND id<? "
+                              "ORDER BY id DESC LIMIT ?",
+                              (self.session, key, NO_ATTEMPT,
+                               before if before is not None else MAX_ROW_ID, RULE_ROWS))
+            yield from page
+            if len(page) < RULE_ROWS:
+                return
+            before = page[-1].id
 
     def unknown_for_tool(self, tool: str, except_key: str) -> list[CallRow]:
         """For every other key of this tool, its newest row with an attempt, when that row's
@@ -6584,8 +6622,13 @@ class CallIndex:
             (self.session, tool, except_key, UNSEEN, UNKNOWN, NO_ATTEMPT))
 
     def recent(self, since: float, limit: int) -> list[CallRow]:
-        return self._rows("session=? AND (settled_at=0 OR settled_at>=?) ORDER BY id DESC "
-                          "LIMIT ?", (self.session, since, limit))
+        """The rows not yet settled, and those settled since ``since``: newest first, at most
+        ``limit``. Two range searches of one index, never a walk through the history."""
+        rows = self._rows("session=? AND settled_at=0 ORDER BY id DESC LIMIT ?",
+                          (self.session, limit))
+        rows += self._rows("session=? AND settled_at>=? ORDER BY settled_at DESC LIMIT ?",
+                           (self.session, max(since, SETTLED_FLOOR), limit))
+        return sorted(rows, key=lambda r: r.id, reverse=True)[:limit]
 
     def by_run(self, run_id: str) -> CallRow | None:
         rows = self._rows("run_id=?", (run_id,))
@@ -6888,6 +6931,10 @@ class Proxy:
     # rules 4 and 5: the request was refused, expired, or ran, within its window
 
     def refusal(self, tool, recent: list[CallRow], now: float):
+        """Rules 4 and 5, decided by the newest of the request's finished runs. No older run
+        can decide otherwise: when that newest run was begun, these rules found nothing to
+        refuse in the older ones within the same window, and a window ending now reaches
+        less of the past than one ending then."""
         window = self.window(tool)
         if window <= 0:
             return None
@@ -6895,32 +6942,33 @@ class Proxy:
             state = self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
-            outcome, _ = last_attempt(self, state)
-            self.settle(row, outcome)
-            end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
-            if not end or end < now - window:
-                continue
-            until, latest = end + window, state.latest()
-            reason = state.run.reason
-            if reason == "approval_rejected" and latest is not None:
-                return Answer(rejected(latest.id, latest.note, until))
-            if reason == "approval_expired":
-                if outcome == UNKNOWN:
-                    return None                  # an expiry resolves nothing: rule 6 asks
-                if latest is not None:
-                    return Answer(expired(latest.id, until))
-            if reason == "operator_cancelled":
-                return Answer(cancelled_answer(state.run.reason_detail, until))
-            if tool.spec.side_effect == "read_only":
-                continue
-            if outcome == KNOWN:
-                step = next((s for s in reversed(state.steps)
-                             if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)), None)
-                if step is not None:
-                    return Answer(duplicate(end, window, known_outcome(step)))
-            elif outcome == UNKNOWN:
-                return None
+            return self.refused_by(tool, row, state, now, window)
         return None
+
+    def refused_by(self, tool, row: CallRow, state: RunState, now: float, window: float):
+        outcome, _ = last_attempt(self, state)
+        self.settle(row, outcome)
+        end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
+        if not end or end < now - window:
+            return None
+        until, latest = end + window, state.latest()
+        reason = state.run.reason
+        if reason == "approval_rejected" and latest is not None:
+            return Answer(rejected(latest.id, latest.note, until))
+        if reason == "approval_expired":
+            if outcome == UNKNOWN:
+                return None                  # an expiry resolves nothing: rule 6 asks
+            if latest is not None:
+                return Answer(expired(latest.id, until))
+        if reason == "operator_cancelled":
+            return Answer(cancelled_answer(state.run.reason_detail, until))
+        if tool.spec.side_effect == "read_only":
+            return None
+        step = next((s for s in reversed(state.steps)
+                     if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)), None)
+        if outcome == KNOWN and step is not None:
+            return Answer(duplicate(end, window, known_outcome(step)))
+        return None                          # nothing ran, or its outcome is rule 6's
 
     # rule 6: an unknown outcome of this request, at any age
 
@@ -7013,7 +7061,7 @@ class Proxy:
         if key is None:
             return None
         try:
-            open_row, _ = self.index.for_key(key, self.clock())
+            open_row = self.index.open_row(key)
             reuse = False
             if open_row is not None:
                 state = self.inspect(open_row.run_id)

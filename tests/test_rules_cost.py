@@ -1,0 +1,128 @@
+"""The rules across calls read a bounded number of rows per call, whatever the history.
+
+- 10,000 identical read calls through the rules in-process: the per-call time of the last
+  1,000 may not exceed that of the first 1,000 by more than a factor no noise explains (3x).
+  A guard against a scan of a key's past coming back, not a timing target (the targets are
+  met in tests/bench.py).
+- Every query of the call index is a search of an index, never a scan of proxy_calls
+  (EXPLAIN QUERY PLAN).
+"""
+
+import os
+import sqlite3
+import time
+
+import pytest
+
+from proxy_harness import ProxyHarness, ap
+
+CALLS = int(os.environ.get("RULES_COST_CALLS", "10000"))
+BLOCK = CALLS // 10
+GROWTH_LIMIT = 3.0
+ANSWER = (b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text",'
+          b'"text":"account A-1 holds 120.00 EUR"}]}}')
+
+
+class InstantServer:
+    """An upstream connection that answers every call at once, so that what is timed is the
+    proxy: its rules, its records and its commits."""
+
+    name = "bank"
+    closed = False
+
+    def __init__(self):
+        self.calls = 0
+
+    async def call_tool(self, remote, args, timeout):
+        self.calls += 1
+        return ap.parse_message(ANSWER)
+
+    async def close(self):
+        pass
+
+
+def instant_proxy(h: ProxyHarness, server: InstantServer) -> ap.Proxy:
+    import dataclasses
+    tools = [dataclasses.replace(t, conn=server) for t in h.tools]
+    return ap.Proxy(h.cfg, h.store, tools, h.log_lines.append, clock=h.clock)
+
+
+def test_identical_read_calls_cost_the_same_after_ten_thousand(tmp_path):
+    h = ProxyHarness(tmp_path)
+    server = InstantServer()
+    proxy = instant_proxy(h, server)
+    args = b'{"account":"A-1"}'
+    blocks: list[float] = []
+    try:
+        for block in range(CALLS // BLOCK):
+            began = time.perf_counter()
+            for _ in range(BLOCK):
+                r = h.run(proxy.call("bank_balance", args))
+                assert not r["isError"], r
+            blocks.append((time.perf_counter() - began) / BLOCK)
+            # Stop as soon as a scan shows, rather than after hours on a build that scans.
+            assert blocks[-1] <= 2 * GROWTH_LIMIT * blocks[0], \
+                f"per-call ms by block of {BLOCK}: {[round(b * 1000, 3) for b in blocks]}"
+        assert blocks[-1] <= GROWTH_LIMIT * blocks[0], \
+            f"per-call ms by block of {BLOCK}: {[round(b * 1000, 3) for b in blocks]}"
+        assert server.calls == CALLS
+        print(f"per-call ms by block of {BLOCK}: {[round(b * 1000, 3) for b in blocks]}")
+    finally:
+        proxy.close()
+        h.close()
+
+
+# Every statement the call index runs, with parameters of the right types.
+INDEX_QUERIES = [
+    ("open row", "SELECT * FROM proxy_calls WHERE session=? AND request_key=? AND open=1",
+     ("s", "k")),
+    ("newest closed rows", "SELECT * FROM proxy_calls WHERE session=? AND request_key=? AND "
+     "open=0 ORDER BY id DESC LIMIT ?", ("s", "k", 8)),
+    ("attempts", "SELECT * FROM proxy_calls WHERE session=? AND request_key=? AND outcome!=? "
+     "AND id<? ORDER BY id DESC LIMIT ?", ("s", "k", 1, 2 ** 62, 8)),
+    ("unsettled", "SELECT * FROM proxy_calls WHERE session=? AND settled_at=0 ORDER BY id",
+     ("s",)),
+    ("recent unsettled", "SELECT * FROM proxy_calls WHERE session=? AND settled_at=0 "
+     "ORDER BY id DESC LIMIT ?", ("s", 200)),
+    ("recent settled", "SELECT * FROM proxy_calls WHERE session=? AND settled_at>=? "
+     "ORDER BY settled_at DESC LIMIT ?", ("s", 1.0, 200)),
+    ("by run", "SELECT * FROM proxy_calls WHERE run_id=?", ("r",)),
+    ("unknown for a tool", "SELECT * FROM proxy_calls WHERE session=? AND tool=? AND "
+     "request_key!=? AND outcome IN (?,?) AND id=(SELECT MAX(q.id) FROM proxy_calls q WHERE "
+     "q.session=proxy_calls.session AND q.request_key=proxy_calls.request_key AND "
+     "q.outcome!=?) ORDER BY id", ("s", "t", "k", 0, 3, 1)),
+]
+
+
+@pytest.fixture(scope="module")
+def index_db(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("plans") / "runs.db")
+    store = ap.Store.open(path)
+    ap.CallIndex(store, "s").migrate(time.time())
+    store.close()
+    conn = sqlite3.connect(path)
+    conn.execute("ANALYZE")
+    yield conn
+    conn.close()
+
+
+@pytest.mark.parametrize("what,sql,params", INDEX_QUERIES, ids=[q[0] for q in INDEX_QUERIES])
+def test_call_index_queries_search_an_index(index_db, what, sql, params):
+    plan = [row[-1] for row in index_db.execute("EXPLAIN QUERY PLAN " + sql, params)]
+    scans = [step for step in plan if step.startswith("SCAN") and "proxy_calls" in step
+             and "USING" not in step]
+    assert not scans, f"{what}: {plan}"
+    # A search on the session alone walks the session's whole history.
+    session_only = [step for step in plan if step.endswith("(session=?)")]
+    assert not session_only, f"{what} walks the session: {plan}"
+
+
+def test_the_index_queries_are_the_ones_the_module_runs():
+    """The statements above are the module's own: a changed query must be added here."""
+    import inspect
+    source = inspect.getsource(ap.CallIndex)
+    for fragment in ("open=1\"", "open=0 ORDER BY id DESC LIMIT ?", "id<? \"",
+                     "settled_at=0 ORDER BY id\"", "settled_at=0 ORDER BY id DESC LIMIT ?",
+                     "settled_at>=? ORDER BY settled_at DESC LIMIT ?", "\"run_id=?\"",
+                     "q.outcome!=?) ORDER BY id\""):
+        assert fragment in source, fragment

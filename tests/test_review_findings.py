@@ -1,0 +1,88 @@
+"""Regression tests for faults found by a review of the hardened proxy, each reproduced
+against the real module: a test here fails while its fault is present.
+
+1. Matching a schema pattern is not charged to the call's evaluation budget. Each string may
+   spend MAX_PATTERN_WORK instruction visits (seconds), and the per-pattern memo empties
+   after PATTERN_MEMO_STATES held instructions, so an array of short strings against one
+   small pinned pattern keeps the event loop busy for many seconds.
+2. `events -json` cannot print a run whose arguments nest 254 or 255 levels: Out.json reads
+   its own output back with the gate's MAX_DEPTH, not the record allowance.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import agentrt_proxy as ap  # noqa: E402
+from proxy_harness import ProxyHarness  # noqa: E402
+
+NEWLINE_SERVER = os.path.join(HERE, "newline_server.py")
+# What the fixed code may take for a check that is refused for its cost; the faulty code
+# takes several seconds (about 8 s on an idle core).
+CHECK_BOUND = 1.5
+
+
+def _nested_args(depth: int) -> bytes:
+    """An arguments object nesting ``depth`` containers in all (the object counts)."""
+    inner = "1"
+    for _ in range(depth - 1):
+        inner = "[" + inner + "]"
+    return ('{"x":%s}' % inner).encode()
+
+
+# ---- 1. pattern work is outside the call's budget -------------------------------------------
+
+def test_pattern_work_is_bounded_per_call_not_only_per_string():
+    # A 27-character pattern, a pinned schema of 120 bytes, 40 KB of arguments. Unanchored,
+    # {1,1000} keeps up to a thousand threads alive; the states are too big for the memo to
+    # keep, so every string pays again. The check must be refused (or answered) quickly.
+    schema = {"type": "object", "properties": {"s": {"type": "array", "items": {
+        "type": "string", "pattern": "[a-z]{1,1000}$"}}}}
+    compiled = ap.compile_schema(json.dumps(schema).encode())
+    args = json.dumps({"s": ["a" * 1000 + "!"] * 40}).encode()
+    assert len(args) < 50_000
+    start = time.perf_counter()
+    with pytest.raises(ap.SchemaError):
+        compiled.check(args)
+    took = time.perf_counter() - start
+    assert took < CHECK_BOUND, f"one call's check kept the loop busy for {took:.1f} s"
+
+
+# ---- 2. operator output of deep records -----------------------------------------------------
+
+@pytest.fixture
+def erase_harness(tmp_path):
+    h = ProxyHarness(tmp_path, command=[sys.executable, NEWLINE_SERVER], rules={
+        "erase": {"side_effect": "remote_mutation", "timeout": "5s",
+                  "allow_hint_mismatch": True},
+        "look": {"side_effect": "read_only", "timeout": "5s"}})
+    yield h
+    h.close()
+
+
+def _cli(h: ProxyHarness, *argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = ap.main(["-db", h.cfg.database, *argv], stdin=io.StringIO(""), stdout=out,
+                   stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("depth", [254, 255, 256])
+def test_events_json_prints_arguments_nested_to_the_bound(erase_harness, depth):
+    h = erase_harness
+    r = h.call("bank_erase", raw_args=_nested_args(depth))
+    assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+    run = h.runs()[-1]
+    code, out, err = _cli(h, "-json", "events", run.id)
+    assert code == 0, f"events -json failed at depth {depth}: {err[:300]}"
+    assert json.loads(out)["events"], out[:300]

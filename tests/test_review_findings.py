@@ -86,3 +86,29 @@ def test_events_json_prints_arguments_nested_to_the_bound(erase_harness, depth):
     code, out, err = _cli(h, "-json", "events", run.id)
     assert code == 0, f"events -json failed at depth {depth}: {err[:300]}"
     assert json.loads(out)["events"], out[:300]
+
+
+# ---- 3. a large host message keeps the event loop busy --------------------------------------
+
+# Under 1 MB of arguments: an array of 450,000 zeros. The proxy parses the arguments about
+# seven times on the event loop (parse_message and its spans, host_arguments, request_key,
+# the gate's check, the decision record), at a few microseconds a value each, before it can
+# answer anything else. The faulty code takes 4 to 9 s here; the bound leaves room for a
+# loaded machine.
+LOOP_BOUND = 2.0
+
+
+def test_a_large_call_does_not_stop_the_proxy_answering(tmp_path):
+    h = ProxyHarness(tmp_path)
+    try:
+        args = b'{"account":"A","x":[' + b",".join([b"0"] * 450_000) + b"]}"
+        assert len(args) < 1_000_000
+        start = time.perf_counter()
+        ident = h.request("tools/call", raw_params=b'{"name":"bank_balance","arguments":' +
+                          args + b"}", wait=False)
+        h.request("ping", timeout=120)
+        took = time.perf_counter() - start
+        assert h.prefix(h.answer(ident, timeout=120)["result"]) == "INVALID"
+        assert took < LOOP_BOUND, f"a ping waited {took:.1f} s behind one call"
+    finally:
+        h.close()

@@ -112,3 +112,23 @@ def test_a_large_call_does_not_stop_the_proxy_answering(tmp_path):
         assert took < LOOP_BOUND, f"a ping waited {took:.1f} s behind one call"
     finally:
         h.close()
+
+
+def test_a_large_server_answer_is_read_in_bounded_time():
+    # The same cost from the other side: a server's answer with 1,500,000 zeros in its
+    # structuredContent (3 MB; a frame may hold 16 MiB). It is read (parse_message, its spans), mapped
+    # (map_result parses the result, its spans, then the structured content again and
+    # encodes it, to drop it for being past the 64 KiB cap) and observed, all on the event
+    # loop. The faulty code takes 5 to 9 s for this; a 16 MiB answer, a minute or more.
+    structured = b'{"v":[' + b",".join([b"0"] * 1_500_000) + b"]}"
+    line = (b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"paid"}],'
+            b'"structuredContent":' + structured + b"}}\n")
+    assert len(line) < ap.MAX_FRAME
+    spec = ap.ToolSpec("bank_pay", "pays", b'{"type":"object"}', "remote_mutation", 5.0, True)
+    tool = ap.UpstreamTool(spec, "bank", "pay", ap.Rule(side_effect="remote_mutation"), None)
+    start = time.perf_counter()
+    msg = ap.parse_message(line, ap.UPSTREAM_DEPTH)
+    obs = ap._observe("bank_pay", 5.0, ap.map_result(tool, msg))
+    took = time.perf_counter() - start
+    assert obs[0]["kind"] == ap.TOOL_RESULT
+    assert took < LOOP_BOUND, f"reading one answer kept the loop busy for {took:.1f} s"

@@ -7,15 +7,22 @@ against the real module: a test here fails while its fault is present.
    small pinned pattern keeps the event loop busy for many seconds.
 2. `events -json` cannot print a run whose arguments nest 254 or 255 levels: Out.json reads
    its own output back with the gate's MAX_DEPTH, not the record allowance.
+3. One host message of under 1 MB (an array of small values) keeps the event loop busy for
+   seconds: the arguments are parsed about seven times, at microseconds a value. A server's
+   answer costs the same way.
+4. At exit the stdio servers are closed one after another, each given 2 * CLOSE_WAIT when
+   it ignores EOF and SIGTERM: the exit waits for the sum.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import sys
 import time
+import types
 
 import pytest
 
@@ -116,10 +123,10 @@ def test_a_large_call_does_not_stop_the_proxy_answering(tmp_path):
 
 def test_a_large_server_answer_is_read_in_bounded_time():
     # The same cost from the other side: a server's answer with 1,500,000 zeros in its
-    # structuredContent (3 MB; a frame may hold 16 MiB). It is read (parse_message, its spans), mapped
-    # (map_result parses the result, its spans, then the structured content again and
-    # encodes it, to drop it for being past the 64 KiB cap) and observed, all on the event
-    # loop. The faulty code takes 5 to 9 s for this; a 16 MiB answer, a minute or more.
+    # structuredContent (3 MB; a frame may hold 16 MiB). It is read (parse_message, its
+    # spans), mapped (map_result parses the result, its spans, then the structured content
+    # again and encodes it, to drop it for being past the 64 KiB cap) and observed, all on
+    # the event loop. The faulty code takes 5 to 9 s for this; a 16 MiB answer, a minute or more.
     structured = b'{"v":[' + b",".join([b"0"] * 1_500_000) + b"]}"
     line = (b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"paid"}],'
             b'"structuredContent":' + structured + b"}}\n")
@@ -132,3 +139,42 @@ def test_a_large_server_answer_is_read_in_bounded_time():
     took = time.perf_counter() - start
     assert obs[0]["kind"] == ap.TOOL_RESULT
     assert took < LOOP_BOUND, f"reading one answer kept the loop busy for {took:.1f} s"
+
+
+# ---- 4. closing stubborn servers one after another ------------------------------------------
+
+STUBBORN = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "open(sys.argv[1], 'w').close()\n"
+            "time.sleep(120)\n")
+READY_WAIT = 10.0
+
+
+def test_closing_servers_that_ignore_eof_and_sigterm_is_bounded_overall(tmp_path):
+    # Each stdio server gets CLOSE_WAIT after its stdin closes and CLOSE_WAIT after SIGTERM
+    # before SIGKILL; close_tools closes the servers one after another, so at exit the
+    # proxy waits 2 * CLOSE_WAIT for each server that ignores both (three: 30 s), where a
+    # host may already have given up on it. Closed together, the wait is that of one.
+    async def scenario() -> float:
+        conns = []
+        for i in range(3):
+            ready = str(tmp_path / f"ready{i}")
+            conn = ap.StdioUpstream(f"s{i}", [sys.executable, "-c", STUBBORN, ready],
+                                    {"PATH": os.environ.get("PATH", "")})
+            await conn.start()
+            conns.append(conn)
+        deadline = time.monotonic() + READY_WAIT      # each has installed its handler
+        while not all((tmp_path / f"ready{i}").exists() for i in range(3)):
+            assert time.monotonic() < deadline, "the servers did not start"
+            await asyncio.sleep(ap.EXIT_POLL)
+        holders = [types.SimpleNamespace(conn=c) for c in conns]
+        start = time.monotonic()
+        await ap.close_tools(holders)
+        took = time.monotonic() - start
+        for conn in conns:
+            assert conn.proc is None
+        return took
+
+    took = asyncio.run(scenario())
+    bound = 2 * ap.CLOSE_WAIT + 3.0
+    assert took < bound, f"closing three stubborn servers took {took:.1f} s"

@@ -35,7 +35,8 @@ RECORDER = os.path.join(HERE, "recording_server.py")
 SEED = int(os.environ.get("HOSTILE_SEED", "20261130"))
 FRAMES = int(os.environ.get("HOSTILE_FRAMES", "2000"))
 CHUNK = int(os.environ.get("HOSTILE_CHUNK", "300"))
-BARRIER_TIMEOUT = 90.0          # seconds for a chunk's closing echo and ping to be answered
+BARRIER_TIMEOUT = 30.0          # seconds for a chunk to be read and its closing echo and ping
+                                # answered (a sound proxy needs about one)
 EXIT_TIMEOUT = 20.0             # seconds from closing stdin to the proxy's exit
 SHOWN = 300                     # characters of a frame's repr in a failure message
 MAX_FAILURES_SHOWN = 60
@@ -238,7 +239,25 @@ class Case:
     upstream: str = "zero"            # "one", "zero", or "if_exec"
     tool: str | None = None           # the upstream tool name for "one" and "if_exec"
     args: Any = None                  # the arguments as the strict parse reads them
-    nulls: int = 1                    # answers with id null this frame owes (an LF splits)
+    slots: list | None = None         # for a line an LF splits: (codes, owed) per piece
+
+
+def split_slots(line: bytes) -> list[tuple[frozenset, bool]]:
+    """What each piece of a line an LF splits is owed, with id null: a parse error for a
+    piece that is not JSON, an Invalid Request for one that is JSON but no request (a piece
+    that happens to look like a response is owed nothing)."""
+    out = []
+    for piece in line.split(b"\n"):
+        if not piece.strip(b" \t\r"):
+            continue
+        try:
+            value = strict_loads(piece.strip(b" \t\r"))
+        except ValueError:
+            out.append((frozenset({PARSE}), True))
+            continue
+        response = isinstance(value, dict) and ("result" in value or "error" in value)
+        out.append((frozenset({INVALID_REQUEST}), not response))
+    return out
 
 
 EXEC = frozenset({"exec"})
@@ -260,13 +279,10 @@ class Corpus:
         i = next(self.ids)
         return f"h-{i}" if i % 3 else Lit(str(10_000_000 + i))
 
-    def args(self, tool: str = "echo", **extra) -> dict:
+    def args(self, tool: str = "echo", plain: bool = False, **extra) -> dict:
         n = next(self.counter)
         out = {"n": Lit(str(n))}
-        if tool == "note":
-            out["text"] = self.text()
-        else:
-            out["s"] = self.text()
+        out["text" if tool == "note" else "s"] = "plain text" if plain else self.text()
         out.update(extra)
         return out
 
@@ -375,7 +391,8 @@ class Corpus:
         for args in self.BAD_CALL_ARGS:
             ident = self.new_id()
             line = finish(render(self.call(ident, "wipe", Verbatim(args.decode()))))
-            out.append(Case("invalid-json-arguments", line, null=frozenset({PARSE})))
+            out.append(Case("invalid-json-arguments", line, key=id_key(ident),
+                            null=frozenset({PARSE})))
         # A byte-order mark: the text is no longer what RFC 8259 calls JSON-RPC's input.
         # A ping either way, so that a parser allowed to skip it (RFC 8259 section 8.1) may.
         ident = self.new_id()
@@ -419,8 +436,8 @@ class Corpus:
             out.append(Case("char-raw-arguments-string", line, key=id_key(ident),
                             results=frozenset({"invalid"}), null=frozenset({PARSE}),
                             n=self.n_of(args)) if ch != "\n" else
-                       Case("char-raw-arguments-string", line, null=frozenset({PARSE}),
-                            nulls=2, n=self.n_of(args)))
+                       Case("char-raw-arguments-string", line, slots=split_slots(line),
+                            n=self.n_of(args)))
         else:
             out.append(self.exec_case("char-raw-arguments-string", line, ident, "echo", args))
         # Raw, inside a key of the arguments.
@@ -431,17 +448,16 @@ class Corpus:
         if code < 0x20:
             out.append(Case("char-raw-arguments-key", line, key=id_key(ident),
                             results=frozenset({"invalid"}), null=frozenset({PARSE}),
-                            n=self.n_of(args), nulls=2 if ch == "\n" else 1))
-            if ch == "\n":
-                out[-1].key, out[-1].results = None, frozenset()
+                            n=self.n_of(args)) if ch != "\n" else
+                       Case("char-raw-arguments-key", line, slots=split_slots(line),
+                            n=self.n_of(args)))
         else:
             out.append(self.exec_case("char-raw-arguments-key", line, ident, "echo", args))
         # Raw, inside the envelope's id string.
         ident = Verbatim(f'"r{next(self.ids)}{ch}"')
         line = finish(render(self.envelope(ident, "ping")))
         if code < 0x20:
-            out.append(Case("char-raw-id", line, null=frozenset({PARSE}),
-                            nulls=2 if ch == "\n" else 1))
+            out.append(Case("char-raw-id", line, slots=split_slots(line)))
         else:
             out.append(Case("char-raw-id", line, key=("str", json.loads(str(ident))),
                             results=frozenset({"empty"})))
@@ -461,13 +477,13 @@ class Corpus:
                 if len(pieces) == 1:          # only at the edges: still one valid frame
                     out.append(self.exec_case(fam, line, ident, "echo", args))
                 else:
-                    out.append(Case(fam, line, null=frozenset({PARSE}), nulls=len(pieces),
-                                    n=self.n_of(args)))
+                    out.append(Case(fam, line, slots=split_slots(line), n=self.n_of(args)))
             elif region == "arguments":
                 out.append(Case(fam, line, key=id_key(ident), results=frozenset({"invalid"}),
                                 null=frozenset({PARSE}), n=self.n_of(args)))
             else:
-                out.append(Case(fam, line, null=frozenset({PARSE}), n=self.n_of(args)))
+                out.append(Case(fam, line, key=id_key(ident), null=frozenset({PARSE}),
+                                n=self.n_of(args)))
         return out
 
     def whitespace(self) -> list[Case]:
@@ -711,6 +727,7 @@ class Corpus:
             if where == "outside":
                 text = text.replace(",", "," + BAD_BYTE, 1)
             out.append(Case(f"utf8-{where}", finish(text), null=frozenset({PARSE}),
+                            key=id_key(ident) if where != "id" else None,
                             n=self.n_of(args)))
         for esc in ("\\ud800", "\\udc00", "\\ud800x", "\\ud83d\\u0041", "\\udfff\\ud800"):
             ident, args = self.new_id(), self.args(s=Verbatim(f'"{esc}"'))
@@ -727,29 +744,31 @@ class Corpus:
                 self.call(ident, "echo", args))), key=id_key(ident),
                 results=frozenset({"invalid"}), n=self.n_of(args)))
         # A repeated key inside the arguments: INVALID, never executed, whichever value wins.
-        for dup in (Verbatim('"n"'), Verbatim('"s"'), Verbatim('"\\u0073"')):
+        for dup in (b'"n"', b'"s"', b'"\\u0073"'):
             ident, args = self.new_id(), self.args()
             n = self.n_of(args)
-            text = render(self.call(ident, "echo", args))
-            text = text.replace('"arguments":{', '"arguments":{%s:"dup",' % dup, 1) \
-                if str(dup) != '"n"' else text.replace('"arguments":{', '"arguments":{"n":%d,'
-                                                       % (n + 10**9), 1)
-            out.append(Case("repeated-key-in-arguments", finish(text), key=id_key(ident),
+            line = finish(render(self.call(ident, "echo", args)))
+            first = b'%s:"dup",' % dup if dup != b'"n"' else b'"n":%d,' % (n + 10**9)
+            line = line.replace(b'"arguments":{', b'"arguments":{' + first, 1)
+            out.append(Case("repeated-key-in-arguments", line, key=id_key(ident),
                             results=frozenset({"invalid"}), n=n))
         ident, args = self.new_id(), self.args()
-        text = render(self.call(ident, "echo", {**args, "x": {"a": Lit("1")}}))
-        text = text.replace('"a":1', '"a":1,"a":2')
-        out.append(Case("repeated-key-in-arguments", finish(text), key=id_key(ident),
+        line = finish(render(self.call(ident, "echo", {**args, "x": {"a": Lit("1")}})))
+        line = line.replace(b'"x":{"a":1}', b'"x":{"a":1,"a":2}')
+        out.append(Case("repeated-key-in-arguments", line, key=id_key(ident),
                         results=frozenset({"invalid"}), n=self.n_of(args)))
         # A repeated key in the envelope: an answer, never a wipe.
-        for member, second in (("name", '"rec_wipe"'), ("params", '{"name":"rec_wipe",'
-                                                                  '"arguments":{}}'),
-                               ("method", '"ping"'), ("jsonrpc", '"1.0"')):
+        for member, second in (("name", b'"rec_wipe"'), ("params", b'{"name":"rec_wipe",'
+                                                                   b'"arguments":{}}'),
+                               ("method", b'"ping"'), ("jsonrpc", b'"1.0"')):
             ident, args = self.new_id(), self.args()
-            text = render(self.call(ident, "echo", args))
-            text = text[:-1] if member != "name" else text[:-2]
-            text += f',"{member}":{second}' + ("}}" if member == "name" else "}")
-            out.append(Case("repeated-key-in-envelope", finish(text), key=id_key(ident),
+            line = finish(render(self.call(ident, "echo", args)))
+            assert line.endswith(b"}}}")
+            if member == "name":
+                line = line[:-2] + b',"name":' + second + b"}}"
+            else:
+                line = line[:-1] + b',"%s":' % member.encode() + second + b"}"
+            out.append(Case("repeated-key-in-envelope", line, key=id_key(ident),
                             results=frozenset({"exec", "empty", "refused", "invalid"}),
                             errors=frozenset({PARSE, INVALID_REQUEST, INVALID_PARAMS}),
                             null=frozenset({PARSE, INVALID_REQUEST}), n=self.n_of(args),
@@ -767,6 +786,14 @@ class Corpus:
                      errors=frozenset({PARSE, INVALID_REQUEST, INTERNAL_OR_LIMIT}),
                      null=frozenset({PARSE, INVALID_REQUEST, INTERNAL_OR_LIMIT}),
                      required=False, n=self.n_of(args))]
+
+    def unterminated(self) -> list[Case]:
+        """A short frame ending inside a string of a few dozen characters: a parser that
+        backtracks on it takes exponential time, and every other frame waits."""
+        ident = self.new_id()
+        line = finish(render(self.call(ident, "echo", self.args())))
+        line = line[:line.rindex(b"}}}")] + b',"x":"' + b"A" * 40
+        return [Case("unterminated-string", line, null=frozenset({PARSE}))]
 
     def methods(self) -> list[Case]:
         out = []
@@ -879,7 +906,8 @@ class Corpus:
             rounds += 1
         self.rng.shuffle(cases)
         cases = cases[:max(total, 1)]
-        cases.insert(self.rng.randrange(len(cases)), self.huge_line()[0])
+        for once in self.huge_line() + self.unterminated():
+            cases.insert(self.rng.randrange(len(cases)), once)
         out = [cases[i:i + size] for i in range(0, len(cases), size)]
         return self._dedupe_ids(out)
 
@@ -955,6 +983,7 @@ class Outcome:
         self.nulls: list[dict] = []
         self.bad_output: list[bytes] = []
         self.crash = self.hang = None
+        self.eof = False
         self.stderr = ""
         self.upstream: list[bytes] = []
 
@@ -978,7 +1007,7 @@ def read_answers(stdout, out: Outcome, cond: threading.Condition) -> None:
                 out.answers.setdefault(id_key(msg["id"]), []).append(msg)
             cond.notify_all()
     with cond:
-        out.crash = out.crash or "eof"
+        out.eof = True
         cond.notify_all()
 
 
@@ -992,7 +1021,9 @@ def write_frames(stdin, lines: list[bytes], broken: list) -> None:
 
 
 def drive(d: HostileDir, cases: list[Case]) -> Outcome:
-    """One proxy for one chunk: the frames, then a valid echo and a ping, then EOF."""
+    """One proxy for one chunk: the frames, then a valid echo and a ping, then EOF. A proxy
+    that has not read everything and answered the last two by the deadline is hung; one that
+    closes its output or exits before EOF, or exits non-zero, crashed."""
     log = d.next_log()
     out = Outcome()
     err_path = log + ".stderr"
@@ -1003,42 +1034,40 @@ def drive(d: HostileDir, cases: list[Case]) -> Outcome:
     reader = threading.Thread(target=read_answers, args=(proc.stdout, out, cond), daemon=True)
     reader.start()
     broken: list = []
+    code = None
     try:
-        lines = [c.line for c in cases]
-        writer = threading.Thread(target=write_frames, args=(proc.stdin, lines, broken),
-                                  daemon=True)
+        writer = threading.Thread(target=write_frames, daemon=True,
+                                  args=(proc.stdin, [c.line for c in cases], broken))
         writer.start()
+        deadline = time.monotonic() + BARRIER_TIMEOUT
         writer.join(BARRIER_TIMEOUT)
+        last = [c.key for c in cases[-2:]]            # the barrier: an echo and a ping
+        with cond:
+            while not all(k in out.answers for k in last) and not out.eof and \
+                    time.monotonic() < deadline:
+                cond.wait(max(0.0, deadline - time.monotonic()))
+            answered, eof = all(k in out.answers for k in last), out.eof
         if writer.is_alive():
-            out.hang = "the proxy stopped reading its input"
-        for key in [c.key for c in cases[-2:]]:          # the barrier: an echo and a ping
-            deadline = time.monotonic() + BARRIER_TIMEOUT
-            with cond:
-                while key not in out.answers and out.crash is None and \
-                        time.monotonic() < deadline:
-                    cond.wait(max(0.0, deadline - time.monotonic()))
-            if key not in out.answers and out.hang is None:
-                out.hang = out.hang or (f"no answer to {key} within {BARRIER_TIMEOUT} s"
-                                        if out.crash is None else None)
-        early_eof = out.crash
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
+            out.hang = f"it stopped reading its input ({BARRIER_TIMEOUT} s)"
+        elif not answered and not eof:
+            out.hang = f"no answer to the closing echo and ping within {BARRIER_TIMEOUT} s"
+        if out.hang:
+            proc.kill()                    # this pid only; its child sees EOF and exits
+        else:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
         try:
             code = proc.wait(timeout=EXIT_TIMEOUT)
         except subprocess.TimeoutExpired:
-            code = None
-            out.hang = out.hang or f"did not exit within {EXIT_TIMEOUT} s of EOF"
+            out.hang = out.hang or f"it did not exit within {EXIT_TIMEOUT} s of EOF"
         reader.join(EXIT_TIMEOUT)
-        if early_eof or broken or (code not in (0, None)):
-            out.crash = f"exit code {code}; output closed before EOF: {bool(early_eof)}; " \
-                        f"write: {broken}"
-        else:
-            out.crash = None
+        if not out.hang and (eof or broken or code != 0):
+            out.crash = f"exit code {code}; output closed before EOF: {eof}; write: {broken}"
     finally:
         if proc.poll() is None:
-            proc.kill()                    # this pid only; its child sees EOF and exits
+            proc.kill()
             proc.wait(timeout=10)
         proc.stdout.close()
         try:
@@ -1194,9 +1223,9 @@ def judge(cases: list[Case], out: Outcome, v: Verdict, seed: int, index: int) ->
                 if kind not in c.results:
                     v.fail(c.family, c.line, f"answered {describe(msg)} ({kind}); expected "
                                              f"{_expected(c)}")
-        elif c.null:
+        elif c.null or c.slots:
             owed_null.append(c)
-        elif c.required:
+        elif c.required and not (out.hang or out.crash):   # reported once, above
             v.fail(c.family, c.line, f"no answer; expected {_expected(c)}")
         if c.n is None:
             continue
@@ -1207,7 +1236,7 @@ def judge(cases: list[Case], out: Outcome, v: Verdict, seed: int, index: int) ->
         if want is None:
             if len(calls) > 1:
                 v.fail(c.family, c.line, f"the upstream received {len(calls)} calls")
-        elif len(calls) != want:
+        elif len(calls) > want or (len(calls) < want and not (out.hang or out.crash)):
             v.fail(c.family, c.line, f"the upstream received {len(calls)} calls for it, "
                                      f"expected {want} (answer: "
                                      f"{describe(got[0]) if got else 'none'})")
@@ -1225,7 +1254,8 @@ def judge(cases: list[Case], out: Outcome, v: Verdict, seed: int, index: int) ->
     for n, calls in by_n.items():
         v.fail("upstream", b"", f"the upstream received {len(calls)} call(s) with counter "
                                 f"{n} that no case allows: {calls[0][0]}")
-    _judge_nulls(owed_null, out.nulls, v)
+    if not (out.hang or out.crash):
+        _judge_nulls(owed_null, out.nulls, v)
 
 
 def _expected(c: Case) -> str:
@@ -1247,7 +1277,7 @@ def _judge_nulls(owed: list[Case], got: list[dict], v: Verdict) -> None:
     answered answered). Both Hall conditions, over sets of codes, decide that exactly."""
     codes = sorted({x for c in owed for x in c.null} | {code_of(m) for m in got},
                    key=str)
-    slots = [(c.null, c.required) for c in owed for _ in range(c.nulls)]
+    slots = [slot for c in owed for slot in (c.slots or [(c.null, c.required)])]
     for m in got:
         if "error" not in m:
             v.fail("id-null", b"", f"an answer with id null that is not an error: "
@@ -1268,7 +1298,7 @@ def _judge_nulls(owed: list[Case], got: list[dict], v: Verdict) -> None:
     if problems:
         fams: dict[str, int] = {}
         for c in owed:
-            fams[c.family] = fams.get(c.family, 0) + c.nulls
+            fams[c.family] = fams.get(c.family, 0) + len(c.slots or [0])
         got_codes: dict = {}
         for m in got:
             got_codes[code_of(m)] = got_codes.get(code_of(m), 0) + 1
@@ -1387,7 +1417,7 @@ def test_whitespace_is_executed_once_in_compact_form(tmp_path, ws):
     d = HostileDir(tmp_path)
     cases = initialize_case(corpus)
     for tool in ("echo", "note"):
-        ident, args = corpus.new_id(), corpus.args(tool)
+        ident, args = corpus.new_id(), corpus.args(tool, plain=True)
         line = finish(render(corpus.call(ident, tool, args)), {r: ws for r in GAP})
         cases.append(corpus.exec_case("whitespace", line, ident, tool, args))
     cases += barrier(corpus)

@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RECORDER = os.path.join(HERE, "recording_server.py")
 
 SEED = int(os.environ.get("HOSTILE_SEED", "20261130"))
-FRAMES = int(os.environ.get("HOSTILE_FRAMES", "2000"))
+FRAMES = int(os.environ.get("HOSTILE_FRAMES", "2500"))
 CHUNK = int(os.environ.get("HOSTILE_CHUNK", "300"))
 BARRIER_TIMEOUT = 30.0          # seconds for a chunk to be read and its closing echo and ping
                                 # answered (a sound proxy needs about one)

@@ -289,7 +289,12 @@ _SCALAR_THEN = re.compile(
     r'|(true|false|null))[ \t\n\r]*([,\]}])[ \t\n\r]*')
 _LITERAL_VALUES = {"true": True, "false": False, "null": None}
 # A whole string whose escapes are all well formed, and one escape (a surrogate pair first).
-_ESCAPED_STRING = re.compile(r'"((?:[^"\\\x00-\x1f]+|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"')
+# Written as "plain* (escape plain*)*": each repetition must begin with a backslash, so there
+# is one way to match any prefix, and an unterminated string fails in linear time. (A
+# repetition of "plain+ or escape" can split a run of plain characters in exponentially
+# many ways, and backtracks through all of them before it fails.)
+_ESCAPED_STRING = re.compile(r'"([^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})'
+                             r'[^"\\\x00-\x1f]*)*)"')
 _ONE_ESCAPE = re.compile(r'\\(?:u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})'
                          r'|u([0-9a-fA-F]{4})|(.))')
 _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
@@ -7463,7 +7468,7 @@ class HostServer:
         self.proxy, self.write = proxy, write
         self.closing = False
         self.inflight: set[asyncio.Task] = set()
-        self.cancelled: dict[str, asyncio.Event] = {}
+        self.cancelled: dict[str, list[asyncio.Event]] = {}
 
     async def serve(self, lines: "AsyncIterator[bytes]") -> None:
         async for line in lines:
@@ -7488,6 +7493,7 @@ class HostServer:
             return
         try:
             msg = parse_message(line)
+            _check_envelope(msg)
         except (JSONError, ProtocolError) as exc:
             self.write(rpc_error(None, error_code(exc), str(exc)))
             return
@@ -7502,10 +7508,9 @@ class HostServer:
                 self.write(rpc_error(msg.id_value(), INTERNAL_ERROR, "internal error"))
 
     def route(self, msg: Message) -> None:
-        method = msg.method
-        if method is None:
+        if "method" not in msg.doc:
             return                       # a response to nothing we asked: ignored
-        if not msg.has_id:
+        if "id" not in msg.doc:
             self.notification(msg)
             return
         self.request(msg)
@@ -7513,8 +7518,7 @@ class HostServer:
     def notification(self, msg: Message) -> None:
         if msg.method == "notifications/cancelled":
             ident = msg.raw("requestId", in_params=True)
-            event = self.cancelled.get(_id_key(ident))
-            if event is not None:
+            for event in self.cancelled.get(_id_key(ident), ()):
                 event.set()
 
     def _era(self, msg: Message) -> bool:
@@ -7568,23 +7572,30 @@ class HostServer:
         tools = self.proxy.tools
         if not isinstance(name, str) or (name not in tools and name != self.proxy.cfg.status_tool):
             raise ProtocolError(f"unknown tool {_quote(str(name))}", INVALID_PARAMS)
-        args = (msg.raw("arguments", in_params=True) or b"").strip()
+        _check_call_params(msg)
+        args = (msg.raw("arguments", in_params=True) or b"").strip(JSON_WS)
         if args in (b"", b"null"):
             args = b"{}"
         event = asyncio.Event()
-        key = _id_key(msg.raw("id"))
-        self.cancelled[key] = event
+        # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
+        # and a cancel naming the id reaches every call that carries it.
+        self.cancelled.setdefault(_id_key(msg.raw("id")), []).append(event)
         task = asyncio.create_task(self.run_call(msg, modern, name, args, event))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
+    def _forget(self, msg: Message, event: asyncio.Event) -> None:
+        key = _id_key(msg.raw("id"))
+        events = self.cancelled.get(key, [])
+        if event in events:
+            events.remove(event)
+        if not events:
+            self.cancelled.pop(key, None)
+
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event) -> None:
         meta = msg.params.get("_meta")
-        token = meta.get("progressToken") if isinstance(meta, dict) else None
-        if not isinstance(token, (str, Num)) or (isinstance(token, str) and
-                                                  _LONE_SURROGATE.search(token)):
-            token = None                 # MCP's token is a string or a number; nothing else
+        token = meta.get("progressToken") if isinstance(meta, dict) else None   # checked
 
         def progress(done: float, total: float) -> None:
             self.write(rpc_notification("notifications/progress", {
@@ -7600,9 +7611,66 @@ class HostServer:
             result = unavailable("complete this request",
                                  "Whether anything was executed is not known here.")
         finally:
-            self.cancelled.pop(_id_key(msg.raw("id")), None)
+            self._forget(msg, cancelled)
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
+
+
+def _check_envelope(msg: Message) -> None:
+    """What JSON-RPC 2.0 and MCP require of every message, before anything acts on it: a
+    request, a notification or a response of version "2.0", a method that is a string, an id
+    that is a string or a number (never null: MCP), params that are structured, and UTF-8
+    everywhere but inside a call's arguments (which the gate records as INVALID instead).
+    Anything else is an Invalid Request, answered with id null and acted on by nothing."""
+    doc = msg.doc
+    if "method" not in doc and ("result" in doc or "error" in doc):
+        return                                       # a response: never answered
+    if doc.get("jsonrpc") != "2.0":
+        raise ProtocolError('not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"',
+                            INVALID_REQUEST)
+    if "method" not in doc:
+        raise ProtocolError("not a JSON-RPC message: no method, result or error",
+                            INVALID_REQUEST)
+    if not isinstance(doc["method"], str):
+        raise ProtocolError("the method is not a string", INVALID_REQUEST)
+    if "id" in doc and not isinstance(doc["id"], (str, Num)):
+        raise ProtocolError("the id is not a string or a number", INVALID_REQUEST)
+    if "params" in doc and not isinstance(doc["params"], (dict, list)):
+        raise ProtocolError("params is not an object or an array", INVALID_REQUEST)
+    outside = msg.text
+    span = msg.params_spans.get("arguments")
+    if span is not None:
+        outside = outside[:span[0]] + outside[span[1]:]
+    if _LONE_SURROGATE.search(outside):
+        raise JSONError("not valid UTF-8", msg.text.encode("utf-8", "surrogateescape"),
+                        0)
+
+
+def _is_token(value: Any) -> bool:
+    """MCP's progress token: a string or an integer, judged by its literal only."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, Num) and _INTEGER_LITERAL.fullmatch(value.text) is not None
+
+
+_INTEGER_LITERAL = re.compile(r"-?(?:0|[1-9][0-9]*)")
+
+
+def _check_call_params(msg: Message) -> None:
+    """tools/call: arguments an object (or absent, or null: no arguments), _meta an object,
+    a progress token a string or an integer."""
+    params = msg.doc.get("params")
+    if not isinstance(params, dict):
+        raise ProtocolError("tools/call params is not an object", INVALID_PARAMS)
+    args = params.get("arguments")
+    if args is not None and not isinstance(args, dict):
+        raise ProtocolError("tools/call arguments is not an object", INVALID_PARAMS)
+    meta = params.get("_meta")
+    if "_meta" in params and not isinstance(meta, dict):
+        raise ProtocolError("_meta is not an object", INVALID_PARAMS)
+    if isinstance(meta, dict) and "progressToken" in meta and \
+            not _is_token(meta["progressToken"]):
+        raise ProtocolError("the progress token is not a string or an integer", INVALID_PARAMS)
 
 
 def _id_key(raw: bytes | None) -> str:
@@ -7673,9 +7741,10 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
 
 
 async def close_tools(tools: list[UpstreamTool]) -> None:
-    for conn in {id(t.conn): t.conn for t in tools}.values():
-        with contextlib.suppress(Exception):
-            await conn.close()
+    """Close every server at once: each close is bounded, and a server that ignores EOF and
+    SIGTERM holds up only its own."""
+    conns = {id(t.conn): t.conn for t in tools}.values()
+    await asyncio.gather(*(conn.close() for conn in conns), return_exceptions=True)
 
 
 def _hints_text(ann: dict | None) -> str:
@@ -8298,7 +8367,7 @@ class Out:
 
     def json(self, doc: Any) -> None:
         """One JSON document, indented; number literals and embedded records as stored."""
-        text = _pretty(parse_json(dump_json(doc).encode(), strict=False), cut=False)
+        text = _pretty(read_own(dump_json(doc)), cut=False)
         self.stdout.write(_JSON_INERT.sub(_json_escape, text) + "\n")
 
 
@@ -8553,7 +8622,7 @@ def cmd_events(store: Store, args, out: Out) -> int:
 def _raw_or_text(text: str) -> Any:
     """A stored JSON payload embedded as written; anything else as a string."""
     try:
-        check_json(text.encode())
+        parse_json(text.encode(), max_depth=RECORD_DEPTH)     # a record wraps its data
         return Raw(text.encode())
     except JSONError:
         return text

@@ -598,7 +598,9 @@ class Corpus:
         msg = self.envelope(ident, "tools/call", {"arguments": self.args()})
         out.append(Case("wrong-type-name", finish(render(msg)), key=id_key(ident),
                         errors=frozenset({INVALID_PARAMS})))
-        for bad_args in ([Lit("1")], [], "{}", Lit("5"), None, True):
+        # (null arguments are no arguments, sent as {}: reference/mcp.md 8.1, and
+        # test_null_arguments_are_sent_as_an_empty_object; so not among these.)
+        for bad_args in ([Lit("1")], [], "{}", Lit("5"), True):
             ident = self.new_id()
             msg = self.call(ident, "echo", bad_args)
             out.append(Case("wrong-type-arguments", finish(render(msg)), key=id_key(ident),
@@ -851,7 +853,8 @@ class Corpus:
         notifications/progress from the host. None of them is answered."""
         out = []
         for rid in (Lit("424242"), "nobody", None, {"a": Lit("1")}, [Lit("1")], True,
-                    Lit("1e999999999"), Lit("1.5"), "", "x" * 10_000):
+                    Lit("7e999999999"), Lit("7.5"), "no-such-request", "x" * 10_000):
+            # (never the id of a request of the corpus: a cancel for one would cancel it)
             msg = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                    "params": {"requestId": rid, "reason": "r"}}
             out.append(Case("cancel-unknown", finish(render(msg)), required=False))

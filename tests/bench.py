@@ -109,11 +109,11 @@ class Plan:
     startup_rounds: int
 
 
-QUICK = Plan(rounds=5, per_round=20, same_calls=2000, same_deadline=20.0, db_runs=100_000,
-             db_rounds=4, db_per_round=20, flight_rounds=3, flight_calls=160, startup_rounds=3)
-FULL = Plan(rounds=20, per_round=50, same_calls=10_000, same_deadline=240.0,
+QUICK = Plan(rounds=5, per_round=20, same_calls=2000, same_deadline=12.0, db_runs=100_000,
+             db_rounds=4, db_per_round=20, flight_rounds=3, flight_calls=120, startup_rounds=3)
+FULL = Plan(rounds=20, per_round=50, same_calls=10_000, same_deadline=90.0,
             db_runs=1_000_000, db_rounds=10, db_per_round=50, flight_rounds=5,
-            flight_calls=800, startup_rounds=10)
+            flight_calls=400, startup_rounds=10)
 
 # -- waits: every one bounded --
 CALL_TIMEOUT = 60.0
@@ -416,22 +416,24 @@ class Lab:
             if p.returncode != 0:
                 raise BenchError(f"pin {d.config} failed ({p.returncode}):\n{out.decode()}")
 
-    def _start(self, client: Client) -> Client:
+    def _start(self, client: Client, start: bool) -> Client:
+        """Registered before anything can fail, so that stop_all ends it; started (to the
+        first tools/list answer) unless the caller starts several side by side itself."""
         self.clients.append(client)
-        return client.start()
+        return client.start() if start else client
 
-    def proxy(self, name: str, d: ProxyDir) -> Client:
-        return self._start(Client(name, [PYTHON, PROXY, "-config", d.config], d.path))
+    def proxy(self, name: str, d: ProxyDir, start: bool = True) -> Client:
+        return self._start(Client(name, [PYTHON, PROXY, "-config", d.config], d.path), start)
 
-    def direct(self, name: str, server: str, ledger: str = "") -> Client:
+    def direct(self, name: str, server: str, ledger: str = "", start: bool = True) -> Client:
         env = dict(os.environ, FAKE_PAYMENTS_LEDGER=ledger) if ledger else None
-        return self._start(Client(name, [PYTHON, server], self.root, env))
+        return self._start(Client(name, [PYTHON, server], self.root, env), start)
 
-    def fastmcp(self, name: str, server: str, ledger: str = "") -> Client:
+    def fastmcp(self, name: str, server: str, ledger: str = "", start: bool = True) -> Client:
         env = {"FAKE_PAYMENTS_LEDGER": ledger} if ledger else {}
         argv = [self.fastmcp_python, self.fastmcp_script, json.dumps([PYTHON, server]),
                 json.dumps(env)]
-        return self._start(Client(name, argv, self.root))
+        return self._start(Client(name, argv, self.root), start)
 
     def stop(self, client: Client) -> None:
         if client in self.clients:
@@ -548,6 +550,15 @@ def overhead_row(measure: str, got: dict, limit: float | None, target: str) -> R
                None if limit is None else over <= limit)
 
 
+def p50_ratios(measure: str, got: dict) -> str:
+    """proxy / direct, and proxy / FastMCP when it ran, at p50."""
+    p = stats(got["proxy"])["p50"]
+    line = f"{measure}, p50: proxy / direct {p / stats(got['direct'])['p50']:.3g}x"
+    if got.get("fastmcp"):
+        line += f", proxy / FastMCP {p / stats(got['fastmcp'])['p50']:.3g}x"
+    return line
+
+
 def read_row(lab, arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
     warm(arms, tools.get, lambda s: {"text": s})
     got = interleave(arms, plan.rounds, plan.per_round,
@@ -555,6 +566,7 @@ def read_row(lab, arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
     row = overhead_row("allowed read-only call", got, READ_OVERHEAD_MS,
                        f"overhead <= {READ_OVERHEAD_MS} ms")
     rep.add(row)
+    rep.ratios.append(p50_ratios("allowed read-only call", got))
     rep.figures["read"] = {k: stats(v) for k, v in got.items()}
 
 
@@ -575,6 +587,8 @@ def mutating_rows(lab, arms: dict, ledgers: dict, plan: Plan, rep: Report) -> No
     agains = {k: [b for _, b in v] for k, v in got.items()}
     rep.add(overhead_row("allowed mutating call", firsts, MUTATING_OVERHEAD_MS,
                          f"overhead <= {MUTATING_OVERHEAD_MS} ms"))
+    rep.ratios.append(p50_ratios("allowed mutating call", firsts))
+    rep.ratios.append(p50_ratios("the identical pay repeated", agains))
     calls = plan.rounds * plan.per_round
     reached = {name: ledger_lines(path) - before[name] - calls for name, path in
                ledgers.items()}
@@ -643,7 +657,7 @@ def build_runs(database: str, runs: int) -> float:
         conn.execute("PRAGMA temp_store=MEMORY")
         (template,) = conn.execute("SELECT run_id FROM proxy_calls").fetchone()
         (step,) = conn.execute("SELECT id FROM steps WHERE run_id=?", (template,)).fetchone()
-        first_seq, events = conn.execute("SELECT MIN(seq), COUNT(*) FROM events").fetchone()
+        (events,) = conn.execute("SELECT MAX(seq) FROM events").fetchone()
         conn.execute("BEGIN")
         conn.execute("CREATE TEMP TABLE ids (i INTEGER PRIMARY KEY, run TEXT, step TEXT, "
                      "key TEXT)")
@@ -672,16 +686,13 @@ def build_runs(database: str, runs: int) -> float:
                      "closed_at, settled_at, outcome FROM ids, proxy_calls WHERE run_id=?",
                      (template,))
         conn.execute("COMMIT")
-        del first_seq
     finally:
         conn.close()
     return time.perf_counter() - began
 
 
-def database_rows(lab: Lab, direct: Client, plan: Plan, rep: Report) -> None:
-    empty_dir = lab.proxy_dir("db-empty", bank=False, echo=True)
-    full_dir = lab.proxy_dir("db-full", bank=False, echo=True)
-    lab.pin([empty_dir, full_dir])
+def database_rows(lab: Lab, dirs: dict, direct: Client, plan: Plan, rep: Report) -> None:
+    empty_dir, full_dir = dirs["db-empty"], dirs["db-full"]
     seed = lab.proxy("db-seed", full_dir)         # records the run that is copied
     seed.ok("echo_echo", {"text": "template"})
     lab.stop(seed)
@@ -721,23 +732,21 @@ def flight_row(arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
             samples[name] += lat
             walls[name] += wall
     rate = {name: len(samples[name]) / walls[name] for name in arms}
-    cell = {name: f"{rate[name]:,.0f}/s (p50 {stats(samples[name])['p50']:.1f} ms)"
-            for name in arms}
+    cell = {name: f"{rate[name]:,.0f}/s; {fmt_stats(stats(samples[name]))}" for name in arms}
     vs = rate["proxy"] / rate["fastmcp"] if "fastmcp" in rate else None
     met = rate["proxy"] >= INFLIGHT_MIN_RATE and (vs is None or vs >= INFLIGHT_VS_FASTMCP)
     rep.add(Row(f"{IN_FLIGHT} in flight, read-only", cell["direct"], cell["proxy"],
-                f"{rate['proxy'] / rate['direct']:.2f}x direct", cell.get("fastmcp", "skipped"),
+                f"{rate['proxy'] / rate['direct']:.3g}x direct", cell.get("fastmcp", "skipped"),
                 f">= {INFLIGHT_MIN_RATE:,.0f}/s, >= {INFLIGHT_VS_FASTMCP:.0f}x FastMCP", met,
                 "" if vs is not None else "FastMCP not measured: only the rate was checked"))
-    rep.ratios.append(f"{IN_FLIGHT} in flight: proxy / direct {rate['proxy'] / rate['direct']:.2f}x"
+    rep.ratios.append(f"{IN_FLIGHT} in flight, calls/s: proxy / direct "
+                      f"{rate['proxy'] / rate['direct']:.3g}x"
                       + (f", proxy / FastMCP {vs:.2f}x" if vs is not None else ""))
     rep.figures["in_flight"] = {"rate": rate, "latency": {k: stats(v) for k, v in
                                                           samples.items()}}
 
 
-def startup_row(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
-    d = lab.proxy_dir("startup", bank=True, echo=False)
-    lab.pin([d])
+def startup_row(lab: Lab, d: ProxyDir, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
     starts = {"direct": lambda: lab.direct("startup-direct", FAKE_SERVER),
               "proxy": lambda: lab.proxy("startup-proxy", d)}
     if with_fastmcp:
@@ -747,16 +756,16 @@ def startup_row(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
         client = start()
         lab.stop(client)
         return client.ready_after
+    interleave(starts, 1, 1, one)            # once untimed: the database made, files cached
     got = interleave(starts, plan.startup_rounds, 1, one)
     row = overhead_row("start-up to first tools/list", got, STARTUP_BEYOND_MS,
                        f"beyond upstream <= {STARTUP_BEYOND_MS:.0f} ms")
     rep.add(row)
+    rep.ratios.append(p50_ratios("start-up", got))
     rep.figures["startup"] = {k: stats(v) for k, v in got.items()}
 
 
-def memory_row(lab: Lab, rep: Report) -> None:
-    d = lab.proxy_dir("held", bank=True, echo=False, hold=HOLD, max_pending=HELD_MAX_PENDING)
-    lab.pin([d])
+def memory_row(lab: Lab, d: ProxyDir, rep: Report) -> None:
     proxy = lab.proxy("held", d)
     proxy.ok("bank_balance", {"account": "A-1"})
     idle = rss_mb(proxy.pid)
@@ -808,16 +817,25 @@ def machine() -> str:
 
 
 def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
-    main_dir = lab.proxy_dir("main", bank=True, echo=True)
-    lab.pin([main_dir])
-    direct = {"echo": lab.direct("direct-echo", ECHO_SERVER),
-              "bank": lab.direct("direct-bank", FAKE_SERVER, os.path.join(lab.root, "direct.ledger"))}
-    proxy = lab.proxy("proxy", main_dir)
+    dirs = {"main": lab.proxy_dir("main", bank=True, echo=True),
+            "db-empty": lab.proxy_dir("db-empty", bank=False, echo=True),
+            "db-full": lab.proxy_dir("db-full", bank=False, echo=True),
+            "startup": lab.proxy_dir("startup", bank=True, echo=False),
+            "held": lab.proxy_dir("held", bank=True, echo=False, hold=HOLD,
+                                  max_pending=HELD_MAX_PENDING)}
+    lab.pin(list(dirs.values()))
+    main_dir = dirs["main"]
+    direct = {"echo": lab.direct("direct-echo", ECHO_SERVER, start=False),
+              "bank": lab.direct("direct-bank", FAKE_SERVER,
+                                 os.path.join(lab.root, "direct.ledger"), start=False)}
+    proxy = lab.proxy("proxy", main_dir, start=False)
     fm = {}
     if with_fastmcp:
-        fm = {"echo": lab.fastmcp("fastmcp-echo", ECHO_SERVER),
+        fm = {"echo": lab.fastmcp("fastmcp-echo", ECHO_SERVER, start=False),
               "bank": lab.fastmcp("fastmcp-bank", FAKE_SERVER,
-                                  os.path.join(lab.root, "fastmcp.ledger"))}
+                                  os.path.join(lab.root, "fastmcp.ledger"), start=False)}
+    for client in [*direct.values(), proxy, *fm.values()]:     # spawned side by side
+        client.start()
     reads = {"direct": direct["echo"], "proxy": proxy, **({"fastmcp": fm["echo"]} if fm else {})}
     read_tools = {"direct": "echo", "proxy": "echo_echo", "fastmcp": "echo"}
     pays = {"direct": direct["bank"], "proxy": proxy, **({"fastmcp": fm["bank"]} if fm else {})}
@@ -828,9 +846,9 @@ def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
         ("mutating", lambda: mutating_rows(lab, pays, ledgers, plan, rep)),
         ("in flight", lambda: flight_row(reads, read_tools, plan, rep)),
         ("same request", lambda: same_request_rows(proxy, direct["echo"], plan, rep)),
-        ("database", lambda: database_rows(lab, direct["echo"], plan, rep)),
-        ("start-up", lambda: startup_row(lab, plan, with_fastmcp, rep)),
-        ("memory", lambda: memory_row(lab, rep)),
+        ("database", lambda: database_rows(lab, dirs, direct["echo"], plan, rep)),
+        ("start-up", lambda: startup_row(lab, dirs["startup"], plan, with_fastmcp, rep)),
+        ("memory", lambda: memory_row(lab, dirs["held"], rep)),
     ]
     for name, step in steps:
         began = time.perf_counter()

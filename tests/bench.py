@@ -30,7 +30,9 @@ direct p50):
                                direct and FastMCP pay a second time, as the ledger shows
     same request, first/last   one identical read-only request through the proxy 10,000 times
                                (-quick: 2,000) in blocks of 100, each followed by a block of
-                               the same call direct; calls 1-100 against the last 100
+                               the same call direct; calls 1-100 against the last 100.
+                               Past a deadline (90 s, -quick 12 s) it stops after the
+                               block under way, compares that block, and reports MISSED
     recorded runs, empty/full  allowed reads through a proxy on an empty database and through
                                one whose database holds 1,000,000 recorded runs (-quick:
                                100,000), built by plain SQL from a run the proxy recorded
@@ -40,6 +42,10 @@ direct p50):
                                server alone against a proxy in front of it
     memory, 64 held            64 calls to a require_approval tool held (hold 30s,
                                max_pending 100), then VmRSS of the proxy from /proc
+
+It prints the machine, one table (direct, proxy, overhead, FastMCP, target, met or MISSED,
+with a note under it for rows that need one), then the ratios. It exits 0 when every row was
+measured, met or missed, and 1 when a row could not be measured (its note says why).
 
 The recorded-runs database keeps the shape the proxy writes (runs, steps, the eight events
 of an allowed call, proxy_calls rows, all settled) but not a valid event hash chain: the
@@ -51,6 +57,8 @@ Where the time of an allowed call goes
 (placeholder: a profile summary of one allowed read-only call through the proxy, by phase,
 goes here)
 """
+
+from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -229,7 +237,13 @@ class Client:
                              f"{self.tail()}")
         *lines, self.buf = (self.buf + data).split(b"\n")
         for line in lines:
-            msg = json.loads(line)
+            if not line.strip():
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                raise BenchError(f"{self.name} wrote a line that is not JSON: {line[:200]!r}"
+                                 ) from None
             if isinstance(msg, dict) and "id" in msg and "method" not in msg:
                 self.answers[msg["id"]] = (now, msg)
 
@@ -411,10 +425,17 @@ class Lab:
         procs = [subprocess.Popen([PYTHON, PROXY, "pin", "-config", d.config], cwd=d.path,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT) for d in dirs]
-        for d, p in zip(dirs, procs):
-            out, _ = p.communicate(timeout=PIN_TIMEOUT)
-            if p.returncode != 0:
-                raise BenchError(f"pin {d.config} failed ({p.returncode}):\n{out.decode()}")
+        try:
+            for d, p in zip(dirs, procs):
+                out, _ = p.communicate(timeout=PIN_TIMEOUT)
+                if p.returncode != 0:
+                    raise BenchError(f"pin {d.config} failed ({p.returncode}):\n"
+                                     f"{out.decode()}")
+        finally:
+            for p in procs:                 # a pin that did not finish: ended by its pid
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=STOP_WAIT)
 
     def _start(self, client: Client, start: bool) -> Client:
         """Registered before anything can fail, so that stop_all ends it; started (to the
@@ -500,7 +521,7 @@ class Report:
         rows = [head] + self.rows
         cells = [[r.measure, r.direct, r.proxy, r.overhead, r.fastmcp, r.target,
                   "result" if r is head else verdict(r)] for r in rows]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(head.__dict__) - 1)]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
         for n, c in enumerate(cells):
             print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
             if n == 0:
@@ -508,6 +529,8 @@ class Report:
         for r in self.rows:
             if r.note:
                 print(f"  {r.measure}: {r.note}")
+        judged = [r for r in self.rows if r.met is not None]
+        print(f"\ntargets met: {sum(bool(r.met) for r in judged)} of {len(judged)}")
         print("\nratios")
         for line in self.ratios:
             print(f"  {line}")
@@ -559,18 +582,17 @@ def p50_ratios(measure: str, got: dict) -> str:
     return line
 
 
-def read_row(lab, arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
+def read_row(arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
     warm(arms, tools.get, lambda s: {"text": s})
     got = interleave(arms, plan.rounds, plan.per_round,
                      lambda name, c, i: c.ok(tools[name], {"text": f"read-{i}"}))
-    row = overhead_row("allowed read-only call", got, READ_OVERHEAD_MS,
-                       f"overhead <= {READ_OVERHEAD_MS} ms")
-    rep.add(row)
+    rep.add(overhead_row("allowed read-only call", got, READ_OVERHEAD_MS,
+                         f"overhead <= {READ_OVERHEAD_MS} ms"))
     rep.ratios.append(p50_ratios("allowed read-only call", got))
     rep.figures["read"] = {k: stats(v) for k, v in got.items()}
 
 
-def mutating_rows(lab, arms: dict, ledgers: dict, plan: Plan, rep: Report) -> None:
+def mutating_rows(arms: dict, ledgers: dict, plan: Plan, rep: Report) -> None:
     """Each pay timed, then the identical pay at once, timed: a DUPLICATE for the proxy."""
     tool = {"direct": "pay", "proxy": "bank_pay", "fastmcp": "pay"}
     before = {name: ledger_lines(path) for name, path in ledgers.items()}
@@ -598,7 +620,7 @@ def mutating_rows(lab, arms: dict, ledgers: dict, plan: Plan, rep: Report) -> No
     rep.add(Row("DUPLICATE refusal (total)", fmt_stats(stats(agains["direct"])),
                 fmt_stats(p), "-", fmt_stats(f) if f else "skipped",
                 f"<= {DUPLICATE_TOTAL_MS} ms, none reach upstream", ok,
-                f"repeats that reached the upstream: " +
+                "repeats that reached the upstream: " +
                 ", ".join(f"{k} {v} of {calls}" for k, v in reached.items()) +
                 f"; refused as DUPLICATE by the proxy: {refused['proxy']} of {calls}"))
     rep.figures["mutating"] = {k: stats(v) for k, v in firsts.items()}
@@ -758,9 +780,8 @@ def startup_row(lab: Lab, d: ProxyDir, plan: Plan, with_fastmcp: bool, rep: Repo
         return client.ready_after
     interleave(starts, 1, 1, one)            # once untimed: the database made, files cached
     got = interleave(starts, plan.startup_rounds, 1, one)
-    row = overhead_row("start-up to first tools/list", got, STARTUP_BEYOND_MS,
-                       f"beyond upstream <= {STARTUP_BEYOND_MS:.0f} ms")
-    rep.add(row)
+    rep.add(overhead_row("start-up to first tools/list", got, STARTUP_BEYOND_MS,
+                         f"beyond upstream <= {STARTUP_BEYOND_MS:.0f} ms"))
     rep.ratios.append(p50_ratios("start-up", got))
     rep.figures["startup"] = {k: stats(v) for k, v in got.items()}
 
@@ -842,8 +863,8 @@ def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
     ledgers = {"direct": os.path.join(lab.root, "direct.ledger"), "proxy": main_dir.ledger,
                **({"fastmcp": os.path.join(lab.root, "fastmcp.ledger")} if fm else {})}
     steps = [
-        ("read", lambda: read_row(lab, reads, read_tools, plan, rep)),
-        ("mutating", lambda: mutating_rows(lab, pays, ledgers, plan, rep)),
+        ("read", lambda: read_row(reads, read_tools, plan, rep)),
+        ("mutating", lambda: mutating_rows(pays, ledgers, plan, rep)),
         ("in flight", lambda: flight_row(reads, read_tools, plan, rep)),
         ("same request", lambda: same_request_rows(proxy, direct["echo"], plan, rep)),
         ("database", lambda: database_rows(lab, dirs, direct["echo"], plan, rep)),
@@ -870,8 +891,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminated(signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C, so that the finally blocks stop every arm by pid."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)
     plan = QUICK if args.quick else FULL
     began = time.perf_counter()
     print(f"machine: {machine()}")
@@ -895,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep.figures, f, indent=2)
-    return 0 if all(r.met is not False for r in rep.rows) else 1
+    return 1 if any(r.note.startswith("ERROR") for r in rep.rows) else 0
 
 
 if __name__ == "__main__":

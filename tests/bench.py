@@ -1,100 +1,928 @@
-"""Benchmarks (run directly, not collected by pytest):
+"""The benchmark of record for the proxy's speed: run directly, never collected by pytest.
 
-    python tests/bench.py            # the figures the README reports
-    python tests/bench.py --quick    # fewer rounds
+    python3 tests/bench.py                    # the full run, a few minutes
+    python3 tests/bench.py -quick             # fewer calls, under a minute
+    python3 tests/bench.py --fastmcp-python /tmp/fmvenv/bin/python   # with FastMCP's proxy
+    python3 tests/bench.py -quick --json figures.json                # the figures as JSON
+    python3 tests/bench.py --dir /dev/shm     # databases and ledgers on another file system
 
-1. Request keys: canonical form plus SHA-256 key of a 1 KiB argument object, keys per second,
-   for a typical tool call and for a many-membered, escape-heavy object.
-2. An allowed read-only call through the gate with an in-process tool, on a file database
-   with synchronous=FULL: milliseconds per call at p50 and p90, and commits per call.
+Standard library only. Every figure is measured side by side in one run: the arms run as
+processes at the same time and take turns in rounds (the order rotates each round), so the
+machine's noise falls on all of them alike. Every arm is driven by the same raw JSON-RPC
+client (class Client: pipes, the legacy initialize, then tools/call lines read back by id):
+
+    direct    the upstream server process itself: tests/echo_server.py (a trivial echo) and
+              fake_payment_server.py (its ``pay`` appends to a ledger file and fsyncs it)
+    proxy     python3 agentrt_proxy.py -config <tmp>/<arm>/proxy.json, pinned first, in front
+              of the same two servers (echo classified read_only, ``pay`` remote_mutation with
+              outcome allow), its database in the same temporary directory
+    FastMCP   fastmcp's create_proxy over a stdio client to the same servers, one small script
+              per upstream, run by --fastmcp-python (default: this interpreter) when
+              ``import fastmcp`` works there; otherwise its columns say "skipped"
+
+The rows (p50 / p95 / p99 in milliseconds, from all rounds; overhead is proxy p50 minus
+direct p50):
+
+    allowed read-only call     echo with distinct arguments per call
+    allowed mutating call      pay with distinct arguments per call (so no rule refuses it)
+    DUPLICATE refusal          right after each timed pay, the identical pay again, timed: the
+                               proxy must refuse it (DUPLICATE) and its ledger must not grow;
+                               direct and FastMCP pay a second time, as the ledger shows
+    same request, first/last   one identical read-only request through the proxy 10,000 times
+                               (-quick: 2,000) in blocks of 100, each followed by a block of
+                               the same call direct; calls 1-100 against the last 100.
+                               Past a deadline (90 s, -quick 12 s) it stops after the
+                               block under way, compares that block, and reports MISSED
+    recorded runs, empty/full  allowed reads through a proxy on an empty database and through
+                               one whose database holds 1,000,000 recorded runs (-quick:
+                               100,000), built by plain SQL from a run the proxy recorded
+    16 in flight               read-only calls with distinct arguments, 16 requests kept
+                               outstanding on one connection; calls per second over the rounds
+    start-up                   process start to the first tools/list answer, fake payment
+                               server alone against a proxy in front of it
+    memory, 64 held            64 calls to a require_approval tool held (hold 30s,
+                               max_pending 100), then VmRSS of the proxy from /proc
+
+It prints the machine, one table (direct, proxy, overhead, FastMCP, target, met or MISSED,
+with a note under it for rows that need one), then the ratios. It exits 0 when every row was
+measured, met or missed, and 1 when a row could not be measured (its note says why).
+
+The recorded-runs database keeps the shape the proxy writes (runs, steps, the eight events
+of an allowed call, proxy_calls rows, all settled) but not a valid event hash chain: the
+copied events carry the template's hashes, so `verify` would report the first copy. What is
+measured is the cost of an allowed read as the tables grow, not verification.
+
+Where the time of an allowed call goes
+--------------------------------------
+(placeholder: a profile summary of one allowed read-only call through the proxy, by phase,
+goes here)
 """
 
+from __future__ import annotations
+
 import argparse
-import asyncio
+import dataclasses
+import json
+import math
 import os
-import statistics
+import platform
+import selectors
+import signal
+import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import agentrt_proxy as ap  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PROXY = os.path.join(ROOT, "agentrt_proxy.py")
+FAKE_SERVER = os.path.join(ROOT, "fake_payment_server.py")
+ECHO_SERVER = os.path.join(HERE, "echo_server.py")
+PYTHON = sys.executable or "python3"
+
+# -- targets (this machine, p50) --
+READ_OVERHEAD_MS = 0.8
+MUTATING_OVERHEAD_MS = 1.2
+DUPLICATE_TOTAL_MS = 0.5
+SAME_REQUEST_RATIO = 1.10
+FULL_DATABASE_RATIO = 1.20
+INFLIGHT_MIN_RATE = 1500.0
+INFLIGHT_VS_FASTMCP = 2.0
+STARTUP_BEYOND_MS = 100.0
+HELD_RSS_MB = 60.0
+
+# -- shape of the run --
+IN_FLIGHT = 16
+HELD_CALLS = 64
+HELD_MAX_PENDING = 100
+HOLD = "30s"
+BLOCK = 100                      # the same-request row compares blocks of this many calls
+WARMUP_CALLS = 5
+PROTOCOL_VERSION = "2025-06-18"
+SESSION = "bench"
 
 
-def structured_arguments() -> bytes:
-    """About 1 KiB, many members: 50 of them, nested, every string with an escape and
-    characters the canonical form escapes. A hard case for a pure-Python parser."""
-    items = ", ".join(f'{{"sku": "item-{i:03d}", "qty": {i}, "price": {i}.50, '
-                      f'"note": "caf\\u00e9 <{i}> & co"}}' for i in range(12))
-    return f'{{"account": "A-1", "items": [{items}], "memo": "pay \\"bob\\" 25.00 today"}}'.encode()
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    rounds: int                  # rounds of the read and mutating rows
+    per_round: int               # calls per arm per round
+    same_calls: int              # the same-request row
+    same_deadline: float         # seconds; the row stops early past it (and says so)
+    db_runs: int                 # recorded runs in the full database
+    db_rounds: int
+    db_per_round: int
+    flight_rounds: int
+    flight_calls: int            # calls per arm per round, IN_FLIGHT outstanding
+    startup_rounds: int
 
 
-def typical_arguments() -> bytes:
-    """About 1 KiB shaped like a common tool call: a few fields and a body of prose with
-    newlines and quotes escaped."""
-    body = (r'Steps to reproduce:\n1. Open the settings page.\n2. Press \"Save\" twice.\n'
-            r'Expected: one request. Actual: two requests, the second one fails with 409. ') * 6
-    return (f'{{"repo": "acme/payments", "title": "Double submit on the settings page", '
-            f'"body": "{body}", "labels": ["bug", "p1"], "assignees": ["alice"], '
-            f'"milestone": 3}}').encode()
+QUICK = Plan(rounds=5, per_round=20, same_calls=2000, same_deadline=12.0, db_runs=100_000,
+             db_rounds=4, db_per_round=20, flight_rounds=3, flight_calls=120, startup_rounds=3)
+FULL = Plan(rounds=20, per_round=50, same_calls=10_000, same_deadline=90.0,
+            db_runs=1_000_000, db_rounds=10, db_per_round=50, flight_rounds=5,
+            flight_calls=400, startup_rounds=10)
+
+# -- waits: every one bounded --
+CALL_TIMEOUT = 60.0
+START_TIMEOUT = 60.0
+PIN_TIMEOUT = 60.0
+STOP_WAIT = 10.0
+CHILD_WAIT = 5.0
+HELD_WAIT = 60.0
+POLL = 0.02
+READ_CHUNK = 1 << 20
+KIB = 1024.0
+MS = 1000.0
+
+PAY_RULES = {"side_effect": "remote_mutation", "timeout": "20s", "outcome": "allow"}
+BANK_RULES = {"balance": {"side_effect": "read_only", "timeout": "5s"}, "pay": PAY_RULES,
+              "refund": {"side_effect": "destructive", "timeout": "5s",
+                         "outcome": "require_approval"}}
+ECHO_RULES = {"echo": {"side_effect": "read_only", "timeout": "5s"}}
+
+FASTMCP_SCRIPT = '''\
+import json, sys
+from fastmcp.client.transports import StdioTransport
+from fastmcp.server import create_proxy
+command, env = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+proxy = create_proxy(StdioTransport(command[0], command[1:], env=env), name="bench")
+proxy.run(transport="stdio", show_banner=False)
+'''
 
 
-def bench_keys(raw: bytes, rounds: int) -> float:
-    if not 950 <= len(raw) <= 1100:
-        raise SystemExit(f"the benchmark object is {len(raw)} bytes, not about 1 KiB")
-    ap.request_key("shop_order", raw)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        ap.request_key("shop_order", raw)
-    return rounds / (time.perf_counter() - start)
+class BenchError(Exception):
+    """A measurement could not be taken: a process failed, or an answer was not the one due."""
 
 
-def bench_calls(rounds: int) -> tuple[float, float, float]:
-    async def read(args: bytes) -> ap.ToolResult:
-        return ap.ToolResult(b'{"balance":"120.00"}', "account holds 120.00")
+# ==== the raw JSON-RPC client ====
 
-    spec = ap.ToolSpec("bank_balance", "reads a balance",
-                       b'{"type":"object","properties":{"account":{"type":"string"}}}',
-                       "read_only", 5.0, True)
-    with tempfile.TemporaryDirectory() as tmp:
-        store = ap.Store.open(os.path.join(tmp, "bench.db"))
-        commits = [0]
-        store.conn.set_trace_callback(
-            lambda sql: commits.__setitem__(0, commits[0] + (sql.strip().upper() == "COMMIT")))
-        gate = ap.Gate(store, [ap.Tool(spec, read)], ap.SideEffectPolicy())
-        limits = ap.Limits(3, 3, 3, 86400.0, 86400.0)
-        decision = ap.Decision("tool_call", "bank_balance", b'{"account":"A-1"}', origin="model")
-        times = []
-
-        async def loop():
-            for i in range(rounds):
-                t0 = time.perf_counter()
-                session, verdict, obs = await gate.call(f"bench.{i:016x}", "call bank_balance",
-                                                        limits, decision)
-                times.append(time.perf_counter() - t0)
-                if obs is None or obs["kind"] != "tool_result":
-                    raise SystemExit(f"call {i} did not run: {verdict}")
-        asyncio.run(loop())
-        gate.close()
-        store.close()
-    times.sort()
-    return (statistics.median(times) * 1000, times[int(len(times) * 0.9)] * 1000,
-            commits[0] / rounds)
+def child_pids(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return found
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    args = parser.parse_args()
-    key_rounds, call_rounds = (2000, 100) if args.quick else (20000, 1000)
-    typical = bench_keys(typical_arguments(), key_rounds)
-    structured = bench_keys(structured_arguments(), key_rounds)
-    p50, p90, commits = bench_calls(call_rounds)
-    print(f"request keys, 1 KiB typical call:    {typical:,.0f} keys/s  (aim: at least 10,000)")
-    print(f"request keys, 1 KiB, 50 members:     {structured:,.0f} keys/s")
-    print(f"allowed read through the gate:       p50 {p50:.2f} ms, p90 {p90:.2f} ms, "
-          f"{commits:.1f} commits per call  (aim: at most 2 commits, about 1 ms)")
-    return 0
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / KIB
+    raise BenchError(f"no VmRSS for pid {pid}")
+
+
+class Client:
+    """One server process spoken to over its pipes: requests out as lines, answers read back
+    by id with selectors (one thread, no hand-off between the reader and the timer)."""
+
+    def __init__(self, name: str, argv: list[str], cwd: str, env: dict | None = None):
+        self.name = name
+        self.stderr_path = os.path.join(cwd, f"{name}.stderr")
+        self.err_file = open(self.stderr_path, "wb")
+        self.spawned = time.perf_counter()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err_file, cwd=cwd, env=env, bufsize=0)
+        self.pid = self.proc.pid
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.fd, selectors.EVENT_READ)
+        self.buf = b""
+        self.answers: dict = {}          # id -> (perf_counter when read, message)
+        self.next_id = 0
+        self.children: dict[int, bytes] = {}
+        self.ready_after = 0.0           # seconds from spawn to the first tools/list answer
+
+    # -- wire --
+
+    def _write(self, msg: dict) -> None:
+        data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        try:
+            while data:
+                data = data[os.write(self.proc.stdin.fileno(), data):]
+        except OSError as exc:
+            raise BenchError(f"{self.name}: cannot write: {exc}{self.tail()}") from None
+
+    def send(self, method: str, params: dict) -> tuple[int, float]:
+        self.next_id += 1
+        ident = self.next_id
+        sent = time.perf_counter()
+        self._write({"jsonrpc": "2.0", "id": ident, "method": method, "params": params})
+        return ident, sent
+
+    def notify(self, method: str) -> None:
+        self._write({"jsonrpc": "2.0", "method": method})
+
+    def _pump(self, deadline: float) -> None:
+        """Read what has arrived (waiting until the deadline for something)."""
+        if not self.sel.select(max(0.0, deadline - time.perf_counter())):
+            return
+        data = os.read(self.fd, READ_CHUNK)
+        now = time.perf_counter()
+        if not data:
+            raise BenchError(f"{self.name} closed its output (exit {self.proc.poll()})"
+                             f"{self.tail()}")
+        *lines, self.buf = (self.buf + data).split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                raise BenchError(f"{self.name} wrote a line that is not JSON: {line[:200]!r}"
+                                 ) from None
+            if isinstance(msg, dict) and "id" in msg and "method" not in msg:
+                self.answers[msg["id"]] = (now, msg)
+
+    def wait(self, ident: int, timeout: float = CALL_TIMEOUT) -> tuple[float, dict]:
+        deadline = time.perf_counter() + timeout
+        while ident not in self.answers:
+            if time.perf_counter() > deadline:
+                raise BenchError(f"{self.name}: no answer to {ident} within {timeout} s"
+                                 f"{self.tail()}")
+            self._pump(deadline)
+        return self.answers.pop(ident)
+
+    def request(self, method: str, params: dict, timeout: float = CALL_TIMEOUT) -> dict:
+        _, msg = self.wait(self.send(method, params)[0], timeout)
+        if "result" not in msg:
+            raise BenchError(f"{self.name}: {method} failed: {msg.get('error')}")
+        return msg["result"]
+
+    # -- MCP --
+
+    def start(self) -> "Client":
+        """initialize, notifications/initialized, tools/list; the time to that answer."""
+        self.request("initialize", {"protocolVersion": PROTOCOL_VERSION, "capabilities": {},
+                                    "clientInfo": {"name": "bench", "version": "1"}},
+                     START_TIMEOUT)
+        self.notify("notifications/initialized")
+        ident, _ = self.send("tools/list", {})
+        got, msg = self.wait(ident, START_TIMEOUT)
+        if "result" not in msg:
+            raise BenchError(f"{self.name}: tools/list failed: {msg.get('error')}")
+        self.ready_after = got - self.spawned
+        self.note_children()
+        return self
+
+    def call(self, tool: str, args: dict) -> tuple[float, dict]:
+        """One tools/call: (seconds from the write to the answer's read, the result)."""
+        ident, sent = self.send("tools/call", {"name": tool, "arguments": args})
+        got, msg = self.wait(ident)
+        if "result" not in msg:
+            raise BenchError(f"{self.name}: {tool} failed: {msg.get('error')}")
+        return got - sent, msg["result"]
+
+    def ok(self, tool: str, args: dict) -> float:
+        """A call that must succeed; its latency."""
+        took, result = self.call(tool, args)
+        if result.get("isError"):
+            raise BenchError(f"{self.name}: {tool} {args} answered an error: {text(result)}")
+        return took
+
+    def pipeline(self, calls: list[tuple[str, dict]], in_flight: int) -> tuple[list[float], float]:
+        """The calls with ``in_flight`` outstanding: each latency, and the wall time."""
+        pending: dict[int, float] = {}
+        latencies: list[float] = []
+        todo = iter(calls)
+        began = time.perf_counter()
+        deadline = began + CALL_TIMEOUT
+        while True:
+            while len(pending) < in_flight:
+                nxt = next(todo, None)
+                if nxt is None:
+                    break
+                ident, sent = self.send("tools/call", {"name": nxt[0], "arguments": nxt[1]})
+                pending[ident] = sent
+            if not pending:
+                return latencies, time.perf_counter() - began
+            for ident in [i for i in pending if i in self.answers]:
+                got, msg = self.answers.pop(ident)
+                if "result" not in msg or msg["result"].get("isError"):
+                    raise BenchError(f"{self.name}: a pipelined call failed: {msg}")
+                latencies.append(got - pending.pop(ident))
+            if pending and not any(i in self.answers for i in pending):
+                if time.perf_counter() > deadline:
+                    raise BenchError(f"{self.name}: pipelined calls unanswered{self.tail()}")
+                self._pump(deadline)
+
+    # -- the process --
+
+    def note_children(self) -> None:
+        """Remember the servers this process started, by pid and command line, so that they
+        can be ended by pid if they outlive it."""
+        for pid in child_pids(self.pid):
+            self.children.setdefault(pid, cmdline(pid))
+
+    def tail(self) -> str:
+        try:
+            with open(self.stderr_path, "rb") as f:
+                data = f.read()[-2000:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+        return f"\n--- {self.name} stderr ---\n{data}" if data.strip() else ""
+
+    def stop(self) -> None:
+        """Close stdin and wait; then SIGKILL by pid; then the children it left, by pid."""
+        if self.proc.poll() is None:
+            self.note_children()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=STOP_WAIT)
+        except subprocess.TimeoutExpired:
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(timeout=STOP_WAIT)
+        for pid, line in self.children.items():
+            deadline = time.monotonic() + CHILD_WAIT
+            while time.monotonic() < deadline and line and cmdline(pid) == line:
+                time.sleep(POLL)
+            if line and cmdline(pid) == line:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.children = {}
+        self.sel.close()
+        self.proc.stdout.close()
+        self.err_file.close()
+
+
+def text(result: dict) -> str:
+    return "".join(b.get("text", "") for b in result.get("content", []))
+
+
+# ==== the arms and their directories ====
+
+def echo_server() -> dict:
+    return {"name": "echo", "command": [PYTHON, ECHO_SERVER], "manifest": "echo.manifest.json",
+            "rules": ECHO_RULES}
+
+
+def bank_server(ledger: str) -> dict:
+    return {"name": "bank", "command": [PYTHON, FAKE_SERVER],
+            "env": [f"FAKE_PAYMENTS_LEDGER={ledger}"], "manifest": "bank.manifest.json",
+            "rules": BANK_RULES}
+
+
+def ledger_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+@dataclasses.dataclass
+class ProxyDir:
+    path: str
+    config: str
+    database: str
+    ledger: str
+
+
+class Lab:
+    """The temporary directory and every process started in it, stopped by pid at the end."""
+
+    def __init__(self, root: str, fastmcp_python: str | None):
+        self.root = root
+        self.fastmcp_python = fastmcp_python
+        self.clients: list[Client] = []
+        self.fastmcp_script = os.path.join(root, "fastmcp_proxy.py")
+        with open(self.fastmcp_script, "w") as f:
+            f.write(FASTMCP_SCRIPT)
+
+    def proxy_dir(self, name: str, bank: bool, echo: bool, **top) -> ProxyDir:
+        path = os.path.join(self.root, name)
+        os.mkdir(path, 0o700)
+        ledger = os.path.join(path, "ledger")
+        servers = ([echo_server()] if echo else []) + ([bank_server(ledger)] if bank else [])
+        doc = {"database": "runs.db", "session": SESSION, "hold": "0s", "servers": servers}
+        doc.update(top)
+        config = os.path.join(path, "proxy.json")
+        fd = os.open(config, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2)
+        return ProxyDir(path, config, os.path.join(path, "runs.db"), ledger)
+
+    def pin(self, dirs: list[ProxyDir]) -> None:
+        """pin every configuration, side by side (before anything is timed)."""
+        procs = [subprocess.Popen([PYTHON, PROXY, "pin", "-config", d.config], cwd=d.path,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT) for d in dirs]
+        try:
+            for d, p in zip(dirs, procs):
+                out, _ = p.communicate(timeout=PIN_TIMEOUT)
+                if p.returncode != 0:
+                    raise BenchError(f"pin {d.config} failed ({p.returncode}):\n"
+                                     f"{out.decode()}")
+        finally:
+            for p in procs:                 # a pin that did not finish: ended by its pid
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=STOP_WAIT)
+
+    def _start(self, client: Client, start: bool) -> Client:
+        """Registered before anything can fail, so that stop_all ends it; started (to the
+        first tools/list answer) unless the caller starts several side by side itself."""
+        self.clients.append(client)
+        return client.start() if start else client
+
+    def proxy(self, name: str, d: ProxyDir, start: bool = True) -> Client:
+        return self._start(Client(name, [PYTHON, PROXY, "-config", d.config], d.path), start)
+
+    def direct(self, name: str, server: str, ledger: str = "", start: bool = True) -> Client:
+        env = dict(os.environ, FAKE_PAYMENTS_LEDGER=ledger) if ledger else None
+        return self._start(Client(name, [PYTHON, server], self.root, env), start)
+
+    def fastmcp(self, name: str, server: str, ledger: str = "", start: bool = True) -> Client:
+        env = {"FAKE_PAYMENTS_LEDGER": ledger} if ledger else {}
+        argv = [self.fastmcp_python, self.fastmcp_script, json.dumps([PYTHON, server]),
+                json.dumps(env)]
+        return self._start(Client(name, argv, self.root), start)
+
+    def stop(self, client: Client) -> None:
+        if client in self.clients:
+            self.clients.remove(client)
+            client.stop()
+
+    def stop_all(self) -> None:
+        while self.clients:
+            client = self.clients.pop()
+            try:
+                client.stop()
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                print(f"bench: stopping {client.name} (pid {client.pid}): {exc}",
+                      file=sys.stderr)
+
+
+# ==== figures ====
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest rank."""
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def stats(samples: list[float]) -> dict:
+    """p50/p95/p99 in milliseconds, from samples in seconds."""
+    if not samples:
+        return {}
+    s = sorted(samples)
+    return {"n": len(s), "p50": percentile(s, 0.50) * MS, "p95": percentile(s, 0.95) * MS,
+            "p99": percentile(s, 0.99) * MS}
+
+
+def fmt_stats(st: dict) -> str:
+    if not st:
+        return "-"
+    return f"{st['p50']:.2f} / {st['p95']:.2f} / {st['p99']:.2f}"
+
+
+@dataclasses.dataclass
+class Row:
+    measure: str
+    direct: str = "-"
+    proxy: str = "-"
+    overhead: str = "-"
+    fastmcp: str = "-"
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+
+
+class Report:
+    def __init__(self):
+        self.rows: list[Row] = []
+        self.ratios: list[str] = []
+        self.notes: list[str] = []
+        self.figures: dict = {}
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+
+    def print(self) -> None:
+        head = Row("measure", "direct", "proxy", "overhead", "FastMCP", "target")
+        rows = [head] + self.rows
+        cells = [[r.measure, r.direct, r.proxy, r.overhead, r.fastmcp, r.target,
+                  "result" if r is head else verdict(r)] for r in rows]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
+        for n, c in enumerate(cells):
+            print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
+            if n == 0:
+                print("  ".join("-" * w for w in widths))
+        for r in self.rows:
+            if r.note:
+                print(f"  {r.measure}: {r.note}")
+        judged = [r for r in self.rows if r.met is not None]
+        print(f"\ntargets met: {sum(bool(r.met) for r in judged)} of {len(judged)}")
+        print("\nratios")
+        for line in self.ratios:
+            print(f"  {line}")
+        for line in self.notes:
+            print(f"note: {line}")
+
+
+def verdict(row: Row) -> str:
+    return {True: "met", False: "MISSED", None: "-"}[row.met]
+
+
+# ==== the rows ====
+
+def interleave(arms: dict, rounds: int, per_round: int, one) -> dict:
+    """Rounds of ``per_round`` calls on each arm in turn, the order rotating each round;
+    ``one(name, client, i)`` makes call i and returns its latency (or a tuple of them)."""
+    samples: dict = {name: [] for name in arms}
+    names = list(arms)
+    n = 0
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            for _ in range(per_round):
+                samples[name].append(one(name, arms[name], n))
+                n += 1
+    return samples
+
+
+def warm(arms: dict, tool_of, args_of) -> None:
+    for name, client in arms.items():
+        for i in range(WARMUP_CALLS):
+            client.ok(tool_of(name), args_of(f"warm-{i}"))
+
+
+def overhead_row(measure: str, got: dict, limit: float | None, target: str) -> Row:
+    d, p = stats(got["direct"]), stats(got["proxy"])
+    f = stats(got["fastmcp"]) if "fastmcp" in got else None
+    over = p["p50"] - d["p50"]
+    return Row(measure, fmt_stats(d), fmt_stats(p), f"{over:+.2f}",
+               fmt_stats(f) if f else "skipped", target,
+               None if limit is None else over <= limit)
+
+
+def p50_ratios(measure: str, got: dict) -> str:
+    """proxy / direct, and proxy / FastMCP when it ran, at p50."""
+    p = stats(got["proxy"])["p50"]
+    line = f"{measure}, p50: proxy / direct {p / stats(got['direct'])['p50']:.3g}x"
+    if got.get("fastmcp"):
+        line += f", proxy / FastMCP {p / stats(got['fastmcp'])['p50']:.3g}x"
+    return line
+
+
+def read_row(arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
+    warm(arms, tools.get, lambda s: {"text": s})
+    got = interleave(arms, plan.rounds, plan.per_round,
+                     lambda name, c, i: c.ok(tools[name], {"text": f"read-{i}"}))
+    rep.add(overhead_row("allowed read-only call", got, READ_OVERHEAD_MS,
+                         f"overhead <= {READ_OVERHEAD_MS} ms"))
+    rep.ratios.append(p50_ratios("allowed read-only call", got))
+    rep.figures["read"] = {k: stats(v) for k, v in got.items()}
+
+
+def mutating_rows(arms: dict, ledgers: dict, plan: Plan, rep: Report) -> None:
+    """Each pay timed, then the identical pay at once, timed: a DUPLICATE for the proxy."""
+    tool = {"direct": "pay", "proxy": "bank_pay", "fastmcp": "pay"}
+    before = {name: ledger_lines(path) for name, path in ledgers.items()}
+    refused = {name: 0 for name in arms}
+
+    def one(name, c, i):
+        args = {"to": f"payee-{name}-{i}", "amount": i + 1}
+        first = c.ok(tool[name], args)
+        again, result = c.call(tool[name], args)
+        refused[name] += text(result).startswith("DUPLICATE")
+        return first, again
+    got = interleave(arms, plan.rounds, plan.per_round, one)
+    firsts = {k: [a for a, _ in v] for k, v in got.items()}
+    agains = {k: [b for _, b in v] for k, v in got.items()}
+    rep.add(overhead_row("allowed mutating call", firsts, MUTATING_OVERHEAD_MS,
+                         f"overhead <= {MUTATING_OVERHEAD_MS} ms"))
+    rep.ratios.append(p50_ratios("allowed mutating call", firsts))
+    rep.ratios.append(p50_ratios("the identical pay repeated", agains))
+    calls = plan.rounds * plan.per_round
+    reached = {name: ledger_lines(path) - before[name] - calls for name, path in
+               ledgers.items()}
+    p = stats(agains["proxy"])
+    f = stats(agains["fastmcp"]) if "fastmcp" in agains else None
+    ok = p["p50"] <= DUPLICATE_TOTAL_MS and reached["proxy"] == 0 and refused["proxy"] == calls
+    rep.add(Row("DUPLICATE refusal (total)", fmt_stats(stats(agains["direct"])),
+                fmt_stats(p), "-", fmt_stats(f) if f else "skipped",
+                f"<= {DUPLICATE_TOTAL_MS} ms, none reach upstream", ok,
+                "repeats that reached the upstream: " +
+                ", ".join(f"{k} {v} of {calls}" for k, v in reached.items()) +
+                f"; refused as DUPLICATE by the proxy: {refused['proxy']} of {calls}"))
+    rep.figures["mutating"] = {k: stats(v) for k, v in firsts.items()}
+    rep.figures["duplicate"] = {"latency": {k: stats(v) for k, v in agains.items()},
+                                "reached_upstream": reached, "refused": refused}
+
+
+def same_request_rows(proxy: Client, direct: Client, plan: Plan, rep: Report) -> None:
+    """One identical request, again and again; the first block against the last."""
+    args = {"text": "the same request"}
+    blocks: list[tuple[list[float], list[float]]] = []
+    began = time.perf_counter()
+    done = 0
+    while done < plan.same_calls:
+        p = [proxy.ok("echo_echo", args) for _ in range(BLOCK)]
+        d = [direct.ok("echo", args) for _ in range(BLOCK)]
+        blocks.append((p, d))
+        done += BLOCK
+        if time.perf_counter() - began > plan.same_deadline:
+            break
+    elapsed = time.perf_counter() - began
+    first, last = blocks[0], blocks[-1]
+    fp, lp = stats(first[0]), stats(last[0])
+    fd, ld = stats(first[1]), stats(last[1])
+    ratio = lp["p50"] / fp["p50"]
+    stopped = done < plan.same_calls
+    span = f"{done - BLOCK + 1:,}-{done:,}"
+    rep.add(Row(f"same request, calls 1-{BLOCK}", fmt_stats(fd), fmt_stats(fp),
+                f"{fp['p50'] - fd['p50']:+.2f}", "n/a", ""))
+    rep.add(Row(f"same request, calls {span}", fmt_stats(ld), fmt_stats(lp),
+                f"{lp['p50'] - ld['p50']:+.2f}", "n/a",
+                f"p50 <= {SAME_REQUEST_RATIO:.2f}x calls 1-{BLOCK}",
+                False if stopped else ratio <= SAME_REQUEST_RATIO,
+                f"{done:,} identical calls through the proxy in {elapsed:.1f} s" +
+                (f"; STOPPED at the {plan.same_deadline:.0f} s deadline, short of "
+                 f"{plan.same_calls:,}" if stopped else "")))
+    rep.ratios.append(f"same request: calls {span} / calls 1-{BLOCK}, p50: proxy "
+                      f"{ratio:.2f}x, direct {ld['p50'] / fd['p50']:.2f}x")
+    rep.figures["same_request"] = {"calls": done, "target_calls": plan.same_calls,
+                                   "seconds": elapsed, "first": fp, "last": lp,
+                                   "direct_first": fd, "direct_last": ld, "ratio": ratio}
+
+
+# -- the database of recorded runs --
+
+def build_runs(database: str, runs: int) -> float:
+    """Copy the one run the proxy recorded (its run, step, events and index row) ``runs``
+    times, with fresh ids and request keys, in one transaction of plain SQL; seconds taken.
+    The proxy must not be running."""
+    began = time.perf_counter()
+    conn = sqlite3.connect(database, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")     # the proxy switches it back to WAL
+        conn.execute("PRAGMA synchronous=OFF")
+        conn.execute("PRAGMA cache_size=-1000000")
+        conn.execute("PRAGMA temp_store=MEMORY")
+        (template,) = conn.execute("SELECT run_id FROM proxy_calls").fetchone()
+        (step,) = conn.execute("SELECT id FROM steps WHERE run_id=?", (template,)).fetchone()
+        (events,) = conn.execute("SELECT MAX(seq) FROM events").fetchone()
+        conn.execute("BEGIN")
+        conn.execute("CREATE TEMP TABLE ids (i INTEGER PRIMARY KEY, run TEXT, step TEXT, "
+                     "key TEXT)")
+        conn.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+            "INSERT INTO ids SELECT i, ? || '.' || printf('%016x', random()), "
+            "printf('%016x%016x', random(), random()), "
+            "printf('%016x%016x%016x%016x', random(), random(), random(), random()) FROM n",
+            (runs, SESSION))
+        conn.execute("INSERT INTO runs SELECT ids.run, goal, status, reason, reason_detail, "
+                     "limits_json, step_count, created_at, started_at, finished_at, "
+                     "result_json, active_ms, lease_owner, lease_expires_at "
+                     "FROM ids, runs WHERE runs.id=?", (template,))
+        conn.execute("INSERT INTO steps SELECT ids.step, ids.run, idx, status, decision_json, "
+                     "policy_json, observation_json, observation_hash, started_at, "
+                     "finished_at, spec_hash, policy_id FROM ids, steps WHERE steps.id=?",
+                     (step,))
+        conn.execute("INSERT INTO events (seq, run_id, step_id, at, type, payload_json, hash) "
+                     "SELECT e.seq + ids.i * ?, ids.run, CASE WHEN e.step_id='' THEN '' ELSE "
+                     "ids.step END, e.at, e.type, e.payload_json, e.hash "
+                     "FROM ids, events e WHERE e.run_id=? ORDER BY ids.i, e.seq",
+                     (events, template))
+        conn.execute("INSERT INTO proxy_calls (session, request_key, tool, side_effect, "
+                     "run_id, created_at, open, closed_at, settled_at, outcome) "
+                     "SELECT session, ids.key, tool, side_effect, ids.run, created_at, open, "
+                     "closed_at, settled_at, outcome FROM ids, proxy_calls WHERE run_id=?",
+                     (template,))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    return time.perf_counter() - began
+
+
+def database_rows(lab: Lab, dirs: dict, direct: Client, plan: Plan, rep: Report) -> None:
+    empty_dir, full_dir = dirs["db-empty"], dirs["db-full"]
+    seed = lab.proxy("db-seed", full_dir)         # records the run that is copied
+    seed.ok("echo_echo", {"text": "template"})
+    lab.stop(seed)
+    took = build_runs(full_dir.database, plan.db_runs)
+    size = os.path.getsize(full_dir.database) / KIB / KIB
+    arms = {"direct": direct, "empty": lab.proxy("db-empty", empty_dir),
+            "full": lab.proxy("db-full", full_dir)}
+    tools = {"direct": "echo", "empty": "echo_echo", "full": "echo_echo"}
+    warm(arms, tools.get, lambda s: {"text": s})
+    got = interleave(arms, plan.db_rounds, plan.db_per_round,
+                     lambda name, c, i: c.ok(tools[name], {"text": f"db-read-{i}"}))
+    d, e, f = stats(got["direct"]), stats(got["empty"]), stats(got["full"])
+    ratio = f["p50"] / e["p50"]
+    rep.add(Row("allowed read, empty database", fmt_stats(d), fmt_stats(e),
+                f"{e['p50'] - d['p50']:+.2f}", "n/a", ""))
+    rep.add(Row(f"allowed read, {plan.db_runs:,} recorded runs", fmt_stats(d), fmt_stats(f),
+                f"{f['p50'] - d['p50']:+.2f}", "n/a",
+                f"p50 <= {FULL_DATABASE_RATIO:.2f}x empty", ratio <= FULL_DATABASE_RATIO,
+                f"built by plain SQL in {took:.1f} s, {size:,.0f} MiB; the proxy started on "
+                f"it in {arms['full'].ready_after * MS:.0f} ms (on the empty one in "
+                f"{arms['empty'].ready_after * MS:.0f} ms)"))
+    rep.ratios.append(f"{plan.db_runs:,} recorded runs / empty database, p50: {ratio:.2f}x")
+    rep.figures["database"] = {"runs": plan.db_runs, "build_seconds": took, "mib": size,
+                               "direct": d, "empty": e, "full": f, "ratio": ratio}
+    lab.stop(arms["empty"])
+    lab.stop(arms["full"])
+
+
+def flight_row(arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
+    walls = {name: 0.0 for name in arms}
+    samples: dict = {name: [] for name in arms}
+    names = list(arms)
+    for r in range(plan.flight_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            calls = [(tools[name], {"text": f"flight-{r}-{i}"}) for i in range(plan.flight_calls)]
+            lat, wall = arms[name].pipeline(calls, IN_FLIGHT)
+            samples[name] += lat
+            walls[name] += wall
+    rate = {name: len(samples[name]) / walls[name] for name in arms}
+    cell = {name: f"{rate[name]:,.0f}/s; {fmt_stats(stats(samples[name]))}" for name in arms}
+    vs = rate["proxy"] / rate["fastmcp"] if "fastmcp" in rate else None
+    met = rate["proxy"] >= INFLIGHT_MIN_RATE and (vs is None or vs >= INFLIGHT_VS_FASTMCP)
+    rep.add(Row(f"{IN_FLIGHT} in flight, read-only", cell["direct"], cell["proxy"],
+                f"{rate['proxy'] / rate['direct']:.3g}x direct", cell.get("fastmcp", "skipped"),
+                f">= {INFLIGHT_MIN_RATE:,.0f}/s, >= {INFLIGHT_VS_FASTMCP:.0f}x FastMCP", met,
+                "" if vs is not None else "FastMCP not measured: only the rate was checked"))
+    rep.ratios.append(f"{IN_FLIGHT} in flight, calls/s: proxy / direct "
+                      f"{rate['proxy'] / rate['direct']:.3g}x"
+                      + (f", proxy / FastMCP {vs:.2f}x" if vs is not None else ""))
+    rep.figures["in_flight"] = {"rate": rate, "latency": {k: stats(v) for k, v in
+                                                          samples.items()}}
+
+
+def startup_row(lab: Lab, d: ProxyDir, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
+    starts = {"direct": lambda: lab.direct("startup-direct", FAKE_SERVER),
+              "proxy": lambda: lab.proxy("startup-proxy", d)}
+    if with_fastmcp:
+        starts["fastmcp"] = lambda: lab.fastmcp("startup-fastmcp", FAKE_SERVER)
+
+    def one(name, start, i):
+        client = start()
+        lab.stop(client)
+        return client.ready_after
+    interleave(starts, 1, 1, one)            # once untimed: the database made, files cached
+    got = interleave(starts, plan.startup_rounds, 1, one)
+    rep.add(overhead_row("start-up to first tools/list", got, STARTUP_BEYOND_MS,
+                         f"beyond upstream <= {STARTUP_BEYOND_MS:.0f} ms"))
+    rep.ratios.append(p50_ratios("start-up", got))
+    rep.figures["startup"] = {k: stats(v) for k, v in got.items()}
+
+
+def memory_row(lab: Lab, d: ProxyDir, rep: Report) -> None:
+    proxy = lab.proxy("held", d)
+    proxy.ok("bank_balance", {"account": "A-1"})
+    idle = rss_mb(proxy.pid)
+    for i in range(HELD_CALLS):
+        proxy.send("tools/call", {"name": "bank_refund", "arguments": {"payment": f"p-{i}"}})
+    waiting = wait_pending(d.database, HELD_CALLS)
+    held = rss_mb(proxy.pid)
+    lab.stop(proxy)
+    rep.add(Row(f"memory, {HELD_CALLS} calls held", "n/a", f"{held:.1f} MB",
+                f"+{held - idle:.1f} MB on idle", "n/a",
+                f"<= {HELD_RSS_MB:.0f} MB", held <= HELD_RSS_MB,
+                f"VmRSS of the proxy with {waiting} approvals pending (idle: {idle:.1f} MB)"))
+    rep.figures["memory"] = {"idle_mb": idle, "held_mb": held, "held": waiting}
+
+
+def wait_pending(database: str, want: int) -> int:
+    """Poll the database (read-only) until ``want`` approvals are pending."""
+    deadline = time.monotonic() + HELD_WAIT
+    while True:
+        conn = sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=10)
+        try:
+            (n,) = conn.execute("SELECT COUNT(*) FROM approvals WHERE status='pending'"
+                                ).fetchone()
+        finally:
+            conn.close()
+        if n >= want:
+            return n
+        if time.monotonic() > deadline:
+            raise BenchError(f"only {n} of {want} calls held after {HELD_WAIT:.0f} s")
+        time.sleep(POLL)
+
+
+# ==== main ====
+
+def fastmcp_available(python: str) -> tuple[bool, str]:
+    try:
+        p = subprocess.run([python, "-c", "import fastmcp; print(fastmcp.__version__)"],
+                           capture_output=True, text=True, timeout=PIN_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    if p.returncode != 0:
+        return False, (p.stderr.strip().splitlines() or ["import failed"])[-1]
+    return True, p.stdout.strip()
+
+
+def machine() -> str:
+    return (f"{platform.platform()}, {os.cpu_count()} CPUs, Python "
+            f"{platform.python_version()}, SQLite {sqlite3.sqlite_version}")
+
+
+def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
+    dirs = {"main": lab.proxy_dir("main", bank=True, echo=True),
+            "db-empty": lab.proxy_dir("db-empty", bank=False, echo=True),
+            "db-full": lab.proxy_dir("db-full", bank=False, echo=True),
+            "startup": lab.proxy_dir("startup", bank=True, echo=False),
+            "held": lab.proxy_dir("held", bank=True, echo=False, hold=HOLD,
+                                  max_pending=HELD_MAX_PENDING)}
+    lab.pin(list(dirs.values()))
+    main_dir = dirs["main"]
+    direct = {"echo": lab.direct("direct-echo", ECHO_SERVER, start=False),
+              "bank": lab.direct("direct-bank", FAKE_SERVER,
+                                 os.path.join(lab.root, "direct.ledger"), start=False)}
+    proxy = lab.proxy("proxy", main_dir, start=False)
+    fm = {}
+    if with_fastmcp:
+        fm = {"echo": lab.fastmcp("fastmcp-echo", ECHO_SERVER, start=False),
+              "bank": lab.fastmcp("fastmcp-bank", FAKE_SERVER,
+                                  os.path.join(lab.root, "fastmcp.ledger"), start=False)}
+    for client in [*direct.values(), proxy, *fm.values()]:     # spawned side by side
+        client.start()
+    reads = {"direct": direct["echo"], "proxy": proxy, **({"fastmcp": fm["echo"]} if fm else {})}
+    read_tools = {"direct": "echo", "proxy": "echo_echo", "fastmcp": "echo"}
+    pays = {"direct": direct["bank"], "proxy": proxy, **({"fastmcp": fm["bank"]} if fm else {})}
+    ledgers = {"direct": os.path.join(lab.root, "direct.ledger"), "proxy": main_dir.ledger,
+               **({"fastmcp": os.path.join(lab.root, "fastmcp.ledger")} if fm else {})}
+    steps = [
+        ("read", lambda: read_row(reads, read_tools, plan, rep)),
+        ("mutating", lambda: mutating_rows(pays, ledgers, plan, rep)),
+        ("in flight", lambda: flight_row(reads, read_tools, plan, rep)),
+        ("same request", lambda: same_request_rows(proxy, direct["echo"], plan, rep)),
+        ("database", lambda: database_rows(lab, dirs, direct["echo"], plan, rep)),
+        ("start-up", lambda: startup_row(lab, dirs["startup"], plan, with_fastmcp, rep)),
+        ("memory", lambda: memory_row(lab, dirs["held"], rep)),
+    ]
+    for name, step in steps:
+        began = time.perf_counter()
+        try:
+            step()
+        except BenchError as exc:
+            rep.add(Row(name, target="(not measured)", met=False, note=f"ERROR: {exc}"))
+        rep.figures.setdefault("seconds", {})[name] = time.perf_counter() - began
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="The proxy's benchmark of record.")
+    p.add_argument("-quick", "--quick", action="store_true", help="fewer calls: under a minute")
+    p.add_argument("-json", "--json", metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--fastmcp-python", metavar="PATH", default=PYTHON,
+                   help="the interpreter that can import fastmcp (default: this one)")
+    p.add_argument("--dir", metavar="DIR", default=None,
+                   help="where the temporary directory goes (default: the system's)")
+    return p
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C, so that the finally blocks stop every arm by pid."""
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)
+    plan = QUICK if args.quick else FULL
+    began = time.perf_counter()
+    print(f"machine: {machine()}")
+    with_fastmcp, fm_note = fastmcp_available(args.fastmcp_python)
+    print(f"FastMCP: {fm_note} ({args.fastmcp_python})" if with_fastmcp else
+          f"FastMCP: skipped, cannot import fastmcp with {args.fastmcp_python}: {fm_note}")
+    rep = Report()
+    with tempfile.TemporaryDirectory(prefix="agentrt-bench-", dir=args.dir) as root:
+        print(f"run: {'quick' if args.quick else 'full'}, in {root}\n")
+        lab = Lab(root, args.fastmcp_python if with_fastmcp else None)
+        try:
+            measure(lab, plan, with_fastmcp, rep)
+        finally:
+            lab.stop_all()
+    total = time.perf_counter() - began
+    rep.notes.append(f"the whole run took {total:.1f} s")
+    rep.print()
+    rep.figures.update(machine=machine(), quick=args.quick, fastmcp=fm_note if with_fastmcp
+                       else None, seconds_total=total,
+                       rows=[dataclasses.asdict(r) for r in rep.rows])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep.figures, f, indent=2)
+    return 1 if any(r.note.startswith("ERROR") for r in rep.rows) else 0
 
 
 if __name__ == "__main__":

@@ -62,7 +62,6 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import hmac
-import http.client
 import io
 import json
 import os
@@ -82,8 +81,14 @@ import time
 import urllib.parse
 import unicodedata
 from decimal import Context, Decimal
-from fractions import Fraction
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
+
+# Imported where first used, so that importing the module and serving stdio servers do not
+# pay for them: http.client (with the email package it loads) only for a server reached
+# over HTTP (section 14, _http_client), fractions only for Num.exact (section 3).
+if TYPE_CHECKING:
+    import http.client
+    from fractions import Fraction
 
 # ==== 1. Constants and limits ====
 # Every bound the proxy enforces is named here; bodies use these names, never bare numbers.
@@ -320,6 +325,7 @@ class Num:
     def exact(self) -> Fraction:
         """The number's exact value. Costly for long literals (1.7...7e-9999 has a
         denominator of 20,000 digits): the schema checks use ``normal`` instead."""
+        from fractions import Fraction   # at first use: see the imports at the top
         return Fraction(Decimal(self.text))
 
     def normal(self) -> tuple[int, str, int]:
@@ -4405,6 +4411,14 @@ CLIENT_INFO = {"name": "agentrt-proxy", "version": PROXY_VERSION}
 _BASE_ENV = ("PATH", "HOME", "TMPDIR")
 
 
+def _http_client():
+    """The http.client module, imported at its first use: only a server reached over HTTP
+    needs it, and its import (the email package comes with it) would otherwise be a part of
+    every start-up."""
+    import http.client
+    return http.client
+
+
 class UpstreamError(ProxyError):
     """A server could not be reached or answered outside the protocol."""
 
@@ -4819,8 +4833,8 @@ class HttpUpstream(Upstream):
             if not _peer_closed(conn):
                 return conn
             conn.close()
-        cls = http.client.HTTPSConnection if self.url.scheme == "https" else \
-            http.client.HTTPConnection
+        client = _http_client()
+        cls = client.HTTPSConnection if self.url.scheme == "https" else client.HTTPConnection
         return cls(self.url.hostname, self.url.port)
 
     def _release(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
@@ -4878,7 +4892,7 @@ class HttpUpstream(Upstream):
             raise asyncio.TimeoutError() from None
         except ConnectionRefusedError as exc:
             raise NotSent(f"the server refused the connection: {exc.strerror}") from None
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, _http_client().HTTPException) as exc:
             # The endpoint is configuration: it may carry credentials, and never reaches
             # the model's text. The server's name does.
             raise UpstreamError(f"HTTP request failed: {type(exc).__name__}: "
@@ -4981,7 +4995,7 @@ class HttpUpstream(Upstream):
         """Answer a request the server sent on a stream, within the stream's own deadline."""
         refusal = self._route(msg)
         if refusal is not None:
-            with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
+            with contextlib.suppress(ProxyError, OSError, _http_client().HTTPException,
                                      TimeoutError):
                 self._round_trip(None, refusal, "", "",
                                  min(deadline, time.monotonic() + DISCOVER_TIMEOUT))
@@ -5039,7 +5053,7 @@ class HttpUpstream(Upstream):
         if was_closed or not self.session_id or self.modern:
             return
         deadline = time.monotonic() + HTTP_CLOSE_WAIT
-        with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
+        with contextlib.suppress(ProxyError, OSError, _http_client().HTTPException,
                                  asyncio.TimeoutError):
             await asyncio.wait_for(_Workers.in_thread(self._delete, deadline),
                                    HTTP_CLOSE_WAIT + HTTP_SLACK)

@@ -7426,9 +7426,10 @@ def result_text(obs: dict) -> str:
 
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
 NEEDS_TOOLS = ("tools/list", "tools/call")
-# Requests held while loading. A host that floods the proxy before it serves gets an error
-# for each one past this, not memory without bound.
+# Requests held while loading, and their text together. A host that floods the proxy before
+# it serves gets an error for each one past these, not memory without bound.
 MAX_WAITING = 256
+MAX_WAITING_BYTES = MAX_FRAME
 STILL_LOADING = "the proxy is still loading its servers: send this request again shortly"
 START_FAILED = "the proxy could not start and is exiting; its log says why"
 STOPPED_LOADING = "the proxy was stopped before it served"
@@ -7466,7 +7467,8 @@ class HostServer:
     def hold(self, msg: Message) -> None:
         if self.refusal:
             raise ProtocolError(self.refusal)
-        if len(self.waiting) >= MAX_WAITING:
+        held = sum(len(m.text) for m in self.waiting) + len(msg.text)
+        if len(self.waiting) >= MAX_WAITING or held > MAX_WAITING_BYTES:
             raise ProtocolError(STILL_LOADING)
         self.waiting.append(msg)
 
@@ -7841,6 +7843,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
 
 
 async def _first_of(*events: asyncio.Event) -> None:
+    """Wait until one of the events is set."""
     waits = [asyncio.create_task(e.wait()) for e in events]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -261,6 +261,18 @@ def test_requests_wait_in_order_boundedly_and_a_cancelled_one_is_dropped():
     assert all(a["result"]["tools"][0]["name"] == "t" for a in answered)
 
 
+def test_requests_held_while_loading_are_bounded_in_bytes():
+    out: list[bytes] = []
+    host = ap.HostServer(None, out.append, lambda line: None)
+    # Each call is a third of the bound: two are held, the third is refused at once.
+    filler = "x" * (ap.MAX_WAITING_BYTES // 3)
+    for i in range(3):
+        host.handle(_line(i, "tools/call", {"name": "t", "arguments": {"note": filler}}))
+    assert [(json.loads(o)["id"], json.loads(o)["error"]["message"]) for o in out] == \
+        [(2, ap.STILL_LOADING)]
+    assert [m.doc["id"] for m in host.waiting] == [ap.Num("0"), ap.Num("1")]
+
+
 def test_import_leaves_http_client_and_fractions_unimported():
     p = subprocess.run([PYTHON, "-c", "import agentrt_proxy, sys; "
                         "print('http.client' in sys.modules, 'fractions' in sys.modules)"],

@@ -62,7 +62,6 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import hmac
-import http.client
 import io
 import json
 import os
@@ -82,8 +81,14 @@ import time
 import urllib.parse
 import unicodedata
 from decimal import Context, Decimal
-from fractions import Fraction
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
+
+# Imported where first used, so that importing the module and serving stdio servers do not
+# pay for them: http.client (with the email package it loads) only for a server reached
+# over HTTP (section 14, _http_client), fractions only for Num.exact (section 3).
+if TYPE_CHECKING:
+    import http.client
+    from fractions import Fraction
 
 # ==== 1. Constants and limits ====
 # Every bound the proxy enforces is named here; bodies use these names, never bare numbers.
@@ -325,6 +330,7 @@ class Num:
     def exact(self) -> Fraction:
         """The number's exact value. Costly for long literals (1.7...7e-9999 has a
         denominator of 20,000 digits): the schema checks use ``normal`` instead."""
+        from fractions import Fraction   # at first use: see the imports at the top
         return Fraction(Decimal(self.text))
 
     def normal(self) -> tuple[int, str, int]:
@@ -4410,6 +4416,14 @@ CLIENT_INFO = {"name": "agentrt-proxy", "version": PROXY_VERSION}
 _BASE_ENV = ("PATH", "HOME", "TMPDIR")
 
 
+def _http_client():
+    """The http.client module, imported at its first use: only a server reached over HTTP
+    needs it, and its import (the email package comes with it) would otherwise be a part of
+    every start-up."""
+    import http.client
+    return http.client
+
+
 class UpstreamError(ProxyError):
     """A server could not be reached or answered outside the protocol."""
 
@@ -4824,8 +4838,8 @@ class HttpUpstream(Upstream):
             if not _peer_closed(conn):
                 return conn
             conn.close()
-        cls = http.client.HTTPSConnection if self.url.scheme == "https" else \
-            http.client.HTTPConnection
+        client = _http_client()
+        cls = client.HTTPSConnection if self.url.scheme == "https" else client.HTTPConnection
         return cls(self.url.hostname, self.url.port)
 
     def _release(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
@@ -4883,7 +4897,7 @@ class HttpUpstream(Upstream):
             raise asyncio.TimeoutError() from None
         except ConnectionRefusedError as exc:
             raise NotSent(f"the server refused the connection: {exc.strerror}") from None
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, _http_client().HTTPException) as exc:
             # The endpoint is configuration: it may carry credentials, and never reaches
             # the model's text. The server's name does.
             raise UpstreamError(f"HTTP request failed: {type(exc).__name__}: "
@@ -4986,7 +5000,7 @@ class HttpUpstream(Upstream):
         """Answer a request the server sent on a stream, within the stream's own deadline."""
         refusal = self._route(msg)
         if refusal is not None:
-            with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
+            with contextlib.suppress(ProxyError, OSError, _http_client().HTTPException,
                                      TimeoutError):
                 self._round_trip(None, refusal, "", "",
                                  min(deadline, time.monotonic() + DISCOVER_TIMEOUT))
@@ -5044,7 +5058,7 @@ class HttpUpstream(Upstream):
         if was_closed or not self.session_id or self.modern:
             return
         deadline = time.monotonic() + HTTP_CLOSE_WAIT
-        with contextlib.suppress(ProxyError, OSError, http.client.HTTPException,
+        with contextlib.suppress(ProxyError, OSError, _http_client().HTTPException,
                                  asyncio.TimeoutError):
             await asyncio.wait_for(_Workers.in_thread(self._delete, deadline),
                                    HTTP_CLOSE_WAIT + HTTP_SLACK)
@@ -7459,16 +7473,57 @@ def result_text(obs: dict) -> str:
 # read as bytes so each call's arguments reach the gate exactly as sent. Each call is its own
 # task; answers go out in any order. A host's cancel ends only a wait, never an upstream call
 # already running. On EOF or a signal: accept no new call, finish the ones in flight, exit.
+# While the servers are still loading (section 21) the handshake is answered at once, so the
+# host's start-up timeout runs against the proxy's own start and not its slowest server's;
+# the requests that need the tools wait, in the order they came, until loading ends.
 
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
+NEEDS_TOOLS = ("tools/list", "tools/call")
+# Requests held while loading, and their text together. A host that floods the proxy before
+# it serves gets an error for each one past these, not memory without bound.
+MAX_WAITING = 256
+MAX_WAITING_BYTES = MAX_FRAME
+STILL_LOADING = "the proxy is still loading its servers: send this request again shortly"
+START_FAILED = "the proxy could not start and is exiting; its log says why"
+STOPPED_LOADING = "the proxy was stopped before it served"
 
 
 class HostServer:
-    def __init__(self, proxy: Proxy, write: Callable[[bytes], None]):
+    """The host's side. ``proxy`` is None while the servers load; ``ready`` hands it over
+    and answers what waited, ``refuse`` answers what waited with an error."""
+
+    def __init__(self, proxy: Proxy | None, write: Callable[[bytes], None],
+                 log: Callable[[str], None] | None = None):
         self.proxy, self.write = proxy, write
+        self.log = log if log is not None else proxy.log
         self.closing = False
         self.inflight: set[asyncio.Task] = set()
         self.cancelled: dict[str, list[asyncio.Event]] = {}
+        self.waiting: list[Message] = []
+        self.refusal = ""                # set once loading failed: the answer to later ones
+
+    def ready(self, proxy: Proxy) -> None:
+        """Loading is done: serve, first the requests that waited, in the order they came."""
+        self.proxy = proxy
+        waiting, self.waiting = self.waiting, []
+        for msg in waiting:
+            self.dispatch(msg)
+
+    def refuse(self, reason: str) -> None:
+        """Loading failed or was stopped: each request that waited is answered with an
+        error, as is every later one."""
+        self.refusal = reason
+        waiting, self.waiting = self.waiting, []
+        for msg in waiting:
+            self.write(rpc_error(msg.id_value(), INTERNAL_ERROR, reason))
+
+    def hold(self, msg: Message) -> None:
+        if self.refusal:
+            raise ProtocolError(self.refusal)
+        held = sum(len(m.text) for m in self.waiting) + len(msg.text)
+        if len(self.waiting) >= MAX_WAITING or held > MAX_WAITING_BYTES:
+            raise ProtocolError(STILL_LOADING)
+        self.waiting.append(msg)
 
     async def serve(self, lines: "AsyncIterator[bytes]") -> None:
         async for line in lines:
@@ -7480,7 +7535,8 @@ class HostServer:
         """No new call is admitted; holds end at once; the calls in flight finish and are
         recorded."""
         self.closing = True
-        self.proxy.stopping.set()
+        if self.proxy is not None:
+            self.proxy.stopping.set()
         while self.inflight:
             await asyncio.wait(set(self.inflight))
 
@@ -7497,13 +7553,16 @@ class HostServer:
         except (JSONError, ProtocolError) as exc:
             self.write(rpc_error(None, error_code(exc), str(exc)))
             return
+        self.dispatch(msg)
+
+    def dispatch(self, msg: Message) -> None:
         try:
             self.route(msg)
         except ProtocolError as exc:
             self.write(rpc_error(msg.id_value(), error_code(exc), str(exc), exc.data))
         except Exception as exc:         # a fault of ours: the host still gets an answer
-            self.proxy.log(f"error: handling a {_quote(str(msg.method))} message: "
-                           f"{type(exc).__name__}: {sanitize(str(exc))}")
+            self.log(f"error: handling a {_quote(str(msg.method))} message: "
+                     f"{type(exc).__name__}: {sanitize(str(exc))}")
             if msg.method is not None and msg.has_id:
                 self.write(rpc_error(msg.id_value(), INTERNAL_ERROR, "internal error"))
 
@@ -7517,9 +7576,11 @@ class HostServer:
 
     def notification(self, msg: Message) -> None:
         if msg.method == "notifications/cancelled":
-            ident = msg.raw("requestId", in_params=True)
-            for event in self.cancelled.get(_id_key(ident), ()):
+            key = _id_key(msg.raw("requestId", in_params=True))
+            for event in self.cancelled.get(key, ()):
                 event.set()
+            # A request cancelled while it waited for loading is never run nor answered.
+            self.waiting = [m for m in self.waiting if _id_key(m.raw("id")) != key]
 
     def _era(self, msg: Message) -> bool:
         """Whether the request is of the stateless era; refuses a version we do not speak."""
@@ -7537,7 +7598,9 @@ class HostServer:
 
     def request(self, msg: Message) -> None:
         modern, method = self._era(msg), msg.method
-        if method == "initialize" and not modern:
+        if method in NEEDS_TOOLS and self.proxy is None:
+            self.hold(msg)
+        elif method == "initialize" and not modern:
             asked = msg.params.get("protocolVersion")
             version = asked if asked in LEGACY_VERSIONS else LEGACY_VERSIONS[0]
             self.reply(msg, {"protocolVersion": version,
@@ -7704,45 +7767,66 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
 
 
 async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
+    """Every server is connected, listed and built at once, so start-up takes as long as the
+    slowest server, not the sum. The results are taken in configuration order: the reports,
+    the names registered and the error a failure gives are those of loading the servers one
+    after another. After a failure the servers later in the order are stopped, and every
+    server opened is closed."""
+    loads = [asyncio.create_task(_load_one(server)) for server in cfg.servers]
     tools: list[UpstreamTool] = []
     reports: list[Report] = []
     owners: dict[str, str] = {}
     try:
-        for server in cfg.servers:
+        for server, load in zip(cfg.servers, loads):
             try:
-                pinned = read_manifest(server.manifest, server.name)
-            except ConfigError as exc:
-                raise MCPError(f"server {_quote(server.name)}: manifest: {exc}") from None
-            try:
-                got, report = await load_server(server, pinned)
+                got, report = await load
             except MCPError as exc:
                 if exc.report is not None:
                     reports.append(exc.report)
                 raise
             reports.append(report)
             tools += got
-            for tool in got:
-                if tool.spec.name == cfg.status_tool:
-                    raise MCPError(
-                        f"server {_quote(server.name)}: tool {_quote(tool.remote)} registers "
-                        f"as {_quote(tool.spec.name)}, which is the status tool's name: rename "
-                        "one, through status_tool or the rule's rename")
-                if tool.spec.name in owners:
-                    raise MCPError(f"server {_quote(server.name)}: the name "
-                                   f"{_quote(tool.spec.name)} is already registered by another "
-                                   f"server, {_quote(owners[tool.spec.name])}")
-                owners[tool.spec.name] = server.name
+            _register(cfg, server, got, owners)
     except BaseException as exc:
-        await close_tools(tools)
+        for load in loads:
+            load.cancel()
+        done = await asyncio.gather(*loads, return_exceptions=True)
+        await close_tools([t for result in done if isinstance(result, tuple)
+                           for t in result[0]])
         if isinstance(exc, MCPError):
             exc.reports = reports
         raise
     return tools, reports
 
 
+async def _load_one(server: ServerConfig) -> tuple[list[UpstreamTool], Report]:
+    try:
+        pinned = read_manifest(server.manifest, server.name)
+    except ConfigError as exc:
+        raise MCPError(f"server {_quote(server.name)}: manifest: {exc}") from None
+    return await load_server(server, pinned)
+
+
+def _register(cfg: Config, server: ServerConfig, got: list[UpstreamTool],
+              owners: dict[str, str]) -> None:
+    """Each name the model sees belongs to one tool of one server."""
+    for tool in got:
+        if tool.spec.name == cfg.status_tool:
+            raise MCPError(
+                f"server {_quote(server.name)}: tool {_quote(tool.remote)} registers "
+                f"as {_quote(tool.spec.name)}, which is the status tool's name: rename "
+                "one, through status_tool or the rule's rename")
+        if tool.spec.name in owners:
+            raise MCPError(f"server {_quote(server.name)}: the name "
+                           f"{_quote(tool.spec.name)} is already registered by another "
+                           f"server, {_quote(owners[tool.spec.name])}")
+        owners[tool.spec.name] = server.name
+
+
 async def close_tools(tools: list[UpstreamTool]) -> None:
-    """Close every server at once: each close is bounded, and a server that ignores EOF and
-    SIGTERM holds up only its own."""
+    """Close every server the tools came from, all at once: each close may wait out a
+    server that does not exit (CLOSE_WAIT per step), and one such server must not hold up
+    the others."""
     conns = {id(t.conn): t.conn for t in tools}.values()
     await asyncio.gather(*(conn.close() for conn in conns), return_exceptions=True)
 
@@ -7795,8 +7879,11 @@ async def cmd_check(cfg: Config, out: Out) -> int:
 
 
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
-    """Serve the host on stdin and stdout until EOF or a signal. A signal during start-up
-    ends it as cleanly as one while serving."""
+    """Serve the host on stdin and stdout until EOF or a signal. The host is read from the
+    start: the handshake is answered while the servers load, and the requests for tools
+    wait for loading (section 20). A signal during start-up ends it as cleanly as one while
+    serving; a failure to start answers each waiting request with an error, then fails as
+    it would have before anything was read."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -7804,15 +7891,57 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
             loop.add_signal_handler(sig, stop.set)
     check_database_owner(cfg.database)
     check_reach(cfg)
+    writer = LineWriter(stdout, lambda: loop.call_soon_threadsafe(stop.set))
+    host = HostServer(None, writer.write, out.log)
+    lines = LineReader(stdin, loop)
+    ended = asyncio.Event()              # the host closed its input
+
+    async def feed() -> None:
+        while (line := await lines.next()) is not None:
+            if line.strip():
+                host.handle(line)
+        ended.set()
+    reader = asyncio.create_task(feed())
+    try:
+        started = await _start_serving(cfg, out, stop)
+    except BaseException:
+        host.refuse(START_FAILED)
+        reader.cancel()
+        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
+        raise
+    if started is None:                  # a signal while connecting: nothing to finish
+        host.refuse(STOPPED_LOADING)
+        reader.cancel()
+        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
+        out.log("stopped before serving")
+        return 0
+    tools, store, proxy = started
+    out.log(f"serving session {sanitize(cfg.session)} with database {sanitize(cfg.database)}")
+    host.ready(proxy)
+    try:
+        await _first_of(stop, ended)
+        await host.shutdown()
+        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
+    finally:
+        reader.cancel()
+        await close_tools(tools)
+        proxy.close()
+        store.close()
+    return 0
+
+
+async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
+                         ) -> tuple[list[UpstreamTool], Store, Proxy] | None:
+    """Load the servers, open the store, build the proxy; None when ``stop`` came first
+    (then nothing is left open). On a failure, what was opened is closed."""
     loading = asyncio.create_task(load_tools(cfg, out.log))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
-    if not loading.done():                 # a signal while connecting: nothing to finish
+    if not loading.done():
         loading.cancel()
         await asyncio.gather(loading, return_exceptions=True)
-        out.log("stopped before serving")
-        return 0
+        return None
     tools, _ = loading.result()
     try:
         store = Store.open(cfg.database)
@@ -7826,27 +7955,17 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
         await close_tools(tools)
         store.close()
         raise
-    out.log(f"serving session {sanitize(cfg.session)} with database {sanitize(cfg.database)}")
-    writer = LineWriter(stdout, lambda: loop.call_soon_threadsafe(stop.set))
-    host = HostServer(proxy, writer.write)
-    lines = LineReader(stdin, loop)
+    return tools, store, proxy
 
-    async def feed() -> None:
-        while (line := await lines.next()) is not None:
-            if line.strip():
-                host.handle(line)
-        stop.set()
-    reader = asyncio.create_task(feed())
+
+async def _first_of(*events: asyncio.Event) -> None:
+    """Wait until one of the events is set."""
+    waits = [asyncio.create_task(e.wait()) for e in events]
     try:
-        await stop.wait()
-        await host.shutdown()
-        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        reader.cancel()
-        await close_tools(tools)
-        proxy.close()
-        store.close()
-    return 0
+        for w in waits:
+            w.cancel()
 
 
 class LineWriter:

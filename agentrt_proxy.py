@@ -193,6 +193,10 @@ class SchemaError(ProxyError, ValueError):
     """A schema we refuse to load, or arguments that do not match one."""
 
 
+class PatternTooCostly(SchemaError):
+    """A string that would cost more than a pattern may spend to match it."""
+
+
 class CheckTooCostly(SchemaError):
     """Checking arguments against a schema spent the call's budget: a refusal, like any
     mismatch. ``at`` is the schema location it ran out in (filled in as the error passes
@@ -664,10 +668,13 @@ def check_json(raw: bytes) -> None:
     parse_json(raw)
 
 
-def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH) -> dict[str, bytes]:
+def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH,
+                 parsed: bool = False) -> dict[str, bytes]:
     """The exact bytes of each member value of a top-level object, so that a record can hand
-    back what was written into it byte for byte, never a re-serialisation."""
-    if not isinstance(parse_json(raw, strict=False, max_depth=max_depth, bounds=False), dict):
+    back what was written into it byte for byte, never a re-serialisation. ``parsed``: the
+    caller has just parsed ``raw`` as an object, so it is not parsed again."""
+    if not parsed and not isinstance(parse_json(raw, strict=False, max_depth=max_depth,
+                                                bounds=False), dict):
         raise JSONError("not valid JSON: expected an object", raw, 0)
     text = raw.decode("utf-8")
     p = _Parser(raw, text, strict=False)
@@ -681,12 +688,39 @@ def _spans(p: _Parser, pos: int) -> dict[str, tuple[int, int]]:
     while text[pos] != "}":
         pos, key = p.string(pos + 1)
         start = p.skip_ws(p.skip_ws(pos) + 1)
-        pos, _ = p.value(start)
+        pos = _value_end(text, start)
         spans[key] = (start, pos)
         pos = p.skip_ws(pos)
         if text[pos] == ",":
             pos = p.skip_ws(pos + 1)
     return spans
+
+
+# Finding where a value already parsed ends, without parsing it again: strings (whose
+# brackets do not count) and brackets, by regular expressions that cannot backtrack.
+_STRING_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{\]}]', re.DOTALL)
+_SCALAR_TOKEN = re.compile(r"[^\s,\]}]*")
+
+
+def _value_end(text: str, pos: int) -> int:
+    """Where the value at ``pos`` of a document the parser accepted ends."""
+    ch = text[pos]
+    if ch == '"':
+        return _STRING_TOKEN.match(text, pos).end()
+    if ch not in "[{":
+        return _SCALAR_TOKEN.match(text, pos).end()
+    depth = 0
+    for m in _BRACKET_TOKENS.finditer(text, pos):
+        tok = m.group()
+        if tok in ("[", "{"):
+            depth += 1
+        elif tok in ("]", "}"):
+            depth -= 1
+            if depth == 0:
+                return m.end()
+    raise JSONError("not valid JSON: unterminated value", text.encode("utf-8", "surrogatepass"),
+                    len(text))
 
 
 # ==== 4. Canonical JSON and request keys ====
@@ -1035,6 +1069,10 @@ MAX_PATTERN_REPEAT = 1000            # the largest count in {n}, {n,} or {n,m}
 MAX_PATTERN_NESTING = 64             # groups inside groups
 MAX_PATTERN_PROGRAM = 4000           # instructions in one compiled pattern
 MAX_PATTERN_WORK = 10_000_000        # instruction visits (a few seconds) to match one string
+# Matching is charged to the call's budget too (MAX_SCHEMA_EVALUATIONS): one evaluation for
+# this many instruction visits, about what an evaluation costs, so that many strings, each
+# cheap enough alone, cannot add up to seconds either.
+PATTERN_VISITS_PER_EVALUATION = 4
 PATTERN_MEMO_STEPS = 10_000          # memoised steps kept per pattern before the memo empties
 PATTERN_MEMO_STATES = 100_000        # instructions held in memoised states, likewise
 MAX_CODE_POINT = 0x10FFFF
@@ -1422,17 +1460,22 @@ class Pattern:
     def search(self, s: str) -> bool:
         """Whether the pattern matches somewhere in ``s``. A string that would take more
         than MAX_PATTERN_WORK instruction visits is refused with SchemaError."""
-        work = [0]
+        return self.search_costed(s, MAX_PATTERN_WORK)[0]
+
+    def search_costed(self, s: str, limit: int) -> tuple[bool, int]:
+        """Whether the pattern matches somewhere in ``s``, and the instruction visits that
+        took; past ``limit`` visits, PatternTooCostly."""
+        work = [0, limit]
         state = self._closure((0,), self._context(s, 0), work)
         for i, ch in enumerate(s):
             if self._match in state:
-                return True
+                return True, work[0]
             ctx = self._context(s, i + 1)
             nxt = self._memo.get((state, ch, ctx))
             if nxt is None:
                 nxt = self._step(state, ch, ctx, work)
             state = nxt
-        return self._match in state
+        return self._match in state, work[0]
 
     def _context(self, s: str, i: int) -> int:
         ctx = (_AT_START if i == 0 else 0) | (_AT_END if i == len(s) else 0)
@@ -1474,9 +1517,9 @@ class Pattern:
             else:
                 out.append(pc)
         work[0] += len(seen) + 1
-        if work[0] > MAX_PATTERN_WORK:
-            raise SchemaError(f"the string is too costly to match against pattern "
-                              f"{_quote(self.text)}")
+        if work[0] > work[1]:
+            raise PatternTooCostly(f"the string is too costly to match against pattern "
+                                   f"{_quote(self.text)}")
         return frozenset(out)
 
 
@@ -1799,14 +1842,21 @@ class Schema:
         return found
 
     def _found(self, pattern: str, text: str, path: list, errors: list) -> bool:
-        """Whether ``pattern`` (compiled at load) matches in ``text``. A string too costly
-        to match is a failure recorded here, and counts as found so nothing else is
-        reported for it: it is refused, never let through as unmatched."""
+        """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
+        to the call's budget. A string too costly to match alone is a failure recorded here,
+        and counts as found so nothing else is reported for it: it is refused, never let
+        through as unmatched. One that would spend what is left of the budget spends it."""
+        left = max(0, self._left) * PATTERN_VISITS_PER_EVALUATION
         try:
-            return self._regex(pattern, "pattern").search(text)
-        except SchemaError as exc:
+            found, work = self._regex(pattern, "pattern").search_costed(
+                text, min(MAX_PATTERN_WORK, left))
+        except PatternTooCostly as exc:
+            if left < MAX_PATTERN_WORK:
+                raise CheckTooCostly(None, _pointer(path)) from None
             _fail(errors, path, str(exc))
             return True
+        self._spend(work // PATTERN_VISITS_PER_EVALUATION, path)
+        return found
 
     def _resolve(self, ref: str) -> tuple:
         """The location a local reference names (RFC 6901 within this document).
@@ -4262,6 +4312,9 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
 # ``params.arguments`` and an upstream's ``result`` are judged later, strictly, as sent.
 
 MAX_FRAME = 16 * 1024 * 1024          # one message, on stdio or in an HTTP body
+# A message or arguments longer than this are parsed and judged on a worker thread: that
+# work is linear in their size, and the event loop goes on answering meanwhile.
+OFFLOAD_BYTES = 64 * 1024
 READ_CHUNK = 64 * 1024                 # bytes read from the host's input at a time
 WRITE_DRAIN = 5.0                      # seconds at exit for answers still being written
 # A message is read deeper than the gate accepts, so that arguments or content nested past
@@ -4302,6 +4355,17 @@ class Message:
         span = (self.params_spans if in_params else self.spans).get(name)
         return None if span is None else \
             self.text[span[0]:span[1]].encode("utf-8", "surrogateescape")
+
+    def inner_spans(self, name: str) -> dict[str, bytes]:
+        """The bytes of each member of the top-level member ``name``, an object, found
+        without parsing it again; a byte that was not UTF-8 reads as U+FFFD."""
+        span = self.spans.get(name)
+        if span is None or self.text[span[0]:span[0] + 1] != "{":
+            return {}
+        p = _Parser(b"", self.text, strict=False)
+        return {k: self.text[a:b].encode("utf-8", "surrogateescape").decode(
+                    "utf-8", "replace").encode("utf-8")
+                for k, (a, b) in _spans(p, span[0]).items()}
 
     @property
     def method(self) -> str | None:
@@ -4641,7 +4705,7 @@ def _array_items(raw: bytes) -> list[bytes]:
     p = _Parser(raw, text, strict=False)
     pos, items = p.skip_ws(p.skip_ws(0) + 1), []
     while pos < len(text) and text[pos] != "]":
-        end, _ = p.value(pos)
+        end = _value_end(text, pos)
         items.append(text[pos:end].encode("utf-8"))
         pos = p.skip_ws(end)
         if text[pos] == ",":
@@ -4722,7 +4786,8 @@ class StdioUpstream(Upstream):
                 if not line.strip():
                     continue
                 try:
-                    msg = parse_message(line, UPSTREAM_DEPTH)
+                    msg = parse_message(line, UPSTREAM_DEPTH) if len(line) <= OFFLOAD_BYTES \
+                        else await asyncio.to_thread(parse_message, line, UPSTREAM_DEPTH)
                 except (JSONError, ProtocolError) as exc:
                     reason = f"the server sent a line that is not JSON-RPC: {exc}"
                     break
@@ -5256,6 +5321,9 @@ def _read_capped(resp: http.client.HTTPResponse) -> bytes:
 MAX_CONTENT_BYTES = MAX_RESULT_BYTES
 TRUNCATION_MARKER = "\n[truncated]"
 STRUCTURED_DROPPED = "[structured content dropped: too large]"
+# Structured content written in more bytes than this cannot encode within the cap (whitespace
+# aside), so it is dropped for the text without being parsed.
+STRUCTURED_READ_LIMIT = 4 * MAX_CONTENT_BYTES
 _PLACEHOLDERS = {"image": "[image omitted]", "audio": "[audio omitted]",
                  "resource_link": "[resource link omitted]",
                  "resource": "[embedded resource omitted]"}
@@ -5458,28 +5526,29 @@ class UpstreamTool:
         except (ProxyError, OSError) as exc:
             raise ToolFailure(f"mcp: server {_quote(self.server)}: tool {_quote(self.remote)}: "
                               f"{sanitize(str(exc))}") from None
-        return map_result(self, reply)
+        if len(reply.text) <= OFFLOAD_BYTES:
+            return map_result(self, reply)
+        return await asyncio.to_thread(map_result, self, reply)
 
 
 def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     """The server's structured content when it sent some and it fits, else its text blocks
     joined (other content as placeholders), capped with a marker. isError is a failure
     whose text is what the model is told."""
-    raw = reply.raw("result") or b"{}"
-    raw = raw.decode("utf-8", "replace").encode("utf-8")  # a bad byte reads as U+FFFD
-    try:
-        result = parse_json(raw, strict=False, max_depth=UPSTREAM_DEPTH, bounds=False)
-        spans = member_spans(raw, UPSTREAM_DEPTH) if isinstance(result, dict) else {}
-    except JSONError as exc:
-        raise ToolFailure(f"mcp: server {_quote(tool.server)}: tool {_quote(tool.remote)}: "
-                          f"the result is not JSON: {exc}") from None
+    # The message was parsed as it was read: its result is used as parsed (a bad byte in a
+    # string reads as U+FFFD where text is taken from it), and only the structured content
+    # is read again, from its own bytes, when it may fit.
+    result = reply.doc.get("result")
     if not isinstance(result, dict):
         result = {}
+    spans = reply.inner_spans("result") if result else {}
     if result.get("resultType") == "input_required":
         raise ToolFailure(f"{tool.spec.name}: the server asked for more input, which this "
                           "proxy does not support")
     cap, content, dropped = tool.max_content, None, 0
     structured = spans.get("structuredContent")
+    if structured is not None and len(structured) > STRUCTURED_READ_LIMIT:
+        dropped, structured = len(structured), None      # far past the cap: never parsed
     if structured is not None and structured.strip(JSON_WS) != b"null":
         try:
             out: list[str] = []
@@ -6767,6 +6836,7 @@ class Proxy:
         self.limits = Limits(CALL_MAX_STEPS, CALL_MAX_FAILURES, CALL_LOOP_THRESHOLD,
                              cfg.approval_ttl, cfg.grant_ttl)
         self.stopping = asyncio.Event()
+        self._decide_lock: asyncio.Lock | None = None
 
     def close(self) -> None:
         self.gate.close()
@@ -6803,16 +6873,17 @@ class Proxy:
 
     async def call(self, name: str, args: bytes, progress: Callable[[float, float], None]
                    | None = None, cancelled: asyncio.Event | None = None) -> dict:
-        """One tools/call. Rules first (atomic: no await while deciding), then at most one
+        """One tools/call. Rules first (atomic: one call decides at a time), then at most one
         hold for an approval, then at most one execution."""
         if name == self.cfg.status_tool:
             return self.status(args)
-        args = host_arguments(args)
-        tool, key = self.tools[name], request_key(name, args)
+        tool = self.tools[name]
+        args, key = await self._offload(len(args), _keyed_arguments, name, args)
         held = False
         for _ in range(MAX_RETRIES + 1):
             try:
-                action = self.decide(tool, key, args)
+                async with self._deciding():
+                    action = await self._offload(len(args), self.decide, tool, key, args)
             except ProxyError as exc:       # a record that cannot be read, or written
                 self.log(f"error: {sanitize(str(exc))}")
                 return unavailable("read its records")
@@ -6828,6 +6899,21 @@ class Proxy:
             if isinstance(action, Answer):
                 return action.result
         return in_progress()
+
+    def _deciding(self) -> asyncio.Lock:
+        """The lock under which a call reads the index and the runs and begins or collects
+        what it decides: one call at a time in this process (made in the running loop)."""
+        if self._decide_lock is None:
+            self._decide_lock = asyncio.Lock()
+        return self._decide_lock
+
+    async def _offload(self, size: int, work: Callable, *args: Any) -> Any:
+        """Run ``work`` here, or, for arguments past OFFLOAD_BYTES, on a worker thread: the
+        parsing and checking it does cost in proportion to their size, and the event loop
+        goes on answering the host (ping, other calls' answers, progress) meanwhile."""
+        if size <= OFFLOAD_BYTES:
+            return work(*args)
+        return await asyncio.to_thread(work, *args)
 
     def decide(self, tool: "UpstreamTool", key: str | None, args: bytes):
         """The rules, in order. Returns an Answer, a Pending approval, an Execute, or Retry."""
@@ -7217,7 +7303,8 @@ class Proxy:
             ended = unknown_ending(tool, obs)
             if ended is not None:
                 try:
-                    return self.rerun(session, tool, ended, obs)
+                    async with self._deciding():     # it proposes, as a decision does
+                        return self.rerun(session, tool, ended, obs)
                 except ProxyError as exc:
                     # The run is let go of: the next call to this tool takes it over and
                     # asks an operator, so nothing runs again unseen.
@@ -7349,6 +7436,11 @@ class Proxy:
         return items
 
 
+def _keyed_arguments(name: str, raw: bytes) -> tuple[bytes, str | None]:
+    args = host_arguments(raw)
+    return args, request_key(name, args)
+
+
 def host_arguments(raw: bytes) -> bytes:
     """The arguments as the gate records them, sends them, and shows them to an operator:
     the proxy's own encoding of what the host sent (section 4). Nothing the host wrote
@@ -7478,6 +7570,9 @@ def result_text(obs: dict) -> str:
 # the requests that need the tools wait, in the order they came, until loading ends.
 
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
+MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input waits
+MAX_OUTPUT_BACKLOG = 4096              # answers queued for the host before its input waits
+BACKPRESSURE_POLL = 0.01
 NEEDS_TOOLS = ("tools/list", "tools/call")
 # Requests held while loading, and their text together. A host that floods the proxy before
 # it serves gets an error for each one past these, not memory without bound.
@@ -7528,7 +7623,7 @@ class HostServer:
     async def serve(self, lines: "AsyncIterator[bytes]") -> None:
         async for line in lines:
             if line.strip():
-                self.handle(line)
+                await self.take(line)
         await self.shutdown()
 
     async def shutdown(self) -> None:
@@ -7543,17 +7638,41 @@ class HostServer:
     def handle(self, line: bytes) -> None:
         """Answer one line from the host. Nothing in it can stop serving: whatever goes wrong
         is answered as an error (when there is a request to answer) and logged."""
+        msg = self.read(line)
+        if msg is not None:
+            self.dispatch(msg)
+
+    async def take(self, line: bytes) -> None:
+        """handle(), with a long line parsed on a worker thread so that the event loop goes
+        on meanwhile; lines are still taken in order (the next is read once this one is
+        routed)."""
+        if len(line) <= OFFLOAD_BYTES:
+            self.handle(line)
+            return
+        msg = await asyncio.to_thread(self.read, line)
+        if msg is not None:
+            self.dispatch(msg)
+
+    def read(self, line: bytes) -> Message | None:
+        """The message on a line, or None when it was answered as not one."""
         if len(line) > MAX_FRAME:        # cut by the reader: not parsed at all
             self.write(rpc_error(None, PARSE_ERROR, f"a message longer than {MAX_FRAME} "
                                                     "bytes is not read"))
-            return
+            return None
         try:
             msg = parse_message(line)
             _check_envelope(msg)
         except (JSONError, ProtocolError) as exc:
             self.write(rpc_error(None, error_code(exc), str(exc)))
-            return
-        self.dispatch(msg)
+            return None
+        return msg
+
+    async def room(self, backlog: Callable[[], int]) -> None:
+        """Wait, before reading more of the host's input, while too many calls are in flight
+        or too many answers wait for a host that is not reading them: a host cannot make the
+        proxy hold without bound what it asked for."""
+        while len(self.inflight) >= MAX_INFLIGHT_CALLS or backlog() > MAX_OUTPUT_BACKLOG:
+            await asyncio.sleep(BACKPRESSURE_POLL)
 
     def dispatch(self, msg: Message) -> None:
         try:
@@ -7899,7 +8018,8 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     async def feed() -> None:
         while (line := await lines.next()) is not None:
             if line.strip():
-                host.handle(line)
+                await host.take(line)
+            await host.room(writer.queue.qsize)
         ended.set()
     reader = asyncio.create_task(feed())
     try:

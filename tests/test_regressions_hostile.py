@@ -383,3 +383,34 @@ def test_verify_reports_an_event_whose_fields_are_not_text(tmp_path, cli):
     code, out, err = cli("-db", h.cfg.database, "verify")
     assert code == 1 and "Traceback" not in err, out + err
     assert "\x1b" not in out + err
+
+
+# -- the parser: a string that never ends fails at once ----------------------------------------------
+
+@pytest.mark.parametrize("body", [b"A" * 26, b"A" * 100_000, b"a\\n" * 50_000, b"\\u0041" * 20_000])
+def test_an_unterminated_string_is_refused_in_linear_time(body):
+    began = ap.time.perf_counter()
+    with pytest.raises(ap.JSONError):
+        ap.parse_json(b'{"s":"' + body)
+    with pytest.raises(ap.JSONError):
+        ap.parse_message(b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"s":"' + body)
+    assert ap.time.perf_counter() - began < 1.0
+
+
+def test_the_host_input_waits_while_answers_are_not_read(tmp_path):
+    h = ProxyHarness(tmp_path)
+    backlog = [ap.MAX_OUTPUT_BACKLOG + 1]
+    try:
+        async def drain_later():
+            await ap.asyncio.sleep(0.2)
+            backlog[0] = 0
+        async def scenario():
+            drainer = ap.asyncio.ensure_future(drain_later())
+            began = ap.time.monotonic()
+            await h.host.room(lambda: backlog[0])
+            waited = ap.time.monotonic() - began
+            await drainer
+            return waited
+        assert h.run(scenario()) >= 0.15
+    finally:
+        h.close()

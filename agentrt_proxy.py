@@ -2292,6 +2292,10 @@ def fmt_duration(seconds: float) -> str:
     return out
 
 
+SPEC_CACHE_SIZE = 1024                # tool specs whose canonical form is kept
+LIMITS_CACHE_SIZE = 64                # limits records whose parse is kept
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolSpec:
     """What a tool is. Its canonical JSON is hashed into every approval for it."""
@@ -2312,10 +2316,18 @@ class ToolSpec:
         return doc
 
     def canonical(self) -> bytes:
-        return encode_canonical(self.as_value())
+        """Its canonical JSON, worked out once per spec: every run and step names it."""
+        found = _SPEC_FORMS.get(self)
+        if found is None:
+            if len(_SPEC_FORMS) >= SPEC_CACHE_SIZE:
+                _SPEC_FORMS.clear()
+            canon = encode_canonical(self.as_value())
+            found = _SPEC_FORMS[self] = (canon, sha256_hex(canon))
+        return found[0]
 
     def hash(self) -> str:
-        return sha256_hex(self.canonical())
+        self.canonical()
+        return _SPEC_FORMS[self][1]
 
     @classmethod
     def from_json(cls, raw: bytes) -> "ToolSpec":
@@ -2323,6 +2335,9 @@ class ToolSpec:
         return cls(doc["name"], doc["description"], encode_canonical(doc["input_schema"]),
                    doc["side_effect"], int(doc["timeout"].text) / NANOS,
                    doc.get("terminal", False))
+
+
+_SPEC_FORMS: dict[ToolSpec, tuple[bytes, str]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2396,10 +2411,18 @@ class Limits:
 
     @classmethod
     def from_record(cls, text: str) -> "Limits":
-        d = loads_own(text)
-        return cls(d["max_steps"], d["max_consecutive_tool_failures"], d["loop_threshold"],
-                   parse_duration(d.get("approval_ttl", "0s")),
-                   parse_duration(d.get("grant_ttl", "0s")))
+        """The limits a run records (read once per text: every run of a proxy has the
+        same, and every read of a run reads them)."""
+        found = _LIMITS_READ.get(text)
+        if found is None:
+            d = loads_own(text)
+            found = cls(d["max_steps"], d["max_consecutive_tool_failures"], d["loop_threshold"],
+                        parse_duration(d.get("approval_ttl", "0s")),
+                        parse_duration(d.get("grant_ttl", "0s")))
+            if len(_LIMITS_READ) >= LIMITS_CACHE_SIZE:
+                _LIMITS_READ.clear()
+            _LIMITS_READ[text] = found
+        return found
 
     def validate(self) -> None:
         for name in ("max_steps", "max_consecutive_tool_failures", "loop_threshold"):
@@ -2407,6 +2430,9 @@ class Limits:
                 raise ValueError(f"limits: {name} must be positive")
         if self.approval_ttl < 0 or self.grant_ttl < 0:
             raise ValueError("limits: a TTL cannot be negative")
+
+
+_LIMITS_READ: dict[str, "Limits"] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2629,9 +2655,10 @@ def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str
 class Tx:
     """One open write transaction: compare-and-set reads, writes, and chained events."""
 
-    def __init__(self, conn: sqlite3.Connection):
+    def __init__(self, conn: sqlite3.Connection, specs: set[str] | None = None):
         self.c = conn
         self._head: tuple[int, str] | None = None
+        self._specs = specs if specs is not None else set()
 
     def forget_head(self) -> None:
         self._head = None
@@ -2700,10 +2727,11 @@ class Tx:
             raise RunStateError(f"step {step_id} is {row[0] if row else 'missing'}")
 
     def save_spec(self, spec: ToolSpec) -> str:
-        canon = spec.canonical()
-        digest = sha256_hex(canon)
-        self.c.execute("INSERT OR IGNORE INTO tool_specs (hash, spec_json) VALUES (?,?)",
-                       (digest, canon.decode()))
+        """Store a spec (unless the store knows it holds it already) and return its hash."""
+        digest = spec.hash()
+        if digest not in self._specs:
+            self.c.execute("INSERT OR IGNORE INTO tool_specs (hash, spec_json) VALUES (?,?)",
+                           (digest, spec.canonical().decode()))
         return digest
 
 
@@ -2748,6 +2776,7 @@ class Store:
 
     def __init__(self, path: str, *, create: bool = False, readonly: bool = False):
         self.path, self.readonly = path, readonly
+        self._specs: set[str] = set()           # hashes of specs known to be stored
         self._lock = threading.RLock()
         self._batch: Tx | None = None
         self._savepoints: list[str] = []
@@ -2842,7 +2871,7 @@ class Store:
                     yield tx
                 return
             with self._immediate():
-                yield Tx(self.conn)
+                yield Tx(self.conn, self._specs)
 
     @contextlib.contextmanager
     def _immediate(self):
@@ -2892,7 +2921,7 @@ class Store:
                 yield
                 return
             with self._immediate():
-                self._batch = Tx(self.conn)
+                self._batch = Tx(self.conn, self._specs)
                 try:
                     yield
                 finally:
@@ -2952,10 +2981,19 @@ class Store:
             raise NotFound(f"tool spec {digest} cannot be read") from None
 
     def ensure_spec(self, spec: ToolSpec) -> None:
-        """Store a tool spec unless it is stored already (a read first: no needless commit)."""
-        if not self._read("SELECT 1 FROM tool_specs WHERE hash=?", (spec.hash(),)):
-            with self.tx() as tx:
-                tx.save_spec(spec)
+        """Store a tool spec unless it is stored already (a read first: no needless commit).
+        Once it is known to be stored, later transactions do not write it again: a spec is
+        never deleted."""
+        digest = spec.hash()
+        if digest in self._specs:
+            return
+        if self._read("SELECT 1 FROM tool_specs WHERE hash=?", (digest,)):
+            self._specs.add(digest)
+            return
+        with self.tx() as tx:
+            tx.save_spec(spec)
+        if self._batch is None:            # committed; inside a batch it may yet roll back
+            self._specs.add(digest)
 
     def list_events(self, run_id: str, limit: int = -1, offset: int = 0) -> list[tuple]:
         """(seq, run_id, step_id, at, type, payload_json, hash) in seq order."""
@@ -3301,6 +3339,9 @@ class Gate:
         self.policy_id = check_policy_id(getattr(policy, "policy_id", "") or "")
         self.leases = Leases(store.path, self.owner, self.lease_ttl, wall)
         self._claimed: set[str] = set()
+        if not store.readonly:      # once stored, a run's or step's spec is not written again
+            for tool in self.tools.values():
+                store.ensure_spec(tool.spec)
         self._claim_lock = threading.Lock()
 
     def now(self) -> str:
@@ -3586,6 +3627,8 @@ class Session:
         self._started: ToolRequest | None = None
         self.state = "open"            # open, paused, ended, lost, closed
         self.final: Run | None = None
+        # Called with the observation inside the transaction that records a tool's outcome.
+        self.on_recorded: Callable[[dict], None] | None = None
 
     # -- the step cycle --
 
@@ -3946,17 +3989,20 @@ class Session:
         finished.update({"content_hash": obs[2], "summary": doc["summary"]} if ok
                         else {"error": doc["summary"]})
         try:
-            if ok and spec.terminal:
-                self._settle(step, ("executing",), "done", obs, COMPLETED, "goal_completed",
-                             f"terminal tool {spec.name}", _content_bytes(obs[1]).decode(),
-                             finished_event=finished)
-            else:
-                now = self.gate.now()
-                with self.store.tx() as tx:
-                    tx.require(self.run_id, (RUNNING,), self.gate.owner)
-                    self._end_step(tx, step, ("executing",), "done" if ok else "failed", obs,
-                                   now, finished_event=finished)
-                self.current = None
+            with self.store.batch():        # the outcome, and the caller's own write with it
+                if ok and spec.terminal:
+                    self._settle(step, ("executing",), "done", obs, COMPLETED,
+                                 "goal_completed", f"terminal tool {spec.name}",
+                                 _content_bytes(obs[1]).decode(), finished_event=finished)
+                else:
+                    now = self.gate.now()
+                    with self.store.tx() as tx:
+                        tx.require(self.run_id, (RUNNING,), self.gate.owner)
+                        self._end_step(tx, step, ("executing",), "done" if ok else "failed",
+                                       obs, now, finished_event=finished)
+                    self.current = None
+                if self.on_recorded is not None:
+                    self.on_recorded(doc)
         except RunStateError:
             self._late(doc, obs, finished)
         return doc
@@ -6748,6 +6794,13 @@ class CallIndex:
                     (now, outcome, row.id, UNSEEN))
         row.outcome = outcome
 
+    def settle_run(self, run_id: str, outcome: int, now: float) -> None:
+        """Cache what a run just came to, by its run id, in the caller's transaction (once:
+        only while its row is unseen)."""
+        with self.store.tx() as tx:
+            tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE run_id=? AND "
+                    "outcome=?", (now, outcome, run_id, UNSEEN))
+
     def settle_empty(self, row: CallRow, now: float) -> None:
         """A row whose run never began: nothing started (checked in the same statement)."""
         with self.store.tx() as tx:
@@ -7274,6 +7327,14 @@ class Proxy:
         recorded. An outcome that may have taken effect unseen is asked about at once."""
         session, tool = action.session, action.tool
         run_id = session.run_id
+        settled = []
+
+        def settle_known(obs: dict) -> None:
+            """A result completes the run: its index row is settled in the same commit."""
+            if obs.get("kind") == TOOL_RESULT and session.state == "ended":
+                self.index.settle_run(run_id, KNOWN, self.clock())
+                settled.append(True)
+        session.on_recorded = settle_known
         try:
             if session._started is None:
                 session.start()
@@ -7319,7 +7380,8 @@ class Proxy:
             self.finish(session, CLOSE_TOOL_ERROR)
         else:
             session.close()
-        self.settle_run(run_id)
+        if not settled:
+            self.settle_run(run_id)
         return result_of(obs)
 
     def late_answer(self, tool, obs: dict) -> dict:

@@ -87,6 +87,14 @@ INDEX_QUERIES = [
     ("recent settled", "SELECT * FROM proxy_calls WHERE session=? AND settled_at>=? "
      "ORDER BY settled_at DESC LIMIT ?", ("s", 1.0, 200)),
     ("by run", "SELECT * FROM proxy_calls WHERE run_id=?", ("r",)),
+    ("settle by run", "UPDATE proxy_calls SET settled_at=?, outcome=? WHERE run_id=? AND "
+     "outcome=?", (1.0, 2, "r", 0)),
+    ("settle a row", "UPDATE proxy_calls SET settled_at=CASE WHEN settled_at=0 THEN ? ELSE "
+     "settled_at END, outcome=? WHERE id=? AND outcome=?", (1.0, 2, 5, 0)),
+    ("claim's check", "SELECT id FROM proxy_calls WHERE session=? AND request_key=? AND "
+     "open=1", ("s", "k")),
+    ("close a row", "UPDATE proxy_calls SET open=0, closed_at=? WHERE id=? AND open=1",
+     (1.0, 5)),
     ("unknown for a tool", "SELECT * FROM proxy_calls WHERE session=? AND tool=? AND "
      "request_key!=? AND outcome IN (?,?) AND id=(SELECT MAX(q.id) FROM proxy_calls q WHERE "
      "q.session=proxy_calls.session AND q.request_key=proxy_calls.request_key AND "
@@ -124,5 +132,6 @@ def test_the_index_queries_are_the_ones_the_module_runs():
     for fragment in ("open=1\"", "open=0 ORDER BY id DESC LIMIT ?", "id<? \"",
                      "settled_at=0 ORDER BY id\"", "settled_at=0 ORDER BY id DESC LIMIT ?",
                      "settled_at>=? ORDER BY settled_at DESC LIMIT ?", "\"run_id=?\"",
-                     "q.outcome!=?) ORDER BY id\""):
+                     "q.outcome!=?) ORDER BY id\"", "WHERE run_id=? AND \"",
+                     "outcome=? WHERE id=? AND outcome=?\"", "WHERE id=? AND open=1\""):
         assert fragment in source, fragment

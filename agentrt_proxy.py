@@ -37,18 +37,19 @@ Trust boundaries
 
 Sections, in dependency order
 -----------------------------
- 1. Constants and limits          13. JSON-RPC framing
- 2. Errors                        14. Upstream client (stdio, streamable HTTP)
- 3. Strict JSON                   15. Pinning and loading upstream tools
- 4. Canonical JSON, request keys  16. Configuration
- 5. Sanitising                    17. The proxy: one run per call, its answers
- 6. Schema validation             18. The rules across calls: the call index
- 7. Time and records              19. Deciding a call
- 8. Policy                        20. The host-facing server
- 9. The store                     21. Serving, pinning and checking
-10. The gate                      22. Re-checking recorded calls
-11. A run's session               23. Operator commands
-12. Operator decisions            24. main
+ 1. Constants and limits                14. JSON-RPC framing
+ 2. Errors                              15. Upstream client (stdio)
+ 3. Strict JSON                         16. Upstream client (streamable HTTP)
+ 4. Canonical JSON, request keys        17. Pinning and loading upstream tools
+ 5. Sanitising                          18. Configuration
+ 6. Schema patterns (ECMA-262, linear)  19. The proxy: one run per call, its answers
+ 7. Schema validation                   20. The rules across calls: the call index
+ 8. Time and records                    21. Deciding a call
+ 9. Policy                              22. The host-facing server
+10. The store                           23. Serving, pinning and checking
+11. The gate                            24. Re-checking recorded calls
+12. A run's session                     25. Operator commands
+13. Operator decisions                  26. main
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Itera
 
 # Imported where first used, so that importing the module and serving stdio servers do not
 # pay for them: http.client (with the email package it loads) only for a server reached
-# over HTTP (section 14, _http_client), fractions only for Num.exact (section 3).
+# over HTTP (section 15, _http_client), fractions only for Num.exact (section 3).
 if TYPE_CHECKING:
     import http.client
     from fractions import Fraction
@@ -115,7 +116,7 @@ MAX_POLICY_ID_BYTES = 256            # a policy identity
 MAX_SCHEMA_ERRORS = 8                # schema failures listed in one message
 MAX_SCHEMA_CHAIN = 64                # $refs and combinators applying to one value, in a row
 MAX_SCHEMA_FAN_OUT = 10_000          # subschemas one value may be checked against, through them
-MAX_SCHEMA_EVALUATIONS = 300_000     # what checking one call's arguments may spend (see 6.)
+MAX_SCHEMA_EVALUATIONS = 300_000     # what checking one call's arguments may spend (see 7.)
 MAX_MULTIPLE_OF_DIGITS = 64          # significant digits of a schema's multipleOf
 DIGITS_PER_EVALUATION = 100          # a multipleOf check of a long number costs one more per
 LEVELS_PER_EVALUATION = 32           # an evaluation this deep in the value costs one more
@@ -1051,13 +1052,7 @@ def clean(text: str | bytes, limit: int) -> str:
     return truncate(sanitize(text), limit)
 
 
-# ==== 6. Schema validation ====
-# A small JSON Schema validator (draft-07 and 2020-12 keywords real servers use). A schema is
-# compiled when its tool loads: a keyword we do not implement, a reference outside the
-# document, or a malformed keyword refuses the tool then, so nothing is ever passed silently.
-# Validation errors name the JSON pointer of the failing value.
-
-# -- Patterns: an ECMA-262 matcher that never backtracks --
+# ==== 6. Schema patterns: an ECMA-262 matcher that never backtracks ====
 # `pattern` and `patternProperties` are ECMA-262 regular expressions, and the model chooses
 # the strings they are matched against. A backtracking matcher (Python's re) takes time
 # exponential in the input for patterns like ^(\w+\s?)*$ and cannot be interrupted, so one
@@ -1532,7 +1527,12 @@ def _holds(kind: str, ctx: int) -> bool:
     return boundary if kind == "b" else not boundary
 
 
-# -- Schemas --
+# ==== 7. Schema validation ====
+# A small JSON Schema validator (draft-07 and 2020-12 keywords real servers use). A schema is
+# compiled when its tool loads: a keyword we do not implement, a reference outside the
+# document, or a malformed keyword refuses the tool then, so nothing is ever passed silently.
+# Validation errors name the JSON pointer of the failing value. What checking one call may
+# cost is bounded: a schema's fan-out when it loads, a budget of evaluations per call.
 
 _ANNOTATIONS = frozenset({
     "$schema", "$comment", "title", "description", "default", "examples", "format",
@@ -2241,7 +2241,7 @@ def compile_schema(raw: bytes) -> Schema:
     return Schema(raw)
 
 
-# ==== 7. Time and records ====
+# ==== 8. Time and records ====
 # Every timestamp is stored as RFC 3339 UTC text with microseconds, fixed width, so it sorts.
 # Durations are written as the configuration writes them: 15s, 10m, 1h30m, 300ms, 0s.
 # Records are small frozen dataclasses read from, and written to, the store.
@@ -2516,7 +2516,7 @@ class RunView:
     approvals: list[Approval]
 
 
-# ==== 8. Policy ====
+# ==== 9. Policy ====
 # A policy maps a request and a view of its run to allow, require_approval, deny or abort.
 # The default decides by the tool's side-effect class alone.
 
@@ -2552,7 +2552,7 @@ def check_policy_id(pid: str) -> str:
     return pid
 
 
-# ==== 9. The store ====
+# ==== 10. The store ====
 # One SQLite file. Every state change is one BEGIN IMMEDIATE transaction holding the row
 # writes and their audit events; events form a SHA-256 hash chain across all runs. Status
 # changes are compare-and-set inside the transaction, so two processes never both win.
@@ -3097,7 +3097,7 @@ def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:
         raise StoreError(f"{path}: journal mode is {mode}, not wal")
 
 
-# ==== 10. The gate ====
+# ==== 11. The gate ====
 # Record, validate, evaluate, pause, execute, record. A run is begun under a caller-chosen id
 # and leased to one executor at a time; the lease is renewed on its own thread so a crashed
 # executor's run can be taken over once its lease runs out. Nothing is executed that was not
@@ -3612,7 +3612,7 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
         raise ValueError(f"tool {_quote(spec.name)}: {exc}") from None
 
 
-# ==== 11. A run's session ====
+# ==== 12. A run's session ====
 # One executor's hold on one run: steps opened one at a time, each proposal recorded before
 # it is judged, each allowed request started (committed) before its tool is called, and each
 # outcome recorded with nothing but this executor's ownership of the lease required.
@@ -4255,7 +4255,7 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
     return None
 
 
-# ==== 12. Operator decisions ====
+# ==== 13. Operator decisions ====
 # Approve and reject bound to the hash of the approval the operator was shown; cancel; and
 # expiry. Each is one transaction with its events; none executes anything.
 
@@ -4352,7 +4352,7 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
     return run
 
 
-# ==== 13. JSON-RPC framing ====
+# ==== 14. JSON-RPC framing ====
 # Newline-delimited JSON-RPC 2.0 over bytes. A message is parsed leniently for routing (its
 # method, id and params), and the exact bytes of its members are kept: the host's
 # ``params.arguments`` and an upstream's ``result`` are judged later, strictly, as sent.
@@ -4497,8 +4497,9 @@ def error_code(exc: BaseException) -> int:
     return INTERNAL_ERROR
 
 
-# ==== 14. Upstream client ====
-# The proxy as an MCP client of each real server, over stdio or streamable HTTP. The era is
+# ==== 15. Upstream client (stdio) ====
+# The proxy as an MCP client of each real server: the protocol, and the stdio transport
+# (streamable HTTP is section 16). The era is
 # probed per server (server/discover, falling back to initialize on any error or timeout)
 # and kept for the connection. Requests a server sends the proxy are refused, its
 # notifications ignored. Every wait is bounded; nothing is read past MAX_FRAME.
@@ -4777,6 +4778,27 @@ def _annotations(ann: dict | None) -> dict | None:
     return out
 
 
+def _plain_int(value: Any, max_digits: int, signed: bool = False) -> int | None:
+    """The integer a plain literal of at most ``max_digits`` digits spells (a leading '-'
+    when ``signed``), else None. Nothing else is converted: 1.0, 1e0 and 1e20000000 are
+    no such literal, and an exact conversion of the last would freeze the event loop."""
+    if not isinstance(value, Num):
+        return None
+    digits = value.text[1:] if signed and value.text.startswith("-") else value.text
+    if not (0 < len(digits) <= max_digits and digits.isascii() and digits.isdigit()):
+        return None
+    return int(value.text)
+
+
+def _answer_id(value: Any) -> int | None:
+    """The id of an answer as one the proxy may have sent, else None."""
+    return _plain_int(value, MAX_ID_DIGITS)
+
+
+def _same_id(got: Any, want: int | None) -> bool:
+    return want is not None and _answer_id(got) == want
+
+
 class StdioUpstream(Upstream):
     """A server started as a child process: its own process group, a minimal environment,
     newline-delimited JSON-RPC, the last 4 KiB of its stderr kept for error messages."""
@@ -4916,6 +4938,11 @@ async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> None:
     while proc.returncode is None and time.monotonic() < deadline:
         await asyncio.sleep(EXIT_POLL)
 
+
+# ==== 16. Upstream client over streamable HTTP ====
+# http.client on worker threads of the server's own (at most HTTP_CONCURRENCY), every read
+# under the request's deadline, an answer taken only with its request's id; a request that
+# never left the proxy is NotSent; closing interrupts what is in flight.
 
 class HttpUpstream(Upstream):
     """A server at a streamable-HTTP endpoint, spoken to with http.client: JSON or SSE
@@ -5325,27 +5352,6 @@ def _peer_closed(conn: http.client.HTTPConnection) -> bool:
         return True
 
 
-def _plain_int(value: Any, max_digits: int, signed: bool = False) -> int | None:
-    """The integer a plain literal of at most ``max_digits`` digits spells (a leading '-'
-    when ``signed``), else None. Nothing else is converted: 1.0, 1e0 and 1e20000000 are
-    no such literal, and an exact conversion of the last would freeze the event loop."""
-    if not isinstance(value, Num):
-        return None
-    digits = value.text[1:] if signed and value.text.startswith("-") else value.text
-    if not (0 < len(digits) <= max_digits and digits.isascii() and digits.isdigit()):
-        return None
-    return int(value.text)
-
-
-def _answer_id(value: Any) -> int | None:
-    """The id of an answer as one the proxy may have sent, else None."""
-    return _plain_int(value, MAX_ID_DIGITS)
-
-
-def _same_id(got: Any, want: int | None) -> bool:
-    return want is not None and _answer_id(got) == want
-
-
 def _read_capped(resp: http.client.HTTPResponse) -> bytes:
     """A whole body, at most MAX_FRAME bytes; its socket's reads end at the deadline."""
     chunks, total = [], 0
@@ -5357,7 +5363,7 @@ def _read_capped(resp: http.client.HTTPResponse) -> bytes:
     return b"".join(chunks)
 
 
-# ==== 15. Pinning and loading upstream tools ====
+# ==== 17. Pinning and loading upstream tools ====
 # `pin` records what each server presents: every tool's description and canonical input
 # schema, hashed. Loading connects again and registers a tool only when it is pinned,
 # classified by the operator's rule, unchanged since the pin, not contradicted by the hints
@@ -5834,7 +5840,7 @@ def _restrict(schema: dict, hidden: list[str]) -> bytes:
     return encode_canonical(out)
 
 
-# ==== 16. Configuration ====
+# ==== 18. Configuration ====
 # One JSON file, read with the strict parser: a repeated key anywhere, an unknown field at any
 # level, or a value of the wrong type is refused with an error naming the field and the file.
 # It is read only when the current user owns it and nobody else can write it; so are the
@@ -6215,7 +6221,7 @@ def _parse_rule(doc: Any, where: str) -> Rule:
                 repeat_window=f.duration("repeat_window", None))
 
 
-# ==== 17. The proxy: one run per call ====
+# ==== 19. The proxy: one run per call ====
 # Each tools/call is a run of its own, `<session>.<16 hex>`, goal `call <tool>`, holding the
 # call's one step; every upstream tool is terminal, so a call that succeeds completes its run
 # in the transaction that records the result. A call that was denied, invalid or failed
@@ -6614,7 +6620,7 @@ def status_tool_entry(name: str) -> dict:
                 "additionalProperties": False}}
 
 
-# ==== 18. The rules across calls: the call index ====
+# ==== 20. The rules across calls: the call index ====
 # MCP gives a server no conversation, so each call is a run of its own; the rules that span
 # calls are the proxy's, kept in its own table, proxy_calls. A row says "a call with this
 # request key was given this run id"; it is written before its run begins, and what a call
@@ -6829,7 +6835,7 @@ class RunState:
         return self.approvals[-1] if self.approvals else None
 
 
-# ==== 19. Deciding a call ====
+# ==== 21. Deciding a call ====
 # The rules in the seed's order, then at most one hold for an approval and at most one
 # execution. What executes is always what the gate recorded.
 
@@ -7621,13 +7627,13 @@ def result_text(obs: dict) -> str:
     return content if isinstance(content, str) else dump_json(content)
 
 
-# ==== 20. The host-facing server ====
+# ==== 22. The host-facing server ====
 # The proxy as an MCP server on stdin and stdout, in both protocol eras: the legacy handshake
 # (initialize) and the stateless 2026-07-28 era (per-request _meta, server/discover). stdin is
 # read as bytes so each call's arguments reach the gate exactly as sent. Each call is its own
 # task; answers go out in any order. A host's cancel ends only a wait, never an upstream call
 # already running. On EOF or a signal: accept no new call, finish the ones in flight, exit.
-# While the servers are still loading (section 21) the handshake is answered at once, so the
+# While the servers are still loading (section 23) the handshake is answered at once, so the
 # host's start-up timeout runs against the proxy's own start and not its slowest server's;
 # the requests that need the tools wait, in the order they came, until loading ends.
 
@@ -7927,7 +7933,7 @@ def _id_key(raw: bytes | None) -> str:
         return raw.decode("utf-8", "replace")
 
 
-# ==== 21. Serving, pinning and checking ====
+# ==== 23. Serving, pinning and checking ====
 
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
@@ -8062,7 +8068,7 @@ async def cmd_check(cfg: Config, out: Out) -> int:
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     """Serve the host on stdin and stdout until EOF or a signal. The host is read from the
     start: the handshake is answered while the servers load, and the requests for tools
-    wait for loading (section 20). A signal during start-up ends it as cleanly as one while
+    wait for loading (section 22). A signal during start-up ends it as cleanly as one while
     serving; a failure to start answers each waiting request with an error, then fails as
     it would have before anything was read."""
     stop = asyncio.Event()
@@ -8241,7 +8247,7 @@ class LineReader:
         return await self.queue.get()
 
 
-# ==== 22. Re-checking recorded calls ====
+# ==== 24. Re-checking recorded calls ====
 # `recheck` rebuilds the policy today's configuration gives the proxy and hands it every
 # decision the proxy's policy recorded, rebuilt as it was handed then: the request (its
 # recorded spec, or with -current-tools the tool's spec as loaded now) and the view of its
@@ -8561,7 +8567,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     return 1 if differ else 0
 
 
-# ==== 23. Operator commands ====
+# ==== 25. Operator commands ====
 # runs, show, events, approve, reject, cancel, verify. Arguments are checked before the
 # database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
@@ -9171,7 +9177,7 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
-# ==== 24. main ====
+# ==== 26. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""

@@ -54,8 +54,20 @@ measured is the cost of an allowed read as the tables grow, not verification.
 
 Where the time of an allowed call goes
 --------------------------------------
-(placeholder: a profile summary of one allowed read-only call through the proxy, by phase,
-goes here)
+cProfile of 2,000 allowed read-only calls in-process (tests/test_rules_cost.py's instant
+upstream, a file database at synchronous=FULL, Python 3.11, 2-core VM): 1.26 ms a call
+without the profiler, divided as
+
+    deciding and starting the run (rules, claim, run, step, proposal, tool start: 1 commit)  0.76
+    running the tool and recording its outcome with its index row (1 commit)                 0.35
+    the host's arguments in the proxy's own encoding, and their request key                  0.02
+
+and across those phases: 54 SQLite statements a call, 0.53 ms with the two fsyncs; JSON
+parsing 0.12 ms; encoding records and frames 0.09 ms; the event chain 0.11 ms. Through the
+real process add reading and answering the host's frame and the upstream's (about 0.2 ms).
+What would win most next: fewer statements (the savepoints of a batch, the run read back
+after each change), one commit for a read, and one commit for the outcomes of calls that
+finish together.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ against the real module: a test here fails while its fault is present.
 3. The host's input does not wait: HostServer.room holds back the dispatching, but the
    LineReader thread goes on reading the host's lines into an unbounded queue, so a host
    that floods the proxy while it is busy makes it hold what it sent without bound.
+4. ToolSpec.hash is not safe on two threads: the cache it fills may be emptied by another
+   thread before it reads it back (KeyError).
 """
 
 from __future__ import annotations
@@ -181,3 +183,38 @@ def test_the_reader_does_not_read_the_host_ahead_without_bound(tmp_path):
         loop.close()
     assert sent < FLOOD_BYTES, f"the reader took all {sent} bytes ({queued} lines queued) " \
         "while nothing was dispatched: the host's input never waits"
+
+
+# ==== 4. a tool spec's hash, asked on two threads ==============================================
+
+HASH_TRIES = 3.0          # seconds of trying; the fault shows within a fraction of one
+
+
+def test_a_spec_hash_asked_on_two_threads_never_fails():
+    """ToolSpec.hash fills the cache, then reads it again: another thread that empties the
+    full cache in between (SPEC_CACHE_SIZE specs) makes the read a KeyError. Deciding runs on
+    worker threads now, and a run's begin hashes every tool's spec."""
+    specs = [ap.ToolSpec(f"t{i}", "d", b'{"type":"object"}', "read_only", 1.0)
+             for i in range(3 * ap.SPEC_CACHE_SIZE)]
+    failures: list[BaseException] = []
+    end = time.monotonic() + HASH_TRIES
+
+    def hash_all(offset: int) -> None:
+        try:
+            while time.monotonic() < end and not failures:
+                for spec in specs[offset::2]:
+                    spec.hash()
+        except Exception as exc:            # the fault: a KeyError out of hash()
+            failures.append(exc)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hash_all, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(HASH_TRIES + WAIT)
+    finally:
+        sys.setswitchinterval(interval)
+        ap._SPEC_FORMS.clear()
+    assert not failures, f"ToolSpec.hash failed: {failures[0]!r}"[:200]

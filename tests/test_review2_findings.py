@@ -1,0 +1,220 @@
+"""Faults in the changes that moved parsing and deciding onto worker threads, each reproduced
+against the real module: a test here fails while its fault is present.
+
+1. A call whose arguments are past OFFLOAD_BYTES decides on a worker thread under the
+   deciding lock. Another call's unknown outcome (its tool timed out) is recorded on the
+   event loop meanwhile, and its re-run, which asks the operator, waits for that lock. The
+   call deciding sees the timed-out run as RUNNING under a live lease, nothing waiting,
+   and runs a second mutating call to the tool while the first one's outcome is unknown:
+   it should be BLOCKED.
+2. A server's answer past OFFLOAD_BYTES is parsed on a worker thread while the request's
+   timeout still runs. An answer that arrived in time, but takes longer to parse than is
+   left of the timeout, is a timeout: an unknown outcome for a call the server answered.
+   Parsed on the loop (before), the answer that arrived won.
+3. The host's input does not wait: HostServer.room holds back the dispatching, but the
+   LineReader thread goes on reading the host's lines into an unbounded queue, so a host
+   that floods the proxy while it is busy makes it hold what it sent without bound.
+4. ToolSpec.hash is not safe on two threads: the cache it fills may be emptied by another
+   thread before it reads it back (KeyError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import agentrt_proxy as ap  # noqa: E402
+from proxy_harness import ProxyHarness  # noqa: E402
+
+PAY = "bank_pay"
+WAIT = 10.0               # the deadline of every wait that should succeed
+TIMEOUT_PAY = {
+    "balance": {"side_effect": "read_only", "timeout": "10s"},
+    "pay": {"side_effect": "remote_mutation", "timeout": "300ms", "outcome": "allow"},
+    "refund": {"side_effect": "destructive", "timeout": "10s"},
+}
+
+
+def _params(name: str, args: dict) -> bytes:
+    return json.dumps({"name": name, "arguments": args}).encode()
+
+
+# ==== 1. an unknown outcome is not run past by a call deciding on a worker ====================
+
+def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_path):
+    h = ProxyHarness(tmp_path, rules=TIMEOUT_PAY)
+    recorded = threading.Event()
+    real_record, real_decide = ap.Session._record, h.proxy.decide
+
+    def record(self, obs, began):
+        try:
+            return real_record(self, obs, began)
+        finally:
+            recorded.set()
+
+    def decide(tool, key, args):
+        # A large call's decide is slow (a costly schema, a busy core): here it reads the
+        # records only once the first call's outcome is recorded, as a slow one would.
+        if len(args) > ap.OFFLOAD_BYTES:
+            recorded.wait(WAIT)
+        return real_decide(tool, key, args)
+
+    ap.Session._record = record
+    h.proxy.decide = decide
+    try:
+        first = h.request("tools/call", raw_params=_params(
+            PAY, {"to": "amy", "amount": 1, "mode": "slow"}), wait=False)
+
+        async def until_paid():
+            while h.payments() < 1:
+                await asyncio.sleep(0.01)
+        h.run(until_paid(), WAIT)                 # the first call's tool is running
+        big = h.request("tools/call", raw_params=_params(
+            PAY, {"to": "b" * (ap.OFFLOAD_BYTES + 1), "amount": 2}), wait=False)
+        first_text = h.text(h.answer(first, WAIT)["result"])
+        second = h.answer(big, WAIT)["result"]
+        assert first_text.startswith("UNKNOWN_OUTCOME"), first_text
+        assert h.payments() == 1, "a second mutating call ran while an unknown outcome " \
+            f"waited for an operator: {h.text(second)[:80]}"
+        assert h.text(second).startswith("BLOCKED"), h.text(second)[:80]
+    finally:
+        ap.Session._record = real_record
+        h.close()
+
+
+# ==== 2. an answer that arrived in time is not a timeout ======================================
+
+BIG_ANSWER_SERVER = r"""
+import json, sys
+BLOCKS = int(sys.argv[1])
+result = {"content": [{"type": "text", "text": "x"}] * BLOCKS}
+for line in sys.stdin.buffer:
+    msg = json.loads(line)
+    if "id" in msg and "method" in msg:
+        out = json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result})
+        sys.stdout.buffer.write(out.encode() + b"\n")
+        sys.stdout.buffer.flush()
+"""
+BLOCKS = 60_000           # about 1.9 MB; its parse takes well over REPLY_TIMEOUT
+REPLY_TIMEOUT = 0.25
+
+
+def test_a_large_answer_that_arrived_in_time_is_not_a_timeout(tmp_path):
+    line = json.dumps({"jsonrpc": "2.0", "id": 1, "result": {
+        "content": [{"type": "text", "text": "x"}] * BLOCKS}}).encode()
+    began = time.perf_counter()
+    ap.parse_message(line, ap.UPSTREAM_DEPTH)
+    parse = time.perf_counter() - began
+    assert parse > 1.2 * REPLY_TIMEOUT, f"the answer parses in {parse:.2f}s: make it larger"
+    script = tmp_path / "big_answer_server.py"
+    script.write_text(BIG_ANSWER_SERVER)
+
+    async def body():
+        conn = ap.StdioUpstream("big", [sys.executable, str(script), str(BLOCKS)],
+                                ap.child_env((), ()))
+        await conn.start()
+        try:
+            await conn.request("ping", {}, WAIT)          # the server is up and answering
+            got = await conn.request("tools/call", {"name": "t", "arguments": {}},
+                                     REPLY_TIMEOUT)
+            return len(got.doc["result"]["content"])
+        except asyncio.TimeoutError:
+            return "timed out"
+        finally:
+            await conn.close()
+    loop = asyncio.new_event_loop()
+    try:
+        got = loop.run_until_complete(asyncio.wait_for(body(), 60))
+    finally:
+        loop.close()
+    assert got == BLOCKS, "the server answered in time, and the answer was recorded as a " \
+        "timeout: it was still being parsed on a worker thread when the timeout ran out"
+
+
+# ==== 3. the host's input waits ===============================================================
+
+LINE_BYTES = 16 * 1024
+FLOOD_BYTES = 64 * 1024 * 1024    # four times MAX_FRAME, sent while nothing is dispatched
+STALL = 1.0                       # no progress for this long: the reader is holding back
+
+
+def test_the_reader_does_not_read_the_host_ahead_without_bound(tmp_path):
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    line = b'{"jsonrpc":"2.0","method":"notifications/x","params":{"p":"' + \
+        b"a" * (LINE_BYTES - 64) + b'"}}\n'
+
+    def flood() -> int:
+        sent, view, last = 0, memoryview(line), time.monotonic()
+        pos = 0
+        while sent < FLOOD_BYTES and time.monotonic() - last < STALL:
+            try:
+                n = os.write(w, view[pos:])
+            except BlockingIOError:
+                time.sleep(0.005)
+                continue
+            sent, pos, last = sent + n, (pos + n) % len(line), time.monotonic()
+        return sent
+
+    async def body():
+        stream = os.fdopen(r, "rb", buffering=0)
+        reader = ap.LineReader(stream, asyncio.get_running_loop())
+        try:
+            sent = await asyncio.to_thread(flood)
+            queued = reader.queue.qsize()
+        finally:
+            os.close(w)
+        while await asyncio.wait_for(reader.next(), WAIT) is not None:
+            pass                                  # read to its end: the thread is done
+        stream.close()
+        return sent, queued
+    loop = asyncio.new_event_loop()
+    try:
+        sent, queued = loop.run_until_complete(asyncio.wait_for(body(), 60))
+    finally:
+        loop.close()
+    assert sent < FLOOD_BYTES, f"the reader took all {sent} bytes ({queued} lines queued) " \
+        "while nothing was dispatched: the host's input never waits"
+
+
+# ==== 4. a tool spec's hash, asked on two threads ==============================================
+
+HASH_TRIES = 3.0          # seconds of trying; the fault shows within a fraction of one
+
+
+def test_a_spec_hash_asked_on_two_threads_never_fails():
+    """ToolSpec.hash fills the cache, then reads it again: another thread that empties the
+    full cache in between (SPEC_CACHE_SIZE specs) makes the read a KeyError. Deciding runs on
+    worker threads now, and a run's begin hashes every tool's spec."""
+    specs = [ap.ToolSpec(f"t{i}", "d", b'{"type":"object"}', "read_only", 1.0)
+             for i in range(3 * ap.SPEC_CACHE_SIZE)]
+    failures: list[BaseException] = []
+    end = time.monotonic() + HASH_TRIES
+
+    def hash_all(offset: int) -> None:
+        try:
+            while time.monotonic() < end and not failures:
+                for spec in specs[offset::2]:
+                    spec.hash()
+        except Exception as exc:            # the fault: a KeyError out of hash()
+            failures.append(exc)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hash_all, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(HASH_TRIES + WAIT)
+    finally:
+        sys.setswitchinterval(interval)
+        ap._SPEC_FORMS.clear()
+    assert not failures, f"ToolSpec.hash failed: {failures[0]!r}"[:200]

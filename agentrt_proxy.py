@@ -2317,17 +2317,19 @@ class ToolSpec:
 
     def canonical(self) -> bytes:
         """Its canonical JSON, worked out once per spec: every run and step names it."""
+        return self._forms()[0]
+
+    def hash(self) -> str:
+        return self._forms()[1]
+
+    def _forms(self) -> tuple[bytes, str]:
         found = _SPEC_FORMS.get(self)
         if found is None:
             if len(_SPEC_FORMS) >= SPEC_CACHE_SIZE:
                 _SPEC_FORMS.clear()
             canon = encode_canonical(self.as_value())
             found = _SPEC_FORMS[self] = (canon, sha256_hex(canon))
-        return found[0]
-
-    def hash(self) -> str:
-        self.canonical()
-        return _SPEC_FORMS[self][1]
+        return found
 
     @classmethod
     def from_json(cls, raw: bytes) -> "ToolSpec":
@@ -3929,12 +3931,19 @@ class Session:
         """Call the tool whose start was committed, and record what came of it. When the
         outcome cannot be recorded the lease is let go, so that the next executor takes the
         run over as cut off while executing, and StoreError is raised."""
+        return self.record_outcome(await self.call_started())
+
+    async def call_started(self) -> tuple[tuple, float]:
+        """Call the tool whose start was committed; its observation, not yet recorded (a
+        caller records it with record_outcome, when nothing may come in between). A call
+        cancelled meanwhile is recorded at once, as cut off."""
         request, self._started = self._started, None
         if request is None:
             raise RunStateError(f"run {self.run_id}: no tool call was started")
-        if self.store._batch is not None:
-            raise RunStateError("a tool never runs inside an open transaction: its start "
-                                "must be committed first")
+        with self.store._lock:
+            if self.store._batch is not None:
+                raise RunStateError("a tool never runs inside an open transaction: its start "
+                                    "must be committed first")
         spec = request.spec
         began = time.monotonic()
         try:
@@ -3946,7 +3955,11 @@ class Session:
                                         f"{spec.name} was cancelled; its outcome is unknown: "
                                         + content["error"]), began)
             raise
-        return self._record_or_let_go(obs, began)
+        return obs, began
+
+    def record_outcome(self, called: tuple[tuple, float]) -> dict:
+        """Record what call_started observed; the observation, as recorded."""
+        return self._record_or_let_go(*called)
 
     def _record_or_let_go(self, obs: tuple, began: float) -> dict:
         try:
@@ -4854,8 +4867,9 @@ class StdioUpstream(Upstream):
                 if not line.strip():
                     continue
                 try:
-                    msg = parse_message(line, UPSTREAM_DEPTH) if len(line) <= OFFLOAD_BYTES \
-                        else await asyncio.to_thread(parse_message, line, UPSTREAM_DEPTH)
+                    # Parsed here, not on a worker: a request's timeout runs meanwhile,
+                    # and an answer that arrived in time must never lose to it.
+                    msg = parse_message(line, UPSTREAM_DEPTH)
                 except (JSONError, ProtocolError) as exc:
                     reason = f"the server sent a line that is not JSON-RPC: {exc}"
                     break
@@ -5578,9 +5592,7 @@ class UpstreamTool:
         except (ProxyError, OSError) as exc:
             raise ToolFailure(f"mcp: server {_quote(self.server)}: tool {_quote(self.remote)}: "
                               f"{sanitize(str(exc))}") from None
-        if len(reply.text) <= OFFLOAD_BYTES:
-            return map_result(self, reply)
-        return await asyncio.to_thread(map_result, self, reply)
+        return map_result(self, reply)      # linear, and within the call's own timeout
 
 
 def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
@@ -7344,34 +7356,45 @@ class Proxy:
         try:
             if session._started is None:
                 session.start()
-            obs = await session.run_started()
+            called = await session.call_started()
         except ApprovalExpired:
             self.settle_run(run_id)
             return expired(action.last_approval, self.clock() + self.window(tool))
+        except (RunStateError, LeaseLost):
+            session.close()
+            return in_progress()
+        except ProxyError as exc:
+            session.close()
+            self.log(f"error: {exc}")
+            return unavailable("start this request")
+        # What the call came to is recorded, and acted on (an unknown outcome asks an
+        # operator at once), with no other call deciding in between: a mutating call that
+        # decided meanwhile would find the unknown outcome recorded and nothing yet asking
+        # about it, and run past it.
+        async with self._deciding():
+            return self.recorded(session, tool, called, settled)
+
+    def recorded(self, session: Session, tool, called: tuple, settled: list) -> dict:
+        """Record what the tool call came to and answer for it (under the deciding lock)."""
+        run_id = session.run_id
+        try:
+            obs = session.record_outcome(called)
         except LateOutcome as late:
             session.close()
             self.log(f"run {run_id}: {tool.spec.name} returned after its run was taken over; "
                      "its outcome is recorded as a late event")
             return self.late_answer(tool, late.observation)
-        except (RunStateError, LeaseLost):
-            session.close()
-            return in_progress()
-        except OutcomeNotRecorded as exc:
+        except ProxyError as exc:           # the tool ran: whatever failed, it may have acted
             session.close()
             self.log(f"error: {exc}")
             return unavailable("record the outcome of this request",
                                "It was executed, so it may have taken effect; do not call it "
                                "again to retry.")
-        except ProxyError as exc:
-            session.close()
-            self.log(f"error: {exc}")
-            return unavailable("start this request")
         if obs.get("kind") == TOOL_ERROR:
             ended = unknown_ending(tool, obs)
             if ended is not None:
                 try:
-                    async with self._deciding():     # it proposes, as a decision does
-                        return self.rerun(session, tool, ended, obs)
+                    return self.rerun(session, tool, ended, obs)
                 except ProxyError as exc:
                     # The run is let go of: the next call to this tool takes it over and
                     # asks an operator, so nothing runs again unseen.
@@ -7639,6 +7662,7 @@ def result_text(obs: dict) -> str:
 
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
 MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input waits
+READ_AHEAD_BYTES = 2 * MAX_FRAME       # the host's input read ahead of what is served
 MAX_OUTPUT_BACKLOG = 4096              # answers queued for the host before its input waits
 BACKPRESSURE_POLL = 0.01
 NEEDS_TOOLS = ("tools/list", "tools/call")
@@ -8201,6 +8225,11 @@ class LineReader:
     def __init__(self, stream, loop: asyncio.AbstractEventLoop):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stream, self.loop = stream, loop
+        # Lines read but not yet taken: past READ_AHEAD_BYTES the thread stops reading, so
+        # a host that writes faster than the proxy serves waits, instead of the proxy
+        # holding its input without bound.
+        self._ahead = 0
+        self._room = threading.Condition()
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
     def _chunks(self) -> Iterable[bytes]:
@@ -8241,10 +8270,20 @@ class LineReader:
         self._put(None)
 
     def _put(self, item: bytes | None) -> None:
+        if item is not None:
+            with self._room:
+                while self._ahead > READ_AHEAD_BYTES:
+                    self._room.wait()
+                self._ahead += len(item)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self) -> bytes | None:
-        return await self.queue.get()
+        item = await self.queue.get()
+        if item is not None:
+            with self._room:
+                self._ahead -= len(item)
+                self._room.notify()
+        return item
 
 
 # ==== 24. Re-checking recorded calls ====

@@ -3163,6 +3163,7 @@ class _Judged:
     problem: str
     decision: "PolicyDecision | None" = None
     error: Exception | None = None
+    view: "RunView | None" = None     # what the policy was shown: a run begun just now
 
 
 @dataclasses.dataclass
@@ -3416,7 +3417,8 @@ class Gate:
         request = ToolRequest(run_id, step_id, tool.spec,
                               decision.args.strip(JSON_WS) or b"{}")
         try:
-            return _Judged("", self.evaluate(request, RunView(run, [], [])))
+            view = RunView(run, [], [])
+            return _Judged("", self.evaluate(request, view), view=view)
         except Exception as exc:          # a policy's failure ends the run, never allows
             return _Judged("", error=exc)
 
@@ -3692,11 +3694,14 @@ class Session:
                                decision.message if status == FAILED else "",
                                decision.result.strip(JSON_WS).decode() if status == COMPLETED else "")
             return Verdict("ended", run=run)
-        run = self.store.get_run(self.run_id)
-        prior = [s for s in self.store.list_steps(self.run_id) if s.idx < step.idx]
-        approvals = self.store.list_approvals(self.run_id)
         request = ToolRequest(self.run_id, step.id, tool.spec, decision.args.strip(JSON_WS) or b"{}")
-        return self._apply(request, step, RunView(run, prior, approvals), None, None, judged)
+        if judged is not None and judged.view is not None and step.idx == 0:
+            view = judged.view           # the first step of a run begun in this transaction
+        else:
+            run = self.store.get_run(self.run_id)
+            prior = [s for s in self.store.list_steps(self.run_id) if s.idx < step.idx]
+            view = RunView(run, prior, self.store.list_approvals(self.run_id))
+        return self._apply(request, step, view, None, None, judged)
 
     def _apply(self, request: ToolRequest, step: Step, view: RunView,
                granted: Approval | None, resumed_at: str | None,
@@ -3893,11 +3898,12 @@ class Session:
             raise RunStateError(f"run {self.run_id}: nothing is allowed to execute")
         self._allowed = None
         gate, granted = self.gate, allowed.granted
-        run = self.store.get_run(self.run_id)
-        if granted is not None and self._expire_if_stale(run, granted):
-            raise ApprovalExpired(f"approval {granted.id} was granted at {granted.decided_at} "
-                                  f"and its grant expired ({fmt_duration(run.limits.grant_ttl)}) "
-                                  "before it was executed")
+        if granted is not None:
+            run = self.store.get_run(self.run_id)
+            if self._expire_if_stale(run, granted):
+                raise ApprovalExpired(
+                    f"approval {granted.id} was granted at {granted.decided_at} and its grant "
+                    f"expired ({fmt_duration(run.limits.grant_ttl)}) before it was executed")
         if granted is None and not gate.leases.ok(self.run_id):
             raise self._lose()
         start_at = gate.now() if granted else allowed.policy_at

@@ -856,10 +856,15 @@ def request_key(tool: str, raw_args: bytes) -> str | None:
     """SHA-256 over the tool name, a zero byte and the canonical arguments; None when the
     arguments have no canonical form (such a call never matches another)."""
     try:
-        canon = canonical_json(raw_args)
+        value = parse_json(raw_args)
     except JSONError:
         return None
-    return sha256_hex(tool.encode("utf-8") + b"\x00" + canon)
+    return _request_key_of(tool, value)
+
+
+def _request_key_of(tool: str, value: Any) -> str:
+    """request_key of arguments already parsed strictly."""
+    return sha256_hex(tool.encode("utf-8") + b"\x00" + encode_canonical(value))
 
 
 # The proxy's own encoding, of every frame it writes (to a server or to the host) and every
@@ -887,14 +892,6 @@ def dump_json(value: Any) -> str:
     out: list[str] = []
     _dump(value, out)
     return "".join(out)
-
-
-def wire_json(raw: bytes) -> bytes:
-    """A JSON document in the proxy's own encoding: what the gate records and sends for a
-    host's arguments. Member order and number literals are kept, so the request is the one
-    the host made, and its canonical form (which the approval hash covers) is unchanged.
-    Raises JSONError for anything the strict parser refuses."""
-    return dump_json(parse_json(raw)).encode("utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3578,11 +3575,9 @@ class Gate:
     def check_args(self, tool: Tool, args: bytes) -> str:
         """Why the arguments are not acceptable, or ''."""
         try:
-            check_json(args)
+            _schema_for(tool.spec).check(args)     # parses strictly, then checks
         except JSONError as exc:
             return f"arguments are not usable JSON: {exc}"
-        try:
-            _schema_for(tool.spec).check(args)
         except SchemaError as exc:
             return f"arguments do not match schema: {exc}"
         return ""
@@ -6955,7 +6950,7 @@ class Proxy:
         if name == self.cfg.status_tool:
             return self.status(args)
         tool = self.tools[name]
-        args, key = await self._offload(len(args), _keyed_arguments, name, args)
+        args, key = await self._offload(len(args), host_arguments, name, args)
         held = False
         for _ in range(MAX_RETRIES + 1):
             try:
@@ -7533,21 +7528,20 @@ class Proxy:
         return items
 
 
-def _keyed_arguments(name: str, raw: bytes) -> tuple[bytes, str | None]:
-    args = host_arguments(raw)
-    return args, request_key(name, args)
-
-
-def host_arguments(raw: bytes) -> bytes:
-    """The arguments as the gate records them, sends them, and shows them to an operator:
-    the proxy's own encoding of what the host sent (section 4). Nothing the host wrote
-    between two tokens survives, so the bytes that leave for a server are exactly the
-    recorded request, and an approval view hides nothing. Arguments the strict parser refuses
-    are kept as they came: they have no key, are recorded as INVALID text, never sent."""
+def host_arguments(name: str, raw: bytes) -> tuple[bytes, str | None]:
+    """The arguments as the gate records them, sends them, and shows them to an operator,
+    and their request key, from one parse. The arguments are the proxy's own encoding of
+    what the host sent (section 4): member order and number literals kept, so the request is
+    the one the host made and its canonical form (which the key and the approval hash cover)
+    is unchanged, but nothing the host wrote between two tokens survives, so the bytes that
+    leave for a server are exactly the recorded request and an approval view hides nothing.
+    Arguments the strict parser refuses are kept as they came: they have no key, are
+    recorded as INVALID text, and are never sent."""
     try:
-        return wire_json(raw)
+        value = parse_json(raw)
     except JSONError:
-        return raw
+        return raw, None
+    return dump_json(value).encode("utf-8"), _request_key_of(name, value)
 
 
 def _is_set(event: asyncio.Event | None) -> bool:

@@ -8828,7 +8828,7 @@ def _fields(raw: bytes) -> list[str]:
 def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
     """Everything an operator must read before deciding, as printed by show/approve/reject."""
     try:
-        cap = parse_json(approval.capability, strict=False)
+        cap = read_own(approval.capability)        # it wraps the arguments: the allowance
         request = approval.request()
     except (ProxyError, KeyError, ValueError) as exc:
         return [f"APPROVAL WAITING  {sanitize(approval.id)}", f"unread  {sanitize(str(exc))}"]

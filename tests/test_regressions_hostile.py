@@ -414,3 +414,19 @@ def test_the_host_input_waits_while_answers_are_not_read(tmp_path):
         assert h.run(scenario()) >= 0.15
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("depth", [255, 256])
+def test_the_approval_view_shows_arguments_nested_to_the_bound(tmp_path, depth):
+    rules = {"look": {"side_effect": "read_only", "timeout": "5s"},
+             "erase": {"side_effect": "destructive", "timeout": "5s",
+                       "outcome": "require_approval"}}
+    h = newline_harness(tmp_path, rules=rules)
+    try:
+        assert h.prefix(h.call("nl_erase", raw_args=nested_args(depth))) == "PENDING_APPROVAL"
+        [approval] = h.pending()
+        block = ap.approval_block(h.store, approval, h.cfg.database)
+        assert not any(line.startswith("unread") for line in block), block[:4]
+        assert any(line.strip().startswith("x (") for line in block), block
+    finally:
+        h.close()

@@ -2328,6 +2328,15 @@ class ToolSpec:
             found = _SPEC_FORMS[self] = (canon, sha256_hex(canon))
         return found
 
+    def policy_schema(self) -> bytes:
+        """Its input schema as a policy is handed it (policy_json), worked out once."""
+        found = _SPEC_POLICY_FORMS.get(self)
+        if found is None:
+            if len(_SPEC_POLICY_FORMS) >= SPEC_CACHE_SIZE:
+                _SPEC_POLICY_FORMS.clear()
+            found = _SPEC_POLICY_FORMS[self] = policy_json(self.input_schema, False)
+        return found
+
     @classmethod
     def from_json(cls, raw: bytes) -> "ToolSpec":
         doc = read_own(raw)
@@ -2337,6 +2346,7 @@ class ToolSpec:
 
 
 _SPEC_FORMS: dict[ToolSpec, tuple[bytes, str]] = {}
+_SPEC_POLICY_FORMS: dict[ToolSpec, bytes] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2402,11 +2412,18 @@ class Limits:
     grant_ttl: float = 0.0
 
     def record(self) -> str:
-        return dump_json({"max_steps": self.max_steps,
-                          "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
-                          "loop_threshold": self.loop_threshold,
-                          "approval_ttl": fmt_duration(self.approval_ttl),
-                          "grant_ttl": fmt_duration(self.grant_ttl)})
+        """Its record, written once per limits (every run of a proxy records the same)."""
+        found = _LIMITS_WRITTEN.get(self)
+        if found is None:
+            if len(_LIMITS_WRITTEN) >= LIMITS_CACHE_SIZE:
+                _LIMITS_WRITTEN.clear()
+            found = _LIMITS_WRITTEN[self] = dump_json({
+                "max_steps": self.max_steps,
+                "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
+                "loop_threshold": self.loop_threshold,
+                "approval_ttl": fmt_duration(self.approval_ttl),
+                "grant_ttl": fmt_duration(self.grant_ttl)})
+        return found
 
     @classmethod
     def from_record(cls, text: str) -> "Limits":
@@ -2432,6 +2449,7 @@ class Limits:
 
 
 _LIMITS_READ: dict[str, "Limits"] = {}
+_LIMITS_WRITTEN: dict["Limits", str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2778,7 +2796,7 @@ class Store:
         self._specs: set[str] = set()           # hashes of specs known to be stored
         self._lock = threading.RLock()
         self._batch: Tx | None = None
-        self._savepoints: list[str] = []
+        self._batch_failed = False
         exists = check_database_file(path, writer=not readonly)
         if not exists:
             if not create:
@@ -2861,12 +2879,13 @@ class Store:
     def tx(self):
         """A write transaction begun IMMEDIATE: it takes the write lock up front, so a
         compare-and-set read inside it cannot be overtaken by another writer. Inside a
-        batch it is a savepoint of the batch's transaction instead."""
+        batch it is part of the batch's transaction instead: a failure inside it fails the
+        whole batch (_within), so nothing of a half-done batch is ever committed."""
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only")
         with self._lock:
             if self._batch is not None:
-                with self._savepoint() as tx:
+                with self._within() as tx:
                     yield tx
                 return
             with self._immediate():
@@ -2891,38 +2910,60 @@ class Store:
             raise
 
     @contextlib.contextmanager
-    def _savepoint(self):
-        name = f"sp{len(self._savepoints)}"
-        self._savepoints.append(name)
-        self.conn.execute(f"SAVEPOINT {name}")
+    def _unsynced(self, relax: bool):
+        """synchronous=NORMAL for one transaction (SQLite allows the change only between
+        transactions), then FULL again whatever happened."""
+        if not relax:
+            yield
+            return
+        try:
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
+        try:
+            yield
+        finally:
+            self.conn.execute("PRAGMA synchronous=FULL")
+
+    @contextlib.contextmanager
+    def _within(self):
+        """A state change inside a batch. No savepoint is taken (two statements each, and
+        nothing inside a batch goes on after a failed change); instead a failure marks the
+        batch failed, and a batch marked failed rolls back whole even if the failure was
+        caught inside it."""
         try:
             yield self._batch
-            self.conn.execute(f"RELEASE {name}")
         except BaseException as exc:
-            self.conn.execute(f"ROLLBACK TO {name}")
-            self.conn.execute(f"RELEASE {name}")
-            self._batch.forget_head()      # events appended in the savepoint are gone
+            self._batch_failed = True
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"{self.path}: write failed: {exc}") from None
             raise
-        finally:
-            self._savepoints.pop()
 
     @contextlib.contextmanager
-    def batch(self):
+    def batch(self, synced: bool = True):
         """One transaction for several state changes that happen with nothing outside in
         between (begin, step, propose, start a tool): one commit instead of four. The
-        store's lock is held throughout, so no other thread sees the batch half done."""
+        store's lock is held throughout, so no other thread sees the batch half done.
+
+        ``synced=False`` is for the start of an allowed read-only call alone: its commit
+        is not synced to disk by itself; the call's outcome commit, synced, makes both
+        durable (the WAL is written in order). A process killed in between loses nothing
+        (the commit is in the operating system's hands); a power loss may lose the start
+        of a read, which changed nothing. A mutating call's start is always synced before
+        its request leaves."""
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only")
         with self._lock:
             if self._batch is not None:
                 yield
                 return
-            with self._immediate():
-                self._batch = Tx(self.conn, self._specs)
+            with self._unsynced(not synced), self._immediate():
+                self._batch, self._batch_failed = Tx(self.conn, self._specs), False
                 try:
                     yield
+                    if self._batch_failed:
+                        raise StoreError(f"{self.path}: a change inside a batch failed; "
+                                         "the whole batch is rolled back")
                 finally:
                     self._batch = None
 
@@ -3173,6 +3214,18 @@ class _Allowed:
     granted: Approval | None
 
 
+def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
+    return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
+
+
+def _read_allowed(tool: "Tool | None", judged: _Judged) -> bool:
+    """A read-only tool's call that the policy allows outright: the one start whose commit
+    need not be synced by itself (Store.batch)."""
+    return tool is not None and tool.spec.side_effect == "read_only" and \
+        not judged.problem and judged.error is None and \
+        judged.decision is not None and judged.decision.outcome == "allow"
+
+
 def new_hex_id() -> str:
     return secrets.token_hex(ID_BYTES)
 
@@ -3388,7 +3441,7 @@ class Gate:
         judged = self._prejudge(run_id, step_id, goal, limits, decision)
         session = None
         try:
-            with self.store.batch():
+            with self.store.batch(synced=not _read_allowed(tool_of(self, decision), judged)):
                 session = self.begin(run_id, goal, limits)
                 if also is not None:
                     also()
@@ -3406,7 +3459,7 @@ class Gate:
     def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
                   decision: Decision) -> "_Judged":
         """What propose would find for this decision as the first step of a new run."""
-        tool = self.tools.get(decision.tool) if decision.kind == "tool_call" else None
+        tool = tool_of(self, decision)
         problem = self.invalid_reason(decision, tool)
         if problem or tool is None:
             return _Judged(problem)
@@ -3567,8 +3620,7 @@ class Gate:
 
     def evaluate(self, request: ToolRequest, view: RunView) -> PolicyDecision:
         """Hand the policy a copy in policy form: arguments and schema canonical, unescaped."""
-        spec = dataclasses.replace(request.spec,
-                                   input_schema=policy_json(request.spec.input_schema, False))
+        spec = dataclasses.replace(request.spec, input_schema=request.spec.policy_schema())
         handed = dataclasses.replace(request, spec=spec, args=policy_json(request.args))
         return self.policy.evaluate(handed, view)
 

@@ -162,6 +162,10 @@ COMPLETED, FAILED, CANCELLED = "COMPLETED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
 
 PENDING, APPROVED, REJECTED, EXPIRED = "pending", "approved", "rejected", "expired"
+# An approval whose run an operator cancelled while it waited. Stricter than the reference,
+# which leaves such a row pending: a pending row on a cancelled run is read as waiting by
+# anything that looks at the row alone (show, a count, the model's status tool).
+CANCELLED_APPROVAL = "cancelled"
 
 LOG_PREFIX = "agentrt-proxy: "
 
@@ -3008,6 +3012,12 @@ class Store:
             raise NotFound(f"approval {approval_id} not found")
         return _approval_from_row(rows[0])
 
+    def find_approval(self, approval_id: str) -> Approval | None:
+        try:
+            return self.get_approval(approval_id)
+        except NotFound:
+            return None
+
     def pending_approvals(self, run_id: str) -> list[Approval]:
         return [a for a in self.list_approvals(run_id) if a.status == PENDING]
 
@@ -4397,6 +4407,21 @@ def _check_shown(approval: Approval, shown_hash: str) -> None:
     approval.verify()
 
 
+def _cancel_approvals(tx: Tx, run_id: str, by: str, note: str, at: str) -> None:
+    """What a cancel ends: the run's pending approval is marked cancelled, with an event, so
+    that nothing reads it as waiting (stricter than the reference: see CANCELLED_APPROVAL).
+    A grant already approved keeps its status: it was approved, and the run's end says why
+    it was never collected."""
+    rows = tx.exec("SELECT id, step_id FROM approvals WHERE run_id=? AND status=? "
+                   "ORDER BY rowid", (run_id, PENDING)).fetchall()
+    for approval_id, step_id in rows:
+        tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? WHERE id=?",
+                (CANCELLED_APPROVAL, at, by, note, approval_id))
+        tx.event(run_id, step_id, at, "approval.decided",
+                 {"approval_id": approval_id, "by": by, "note": note,
+                  "status": CANCELLED_APPROVAL})
+
+
 def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run:
     """End a run that has not finished; a tool already running is not interrupted."""
     run = store.get_run(run_id)
@@ -4412,6 +4437,7 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
                     "finished_at=? WHERE id=?", (obs[1], obs[2], at, step_id))
         run = tx.transition(run_id, (RUNNING, WAITING), CANCELLED, reason="operator_cancelled",
                             detail=note, finished_at=at)
+        _cancel_approvals(tx, run_id, by, note, at)
         tx.event(run_id, "", at, "run.finished",
                  {"by": by, "detail": note, "reason": "operator_cancelled", "status": CANCELLED,
                   "steps": run.step_count})
@@ -6520,7 +6546,18 @@ def duplicate(at: float, window: float, outcome: str) -> dict:
                  f"or meant as a new one. The earlier call's outcome: {outcome}", True)
 
 
-def blocked_interrupted(tool: str, approval_id: str) -> dict:
+def blocked_interrupted(tool: str, approval_id: str, approved: bool = False) -> dict:
+    """Another call to the tool may have taken effect unseen. While the operator has not
+    decided, the wait is for the operator; once they approved running it again, the wait is
+    for the identical call that collects the grant (the seed keeps the tool blocked until
+    then), and saying "until an operator decides" would send the user to someone who
+    already did."""
+    if approved:
+        return prose("BLOCKED", f"an earlier call to {tool} may have taken effect and its "
+                     f"outcome is unknown; an operator approved running it again (approval "
+                     f"{approval_id}), so no other call to {tool} that changes anything runs "
+                     "until that earlier call is made again with exactly the same arguments, "
+                     "which runs it once. Nothing was executed. Tell the user.", True)
     return prose("BLOCKED", f"an earlier call to {tool} may have taken effect and its outcome "
                  f"is unknown (approval {approval_id}), so no other call to {tool} that "
                  "changes anything runs until an operator decides it. Nothing was executed. "
@@ -6614,6 +6651,8 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
                      "ask for it again."
     if a.status == EXPIRED:
         return who + "EXPIRED; it was not executed."
+    if a.status == CANCELLED_APPROVAL:
+        return who + f"CANCELLED by the operator.{_note(a.note)} It was not executed."
     step = next((s for s in state.steps if s.id == a.step_id), None)
     ran = _ran(proxy, row, state, step, items, a, now) if step is not None else ""
     if ran:
@@ -7245,7 +7284,8 @@ class Proxy:
                     (latest.status == APPROVED and not _grant_stale(state.run, latest, now))
                 if same_tool and latest.kind == INTERRUPTED_KIND:
                     if live:
-                        return Answer(blocked_interrupted(tool.spec.name, latest.id))
+                        return Answer(blocked_interrupted(tool.spec.name, latest.id,
+                                                          latest.status == APPROVED))
                     self._attach_and_close(row.run_id)
                 elif live and latest.status == PENDING:
                     pending += 1
@@ -8683,8 +8723,8 @@ USAGE = """usage:
   python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
   python agentrt_proxy.py -db DATABASE [-json] show RUN
   python agentrt_proxy.py -db DATABASE [-json] events RUN [-limit N] [-offset N]
-  python agentrt_proxy.py -db DATABASE approve RUN [-approval ID] [-by WHO] [-note TEXT] [-yes]
-  python agentrt_proxy.py -db DATABASE reject  RUN [-approval ID] [-by WHO] [-note TEXT] [-yes]
+  python agentrt_proxy.py -db DATABASE approve [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
+  python agentrt_proxy.py -db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
   python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
   python agentrt_proxy.py -db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]
 
@@ -8722,7 +8762,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(events, *page)
     for verb in ("approve", "reject"):
         p = sub.add_parser(verb, add_help=False, allow_abbrev=False)
-        p.add_argument("run")
+        p.add_argument("run", nargs="?")
         _flags(p, ("approval", {}), ("by", {}), ("note", {"default": ""}),
                ("yes", {"action": "store_true"}))
     recheck = sub.add_parser("recheck", add_help=False, allow_abbrev=False)
@@ -8959,7 +8999,7 @@ def _approval_row(a: Approval) -> dict:
 
 
 def cmd_show(store: Store, args, out: Out) -> int:
-    run = store.get_run(args.run)
+    run = _given_run(store, args.run)
     steps, approvals = store.list_steps(run.id), store.list_approvals(run.id)
     limit = CLI_SHOW_LIMIT if args.limit is None else args.limit
     page = steps[args.offset:args.offset + limit] if limit > 0 else steps[args.offset:]
@@ -8996,7 +9036,7 @@ def cmd_show(store: Store, args, out: Out) -> int:
 
 
 def cmd_events(store: Store, args, out: Out) -> int:
-    store.get_run(args.run)
+    _given_run(store, args.run)
     limit = CLI_EVENTS_LIMIT if args.limit is None else args.limit
     rows = store.list_events(args.run, limit if limit > 0 else -1, args.offset)
     total = store.count_events(args.run)
@@ -9036,14 +9076,45 @@ def _is_terminal(stream) -> bool:
     return stat.S_ISCHR(st.st_mode) and (st.st_dev, st.st_ino) != (null.st_dev, null.st_ino)
 
 
-def _choose_approval(store: Store, run_id: str, wanted: str | None) -> Approval:
-    store.get_run(run_id)
+def _given_run(store: Store, given: str) -> Run:
+    """The run an operator named. An approval id where a run id belongs is recognised and
+    its run named, so that the id the model was shown leads somewhere."""
+    run = store.find_run(given)
+    if run is not None:
+        return run
+    approval = store.find_approval(given)
+    if approval is not None:
+        raise NotFound(f"{given} is an approval id, not a run id: it is an approval of run "
+                       f"{approval.run_id}")
+    raise NotFound(f"run {given} not found")
+
+
+def _choose_approval(store: Store, run_id: str | None, wanted: str | None) -> Approval:
+    """The approval to decide, from the run, the approval, or both (the approval names its
+    run). A run that is not waiting is refused before anything is printed."""
+    if run_id and not wanted and store.find_run(run_id) is None and \
+            store.find_approval(run_id) is not None:
+        run_id, wanted = None, run_id           # the approval id was given as the run
     if wanted:
         approval = store.get_approval(wanted)
-        if approval.run_id != run_id:
-            raise NotFound(f"approval {wanted} is not an approval of run {run_id}")
+        if run_id and approval.run_id != run_id:
+            _given_run(store, run_id)
+            raise NotFound(f"approval {wanted} is not an approval of run {run_id}; it is an "
+                           f"approval of run {approval.run_id}")
+        run_id = approval.run_id
+        if approval.status == CANCELLED_APPROVAL:
+            raise NotPending(f"approval {wanted} is already cancelled: an operator cancelled "
+                             f"run {run_id} while it waited")
         if approval.status != PENDING:
-            raise NotPending(f"approval {wanted} is {approval.status}: approval is not pending")
+            raise NotPending(f"approval {wanted} is already {approval.status}: approval is "
+                             "not pending")
+    run = _given_run(store, run_id)
+    if run.status != WAITING:
+        why = f" ({run.reason})" if run.reason else ""
+        already = "already " if run.status in TERMINAL else ""
+        raise RunStateError(f"run {run.id} is {already}{run.status}{why}: it has nothing "
+                            "waiting for a decision")
+    if wanted:
         return approval
     pending = store.pending_approvals(run_id)
     if not pending:
@@ -9059,6 +9130,7 @@ def _choose_approval(store: Store, run_id: str, wanted: str | None) -> Approval:
 def cmd_decide(store: Store, args, out: Out) -> int:
     verb, by = args.command, args.by
     approval = _choose_approval(store, args.run, args.approval)
+    args.run = approval.run_id
     # Under -json stdout carries one JSON document, so the block goes to stderr.
     emit = out.log if args.json else out.text
     for line in approval_block(store, approval, store.path):
@@ -9086,12 +9158,15 @@ def cmd_decide(store: Store, args, out: Out) -> int:
     out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
     out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
     if run.status == WAITING:
-        out.text("the run stays waiting until the model calls the tool again with exactly "
-                 "the same arguments; the proxy then executes the recorded request once")
+        out.text("if the proxy still holds the call (hold), it executes the recorded request "
+                 "now and answers that call; otherwise the run waits until the model calls "
+                 "the tool again with exactly the same arguments, and the proxy then executes "
+                 "the recorded request once")
     return 0
 
 
 def cmd_cancel(store: Store, args, out: Out) -> int:
+    _given_run(store, args.run)
     run = cancel_run(store, args.run, args.by, args.note, time.time())
     if args.json:
         out.json({"run": _run_summary(store, run)})
@@ -9213,6 +9288,8 @@ def _check_arguments(args) -> None:
     if args.command in ("runs", "show", "events") and \
             ((args.limit is not None and args.limit < 0) or args.offset < 0):
         raise UsageError("-limit and -offset cannot be negative")
+    if args.command in ("approve", "reject") and not (args.run or args.approval):
+        raise UsageError(f"{args.command}: name the approval (-approval ID) or its run (RUN)")
     if args.command in ("approve", "reject", "cancel"):
         args.by = args.by if args.by is not None else _operator_name()
         if not args.by:

@@ -6001,6 +6001,7 @@ class Config:
     grant_ttl: float = DEFAULT_GRANT_TTL
     status_tool: str = DEFAULT_STATUS_TOOL
     lease_ttl: float = DEFAULT_LEASE_TTL
+    policy_given: tuple[str, ...] = ()      # the classes the configuration's policy names
 
     @property
     def policy_map(self) -> dict[str, str]:
@@ -6173,7 +6174,8 @@ def parse_config(raw: bytes, path: str) -> Config:
         max_pending=max_pending or DEFAULT_MAX_PENDING,
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
-        status_tool=status_tool, lease_ttl=lease_ttl)
+        status_tool=status_tool, lease_ttl=lease_ttl,
+        policy_given=tuple(sorted(top.obj("policy"))))
 
 
 def check_database_owner(path: str, writer: bool = True) -> None:
@@ -6304,8 +6306,13 @@ def _parse_rule(doc: Any, where: str) -> Rule:
     if outcome and outcome not in CONFIG_OUTCOMES:
         raise ConfigError(f"{where}: outcome {_quote(outcome)} is not allow, "
                           "require_approval, or deny")
+    side_effect = f.text("side_effect")
+    if side_effect not in SIDE_EFFECTS:
+        given = f"side_effect {_quote(side_effect)} is" if side_effect else "side_effect is missing:"
+        raise ConfigError(f"{where}: {given} not one of the four classes: "
+                          f"{', '.join(SIDE_EFFECTS)}")
     fixed = tuple(sorted((k, encode_canonical(v)) for k, v in f.obj("fixed").items()))
-    return Rule(side_effect=f.text("side_effect"), timeout=f.duration("timeout", 0.0),
+    return Rule(side_effect=side_effect, timeout=f.duration("timeout", 0.0),
                 terminal=f.flag("terminal"), description=f.text("description"),
                 deny=f.texts("deny"), fixed=fixed, rename=f.text("rename"),
                 allow_hint_mismatch=f.flag("allow_hint_mismatch"), outcome=outcome,
@@ -8173,12 +8180,32 @@ async def cmd_check(cfg: Config, out: Out) -> int:
             CallIndex(store, cfg.session).migrate(time.time())
         finally:
             store.close()
+        for line in _table(_decisions(cfg, tools)):
+            out.line(line)
         out.line(f"status tool: {sanitize(cfg.status_tool)}")
         out.line(f"session: {sanitize(cfg.session)}")
         out.line(f"database: {sanitize(cfg.database)}")
     finally:
         await close_tools(tools)
     return 0
+
+
+def _decisions(cfg: Config, tools: list[UpstreamTool]) -> list[list[str]]:
+    """Each offered tool, its class, and what the configuration's policy makes of a call to
+    it. A tool that changes something and is allowed only because no policy or rule said
+    otherwise is marked: that is a default the operator never chose."""
+    policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
+    rows = []
+    for tool in tools:
+        outcome, _ = policy.decide(tool)
+        cls = tool.spec.side_effect
+        why = ("by its rule" if tool.rule.outcome else
+               "by the policy" if cls in cfg.policy_given else "by the default policy")
+        note = "  (a mutating tool allowed by default: set policy or outcome to change it)" \
+            if outcome == "allow" and cls != "read_only" and why == "by the default policy" \
+            else ""
+        rows.append([tool.spec.name, cls, f"-> {outcome}", why + note])
+    return rows
 
 
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:

@@ -1,0 +1,283 @@
+"""The machine's own faults under a serving proxy: the database locked by another writer past
+the busy timeout, the disk full at each commit of each flow, the database made read-only, the
+WAL file deleted, the clock stepped by an hour, and the process stopped past its lease.
+
+Each fault gets the answer the seed prescribes ("If the database fails under a call, the
+proxy answers UNAVAILABLE", which says whether anything was executed, checked against the
+fake server's ledger), nothing recorded before the fault is lost or changed, the event chain
+verifies, and the next call after the fault clears works.
+
+Specification: the seed's outcome prefixes (UNAVAILABLE, UNRECORDED), "Timeouts, crashes, and
+restarts" (leases), Limitations (a database that fails under a call); DESIGN.md section 5.
+"""
+
+import json
+import os
+import signal
+import sqlite3
+import stat
+import time
+
+import pytest
+
+from process_helpers import ProcessDir, eventually, eventually_async, is_error, prefix, text
+from proxy_harness import DEFAULT_RULES, ProxyHarness, ap
+
+ALLOW_PAY = dict(DEFAULT_RULES, pay={"side_effect": "remote_mutation", "timeout": "10s",
+                                     "outcome": "allow"})
+FULL = "database or disk is full"
+NOTHING_RAN = "Nothing was executed."
+IT_RAN = "It was executed"
+TABLES = ("runs", "steps", "approvals", "events", "proxy_calls", "tool_specs")
+# Columns a healthy proxy rewrites on its own: the lease heartbeat renews a running call.
+VOLATILE = {"runs": ("lease_expires_at",)}
+
+
+# -- reading the record behind the proxy's back ---------------------------------------------
+
+def snapshot(db: str) -> dict:
+    """Every row of the tables that keep the record, by table, read on a connection of its
+    own (it sees what is committed, never a transaction in progress)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        out = {}
+        for table in TABLES:
+            cols = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")
+                    if r[1] not in VOLATILE.get(table, ())]
+            out[table] = sorted(conn.execute(f"SELECT {', '.join(cols)} FROM {table}").fetchall(),
+                                key=repr)
+        return out
+    finally:
+        conn.close()
+
+
+def events(db: str) -> list[tuple]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        return conn.execute("SELECT seq, run_id, step_id, at, type, payload_json, hash "
+                            "FROM events ORDER BY seq").fetchall()
+    finally:
+        conn.close()
+
+
+def assert_kept(before: dict, after: dict) -> None:
+    """Nothing recorded before is lost: every event is still there, unchanged and in order,
+    and every row of a finished run is unchanged."""
+    assert after["events"][:len(before["events"])] == before["events"] or \
+        set(before["events"]) <= set(after["events"]), "an earlier event was lost or changed"
+    done = {r[0] for r in before["runs"] if r[2] in ap.TERMINAL} if before["runs"] else set()
+    for table, key in (("runs", 0), ("steps", 1), ("approvals", 1)):
+        old = [r for r in before[table] if r[key] in done]
+        assert set(old) <= set(after[table]), f"a finished run's {table} row changed"
+
+
+def assert_chain_intact(h: ProxyHarness) -> None:
+    report = h.store.verify_events()
+    assert report.broken is None, report.broken
+
+
+def want(result: dict, pfx: str, error: bool) -> str:
+    t = text(result)
+    assert t.startswith(pfx + ":"), f"want {pfx}, got: {t}"
+    assert is_error(result) is error, f"isError {is_error(result)} for: {t}"
+    return t
+
+
+# -- the disk full, at a chosen commit ------------------------------------------------------
+
+class FullDisk:
+    """The store's connection, whose COMMITs fail as SQLite's SQLITE_FULL does from the Nth
+    one on, until cleared (a full disk stays full): every other statement passes through.
+    At the first failing commit it notes what was committed then, so a test can say the
+    failed transaction left nothing behind."""
+
+    def __init__(self, conn: sqlite3.Connection, db: str):
+        self._conn, self.db = conn, db
+        self.commits, self.full_from, self.at_fault, self.lasting = 0, 0, None, True
+
+    def execute(self, sql, *args):
+        if sql.strip().upper() == "COMMIT":
+            self.commits += 1
+            if self.full_from and (self.commits == self.full_from or
+                                   self.lasting and self.commits > self.full_from):
+                if self.at_fault is None:
+                    self.at_fault = snapshot(self.db)
+                raise sqlite3.OperationalError(FULL)
+        return self._conn.execute(sql, *args)
+
+    def fill(self, at: int, lasting: bool = True) -> None:
+        """Full at the at-th commit counted from now, and (lasting) every one after it."""
+        self.commits, self.full_from, self.at_fault = 0, at, None
+        self.lasting = lasting
+
+    def clear(self) -> None:
+        self.full_from = 0
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+def full_disk(h: ProxyHarness) -> FullDisk:
+    disk = FullDisk(h.store.conn, h.cfg.database)
+    h.store.conn = disk
+    return disk
+
+
+def commits_of(make, flow) -> int:
+    """How many commits ``flow`` makes on a healthy disk."""
+    h = make()
+    try:
+        disk = full_disk(h)
+        prepare, fault = flow
+        state = prepare(h)
+        disk.fill(0)
+        fault(h, state)
+        return disk.commits
+    finally:
+        h.close()
+
+
+PAY_7 = {"to": "bob", "amount": 7}
+
+
+def paid_once_before(h: ProxyHarness) -> None:
+    """An earlier payment on record, through the policy this harness has."""
+    r = h.call("bank_pay", {"to": "amy", "amount": 1})
+    if h.prefix(r) == "PENDING_APPROVAL":
+        h.decide(h.pending()[0])
+        r = h.call("bank_pay", {"to": "amy", "amount": 1})
+    assert h.text(r) == "paid 1.00 to amy", h.text(r)
+
+
+def prepare_plain(h):
+    paid_once_before(h)
+
+
+def prepare_approved(h):
+    paid_once_before(h)
+    want(h.call("bank_pay", PAY_7), "PENDING_APPROVAL", False)
+    h.decide(h.pending()[0])
+
+
+def prepare_held(h):
+    paid_once_before(h)
+    want(h.call("bank_pay", PAY_7), "PENDING_APPROVAL", False)
+    return h.pending()[0]
+
+
+def call_pay_7(h, _state):
+    return h.call("bank_pay", PAY_7)
+
+
+def operator_decides(h, approval):
+    """The operator approves (through the store, as the command does): the exception it
+    met, or None."""
+    try:
+        h.decide(approval)
+    except ap.StoreError as exc:
+        return exc
+    return None
+
+
+FLOWS = {
+    "allowed call": (ALLOW_PAY, (prepare_plain, call_pay_7)),
+    "held call": (None, (prepare_plain, call_pay_7)),
+    "collection": (None, (prepare_approved, call_pay_7)),
+    "operator decision": (None, (prepare_held, operator_decides)),
+}
+
+
+def after_the_fault(h: ProxyHarness, flow: str, answer, paid_before: int) -> None:
+    """What the host was told, checked against what reached the server."""
+    if flow == "operator decision":
+        assert isinstance(answer, ap.StoreError) and FULL in str(answer), answer
+        assert h.pending(), "the approval is no longer pending"
+        want(h.call("bank_pay", PAY_7), "PENDING_APPROVAL", False)   # a read: no commit
+        assert h.payments() == paid_before
+        return
+    if h.payments() == paid_before:
+        t = want(answer, "UNAVAILABLE", True)
+        assert NOTHING_RAN in t, t
+    else:
+        assert h.payments() == paid_before + 1
+        t = want(answer, "UNAVAILABLE", True)
+        assert IT_RAN in t and "do not call it again" in t, t
+
+
+def lease_gone(h: ProxyHarness) -> None:
+    """Wait (bounded) until no run holds a live lease: a run the fault left leased to this
+    process, whose heartbeat let it go, runs out by itself."""
+    def gone():
+        return all(not r.lease_expires_at or ap.parse_time(r.lease_expires_at) < time.time()
+                   for r in h.runs() if r.status == ap.RUNNING)
+    eventually(gone, 15, "the lease of the run the fault left to run out")
+
+
+def once_cleared(h: ProxyHarness, flow: str, paid_before: int) -> None:
+    """The next call works: a request the fault left unexecuted runs once; one the fault
+    left executed but unrecorded is never run again without an operator, who is asked."""
+    executed = h.payments() > paid_before
+    r = h.call("bank_pay", PAY_7)
+    if flow == "operator decision":
+        want(r, "PENDING_APPROVAL", False)
+        h.decide(h.pending()[0])
+        r = h.call("bank_pay", PAY_7)
+    if not executed:
+        if flow == "held call":
+            want(r, "PENDING_APPROVAL", False)
+            h.decide(h.pending()[0])
+            r = h.call("bank_pay", PAY_7)
+        assert h.text(r) == "paid 7.00 to bob", h.text(r)
+        assert h.payments() == paid_before + 1
+    else:
+        if h.prefix(r) == "IN_PROGRESS":      # the lease could not be cleared on a full disk
+            lease_gone(h)
+            r = h.call("bank_pay", PAY_7)
+        want(r, "INTERRUPTED", False)
+        assert h.payments() == paid_before + 1
+        interruption = h.pending()[-1]
+        assert interruption.kind == ap.INTERRUPTED_KIND
+        h.decide(interruption, approve=False, note="it went through")
+        want(h.call("bank_pay", PAY_7), "REJECTED", True)
+        assert h.payments() == paid_before + 1
+    r = h.call("bank_balance", {"account": "main"})
+    assert not h.is_error(r), h.text(r)
+
+
+@pytest.mark.parametrize("lasting", [True, False], ids=["stays full", "one commit"])
+@pytest.mark.parametrize("flow", list(FLOWS))
+def test_disk_full_at_each_commit(tmp_path, flow, lasting):
+    """The disk fills at each commit a flow makes, in turn (and stays full until cleared, or
+    fails that one commit): the host is told UNAVAILABLE, saying truly whether the payment
+    ran; the failed transaction leaves nothing behind, nothing earlier is lost, and once the
+    disk has room the next call works and the chain verifies."""
+    rules, steps = FLOWS[flow]
+    made = iter(range(1000))
+
+    def make():
+        where = tmp_path / f"h{next(made)}"
+        where.mkdir()
+        return ProxyHarness(where, rules=rules, lease_ttl="3s")
+    count = commits_of(make, steps)
+    assert count >= 1
+    prepare, fault = steps
+    for n in range(1, count + 1):
+        h = make()
+        try:
+            disk = full_disk(h)
+            state = prepare(h)
+            before, paid = snapshot(h.cfg.database), h.payments()
+            disk.fill(n, lasting)
+            answer = fault(h, state)
+            assert disk.at_fault is not None, f"commit {n} of {count} was never made"
+            after = snapshot(h.cfg.database)
+            if lasting:
+                assert after == disk.at_fault, f"commit {n}: the failed transaction left rows"
+            assert_kept(before, after)
+            after_the_fault(h, flow, answer, paid)
+            disk.clear()
+            once_cleared(h, flow, paid)
+            assert_kept(before, snapshot(h.cfg.database))
+            assert_chain_intact(h)
+        finally:
+            h.close()

@@ -2899,8 +2899,12 @@ class Store:
             yield self._batch
             self.conn.execute(f"RELEASE {name}")
         except BaseException as exc:
-            self.conn.execute(f"ROLLBACK TO {name}")
-            self.conn.execute(f"RELEASE {name}")
+            # SQLITE_FULL, IOERR, BUSY or NOMEM may roll back the whole transaction, its
+            # savepoints with it: rolling back to one then fails, and that error would hide
+            # the cause (a full disk) from the operator's log.
+            if self.conn.in_transaction:
+                self.conn.execute(f"ROLLBACK TO {name}")
+                self.conn.execute(f"RELEASE {name}")
             self._batch.forget_head()      # events appended in the savepoint are gone
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"{self.path}: write failed: {exc}") from None

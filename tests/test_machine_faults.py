@@ -281,3 +281,70 @@ def test_disk_full_at_each_commit(tmp_path, flow, lasting):
             assert_chain_intact(h)
         finally:
             h.close()
+
+
+def bound(h: ProxyHarness, pages: int | None = None) -> None:
+    """Bound the database to ``pages`` pages (its present size unless told) on the proxy's
+    own connection: a write that needs one more page fails with a real SQLITE_FULL."""
+    conn = h.store.conn
+    if pages is None:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count={pages}")
+
+
+UNBOUNDED = 1 << 30
+BIG = 30000          # characters in a payee's name: the record of the call needs new pages
+
+
+def test_database_at_its_size_bound_refuses_a_call_and_says_why(tmp_path):
+    """A genuine SQLITE_FULL (the database at max_page_count) as a new call is recorded:
+    UNAVAILABLE, nothing executed, nothing written, and the operator's log names the full
+    disk. Once there is room the same call runs once."""
+    h = ProxyHarness(tmp_path, rules=ALLOW_PAY)
+    try:
+        paid_once_before(h)
+        before, paid = snapshot(h.cfg.database), h.payments()
+        args = {"to": "b" * BIG, "amount": 2}
+        bound(h)
+        t = want(h.call("bank_pay", args), "UNAVAILABLE", True)
+        assert NOTHING_RAN in t and h.payments() == paid
+        assert snapshot(h.cfg.database) == before
+        errors = [line for line in h.log_lines if line.startswith("error:")]
+        assert errors and FULL in errors[-1], errors
+        bound(h, UNBOUNDED)
+        r = h.call("bank_pay", args)
+        assert h.text(r) == f"paid 2.00 to {'b' * BIG}" and h.payments() == paid + 1
+        assert_kept(before, snapshot(h.cfg.database))
+        assert_chain_intact(h)
+    finally:
+        h.close()
+
+
+def test_database_full_while_a_payment_runs_says_it_ran(tmp_path):
+    """The database reaches its bound while a payment is inside the server: its outcome
+    cannot be recorded, so the host is told UNAVAILABLE and that it was executed; the
+    identical call afterwards runs nothing and asks an operator."""
+    h = ProxyHarness(tmp_path, rules=ALLOW_PAY)
+    try:
+        paid_once_before(h)
+        before, paid = snapshot(h.cfg.database), h.payments()
+        args = {"to": "c" * BIG, "amount": 3, "mode": "block"}
+        raw = json.dumps(args).encode()
+        ident = h.request("tools/call", raw_params=b'{"name":"bank_pay","arguments":%s}' % raw,
+                          wait=False)
+        h.run(eventually_async(lambda: h.payments() == paid + 1, 15, "the payment to run"))
+        bound(h)
+        h.release()
+        t = want(h.answer(ident)["result"], "UNAVAILABLE", True)
+        assert IT_RAN in t and "do not call it again" in t, t
+        bound(h, UNBOUNDED)
+        assert_kept(before, snapshot(h.cfg.database))
+        r = h.call("bank_pay", args)
+        if h.prefix(r) == "IN_PROGRESS":
+            lease_gone(h)
+            r = h.call("bank_pay", args)
+        want(r, "INTERRUPTED", False)
+        assert h.payments() == paid + 1
+        assert_chain_intact(h)
+    finally:
+        h.close()

@@ -348,3 +348,96 @@ def test_database_full_while_a_payment_runs_says_it_ran(tmp_path):
         assert_chain_intact(h)
     finally:
         h.close()
+
+
+# -- the database locked by another writer past the busy timeout ----------------------------
+
+SHORT_BUSY_MS = 200      # the proxy's busy_timeout in these tests: a lock held past it
+
+
+class Writer:
+    """Another writer on the database, holding its write lock (BEGIN IMMEDIATE)."""
+
+    def __init__(self, db: str):
+        self.conn = sqlite3.connect(db, isolation_level=None, timeout=10)
+
+    def lock(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def unlock(self) -> None:
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
+
+    def close(self) -> None:
+        self.unlock()
+        self.conn.close()
+
+
+@pytest.fixture
+def busy(monkeypatch):
+    monkeypatch.setattr(ap, "BUSY_TIMEOUT_MS", SHORT_BUSY_MS)
+
+
+def test_locked_database_refuses_a_new_call_and_nothing_runs(tmp_path, busy):
+    """Another writer holds the lock past the busy timeout as a call is to be recorded: the
+    host is told UNAVAILABLE, nothing executed; the lock released, the same call runs once.
+    An operator's decision meanwhile is refused naming the lock, and decides nothing."""
+    h = ProxyHarness(tmp_path)
+    writer = Writer(h.cfg.database)
+    try:
+        paid_once_before(h)
+        before, paid = snapshot(h.cfg.database), h.payments()
+        writer.lock()
+        t = want(h.call("bank_pay", PAY_7), "UNAVAILABLE", True)
+        assert NOTHING_RAN in t and h.payments() == paid
+        writer.unlock()
+        assert snapshot(h.cfg.database) == before
+        want(h.call("bank_pay", PAY_7), "PENDING_APPROVAL", False)
+        approval = h.pending()[0]
+        held = snapshot(h.cfg.database)
+        writer.lock()
+        with pytest.raises(ap.StoreError, match="locked"):
+            h.decide(approval)
+        want(h.call("bank_pay", PAY_7), "PENDING_APPROVAL", False)
+        writer.unlock()
+        assert snapshot(h.cfg.database) == held
+        h.decide(approval)
+        assert h.text(h.call("bank_pay", PAY_7)) == "paid 7.00 to bob"
+        assert h.payments() == paid + 1
+        assert_kept(before, snapshot(h.cfg.database))
+        assert_chain_intact(h)
+    finally:
+        writer.close()
+        h.close()
+
+
+def test_locked_database_as_a_payment_returns_says_it_ran(tmp_path, busy):
+    """The lock is taken while a payment is inside the server and held past the busy
+    timeout as its outcome is recorded: UNAVAILABLE, saying it was executed. Released, the
+    identical call runs nothing and an operator is asked."""
+    h = ProxyHarness(tmp_path, rules=ALLOW_PAY, lease_ttl="3s")
+    writer = Writer(h.cfg.database)
+    try:
+        paid_once_before(h)
+        before, paid = snapshot(h.cfg.database), h.payments()
+        args = {"to": "bob", "amount": 7, "mode": "block"}
+        raw = json.dumps(args).encode()
+        ident = h.request("tools/call", raw_params=b'{"name":"bank_pay","arguments":%s}' % raw,
+                          wait=False)
+        h.run(eventually_async(lambda: h.payments() == paid + 1, 15, "the payment to run"))
+        writer.lock()
+        h.release()
+        t = want(h.answer(ident)["result"], "UNAVAILABLE", True)
+        assert IT_RAN in t and "do not call it again" in t, t
+        writer.unlock()
+        assert_kept(before, snapshot(h.cfg.database))
+        r = h.call("bank_pay", args)
+        if h.prefix(r) == "IN_PROGRESS":      # the lease could not be cleared under the lock
+            lease_gone(h)
+            r = h.call("bank_pay", args)
+        want(r, "INTERRUPTED", False)
+        assert h.payments() == paid + 1
+        assert_chain_intact(h)
+    finally:
+        writer.close()
+        h.close()

@@ -11,11 +11,13 @@ Specification: the seed's outcome prefixes (UNAVAILABLE, UNRECORDED), "Timeouts,
 restarts" (leases), Limitations (a database that fails under a call); DESIGN.md section 5.
 """
 
+import contextlib
 import json
 import os
 import signal
 import sqlite3
 import stat
+import subprocess
 import time
 
 import pytest
@@ -440,4 +442,86 @@ def test_locked_database_as_a_payment_returns_says_it_ran(tmp_path, busy):
         assert_chain_intact(h)
     finally:
         writer.close()
+        h.close()
+
+
+# -- the database file, its WAL, or its directory made read-only while serving ---------------
+
+@contextlib.contextmanager
+def made_read_only(paths: list[str]):
+    """The paths read-only, then as they were. Root is not stopped by permissions, so as
+    root they are made immutable (chattr +i), which on ext4 refuses even a write through a
+    descriptor opened before; otherwise chmod a-w, which stops what opens them next."""
+    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in paths}
+    immutable = os.geteuid() == 0 and subprocess.run(
+        ["chattr", "+i", *paths], capture_output=True).returncode == 0
+    if not immutable:
+        for p in paths:
+            os.chmod(p, modes[p] & ~0o222)
+    try:
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", *paths], check=True)
+        for p, mode in modes.items():
+            os.chmod(p, mode)
+
+
+def agrees(h: ProxyHarness, r: dict, paid_before: int, args: dict) -> bool:
+    """The answer is what reached the server: the payment's own result, or UNAVAILABLE
+    saying truly whether it was executed. True when it ran."""
+    if h.payments() == paid_before:
+        t = want(r, "UNAVAILABLE", True)
+        assert NOTHING_RAN in t, t
+        return False
+    assert h.payments() == paid_before + 1
+    if h.prefix(r) == "UNAVAILABLE":
+        assert IT_RAN in h.text(r), h.text(r)
+    else:
+        assert h.text(r) == f"paid {args['amount']:.2f} to {args['to']}", h.text(r)
+    return True
+
+
+READ_ONLY = {
+    "database file": lambda db: [db],
+    "WAL file": lambda db: [db + "-wal"],
+    "directory": lambda db: [os.path.dirname(db)],
+}
+
+
+@pytest.mark.parametrize("target", list(READ_ONLY))
+def test_read_only_while_serving(tmp_path, target):
+    """The database file, its WAL, or its directory is made read-only under a serving proxy.
+    Each call is answered as the ledger says (recorded, or UNAVAILABLE saying whether it
+    ran); the proxy stopped while it is still read-only, and started again once it is
+    writable, finds every earlier record, the chain verifies, and the next call works."""
+    h = ProxyHarness(tmp_path, rules=ALLOW_PAY)
+    db = h.cfg.database
+    ran = []
+    try:
+        paid_once_before(h)
+        before = snapshot(db)
+        with made_read_only(READ_ONLY[target](db)):
+            for amount in (2, 3):
+                args, paid = {"to": "bob", "amount": amount}, h.payments()
+                r = h.call("bank_pay", args)
+                if agrees(h, r, paid, args):
+                    ran.append(args)
+            r = h.call("bank_balance", {"account": "main"})
+            assert not h.is_error(r) or h.prefix(r) == "UNAVAILABLE", h.text(r)
+            closing, h = h, None
+            closing.close()               # stopped while still read-only
+    finally:
+        if h is not None:
+            h.close()
+    h = ProxyHarness(tmp_path, rules=ALLOW_PAY, pin=False)
+    try:
+        assert_kept(before, snapshot(db))
+        assert_chain_intact(h)
+        for args in ran:                  # what ran is on record: not run again
+            want(h.call("bank_pay", args), "DUPLICATE", True)
+        paid = h.payments()
+        r = h.call("bank_pay", {"to": "bob", "amount": 9})
+        assert h.text(r) == "paid 9.00 to bob" and h.payments() == paid + 1, h.text(r)
+    finally:
         h.close()

@@ -2801,6 +2801,7 @@ class Store:
         self._lock = threading.RLock()
         self._batch: Tx | None = None
         self._batch_failed = False
+        self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
         exists = check_database_file(path, writer=not readonly)
         if not exists:
             if not create:
@@ -2815,6 +2816,7 @@ class Store:
         except BaseException:
             self.conn.close()
             raise
+        self._wal = None if readonly else _file_identity(path + "-wal")
 
     @classmethod
     def open(cls, path: str) -> "Store":
@@ -2899,6 +2901,7 @@ class Store:
     def _immediate(self):
         """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure; SQLite's errors become
         StoreError."""
+        self._check_wal()
         try:
             self.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -2912,6 +2915,22 @@ class Store:
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"{self.path}: write failed: {exc}") from None
             raise
+
+    def _check_wal(self) -> None:
+        """Refuse to write once the WAL file this connection writes was deleted or replaced
+        (a cleanup script, a hand): SQLite goes on committing into the file it has open,
+        which nothing else can read and a crash loses, with every record since the last
+        checkpoint. What was committed is first written into the database itself."""
+        if self._wal is None:
+            self._wal = _file_identity(self.path + "-wal")
+            return
+        if _file_identity(self.path + "-wal") == self._wal:
+            return
+        with contextlib.suppress(sqlite3.Error):
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        raise StoreError(f"{self.path}: its WAL file was deleted or replaced while the "
+                         "database was open; what was committed is written into the database, "
+                         "and nothing more is recorded until the proxy is started again")
 
     @contextlib.contextmanager
     def _unsynced(self, relax: bool):
@@ -3130,6 +3149,15 @@ def _create_private(path: str) -> None:
         check_database_file(path, writer=True)
         return
     os.close(fd)
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of a file, None when there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:

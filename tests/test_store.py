@@ -350,9 +350,13 @@ def test_reject_writes_approval_decided_and_run_finished_with_the_cancel(harness
 
 
 def test_cancel_writes_run_finished_with_the_cancel(harness):
-    harness.waiting("run-1")
+    approval = harness.waiting("run-1")
     ap.cancel_run(harness.store, "run-1", "op", "stop", time.time())
-    assert event_types(harness.path, "run-1") == PAUSE_EVENTS + ["run.finished"]
+    # The pending approval the cancel ends is marked cancelled, with its own event
+    # (stricter than the reference, which leaves it pending).
+    assert event_types(harness.path, "run-1") == PAUSE_EVENTS + ["approval.decided",
+                                                                 "run.finished"]
+    assert harness.store.get_approval(approval.id).status == ap.CANCELLED_APPROVAL
     payload = ap.loads_own(rows(harness.path, "SELECT payload_json FROM events WHERE "
                                 "type='run.finished'")[0][0])
     assert payload["by"] == "op" and payload["reason"] == "operator_cancelled"

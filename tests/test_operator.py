@@ -12,6 +12,7 @@
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 
@@ -169,3 +170,49 @@ def test_blocked_after_an_approved_rerun_says_it_waits_for_the_identical_call(tm
         assert h.payments() == 3
     finally:
         h.close()
+
+
+# ---- check shows what each tool will get ----
+
+def check_output(tmp_path, rules, **top):
+    tmp_path.mkdir()
+    d = ProcessDir(tmp_path, rules=rules, pin=False, **top)
+    code, out, err = d.pin()
+    assert code == 0, err
+    code, out, err = d.check()
+    assert code == 0, err
+    return {line.split()[0]: line for line in out.splitlines() if line.startswith("bank_")}
+
+
+def test_check_prints_each_tool_with_its_class_and_decision(tmp_path):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "5s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "5s"},
+             "refund": {"side_effect": "local_mutation", "timeout": "5s"}}
+    lines = check_output(tmp_path / "a", rules)
+    assert re.fullmatch(r"bank_balance\s+read_only\s+-> allow\s+by the default policy",
+                        lines["bank_balance"]), lines
+    assert re.fullmatch(r"bank_pay\s+remote_mutation\s+-> require_approval\s+by the default "
+                        r"policy", lines["bank_pay"]), lines
+    assert "local_mutation" in lines["bank_refund"] and "-> allow" in lines["bank_refund"]
+    assert "allowed by default" in lines["bank_refund"]          # a default nobody chose
+    assert "allowed by default" not in lines["bank_balance"]     # reading changes nothing
+    # the same tool allowed by an explicit policy, or by its rule, is not marked
+    lines = check_output(tmp_path / "b", rules, policy={"local_mutation": "allow"})
+    assert "by the policy" in lines["bank_refund"] and "default" not in lines["bank_refund"]
+    rules["refund"]["outcome"] = "deny"
+    lines = check_output(tmp_path / "c", rules)
+    assert re.search(r"-> deny\s+by its rule$", lines["bank_refund"]), lines
+
+
+@pytest.mark.parametrize("side_effect", ["dangerous", "", "Read_Only"])
+def test_a_class_that_is_not_one_of_the_four_is_a_configuration_error(tmp_path, side_effect):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "5s"},
+             "refund": {"timeout": "5s"} if not side_effect else
+             {"side_effect": side_effect, "timeout": "5s"}}
+    d = ProcessDir(tmp_path, rules=rules, pin=False)
+    code, out, err = d.check()
+    assert code == 1, (out, err)
+    assert '"refund"' in err
+    for cls in ("read_only", "local_mutation", "remote_mutation", "destructive"):
+        assert cls in err, err
+    assert "registered" not in out

@@ -6335,10 +6335,9 @@ def _parse_rule(doc: Any, where: str) -> Rule:
         raise ConfigError(f"{where}: outcome {_quote(outcome)} is not allow, "
                           "require_approval, or deny")
     side_effect = f.text("side_effect")
-    if side_effect not in SIDE_EFFECTS:
-        given = f"side_effect {_quote(side_effect)} is" if side_effect else "side_effect is missing:"
-        raise ConfigError(f"{where}: {given} not one of the four classes: "
-                          f"{', '.join(SIDE_EFFECTS)}")
+    if side_effect and side_effect not in SIDE_EFFECTS:     # missing: the tool is refused
+        raise ConfigError(f"{where}: side_effect {_quote(side_effect)} is not one of the four "
+                          f"classes: {', '.join(SIDE_EFFECTS)}")
     fixed = tuple(sorted((k, encode_canonical(v)) for k, v in f.obj("fixed").items()))
     return Rule(side_effect=side_effect, timeout=f.duration("timeout", 0.0),
                 terminal=f.flag("terminal"), description=f.text("description"),
@@ -6747,8 +6746,20 @@ def _ran_unknown(row, items: list, a: Approval, ended: str, now: float) -> str:
     return text + "No approval to run it again is waiting now."
 
 
+# What a host is told of each class, in MCP's tool annotations (every hint given, so that
+# no host falls back on MCP's defaults, which take a tool with no hints as destructive).
+CLASS_ANNOTATIONS = {
+    "read_only": {"readOnlyHint": True, "destructiveHint": False, "openWorldHint": False},
+    "local_mutation": {"readOnlyHint": False, "destructiveHint": False,
+                       "openWorldHint": False},
+    "remote_mutation": {"readOnlyHint": False, "destructiveHint": False,
+                        "openWorldHint": True},
+    "destructive": {"readOnlyHint": False, "destructiveHint": True, "openWorldHint": True},
+}
+
+
 def status_tool_entry(name: str) -> dict:
-    return {"name": name,
+    return {"name": name, "annotations": CLASS_ANNOTATIONS["read_only"],
             "description": ("Reports the requests in this session that are waiting for an "
                             "operator's approval, or, given approval_id, what became of that "
                             "one: pending, approved, executed, rejected or expired. It only "
@@ -7044,9 +7055,14 @@ class Proxy:
         return self.cfg.repeat_window if w is None else w
 
     def listing(self) -> list[dict]:
-        """The classified tools, then the status tool; no output schemas."""
+        """The classified tools, then the status tool; no output schemas. Each tool's
+        annotations say what the operator's class says, never what the server hinted: a
+        host that prompts before a destructive tool, or trusts a read-only one, is told the
+        class that the gate enforces."""
         out = [{"name": t.spec.name, "description": t.spec.description,
-                "inputSchema": Raw(t.spec.input_schema)} for t in self.tools.values()]
+                "inputSchema": Raw(t.spec.input_schema),
+                "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
+               for t in self.tools.values()]
         out.append(status_tool_entry(self.cfg.status_tool))
         return out
 

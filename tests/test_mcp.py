@@ -1891,7 +1891,9 @@ def test_host_ping_unknown_method_and_unknown_tool(host):
 def test_host_tools_list_has_no_output_schema(host):
     tools = host.request("tools/list", {})["result"]["tools"]
     for t in tools:
-        assert "outputSchema" not in t and "annotations" not in t
+        assert "outputSchema" not in t
+        # annotations from the operator's class (DESIGN 4), never the server's hints
+        assert t["annotations"] in list(ap.CLASS_ANNOTATIONS.values()), t
         assert t["inputSchema"]["type"] == "object"
         assert "agentrt" not in json.dumps(t).lower()
 

@@ -204,11 +204,10 @@ def test_check_prints_each_tool_with_its_class_and_decision(tmp_path):
     assert re.search(r"-> deny\s+by its rule$", lines["bank_refund"]), lines
 
 
-@pytest.mark.parametrize("side_effect", ["dangerous", "", "Read_Only"])
+@pytest.mark.parametrize("side_effect", ["dangerous", "Read_Only", "read-only"])
 def test_a_class_that_is_not_one_of_the_four_is_a_configuration_error(tmp_path, side_effect):
     rules = {"balance": {"side_effect": "read_only", "timeout": "5s"},
-             "refund": {"timeout": "5s"} if not side_effect else
-             {"side_effect": side_effect, "timeout": "5s"}}
+             "refund": {"side_effect": side_effect, "timeout": "5s"}}
     d = ProcessDir(tmp_path, rules=rules, pin=False)
     code, out, err = d.check()
     assert code == 1, (out, err)
@@ -216,3 +215,16 @@ def test_a_class_that_is_not_one_of_the_four_is_a_configuration_error(tmp_path, 
     for cls in ("read_only", "local_mutation", "remote_mutation", "destructive"):
         assert cls in err, err
     assert "registered" not in out
+
+
+def test_offered_tools_carry_the_annotations_of_their_class_not_the_servers_hints(pdir):
+    p = pdir.start()
+    listed = {t["name"]: t for t in p.request("tools/list", {})["result"]["tools"]}
+    # the fake server hints balance read-only, pay not destructive, refund nothing at all
+    assert listed["bank_balance"]["annotations"] == {
+        "readOnlyHint": True, "destructiveHint": False, "openWorldHint": False}
+    assert listed["bank_pay"]["annotations"] == {
+        "readOnlyHint": False, "destructiveHint": False, "openWorldHint": True}
+    assert listed["bank_refund"]["annotations"] == {
+        "readOnlyHint": False, "destructiveHint": True, "openWorldHint": True}
+    assert listed[STATUS]["annotations"]["readOnlyHint"] is True

@@ -3189,9 +3189,12 @@ ORIGINS = ("", "model", "plan", "operator")
 
 @dataclasses.dataclass(frozen=True)
 class ToolResult:
-    """What a tool returned: JSON content bytes and a one-line summary."""
+    """What a tool returned: JSON content bytes and a one-line summary; and, when the
+    content is the server's structured content, the text the server sent beside it (what
+    the model reads as text), recorded with it."""
     content: bytes = b"{}"
     summary: str = ""
+    text: str | None = None
 
 
 class ToolFailure(Exception):
@@ -3268,9 +3271,11 @@ def new_hex_id() -> str:
     return secrets.token_hex(ID_BYTES)
 
 
-def _obs(kind: str, content: Any, summary: str) -> tuple[dict, str, str]:
+def _obs(kind: str, content: Any, summary: str, text: str | None = None
+         ) -> tuple[dict, str, str]:
     """An observation: the dict, its stored JSON, and its content hash. Text that will not
-    encode (a lone surrogate) is replaced, never allowed to stop the recording."""
+    encode (a lone surrogate) is replaced, never allowed to stop the recording. ``text`` is
+    a result's text beside its structured content (ToolResult.text)."""
     summary = _SURROGATES.sub("\ufffd", str(summary))
     if isinstance(content, dict):
         content = {k: _SURROGATES.sub("\ufffd", v) if isinstance(v, str) else v
@@ -3278,6 +3283,8 @@ def _obs(kind: str, content: Any, summary: str) -> tuple[dict, str, str]:
     raw = content if isinstance(content, bytes) else dump_json(content).encode()
     digest = content_hash(raw)
     doc = {"kind": kind, "content": Raw(raw), "summary": summary, "content_hash": digest}
+    if text is not None:
+        doc["text"] = _SURROGATES.sub("\ufffd", text)
     text = dump_json(doc)
     return read_own(text), text, digest
 
@@ -4324,7 +4331,8 @@ def _observe(name: str, timeout: float, result: Any) -> tuple[dict, str, str]:
             kept = {"content_base64": base64.b64encode(content).decode()}
         return _obs(TOOL_ERROR, {**kept, "error": err, "failure": "invalid_content",
                                  "tool": name}, f"{name} returned content is not usable JSON: {exc}")
-    return _obs(TOOL_RESULT, content, result.summary)
+    text = result.text if isinstance(result.text, str) else None
+    return _obs(TOOL_RESULT, content, result.summary, text)
 
 
 def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | None:
@@ -5703,9 +5711,11 @@ class UpstreamTool:
 
 
 def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
-    """The server's structured content when it sent some and it fits, else its text blocks
-    joined (other content as placeholders), capped with a marker. isError is a failure
-    whose text is what the model is told."""
+    """The server's structured content when it sent some and it fits the cap together with
+    the server's text blocks, which travel beside it (ToolResult.text: the model reads the
+    text as it would straight from the server, and the structured content as
+    structuredContent); else the text blocks joined (other content as placeholders), capped
+    with a marker. isError is a failure whose text is what the model is told."""
     # The message was parsed as it was read: its result is used as parsed (a bad byte in a
     # string reads as U+FFFD where text is taken from it), and only the structured content
     # is read again, from its own bytes, when it may fit.
@@ -5716,7 +5726,7 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     if result.get("resultType") == "input_required":
         raise ToolFailure(f"{tool.spec.name}: the server asked for more input, which this "
                           "proxy does not support")
-    cap, content, dropped = tool.max_content, None, 0
+    cap, content, dropped, beside = tool.max_content, None, 0, None
     structured = spans.get("structuredContent")
     if structured is not None and len(structured) > STRUCTURED_READ_LIMIT:
         dropped, structured = len(structured), None      # far past the cap: never parsed
@@ -5731,8 +5741,9 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
             # record and the call counts as executed. A number we cannot keep: the text
             # stands instead.
             encoded = structured.strip(JSON_WS) if exc.msg.startswith("nested") else None
-        if encoded is not None and len(encoded) <= cap:
-            content = encoded
+        text = _joined_text(result.get("content"))
+        if encoded is not None and len(encoded) + len(_policy_str(text).encode()) <= cap:
+            content, beside = encoded, text
         elif encoded is not None:
             dropped = len(encoded)
     truncated = False
@@ -5751,9 +5762,9 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
         except JSONError:
             shown = None
         if not isinstance(shown, str):
-            shown = content.decode("utf-8", "replace")
+            shown = beside or content.decode("utf-8", "replace")
         raise ToolFailure(f"{summary}, error: {shown}")
-    return ToolResult(content, summary)
+    return ToolResult(content, summary, beside)
 
 
 def _joined_text(blocks: Any) -> str:
@@ -6387,7 +6398,9 @@ def result_of(obs: dict) -> dict:
     recorded (not escaped: it is data), or its error text."""
     content = obs.get("content")
     if obs.get("kind") == TOOL_RESULT:
-        text = content if isinstance(content, str) else dump_json(content)
+        text = obs.get("text")          # the server's text beside its structured content
+        if not isinstance(text, str) or isinstance(content, str):
+            text = content if isinstance(content, str) else dump_json(content)
         out = {"content": [{"type": "text", "text": text}], "isError": False}
         if isinstance(content, dict):
             out["structuredContent"] = content

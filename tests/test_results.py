@@ -1,0 +1,100 @@
+"""What the host gets for a result, and what is recorded of it.
+
+A result returns the server's text blocks as text, as the model would read them straight
+from the server, with the server's structured content beside it as structuredContent when
+both fit the cap; both are recorded. Past the cap the text alone is returned and recorded.
+"""
+
+import json
+
+from proxy_harness import ProxyHarness, ap
+
+PAY_ALLOW = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
+             "refund": {"side_effect": "destructive", "timeout": "10s"}}
+
+
+def recorded_observation(h: ProxyHarness) -> dict:
+    """The stored observation of the newest run's step, read as plain JSON."""
+    [[text]] = h.store._read("SELECT observation_json FROM steps ORDER BY rowid DESC LIMIT 1")
+    return json.loads(text)
+
+
+def test_structured_result_returns_the_servers_text_with_structured_content_beside(tmp_path):
+    h = ProxyHarness(tmp_path, rules=PAY_ALLOW)
+    try:
+        r = h.call("bank_pay", {"to": "bob", "amount": 25, "mode": "structured"})
+        assert not h.is_error(r), r
+        assert r["content"] == [{"type": "text", "text": "paid 25.00 to bob"}]
+        assert r["structuredContent"] == {"paid": 25, "to": "bob"}
+        obs = recorded_observation(h)
+        assert obs["text"] == "paid 25.00 to bob"
+        assert obs["content"] == {"paid": 25, "to": "bob"}
+        assert h.payments() == 1
+    finally:
+        h.close()
+
+
+def test_text_result_is_returned_as_the_text_the_server_sent(tmp_path):
+    h = ProxyHarness(tmp_path, rules=PAY_ALLOW)
+    try:
+        r = h.call("bank_pay", {"to": "amy", "amount": 3})
+        assert r["content"] == [{"type": "text", "text": "paid 3.00 to amy"}]
+        assert "structuredContent" not in r
+        obs = recorded_observation(h)
+        assert obs["content"] == "paid 3.00 to amy" and "text" not in obs
+    finally:
+        h.close()
+
+
+def tool(cap: int = ap.MAX_CONTENT_BYTES) -> ap.UpstreamTool:
+    spec = ap.ToolSpec("fs_read_text_file", "reads", b'{"type":"object"}', "read_only", 5.0,
+                       True)
+    return ap.UpstreamTool(spec, "fs", "read_text_file", ap.Rule(side_effect="read_only"),
+                           None, max_content=cap)
+
+
+def answer(result: dict) -> ap.Message:
+    return ap.parse_message(json.dumps({"jsonrpc": "2.0", "id": 1, "result": result}).encode())
+
+
+FILE = 'first line\n\t"quoted" second line\n\u00e9\u2028end'
+
+
+def test_a_file_read_reads_as_the_file_not_as_escaped_json():
+    # The filesystem server answers a read with the file as text and again as
+    # structuredContent {"content": <the file>}: the model reads the file.
+    msg = answer({"content": [{"type": "text", "text": FILE}],
+                  "structuredContent": {"content": FILE}})
+    obs = ap._observe("fs_read_text_file", 5.0, ap.map_result(tool(), msg))
+    out = ap.result_of(obs[0])
+    assert out["content"] == [{"type": "text", "text": FILE}]
+    assert out["structuredContent"] == {"content": FILE}
+    assert obs[0]["text"] == FILE
+    assert '"text":' in obs[1]                          # the text is in the stored record
+
+
+def test_structured_content_that_does_not_fit_with_the_text_leaves_the_text():
+    text = "t" * 600
+    structured = {"k": "s" * 600}
+    msg = answer({"content": [{"type": "text", "text": text}], "structuredContent": structured})
+    result = ap.map_result(tool(cap=1000), msg)
+    assert result.text is None
+    assert json.loads(result.content) == text
+    assert "structured content of" in result.summary and "dropped" in result.summary
+    out = ap.result_of(ap._observe("fs_read_text_file", 5.0, result)[0])
+    assert out["content"][0]["text"] == text and "structuredContent" not in out
+    # the two together within the cap: both kept
+    result = ap.map_result(tool(cap=1400), msg)
+    assert result.text == text and json.loads(result.content) == structured
+
+
+def test_an_error_with_structured_content_tells_the_model_the_servers_text():
+    msg = answer({"content": [{"type": "text", "text": "no such file"}],
+                  "structuredContent": {"error": {"code": "ENOENT"}}, "isError": True})
+    try:
+        ap.map_result(tool(), msg)
+    except ap.ToolFailure as exc:
+        assert str(exc).endswith("error: no such file"), str(exc)
+    else:
+        raise AssertionError("an isError result must be a failure")

@@ -162,6 +162,9 @@ COMPLETED, FAILED, CANCELLED = "COMPLETED", "FAILED", "CANCELLED"
 TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
 
 PENDING, APPROVED, REJECTED, EXPIRED = "pending", "approved", "rejected", "expired"
+# An approval whose run an operator cancelled: no longer waiting, so that nothing (the status
+# tool, show, a script reading the table) reads a cancelled request as still to be decided.
+CANCELLED_APPROVAL = "cancelled"
 
 LOG_PREFIX = "agentrt-proxy: "
 
@@ -4360,10 +4363,24 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
                     "finished_at=? WHERE id=?", (obs[1], obs[2], at, step_id))
         run = tx.transition(run_id, (RUNNING, WAITING), CANCELLED, reason="operator_cancelled",
                             detail=note, finished_at=at)
+        _cancel_pending(tx, run_id, by, note, at)
         tx.event(run_id, "", at, "run.finished",
                  {"by": by, "detail": note, "reason": "operator_cancelled", "status": CANCELLED,
                   "steps": run.step_count})
     return run
+
+
+def _cancel_pending(tx: Tx, run_id: str, by: str, note: str, at: str) -> None:
+    """The pending approvals of a run being cancelled are cancelled with it, each with its
+    event: left pending, the model would be told its request still waits for an operator who
+    can no longer decide it."""
+    for approval_id, step_id in tx.exec("SELECT id, step_id FROM approvals WHERE run_id=? AND "
+                                        "status=?", (run_id, PENDING)).fetchall():
+        tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? WHERE id=?",
+                (CANCELLED_APPROVAL, at, by, note, approval_id))
+        tx.event(run_id, step_id, at, "approval.decided",
+                 {"approval_id": approval_id, "by": by, "note": note,
+                  "status": CANCELLED_APPROVAL})
 
 
 # ==== 14. JSON-RPC framing ====
@@ -6562,6 +6579,9 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
                      "ask for it again."
     if a.status == EXPIRED:
         return who + "EXPIRED; it was not executed."
+    if a.status == CANCELLED_APPROVAL:
+        return who + f"CANCELLED by the operator.{_note(a.note)} It was not executed; do " \
+                     "not ask for it again."
     step = next((s for s in state.steps if s.id == a.step_id), None)
     ran = _ran(proxy, row, state, step, items, a, now) if step is not None else ""
     if ran:

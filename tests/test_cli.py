@@ -370,12 +370,15 @@ def test_approve_on_a_run_that_is_no_longer_waiting_is_refused(harness, cli):
     approval = harness.waiting("run-1")
     code, _, _ = cli("-db", harness.path, "cancel", "run-1")
     assert code == 0
-    assert status_of(harness.path, approval.id) == "pending"   # cancel leaves it as it was
+    # DESIGN.md section 2: a cancelled run's approval is `cancelled`, never read as waiting
+    assert status_of(harness.path, approval.id) == "cancelled"
+    assert count_events(harness.path, "approval.decided") == 1
     code, _, err = cli("-db", harness.path, "approve", "run-1", "-approval", approval.id)
     assert code == 1
-    assert "not waiting for approval" in err and not stderr_lines_prefixed(err)
-    assert status_of(harness.path, approval.id) == "pending"
-    assert count_events(harness.path, "approval.decided") == 0
+    assert ("not waiting for approval" in err or "is cancelled" in err) and \
+        not stderr_lines_prefixed(err)
+    assert status_of(harness.path, approval.id) == "cancelled"
+    assert count_events(harness.path, "approval.decided") == 1
 
 
 def test_approval_of_another_run_is_refused(harness, cli):

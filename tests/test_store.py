@@ -352,10 +352,15 @@ def test_reject_writes_approval_decided_and_run_finished_with_the_cancel(harness
 def test_cancel_writes_run_finished_with_the_cancel(harness):
     harness.waiting("run-1")
     ap.cancel_run(harness.store, "run-1", "op", "stop", time.time())
-    assert event_types(harness.path, "run-1") == PAUSE_EVENTS + ["run.finished"]
+    # DESIGN.md section 2: the pending approval is cancelled with its run, in the same commit
+    assert event_types(harness.path, "run-1") == PAUSE_EVENTS + ["approval.decided",
+                                                                 "run.finished"]
     payload = ap.loads_own(rows(harness.path, "SELECT payload_json FROM events WHERE "
                                 "type='run.finished'")[0][0])
     assert payload["by"] == "op" and payload["reason"] == "operator_cancelled"
+    decided = ap.loads_own(rows(harness.path, "SELECT payload_json FROM events WHERE "
+                                "type='approval.decided'")[0][0])
+    assert (decided["status"], decided["by"], decided["note"]) == ("cancelled", "op", "stop")
 
 
 def test_refused_state_change_writes_nothing(harness):

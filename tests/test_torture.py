@@ -45,8 +45,6 @@ import subprocess
 import threading
 import time
 
-import pytest
-
 from process_helpers import (FAKE_SERVER, PROXY, PYTHON, ProcessDir, parse_time, prefix,
                              text)
 
@@ -54,7 +52,6 @@ KILLS = int(os.environ.get("TORTURE_KILLS", "100"))
 SEED = int(os.environ.get("TORTURE_SEED", str(int(time.time() * 1000) % 1_000_000)))
 KILLS_PER_TRIAL = 20
 LEASE = "3s"
-LEASE_SECONDS = 3.0
 WINDOW = "10m"
 WINDOW_SECONDS = 600.0
 PAY_TIMEOUT = "3s"               # a `block` payment not released within it: unknown outcome

@@ -360,6 +360,9 @@ def test_cancel_writes_run_finished_with_the_cancel(harness):
     payload = ap.loads_own(rows(harness.path, "SELECT payload_json FROM events WHERE "
                                 "type='run.finished'")[0][0])
     assert payload["by"] == "op" and payload["reason"] == "operator_cancelled"
+    decided = ap.loads_own(rows(harness.path, "SELECT payload_json FROM events WHERE "
+                                "type='approval.decided'")[0][0])
+    assert (decided["status"], decided["by"], decided["note"]) == ("cancelled", "op", "stop")
 
 
 def test_refused_state_change_writes_nothing(harness):

@@ -34,6 +34,9 @@ Trust boundaries
   triggers or views.
 - The operator decides approvals outside the host, from a shell; a decision is bound to the
   hash of exactly what the operator was shown.
+- The on_pending command is the operator's own program, started without a shell when an
+  approval starts to wait; what it is told (the model's arguments among it) is sanitised,
+  and it can neither decide nor delay anything.
 
 Sections, in dependency order
 -----------------------------

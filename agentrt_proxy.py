@@ -7134,7 +7134,8 @@ class Proxy:
         return RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
 
     def hint(self, run_id: str, approval: Approval) -> None:
-        """The two lines that tell the operator an approval waits and how to decide it."""
+        """The two lines that tell the operator an approval waits and how to decide it; and
+        the operator's on_pending command, started on a thread of its own."""
         tool = approval.request().spec.name
         self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
                  f"run {run_id}")

@@ -96,6 +96,7 @@ def test_pending_lists_what_waits_oldest_first_and_its_command_decides_it(tmp_pa
                            f'-approval {e["approval_id"]}')
     assert f'-db "{d.db}" approve {e["run_id"]} -approval {e["approval_id"]}' in e["decide"]
 
+    assert f"decide with: {e['decide']}   (or reject)" in p.stderr()     # the hint's own
     code, out, err = d.operator("pending")
     assert code == 0, err
     assert out.index(asked[0]["id"]) < out.index(asked[1]["id"])

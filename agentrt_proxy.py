@@ -34,6 +34,9 @@ Trust boundaries
   triggers or views.
 - The operator decides approvals outside the host, from a shell; a decision is bound to the
   hash of exactly what the operator was shown.
+- The on_pending command is the operator's own program, started without a shell when an
+  approval starts to wait; what it is told (the model's arguments among it) is sanitised,
+  and it can neither decide nor delay anything.
 
 Sections, in dependency order
 -----------------------------
@@ -75,6 +78,7 @@ import signal
 import socket
 import sqlite3
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -2613,6 +2617,9 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX approvals_run ON approvals(run_id, created_at)",
         "CREATE TABLE tool_specs (hash TEXT PRIMARY KEY, spec_json TEXT NOT NULL)",
     ),
+    (  # 2: the runs that wait for an operator, found without reading every run (pending, inbox)
+        f"CREATE INDEX runs_waiting ON runs(created_at) WHERE status='{WAITING}'",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)    # the version of the runtime tables this build writes
 
@@ -2622,6 +2629,17 @@ _STEP_COLS = ("id, run_id, idx, status, decision_json, policy_json, observation_
               "observation_hash, started_at, finished_at, spec_hash, policy_id")
 _APPROVAL_COLS = ("id, run_id, step_id, kind, capability_json, presentation_json, request_json, "
                   "hash, status, created_at, decided_at, decided_by, note, expires_at")
+# Every approval of a waiting run that may still matter to an operator, oldest first: each
+# pending one, and an approved interruption grant that is its run's latest (it blocks its tool
+# until the identical call collects it). The runs come from the partial index runs_waiting and
+# the approvals from approvals_run, so the cost follows what waits, never the history.
+_WAITING_SQL = (
+    "SELECT " + ", ".join(f"a.{c.strip()}" for c in _APPROVAL_COLS.split(",")) +
+    f" FROM runs AS r CROSS JOIN approvals AS a ON a.run_id = r.id"
+    f" WHERE r.status = '{WAITING}' AND (a.status = '{PENDING}' OR"
+    f" (a.status = '{APPROVED}' AND a.kind = '{INTERRUPTED_KIND}' AND a.rowid ="
+    f" (SELECT MAX(b.rowid) FROM approvals AS b WHERE b.run_id = r.id)))"
+    " ORDER BY a.created_at, a.rowid")
 
 
 def _insecure(path: str, mode: int, reason: str) -> UnsafeDatabase:
@@ -3039,6 +3057,11 @@ class Store:
 
     def pending_approvals(self, run_id: str) -> list[Approval]:
         return [a for a in self.list_approvals(run_id) if a.status == PENDING]
+
+    def waiting_approvals(self) -> list[Approval]:
+        """Across all runs: what waits for an operator, oldest first (_WAITING_SQL). Expiry
+        is the caller's to judge, on its clock."""
+        return [_approval_from_row(r) for r in self._read(_WAITING_SQL)]
 
     def spec(self, digest: str) -> ToolSpec:
         rows = self._read("SELECT spec_json FROM tool_specs WHERE hash=?", (digest,))
@@ -6041,6 +6064,7 @@ class Config:
     status_tool: str = DEFAULT_STATUS_TOOL
     lease_ttl: float = DEFAULT_LEASE_TTL
     policy_given: tuple[str, ...] = ()      # the classes the configuration's policy names
+    on_pending: tuple[str, ...] = ()         # the operator's notification command, argv
 
     @property
     def policy_map(self) -> dict[str, str]:
@@ -6146,7 +6170,8 @@ class _Fields:
 
 
 _TOP_FIELDS = ("database", "session", "servers", "policy", "hold", "repeat_window",
-               "max_pending", "approval_ttl", "grant_ttl", "status_tool", "lease_ttl")
+               "max_pending", "approval_ttl", "grant_ttl", "status_tool", "lease_ttl",
+               "on_pending")
 _SERVER_FIELDS = ("name", "command", "endpoint", "env", "inherit_env", "connect_timeout",
                   "default_timeout", "manifest", "rules", "skip_path_check")
 _RULE_FIELDS = ("side_effect", "timeout", "terminal", "description", "deny", "fixed",
@@ -6214,7 +6239,36 @@ def parse_config(raw: bytes, path: str) -> Config:
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
         status_tool=status_tool, lease_ttl=lease_ttl,
-        policy_given=tuple(sorted(top.obj("policy"))))
+        policy_given=tuple(sorted(top.obj("policy"))), on_pending=_parse_on_pending(top))
+
+
+# -- on_pending: the command the proxy starts when an approval starts to wait --
+
+def _parse_on_pending(top: _Fields) -> tuple[str, ...]:
+    """An argv, never a shell line: a non-empty array of strings whose program is an absolute
+    path to an executable file or a name found on PATH now. A name is resolved here, once,
+    so that the program that runs is the one the configuration named when it was read."""
+    if "on_pending" not in top.doc:
+        return ()
+    argv = top.doc["on_pending"]
+    if not isinstance(argv, list) or not argv or \
+            not all(isinstance(a, str) and a for a in argv):
+        raise ConfigError("on_pending must be a non-empty array of non-empty strings: the "
+                          'program and its arguments, such as ["/usr/bin/notify-send", '
+                          '"approval waiting"]')
+    program = argv[0]
+    if os.path.isabs(program):
+        if not (os.path.isfile(program) and os.access(program, os.X_OK)):
+            raise ConfigError(f"on_pending: {_quote(program)} is not an executable file")
+        return tuple(argv)
+    if os.sep in program or (os.altsep and os.altsep in program):
+        raise ConfigError(f"on_pending: {_quote(program)} is a relative path; name the "
+                          "program by its absolute path, or by a name found on PATH")
+    found = shutil.which(program)
+    if not found:
+        raise ConfigError(f"on_pending: the program {_quote(program)} is not found on PATH; "
+                          "name it by its absolute path")
+    return (os.path.abspath(found), *argv[1:])
 
 
 def check_database_owner(path: str, writer: bool = True) -> None:
@@ -6783,6 +6837,98 @@ def status_tool_entry(name: str) -> dict:
                 "additionalProperties": False}}
 
 
+# -- on_pending: the operator's command, started when an approval starts to wait --
+
+ON_PENDING_TIMEOUT = 10.0            # seconds the command may run; then its process group is killed
+ON_PENDING_RUNNING = 8               # commands running at once; past it, one is skipped (logged)
+ON_PENDING_CLOSE_GRACE = 1.0         # at shutdown, what a command still running is given
+
+
+class Notifier:
+    """Runs the configuration's on_pending argv (never a shell) for each approval that starts
+    to wait, with one JSON object (waiting_doc) on its stdin. Each runs detached: a session of
+    its own (no controlling terminal, no signal meant for the proxy's group), its output
+    discarded, killed with its process group after ON_PENDING_TIMEOUT. Starting, writing and
+    waiting happen on a daemon thread, so the call that asked for the approval waits for none
+    of it and the deciding lock is never held across it. A failure is logged and changes
+    nothing else. At most ON_PENDING_RUNNING run at once: a burst of approvals a model asks
+    for cannot fill the process table with notifications."""
+
+    def __init__(self, argv: Iterable[str], log: Callable[[str], None]):
+        self.argv, self.log = tuple(argv), log
+        self._slots = threading.BoundedSemaphore(ON_PENDING_RUNNING)
+        self._lock = threading.Lock()
+        self._running: dict[int, subprocess.Popen] = {}      # by pid, until reaped
+
+    def notify(self, approval_id: str, doc: Callable[[], dict]) -> None:
+        """Start the command for this approval; ``doc`` is built on the thread."""
+        if not self.argv:
+            return
+        if not self._slots.acquire(blocking=False):
+            self.log(f"on_pending: {ON_PENDING_RUNNING} are still running; not started for "
+                     f"approval {approval_id}")
+            return
+        try:
+            threading.Thread(target=self._run, args=(approval_id, doc), daemon=True,
+                             name="on_pending").start()
+        except RuntimeError as exc:         # no thread can be started now
+            self._slots.release()
+            self.log(f"on_pending: not started for approval {approval_id}: {exc}")
+
+    def _run(self, approval_id: str, doc: Callable[[], dict]) -> None:
+        try:
+            self._once(approval_id, (dump_json(doc()) + "\n").encode())
+        except (ProxyError, OSError, ValueError, TypeError) as exc:
+            self.log(f"on_pending: approval {approval_id}: {exc}")
+        finally:
+            self._slots.release()
+
+    def _once(self, approval_id: str, data: bytes) -> None:
+        try:
+            proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            self.log(f"on_pending: {self.argv[0]} could not be started for approval "
+                     f"{approval_id}: {exc.strerror or exc}")
+            return
+        with self._lock:
+            self._running[proc.pid] = proc
+        try:
+            proc.communicate(data, timeout=ON_PENDING_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError, ValueError):
+                proc.communicate(timeout=ON_PENDING_TIMEOUT)       # reaped: no zombie
+            self.log(f"on_pending: killed after {fmt_duration(ON_PENDING_TIMEOUT)} "
+                     f"(approval {approval_id})")
+            return
+        finally:
+            with self._lock:
+                self._running.pop(proc.pid, None)
+        if proc.returncode != 0:
+            self.log(f"on_pending: exited with status {proc.returncode} "
+                     f"(approval {approval_id})")
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        """SIGKILL to the command's own process group (its pid: it leads a new session),
+        sent only while it is not yet reaped, so the group id is still its own."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """At shutdown: a command still running gets ON_PENDING_CLOSE_GRACE, then its group
+        is killed, so none outlives the proxy unbounded."""
+        deadline = time.monotonic() + ON_PENDING_CLOSE_GRACE
+        with self._lock:
+            running = list(self._running.values())
+        for proc in running:         # its own thread reaps it once it is killed
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            self._kill(proc)
+
+
 # ==== 20. The rules across calls: the call index ====
 # MCP gives a server no conversation, so each call is a run of its own; the rules that span
 # calls are the proxy's, kept in its own table, proxy_calls. A row says "a call with this
@@ -7059,8 +7205,10 @@ class Proxy:
                              cfg.approval_ttl, cfg.grant_ttl)
         self.stopping = asyncio.Event()
         self._decide_lock: asyncio.Lock | None = None
+        self.notifier = Notifier(cfg.on_pending, log)
 
     def close(self) -> None:
+        self.notifier.close()
         self.gate.close()
 
     def window(self, tool: "UpstreamTool") -> float:
@@ -7089,12 +7237,15 @@ class Proxy:
         return RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
 
     def hint(self, run_id: str, approval: Approval) -> None:
-        """The two lines that tell the operator an approval waits and how to decide it."""
+        """The two lines that tell the operator an approval waits and how to decide it; and
+        the operator's on_pending command, started on a thread of its own."""
         tool = approval.request().spec.name
         self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
                  f"run {run_id}")
-        self.log(f'  decide with: {_self_command()} -db "{self.store.path}" approve {run_id} '
-                 f"-approval {approval.id}   (or reject)")
+        self.log(f"  decide with: {decide_command(self.store.path, run_id, approval.id)}"
+                 "   (or reject)")
+        path = self.store.path
+        self.notifier.notify(approval.id, lambda: waiting_doc(approval, path))
 
     # -- a call --
 
@@ -8783,7 +8934,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
 
 
 # ==== 25. Operator commands ====
-# runs, show, events, approve, reject, cancel, verify. Arguments are checked before the
+# runs, show, events, approve, reject, cancel, verify, pending, inbox. Arguments are checked before the
 # database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
 # first and bind the decision to the hash of what they printed. Text that a model, a server
@@ -8796,6 +8947,11 @@ _SHELL_SAFE = re.compile(r"[A-Za-z0-9._:@%+=,/-]+")    # an id printed as a shel
 # JSON may carry DEL, C1 controls and bidirectional characters raw; -json output is read on
 # terminals too, so they are written as \u escapes (they can occur only inside strings).
 _JSON_INERT = re.compile(f"[\x7f-\x9f{_INVISIBLE}]")
+PENDING_ARGS_BYTES = 160             # the one-line summary of a waiting call's arguments
+INBOX_POLL = 1.0                     # seconds between the inbox's looks for new approvals
+INBOX_LINE_BYTES = 4096              # one answer typed at the inbox (a note included)
+INBOX_ANSWERS = {"a": "approve", "approve": "approve", "r": "reject", "reject": "reject",
+                 "s": "skip", "skip": "skip", "q": "quit", "quit": "quit"}
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
 USAGE = """usage:
@@ -8811,6 +8967,9 @@ USAGE = """usage:
   python agentrt_proxy.py -db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
   python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
   python agentrt_proxy.py -db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]
+  python agentrt_proxy.py -db DATABASE [-json] pending     what waits, and the command that decides it
+  python agentrt_proxy.py -db DATABASE inbox [-once] [-by WHO] [-tty-not-required]
+                                  decide from a terminal; -tty-not-required reads a pipe
 
 A host starts the proxy as one stdio MCP server, with absolute paths:
   {"command": "python3", "args": ["/path/to/agentrt_proxy.py", "-config", "/path/to/proxy.json"]}
@@ -8863,6 +9022,10 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(sub.add_parser("verify", add_help=False, allow_abbrev=False),
            ("from", {"type": int, "default": 1}), ("to", {"type": int, "default": 0}),
            ("head", {}))
+    sub.add_parser("pending", add_help=False, allow_abbrev=False)
+    _flags(sub.add_parser("inbox", add_help=False, allow_abbrev=False),
+           ("once", {"action": "store_true"}), ("by", {}),
+           ("tty-not-required", {"action": "store_true"}))
     for parser in sub.choices.values():    # -json is accepted after the command too
         if parser.prog.split()[-1] not in _PROXY_COMMANDS:
             _flags(parser, ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
@@ -9037,8 +9200,7 @@ def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
                      "runs it again")
     lines.append("presentation: built by the policy; it may hold text the model chose")
     lines += _fields(approval.presentation)
-    lines.append(f'decide with: {_self_command()} -db "{db_path}" approve '
-                 f"{_shell_word(approval.run_id)} -approval {_shell_word(approval.id)}"
+    lines.append(f"decide with: {decide_command(db_path, approval.run_id, approval.id)}"
                  "   (or reject)")
     lines.append(f"---- end of approval {approval.id} for tool {request.spec.name} ----")
     # The ids and names are a stored row's, and the command line above is one to paste.
@@ -9055,6 +9217,17 @@ def _shell_word(text: str) -> str:
 
 def _self_command() -> str:
     return f"{sys.executable or 'python3'} {os.path.abspath(__file__)}"
+
+
+def decide_command(db_path: str, run_id: str, approval_id: str) -> str:
+    """The one command line that approves this approval (reject: the same with reject),
+    as the stderr hint, `show`, `approve`, `pending` and on_pending print it."""
+    return (f'{_self_command()} -db "{db_path}" approve {_shell_word(run_id)} '
+            f"-approval {_shell_word(approval_id)}")
+
+
+def _cancel_command(db_path: str, run_id: str) -> str:
+    return f'{_self_command()} -db "{db_path}" cancel {_shell_word(run_id)}'
 
 
 def _step_row(s: Step) -> dict:
@@ -9318,9 +9491,289 @@ def cmd_verify(store: Store, args, out: Out) -> int:
     return 1 if problems else 0
 
 
+# -- pending: what waits for an operator, and the command that decides it --
+# An approval waits when it is pending, not expired, and its run waits for approval. An
+# approved interruption grant that the identical call has not yet collected is listed too:
+# until it is collected, the rules across calls refuse (BLOCKED) every other call to its tool
+# that changes anything, and the operator must be able to see why.
+
+def args_summary(raw: bytes) -> str:
+    """A call's arguments on one line, compact and sanitised, cut at PENDING_ARGS_BYTES:
+    enough to tell waiting calls apart; `approve` and `inbox` show them in full."""
+    try:
+        text = dump_json(read_own(raw.strip(JSON_WS) or b"{}"))
+    except JSONError:
+        text = raw.decode("utf-8", "replace")
+    return clean(text, PENDING_ARGS_BYTES)
+
+
+def waiting_doc(approval: Approval, db_path: str) -> dict:
+    """What the operator is told of a waiting approval: on_pending's stdin, and the core of
+    an entry of `pending -json`. Every string is sanitised, since the model's arguments and
+    a server's names reach a terminal or a notification through it."""
+    cap: Any = {}
+    tool = side = args = ""
+    try:
+        request = approval.request()
+        tool, side = request.spec.name, request.spec.side_effect
+        args = args_summary(request.args)
+        cap = read_own(approval.capability)
+    except (ProxyError, KeyError, ValueError, TypeError) as exc:
+        args = args or clean(f"(not readable: {exc})", PENDING_ARGS_BYTES)
+    cap = cap if isinstance(cap, dict) else {}
+
+    def field(name: str) -> str:
+        value = cap.get(name)
+        return sanitize(value) if isinstance(value, str) else ""
+    return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
+            "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
+            "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
+            "arguments": args, "created_at": sanitize(approval.created_at),
+            "expires_at": sanitize(approval.expires_at),
+            "decide": sanitize(decide_command(db_path, approval.run_id, approval.id))}
+
+
+def _lapsed(run: Run, approval: Approval, now: float) -> bool:
+    """A pending approval past its expiry, or a grant past the run's grant_ttl. A time an
+    edit made unreadable counts as not lapsed: the entry is shown, its time as not a time."""
+    try:
+        if approval.status == PENDING:
+            return _expired(approval, now)
+        return _grant_stale(run, approval, now)
+    except (ValueError, TypeError, OverflowError):
+        return False
+
+
+def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
+    """Every approval that waits on a live run, and every uncollected interruption grant,
+    oldest first, each with its run."""
+    found = []
+    for approval in store.waiting_approvals():
+        run = store.find_run(approval.run_id)
+        if run is not None and run.status == WAITING and not _lapsed(run, approval, now):
+            found.append((approval, run))
+    return found
+
+
+def _since(stamp: str, now: float) -> int:
+    try:
+        return max(0, int(now - parse_time(stamp)))
+    except (ValueError, TypeError, OverflowError):
+        return 0
+
+
+def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dict:
+    doc = waiting_doc(approval, store.path)
+    doc.update(status=sanitize(approval.status), age_seconds=_since(approval.created_at, now),
+               blocks_tool=approval.kind == INTERRUPTED_KIND)
+    if approval.status == APPROVED:      # decided; it waits for the identical call
+        ttl, lapses = run.limits.grant_ttl, ""
+        if ttl > 0 and approval.decided_at:
+            with contextlib.suppress(ValueError, TypeError, OverflowError):
+                lapses = fmt_time(parse_time(approval.decided_at) + ttl)
+        doc.update(decided_by=sanitize(approval.decided_by),
+                   decided_at=sanitize(approval.decided_at), expires_at=lapses, decide="",
+                   cancel=sanitize(_cancel_command(store.path, approval.run_id)))
+    return doc
+
+
+def _pending_lines(e: dict) -> list[str]:
+    age = fmt_duration(e["age_seconds"])
+    tool = e["tool"] or "(unknown tool)"
+    if e["status"] == PENDING:
+        head = f"WAITING   {e['approval_id']}  {e['kind']}  {tool}  asked {age} ago, " \
+               f"expires {_stamp(e['expires_at']) if e['expires_at'] else 'never'}"
+    else:
+        head = f"APPROVED  {e['approval_id']}  {e['kind']}  {tool}  approved by " \
+               f"{e['decided_by'] or '-'}, not yet collected (asked {age} ago)"
+    lines = [head, f"  run {e['run_id']}  server {e['server'] or '-'}  upstream tool "
+                   f"{e['upstream_tool'] or '-'}  side effect {e['side_effect'] or '-'}",
+             f"  arguments {e['arguments']}"]
+    if e["blocks_tool"]:
+        until = "an operator decides it" if e["status"] == PENDING else \
+            "the identical call collects this grant"
+        lines.append(f"  BLOCKS every other call to {tool} that changes anything, until {until}")
+    if e["status"] == PENDING:
+        lines.append(f"  decide with: {e['decide']}   (or reject)")
+    else:
+        lapses = _stamp(e["expires_at"]) if e["expires_at"] else "never"
+        lines.append(f"  the grant lapses {lapses}; to end it sooner: {e['cancel']}")
+    return lines
+
+
+def cmd_pending(store: Store, args, out: Out) -> int:
+    now = time.time()
+    entries = [pending_entry(store, a, run, now) for a, run in waiting_now(store, now)]
+    if args.json:
+        out.json({"approvals": entries})
+        return 0
+    if not entries:
+        out.text("no approval waits for an operator")
+        return 0
+    out.text(f"{len(entries)} waiting, oldest first:")
+    for entry in entries:
+        for line in _pending_lines(entry):
+            out.text(line)
+    return 0
+
+
+# -- inbox: deciding from a terminal --
+# One waiting approval at a time, oldest first, shown in full as `approve` shows it, and
+# decided bound to the hash of what was shown. An answer is a line (a letter, then Enter), so
+# it works over ssh and through a pipe. While nothing waits, the inbox looks again every
+# INBOX_POLL seconds and reads `q` meanwhile. Each look is a read of its own: a proxy that
+# restarts, or holds the write lock a moment, is waited out rather than fatal.
+
+class _Lines:
+    """Lines typed at the inbox. Read from the descriptor itself, so that waiting for one can
+    end after a timeout (select) while the inbox looks for new approvals; a stream without
+    one (a StringIO) is read a line at a time. A line is at most INBOX_LINE_BYTES."""
+
+    def __init__(self, stream):
+        self.stream, self.buf, self.closed = stream, b"", False
+        try:
+            self.fd: int | None = stream.fileno()
+        except (AttributeError, ValueError, OSError):
+            self.fd = None
+
+    def read(self, timeout: float | None) -> str | None:
+        """One line without its end; None when none came within ``timeout``, or at EOF
+        (then ``closed`` is set)."""
+        if self.fd is None:
+            line = self.stream.readline(INBOX_LINE_BYTES)
+            self.closed = not line
+            return line.rstrip("\r\n") if line else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buf and len(self.buf) < INBOX_LINE_BYTES and not self.closed:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.fd], [], [], left)[0]:
+                return None
+            try:
+                chunk = os.read(self.fd, INBOX_LINE_BYTES)
+            except OSError:                  # a terminal hung up: EIO
+                chunk = b""
+            self.closed = not chunk
+            self.buf += chunk
+        if not self.buf:                     # closed, and nothing left unread
+            return None
+        end = self.buf.find(b"\n")
+        cut = end if end >= 0 else min(len(self.buf), INBOX_LINE_BYTES)
+        line, self.buf = self.buf[:cut], self.buf[cut + (end >= 0):]
+        return line.decode("utf-8", "replace").rstrip("\r")
+
+
+class Inbox:
+    """The operator's loop over one database: show, ask, decide, look again."""
+
+    def __init__(self, store: Store, out: Out, by: str, lines: _Lines, once: bool,
+                 poll: float = INBOX_POLL):
+        self.store, self.out, self.by, self.lines = store, out, by, lines
+        self.once, self.poll = once, poll
+        self.passed: set[str] = set()        # skipped; under -once, every one shown
+        self.unreadable = False              # the last look failed (said once)
+
+    def run(self) -> int:
+        idle = False
+        while True:
+            approval = self.next_waiting()
+            if approval is not None:
+                idle = False
+                if not self.offer(approval):
+                    return 0
+                continue
+            if self.once and not self.unreadable:
+                self.out.text("nothing more waits" if self.passed else
+                              "no approval waits for an operator")
+                return 0
+            if not idle and not self.unreadable:
+                skipped = f" ({len(self.passed)} skipped)" if self.passed else ""
+                self.out.text(f"no approval waits{skipped}; looking for new ones every "
+                              f"{fmt_duration(self.poll)}; q then Enter quits")
+                idle = True
+            answer = self.lines.read(self.poll)
+            if self.lines.closed or INBOX_ANSWERS.get((answer or "").strip().lower()) == "quit":
+                return 0
+
+    def next_waiting(self) -> Approval | None:
+        """The oldest waiting approval not passed over; None when none, or when the database
+        cannot be read now (said once, then looked at again)."""
+        try:
+            waiting = waiting_now(self.store, time.time())
+        except StoreError as exc:
+            if not self.unreadable:
+                self.out.log(f"inbox: the database cannot be read now ({exc}); "
+                             "looking again")
+            self.unreadable = True
+            return None
+        if self.unreadable:
+            self.out.log("inbox: the database can be read again")
+        self.unreadable = False
+        return next((a for a, _ in waiting if a.status == PENDING and a.id not in self.passed),
+                    None)
+
+    def offer(self, approval: Approval) -> bool:
+        """Show one approval in full and act on the answer; False when the operator quits."""
+        for line in approval_block(self.store, approval, self.store.path):
+            self.out.text(line)
+        if self.once:
+            self.passed.add(approval.id)
+        while True:
+            answer = self.ask(f"approval {approval.id}: a approve, r reject, s skip, q quit: ")
+            verb = INBOX_ANSWERS.get((answer or "").strip().lower(), "")
+            if answer is None or verb == "quit":
+                return False
+            if verb == "skip":
+                self.passed.add(approval.id)
+                return True
+            if verb == "approve":
+                self.decide(approval, True, "")
+                return True
+            if verb == "reject":
+                note = self.ask("note for the rejection (the model reads it; Enter for none): ")
+                if note is None:
+                    return False
+                self.decide(approval, False, note.strip())
+                return True
+            self.out.text("answer a, r, s or q, then Enter")
+
+    def ask(self, prompt: str) -> str | None:
+        self.out.stdout.write(sanitize(prompt))
+        self.out.stdout.flush()
+        line = self.lines.read(None)
+        if line is None:
+            self.out.line()
+        return line
+
+    def decide(self, approval: Approval, approve: bool, note: str) -> None:
+        """Decide the approval as it was shown (its hash); a refusal is said and the loop
+        goes on: the approval changed, was decided elsewhere, expired, or the run moved."""
+        verb = "approve" if approve else "reject"
+        try:
+            decided, run = decide_approval(self.store, approval.run_id, approval.id, approve,
+                                           self.by, note, approval.hash, time.time())
+        except ApprovalChanged:
+            self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
+                          "decided")
+            return
+        except ProxyError as exc:
+            self.out.text(f"approval {approval.id}: nothing was decided: "
+                          f"{_describe_failure(exc, verb)}")
+            return
+        self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
+        self.out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+
+
+def cmd_inbox(store: Store, args, out: Out) -> int:
+    if not args.tty_not_required and not _is_terminal(out.stdin):
+        raise UsageError("inbox: stdin is not a terminal; pass -tty-not-required to read the "
+                         "answers from it anyway")
+    return Inbox(store, out, args.by, _Lines(out.stdin), args.once).run()
+
+
 _COMMANDS = {"runs": (cmd_runs, True), "show": (cmd_show, True), "events": (cmd_events, True),
              "approve": (cmd_decide, False), "reject": (cmd_decide, False),
-             "cancel": (cmd_cancel, False), "verify": (cmd_verify, True)}
+             "cancel": (cmd_cancel, False), "verify": (cmd_verify, True),
+             "pending": (cmd_pending, True), "inbox": (cmd_inbox, False)}
 
 
 def _database_path(args) -> str:
@@ -9374,7 +9827,9 @@ def _check_arguments(args) -> None:
         raise UsageError("-limit and -offset cannot be negative")
     if args.command in ("approve", "reject") and not (args.run or args.approval):
         raise UsageError(f"{args.command}: name the approval (-approval ID) or its run (RUN)")
-    if args.command in ("approve", "reject", "cancel"):
+    if args.command == "inbox" and args.json:
+        raise UsageError("inbox: there is no -json output; pending -json lists what waits")
+    if args.command in ("approve", "reject", "cancel", "inbox"):
         args.by = args.by if args.by is not None else _operator_name()
         if not args.by:
             raise UsageError("-by is empty, $USER is unset and this account has no name: "

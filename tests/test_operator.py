@@ -123,6 +123,7 @@ def test_cancel_resolves_the_approval_it_ends(tmp_path):
         assert shown["run"]["pending_approval_id"] == ""
         assert [a["status"] for a in shown["approvals"]] == ["cancelled"]
         assert d.pending() == []
+        assert d.operator_json("pending")["approvals"] == []
         status = text_of(p.call(STATUS, {"approval_id": approval["id"]}))
         assert "CANCELLED" in status and "PENDING" not in status, status
         overall = text_of(p.call(STATUS, {}))

@@ -34,6 +34,8 @@ Trust boundaries
   triggers or views.
 - The operator decides approvals outside the host, from a shell; a decision is bound to the
   hash of exactly what the operator was shown.
+- The webhook (section 26), only when an operator starts it, takes the same decisions over
+  HTTP from whoever holds its shared secret; the serving proxy itself opens no listener.
 
 Sections, in dependency order
 -----------------------------
@@ -49,7 +51,8 @@ Sections, in dependency order
 10. The store                           23. Serving, pinning and checking
 11. The gate                            24. Re-checking recorded calls
 12. A run's session                     25. Operator commands
-13. Operator decisions                  26. main
+13. Operator decisions                  26. The webhook (HTTP approvals)
+                                        27. main
 """
 
 from __future__ import annotations
@@ -8743,7 +8746,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(sub.add_parser("verify", add_help=False, allow_abbrev=False),
            ("from", {"type": int, "default": 1}), ("to", {"type": int, "default": 0}),
            ("head", {}))
-    _hook_parsers(sub)
+    hook = sub.add_parser("webhook", add_help=False, allow_abbrev=False)
+    _flags(hook, ("listen", {}), ("secret-file", {}), ("public", {"action": "store_true"}))
+    sign = sub.add_parser("sign", add_help=False, allow_abbrev=False)
+    _flags(sign, ("secret-file", {}), ("method", {}), ("path", {}), ("body", {}),
+           ("body-file", {}))
     for parser in sub.choices.values():    # -json is accepted after the command too
         if parser.prog.split()[-1] not in _PROXY_COMMANDS:
             _flags(parser, ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
@@ -9164,7 +9171,116 @@ def cmd_verify(store: Store, args, out: Out) -> int:
     return 1 if problems else 0
 
 
-# ---- 25.1 webhook and sign: the HTTP approval channel ----------------------------------
+_COMMANDS = {"runs": (cmd_runs, True), "show": (cmd_show, True), "events": (cmd_events, True),
+             "approve": (cmd_decide, False), "reject": (cmd_decide, False),
+             "cancel": (cmd_cancel, False), "verify": (cmd_verify, True)}
+
+
+def _database_path(args) -> str:
+    if args.db:
+        return args.db
+    if args.config:
+        return _database_from_config(args.config)
+    env = os.environ.get("AGENTRT_DB", "")
+    if env:
+        return env
+    raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
+                     "or set AGENTRT_DB")
+
+
+def _database_from_config(path: str) -> str:
+    """The configuration's database, read as serving reads it (owner checked, strict)."""
+    return load_config(path).database
+
+
+def _describe_failure(exc: Exception, command: str) -> str:
+    """One sentence an operator can act on, for each kind of failure."""
+    if isinstance(exc, RunStateError) and command in ("approve", "reject"):
+        return f"run is not waiting for approval: {exc}"
+    if isinstance(exc, RunStateError) and command == "cancel":
+        return f"run is already finished: {exc}"
+    if isinstance(exc, NotPending):
+        return f"approval is already decided: {exc}"
+    if isinstance(exc, StoreError) and "locked" in str(exc):
+        return f"database is locked by another writer: {exc}"
+    if isinstance(exc, SchemaVersionError):
+        return f"{exc}"
+    return str(exc)
+
+
+def _operator_name() -> str:
+    """Who decides, when -by does not say: $USER, else this account's name."""
+    name = os.environ.get("USER", "")
+    if name:
+        return name
+    try:
+        import pwd                      # POSIX only; elsewhere -by or $USER names the operator
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError, AttributeError, OSError):
+        return ""
+
+
+def _check_arguments(args) -> None:
+    """Every argument is judged before the database is touched."""
+    if args.command in ("runs", "show", "events") and \
+            ((args.limit is not None and args.limit < 0) or args.offset < 0):
+        raise UsageError("-limit and -offset cannot be negative")
+    if args.command in ("approve", "reject", "cancel"):
+        args.by = args.by if args.by is not None else _operator_name()
+        if not args.by:
+            raise UsageError("-by is empty, $USER is unset and this account has no name: "
+                             "pass -by WHO")
+    if args.command == "verify":
+        first, last = getattr(args, "from"), args.to
+        args.head = _parse_head(args.head)
+        if first < 0 or last < 0:
+            raise UsageError("-from and -to cannot be negative")
+        if last and last < first:
+            raise UsageError("-to is before -from")
+        if args.head and last and args.head[0] > last:
+            raise UsageError("-head is past -to")
+        if args.head and args.head[0] < first:
+            raise UsageError("-head is before -from")
+
+
+def run_operator(args, out: Out) -> int:
+    handler, readonly = _COMMANDS[args.command]
+    _check_arguments(args)
+    path = _database_path(args)
+    try:
+        store = Store.open_existing(path, readonly=readonly)
+    except NotFound:
+        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+    try:
+        return handler(store, args, out)
+    finally:
+        store.close()
+
+
+_PROXY_COMMANDS = ("serve", "pin", "check", "recheck")
+
+
+def run_proxy_command(args, out: Out) -> int:
+    if not args.config:
+        raise UsageError(f"{args.command}: -config <file> is required")
+    if args.command == "recheck":
+        if args.run and args.session:
+            raise UsageError("recheck: -run and -session are exclusive")
+        if args.limit <= 0:
+            raise UsageError("recheck: -limit must be positive")
+    cfg = load_config(args.config)
+    if args.command == "recheck":
+        return asyncio.run(cmd_recheck(cfg, args, out))
+    if args.command == "pin":
+        return asyncio.run(cmd_pin(cfg, out))
+    if args.command == "check":
+        return asyncio.run(cmd_check(cfg, out))
+    stdin = getattr(out.stdin, "buffer", out.stdin)
+    stdout = getattr(out.stdout, "buffer", out.stdout)
+    return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
+
+
+# ==== 26. The webhook: the HTTP approval channel ====
 # `webhook` serves approve, reject and cancel over HTTP. An operator runs it on purpose, as a
 # process of its own; the serving proxy opens no listener. A request is judged in an order
 # where each step is paid for only once the one before has passed: the rate (before a byte
@@ -9174,7 +9290,8 @@ def cmd_verify(store: Store, args, out: Out) -> int:
 # lists runs. Decisions go through decide_approval and cancel_run, bound to the hash the
 # caller was shown, and execute nothing. The database is opened for each request, so the
 # proxy may restart, or migrate it, underneath. Whoever holds the secret can decide any
-# approval of a run whose id they know; the webhook has no users.
+# approval of a run whose id they know; the webhook has no users. `sign` prints the headers
+# that sign one request, for an operator's script.
 
 WEBHOOK_MAX_BODY = 16 * 1024         # bytes of a request body; a longer one is refused unread
 WEBHOOK_RATE = 10.0                  # requests a second, every client together
@@ -9580,18 +9697,22 @@ class Webhook:
         while not stop.is_set():
             try:
                 conn, _ = sock.accept()
-            except OSError:             # the poll's timeout, or a connection reset in accept
+            except socket.timeout:      # the poll: look at the stop flag again
+                continue
+            except OSError:             # out of descriptors, a reset in accept: back off, not spin
+                stop.wait(WEBHOOK_ACCEPT_POLL)
                 continue
             if not self.slots.acquire(blocking=False):
                 conn.close()            # as many served as we serve at once: dropped unread
                 continue
-            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+            threading.Thread(target=self.handle_connection, args=(conn,), daemon=True).start()
         deadline = time.monotonic() + WEBHOOK_REQUEST_SECONDS + WEBHOOK_SEND_SECONDS
         for _ in range(WEBHOOK_MAX_CONNECTIONS):
             if not self.slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 break
 
-    def _connection(self, conn: socket.socket) -> None:
+    def handle_connection(self, conn: socket.socket) -> None:
+        """Answer one accepted connection, close it, and give back the slot its caller took."""
         try:
             self._exchange(conn)
         except OSError:
@@ -9765,127 +9886,10 @@ def cmd_sign(args, out: Out) -> int:
     return 0
 
 
-def _hook_parsers(sub) -> None:
-    hook = sub.add_parser("webhook", add_help=False, allow_abbrev=False)
-    _flags(hook, ("listen", {}), ("secret-file", {}), ("public", {"action": "store_true"}))
-    sign = sub.add_parser("sign", add_help=False, allow_abbrev=False)
-    _flags(sign, ("secret-file", {}), ("method", {}), ("path", {}), ("body", {}),
-           ("body-file", {}))
-
-
 _HOOK_COMMANDS = {"webhook": cmd_webhook, "sign": cmd_sign}
 
 
-_COMMANDS = {"runs": (cmd_runs, True), "show": (cmd_show, True), "events": (cmd_events, True),
-             "approve": (cmd_decide, False), "reject": (cmd_decide, False),
-             "cancel": (cmd_cancel, False), "verify": (cmd_verify, True)}
-
-
-def _database_path(args) -> str:
-    if args.db:
-        return args.db
-    if args.config:
-        return _database_from_config(args.config)
-    env = os.environ.get("AGENTRT_DB", "")
-    if env:
-        return env
-    raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
-                     "or set AGENTRT_DB")
-
-
-def _database_from_config(path: str) -> str:
-    """The configuration's database, read as serving reads it (owner checked, strict)."""
-    return load_config(path).database
-
-
-def _describe_failure(exc: Exception, command: str) -> str:
-    """One sentence an operator can act on, for each kind of failure."""
-    if isinstance(exc, RunStateError) and command in ("approve", "reject"):
-        return f"run is not waiting for approval: {exc}"
-    if isinstance(exc, RunStateError) and command == "cancel":
-        return f"run is already finished: {exc}"
-    if isinstance(exc, NotPending):
-        return f"approval is already decided: {exc}"
-    if isinstance(exc, StoreError) and "locked" in str(exc):
-        return f"database is locked by another writer: {exc}"
-    if isinstance(exc, SchemaVersionError):
-        return f"{exc}"
-    return str(exc)
-
-
-def _operator_name() -> str:
-    """Who decides, when -by does not say: $USER, else this account's name."""
-    name = os.environ.get("USER", "")
-    if name:
-        return name
-    try:
-        import pwd                      # POSIX only; elsewhere -by or $USER names the operator
-        return pwd.getpwuid(os.getuid()).pw_name
-    except (ImportError, KeyError, AttributeError, OSError):
-        return ""
-
-
-def _check_arguments(args) -> None:
-    """Every argument is judged before the database is touched."""
-    if args.command in ("runs", "show", "events") and \
-            ((args.limit is not None and args.limit < 0) or args.offset < 0):
-        raise UsageError("-limit and -offset cannot be negative")
-    if args.command in ("approve", "reject", "cancel"):
-        args.by = args.by if args.by is not None else _operator_name()
-        if not args.by:
-            raise UsageError("-by is empty, $USER is unset and this account has no name: "
-                             "pass -by WHO")
-    if args.command == "verify":
-        first, last = getattr(args, "from"), args.to
-        args.head = _parse_head(args.head)
-        if first < 0 or last < 0:
-            raise UsageError("-from and -to cannot be negative")
-        if last and last < first:
-            raise UsageError("-to is before -from")
-        if args.head and last and args.head[0] > last:
-            raise UsageError("-head is past -to")
-        if args.head and args.head[0] < first:
-            raise UsageError("-head is before -from")
-
-
-def run_operator(args, out: Out) -> int:
-    handler, readonly = _COMMANDS[args.command]
-    _check_arguments(args)
-    path = _database_path(args)
-    try:
-        store = Store.open_existing(path, readonly=readonly)
-    except NotFound:
-        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
-    try:
-        return handler(store, args, out)
-    finally:
-        store.close()
-
-
-_PROXY_COMMANDS = ("serve", "pin", "check", "recheck")
-
-
-def run_proxy_command(args, out: Out) -> int:
-    if not args.config:
-        raise UsageError(f"{args.command}: -config <file> is required")
-    if args.command == "recheck":
-        if args.run and args.session:
-            raise UsageError("recheck: -run and -session are exclusive")
-        if args.limit <= 0:
-            raise UsageError("recheck: -limit must be positive")
-    cfg = load_config(args.config)
-    if args.command == "recheck":
-        return asyncio.run(cmd_recheck(cfg, args, out))
-    if args.command == "pin":
-        return asyncio.run(cmd_pin(cfg, out))
-    if args.command == "check":
-        return asyncio.run(cmd_check(cfg, out))
-    stdin = getattr(out.stdin, "buffer", out.stdin)
-    stdout = getattr(out.stdout, "buffer", out.stdout)
-    return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
-
-
-# ==== 26. main ====
+# ==== 27. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""

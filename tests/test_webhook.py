@@ -268,6 +268,10 @@ def test_webhook_shows_an_approval_as_text(tmp_path, harness, hooks):
         assert headers["cache-control"] == "no-store"
         assert b"APPROVAL WAITING  " + a.id.encode() in body
         assert b"\x1b" not in body and "\u202e".encode() not in body, body
+    status, _, body = hook.request("GET", f"/runs/run-1/approvals/{a.id}")
+    assert status == 200 and json.loads(body)["approval"]["arguments"]["memo"] == \
+        "\x1b[2Jhi\u202e", body         # the same value, escaped: nothing raw reaches a terminal
+    assert b"\x1b" not in body and "\u202e".encode() not in body, body
 
 
 def test_webhook_sign_command_signs_a_request_it_accepts(tmp_path, harness, hooks):
@@ -427,33 +431,66 @@ def raw_exchange(port: int, data: bytes, timeout: float = HTTP_SECONDS) -> bytes
 
 
 def test_webhook_refuses_a_flood_past_the_rate(tmp_path, harness, hooks):
-    a = harness.waiting("run-1")
+    harness.waiting("run-1")
     hook = hooks(harness.path, write_secret(tmp_path))
+    statuses: list[int] = []
     began = time.monotonic()
-    statuses = [hook.request("GET", "/runs/run-1/approvals", signed=False)[0]
-                for _ in range(ap.WEBHOOK_BURST + 20)]
+    while 429 not in statuses and len(statuses) < 50 * ap.WEBHOOK_BURST:
+        statuses.append(hook.request("GET", "/runs/run-1/approvals", signed=False)[0])
     spent = time.monotonic() - began
-    assert set(statuses) == {401, 429}, statuses
-    assert statuses[:ap.WEBHOOK_BURST] == [401] * ap.WEBHOOK_BURST, statuses
-    assert statuses.count(401) <= ap.WEBHOOK_BURST + ap.WEBHOOK_RATE * spent + 1, statuses
+    assert statuses[-1] == 429, statuses
+    answered = len(statuses) - 1          # each one before the first refusal
+    assert ap.WEBHOOK_BURST <= answered <= ap.WEBHOOK_BURST + ap.WEBHOOK_RATE * spent + 1, \
+        (answered, spent)
+    assert set(statuses[:-1]) == {401}, statuses
 
-    # While limited, even a good request is refused, and a body claimed too long is not
-    # looked at: the rate is judged before anything is read.
+
+def http_bytes(method: str, path: str, body: bytes = b"", headers=None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def exchange(hook, data: bytes) -> bytes:
+    """One connection to an in-process Webhook: the request, then the whole answer."""
+    ours, theirs = socket.socketpair()
+    with ours:
+        ours.settimeout(HTTP_SECONDS)
+        ours.sendall(data)
+        ours.shutdown(socket.SHUT_WR)
+        assert hook.slots.acquire(timeout=HTTP_SECONDS)
+        hook.handle_connection(theirs)
+        got = b""
+        while True:
+            chunk = ours.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+
+
+def test_webhook_rate_is_judged_before_anything_is_read(tmp_path, harness):
+    """With the bucket's clock stopped: past the burst, a good request and a body claimed
+    too long are both answered 429, unread; once a token is back the good one is decided."""
+    a = harness.waiting("run-1")
+    secret = read_secret(write_secret(tmp_path))
+    hook = ap.Webhook(harness.path, secret, lambda line: None)
+    now = [100.0]
+    hook.bucket = ap.TokenBucket(ap.WEBHOOK_RATE, ap.WEBHOOK_BURST, clock=lambda: now[0])
+    for _ in range(ap.WEBHOOK_BURST):
+        assert exchange(hook, http_bytes("GET", "/runs/run-1/approvals")).startswith(
+            b"HTTP/1.1 401 ")
     path, body = approve_path("run-1", a.id), json.dumps(decision(a)).encode()
-    status, doc = hook.call("POST", path, decision(a))
-    assert (status, doc["code"]) == (429, "rate_limited"), doc
-    answer = raw_exchange(hook.port, b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999"
-                          b"\r\n\r\n" % path.encode())
-    assert answer.startswith(b"HTTP/1.1 429 "), answer
-    assert b"Cache-Control: no-store" in answer
+    limited = exchange(hook, http_bytes("POST", path, body, sign(secret, "POST", path, body)))
+    assert limited.startswith(b"HTTP/1.1 429 ") and b'"code":"rate_limited"' in limited, limited
+    assert b"Cache-Control: no-store" in limited
+    claimed = exchange(hook, b"POST %s HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n" %
+                       path.encode())
+    assert claimed.startswith(b"HTTP/1.1 429 "), claimed
     assert status_of(harness, a) == "pending"
-
-    deadline = time.monotonic() + 10          # the bucket refills at the rate
-    while True:
-        status, _, data = hook.request("POST", path, body)
-        if status != 429 or time.monotonic() > deadline:
-            break
-    assert status == 202, data
+    now[0] += 1.5 / ap.WEBHOOK_RATE          # one token, and not two
+    done = exchange(hook, http_bytes("POST", path, body, sign(secret, "POST", path, body)))
+    assert done.startswith(b"HTTP/1.1 202 "), done
+    assert status_of(harness, a) == "approved"
 
 
 def test_webhook_refuses_an_oversized_body(tmp_path, harness, hooks):
@@ -549,3 +586,30 @@ def test_webhook_a_slow_client_is_cut_off_and_holds_nobody_else(tmp_path, harnes
             pass
         waited = time.monotonic() - began
     assert ap.WEBHOOK_REQUEST_SECONDS - 2 < waited < ap.WEBHOOK_REQUEST_SECONDS + 5, waited
+
+
+def readme_recipe() -> list[str]:
+    """The README's standard-library signing recipe, as printed there."""
+    with open(os.path.join(os.path.dirname(HERE), "README.md")) as f:
+        lines = f.read().split("\n")
+    first = lines.index("    import hashlib, hmac, json, secrets, time, urllib.request")
+    end = lines.index("", first)
+    return [line[4:] for line in lines[first:end]]
+
+
+def test_webhook_readme_recipe_is_ten_lines_that_decide(tmp_path, harness, hooks, monkeypatch):
+    a = harness.waiting("run-1")
+    secret = write_secret(tmp_path)
+    hook = hooks(harness.path, secret)
+    recipe = readme_recipe()
+    assert len(recipe) == 10, recipe
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    scope: dict = {}
+    exec("\n".join(recipe), scope)
+    scope["URL"], scope["SECRET_FILE"] = f"http://127.0.0.1:{hook.port}", secret
+    shown = scope["call"]("GET", f"/runs/run-1/approvals/{a.id}")["approval"]
+    assert shown["hash"] == a.hash
+    done = scope["call"]("POST", approve_path("run-1", a.id), decision(a, hash=shown["hash"]))
+    assert done["approval"]["status"] == "approved", done
+    assert status_of(harness, a) == "approved"

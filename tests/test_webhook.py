@@ -531,43 +531,50 @@ def test_webhook_no_path_lists_runs(tmp_path, harness, hooks):
     assert (status, doc["code"]) == (404, "not_found"), doc
 
 
-def test_webhook_refuses_a_non_loopback_address_without_public(tmp_path, harness):
-    secret = write_secret(tmp_path)
-    for listen in ("0.0.0.0:0", "192.0.2.7:0", "[::]:0", "example.com:80", "127.0.0.1"):
-        done = subprocess.run([PYTHON, PROXY, "-db", harness.path, "webhook", "-listen",
-                               listen, "-secret-file", secret],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2, (listen, done.stderr)
-        assert "listening" not in done.stderr, done.stderr
-    assert "-public" in done.stderr or "ADDRESS:PORT" in done.stderr
-    # -public lifts the refusal (this address belongs to no interface here: bind fails).
-    done = subprocess.run([PYTHON, PROXY, "-db", harness.path, "webhook", "-listen",
-                           "192.0.2.7:0", "-secret-file", secret, "-public"],
+def run_webhook(db: str, listen: str, secret: str, *extra: str):
+    return subprocess.run([PYTHON, PROXY, "-db", db, "webhook", "-listen", listen,
+                           "-secret-file", secret, *extra],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "listening" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("listen,why", [
+    ("0.0.0.0:0", "not a loopback address"),
+    ("192.0.2.7:0", "not a loopback address"),
+    ("[::]:0", "not a loopback address"),
+    ("example.com:80", "names an IP address"),
+    ("127.0.0.1", "ADDRESS:PORT"),
+    ("127.0.0.1:70000", "ADDRESS:PORT"),
+])
+def test_webhook_refuses_a_non_loopback_address_without_public(tmp_path, harness, listen, why):
+    done = run_webhook(harness.path, listen, write_secret(tmp_path))
+    assert done.returncode == 2 and why in done.stderr, done.stderr
+    assert "listening" not in done.stderr, done.stderr
+
+
+def test_webhook_public_lifts_the_loopback_refusal(tmp_path, harness):
+    # This address belongs to no interface here, so nothing listens: the bind fails.
+    done = run_webhook(harness.path, "192.0.2.7:0", write_secret(tmp_path), "-public")
+    assert done.returncode == 1 and "not a loopback" not in done.stderr, done.stderr
+    assert "listening" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("data,mode,why", [
-    (b"x" * 31, 0o600, "31 bytes"),
-    (b"x" * 31 + b"\n", 0o600, "31 bytes and a line end"),
-    (b"x" * 40, 0o644, "readable by others"),
-    (b"x" * 40, 0o640, "readable by the group"),
+    (b"x" * 31, 0o600, "holds 31 bytes"),
+    (b"x" * 31 + b"\n", 0o600, "holds 31 bytes"),
+    (b"", 0o600, "holds 0 bytes"),
+    (b"x" * 40, 0o644, "mode 0600"),
+    (b"x" * 40, 0o640, "mode 0600"),
 ])
 def test_webhook_refuses_a_weak_secret_file(tmp_path, harness, data, mode, why):
-    secret = write_secret(tmp_path, data, mode)
-    done = subprocess.run([PYTHON, PROXY, "-db", harness.path, "webhook", "-listen",
-                           "127.0.0.1:0", "-secret-file", secret],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "listening" not in done.stderr, (why, done.stderr)
+    done = run_webhook(harness.path, "127.0.0.1:0", write_secret(tmp_path, data, mode))
+    assert done.returncode == 1 and why in done.stderr, done.stderr
+    assert "listening" not in done.stderr, done.stderr
 
 
 def test_webhook_refuses_a_linked_secret_file(tmp_path, harness):
-    target = write_secret(tmp_path)
     link = os.path.join(str(tmp_path), "link.secret")
-    os.symlink(target, link)
-    done = subprocess.run([PYTHON, PROXY, "-db", harness.path, "webhook", "-listen",
-                           "127.0.0.1:0", "-secret-file", link],
-                          capture_output=True, text=True, timeout=60)
+    os.symlink(write_secret(tmp_path), link)
+    done = run_webhook(harness.path, "127.0.0.1:0", link)
     assert done.returncode == 1 and "symbolic link" in done.stderr, done.stderr
 
 

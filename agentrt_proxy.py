@@ -9325,7 +9325,7 @@ _HOOK_TARGET_RE = re.compile(r"/[!-~]*")
 _HOOK_LENGTH_RE = re.compile(r"[0-9]{1,9}")
 # Headers read here; a second copy of one is refused, never resolved (which one a proxy in
 # front would have used is unknowable: request smuggling).
-_HOOK_SINGLE = frozenset({"content-length", "transfer-encoding", "accept",
+_HOOK_SINGLE = frozenset({"content-length", "transfer-encoding", "accept", "expect",
                           HOOK_TIMESTAMP.lower(), HOOK_NONCE.lower(), HOOK_SIGNATURE.lower()})
 _HOOK_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized",
                  404: "Not Found", 409: "Conflict", 410: "Gone", 413: "Payload Too Large",
@@ -9417,8 +9417,9 @@ def read_hook_secret(path: str | None) -> bytes:
     try:
         fd = os.open(path, flags)       # O_NONBLOCK: a FIFO put there cannot hang us
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot open the secret file ({exc.strerror}); it must "
-                          "be a regular file, not a symbolic link") from None
+        why = "it is a symbolic link; name the file itself" if os.path.islink(path) else \
+            exc.strerror
+        raise ConfigError(f"{path}: cannot open the secret file: {why}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
@@ -9527,6 +9528,8 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
         raise _bad("Content-Length is not a number")
     if int(length) > WEBHOOK_MAX_BODY:
         raise WebhookRefusal(413, "body_too_large", f"the body is over {WEBHOOK_MAX_BODY} bytes")
+    if int(length) and headers.get("expect", "").lower() == "100-continue":
+        reader.conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")   # else curl waits a second
     return HookRequest(method, target, headers, reader.exactly(int(length)))
 
 

@@ -37,6 +37,8 @@ Trust boundaries
 - The on_pending command is the operator's own program, started without a shell when an
   approval starts to wait; what it is told (the model's arguments among it) is sanitised,
   and it can neither decide nor delay anything.
+- The webhook (section 26), only when an operator starts it, takes the same decisions over
+  HTTP from whoever holds its shared secret; the serving proxy itself opens no listener.
 
 Sections, in dependency order
 -----------------------------
@@ -52,7 +54,8 @@ Sections, in dependency order
 10. The store                           23. Serving, pinning and checking
 11. The gate                            24. Re-checking recorded calls
 12. A run's session                     25. Operator commands
-13. Operator decisions                  26. main
+13. Operator decisions                  26. The webhook (HTTP approvals)
+                                        27. main
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ import datetime as _dt
 import hashlib
 import hmac
 import io
+import ipaddress
 import json
 import os
 import queue
@@ -8970,6 +8974,9 @@ USAGE = """usage:
   python agentrt_proxy.py -db DATABASE [-json] pending     what waits, and the command that decides it
   python agentrt_proxy.py -db DATABASE inbox [-once] [-by WHO] [-tty-not-required]
                                   decide from a terminal; -tty-not-required reads a pipe
+  python agentrt_proxy.py -db DATABASE webhook -listen 127.0.0.1:PORT -secret-file FILE [-public]
+  python agentrt_proxy.py [-json] sign -secret-file FILE -method GET|POST -path PATH
+                                  [-body TEXT | -body-file FILE]   headers for one webhook request
 
 A host starts the proxy as one stdio MCP server, with absolute paths:
   {"command": "python3", "args": ["/path/to/agentrt_proxy.py", "-config", "/path/to/proxy.json"]}
@@ -9026,6 +9033,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(sub.add_parser("inbox", add_help=False, allow_abbrev=False),
            ("once", {"action": "store_true"}), ("by", {}),
            ("tty-not-required", {"action": "store_true"}))
+    hook = sub.add_parser("webhook", add_help=False, allow_abbrev=False)
+    _flags(hook, ("listen", {}), ("secret-file", {}), ("public", {"action": "store_true"}))
+    sign = sub.add_parser("sign", add_help=False, allow_abbrev=False)
+    _flags(sign, ("secret-file", {}), ("method", {}), ("path", {}), ("body", {}),
+           ("body-file", {}))
     for parser in sub.choices.values():    # -json is accepted after the command too
         if parser.prog.split()[-1] not in _PROXY_COMMANDS:
             _flags(parser, ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
@@ -9884,7 +9896,619 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
-# ==== 26. main ====
+# ==== 26. The webhook: the HTTP approval channel ====
+# `webhook` serves approve, reject and cancel over HTTP. An operator runs it on purpose, as a
+# process of its own; the serving proxy opens no listener. A request is judged in an order
+# where each step is paid for only once the one before has passed: the rate (before a byte
+# is read), the request's shape and size (every read under one deadline for the whole
+# request), the signature (HMAC-SHA256 under a shared secret, a timestamp inside the window,
+# a signature never accepted before), then the route. Every route names its run: nothing
+# lists runs. Decisions go through decide_approval and cancel_run, bound to the hash the
+# caller was shown, and execute nothing. The database is opened for each request, so the
+# proxy may restart, or migrate it, underneath. Whoever holds the secret can decide any
+# approval of a run whose id they know; the webhook has no users. `sign` prints the headers
+# that sign one request, for an operator's script.
+
+WEBHOOK_MAX_BODY = 16 * 1024         # bytes of a request body; a longer one is refused unread
+WEBHOOK_RATE = 10.0                  # requests a second, every client together
+WEBHOOK_BURST = 20                   # requests at once before the rate applies
+WEBHOOK_SKEW = 300                   # seconds a timestamp may differ from our clock, either way
+WEBHOOK_LIST_LIMIT = 20              # pending approvals one answer lists
+WEBHOOK_MAX_NONCE = 64               # characters of a nonce
+WEBHOOK_MIN_SECRET = 32              # bytes of the shared secret, at least
+WEBHOOK_MAX_SECRET = 4096            # bytes of the secret file, at most
+WEBHOOK_REQUEST_SECONDS = 10.0       # the whole request, first byte to last (slow loris)
+WEBHOOK_SEND_SECONDS = 10.0          # the whole answer
+WEBHOOK_LINGER_SECONDS = 1.0         # draining a request left unread after a refusal
+WEBHOOK_LINGER_BYTES = 64 * 1024
+WEBHOOK_MAX_LINE = 8192              # bytes of the request line or of one header line
+WEBHOOK_MAX_HEADERS = 32
+WEBHOOK_MAX_CONNECTIONS = 16         # connections served at once; more are closed unread
+WEBHOOK_BACKLOG = 16
+WEBHOOK_RECV = 4096
+WEBHOOK_ACCEPT_POLL = 0.5            # seconds between looks at the stop flag
+# A signature is remembered while its timestamp could be accepted (2 * WEBHOOK_SKEW at most),
+# and the rate bounds how many can be accepted in that time: the set never has to forget one.
+WEBHOOK_SEEN_MAX = WEBHOOK_BURST + int(WEBHOOK_RATE * 2 * WEBHOOK_SKEW)
+
+HOOK_TIMESTAMP, HOOK_NONCE, HOOK_SIGNATURE = \
+    "X-Approval-Timestamp", "X-Approval-Nonce", "X-Approval-Signature"
+_HOOK_SIGNATURE_RE = re.compile(r"v1=[0-9a-f]{64}")      # one spelling: the replay key is exact
+_HOOK_TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
+_HOOK_NONCE_RE = re.compile(f"[!-~]{{1,{WEBHOOK_MAX_NONCE}}}")
+_HOOK_TOKEN_RE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HOOK_TARGET_RE = re.compile(r"/[!-~]*")
+_HOOK_LENGTH_RE = re.compile(r"[0-9]{1,9}")
+# Headers read here; a second copy of one is refused, never resolved (which one a proxy in
+# front would have used is unknowable: request smuggling).
+_HOOK_SINGLE = frozenset({"content-length", "transfer-encoding", "accept", "expect",
+                          HOOK_TIMESTAMP.lower(), HOOK_NONCE.lower(), HOOK_SIGNATURE.lower()})
+_HOOK_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized",
+                 404: "Not Found", 409: "Conflict", 410: "Gone", 413: "Payload Too Large",
+                 429: "Too Many Requests", 500: "Internal Server Error",
+                 503: "Service Unavailable"}
+_HOOK_JSON, _HOOK_TEXT = "application/json", "text/plain; charset=utf-8"
+_DECISION_FIELDS = ("run_id", "approval_id", "hash", "by", "note")
+_CANCEL_FIELDS = ("run_id", "by", "note")
+
+
+class WebhookRefusal(ProxyError):
+    """A request the webhook answers with an error: its HTTP status and code name."""
+
+    def __init__(self, status: int, code: str, msg: str):
+        super().__init__(msg)
+        self.status, self.code = status, code
+
+
+def _bad(msg: str) -> WebhookRefusal:
+    return WebhookRefusal(400, "bad_request", msg)
+
+
+def _unauthorized(msg: str) -> WebhookRefusal:
+    return WebhookRefusal(401, "unauthorized", msg)
+
+
+class TokenBucket:
+    """``rate`` requests a second, ``burst`` at once, for the whole server: a flood from any
+    number of clients costs one comparison a connection."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.at = float(burst), clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            now = self.clock()
+            self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
+            self.at = now
+            if self.tokens < 1:
+                return False
+            self.tokens -= 1
+            return True
+
+
+class SeenSignatures:
+    """Signatures accepted, each until its timestamp leaves the window (replay). Bounded; a
+    full set refuses a new one rather than forget one that could be replayed."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def first_use(self, signature: str, until: float, now: float) -> bool:
+        with self._lock:
+            if signature in self._until:
+                return False
+            if len(self._until) >= self.limit:
+                self._until = {s: t for s, t in self._until.items() if t >= now}
+            if len(self._until) >= self.limit:
+                return False
+            self._until[signature] = until
+            return True
+
+
+def hook_signature(secret: bytes, timestamp: str, nonce: str, method: str, target: str,
+                   body: bytes) -> str:
+    """The hex HMAC-SHA256 of timestamp, nonce, method and target, a line each, then the body."""
+    message = f"{timestamp}\n{nonce}\n{method}\n{target}\n".encode("ascii") + body
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def sign_request(secret: bytes, method: str, target: str, body: bytes, now: float,
+                 nonce: str = "") -> dict:
+    """The three headers that let the webhook verify one request."""
+    stamp, nonce = str(int(now)), nonce or secrets.token_hex(ID_BYTES)
+    return {HOOK_TIMESTAMP: stamp, HOOK_NONCE: nonce,
+            HOOK_SIGNATURE: "v1=" + hook_signature(secret, stamp, nonce, method, target, body)}
+
+
+def read_hook_secret(path: str | None) -> bytes:
+    """The shared secret: a regular file of ours, not a link, that nobody else may read or
+    write, holding at least WEBHOOK_MIN_SECRET bytes; line ends at its end are not part of it."""
+    if not path:
+        raise UsageError("-secret-file FILE is required")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)       # O_NONBLOCK: a FIFO put there cannot hang us
+    except OSError as exc:
+        why = "it is a symbolic link; name the file itself" if os.path.islink(path) else \
+            exc.strerror
+        raise ConfigError(f"{path}: cannot open the secret file: {why}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ConfigError(f"{path} must be a regular file of this user's, mode 0600 "
+                              f"(it is {stat.filemode(st.st_mode)}): chmod 600 {path}")
+        data = b""
+        while len(data) <= WEBHOOK_MAX_SECRET:
+            chunk = os.read(fd, WEBHOOK_MAX_SECRET + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    secret = data.rstrip(b"\r\n")
+    if len(data) > WEBHOOK_MAX_SECRET or len(secret) < WEBHOOK_MIN_SECRET:
+        raise ConfigError(f"{path} holds {len(secret)} bytes; the secret must hold "
+                          f"{WEBHOOK_MIN_SECRET} to {WEBHOOK_MAX_SECRET} (for example: "
+                          f"head -c 32 /dev/urandom | base64 > {path})")
+    return secret
+
+
+def parse_listen(text: str | None, public: bool) -> tuple[str, int, int]:
+    """(address, port, family) of -listen. Plain HTTP belongs on loopback: any other address
+    is refused unless the operator says -public."""
+    host, sep, port = (text or "").rpartition(":")
+    if not sep or not _HOOK_LENGTH_RE.fullmatch(port) or int(port) > 65535:
+        raise UsageError("-listen is ADDRESS:PORT, for example 127.0.0.1:8787")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise UsageError(f"-listen names an IP address, not {sanitize(host)!r}") from None
+    if not address.is_loopback and not public:
+        raise UsageError(f"-listen {sanitize(text or '')}: not a loopback address; the webhook "
+                         "speaks plain HTTP, so it listens elsewhere only with -public, "
+                         "behind TLS and a network boundary you control")
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    return str(address), int(port), family
+
+
+@dataclasses.dataclass(frozen=True)
+class HookRequest:
+    method: str
+    target: str                     # as sent, query included: what the signature covers
+    headers: dict                   # lower-cased name -> value
+    body: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class HookRoute:
+    action: str                     # list, show, approve, reject, cancel
+    run: str
+    approval: str = ""
+    as_text: bool = False
+
+
+class _HookReader:
+    """One request's bytes from a socket, every read under one deadline for the whole
+    request: a client sending a byte at a time cannot hold a thread past it (slow loris)."""
+
+    def __init__(self, conn: socket.socket, deadline: float):
+        self.conn, self.deadline, self.buf = conn, deadline, b""
+
+    def _more(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request took longer than its deadline")
+        self.conn.settimeout(left)
+        data = self.conn.recv(WEBHOOK_RECV)
+        if not data:
+            raise ConnectionError("the client closed the connection mid-request")
+        self.buf += data
+
+    def line(self) -> bytes:
+        while True:
+            end = self.buf.find(b"\n", 0, WEBHOOK_MAX_LINE + 1)
+            if end >= 0:
+                line, self.buf = self.buf[:end], self.buf[end + 1:]
+                return line[:-1] if line.endswith(b"\r") else line
+            if len(self.buf) > WEBHOOK_MAX_LINE:
+                raise _bad(f"a line of the request is over {WEBHOOK_MAX_LINE} bytes")
+            self._more()
+
+    def exactly(self, size: int) -> bytes:
+        while len(self.buf) < size:
+            self._more()
+        data, self.buf = self.buf[:size], self.buf[size:]
+        return data
+
+
+def read_hook_request(reader: _HookReader) -> HookRequest:
+    """The request line, at most WEBHOOK_MAX_HEADERS headers, then a body of the length
+    Content-Length states; a longer one is refused before any of it is read."""
+    parts = reader.line().split(b" ")
+    if len(parts) != 3 or not _HOOK_TOKEN_RE.fullmatch(parts[0]) or \
+            parts[2] not in (b"HTTP/1.0", b"HTTP/1.1"):
+        raise _bad("the request line is not METHOD TARGET HTTP/1.1")
+    method, target = parts[0].decode("ascii"), parts[1].decode("latin-1")
+    if not _HOOK_TARGET_RE.fullmatch(target):
+        raise _bad("the request target is not a path of visible ASCII")
+    headers = _read_headers(reader)
+    if "transfer-encoding" in headers:
+        raise _bad("a chunked body is not accepted; send Content-Length")
+    length = headers.get("content-length", "0")
+    if not _HOOK_LENGTH_RE.fullmatch(length):
+        raise _bad("Content-Length is not a number")
+    if int(length) > WEBHOOK_MAX_BODY:
+        raise WebhookRefusal(413, "body_too_large", f"the body is over {WEBHOOK_MAX_BODY} bytes")
+    if int(length) and headers.get("expect", "").lower() == "100-continue":
+        reader.conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")   # else curl waits a second
+    return HookRequest(method, target, headers, reader.exactly(int(length)))
+
+
+def _read_headers(reader: _HookReader) -> dict:
+    headers: dict[str, str] = {}
+    for _ in range(WEBHOOK_MAX_HEADERS + 1):
+        line = reader.line()
+        if not line:
+            return headers
+        name, sep, value = line.partition(b":")
+        if not sep or not _HOOK_TOKEN_RE.fullmatch(name):
+            raise _bad("a header line is not NAME: VALUE")
+        key = name.decode("ascii").lower()
+        if key in headers and key in _HOOK_SINGLE:
+            raise _bad(f"header {key} is given twice")
+        headers.setdefault(key, value.strip(b" \t").decode("latin-1"))
+    raise _bad(f"the request has more than {WEBHOOK_MAX_HEADERS} headers")
+
+
+def verify_hook_request(secret: bytes, req: HookRequest, now: float,
+                        seen: SeenSignatures) -> None:
+    """Refuse a request that is unsigned, signed under another secret or over other bytes,
+    timed outside the window either way, or whose signature was accepted before."""
+    stamp, nonce, signature = (req.headers.get(h.lower(), "")
+                               for h in (HOOK_TIMESTAMP, HOOK_NONCE, HOOK_SIGNATURE))
+    if not (stamp and nonce and signature):
+        raise _unauthorized(f"{HOOK_TIMESTAMP}, {HOOK_NONCE} and {HOOK_SIGNATURE} are required")
+    if not _HOOK_TIMESTAMP_RE.fullmatch(stamp) or abs(now - int(stamp)) > WEBHOOK_SKEW:
+        raise _unauthorized(f"{HOOK_TIMESTAMP} is not within {WEBHOOK_SKEW} seconds of "
+                            "this clock")
+    if not _HOOK_NONCE_RE.fullmatch(nonce):
+        raise _unauthorized(f"{HOOK_NONCE} is 1 to {WEBHOOK_MAX_NONCE} visible characters")
+    want = "v1=" + hook_signature(secret, stamp, nonce, req.method, req.target, req.body)
+    if not _HOOK_SIGNATURE_RE.fullmatch(signature) or \
+            not hmac.compare_digest(want.encode("ascii"), signature.encode("ascii")):
+        raise _unauthorized("the signature does not verify")
+    if not seen.first_use(signature, int(stamp) + WEBHOOK_SKEW, now):
+        raise _unauthorized("this signature was used before: sign each request anew")
+
+
+def hook_route(req: HookRequest) -> HookRoute:
+    """The route a verified request names. Each names its run; any other is not found."""
+    path, _, query = req.target.partition("?")
+    try:
+        parts = [urllib.parse.unquote(p, errors="strict") for p in path.split("/")[1:]]
+    except UnicodeDecodeError:
+        raise _bad("the path is not UTF-8 once unquoted") from None
+    if len(parts) < 3 or parts[0] != "runs" or not all(parts):
+        raise WebhookRefusal(404, "not_found", "no such route")
+    run, rest, verb = parts[1], parts[2:], (req.method, len(parts))
+    if verb == ("GET", 3) and rest == ["approvals"] and not query:
+        return HookRoute("list", run)
+    if verb == ("GET", 4) and rest[0] == "approvals" and query in ("", "format=text",
+                                                                  "format=json"):
+        text = query == "format=text" or "text/plain" in req.headers.get("accept", "").lower()
+        return HookRoute("show", run, rest[1], text)
+    if verb == ("POST", 5) and rest[0] == "approvals" and rest[2] in ("approve", "reject") \
+            and not query:
+        return HookRoute(rest[2], run, rest[1])
+    if verb == ("POST", 3) and rest == ["cancel"] and not query:
+        return HookRoute("cancel", run)
+    raise WebhookRefusal(404, "not_found", "no such route")
+
+
+def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
+    """A decision's body: an object of strings naming the run (and approval) of its path,
+    with the hash shown and an identity. Anything else is refused, not guessed at."""
+    try:
+        doc = parse_json(raw)           # strict: a repeated "hash" is refused, not resolved
+    except JSONError as exc:
+        raise _bad(f"the body is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
+        raise _bad(f"the body is an object of strings: {', '.join(fields)}")
+    unknown = sorted(set(doc) - set(fields))
+    if unknown:
+        raise _bad(f"the body has a field {sanitize(unknown[0])!r} that no decision has")
+    missing = [f for f in fields if f != "note" and not doc.get(f)]
+    if missing:
+        raise _bad(f"the body lacks {missing[0]}")
+    if doc["run_id"] != route.run or doc.get("approval_id", route.approval) != route.approval:
+        raise _bad("the body names another run or approval than its path")
+    return doc
+
+
+# Each outcome of the store, in the error table; the first class that matches decides.
+_HOOK_OUTCOMES = ((NotFound, 404, "not_found"), (ApprovalExpired, 410, "expired"),
+                  (NotPending, 409, "not_pending"), (ApprovalChanged, 409, "approval_changed"),
+                  (ApprovalHashMismatch, 409, "approval_hash"),
+                  (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"))
+
+
+def _hook_refusal(exc: ProxyError, route: HookRoute) -> WebhookRefusal:
+    if isinstance(exc, WebhookRefusal):
+        return exc
+    for kind, status, code in _HOOK_OUTCOMES:
+        if isinstance(exc, kind):
+            if kind is RunStateError and route.action == "cancel":
+                code = "run_finished"
+            return WebhookRefusal(status, code, sanitize(str(exc)))
+    return WebhookRefusal(500, "internal", sanitize(str(exc)))
+
+
+def _hook_json(status: int, doc: dict) -> tuple[int, str, bytes]:
+    """Our own encoder; DEL, C1 controls and bidirectional characters as \\u escapes (the
+    same value), so an answer read on a terminal cannot drive it."""
+    text = _JSON_INERT.sub(_json_escape, dump_json(doc))
+    return status, _HOOK_JSON, (text + "\n").encode("utf-8")
+
+
+def _hook_row(a: Approval) -> dict:
+    """An approval's state. Ids and the hash as stored (a caller sends them back); every other
+    field of the row sanitised."""
+    row = {"id": a.id, "run_id": a.run_id, "hash": a.hash}
+    row.update({k: sanitize(str(v)) for k, v in _approval_row(a).items() if k not in row})
+    return row
+
+
+def _hook_record(data: bytes) -> Any:
+    try:
+        return read_own(data) if data.strip(JSON_WS) else {}
+    except JSONError as exc:
+        return {"unread": sanitize(str(exc))}
+
+
+def _hook_approval(store: Store, a: Approval) -> dict:
+    """One approval in full: its state and everything its hash binds."""
+    doc = _hook_row(a)
+    try:
+        doc["arguments"] = _hook_record(a.request().args)
+    except (ProxyError, KeyError, ValueError) as exc:
+        doc["arguments"] = {"unread": sanitize(str(exc))}
+    doc["capability"], doc["presentation"] = _hook_record(a.capability), \
+        _hook_record(a.presentation)
+    return doc
+
+
+def _hook_run(run: Run) -> dict:
+    return {"id": run.id, "status": sanitize(run.status), "reason": sanitize(run.reason)}
+
+
+def _approval_under(store: Store, route: HookRoute) -> Approval:
+    store.get_run(route.run)
+    approval = store.get_approval(route.approval)
+    if approval.run_id != route.run:
+        raise NotFound(f"approval {route.approval} is not an approval of run {route.run}")
+    return approval
+
+
+class Webhook:
+    """The HTTP approval channel over one database: accepts connections, answers each once,
+    and keeps the rate and the signatures seen."""
+
+    def __init__(self, db_path: str, secret: bytes, log: Callable[[str], None],
+                 clock: Callable[[], float] = time.time):
+        self.db_path, self.secret, self.clock = db_path, secret, clock
+        self.bucket = TokenBucket(WEBHOOK_RATE, WEBHOOK_BURST)
+        self.seen = SeenSignatures(WEBHOOK_SEEN_MAX)
+        self.slots = threading.BoundedSemaphore(WEBHOOK_MAX_CONNECTIONS)
+        self._log, self._log_lock = log, threading.Lock()
+
+    def log(self, text: str) -> None:
+        with self._log_lock:
+            self._log(text)
+
+    def serve(self, sock: socket.socket, stop: threading.Event) -> None:
+        """Accept until ``stop`` is set, then wait (bounded) for the requests in flight."""
+        sock.settimeout(WEBHOOK_ACCEPT_POLL)
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except socket.timeout:      # the poll: look at the stop flag again
+                continue
+            except OSError:             # out of descriptors, a reset in accept: back off, not spin
+                stop.wait(WEBHOOK_ACCEPT_POLL)
+                continue
+            if not self.slots.acquire(blocking=False):
+                conn.close()            # as many served as we serve at once: dropped unread
+                continue
+            threading.Thread(target=self.handle_connection, args=(conn,), daemon=True).start()
+        deadline = time.monotonic() + WEBHOOK_REQUEST_SECONDS + WEBHOOK_SEND_SECONDS
+        for _ in range(WEBHOOK_MAX_CONNECTIONS):
+            if not self.slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break
+
+    def handle_connection(self, conn: socket.socket) -> None:
+        """Answer one accepted connection, close it, and give back the slot its caller took."""
+        try:
+            self._exchange(conn)
+        except OSError:
+            pass                        # the client went away or ran out its deadline
+        except Exception as exc:        # a defect must not pass unseen, nor end the server
+            self.log(f"webhook: internal error: {type(exc).__name__}: {exc}")
+        finally:
+            conn.close()
+            self.slots.release()
+
+    def _exchange(self, conn: socket.socket) -> None:
+        if not self.bucket.take():
+            # Judged before a byte is read: a flood costs no parsing, no HMAC, no database.
+            self._send(conn, *self._error(WebhookRefusal(429, "rate_limited",
+                                                         "too many requests: try again later")))
+            _linger(conn)
+            return
+        try:
+            req = read_hook_request(_HookReader(conn, time.monotonic() + WEBHOOK_REQUEST_SECONDS))
+        except WebhookRefusal as refusal:
+            self._send(conn, *self._error(refusal))
+            _linger(conn)               # the body, or the rest of the head, was left unread
+            return
+        self._send(conn, *self.answer(req))
+
+    def answer(self, req: HookRequest) -> tuple[int, str, bytes]:
+        """Verify, route and act; every refusal an answer from the error table."""
+        try:
+            verify_hook_request(self.secret, req, self.clock(), self.seen)
+            route = hook_route(req)
+        except WebhookRefusal as refusal:
+            return self._error(refusal)
+        try:
+            store = Store.open_existing(self.db_path, readonly=route.action in ("list", "show"))
+        except StoreError as exc:       # the file itself gone or unsafe: not the run's 404
+            return self._error(WebhookRefusal(503, "unavailable",
+                                              f"the database cannot be opened: {exc}"))
+        try:
+            return getattr(self, "_do_" + route.action)(store, route, req)
+        except ProxyError as exc:
+            return self._error(_hook_refusal(exc, route))
+        finally:
+            store.close()
+
+    def _error(self, refusal: WebhookRefusal) -> tuple[int, str, bytes]:
+        return _hook_json(refusal.status, {"error": sanitize(str(refusal)), "code": refusal.code})
+
+    def _do_list(self, store: Store, route: HookRoute, req: HookRequest):
+        store.get_run(route.run)
+        pending = store.pending_approvals(route.run)
+        return _hook_json(200, {"run_id": route.run, "total": len(pending), "approvals":
+                                [_hook_row(a) for a in pending[:WEBHOOK_LIST_LIMIT]]})
+
+    def _do_show(self, store: Store, route: HookRoute, req: HookRequest):
+        approval = _approval_under(store, route)
+        if approval.status == PENDING:
+            approval.verify()           # a row edited behind the proxy's back is not shown
+        if approval.status == EXPIRED or \
+                (approval.status == PENDING and _expired(approval, self.clock())):
+            # Shown without writing: only a decision on it expires it and cancels the run.
+            raise WebhookRefusal(410, "expired", f"approval {approval.id} expired at "
+                                                 f"{approval.expires_at}")
+        if route.as_text:
+            text = "\n".join(approval_block(store, approval, store.path)) + "\n"
+            return 200, _HOOK_TEXT, text.encode("utf-8")
+        return _hook_json(200, {"approval": _hook_approval(store, approval)})
+
+    def _do_approve(self, store: Store, route: HookRoute, req: HookRequest):
+        doc = _hook_body(req.body, route, _DECISION_FIELDS)
+        approve = route.action == "approve"
+        approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
+                                        doc.get("note", ""), doc["hash"], self.clock())
+        self.log(f"webhook: approval {approval.id} of run {run.id}: {approval.status} by "
+                 f"{doc['by']}")
+        return _hook_json(202 if approve else 200,
+                          {"approval": _hook_row(approval), "run": _hook_run(run)})
+
+    _do_reject = _do_approve
+
+    def _do_cancel(self, store: Store, route: HookRoute, req: HookRequest):
+        doc = _hook_body(req.body, route, _CANCEL_FIELDS)
+        run = cancel_run(store, route.run, doc["by"], doc.get("note", ""), self.clock())
+        self.log(f"webhook: run {run.id}: cancelled by {doc['by']}")
+        return _hook_json(200, {"run": _hook_run(run)})
+
+    def _send(self, conn: socket.socket, status: int, ctype: str, body: bytes) -> None:
+        head = (f"HTTP/1.1 {status} {_HOOK_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\n"
+                "X-Content-Type-Options: nosniff\r\nConnection: close\r\n\r\n")
+        conn.settimeout(WEBHOOK_SEND_SECONDS)      # bounds the whole sendall
+        conn.sendall(head.encode("ascii") + body)
+
+
+def _linger(conn: socket.socket) -> None:
+    """After answering a request left unread, drop what the client still sends, for a
+    bounded time: closing with unread bytes resets the connection, and the client could
+    lose the answer."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        deadline, dropped = time.monotonic() + WEBHOOK_LINGER_SECONDS, 0
+        while dropped < WEBHOOK_LINGER_BYTES and time.monotonic() < deadline:
+            conn.settimeout(max(0.0, deadline - time.monotonic()))
+            data = conn.recv(WEBHOOK_RECV)
+            if not data:
+                return
+            dropped += len(data)
+    except OSError:
+        return
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event):
+    """SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def cmd_webhook(args, out: Out) -> int:
+    host, port, family = parse_listen(args.listen, args.public)
+    secret = read_hook_secret(args.secret_file)
+    path = _database_path(args)
+    try:
+        Store.open_existing(path, readonly=True).close()     # refuse now, not per request
+    except NotFound:
+        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+    hook = Webhook(path, secret, out.log)
+    stop = threading.Event()
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(WEBHOOK_BACKLOG)
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        out.log(f"webhook listening on http://{shown}:{sock.getsockname()[1]} for {path}")
+        out.stderr.flush()
+        with _stop_on_signals(stop):
+            hook.serve(sock, stop)
+    out.log("webhook stopped")
+    return 0
+
+
+def cmd_sign(args, out: Out) -> int:
+    """Print the headers that sign one request to the webhook, for an operator's script."""
+    if args.method not in ("GET", "POST"):
+        raise UsageError("sign: -method is GET or POST")
+    if not args.path or not _HOOK_TARGET_RE.fullmatch(args.path):
+        raise UsageError("sign: -path is the request's path from its /, query included, "
+                         "e.g. /runs/RUN/approvals/ID/approve")
+    if args.body is not None and args.body_file is not None:
+        raise UsageError("sign: -body and -body-file are exclusive")
+    body = args.body.encode("utf-8") if args.body is not None else b""
+    if args.body_file is not None:
+        with open(args.body_file, "rb") as f:
+            body = f.read(WEBHOOK_MAX_BODY + 1)
+    if len(body) > WEBHOOK_MAX_BODY:
+        raise UsageError(f"sign: the body is over {WEBHOOK_MAX_BODY} bytes; the webhook "
+                         "refuses it")
+    headers = sign_request(read_hook_secret(args.secret_file), args.method, args.path, body,
+                           time.time())
+    if args.json:
+        out.json(headers)
+    else:
+        for name, value in headers.items():
+            out.line(f"{name}: {value}")
+    return 0
+
+
+_HOOK_COMMANDS = {"webhook": cmd_webhook, "sign": cmd_sign}
+
+
+# ==== 27. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""
@@ -9902,6 +10526,8 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
             raise UsageError("no command given")
         if args.command in _PROXY_COMMANDS:
             return run_proxy_command(args, out)
+        if args.command in _HOOK_COMMANDS:
+            return _HOOK_COMMANDS[args.command](args, out)
         return run_operator(args, out)
     except UsageError as exc:
         out.log(str(exc))

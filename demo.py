@@ -130,14 +130,16 @@ class Demo:
         return Host([sys.executable, PROXY, "-config", self.config])
 
     def operator(self, verb: str, note: str = "") -> None:
-        """A second process decides the one waiting approval, as the operator would."""
-        runs = json.loads(self.cli("-json", "runs"))["runs"]
-        waiting = [r for r in runs if r["status"] == "WAITING_FOR_APPROVAL"
-                   and r["pending_approval_id"]]
+        """A second process decides the one waiting approval, as the operator would: it
+        lists what waits, then decides by the approval id (the one the model was shown)."""
+        waiting = [a for a in json.loads(self.cli("-json", "pending"))["approvals"]
+                   if a["status"] == "pending"]
         if not waiting:
             raise DemoFailure("nothing is waiting for an approval")
-        run, approval = waiting[0]["id"], waiting[0]["pending_approval_id"]
-        args = [verb, run, "-approval", approval, "-by", "demo-operator"]
+        print("  operator runs: python agentrt_proxy.py -db runs.db pending")
+        first = self.cli("pending").strip().splitlines()[1]
+        print("  operator sees: " + first)
+        args = [verb, "-approval", waiting[0]["approval_id"], "-by", "demo-operator"]
         if note:
             args += ["-note", note]
         print(f"  operator runs: python agentrt_proxy.py -db runs.db {shlex.join(args)}")

@@ -4677,6 +4677,14 @@ def child_env(inherit: Iterable[str], env: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def _executable(argv0: str, cwd: str | None) -> str:
+    """The program to start: a relative path such as ./server is the server's working
+    directory's, as its arguments are; a bare name is looked up on PATH."""
+    if cwd and os.sep in argv0 and not os.path.isabs(argv0):
+        return os.path.join(cwd, argv0)
+    return shutil.which(argv0, path=os.environ.get("PATH")) or argv0
+
+
 def _contain_child() -> None:
     """Run in the child before exec (Linux): die when the proxy dies."""
     try:
@@ -4923,9 +4931,10 @@ class StdioUpstream(Upstream):
     """A server started as a child process: its own process group, a minimal environment,
     newline-delimited JSON-RPC, the last 4 KiB of its stderr kept for error messages."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: str = ""):
         super().__init__(name)
         self.argv, self.env = argv, env
+        self.cwd = cwd or None      # the configuration's directory (section 18)
         self.proc: asyncio.subprocess.Process | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._write_lock = asyncio.Lock()
@@ -4934,7 +4943,7 @@ class StdioUpstream(Upstream):
         self._close_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        exe = shutil.which(self.argv[0], path=os.environ.get("PATH")) or self.argv[0]
+        exe = _executable(self.argv[0], self.cwd)
         kwargs: dict[str, Any] = {"process_group": 0}
         if sys.platform.startswith("linux"):
             kwargs["preexec_fn"] = _contain_child
@@ -4942,7 +4951,7 @@ class StdioUpstream(Upstream):
             self.proc = await asyncio.create_subprocess_exec(
                 exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=self.env, limit=MAX_FRAME + 1024, **kwargs)
+                env=self.env, cwd=self.cwd, limit=MAX_FRAME + 1024, **kwargs)
         except OSError as exc:
             raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
@@ -5523,7 +5532,7 @@ async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
     """Start or reach the server and settle its era, all within ``deadline``."""
     if server.command:
         conn: Upstream = StdioUpstream(server.name, list(server.command),
-                                       child_env(server.inherit_env, server.env))
+                                       child_env(server.inherit_env, server.env), server.cwd)
         await conn.start()
     else:
         conn = HttpUpstream(server.name, server.endpoint)
@@ -5971,6 +5980,10 @@ DEFAULT_REPEAT_WINDOW = 600.0
 DEFAULT_MAX_PENDING = 5
 DEFAULT_STATUS_TOOL = "gate_status"
 MIN_LEASE_TTL = 3.0
+# A server's default_timeout when the configuration gives none: a tool call without its own
+# timeout is cut off after this long (its outcome is then unknown, if it mutates).
+DEFAULT_TOOL_TIMEOUT = 30.0
+MANIFEST_SUFFIX = ".manifest.json"     # a server's manifest when none is named: <name>.manifest.json
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CONFIG_OUTCOMES = ("allow", "require_approval", "deny")
 # SQLite keeps part of the database beside it: a server that writes the WAL (or a hot
@@ -6009,6 +6022,7 @@ class ServerConfig:
     manifest: str = ""
     rules: tuple[tuple[str, Rule], ...] = ()
     skip_path_check: bool = False
+    cwd: str = ""           # a stdio server starts in the configuration's directory
 
     @property
     def rule_map(self) -> dict[str, Rule]:
@@ -6218,10 +6232,13 @@ def check_database_owner(path: str, writer: bool = True) -> None:
 
 def check_reach(cfg: Config) -> None:
     """Refuse a stdio server whose arguments name the configuration, a manifest, the database
-    or one of its sidecars, or a directory holding one. A guard against a mistake in the configuration, not a
-    boundary: it cannot see what a server reaches by other means."""
+    or one of its sidecars, the proxy's own file, or a directory holding one; a relative
+    argument is read from the configuration's directory, where the server starts. A guard
+    against a mistake in the configuration, not a boundary: it cannot see what a server
+    reaches by other means."""
     protected = [p for p in (cfg.path, *_database_files(cfg.database),
-                             *(s.manifest for s in cfg.servers)) if p]
+                             *(s.manifest for s in cfg.servers), *_proxy_files()) if p]
+    base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
     idents: dict[tuple[int, int], str] = {}
     unborn: dict[str, str] = {}
     for path in protected:
@@ -6237,6 +6254,7 @@ def check_reach(cfg: Config) -> None:
             continue
         for arg in server.command[1:]:
             for candidate in _reach_candidates(arg):
+                candidate = os.path.join(base, candidate)
                 try:
                     st = os.stat(candidate)
                     hit = idents.get((st.st_dev, st.st_ino))
@@ -6248,6 +6266,12 @@ def check_reach(cfg: Config) -> None:
                         f"{hit}, which the proxy's policy and approvals depend on: point the "
                         "server elsewhere, or set skip_path_check on it if it cannot write "
                         "there")
+
+
+def _proxy_files() -> list[str]:
+    """The proxy's own code as it runs: a server that can rewrite it rewrites the gate."""
+    here = os.path.abspath(__file__)
+    return list(dict.fromkeys((here, _real_path(here))))
 
 
 def _database_files(path: str) -> list[str]:
@@ -6307,9 +6331,10 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
     command, endpoint = f.texts("command"), f.text("endpoint")
     if bool(command) == bool(endpoint):
         raise ConfigError(f"{where}: exactly one of command or endpoint is required")
-    manifest = f.text("manifest")
+    manifest = f.text("manifest") if "manifest" in f.doc else _default_manifest(name, where)
     if not manifest:
-        raise ConfigError(f"{where}: manifest is required")
+        raise ConfigError(f"{where}: manifest is empty: name a file, or leave manifest out "
+                          f"for {name}{MANIFEST_SUFFIX}")
     env, inherit = f.texts("env"), f.texts("inherit_env")
     for entry_text in env:
         if "=" not in entry_text or entry_text.startswith("="):
@@ -6323,9 +6348,18 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
     return ServerConfig(
         name=name, command=command, endpoint=endpoint, env=env, inherit_env=inherit,
         connect_timeout=f.duration("connect_timeout", 0.0) or DEFAULT_CONNECT_TIMEOUT,
-        default_timeout=f.duration("default_timeout", 0.0),
+        default_timeout=f.duration("default_timeout", DEFAULT_TOOL_TIMEOUT),
         manifest=os.path.join(base, manifest), rules=tuple(rules),
-        skip_path_check=f.flag("skip_path_check"))
+        skip_path_check=f.flag("skip_path_check"), cwd=base)
+
+
+def _default_manifest(name: str, where: str) -> str:
+    """<name>.manifest.json beside the configuration, for a name that is a plain file name:
+    a name such as ../x would otherwise place the manifest outside the directory."""
+    if not _NAME_RE.fullmatch(name):
+        raise ConfigError(f"{where}: manifest is required for a name that is not 1 to 64 "
+                          "letters, digits, _ or -")
+    return name + MANIFEST_SUFFIX
 
 
 def _parse_rule(doc: Any, where: str) -> Rule:
@@ -8110,7 +8144,7 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     the names registered and the error a failure gives are those of loading the servers one
     after another. After a failure the servers later in the order are stopped, and every
     server opened is closed."""
-    loads = [asyncio.create_task(_load_one(server)) for server in cfg.servers]
+    loads = [asyncio.create_task(_load_one(server, cfg.path)) for server in cfg.servers]
     tools: list[UpstreamTool] = []
     reports: list[Report] = []
     owners: dict[str, str] = {}
@@ -8137,7 +8171,11 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     return tools, reports
 
 
-async def _load_one(server: ServerConfig) -> tuple[list[UpstreamTool], Report]:
+async def _load_one(server: ServerConfig, config_path: str = "",
+                    ) -> tuple[list[UpstreamTool], Report]:
+    if not os.path.lexists(server.manifest):
+        raise MCPError(f"server {_quote(server.name)}: manifest {server.manifest} does not "
+                       f"exist: run {_self_command()} pin -config {config_path or 'CONFIG'}")
     try:
         pinned = read_manifest(server.manifest, server.name)
     except ConfigError as exc:
@@ -8180,8 +8218,10 @@ def _hints_text(ann: dict | None) -> str:
 
 
 async def cmd_pin(cfg: Config, out: Out) -> int:
+    check_reach(cfg)                    # before any server starts, as serving does
     for server in cfg.servers:
         manifest = await pin_server(server, time.time())
+        before = previous_pin(server)
         write_manifest(server.manifest, manifest)
         tools = manifest["tools"]
         out.line(f"{sanitize(server.name)}: {len(tools)} tools pinned to "
@@ -8192,9 +8232,82 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
                             PIN_DESCRIPTION_BYTES)
             out.line(f"  {sanitize(name):<{PIN_NAME_WIDTH}} "
                      f"{_hints_text(entry.get('annotations')):<{PIN_HINTS_WIDTH}} {desc}")
+        for line in pin_changes(before, tools):
+            out.line(line)
     out.line(f"classify the tools in the configuration's rules, then run: "
              f"{_self_command()} check -config {cfg.path}")
     return 0
+
+
+# -- what a new pin changed: the operator reads it before trusting the new manifest --
+# A description is model input and a schema is what the gate checks, so a change to either is
+# shown line by line. Everything printed came from a server and is sanitised; each tool's
+# diff is capped, so a hostile server cannot bury the rest of the output.
+
+PIN_DIFF_LINES = 200                 # diff lines shown per tool and field
+PIN_WRAP_WIDTH = 88                  # a description is wrapped to this width before diffing
+
+
+def previous_pin(server: ServerConfig) -> tuple[dict[str, PinnedTool] | None, str]:
+    """The manifest a pin replaces, or None with why it is not there or not readable."""
+    if not os.path.lexists(server.manifest):
+        return None, ""
+    try:
+        return read_manifest(server.manifest, server.name), ""
+    except ConfigError as exc:
+        return None, str(exc)
+
+
+def pin_changes(before: tuple[dict[str, PinnedTool] | None, str], tools: dict) -> list[str]:
+    """Lines saying what changed between the replaced manifest and the new one's tools."""
+    old, unread = before
+    if old is None:
+        return [f"  the manifest it replaces could not be read: {sanitize(unread)}"] \
+            if unread else ["  first pin: no manifest replaced"]
+    lines = [f"  added    {sanitize(n)}" for n in sorted(set(tools) - set(old))]
+    lines += [f"  removed  {sanitize(n)}" for n in sorted(set(old) - set(tools))]
+    for name in sorted(set(tools) & set(old)):
+        entry, pin = tools[name], old[name]
+        if not same_digest(entry["description_hash"], pin.description_hash):
+            lines.append(f"  changed  {sanitize(name)}: description")
+            lines += _diff_lines(_wrapped(pin.description), _wrapped(entry["description"]))
+        if not same_digest(entry["schema_hash"], pin.schema_hash):
+            lines.append(f"  changed  {sanitize(name)}: input schema")
+            lines += _diff_lines(_schema_lines(pin.schema),
+                                 _schema_lines(entry["input_schema"].data))
+        was, now = _hints_text(pin.annotations), _hints_text(entry.get("annotations"))
+        if was != now:
+            lines.append(f"  changed  {sanitize(name)}: hints {was} -> {now}")
+    if not lines:
+        return ["  no change since the manifest it replaces"]
+    return ["  changes since the manifest it replaces:"] + lines
+
+
+def _wrapped(text: str) -> list[str]:
+    import textwrap                  # imported here: only pin needs it
+    out: list[str] = []
+    for para in text.split("\n"):
+        out += textwrap.wrap(para, PIN_WRAP_WIDTH) or [""]
+    return out
+
+
+def _schema_lines(raw: bytes) -> list[str]:
+    try:
+        return _pretty(parse_json(raw, strict=False, max_depth=RECORD_DEPTH),
+                       cut=False).split("\n")
+    except JSONError:
+        return [raw.decode("utf-8", "replace")]
+
+
+def _diff_lines(old: list[str], new: list[str]) -> list[str]:
+    """A unified diff of two texts, indented, sanitised and capped."""
+    import difflib                   # imported here: only pin needs it
+    body = [line.rstrip("\n") for line in
+            difflib.unified_diff(old, new, "pinned", "now", n=1, lineterm="")][2:]
+    shown = ["      " + sanitize(line) for line in body[:PIN_DIFF_LINES]]
+    if len(body) > PIN_DIFF_LINES:
+        shown.append(f"      ... {len(body) - PIN_DIFF_LINES} more lines")
+    return shown
 
 
 async def cmd_check(cfg: Config, out: Out) -> int:

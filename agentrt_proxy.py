@@ -51,7 +51,7 @@ Sections, in dependency order
  7. Schema validation                   20. The rules across calls: the call index
  8. Time and records                    21. Deciding a call
  9. Policy                              22. The host-facing server
-10. The store                           23. Serving, pinning and checking
+10. The store                           23. Serving, pinning, checking, wrap
 11. The gate                            24. Re-checking recorded calls
 12. A run's session                     25. Operator commands
 13. Operator decisions                  26. The webhook (HTTP approvals)
@@ -4712,6 +4712,14 @@ def child_env(inherit: Iterable[str], env: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def _executable(argv0: str, cwd: str | None) -> str:
+    """The program to start: a relative path such as ./server is the server's working
+    directory's, as its arguments are; a bare name is looked up on PATH."""
+    if cwd and os.sep in argv0 and not os.path.isabs(argv0):
+        return os.path.join(cwd, argv0)
+    return shutil.which(argv0, path=os.environ.get("PATH")) or argv0
+
+
 def _contain_child() -> None:
     """Run in the child before exec (Linux): die when the proxy dies."""
     try:
@@ -4958,9 +4966,10 @@ class StdioUpstream(Upstream):
     """A server started as a child process: its own process group, a minimal environment,
     newline-delimited JSON-RPC, the last 4 KiB of its stderr kept for error messages."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: str = ""):
         super().__init__(name)
         self.argv, self.env = argv, env
+        self.cwd = cwd or None      # the configuration's directory (section 18)
         self.proc: asyncio.subprocess.Process | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._write_lock = asyncio.Lock()
@@ -4969,7 +4978,7 @@ class StdioUpstream(Upstream):
         self._close_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        exe = shutil.which(self.argv[0], path=os.environ.get("PATH")) or self.argv[0]
+        exe = _executable(self.argv[0], self.cwd)
         kwargs: dict[str, Any] = {"process_group": 0}
         if sys.platform.startswith("linux"):
             kwargs["preexec_fn"] = _contain_child
@@ -4977,7 +4986,7 @@ class StdioUpstream(Upstream):
             self.proc = await asyncio.create_subprocess_exec(
                 exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=self.env, limit=MAX_FRAME + 1024, **kwargs)
+                env=self.env, cwd=self.cwd, limit=MAX_FRAME + 1024, **kwargs)
         except OSError as exc:
             raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
@@ -5558,7 +5567,7 @@ async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
     """Start or reach the server and settle its era, all within ``deadline``."""
     if server.command:
         conn: Upstream = StdioUpstream(server.name, list(server.command),
-                                       child_env(server.inherit_env, server.env))
+                                       child_env(server.inherit_env, server.env), server.cwd)
         await conn.start()
     else:
         conn = HttpUpstream(server.name, server.endpoint)
@@ -6009,6 +6018,10 @@ DEFAULT_REPEAT_WINDOW = 600.0
 DEFAULT_MAX_PENDING = 5
 DEFAULT_STATUS_TOOL = "gate_status"
 MIN_LEASE_TTL = 3.0
+# A server's default_timeout when the configuration gives none: a tool call without its own
+# timeout is cut off after this long (its outcome is then unknown, if it mutates).
+DEFAULT_TOOL_TIMEOUT = 30.0
+MANIFEST_SUFFIX = ".manifest.json"     # a server's manifest when none is named: <name>.manifest.json
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CONFIG_OUTCOMES = ("allow", "require_approval", "deny")
 # SQLite keeps part of the database beside it: a server that writes the WAL (or a hot
@@ -6047,6 +6060,7 @@ class ServerConfig:
     manifest: str = ""
     rules: tuple[tuple[str, Rule], ...] = ()
     skip_path_check: bool = False
+    cwd: str = ""           # a stdio server starts in the configuration's directory
 
     @property
     def rule_map(self) -> dict[str, Rule]:
@@ -6287,10 +6301,13 @@ def check_database_owner(path: str, writer: bool = True) -> None:
 
 def check_reach(cfg: Config) -> None:
     """Refuse a stdio server whose arguments name the configuration, a manifest, the database
-    or one of its sidecars, or a directory holding one. A guard against a mistake in the configuration, not a
-    boundary: it cannot see what a server reaches by other means."""
+    or one of its sidecars, the proxy's own file, or a directory holding one; a relative
+    argument is read from the configuration's directory, where the server starts. A guard
+    against a mistake in the configuration, not a boundary: it cannot see what a server
+    reaches by other means."""
     protected = [p for p in (cfg.path, *_database_files(cfg.database),
-                             *(s.manifest for s in cfg.servers)) if p]
+                             *(s.manifest for s in cfg.servers), *_proxy_files()) if p]
+    base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
     idents: dict[tuple[int, int], str] = {}
     unborn: dict[str, str] = {}
     for path in protected:
@@ -6306,6 +6323,7 @@ def check_reach(cfg: Config) -> None:
             continue
         for arg in server.command[1:]:
             for candidate in _reach_candidates(arg):
+                candidate = os.path.join(base, candidate)
                 try:
                     st = os.stat(candidate)
                     hit = idents.get((st.st_dev, st.st_ino))
@@ -6317,6 +6335,12 @@ def check_reach(cfg: Config) -> None:
                         f"{hit}, which the proxy's policy and approvals depend on: point the "
                         "server elsewhere, or set skip_path_check on it if it cannot write "
                         "there")
+
+
+def _proxy_files() -> list[str]:
+    """The proxy's own code as it runs: a server that can rewrite it rewrites the gate."""
+    here = os.path.abspath(__file__)
+    return list(dict.fromkeys((here, _real_path(here))))
 
 
 def _database_files(path: str) -> list[str]:
@@ -6376,9 +6400,10 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
     command, endpoint = f.texts("command"), f.text("endpoint")
     if bool(command) == bool(endpoint):
         raise ConfigError(f"{where}: exactly one of command or endpoint is required")
-    manifest = f.text("manifest")
+    manifest = f.text("manifest") if "manifest" in f.doc else _default_manifest(name, where)
     if not manifest:
-        raise ConfigError(f"{where}: manifest is required")
+        raise ConfigError(f"{where}: manifest is empty: name a file, or leave manifest out "
+                          f"for {name}{MANIFEST_SUFFIX}")
     env, inherit = f.texts("env"), f.texts("inherit_env")
     for entry_text in env:
         if "=" not in entry_text or entry_text.startswith("="):
@@ -6392,9 +6417,18 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
     return ServerConfig(
         name=name, command=command, endpoint=endpoint, env=env, inherit_env=inherit,
         connect_timeout=f.duration("connect_timeout", 0.0) or DEFAULT_CONNECT_TIMEOUT,
-        default_timeout=f.duration("default_timeout", 0.0),
+        default_timeout=f.duration("default_timeout", DEFAULT_TOOL_TIMEOUT),
         manifest=os.path.join(base, manifest), rules=tuple(rules),
-        skip_path_check=f.flag("skip_path_check"))
+        skip_path_check=f.flag("skip_path_check"), cwd=base)
+
+
+def _default_manifest(name: str, where: str) -> str:
+    """<name>.manifest.json beside the configuration, for a name that is a plain file name:
+    a name such as ../x would otherwise place the manifest outside the directory."""
+    if not _NAME_RE.fullmatch(name):
+        raise ConfigError(f"{where}: manifest is required for a name that is not 1 to 64 "
+                          "letters, digits, _ or -")
+    return name + MANIFEST_SUFFIX
 
 
 def _parse_rule(doc: Any, where: str) -> Rule:
@@ -8268,7 +8302,7 @@ def _id_key(raw: bytes | None) -> str:
         return raw.decode("utf-8", "replace")
 
 
-# ==== 23. Serving, pinning and checking ====
+# ==== 23. Serving, pinning, checking and wrapping ====
 
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
@@ -8294,7 +8328,7 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     the names registered and the error a failure gives are those of loading the servers one
     after another. After a failure the servers later in the order are stopped, and every
     server opened is closed."""
-    loads = [asyncio.create_task(_load_one(server)) for server in cfg.servers]
+    loads = [asyncio.create_task(_load_one(server, cfg.path)) for server in cfg.servers]
     tools: list[UpstreamTool] = []
     reports: list[Report] = []
     owners: dict[str, str] = {}
@@ -8321,7 +8355,11 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     return tools, reports
 
 
-async def _load_one(server: ServerConfig) -> tuple[list[UpstreamTool], Report]:
+async def _load_one(server: ServerConfig, config_path: str = "",
+                    ) -> tuple[list[UpstreamTool], Report]:
+    if not os.path.lexists(server.manifest):
+        raise MCPError(f"server {_quote(server.name)}: manifest {server.manifest} does not "
+                       f"exist: run {_self_command()} pin -config {config_path or 'CONFIG'}")
     try:
         pinned = read_manifest(server.manifest, server.name)
     except ConfigError as exc:
@@ -8364,8 +8402,10 @@ def _hints_text(ann: dict | None) -> str:
 
 
 async def cmd_pin(cfg: Config, out: Out) -> int:
+    check_reach(cfg)                    # before any server starts, as serving does
     for server in cfg.servers:
         manifest = await pin_server(server, time.time())
+        before = previous_pin(server)
         write_manifest(server.manifest, manifest)
         tools = manifest["tools"]
         out.line(f"{sanitize(server.name)}: {len(tools)} tools pinned to "
@@ -8376,9 +8416,82 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
                             PIN_DESCRIPTION_BYTES)
             out.line(f"  {sanitize(name):<{PIN_NAME_WIDTH}} "
                      f"{_hints_text(entry.get('annotations')):<{PIN_HINTS_WIDTH}} {desc}")
+        for line in pin_changes(before, tools):
+            out.line(line)
     out.line(f"classify the tools in the configuration's rules, then run: "
              f"{_self_command()} check -config {cfg.path}")
     return 0
+
+
+# -- what a new pin changed: the operator reads it before trusting the new manifest --
+# A description is model input and a schema is what the gate checks, so a change to either is
+# shown line by line. Everything printed came from a server and is sanitised; each tool's
+# diff is capped, so a hostile server cannot bury the rest of the output.
+
+PIN_DIFF_LINES = 200                 # diff lines shown per tool and field
+PIN_WRAP_WIDTH = 88                  # a description is wrapped to this width before diffing
+
+
+def previous_pin(server: ServerConfig) -> tuple[dict[str, PinnedTool] | None, str]:
+    """The manifest a pin replaces, or None with why it is not there or not readable."""
+    if not os.path.lexists(server.manifest):
+        return None, ""
+    try:
+        return read_manifest(server.manifest, server.name), ""
+    except ConfigError as exc:
+        return None, str(exc)
+
+
+def pin_changes(before: tuple[dict[str, PinnedTool] | None, str], tools: dict) -> list[str]:
+    """Lines saying what changed between the replaced manifest and the new one's tools."""
+    old, unread = before
+    if old is None:
+        return [f"  the manifest it replaces could not be read: {sanitize(unread)}"] \
+            if unread else ["  first pin: no manifest replaced"]
+    lines = [f"  added    {sanitize(n)}" for n in sorted(set(tools) - set(old))]
+    lines += [f"  removed  {sanitize(n)}" for n in sorted(set(old) - set(tools))]
+    for name in sorted(set(tools) & set(old)):
+        entry, pin = tools[name], old[name]
+        if not same_digest(entry["description_hash"], pin.description_hash):
+            lines.append(f"  changed  {sanitize(name)}: description")
+            lines += _diff_lines(_wrapped(pin.description), _wrapped(entry["description"]))
+        if not same_digest(entry["schema_hash"], pin.schema_hash):
+            lines.append(f"  changed  {sanitize(name)}: input schema")
+            lines += _diff_lines(_schema_lines(pin.schema),
+                                 _schema_lines(entry["input_schema"].data))
+        was, now = _hints_text(pin.annotations), _hints_text(entry.get("annotations"))
+        if was != now:
+            lines.append(f"  changed  {sanitize(name)}: hints {was} -> {now}")
+    if not lines:
+        return ["  no change since the manifest it replaces"]
+    return ["  changes since the manifest it replaces:"] + lines
+
+
+def _wrapped(text: str) -> list[str]:
+    import textwrap                  # imported here: only pin needs it
+    out: list[str] = []
+    for para in text.split("\n"):
+        out += textwrap.wrap(para, PIN_WRAP_WIDTH) or [""]
+    return out
+
+
+def _schema_lines(raw: bytes) -> list[str]:
+    try:
+        return _pretty(parse_json(raw, strict=False, max_depth=RECORD_DEPTH),
+                       cut=False).split("\n")
+    except JSONError:
+        return [raw.decode("utf-8", "replace")]
+
+
+def _diff_lines(old: list[str], new: list[str]) -> list[str]:
+    """A unified diff of two texts, indented, sanitised and capped."""
+    import difflib                   # imported here: only pin needs it
+    body = [line.rstrip("\n") for line in
+            difflib.unified_diff(old, new, "pinned", "now", n=1, lineterm="")][2:]
+    shown = ["      " + sanitize(line) for line in body[:PIN_DIFF_LINES]]
+    if len(body) > PIN_DIFF_LINES:
+        shown.append(f"      ... {len(body) - PIN_DIFF_LINES} more lines")
+    return shown
 
 
 async def cmd_check(cfg: Config, out: Out) -> int:
@@ -8615,6 +8728,375 @@ class LineReader:
                 self._ahead -= len(item)
                 self._room.notify()
         return item
+
+
+# -- wrap: from a host's configuration to a gated one --
+# The host's file is read as the proxy reads its own (owned by this user, strict JSON: a
+# repeated key or a comment is refused). Each server entry is translated field by field; an
+# entry holding a field or a host variable the proxy cannot express is left out and named,
+# never half translated. The proxy configuration is written new (0600), checked for reach
+# before anything is written or started, then every server is pinned. Nothing is classified:
+# the rules are printed as suggestions read from the server's own hints, which are claims,
+# for the operator to paste. The host's file is rewritten only with -write, after a backup,
+# and only while its bytes are still those that were read (an editor saving in between would
+# otherwise lose its change, or the proxy would overwrite servers it never saw).
+
+WRAP_HOSTS = ("claude", "vscode", "cursor")
+WRAP_ENTRY = "gated"                   # the host's name for the proxy's own entry
+WRAP_DATABASE = "proxy.db"             # beside the written configuration
+WRAP_BACKUP = ".bak-%Y%m%d-%H%M%S"     # the backup's suffix, local time
+WRAP_NAME_LEN = 32                     # a server's name, so that <name>_<tool> fits 64
+_HOST_SERVERS = {"claude": "mcpServers", "cursor": "mcpServers", "vscode": "servers"}
+_HOST_FIELDS = ("type", "command", "args", "env", "url")
+_HOST_FIELD_WHY = {
+    "headers": "the proxy sends no headers of its own to an HTTP server",
+    "envFile": "the proxy reads no environment file: name the variables in env",
+    "cwd": "a stdio server starts in the proxy configuration's directory",
+}
+_HOST_VARIABLE = re.compile(r"\$\{([^}]*)\}")
+_WRAP_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_MCP_HINTS = (("readOnlyHint", False), ("destructiveHint", True), ("idempotentHint", False),
+              ("openWorldHint", True))      # each hint with MCP's default when it is missing
+
+
+@dataclasses.dataclass(frozen=True)
+class WrappedEntry:
+    """One entry of the host's servers: the proxy's server entry, or why there is none."""
+    key: str
+    server: dict | None
+    why: str = ""
+
+
+def host_config_paths(host: str, platform: str = sys.platform, environ=None,
+                      home: str = "", cwd: str = "") -> list[str]:
+    """Where the host keeps its servers, the project's file first where there is one."""
+    environ = os.environ if environ is None else environ
+    home = home or os.path.expanduser("~")
+    cwd = cwd or os.getcwd()
+    if platform == "darwin":
+        user = os.path.join(home, "Library", "Application Support")
+    elif platform.startswith("win"):
+        user = environ.get("APPDATA") or os.path.join(home, "AppData", "Roaming")
+    else:
+        user = environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    if host == "claude":
+        return [os.path.join(user, "Claude", "claude_desktop_config.json")]
+    if host == "vscode":
+        return [os.path.join(cwd, ".vscode", "mcp.json"),
+                os.path.join(user, "Code", "User", "mcp.json")]
+    return [os.path.join(cwd, ".cursor", "mcp.json"), os.path.join(home, ".cursor", "mcp.json")]
+
+
+def find_host_config(host: str, given: str | None) -> str:
+    if given:
+        return os.path.abspath(given)
+    paths = host_config_paths(host)
+    for path in paths:
+        if os.path.lexists(path):
+            return path
+    raise ConfigError(f"no {host} configuration at {' or '.join(paths)}: name it with "
+                      "-host-config PATH")
+
+
+def read_host_config(host: str, path: str) -> tuple[bytes, dict]:
+    raw = read_owned(path)
+    try:
+        doc = parse_json(raw)
+    except JSONError as exc:
+        raise ConfigError(f"{path}: not plain JSON ({exc}); comments and trailing commas "
+                          "are not read: remove them, or wrap a copy without them") from None
+    key = _HOST_SERVERS[host]
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), dict) or not doc[key]:
+        raise ConfigError(f"{path}: no servers: a {host} configuration keeps them in an "
+                          f"object named {_quote(key)}")
+    return raw, doc
+
+
+def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
+    """Every server entry of the host's file, translated or with why it is not."""
+    found, names = [], set()
+    variables = _host_variables(host, path)
+    for key, entry in doc[_HOST_SERVERS[host]].items():
+        try:
+            server = _translate_entry(key, entry, variables)
+        except ConfigError as exc:
+            found.append(WrappedEntry(key, None, str(exc)))
+            continue
+        found.append(WrappedEntry(key, {"name": _unique_name(key, names), **server}))
+    return found
+
+
+def _host_variables(host: str, path: str) -> dict[str, str]:
+    """The host's ${...} variables whose value is known here: VS Code's workspace folder
+    for a workspace's .vscode/mcp.json, and the user's home."""
+    known = {"userHome": os.path.expanduser("~")}
+    parent = os.path.dirname(path)
+    if host == "vscode" and os.path.basename(parent) == ".vscode":
+        known["workspaceFolder"] = os.path.dirname(parent)
+    return known
+
+
+def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
+    if not isinstance(entry, dict):
+        raise ConfigError("the entry is not an object")
+    for field in entry:
+        if field not in _HOST_FIELDS:
+            why = _HOST_FIELD_WHY.get(field, "the proxy's configuration has no such field")
+            raise ConfigError(f"field {_quote(field)}: {why}")
+    kind = entry.get("type", "http" if "url" in entry else "stdio")
+    if kind not in ("stdio", "http"):
+        raise ConfigError(f"type {_quote(str(kind))}: the proxy reaches a server over stdio "
+                          "or streamable HTTP only")
+    if ("command" in entry) == ("url" in entry) or (kind == "http") != ("url" in entry):
+        raise ConfigError("it needs a command (stdio) or a url (http), not both")
+    if kind == "http":
+        return {"endpoint": _http_url(_host_text(entry["url"], "url", variables))}
+    command = [_host_text(entry["command"], "command", variables)]
+    args = entry.get("args", [])
+    if not isinstance(args, list):
+        raise ConfigError("args is not an array")
+    command += [_host_text(arg, f"args[{i}]", variables) for i, arg in enumerate(args)]
+    if not command[0]:
+        raise ConfigError("command is empty")
+    server: dict[str, Any] = {"command": command}
+    env, inherit = _host_env(entry.get("env", {}), variables)
+    if env:
+        server["env"] = env
+    if inherit:
+        server["inherit_env"] = inherit
+    return server
+
+
+def _host_text(value: Any, field: str, variables: dict[str, str]) -> str:
+    """A string of the host's with its known variables put in; any other is refused."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{field} is not a string")
+
+    def known(match: re.Match) -> str:
+        if match.group(1) not in variables:
+            raise ConfigError(f"{field} holds {_quote(match.group())}, a variable of the "
+                              "host's that the proxy does not expand")
+        return variables[match.group(1)]
+    return _HOST_VARIABLE.sub(known, value)
+
+
+def _host_env(env: Any, variables: dict[str, str]) -> tuple[list[str], list[str]]:
+    """NAME=value entries, and the names passed through: a value that is exactly
+    ${env:NAME} of its own name is the proxy's own variable, handed on (inherit_env)."""
+    if not isinstance(env, dict):
+        raise ConfigError("env is not an object")
+    entries, inherit = [], []
+    for name, value in env.items():
+        if not name or "=" in name:
+            raise ConfigError(f"env: {_quote(name)} is not a variable name")
+        if value == "${env:" + name + "}":
+            inherit.append(name)
+            continue
+        entries.append(f"{name}={_host_text(value, f'env.{name}', variables)}")
+    return entries, inherit
+
+
+def _http_url(url: str) -> str:
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        raise ConfigError(f"url {_quote(url)} is not an http or https URL")
+    return url
+
+
+def _unique_name(key: str, taken: set[str]) -> str:
+    """The host's name as a proxy server name: letters, digits, _ and - only, short enough
+    that its tools' names fit, and not one already taken."""
+    base = _WRAP_UNSAFE.sub("_", key)[:WRAP_NAME_LEN] or "server"
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base[:WRAP_NAME_LEN - len(str(n)) - 1]}-{n}"
+    taken.add(name)
+    return name
+
+
+def suggest_class(ann: Any) -> tuple[str, str]:
+    """The class a tool's hints suggest, read with MCP's defaults for a missing hint, and
+    why. A hint is the server's claim: this is a suggestion, never applied."""
+    hints = _read_hints(ann)
+    said = _hints_said(ann)
+    if hints["readOnlyHint"]:
+        return "read_only", "readOnlyHint is true"
+    if hints["destructiveHint"]:
+        return "destructive", "not read-only, and destructiveHint is " + said("destructiveHint")
+    if not hints["openWorldHint"]:
+        return "local_mutation", "not read-only, destructiveHint is false, openWorldHint is false"
+    return "remote_mutation", ("not read-only, destructiveHint is false, openWorldHint is " +
+                               said("openWorldHint"))
+
+
+def _read_hints(ann: Any) -> dict[str, bool]:
+    ann = ann if isinstance(ann, dict) else {}
+    return {hint: ann[hint] if isinstance(ann.get(hint), bool) else default
+            for hint, default in _MCP_HINTS}
+
+
+def _hints_said(ann: Any) -> Callable[[str], str]:
+    ann = ann if isinstance(ann, dict) else {}
+
+    def said(hint: str) -> str:
+        value = ann.get(hint)
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return "missing (MCP's default: " + ("true" if dict(_MCP_HINTS)[hint] else "false") + ")"
+    return said
+
+
+def _hint_cell(ann: Any, hint: str) -> str:
+    value = ann.get(hint) if isinstance(ann, dict) else None
+    return ("true" if value else "false") if isinstance(value, bool) else "-"
+
+
+def rules_block(tools: dict) -> list[str]:
+    """A "rules" member to paste into a server's entry, one suggested class per tool. Each
+    line is JSON written inert: a tool name cannot drive the terminal that prints it."""
+    items = [f'    {dump_json(name)}: {{"side_effect": "{suggest_class(t.get("annotations"))[0]}"}}'
+             for name, t in tools.items()]
+    body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
+    return [_JSON_INERT.sub(_json_escape, line) for line in ['  "rules": {', *body, "  }"]]
+
+
+def hints_table(tools: dict) -> list[str]:
+    rows = [["TOOL", "SUGGESTED", "readOnly", "destructive", "idempotent", "openWorld", "WHY"]]
+    for name, t in tools.items():
+        ann = t.get("annotations")
+        cls, why = suggest_class(ann)
+        rows.append([name, cls, *(_hint_cell(ann, h) for h, _ in _MCP_HINTS), why])
+    return ["  " + line for line in _table(rows)]
+
+
+def host_entry(host: str, config_path: str) -> dict:
+    """The host's entry that starts the proxy, with absolute paths."""
+    entry: dict[str, Any] = {"command": sys.executable or "python3",
+                             "args": [os.path.abspath(__file__), "-config", config_path]}
+    return {"type": "stdio", **entry} if host == "vscode" else entry
+
+
+def write_new_owned(path: str, text: str) -> None:
+    """Create a file owner-only; an existing one is never replaced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(text.encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def gated_host_doc(host: str, doc: dict, wrapped: Iterable[str], entry: dict) -> dict:
+    """The host's document with the wrapped servers replaced by the one entry; other
+    top-level keys and the servers not wrapped are kept as they are."""
+    key = _HOST_SERVERS[host]
+    kept = {k: v for k, v in doc[key].items() if k not in set(wrapped)}
+    name, n = WRAP_ENTRY, 1
+    while name in kept:
+        n += 1
+        name = f"{WRAP_ENTRY}-{n}"
+    out = dict(doc)
+    out[key] = {name: entry, **kept}
+    return out
+
+
+def write_host_config(path: str, read: bytes, doc: dict, now: float) -> str:
+    """Replace the host's file with ``doc``, keeping a backup of the bytes ``read``; refused
+    when the file no longer holds those bytes. Returns the backup's path."""
+    _unchanged(path, read)
+    backup = path + time.strftime(WRAP_BACKUP, time.localtime(now))
+    try:
+        write_new_owned(backup, read.decode("utf-8"))
+    except FileExistsError:
+        raise ConfigError(f"{backup} exists: run wrap again in a second") from None
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    fd, tmp = tempfile.mkstemp(prefix=".wrap-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write((_pretty(doc, cut=False) + "\n").encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        _unchanged(path, read)           # the last moment before the rename
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return backup
+
+
+def _unchanged(path: str, read: bytes) -> None:
+    if not same_digest(sha256_hex(read_owned(path)), sha256_hex(read)):
+        raise ConfigError(f"{path} changed since wrap read it: it was not written")
+
+
+async def cmd_wrap(args, out: Out) -> int:
+    """Translate the host's servers, write and check the proxy's configuration, pin every
+    server, print the suggested rules and the host's entry; with -write, rewrite the
+    host's file."""
+    host_path = find_host_config(args.host, args.host_config)
+    raw, doc = read_host_config(args.host, host_path)
+    found = translate_host(args.host, host_path, doc)
+    servers = [f.server for f in found if f.server]
+    if not servers:
+        raise ConfigError(f"{host_path}: no server could be wrapped: " +
+                          "; ".join(f"{f.key}: {f.why}" for f in found))
+    config_path = os.path.abspath(args.config)
+    if os.path.lexists(config_path):
+        raise ConfigError(f"{config_path} exists: wrap writes a new configuration; name "
+                          "another, or edit that one and run pin")
+    text = _pretty({"database": WRAP_DATABASE, "session": args.host, "servers": servers},
+                   cut=False) + "\n"
+    cfg = parse_config(text.encode("utf-8"), config_path)
+    check_reach(cfg)                    # before anything is written or started
+    write_new_owned(config_path, text)
+    out.line(f"read {sanitize(host_path)}; wrote {sanitize(config_path)} (0600): "
+             f"{len(servers)} server(s), none classified, so none is offered yet")
+    for f in found:
+        if f.server is None:
+            out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still "
+                     "starts it directly, outside the gate")
+    pinned = await _wrap_pin(cfg, out)
+    _print_host_entry(args.host, config_path, out)
+    if args.write and pinned < len(servers):
+        out.line(f"{sanitize(host_path)} was not written: pin every server first")
+    elif args.write:
+        gated = gated_host_doc(args.host, doc, [f.key for f in found if f.server],
+                               host_entry(args.host, config_path))
+        backup = write_host_config(host_path, raw, gated, time.time())
+        kept = len(found) - len(servers)
+        out.line(f"wrote {sanitize(host_path)}: its {len(servers)} wrapped server(s) replaced "
+                 f"by the gated entry" + (f", {kept} not wrapped kept as they were" if kept
+                                          else "") + f"; the file as it was is {sanitize(backup)}")
+    out.line(f"paste the rules, then run: {_self_command()} check -config {config_path}")
+    return 0 if pinned == len(servers) else 1
+
+
+async def _wrap_pin(cfg: Config, out: Out) -> int:
+    """Pin every server and print its suggested rules; returns how many were pinned."""
+    pinned = 0
+    for server in cfg.servers:
+        try:
+            manifest = await pin_server(server, time.time())
+            write_manifest(server.manifest, manifest)
+        except (ProxyError, OSError) as exc:
+            out.line(f"server {_quote(server.name)}: not pinned: {sanitize(str(exc))}; "
+                     f"run pin once it starts")
+            continue
+        pinned += 1
+        tools = manifest["tools"]
+        out.line(f"server {_quote(server.name)}: {len(tools)} tools pinned to "
+                 f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
+                 "(claims, not facts: check each), to paste into its entry:")
+        for line in rules_block(tools) + hints_table(tools):
+            out.line(line)
+    return pinned
+
+
+def _print_host_entry(host: str, config_path: str, out: Out) -> None:
+    doc = {_HOST_SERVERS[host]: {WRAP_ENTRY: host_entry(host, config_path)}}
+    out.line(f"the {host} entry that starts the proxy instead of the servers it wraps:")
+    out.line(_JSON_INERT.sub(_json_escape, _pretty(doc, cut=False)))
 
 
 # ==== 24. Re-checking recorded calls ====
@@ -8962,6 +9444,8 @@ USAGE = """usage:
   python agentrt_proxy.py -config proxy.json          serve the host over stdin and stdout
   python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
   python agentrt_proxy.py check -config proxy.json    what is offered, refused, unclassified
+  python agentrt_proxy.py wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json
+                                  [-write]   a new configuration from the host's servers
   python agentrt_proxy.py recheck -config proxy.json [-run ID | -session NAME] [-limit N]
                                   [-current-tools] [-json]   what today's policy decides otherwise
   python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
@@ -9023,6 +9507,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("serve", "pin", "check"):
         _flags(sub.add_parser(name, add_help=False, allow_abbrev=False),
                ("config", {"default": argparse.SUPPRESS}))
+    _flags(sub.add_parser("wrap", add_help=False, allow_abbrev=False),
+           ("config", {"default": argparse.SUPPRESS}),
+           ("host", {"choices": WRAP_HOSTS, "required": True}), ("host-config", {}),
+           ("write", {"action": "store_true"}))
     cancel = sub.add_parser("cancel", add_help=False, allow_abbrev=False)
     cancel.add_argument("run")
     _flags(cancel, ("by", {}), ("note", {"default": ""}))
@@ -9873,7 +10361,7 @@ def run_operator(args, out: Out) -> int:
         store.close()
 
 
-_PROXY_COMMANDS = ("serve", "pin", "check", "recheck")
+_PROXY_COMMANDS = ("serve", "pin", "check", "recheck", "wrap")
 
 
 def run_proxy_command(args, out: Out) -> int:
@@ -9884,6 +10372,8 @@ def run_proxy_command(args, out: Out) -> int:
             raise UsageError("recheck: -run and -session are exclusive")
         if args.limit <= 0:
             raise UsageError("recheck: -limit must be positive")
+    if args.command == "wrap":          # its configuration does not exist yet
+        return asyncio.run(cmd_wrap(args, out))
     cfg = load_config(args.config)
     if args.command == "recheck":
         return asyncio.run(cmd_recheck(cfg, args, out))

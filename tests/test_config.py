@@ -330,7 +330,9 @@ CORPUS = [
      ['"bank"', "command", "endpoint"]),
     ("empty command", config_doc(servers=[server(command=[])]),
      ['"bank"', "command", "endpoint"]),
-    ("no manifest", config_doc(servers=[server(manifest=None)]), ['"bank"', "manifest"]),
+    ("no manifest, a name that is not a file name",
+     config_doc(servers=[server(name="../bank", manifest=None)]),
+     ['"../bank"', "manifest is required"]),
     ("empty manifest", config_doc(servers=[server(manifest="")]), ['"bank"', "manifest"]),
     ("a server name used twice", config_doc(servers=[server(), server(manifest="n.json")]),
      ["servers[1]", '"bank"']),
@@ -584,12 +586,19 @@ def test_config_refuses_a_server_that_reaches_the_proxys_files(tmp_path):
     write(cfg_path, config_doc(servers=[server(command=None, endpoint=f"http://127.0.0.1:9{d}")]))
     ap.check_reach(ap.load_config(cfg_path))
 
-    # Serving and check refuse at open, before any server is started; pin does not check.
+    # Pin, serving and check refuse at open, before any server is started.
     bank = bank_config(tmp_path / "served")
     doc = json.loads(open(bank).read())
     doc["servers"][0]["command"].append(str(tmp_path / "served"))
     write(bank, doc)
+    code, out, err = run_main("pin", "-config", bank)
+    assert code == 1 and "skip_path_check" in err and "pinned" not in out, err
+    assert not os.path.exists(tmp_path / "served" / "pins.json")
+    doc["servers"][0]["skip_path_check"] = True
+    write(bank, doc)
     pin(bank)
+    del doc["servers"][0]["skip_path_check"]
+    write(bank, doc)
     code, out, err = run_main("check", "-config", bank)
     assert code == 1 and "skip_path_check" in err, err
     code, out, err = run_main("-config", bank)
@@ -648,11 +657,14 @@ def test_config_reach_check_reads_common_spellings(tmp_path, monkeypatch):
     for arg in accepted:
         ap.check_reach(ap.load_config(_reach_config(d, [arg])))
 
-    # Relative arguments are relative to the proxy's working directory.
-    monkeypatch.chdir(home)
-    for arg in ("proxy", ".", "./proxy/", "--root=proxy"):
-        assert "skip_path_check" in _refusal(_reach_config(d, [arg])), arg
-    ap.check_reach(ap.load_config(_reach_config(d, ["sandbox", "--root=sandbox"])))
+    # Relative arguments are relative to the configuration's directory, where a stdio server
+    # starts, whatever the proxy's own working directory.
+    for where in (home, elsewhere, d):
+        monkeypatch.chdir(where)
+        for arg in (".", "./", "../proxy", "--root=.", "proxy.json", "-r.", "runs.db"):
+            assert "skip_path_check" in _refusal(_reach_config(d, [arg])), (where, arg)
+        ap.check_reach(ap.load_config(_reach_config(d, ["../sandbox", "--root=../sandbox",
+                                                        "sandbox", "proxy"])))
 
 
 SIDECAR_SPELLINGS = {

@@ -3228,6 +3228,11 @@ class ToolFailure(Exception):
     """A tool's own error answer: the tool ran and reported a failure."""
 
 
+class AnswerUnreadable(Exception):
+    """The tool answered, and its answer could not be made into content: it ran, so this is
+    recorded as an answer that could not be recorded (UNRECORDED), never as no answer."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Tool:
     spec: ToolSpec
@@ -4341,6 +4346,10 @@ def _observe(name: str, timeout: float, result: Any) -> tuple[dict, str, str]:
     if isinstance(result, ToolFailure):
         return _obs(TOOL_ERROR, {"error": str(result), "failure": "error", "tool": name},
                     f"{name} error: {result}")
+    if isinstance(result, AnswerUnreadable):
+        return _obs(TOOL_ERROR, {"error": str(result), "failure": "invalid_content",
+                                 "tool": name}, f"{name} answered, and its answer could not "
+                                                "be recorded")
     if isinstance(result, Exception):   # a tool's own bug is recorded as its failure, never lost
         return _obs(TOOL_ERROR, {"error": f"panic: {result!r}", "tool": name},
                     f"{name} panicked")
@@ -5743,7 +5752,14 @@ class UpstreamTool:
         except (ProxyError, OSError) as exc:
             raise ToolFailure(f"mcp: server {_quote(self.server)}: tool {_quote(self.remote)}: "
                               f"{sanitize(str(exc))}") from None
-        return map_result(self, reply)      # linear, and within the call's own timeout
+        try:
+            return map_result(self, reply)  # linear, and within the call's own timeout
+        except ToolFailure:
+            raise
+        except Exception as exc:
+            # The server answered: whatever its answer does to the mapping, the call ran.
+            raise AnswerUnreadable(f"{name}: server {_quote(self.server)} answered, and its "
+                                   f"answer could not be read ({type(exc).__name__})") from None
 
 
 def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
@@ -5766,7 +5782,10 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     structured = spans.get("structuredContent")
     if structured is not None and len(structured) > STRUCTURED_READ_LIMIT:
         dropped, structured = len(structured), None      # far past the cap: never parsed
-    if structured is not None and structured.strip(JSON_WS) != b"null":
+    # Structured content is taken only as an object, the form every era's host reads as
+    # structuredContent: anything else would be recorded but never reach the host, and the
+    # record would say the model was given what it was not.
+    if structured is not None and structured.lstrip(JSON_WS)[:1] == b"{":
         try:
             out: list[str] = []
             _encode(parse_json(structured, strict=False, max_depth=MAX_DEPTH, float_range=True),
@@ -5778,7 +5797,7 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
             # stands instead.
             encoded = structured.strip(JSON_WS) if exc.msg.startswith("nested") else None
         text = _joined_text(result.get("content"))
-        if encoded is not None and len(encoded) + len(_policy_str(text).encode()) <= cap:
+        if encoded is not None and _wire_len(encoded) + _wire_len(text) <= cap:
             content, beside = encoded, text
         elif encoded is not None:
             dropped = len(encoded)
@@ -5803,12 +5822,22 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     return ToolResult(content, summary, beside)
 
 
+def _wire_len(value: "bytes | str") -> int:
+    """The bytes a text, or JSON bytes in the proxy's encoding, take in a frame or record,
+    where line breaks of every reader and C1 controls are escaped (six bytes each): the cap
+    holds for what is written, not only for the value."""
+    if isinstance(value, str):
+        return len(_wire_str(value).encode("utf-8"))
+    return len(dump_json(Raw(value)).encode("utf-8"))
+
+
 def _joined_text(blocks: Any) -> str:
     if not isinstance(blocks, list):
         return ""
     parts = []
     for block in blocks:
         kind = block.get("type") if isinstance(block, dict) else None
+        kind = kind if isinstance(kind, str) else None      # a list is no key of the table
         if kind == "text" and isinstance(block.get("text"), str):
             parts.append(block["text"])
         else:
@@ -5821,13 +5850,13 @@ def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
     the longest prefix that fits, with the marker, when it must be cut."""
     text = _SURROGATES.sub("\ufffd", text)
     whole = _policy_str(text).encode("utf-8")
-    if len(whole) <= limit:
+    if _wire_len(text) <= limit:
         return whole, False
-    limit = max(limit, len(_policy_str(TRUNCATION_MARKER).encode()))
+    limit = max(limit, _wire_len(TRUNCATION_MARKER))
     lo, hi = 0, len(text)
-    while lo < hi:                               # the longest prefix that fits
+    while lo < hi:                               # the longest prefix that fits, as written
         mid = (lo + hi + 1) // 2
-        if len(_policy_str(text[:mid] + TRUNCATION_MARKER).encode()) <= limit:
+        if _wire_len(text[:mid] + TRUNCATION_MARKER) <= limit:
             lo = mid
         else:
             hi = mid - 1

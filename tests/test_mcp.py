@@ -833,9 +833,11 @@ def test_cap_text_never_exceeds_the_cap():
             assert cut and decoded.endswith(MARKER)
             prefix = decoded[:-len(MARKER)]
             assert text.startswith(prefix)
-            # The longest prefix that fits: one more character would not.
-            longer = ap._policy_str(text[:len(prefix) + 1] + MARKER).encode()
-            assert len(longer) > max(cap, 15), (text[:10], cap, prefix)
+            # The cap holds as written (frames and records escape U+2028 and C1 controls).
+            assert ap._wire_len(decoded) <= max(cap, 15), (text[:10], cap, content)
+            # The longest prefix that fits as written: one more character would not.
+            longer = ap._wire_len(text[:len(prefix) + 1] + MARKER)
+            assert longer > max(cap, 15), (text[:10], cap, prefix)
 
 
 def test_call_oversized_structured_content_falls_back_to_text(script, tmp_path):

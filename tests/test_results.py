@@ -98,3 +98,58 @@ def test_an_error_with_structured_content_tells_the_model_the_servers_text():
         assert str(exc).endswith("error: no such file"), str(exc)
     else:
         raise AssertionError("an isError result must be a failure")
+
+
+def test_structured_content_that_is_not_an_object_leaves_the_text():
+    # Recorded but never handed to the host as structuredContent, it would make the record
+    # say the model was given what it was not: the text stands alone.
+    for structured in ("SC-STRING", [1, 2, 3], 7, True):
+        msg = answer({"content": [{"type": "text", "text": "REAL TEXT"}],
+                      "structuredContent": structured})
+        result = ap.map_result(tool(), msg)
+        obs = ap._observe("fs_read_text_file", 5.0, result)[0]
+        out = ap.result_of(obs)
+        assert out["content"] == [{"type": "text", "text": "REAL TEXT"}], structured
+        assert "structuredContent" not in out
+        assert obs["content"] == "REAL TEXT" and "text" not in obs
+
+
+def test_a_content_block_of_a_strange_type_is_an_answer_that_ran():
+    # A type that is a list once crashed the mapping; the call had run, and was reported as
+    # having had no answer at all.
+    msg = answer({"content": [{"type": ["x"]}, {"type": {"a": 1}}, {"type": 7}]})
+    result = ap.map_result(tool(), msg)
+    assert json.loads(result.content) == "[content omitted]\n[content omitted]\n[content omitted]"
+
+
+class Crashing:
+    name = "fs"
+
+    async def call_tool(self, remote, args, timeout):
+        return ap.parse_message(b'{"jsonrpc":"2.0","id":1,"result":{"content":[]}}')
+
+
+def test_an_answer_that_cannot_be_mapped_counts_as_executed(monkeypatch):
+    import asyncio
+    spec = ap.ToolSpec("fs_write", "writes", b'{"type":"object"}', "local_mutation", 5.0, True)
+    up = ap.UpstreamTool(spec, "fs", "write", ap.Rule(side_effect="local_mutation"), Crashing())
+
+    def broken(tool, reply):
+        raise TypeError("a mapping bug")
+    monkeypatch.setattr(ap, "map_result", broken)
+    obs = asyncio.run(ap._call_tool(up, b"{}"))[0]
+    assert obs["kind"] == ap.TOOL_ERROR
+    assert obs["content"]["failure"] == "invalid_content", obs
+    assert ap._unrecorded(up, obs)
+
+
+def test_the_cap_holds_for_the_text_as_written_not_only_as_read():
+    # U+0085 and U+2028 are written as six-byte escapes in every frame and record: a text
+    # within the cap as characters could be three times over it as written.
+    for ch in ("\u0085", "\u2028", "\x9b"):
+        msg = answer({"content": [{"type": "text", "text": ch * 5000}]})
+        result = ap.map_result(tool(cap=4096), msg)
+        obs = ap._observe("fs_read_text_file", 5.0, result)
+        frame = ap.dump_json(ap.result_of(obs[0]))
+        assert len(frame.encode()) <= 4096 + 200, (repr(ch), len(frame))
+        assert "truncated" in result.summary

@@ -4293,8 +4293,15 @@ def _lease_live(run: Run, wall: float | None = None) -> bool:
 
 
 def _expired(approval: Approval, now: float) -> bool:
-    """A pending approval past its expiry (strictly after)."""
-    return bool(approval.expires_at) and now > parse_time(approval.expires_at)
+    """A pending approval past its expiry (strictly after). An expiry that does not read as
+    a time (the row was edited) is past: nothing may be approved on a date nobody can
+    read, and every reader (the gate, the operator's commands, the webhook) agrees."""
+    if not approval.expires_at:
+        return False
+    try:
+        return now > parse_time(approval.expires_at)
+    except (ValueError, TypeError, OverflowError, AttributeError):
+        return True
 
 
 def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
@@ -6753,7 +6760,8 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
             return prose("GATE_STATUS", f"no approval {clean(wanted, ID_SHOWN)} is known in this "
                                         "session from the last hour.", False)
         return prose("GATE_STATUS", describe(proxy, item, items, now), False)
-    waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)]
+    waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)
+               and i[1].run.status == WAITING]
     if not waiting:
         return prose("GATE_STATUS", "no request in this session is waiting for an operator's "
                                     "approval.", False)
@@ -6799,7 +6807,9 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
         args = ""
     who = f"approval {a.id}, {clean(row.tool, TOOL_NAME_SHOWN)} with {clean(args, ARGS_SHOWN)}: "
     age = fmt_duration(max(0, round(now - parse_time(a.created_at))))
-    waiting = a.status == PENDING and not _expired(a, now)
+    # A pending row waits only while its run does (a row of a cancelled run may be left
+    # pending by an older build or an edit): the model is never told to wait for nothing.
+    waiting = a.status == PENDING and not _expired(a, now) and state.run.status == WAITING
     if waiting and a.kind == INTERRUPTED_KIND:
         late = late_outcome(proxy.store, a)
         if late:
@@ -6812,6 +6822,8 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     if waiting:
         return who + (f"PENDING for {age}; nothing has been executed; the operator decides "
                       "elsewhere; do not call the tool again until it is approved.")
+    if a.status == PENDING and state.run.reason == "operator_cancelled":
+        return who + "CANCELLED by the operator. It was not executed."
     if a.status == PENDING:
         return who + "EXPIRED without a decision; it was not executed."
     if a.status == REJECTED:
@@ -10028,9 +10040,11 @@ def cmd_verify(store: Store, args, out: Out) -> int:
 
 def args_summary(raw: bytes) -> str:
     """A call's arguments on one line, compact and sanitised, cut at PENDING_ARGS_BYTES:
-    enough to tell waiting calls apart; `approve` and `inbox` show them in full."""
+    enough to tell waiting calls apart; `approve` and `inbox` show them in full. Members in
+    their canonical (sorted) order, as `approve` lists them, so that the model cannot push a
+    field it would rather not have read past the cut by padding the ones before it."""
     try:
-        text = dump_json(read_own(raw.strip(JSON_WS) or b"{}"))
+        text = policy_json(raw.strip(JSON_WS) or b"{}", strict=False).decode("utf-8")
     except JSONError:
         text = raw.decode("utf-8", "replace")
     return clean(text, PENDING_ARGS_BYTES)
@@ -10165,6 +10179,17 @@ class _Lines:
         except (AttributeError, ValueError, OSError):
             self.fd = None
 
+    def discard_typed_ahead(self) -> None:
+        """Forget what a terminal's operator typed before this moment: an answer typed ahead
+        ("a", Enter, "a", Enter) must not decide an approval that was not yet shown. A pipe
+        is a script's answers, in order, and is left alone."""
+        if self.fd is None or not os.isatty(self.fd):
+            return
+        self.buf = b""
+        with contextlib.suppress(OSError, ImportError):
+            import termios              # POSIX only; where it is missing, nothing is queued
+            termios.tcflush(self.fd, termios.TCIFLUSH)
+
     def read(self, timeout: float | None) -> str | None:
         """One line without its end; None when none came within ``timeout``, or at EOF
         (then ``closed`` is set)."""
@@ -10246,6 +10271,7 @@ class Inbox:
             self.out.text(line)
         if self.once:
             self.passed.add(approval.id)
+        self.lines.discard_typed_ahead()
         while True:
             answer = self.ask(f"approval {approval.id}: a approve, r reject, s skip, q quit: ")
             verb = INBOX_ANSWERS.get((answer or "").strip().lower(), "")
@@ -10287,6 +10313,10 @@ class Inbox:
         except ProxyError as exc:
             self.out.text(f"approval {approval.id}: nothing was decided: "
                           f"{_describe_failure(exc, verb)}")
+            return
+        except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
+            self.out.text(f"approval {approval.id}: nothing was decided: its record could "
+                          f"not be read ({type(exc).__name__})")
             return
         self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
         self.out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
@@ -10437,6 +10467,12 @@ WEBHOOK_MAX_NONCE = 64               # characters of a nonce
 WEBHOOK_MIN_SECRET = 32              # bytes of the shared secret, at least
 WEBHOOK_MAX_SECRET = 4096            # bytes of the secret file, at most
 WEBHOOK_REQUEST_SECONDS = 10.0       # the whole request, first byte to last (slow loris)
+# The request line and headers, from the connection's accept: a client that sends no whole
+# head by then holds no slot longer, and while every slot is taken the oldest connection
+# whose head is not yet whole is dropped for a new one, so idle connections cannot keep an
+# operator's signed request out.
+WEBHOOK_HEAD_SECONDS = 2.0
+WEBHOOK_SLOT_WAIT = 0.5              # seconds a new connection waits for a slot freed for it
 WEBHOOK_SEND_SECONDS = 10.0          # the whole answer
 WEBHOOK_LINGER_SECONDS = 1.0         # draining a request left unread after a refusal
 WEBHOOK_LINGER_BYTES = 64 * 1024
@@ -10615,8 +10651,15 @@ class _HookReader:
     """One request's bytes from a socket, every read under one deadline for the whole
     request: a client sending a byte at a time cannot hold a thread past it (slow loris)."""
 
-    def __init__(self, conn: socket.socket, deadline: float):
-        self.conn, self.deadline, self.buf = conn, deadline, b""
+    def __init__(self, conn: socket.socket, deadline: float, head_deadline: float | None = None):
+        self.conn, self.buf = conn, b""
+        self.whole_deadline = deadline
+        self.deadline = deadline if head_deadline is None else min(deadline, head_deadline)
+        self.head_done = False
+
+    def head_read(self) -> None:
+        """The head is whole: the body has the rest of the request's deadline."""
+        self.head_done, self.deadline = True, self.whole_deadline
 
     def _more(self) -> None:
         left = self.deadline - time.monotonic()
@@ -10656,6 +10699,7 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
     if not _HOOK_TARGET_RE.fullmatch(target):
         raise _bad("the request target is not a path of visible ASCII")
     headers = _read_headers(reader)
+    reader.head_read()
     if "transfer-encoding" in headers:
         raise _bad("a chunked body is not accepted; send Content-Length")
     length = headers.get("content-length", "0")
@@ -10824,6 +10868,8 @@ class Webhook:
         self.seen = SeenSignatures(WEBHOOK_SEEN_MAX)
         self.slots = threading.BoundedSemaphore(WEBHOOK_MAX_CONNECTIONS)
         self._log, self._log_lock = log, threading.Lock()
+        self._open: dict[socket.socket, tuple[float, "_HookReader | None"]] = {}
+        self._open_lock = threading.Lock()
 
     def log(self, text: str) -> None:
         with self._log_lock:
@@ -10841,13 +10887,27 @@ class Webhook:
                 stop.wait(WEBHOOK_ACCEPT_POLL)
                 continue
             if not self.slots.acquire(blocking=False):
-                conn.close()            # as many served as we serve at once: dropped unread
-                continue
+                self._drop_stalled()
+                if not self.slots.acquire(timeout=WEBHOOK_SLOT_WAIT):
+                    conn.close()        # every slot busy with a whole request: dropped unread
+                    continue
+            with self._open_lock:
+                self._open[conn] = (time.monotonic(), None)
             threading.Thread(target=self.handle_connection, args=(conn,), daemon=True).start()
         deadline = time.monotonic() + WEBHOOK_REQUEST_SECONDS + WEBHOOK_SEND_SECONDS
         for _ in range(WEBHOOK_MAX_CONNECTIONS):
             if not self.slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 break
+
+    def _drop_stalled(self) -> None:
+        """Every slot is taken: end the oldest connection that has not sent a whole head
+        (its thread then gives its slot back)."""
+        with self._open_lock:
+            stalled = [(since, conn) for conn, (since, reader) in self._open.items()
+                       if reader is None or not reader.head_done]
+        if stalled:
+            with contextlib.suppress(OSError):
+                min(stalled, key=lambda item: item[0])[1].shutdown(socket.SHUT_RDWR)
 
     def handle_connection(self, conn: socket.socket) -> None:
         """Answer one accepted connection, close it, and give back the slot its caller took."""
@@ -10858,6 +10918,8 @@ class Webhook:
         except Exception as exc:        # a defect must not pass unseen, nor end the server
             self.log(f"webhook: internal error: {type(exc).__name__}: {exc}")
         finally:
+            with self._open_lock:
+                self._open.pop(conn, None)
             conn.close()
             self.slots.release()
 
@@ -10868,8 +10930,13 @@ class Webhook:
                                                          "too many requests: try again later")))
             _linger(conn)
             return
+        with self._open_lock:
+            accepted = self._open.get(conn, (time.monotonic(), None))[0]
+            reader = _HookReader(conn, accepted + WEBHOOK_REQUEST_SECONDS,
+                                 accepted + WEBHOOK_HEAD_SECONDS)
+            self._open[conn] = (accepted, reader)
         try:
-            req = read_hook_request(_HookReader(conn, time.monotonic() + WEBHOOK_REQUEST_SECONDS))
+            req = read_hook_request(reader)
         except WebhookRefusal as refusal:
             self._send(conn, *self._error(refusal))
             _linger(conn)               # the body, or the rest of the head, was left unread
@@ -10892,6 +10959,11 @@ class Webhook:
             return getattr(self, "_do_" + route.action)(store, route, req)
         except ProxyError as exc:
             return self._error(_hook_refusal(exc, route))
+        except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
+            self.log(f"webhook: run {route.run}: a record could not be read "
+                     f"({type(exc).__name__})")
+            return self._error(WebhookRefusal(500, "internal", "a record of this run could "
+                                                               "not be read"))
         finally:
             store.close()
 
@@ -10899,8 +10971,10 @@ class Webhook:
         return _hook_json(refusal.status, {"error": sanitize(str(refusal)), "code": refusal.code})
 
     def _do_list(self, store: Store, route: HookRoute, req: HookRequest):
-        store.get_run(route.run)
-        pending = store.pending_approvals(route.run)
+        run = store.get_run(route.run)
+        # A pending row on a run that no longer waits (edited, or cancelled by an older
+        # build) waits for nothing: listed, it would be read as waiting.
+        pending = store.pending_approvals(route.run) if run.status == WAITING else []
         return _hook_json(200, {"run_id": route.run, "total": len(pending), "approvals":
                                 [_hook_row(a) for a in pending[:WEBHOOK_LIST_LIMIT]]})
 
@@ -10908,6 +10982,11 @@ class Webhook:
         approval = _approval_under(store, route)
         if approval.status == PENDING:
             approval.verify()           # a row edited behind the proxy's back is not shown
+            run = store.get_run(route.run)
+            if run.status != WAITING:
+                raise WebhookRefusal(409, "run_finished" if run.status in TERMINAL else
+                                     "run_not_waiting", f"run {run.id} is {run.status}: "
+                                     f"approval {approval.id} waits for nothing")
         if approval.status == EXPIRED or \
                 (approval.status == PENDING and _expired(approval, self.clock())):
             # Shown without writing: only a decision on it expires it and cancels the run.

@@ -237,3 +237,27 @@ def test_inbox_has_no_json_output(tmp_path, procs):
     d = procs(tmp_path, pin=False)
     code, _, err = d.operator("-json", "inbox", "-tty-not-required")
     assert code == 2 and "inbox: there is no -json output" in err, err
+
+
+def test_inbox_answers_typed_ahead_decide_nothing_not_yet_shown(tmp_path, procs, terminals):
+    # "a", Enter, "a", Enter at the first prompt approves the first approval only: the
+    # second is shown, and waits for an answer typed after it was shown.
+    d = procs(tmp_path, hold="0s")
+    p = d.start()
+    for to in ("ann", "bea"):
+        assert prefix(p.call("bank_pay", {"to": to, "amount": 3})) == "PENDING_APPROVAL"
+    first, second = eventually(lambda: len(pending_when_ready(d)) == 2 and d.pending(), 30,
+                               "two approvals to be asked")
+    t = terminals(d)
+    t.expect(f"approval {first['id']}{PROMPT}")
+    os.write(t.master, b"a\na\n")
+    t.expect(f"approval {first['id']}: approved by operator")
+    t.expect(f"approval {second['id']}{PROMPT}")
+    time.sleep(0.5)            # give a typed-ahead answer every chance to be (wrongly) taken
+    statuses = {a["id"]: a["status"] for a in d.approvals()}
+    assert statuses[first["id"]] == "approved"
+    assert statuses[second["id"]] == "pending", statuses
+    t.type("s")
+    t.type("q")
+    assert t.wait() == 0
+    assert {a["id"]: a["status"] for a in d.approvals()}[second["id"]] == "pending"

@@ -229,3 +229,21 @@ def test_offered_tools_carry_the_annotations_of_their_class_not_the_servers_hint
     assert listed["bank_refund"]["annotations"] == {
         "readOnlyHint": False, "destructiveHint": True, "openWorldHint": True}
     assert listed[STATUS]["annotations"]["readOnlyHint"] is True
+
+
+def test_gate_status_never_reads_a_pending_row_of_a_cancelled_run_as_waiting(tmp_path):
+    # What an older build's cancel left behind: the run cancelled, its approval pending.
+    h = ProxyHarness(tmp_path)
+    try:
+        first = h.text(h.call("bank_pay", {"to": "gil", "amount": 2}))
+        assert first.startswith("PENDING_APPROVAL:")
+        [approval] = h.pending()
+        with h.store.tx() as tx:
+            tx.exec("UPDATE runs SET status='CANCELLED', reason='operator_cancelled', "
+                    "lease_owner='', lease_expires_at='' WHERE id=?", (approval.run_id,))
+        one = h.text(h.call(STATUS, {"approval_id": approval.id}))
+        assert "CANCELLED" in one and "PENDING" not in one, one
+        overall = h.text(h.call(STATUS, {}))
+        assert "no request in this session is waiting" in overall, overall
+    finally:
+        h.close()

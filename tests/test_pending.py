@@ -100,7 +100,7 @@ def test_pending_lists_what_waits_oldest_first_and_its_command_decides_it(tmp_pa
     code, out, err = d.operator("pending")
     assert code == 0, err
     assert out.index(asked[0]["id"]) < out.index(asked[1]["id"])
-    assert '{"to":"bo","amount":7,"mode":"slow"}' in out
+    assert '{"amount":7,"mode":"slow","to":"bo"}' in out      # in canonical order
     commands = decide_lines(out)
     assert len(commands) == 2
 
@@ -355,3 +355,12 @@ def test_a_database_from_before_the_index_is_migrated_and_refused_until_then(tmp
         assert store.waiting_approvals() == []
     finally:
         store.close()
+
+
+def test_pending_summary_is_in_canonical_order_so_padding_hides_no_field():
+    # The model orders its members: padding a first field must not push the amount past
+    # the cut of the one-line summary.
+    raw = json.dumps({"zz_memo": "x" * 400, "amount": 9999, "to": "mallory"}).encode()
+    summary = ap.args_summary(raw)
+    assert summary.startswith('{"amount":9999,"to":"mallory","zz_memo":"xxx'), summary
+    assert len(summary.encode()) <= ap.PENDING_ARGS_BYTES + 16

@@ -16,6 +16,8 @@ the real host-facing server fed with raw JSON-RPC lines, and a clock the test ca
 Not a test module: pytest collects nothing here.
 """
 
+from __future__ import annotations
+
 import asyncio
 import json
 import os

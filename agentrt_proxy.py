@@ -75,7 +75,7 @@ def too_old_message(program: str) -> str:
 
 
 if sys.version_info < MIN_PYTHON:
-    sys.exit(too_old_message("agentrt_proxy"))
+    sys.exit(too_old_message("agentrt_proxy.py"))
 
 import argparse
 import asyncio

@@ -7,6 +7,7 @@ runs this file on every version it finds; the README's first screen names the sa
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import glob
 import os
@@ -30,6 +31,7 @@ OLD_MINORS = (7, 8)            # old enough to refuse, new enough to compile the
 RUN_TIMEOUT = 30.0
 README_SCREEN = 40             # lines of the README a reader sees before scrolling
 SIMULATED_OLD = "(3, 8, 18, 'final', 0)"
+OLDEST_PARSED = (3, 7)         # the check can run only where the whole file compiles
 
 
 def interpreter(minor: int) -> str | None:
@@ -90,6 +92,14 @@ def test_the_check_refuses_an_older_version_on_this_python(program):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT)
     check_refusal(done, program, platform.python_version(), sys.executable)
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_the_files_use_no_syntax_an_older_python_cannot_compile(program):
+    # A walrus, a match or a positional-only parameter anywhere would turn the one line into
+    # a SyntaxError on the very interpreters the check is for.
+    with open(os.path.join(ROOT, program)) as f:
+        ast.parse(f.read(), program, feature_version=OLDEST_PARSED)
 
 
 def test_this_python_is_one_of_the_tested_versions():

@@ -4664,6 +4664,9 @@ HTTP_CONCURRENCY = 4
 HTTP_SLACK = 1.0                      # beyond a request's timeout, for the socket to give up
 HTTP_CLOSE_WAIT = 2.0                 # the session's DELETE at close, at most
 HTTP_BODY_SHOWN = 200                 # bytes of an unexpected HTTP answer quoted in an error
+# A socket's timeout: TimeoutError itself from Python 3.10, before that socket.timeout, an
+# OSError apart. Both are the deadline passing (outcome unknown), never a plain failure.
+SOCKET_TIMEOUTS = (TimeoutError, socket.timeout)
 # Envelope numbers are read from their literal, never converted exactly: an id or a code of
 # 1e20000000 costs seconds of CPU per conversion. The proxy's own ids are small positive
 # integers, so an answer's id matches only as those plain digits; a code is taken only from a
@@ -5180,7 +5183,7 @@ class HttpUpstream(Upstream):
             # An event stream may go on after the answer: its connection is not reused.
             reusable = not resp.will_close and resp.isclosed()
             return answer
-        except TimeoutError:
+        except SOCKET_TIMEOUTS:
             raise asyncio.TimeoutError() from None
         except ConnectionRefusedError as exc:
             raise NotSent(f"the server refused the connection: {exc.strerror}") from None

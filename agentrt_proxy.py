@@ -60,6 +60,29 @@ Sections, in dependency order
 
 from __future__ import annotations
 
+import sys
+
+# The oldest Python the module runs on, checked before anything else runs, so that an older
+# interpreter stops with one line saying what to use instead of a traceback from deep inside
+# (Python 3.9 is past its end of life, and kept because macOS still ships it). For the check
+# to run at all the whole file must compile on the interpreter being refused: nothing newer
+# than Python 3.7's syntax anywhere in it. Python 3.6 and older stop at the __future__ import.
+MIN_PYTHON = (3, 9)
+PYTHON_SOURCES = ("on macOS, /usr/bin/python3 from the Command Line Tools (xcode-select "
+                  "--install; update them if it is older than 3.9), Homebrew's python (brew "
+                  "install python), or the installer from https://www.python.org/downloads/")
+
+
+def too_old_message(program: str) -> str:
+    """The one line an interpreter older than MIN_PYTHON prints before it stops."""
+    return "%s needs Python %d.%d or newer; this is Python %s (%s). Get one: %s" % (
+        program, MIN_PYTHON[0], MIN_PYTHON[1], sys.version.split()[0], sys.executable,
+        PYTHON_SOURCES)
+
+
+if sys.version_info < MIN_PYTHON:
+    sys.exit(too_old_message("agentrt_proxy.py"))
+
 import argparse
 import asyncio
 import base64
@@ -83,7 +106,6 @@ import socket
 import sqlite3
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -4678,6 +4700,11 @@ def error_code(exc: BaseException) -> int:
 STDERR_TAIL = 4096
 STDERR_WAIT = 2.0
 CLOSE_WAIT = 5.0                      # each step of: close stdin, SIGTERM, SIGKILL
+# A server runs in a process group of its own, killed whole at close (what it started too).
+# Popen sets the group itself from Python 3.11 (process_group=0); before that a new session
+# (start_new_session, done before exec like setpgid) makes the group, and drops a terminal
+# the server never needed.
+POPEN_PROCESS_GROUP = sys.version_info >= (3, 11)
 EXIT_POLL = 0.02                      # how often a closing server's exit is looked for
 DISCOVER_TIMEOUT = 5.0                # the era probe, within the connect deadline
 DEFAULT_CONNECT_TIMEOUT = 30.0
@@ -4688,6 +4715,9 @@ HTTP_CONCURRENCY = 4
 HTTP_SLACK = 1.0                      # beyond a request's timeout, for the socket to give up
 HTTP_CLOSE_WAIT = 2.0                 # the session's DELETE at close, at most
 HTTP_BODY_SHOWN = 200                 # bytes of an unexpected HTTP answer quoted in an error
+# A socket's timeout: TimeoutError itself from Python 3.10, before that socket.timeout, an
+# OSError apart. Both are the deadline passing (outcome unknown), never a plain failure.
+SOCKET_TIMEOUTS = (TimeoutError, socket.timeout)
 # Envelope numbers are read from their literal, never converted exactly: an id or a code of
 # 1e20000000 costs seconds of CPU per conversion. The proxy's own ids are small positive
 # integers, so an answer's id matches only as those plain digits; a code is taken only from a
@@ -4995,7 +5025,8 @@ class StdioUpstream(Upstream):
 
     async def start(self) -> None:
         exe = _executable(self.argv[0], self.cwd)
-        kwargs: dict[str, Any] = {"process_group": 0}
+        kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
+                                  else {"start_new_session": True})
         if sys.platform.startswith("linux"):
             kwargs["preexec_fn"] = _contain_child
         try:
@@ -5212,7 +5243,7 @@ class HttpUpstream(Upstream):
             # An event stream may go on after the answer: its connection is not reused.
             reusable = not resp.will_close and resp.isclosed()
             return answer
-        except TimeoutError:
+        except SOCKET_TIMEOUTS:
             raise asyncio.TimeoutError() from None
         except ConnectionRefusedError as exc:
             raise NotSent(f"the server refused the connection: {exc.strerror}") from None
@@ -5536,7 +5567,7 @@ def _peer_closed(conn: http.client.HTTPConnection) -> bool:
 def _read_capped(resp: http.client.HTTPResponse) -> bytes:
     """A whole body, at most MAX_FRAME bytes; its socket's reads end at the deadline."""
     chunks, total = [], 0
-    while chunk := resp.read1(READ_CHUNK):
+    for chunk in iter(lambda: resp.read1(READ_CHUNK), b""):
         total += len(chunk)
         if total > MAX_FRAME:
             raise UpstreamError(f"response body exceeds {MAX_FRAME} bytes")
@@ -6164,7 +6195,7 @@ def read_owned(path: str) -> bytes:
             raise ConfigError(f"{path} ({mode}) is owned by uid {st.st_uid}, "
                               "not by the current user")
         chunks = []
-        while chunk := os.read(fd, 1 << 20):
+        for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
             chunks.append(chunk)
         return b"".join(chunks)
     finally:
@@ -8593,7 +8624,10 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     ended = asyncio.Event()              # the host closed its input
 
     async def feed() -> None:
-        while (line := await lines.next()) is not None:
+        while True:
+            line = await lines.next()
+            if line is None:
+                break
             if line.strip():
                 await host.take(line)
             await host.room(writer.queue.qsize)
@@ -8736,12 +8770,13 @@ class LineReader:
         size, skipping = 0, False
         try:
             for chunk in self._chunks():
-                start = 0
-                while (end := chunk.find(b"\n", start)) != -1:
+                start, end = 0, chunk.find(b"\n")
+                while end != -1:
                     if not skipping:
                         self._put(b"".join(parts) + chunk[start:end + 1])
                     parts, size, skipping = [], 0, False
                     start = end + 1
+                    end = chunk.find(b"\n", start)
                 if start < len(chunk) and not skipping:
                     parts.append(chunk[start:])
                     size += len(chunk) - start

@@ -10,6 +10,8 @@ call reports the outcome unknown and waits for the operator, who rejects it; and
 lost a response and retries, which pays once through the proxy and twice without it.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import select
@@ -20,6 +22,16 @@ import subprocess
 import sys
 import tempfile
 import time
+
+PROGRAM = "demo.py"
+# The Python agentrt_proxy needs, checked first: an older one stops with one line saying what to
+# use (the same line as agentrt_proxy.py's), not with a traceback.
+if sys.version_info < (3, 9):
+    sys.exit("%s needs Python 3.9 or newer; this is Python %s (%s). Get one: on macOS, "
+             "/usr/bin/python3 from the Command Line Tools (xcode-select --install; update them "
+             "if it is older than 3.9), Homebrew's python (brew install python), or the "
+             "installer from https://www.python.org/downloads/"
+             % (PROGRAM, sys.version.split()[0], sys.executable))
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROXY = os.path.join(HERE, "agentrt_proxy.py")

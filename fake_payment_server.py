@@ -77,6 +77,16 @@ import sys
 import threading
 import time
 
+PROGRAM = "fake_payment_server.py"
+# The Python agentrt_proxy needs, checked first: an older one stops with one line saying what to
+# use (the same line as agentrt_proxy.py's), not with a traceback.
+if sys.version_info < (3, 9):
+    sys.exit("%s needs Python 3.9 or newer; this is Python %s (%s). Get one: on macOS, "
+             "/usr/bin/python3 from the Command Line Tools (xcode-select --install; update them "
+             "if it is older than 3.9), Homebrew's python (brew install python), or the "
+             "installer from https://www.python.org/downloads/"
+             % (PROGRAM, sys.version.split()[0], sys.executable))
+
 SERVER_INFO = {"name": "fake-payments", "version": "1.0.0"}
 LEGACY_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 MODERN_VERSION = "2026-07-28"

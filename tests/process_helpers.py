@@ -13,6 +13,8 @@ under (and, after a crash, the fake server the dead proxy left behind, by its ow
 Not a test module: pytest collects nothing here.
 """
 
+from __future__ import annotations
+
 import datetime
 import json
 import os

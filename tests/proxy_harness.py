@@ -16,6 +16,8 @@ the real host-facing server fed with raw JSON-RPC lines, and a clock the test ca
 Not a test module: pytest collects nothing here.
 """
 
+from __future__ import annotations
+
 import asyncio
 import json
 import os
@@ -61,12 +63,21 @@ def write_config(tmp, rules=None, server_env=None, names=("bank",), command=None
     return path
 
 
+def harness_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop, made the current one: on Python 3.9 an asyncio Event or Lock made
+    outside a running loop (the Proxy's, built in a harness's __init__) binds to the current
+    loop, and there is none once an earlier test's asyncio.run has ended."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    return loop
+
+
 class ProxyHarness:
     def __init__(self, tmp, rules=None, server_env=None, pin=True, poll=0.02, names=("bank",),
                  command=None, **top):
         self.tmp = str(tmp)
         self.config_path = write_config(self.tmp, rules, server_env, names, command, **top)
-        self.loop = asyncio.new_event_loop()
+        self.loop = harness_loop()
         self.clock = SkewClock()
         self.log_lines: list[str] = []
         self.out: list[bytes] = []
@@ -190,3 +201,4 @@ class ProxyHarness:
             self.proxy.close()
             self.store.close()
             self.loop.close()
+            asyncio.set_event_loop(None)

@@ -5,6 +5,8 @@ Specification: DESIGN.md sections 2 and 3; reference/core.md 15 (operator comman
 and 7.5 (decide, cancel), 12 (the chain that verify walks).
 """
 
+from __future__ import annotations
+
 import asyncio
 import io
 import json

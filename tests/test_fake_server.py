@@ -1,6 +1,8 @@
 """The fake payment server (fake_payment_server.py) driven directly over stdio in both protocol
 eras, and the streamable-HTTP test server (tests/mcp_http_server.py) built on the same tools."""
 
+from __future__ import annotations
+
 import http.client
 import json
 import os

@@ -13,6 +13,8 @@ stdin must end the proxy with exit code 0.
     HOSTILE_FRAMES=10000 HOSTILE_SEED=7 python3 -m pytest -q -s tests/test_hostile_host.py
 """
 
+from __future__ import annotations
+
 import base64
 import dataclasses
 import decimal

@@ -11,6 +11,8 @@ Specification: the seed's outcome prefixes (UNAVAILABLE, UNRECORDED), "Timeouts,
 restarts" (leases), Limitations (a database that fails under a call); DESIGN.md section 5.
 """
 
+from __future__ import annotations
+
 import contextlib
 import json
 import os

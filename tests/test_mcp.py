@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from proxy_harness import FAKE_SERVER, ProxyHarness, ap, write_config
+from proxy_harness import FAKE_SERVER, ProxyHarness, ap, harness_loop, write_config
 from mcp_http_server import MCPHTTPServer
 from process_helpers import eventually_async
 
@@ -943,7 +943,7 @@ def test_call_timeout_is_honoured(script, tmp_path):
         pinned = await pin(s.server())
         async with loaded(s.server(rules), pinned) as (tools, _):
             start = time.monotonic()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(asyncio.TimeoutError):
                 await tools["fs_read_file"].call(b'{"path":"p"}')
             assert time.monotonic() - start < 1.0
             # The server is told the proxy stopped waiting.
@@ -1350,7 +1350,7 @@ def test_upstream_http_legacy_timeout_sends_cancelled(tmp_path):
             conn = await ap.open_upstream(server, time.monotonic() + 5)
             try:
                 start = time.monotonic()
-                with pytest.raises(TimeoutError):
+                with pytest.raises(asyncio.TimeoutError):
                     await conn.call_tool("pay", b'{"to":"a","amount":1,"mode":"slow"}', 0.3)
                 assert time.monotonic() - start < 1.5
                 await eventually_async(lambda: any(
@@ -1373,7 +1373,7 @@ def test_upstream_http_modern_timeout_closes_the_stream(tmp_path):
             conn = await ap.open_upstream(server, time.monotonic() + 5)
             try:
                 start = time.monotonic()
-                with pytest.raises(TimeoutError):
+                with pytest.raises(asyncio.TimeoutError):
                     await conn.call_tool("pay", b'{"to":"a","amount":1,"mode":"slow"}', 0.3)
                 assert time.monotonic() - start < 1.5
                 # Closing the stream is the cancellation: the slow call ends early.
@@ -1683,7 +1683,7 @@ def test_call_returns_when_the_rule_timeout_passes_even_if_the_server_never_answ
         rules = {"slow": {"side_effect": "read_only", "timeout": "100ms"}}
         async with loaded(s.server(rules), pinned) as (tools, _):
             start = time.monotonic()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(asyncio.TimeoutError):
                 await tools["fs_slow"].call(b"{}")
             assert time.monotonic() - start < 2.0
     arun(body())
@@ -1703,7 +1703,7 @@ def test_connection_close_is_safe_twice_and_concurrent_with_a_call(script, tmp_p
         start = time.monotonic()
         await asyncio.gather(conn.close(), conn.close())
         await conn.close()
-        with pytest.raises((ap.ToolFailure, TimeoutError)):
+        with pytest.raises((ap.ToolFailure, asyncio.TimeoutError)):
             await asyncio.wait_for(call, 5)
         assert time.monotonic() - start < 10
         assert conn.closed
@@ -2026,7 +2026,7 @@ class ScriptHarness(ProxyHarness):
         with open(self.config_path, "w") as f:
             json.dump(doc, f)
         os.chmod(self.config_path, 0o600)
-        self.loop = asyncio.new_event_loop()
+        self.loop = harness_loop()
         from proxy_harness import SkewClock
         self.clock = SkewClock()
         self.log_lines, self.out = [], []

@@ -10,6 +10,8 @@
   tool is BLOCKED with a text naming what it now waits for: the identical call.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import re

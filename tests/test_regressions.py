@@ -34,7 +34,7 @@ import pytest
 from conftest import BALANCE, LIMITS, PAY, ap
 from process_helpers import (PROXY, PYTHON, ProcessDir, child_pids, _cmdline, eventually,
                              eventually_async)
-from proxy_harness import DEFAULT_RULES, ProxyHarness, write_config
+from proxy_harness import DEFAULT_RULES, ProxyHarness, harness_loop, write_config
 from mcp_http_server import MCPHTTPServer
 
 
@@ -540,7 +540,7 @@ class HttpProxy:
     pinned, loaded, ready."""
 
     def __init__(self, tmp, endpoint, rules, connect_timeout="5s", server=None):
-        self.loop = asyncio.new_event_loop()
+        self.loop = harness_loop()
         self.log: list[str] = []
         self.tools, self.store, self.proxy = [], None, None
         self.cfg = _tiny_config(tmp, endpoint, rules, connect_timeout, server)
@@ -567,6 +567,7 @@ class HttpProxy:
         if self.store is not None:
             self.store.close()
         self.loop.close()
+        asyncio.set_event_loop(None)
 
 
 PAY_ALLOWED = {"pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}

@@ -10,6 +10,8 @@ answering initialize) or fail ("1 fail": sleeps 1 s, writes a reason to stderr, 
 The servers are pinned while they are still quick.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import signal

@@ -8843,8 +8843,7 @@ class ServerWatch:
         except (ProxyError, OSError) as exc:
             self.log(f"drift: server {_quote(self.server.name)}: subscriptions/listen not "
                      f"sent: {sanitize(str(exc))}")
-        while not self.conn.closed:
-            await self._cause()
+        while await self._cause():
             pause = self.last + DRIFT_RELIST_INTERVAL - time.monotonic()
             if pause > 0:
                 await asyncio.sleep(pause)           # the rate bound: notices coalesce
@@ -8856,18 +8855,20 @@ class ServerWatch:
                 self.failed = True
                 self._withhold_all(f"{type(exc).__name__}: {sanitize(str(exc))}")
 
-    async def _cause(self) -> None:
-        """Until a notice, a replaced manifest, or the retry of a failed listing is due."""
+    async def _cause(self) -> bool:
+        """Wait for a notice, a replaced manifest, or the retry of a failed listing; False
+        once the connection is closed (its tools fail as they always did: nothing is sent)."""
         while not self.conn.closed:
             try:
                 await asyncio.wait_for(self.wake.wait(), DRIFT_MANIFEST_POLL)
-                return
+                return not self.conn.closed
             except asyncio.TimeoutError:
                 pass
             if _manifest_stamp(self.server.manifest) != self.stamp:
-                return
+                return True
             if self.failed and time.monotonic() - self.last >= DRIFT_RETRY:
-                return
+                return True
+        return False
 
     async def relist(self) -> None:
         server, q = self.server, _quote(self.server.name)
@@ -8888,8 +8889,13 @@ class ServerWatch:
             self.log(f"drift: server {q}: listed again")
         self.failed = False
         live = {t.name: t for t in live_list}
-        offered, withheld = self.judge(pinned, live)
-        self.tell(drift_of(pinned, live))
+        offered, withheld, refused = self.judge(pinned, live)
+        changes = drift_of(pinned, live)
+        # A tool offered before and refused now for what the hashes do not cover (the
+        # server's hints now dispute its class) is drift too.
+        seen = {t for t, _ in changes}
+        changes += sorted((k, why) for k, why in refused.items() if k not in seen)
+        self.tell(changes)
         self.apply(offered, withheld)
 
     def _withhold_all(self, why: str) -> None:
@@ -8902,10 +8908,12 @@ class ServerWatch:
                         for n in names})
 
     def judge(self, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
-              ) -> tuple[list[UpstreamTool], dict[str, str]]:
-        """What loading would register now, and why each other classified tool is not."""
+              ) -> tuple[list[UpstreamTool], dict[str, str], dict[str, str]]:
+        """What loading would register now; why each other classified tool is not, by its
+        name; and the same for those of them the host was offered before, by upstream name."""
         offered: list[UpstreamTool] = []
         withheld: dict[str, str] = {}
+        refused: dict[str, str] = {}
         others = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
         taken: set[str] = set()
         for key, rule in sorted(self.server.rule_map.items()):
@@ -8919,10 +8927,12 @@ class ServerWatch:
                     raise ConfigError(f"the name {_quote(name)} is already taken")
             except (ProxyError, ValueError) as exc:
                 withheld[name] = str(exc)
+                if name in self.proxy.order:
+                    refused[key] = str(exc)
                 continue
             taken.add(name)
             offered.append(tool)
-        return offered, withheld
+        return offered, withheld, refused
 
     def tell(self, changes: list[tuple[str, str]]) -> None:
         """The operator hears of each new state of drift once: a flood of notices over one

@@ -4653,7 +4653,8 @@ def error_code(exc: BaseException) -> int:
 # (streamable HTTP is section 16). The era is
 # probed per server (server/discover, falling back to initialize on any error or timeout)
 # and kept for the connection. Requests a server sends the proxy are refused, its
-# notifications ignored but for a change of its tools (section 23). Every wait is bounded; nothing is read past MAX_FRAME.
+# notifications ignored but for a change of its tools (section 23). Every wait is bounded;
+# nothing is read past MAX_FRAME.
 
 STDERR_TAIL = 4096
 STDERR_WAIT = 2.0

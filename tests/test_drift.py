@@ -278,3 +278,30 @@ def test_a_flood_of_notices_is_listed_again_at_a_bounded_rate(dirs):
     tools = listing(p, d)
     assert "bank_balance" not in tools and "bank_transfer" not in tools
     p.stop()
+
+
+def test_a_host_subscription_is_acknowledged_told_and_bounded():
+    """The host side in-process: each subscriptions/listen is acknowledged and never
+    answered, a change is sent on each, a cancelled one hears no more, and a host cannot
+    open more than MAX_HOST_LISTENS."""
+    out = []
+    host = ap.HostServer(None, out.append, lambda line: None)
+
+    def listen(ident):
+        host.handle(json.dumps({"jsonrpc": "2.0", "id": ident, "method": "subscriptions/listen",
+                                "params": modern({"notifications": {"toolsListChanged": True}})
+                                }).encode())
+    for i in range(ap.MAX_HOST_LISTENS + 1):
+        listen(i)
+    sent = [json.loads(line) for line in out]
+    acks = [m for m in sent if m.get("method") == "notifications/subscriptions/acknowledged"]
+    assert [m["params"]["_meta"][SUBSCRIPTION] for m in acks] == \
+        list(range(ap.MAX_HOST_LISTENS))
+    assert [m["id"] for m in sent if "error" in m] == [ap.MAX_HOST_LISTENS]
+    assert not [m for m in sent if "result" in m]
+    host.handle(json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                            "params": {"requestId": 3}}).encode())
+    out.clear()
+    host.tools_changed()
+    told = [json.loads(line)["params"]["_meta"][SUBSCRIPTION] for line in out]
+    assert sorted(told) == [i for i in range(ap.MAX_HOST_LISTENS) if i != 3]

@@ -4695,7 +4695,8 @@ def error_code(exc: BaseException) -> int:
 # (streamable HTTP is section 16). The era is
 # probed per server (server/discover, falling back to initialize on any error or timeout)
 # and kept for the connection. Requests a server sends the proxy are refused, its
-# notifications ignored. Every wait is bounded; nothing is read past MAX_FRAME.
+# notifications ignored but for a change of its tools (section 23). Every wait is bounded;
+# nothing is read past MAX_FRAME.
 
 STDERR_TAIL = 4096
 STDERR_WAIT = 2.0
@@ -4785,6 +4786,9 @@ class Upstream:
         self.version = ""
         self._next_id = 0
         self.closed = False
+        self.caps: dict = {}                 # the capabilities the server declared
+        self.change_notices = 0              # its tools/list_changed notices, ever
+        self.on_tools_changed: Callable[[], None] | None = None    # section 23, drift
 
     # -- transport hooks --
     async def _exchange(self, msg_id: int, method: str, payload: bytes,
@@ -4839,6 +4843,7 @@ class Upstream:
                 if isinstance(reply.doc["result"], dict) else []
             if MODERN_VERSION in versions:
                 self.version = MODERN_VERSION
+                self.caps = _declared(reply.doc["result"])
                 return
         except ProtocolError as exc:
             supported = exc.data.get("supported") if isinstance(exc.data, dict) else None
@@ -4858,6 +4863,7 @@ class Upstream:
         if version not in LEGACY_VERSIONS:
             raise UpstreamError(f"unsupported protocol version: {_quote(str(version))}")
         self.version = version
+        self.caps = _declared(result)
         await self._post(rpc_notification("notifications/initialized", {}),
                          "notifications/initialized")
 
@@ -4897,6 +4903,8 @@ class Upstream:
     def _route(self, msg: Message) -> bytes | None:
         """What to answer a message the server sent on its own: requests are refused (the
         proxy neither samples, elicits nor lists roots), ping is answered."""
+        if msg.method and not msg.has_id:
+            self._noticed(msg.method)
         if msg.method and msg.has_id:
             if msg.method == "ping" and not self.modern:
                 return rpc_result(msg.id_value(), {})
@@ -4904,9 +4912,50 @@ class Upstream:
                              f"{msg.method} is not available through this proxy")
         return None
 
+    # -- tools that change while serving (section 23, drift) --
+    # Any notice that the tools may have changed only ever leads to a re-listing, bounded
+    # in rate, that can withhold tools and never offers one that is not pinned: so notices
+    # are taken from the server in either era, with or without a subscription id, and a
+    # forged or repeated one costs at most that bounded re-listing.
+    can_listen = False                  # whether the transport keeps a listen open
+
+    def _noticed(self, method: str) -> None:
+        if method not in DRIFT_NOTICES:
+            return
+        self.change_notices += 1
+        if self.on_tools_changed is not None:
+            self.on_tools_changed()      # thread-safe: HTTP reads on worker threads
+
+    async def listen(self) -> bool:
+        """2026-07-28: open subscriptions/listen for tool changes, when the server's
+        discover result declared tools.listChanged. It is never answered (its id is not
+        awaited: an answer to it, an error included, is dropped); the server's notices on
+        it arrive through _route. Legacy servers send their notices unasked."""
+        if not (self.modern and self.can_listen and _says_list_changed(self.caps)) or \
+                self.closed:
+            return False
+        self._next_id += 1
+        await self._post(rpc_request(self._next_id, "subscriptions/listen", self._params(
+            {"notifications": {"toolsListChanged": True}})), "subscriptions/listen")
+        return True
+
 
 MAX_TOOL_PAGES = 100
 MAX_TOOLS = 1000
+# The notices that make the proxy list a server's tools again: the change itself, and a
+# subscription's acknowledgement (a change between the first listing and the subscription
+# taking effect would otherwise go unseen).
+DRIFT_NOTICES = ("notifications/tools/list_changed", "notifications/subscriptions/acknowledged")
+
+
+def _declared(result: Any) -> dict:
+    caps = result.get("capabilities") if isinstance(result, dict) else None
+    return caps if isinstance(caps, dict) else {}
+
+
+def _says_list_changed(caps: dict) -> bool:
+    tools = caps.get("tools")
+    return isinstance(tools, dict) and tools.get("listChanged") is True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -5008,9 +5057,22 @@ def _same_id(got: Any, want: int | None) -> bool:
     return want is not None and _answer_id(got) == want
 
 
+def _end_orphan(spawning: asyncio.Future) -> None:
+    """A server started for a start that was cancelled meanwhile: its group is killed and
+    its pipes closed, at once."""
+    if spawning.cancelled() or spawning.exception() is not None:
+        return
+    proc = spawning.result()
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc._transport.close()     # its pipes (Process has no public close)
+
+
 class StdioUpstream(Upstream):
     """A server started as a child process: its own process group, a minimal environment,
     newline-delimited JSON-RPC, the last 4 KiB of its stderr kept for error messages."""
+    can_listen = True
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], cwd: str = ""):
         super().__init__(name)
@@ -5029,11 +5091,17 @@ class StdioUpstream(Upstream):
                                   else {"start_new_session": True})
         if sys.platform.startswith("linux"):
             kwargs["preexec_fn"] = _contain_child
+        spawning = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=self.env, cwd=self.cwd, limit=MAX_FRAME + 1024, **kwargs))
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=self.env, cwd=self.cwd, limit=MAX_FRAME + 1024, **kwargs)
+            # Shielded: a start cancelled meanwhile (another server failed to load) must
+            # not leave a child that exists but that nobody holds, to outlive the proxy.
+            self.proc = await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            spawning.add_done_callback(_end_orphan)
+            raise
         except OSError as exc:
             raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
@@ -7316,6 +7384,8 @@ class Proxy:
         self.stopping = asyncio.Event()
         self._decide_lock: asyncio.Lock | None = None
         self.notifier = Notifier(cfg.on_pending, log)
+        self.withheld: dict[str, tuple[str, str]] = {}    # name -> (server, why); drift
+        self.order = list(self.tools)                     # the listing's order
 
     def close(self) -> None:
         self.notifier.close()
@@ -7365,7 +7435,9 @@ class Proxy:
         hold for an approval, then at most one execution."""
         if name == self.cfg.status_tool:
             return self.status(args)
-        tool = self.tools[name]
+        tool = self.tools.get(name)
+        if tool is None:                 # withheld since the host was offered it (drift)
+            return withheld_answer(self.withheld.get(name, ("", "it is no longer offered"))[1])
         args, key = await self._offload(len(args), host_arguments, name, args)
         held = False
         for _ in range(MAX_RETRIES + 1):
@@ -8090,6 +8162,8 @@ MAX_WAITING_BYTES = MAX_FRAME
 STILL_LOADING = "the proxy is still loading its servers: send this request again shortly"
 START_FAILED = "the proxy could not start and is exiting; its log says why"
 STOPPED_LOADING = "the proxy was stopped before it served"
+MAX_HOST_LISTENS = 16                  # a modern host's open subscriptions/listen
+META_SUBSCRIPTION = "io.modelcontextprotocol/subscriptionId"
 
 
 class HostServer:
@@ -8105,6 +8179,8 @@ class HostServer:
         self.cancelled: dict[str, list[asyncio.Event]] = {}
         self.waiting: list[Message] = []
         self.refusal = ""                # set once loading failed: the answer to later ones
+        self.initialized = False         # a legacy host sent notifications/initialized
+        self.listens: dict[str, Any] = {}    # a modern host's subscriptions/listen, by id
 
     def ready(self, proxy: Proxy) -> None:
         """Loading is done: serve, first the requests that waited, in the order they came."""
@@ -8209,6 +8285,9 @@ class HostServer:
                 event.set()
             # A request cancelled while it waited for loading is never run nor answered.
             self.waiting = [m for m in self.waiting if _id_key(m.raw("id")) != key]
+            self.listens.pop(key, None)
+        elif msg.method == "notifications/initialized":
+            self.initialized = True
 
     def _era(self, msg: Message) -> bool:
         """Whether the request is of the stateless era; refuses a version we do not speak."""
@@ -8232,11 +8311,11 @@ class HostServer:
             asked = msg.params.get("protocolVersion")
             version = asked if asked in LEGACY_VERSIONS else LEGACY_VERSIONS[0]
             self.reply(msg, {"protocolVersion": version,
-                             "capabilities": {"tools": {"listChanged": False}},
+                             "capabilities": {"tools": {"listChanged": True}},
                              "serverInfo": SERVER_INFO}, False)
         elif method == "server/discover":
             self.reply(msg, {"supportedVersions": [MODERN_VERSION],
-                             "capabilities": {"tools": {"listChanged": False}},
+                             "capabilities": {"tools": {"listChanged": True}},
                              "serverInfo": SERVER_INFO, "ttlMs": 0, "cacheScope": "private"},
                        True)
         elif method == "ping" and not modern:
@@ -8248,6 +8327,8 @@ class HostServer:
             self.reply(msg, result, modern)
         elif method == "tools/call":
             self.start_call(msg, modern)
+        elif method == "subscriptions/listen" and modern:
+            self.listen(msg)
         else:
             raise ProtocolError(f"method {_quote(method)} not found", METHOD_NOT_FOUND)
 
@@ -8261,7 +8342,8 @@ class HostServer:
             raise ProtocolError("the proxy is shutting down and accepts no new call")
         name = msg.params.get("name")
         tools = self.proxy.tools
-        if not isinstance(name, str) or (name not in tools and name != self.proxy.cfg.status_tool):
+        if not isinstance(name, str) or (name not in tools and name not in self.proxy.withheld
+                                         and name != self.proxy.cfg.status_tool):
             raise ProtocolError(f"unknown tool {_quote(str(name))}", INVALID_PARAMS)
         _check_call_params(msg)
         args = (msg.raw("arguments", in_params=True) or b"").strip(JSON_WS)
@@ -8305,6 +8387,31 @@ class HostServer:
             self._forget(msg, cancelled)
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
+
+    # -- the offered tools changed (section 23, drift) --
+
+    def listen(self, msg: Message) -> None:
+        """A modern host's subscriptions/listen: acknowledged at once, answered never; a
+        tools change is sent on it until the host cancels it. At most MAX_HOST_LISTENS are
+        kept: a host cannot make the proxy hold subscriptions without bound."""
+        key = _id_key(msg.raw("id"))
+        if key not in self.listens and len(self.listens) >= MAX_HOST_LISTENS:
+            raise ProtocolError(f"more than {MAX_HOST_LISTENS} subscriptions are open",
+                                INVALID_REQUEST)
+        wanted = msg.params.get("notifications")
+        if isinstance(wanted, dict) and wanted.get("toolsListChanged") is True:
+            self.listens[key] = msg.id_value()
+        self.write(rpc_notification("notifications/subscriptions/acknowledged",
+                                    {"_meta": {META_SUBSCRIPTION: msg.id_value()}}))
+
+    def tools_changed(self) -> None:
+        """Tell the host its tools changed: a legacy host once it is initialized, a modern
+        one on each subscription that asked for it."""
+        if self.initialized:
+            self.write(rpc_notification("notifications/tools/list_changed", {}))
+        for ident in self.listens.values():
+            self.write(rpc_notification("notifications/tools/list_changed",
+                                        {"_meta": {META_SUBSCRIPTION: ident}}))
 
 
 def _check_envelope(msg: Message) -> None:
@@ -8649,11 +8756,13 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     tools, store, proxy = started
     out.log(f"serving session {sanitize(cfg.session)} with database {sanitize(cfg.database)}")
     host.ready(proxy)
+    drift = DriftWatch(cfg, proxy, tools, out.log, host.tools_changed)
     try:
         await _first_of(stop, ended)
         await host.shutdown()
         await asyncio.to_thread(writer.drain, WRITE_DRAIN)
     finally:
+        await drift.close()
         reader.cancel()
         await close_tools(tools)
         proxy.close()
@@ -9173,6 +9282,271 @@ def _print_host_entry(host: str, config_path: str, out: Out) -> None:
     doc = {_HOST_SERVERS[host]: {WRAP_ENTRY: host_entry(host, config_path)}}
     out.line(f"the {host} entry that starts the proxy instead of the servers it wraps:")
     out.line(_JSON_INERT.sub(_json_escape, _pretty(doc, cut=False)))
+
+# -- tools that change while serving: drift --
+# A server may change its tools after the proxy loaded them: the rug pull that pinning
+# exists to stop. On a server's notice (legacy notifications/tools/list_changed, unasked;
+# 2026-07-28, on the subscriptions/listen the proxy opens when discover declared
+# tools.listChanged), and whenever a server's manifest file is replaced (a pin), the proxy
+# lists that server again, reads its manifest again, and offers exactly what loading would
+# offer now: each tool passes _build against the manifest on disk and the live listing, the
+# same hashes, so nothing is ever offered that is not pinned as the server now presents it.
+# A tool that changed, and any new tool, is withheld until the operator pins again; a call
+# to a withheld tool is DENIED at the door, nothing recorded or executed (an approval given
+# before the change is not collected either). Unchanged tools go on; calls already running
+# finish and are recorded. The operator is told (a stderr line, and on_pending with kind
+# "drift"), the host is told its list changed. One server is listed at most once per
+# DRIFT_RELIST_INTERVAL, the notices that arrive meanwhile coalesced into one listing, each
+# under the server's connect_timeout and the page caps: a server that floods notices buys a
+# bounded rate of listings and nothing else.
+
+DRIFT_RELIST_INTERVAL = 1.0     # at least this long between two listings of one server
+DRIFT_MANIFEST_POLL = 1.0       # how often a server's manifest file is looked at
+DRIFT_RETRY = 30.0              # a listing that failed is tried again after this
+DRIFT_SHOWN = 50                # changed tools named in one notice; the rest are counted
+DRIFT_NAME_BYTES = 128          # of a tool name a server chose, in a notice
+DRIFT_NEW = "a new tool, not in the manifest"
+DRIFT_GONE = "the server no longer offers it"
+
+
+def withheld_answer(why: str) -> dict:
+    return prose("DENIED", f"this tool is not offered now: {clean(why, REASON_BYTES)}. It is "
+                 "withheld until the operator pins its server's tools again. Nothing was "
+                 "executed. Tell the user.", True)
+
+
+def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> list[tuple[str, str]]:
+    """Each tool whose listing differs from its pin, by the hashes loading compares, and
+    how: in name order."""
+    out = []
+    for name in sorted(set(pinned) | set(live)):
+        pin, now = pinned.get(name), live.get(name)
+        if pin is None:
+            out.append((name, DRIFT_NEW))
+        elif now is None:
+            out.append((name, DRIFT_GONE))
+        else:
+            what = [w for w, same in (
+                ("the description", same_digest(hash_string(now.description),
+                                                 pin.description_hash)),
+                ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
+                if not same]
+            if what:
+                out.append((name, f"{' and '.join(what)} changed since the pin"))
+    return out
+
+
+def _manifest_stamp(path: str) -> tuple | None:
+    """What tells a replaced manifest (pin writes a new file over it) from the one read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def offer(proxy: Proxy, server: str, offered: list[UpstreamTool],
+          withheld: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Make ``offered`` the server's tools in the proxy, the gate and the listing; withhold
+    the rest. A tool whose spec changed (a pin since) is the gate's new tool from here on,
+    its spec stored first. Returns the names offered anew or changed, and those removed."""
+    before = {n: t.spec for n, t in proxy.tools.items() if t.server == server}
+    now: dict[str, UpstreamTool] = {}
+    for tool in offered:
+        name = tool.spec.name
+        held = proxy.gate.tools.get(name)
+        if held is None or held.spec != tool.spec:
+            try:
+                proxy.store.ensure_spec(tool.spec)
+            except ProxyError as exc:
+                withheld[name] = f"its spec could not be recorded: {exc}"
+                continue
+            proxy.gate.tools[name] = Tool(tool.spec, tool.call)
+        now[name] = tool
+    for name in before:
+        if name not in now:
+            del proxy.tools[name]
+    for name, tool in now.items():
+        proxy.tools[name] = tool
+        if name not in proxy.order:
+            proxy.order.append(name)
+    rank = {n: i for i, n in enumerate(proxy.order)}
+    ordered = sorted(proxy.tools.items(), key=lambda item: rank[item[0]])
+    proxy.tools.clear()                  # in place: the policy holds this same dict
+    proxy.tools.update(ordered)
+    kept = {n: v for n, v in proxy.withheld.items() if v[0] != server}
+    kept.update({n: (server, why) for n, why in withheld.items()
+                 if n in rank and n not in now})       # only names a host may have seen
+    proxy.withheld = kept
+    return ([n for n, t in now.items() if before.get(n) != t.spec],
+            [n for n in before if n not in now])
+
+
+class DriftWatch:
+    """One ServerWatch per server that registered tools, each a task of its own."""
+
+    def __init__(self, cfg: Config, proxy: Proxy, tools: list[UpstreamTool],
+                 log: Callable[[str], None], announce: Callable[[], None]):
+        conns = {t.server: t.conn for t in tools}
+        self.watches = [ServerWatch(cfg, s, conns[s.name], proxy, log, announce)
+                        for s in cfg.servers if s.name in conns]
+        self.tasks = [asyncio.create_task(w.run()) for w in self.watches]
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class ServerWatch:
+    """Lists one server again when it says its tools changed or its manifest is replaced,
+    at most once per DRIFT_RELIST_INTERVAL."""
+
+    def __init__(self, cfg: Config, server: ServerConfig, conn: Upstream, proxy: Proxy,
+                 log: Callable[[str], None], announce: Callable[[], None]):
+        self.cfg, self.server, self.conn, self.proxy = cfg, server, conn, proxy
+        self.log, self.announce = log, announce
+        self.wake = asyncio.Event()
+        self.last = time.monotonic()                 # loading listed it just now
+        self.stamp = _manifest_stamp(server.manifest)
+        self.told: tuple = ()                        # the drift the operator was told of
+        self.failed = False
+        self.listings = 0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.conn.on_tools_changed = lambda: loop.call_soon_threadsafe(self.wake.set)
+        if self.conn.change_notices:                 # a notice since connecting
+            self.wake.set()
+        try:
+            await self.conn.listen()
+        except (ProxyError, OSError) as exc:
+            self.log(f"drift: server {_quote(self.server.name)}: subscriptions/listen not "
+                     f"sent: {sanitize(str(exc))}")
+        while await self._cause():
+            pause = self.last + DRIFT_RELIST_INTERVAL - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)           # the rate bound: notices coalesce
+            self.wake.clear()
+            self.last = time.monotonic()
+            try:
+                await self.relist()
+            except Exception as exc:      # a fault of ours: withhold rather than go unchecked
+                self.failed = True
+                self._withhold_all(f"{type(exc).__name__}: {sanitize(str(exc))}")
+
+    async def _cause(self) -> bool:
+        """Wait for a notice, a replaced manifest, or the retry of a failed listing; False
+        once the connection is closed (its tools fail as they always did: nothing is sent)."""
+        while not self.conn.closed:
+            try:
+                await asyncio.wait_for(self.wake.wait(), DRIFT_MANIFEST_POLL)
+                return not self.conn.closed
+            except asyncio.TimeoutError:
+                pass
+            if _manifest_stamp(self.server.manifest) != self.stamp:
+                return True
+            if self.failed and time.monotonic() - self.last >= DRIFT_RETRY:
+                return True
+        return False
+
+    async def relist(self) -> None:
+        server, q = self.server, _quote(self.server.name)
+        self.listings += 1
+        self.stamp = _manifest_stamp(server.manifest)
+        deadline = time.monotonic() + server.connect_timeout
+        try:
+            live_list = await asyncio.wait_for(self.conn.list_tools(deadline),
+                                               server.connect_timeout)
+            pinned = read_manifest(server.manifest, server.name)
+        except (ProxyError, OSError, asyncio.TimeoutError) as exc:
+            why = f"timed out after {fmt_duration(server.connect_timeout)}" \
+                if isinstance(exc, asyncio.TimeoutError) else sanitize(str(exc))
+            self.failed = True
+            self._withhold_all(why)
+            return
+        if self.failed:
+            self.log(f"drift: server {q}: listed again")
+        self.failed = False
+        live = {t.name: t for t in live_list}
+        offered, withheld, refused = self.judge(pinned, live)
+        changes = drift_of(pinned, live)
+        # A tool offered before and refused now for what the hashes do not cover (the
+        # server's hints now dispute its class) is drift too.
+        seen = {t for t, _ in changes}
+        changes += sorted((k, why) for k, why in refused.items() if k not in seen)
+        self.tell(changes)
+        self.apply(offered, withheld)
+
+    def _withhold_all(self, why: str) -> None:
+        self.log(f"drift: server {_quote(self.server.name)}: its tools could not be listed "
+                 f"again, so none of them is offered until they are: {why}")
+        self.told = ()
+        names = [n for n, t in self.proxy.tools.items() if t.server == self.server.name]
+        names += [n for n, v in self.proxy.withheld.items() if v[0] == self.server.name]
+        self.apply([], {n: f"its server's tools could not be listed again ({why})"
+                        for n in names})
+
+    def judge(self, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
+              ) -> tuple[list[UpstreamTool], dict[str, str], dict[str, str]]:
+        """What loading would register now; why each other classified tool is not, by its
+        name; and the same for those of them the host was offered before, by upstream name."""
+        offered: list[UpstreamTool] = []
+        withheld: dict[str, str] = {}
+        refused: dict[str, str] = {}
+        others = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
+        taken: set[str] = set()
+        for key, rule in sorted(self.server.rule_map.items()):
+            name = rule.rename or f"{self.server.name}_{key}"
+            try:
+                if key not in pinned:
+                    raise ConfigError("it is not in the manifest")
+                tool, _ = _build(self.server, pinned[key], live.get(key), rule, self.conn)
+                name = tool.spec.name
+                if name == self.cfg.status_tool or name in others or name in taken:
+                    raise ConfigError(f"the name {_quote(name)} is already taken")
+            except (ProxyError, ValueError) as exc:
+                withheld[name] = str(exc)
+                if name in self.proxy.order:
+                    refused[key] = str(exc)
+                continue
+            taken.add(name)
+            offered.append(tool)
+        return offered, withheld, refused
+
+    def tell(self, changes: list[tuple[str, str]]) -> None:
+        """The operator hears of each new state of drift once: a flood of notices over one
+        change is one notice."""
+        key = tuple(changes)
+        if key == self.told:
+            return
+        self.told, q = key, _quote(self.server.name)
+        if not changes:
+            self.log(f"drift: server {q}: its tools match the manifest again")
+            return
+        rules = self.server.rule_map
+        shown = [{"tool": clean(t, DRIFT_NAME_BYTES),
+                  "name": (rules[t].rename or f"{self.server.name}_{t}") if t in rules else "",
+                  "why": why} for t, why in changes[:DRIFT_SHOWN]]
+        more = len(changes) - len(shown)
+        pin = f"{_self_command()} pin -config {self.cfg.path}"
+        self.log(f"drift: server {q} changed its tools since the pin: " +
+                 "; ".join(f"{e['tool']}: {e['why']}" for e in shown) +
+                 (f"; and {more} more" if more else ""))
+        self.log(f"  withheld until pinned again; pin with: {sanitize(pin)}")
+        doc = {"kind": "drift", "server": sanitize(self.server.name), "withheld": shown,
+               "more": more, "pin": sanitize(pin), "at": fmt_time(time.time())}
+        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc)
+
+    def apply(self, offered: list[UpstreamTool], withheld: dict[str, str]) -> None:
+        added, removed = offer(self.proxy, self.server.name, offered, withheld)
+        q = _quote(self.server.name)
+        if removed:
+            self.log(f"drift: server {q}: withheld: {', '.join(removed)}")
+        if added:
+            self.log(f"drift: server {q}: offered: {', '.join(added)}")
+        if added or removed:
+            self.announce()
 
 
 # ==== 24. Re-checking recorded calls ====

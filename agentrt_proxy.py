@@ -5057,18 +5057,6 @@ def _same_id(got: Any, want: int | None) -> bool:
     return want is not None and _answer_id(got) == want
 
 
-def _end_orphan(spawning: asyncio.Future) -> None:
-    """A server started for a start that was cancelled meanwhile: its group is killed and
-    its pipes closed, at once."""
-    if spawning.cancelled() or spawning.exception() is not None:
-        return
-    proc = spawning.result()
-    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(Exception):
-        proc._transport.close()     # its pipes (Process has no public close)
-
-
 class StdioUpstream(Upstream):
     """A server started as a child process: its own process group, a minimal environment,
     newline-delimited JSON-RPC, the last 4 KiB of its stderr kept for error messages."""
@@ -5091,17 +5079,11 @@ class StdioUpstream(Upstream):
                                   else {"start_new_session": True})
         if sys.platform.startswith("linux"):
             kwargs["preexec_fn"] = _contain_child
-        spawning = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=self.env, cwd=self.cwd, limit=MAX_FRAME + 1024, **kwargs))
         try:
-            # Shielded: a start cancelled meanwhile (another server failed to load) must
-            # not leave a child that exists but that nobody holds, to outlive the proxy.
-            self.proc = await asyncio.shield(spawning)
-        except asyncio.CancelledError:
-            spawning.add_done_callback(_end_orphan)
-            raise
+            self.proc = await asyncio.create_subprocess_exec(
+                exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env=self.env, cwd=self.cwd, limit=MAX_FRAME + 1024, **kwargs)
         except OSError as exc:
             raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]

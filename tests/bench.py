@@ -55,19 +55,22 @@ measured is the cost of an allowed read as the tables grow, not verification.
 Where the time of an allowed call goes
 --------------------------------------
 cProfile of 2,000 allowed read-only calls in-process (tests/test_rules_cost.py's instant
-upstream, a file database at synchronous=FULL, Python 3.11, 2-core VM): 1.26 ms a call
-without the profiler, divided as
+upstream, a file database, Python 3.11, 2-core VM): 0.91 ms a call without the profiler
+(1.12 ms for an allowed mutating call), divided about as
 
-    deciding and starting the run (rules, claim, run, step, proposal, tool start: 1 commit)  0.76
-    running the tool and recording its outcome with its index row (1 commit)                 0.35
-    the host's arguments in the proxy's own encoding, and their request key                  0.02
+    deciding and starting the run (rules, claim, run, step, proposal, tool start)   0.50
+    recording the outcome with its index row, in the synced commit                   0.38
+    the host's arguments in the proxy's own encoding, and their request key          0.02
 
-and across those phases: 54 SQLite statements a call, 0.53 ms with the two fsyncs; JSON
-parsing 0.12 ms; encoding records and frames 0.09 ms; the event chain 0.11 ms. Through the
-real process add reading and answering the host's frame and the upstream's (about 0.2 ms).
-What would win most next: fewer statements (the savepoints of a batch, the run read back
-after each change), one commit for a read, and one commit for the outcomes of calls that
-finish together.
+Across those phases: 38 SQLite statements a call, 0.47 ms, most of it the one synced commit
+(a read's start commits with synchronous=NORMAL and its outcome commit syncs both; a
+mutating call's start and outcome are each synced, the start before its request leaves);
+JSON parsing 0.13 ms (9 parses); encoding records and frames 0.12 ms; the event chain (8
+events, their hashes) 0.10 ms outside its inserts. Through the real process add reading and
+answering the host's frame and the upstream's, about 0.3 ms. What would win most next: one
+commit for the outcomes of calls that finish together (group commit), and fewer records
+per call; what cannot be won in this design is the synced commit itself and, at start-up,
+CPython compiling this one large file, which a script run never caches (about 80 ms).
 """
 
 from __future__ import annotations

@@ -85,3 +85,19 @@ def cli():
         code = ap.main(list(argv), stdin=io.StringIO(stdin), stdout=out, stderr=err)
         return code, out.getvalue(), err.getvalue()
     return run
+
+
+@pytest.fixture
+def procs():
+    """Directories of real proxy processes a test makes (process_helpers.ProcessDir); every
+    proxy started in them is killed, by its pid, at the end."""
+    from process_helpers import ProcessDir
+    made: list = []
+
+    def make(tmp, **kw):
+        d = ProcessDir(tmp, **kw)
+        made.append(d)
+        return d
+    yield make
+    for d in made:
+        d.cleanup()

@@ -19,17 +19,6 @@ import pytest
 from process_helpers import PROXY, PYTHON, ProcessDir, eventually, is_error, prefix, text
 
 
-@pytest.fixture
-def procs():
-    made: list[ProcessDir] = []
-
-    def make(tmp, **kw) -> ProcessDir:
-        d = ProcessDir(tmp, **kw)
-        made.append(d)
-        return d
-    yield make
-    for d in made:
-        d.cleanup()
 
 
 class Terminal:

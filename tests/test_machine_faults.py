@@ -530,17 +530,6 @@ def test_read_only_while_serving(tmp_path, target):
 
 # -- processes: the WAL deleted underneath, the process stopped past its lease --------------
 
-@pytest.fixture
-def procs():
-    made: list[ProcessDir] = []
-
-    def make(tmp, **kw) -> ProcessDir:
-        d = ProcessDir(tmp, **kw)
-        made.append(d)
-        return d
-    yield make
-    for d in made:
-        d.cleanup()
 
 
 def operator_verify(d: ProcessDir) -> str:

@@ -35,17 +35,6 @@ HANGER = ("import os, sys, time\n"
           "time.sleep(600)\n")
 
 
-@pytest.fixture
-def procs():
-    made: list[ProcessDir] = []
-
-    def make(tmp, **kw) -> ProcessDir:
-        d = ProcessDir(tmp, **kw)
-        made.append(d)
-        return d
-    yield make
-    for d in made:
-        d.cleanup()
 
 
 def pending_doc(d: ProcessDir) -> list[dict]:

@@ -22,18 +22,6 @@ from process_helpers import (EVENTS_ALLOWED, EVENTS_CRASH_INTERRUPTED_APPROVED, 
 LEASE = "3s"
 
 
-@pytest.fixture
-def procs():
-    """Directories made by a test; every proxy started in them is killed at the end."""
-    made: list[ProcessDir] = []
-
-    def make(tmp, **kw) -> ProcessDir:
-        d = ProcessDir(tmp, **kw)
-        made.append(d)
-        return d
-    yield make
-    for d in made:
-        d.cleanup()
 
 
 def want(result: dict, pfx: str, error: bool) -> str:

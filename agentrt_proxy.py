@@ -37,7 +37,7 @@ Trust boundaries
 - The on_pending command is the operator's own program, started without a shell when an
   approval starts to wait; what it is told (the model's arguments among it) is sanitised,
   and it can neither decide nor delay anything.
-- The webhook (section 26), only when an operator starts it, takes the same decisions over
+- The webhook (section 27), only when an operator starts it, takes the same decisions over
   HTTP from whoever holds its shared secret; the serving proxy itself opens no listener.
 
 Sections, in dependency order
@@ -52,10 +52,11 @@ Sections, in dependency order
  8. Time and records                    21. Deciding a call
  9. Policy                              22. The host-facing server
 10. The store                           23. Serving, pinning, checking, wrap
-11. The gate                            24. Re-checking recorded calls
-12. A run's session                     25. Operator commands
-13. Operator decisions                  26. The webhook (HTTP approvals)
-                                        27. main
+11. The gate                            24. Tools that change while serving
+12. A run's session                     25. Re-checking recorded calls
+13. Operator decisions                  26. Operator commands
+                                        27. The webhook (HTTP approvals)
+                                        28. main
 """
 
 from __future__ import annotations
@@ -4695,7 +4696,7 @@ def error_code(exc: BaseException) -> int:
 # (streamable HTTP is section 16). The era is
 # probed per server (server/discover, falling back to initialize on any error or timeout)
 # and kept for the connection. Requests a server sends the proxy are refused, its
-# notifications ignored but for a change of its tools (section 23). Every wait is bounded;
+# notifications ignored but for a change of its tools (section 24). Every wait is bounded;
 # nothing is read past MAX_FRAME.
 
 STDERR_TAIL = 4096
@@ -4788,7 +4789,7 @@ class Upstream:
         self.closed = False
         self.caps: dict = {}                 # the capabilities the server declared
         self.change_notices = 0              # its tools/list_changed notices, ever
-        self.on_tools_changed: Callable[[], None] | None = None    # section 23, drift
+        self.on_tools_changed: Callable[[], None] | None = None    # section 24
 
     # -- transport hooks --
     async def _exchange(self, msg_id: int, method: str, payload: bytes,
@@ -4912,7 +4913,7 @@ class Upstream:
                              f"{msg.method} is not available through this proxy")
         return None
 
-    # -- tools that change while serving (section 23, drift) --
+    # -- tools that change while serving (section 24) --
     # Any notice that the tools may have changed only ever leads to a re-listing, bounded
     # in rate, that can withhold tools and never offers one that is not pinned: so notices
     # are taken from the server in either era, with or without a subscription id, and a
@@ -6226,6 +6227,10 @@ class Config:
         return POLICY_ID_PREFIX + sha256_hex(canonical_json(doc))
 
 
+OWNED_READ_CHUNK = 1 << 20             # bytes read from an owned file at a time
+OWNED_FILE_MAX = 64 << 20              # an owned file (configuration, manifest) at most
+
+
 def read_owned(path: str) -> bytes:
     """Read a file that decides what tools may do, only if it is a regular file owned by the
     current user that group and others cannot write. What is checked is what is read."""
@@ -6244,8 +6249,12 @@ def read_owned(path: str) -> bytes:
         if st.st_uid != os.getuid():
             raise ConfigError(f"{path} ({mode}) is owned by uid {st.st_uid}, "
                               "not by the current user")
-        chunks = []
-        for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
+        chunks, size = [], 0
+        for chunk in iter(lambda: os.read(fd, OWNED_READ_CHUNK), b""):
+            size += len(chunk)
+            if size > OWNED_FILE_MAX:
+                raise ConfigError(f"{path} is over {OWNED_FILE_MAX // (1 << 20)} MiB: not a "
+                                  "configuration, manifest or host file this proxy reads")
             chunks.append(chunk)
         return b"".join(chunks)
     finally:
@@ -8124,8 +8133,10 @@ def result_text(obs: dict) -> str:
 # ==== 22. The host-facing server ====
 # The proxy as an MCP server on stdin and stdout, in both protocol eras: the legacy handshake
 # (initialize) and the stateless 2026-07-28 era (per-request _meta, server/discover). stdin is
-# read as bytes so each call's arguments reach the gate exactly as sent. Each call is its own
-# task; answers go out in any order. A host's cancel ends only a wait, never an upstream call
+# read as bytes; each call's arguments are parsed once, strictly, and written again in the
+# proxy's own encoding before the gate keys and records them. Each call is its own task;
+# answers go out in any order. A host told its tools changed: the legacy notice once it is
+# initialized, or on a subscriptions/listen of its own (section 24). A host's cancel ends only a wait, never an upstream call
 # already running. On EOF or a signal: accept no new call, finish the ones in flight, exit.
 # While the servers are still loading (section 23) the handshake is answered at once, so the
 # host's start-up timeout runs against the proxy's own start and not its slowest server's;
@@ -8370,7 +8381,7 @@ class HostServer:
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
 
-    # -- the offered tools changed (section 23, drift) --
+    # -- the offered tools changed (section 24) --
 
     def listen(self, msg: Message) -> None:
         """A modern host's subscriptions/listen: acknowledged at once, answered never; a
@@ -8464,6 +8475,10 @@ def _id_key(raw: bytes | None) -> str:
 
 
 # ==== 23. Serving, pinning, checking and wrapping ====
+# Loading every server as serving does (all at once, each under its connect timeout); serve,
+# pin (with the reach check first and a diff of what changed), check (what each tool gets),
+# and wrap (a host's configuration made into the proxy's, every server pinned, nothing
+# classified).
 
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
@@ -9235,7 +9250,8 @@ async def cmd_wrap(args, out: Out) -> int:
         out.line(f"wrote {sanitize(host_path)}: its {len(servers)} wrapped server(s) replaced "
                  f"by the gated entry" + (f", {kept} not wrapped kept as they were" if kept
                                           else "") + f"; the file as it was is {sanitize(backup)}")
-    out.line(f"paste the rules, then run: {_self_command()} check -config {config_path}")
+    out.line(f"paste the rules, then run: {_self_command()} check -config "
+             f"{sanitize(config_path)}")
     return 0 if pinned == len(servers) else 1
 
 
@@ -9265,7 +9281,7 @@ def _print_host_entry(host: str, config_path: str, out: Out) -> None:
     out.line(f"the {host} entry that starts the proxy instead of the servers it wraps:")
     out.line(_JSON_INERT.sub(_json_escape, _pretty(doc, cut=False)))
 
-# -- tools that change while serving: drift --
+# ==== 24. Tools that change while serving ====
 # A server may change its tools after the proxy loaded them: the rug pull that pinning
 # exists to stop. On a server's notice (legacy notifications/tools/list_changed, unasked;
 # 2026-07-28, on the subscriptions/listen the proxy opens when discover declared
@@ -9531,7 +9547,7 @@ class ServerWatch:
             self.announce()
 
 
-# ==== 24. Re-checking recorded calls ====
+# ==== 25. Re-checking recorded calls ====
 # `recheck` rebuilds the policy today's configuration gives the proxy and hands it every
 # decision the proxy's policy recorded, rebuilt as it was handed then: the request (its
 # recorded spec, or with -current-tools the tool's spec as loaded now) and the view of its
@@ -9851,9 +9867,9 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     return 1 if differ else 0
 
 
-# ==== 25. Operator commands ====
-# runs, show, events, approve, reject, cancel, verify, pending, inbox. Arguments are checked before the
-# database is touched; the database is opened as it is (never created, never migrated),
+# ==== 26. Operator commands ====
+# runs, show, events, approve, reject, cancel, verify, pending, inbox. Arguments are checked
+# before the database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
 # first and bind the decision to the hash of what they printed. Text that a model, a server
 # or an operator chose is sanitised before it reaches the terminal; so is every field read
@@ -10836,7 +10852,7 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
-# ==== 26. The webhook: the HTTP approval channel ====
+# ==== 27. The webhook: the HTTP approval channel ====
 # `webhook` serves approve, reject and cancel over HTTP. An operator runs it on purpose, as a
 # process of its own; the serving proxy opens no listener. A request is judged in an order
 # where each step is paid for only once the one before has passed: the rate (before a byte
@@ -11497,7 +11513,7 @@ def cmd_sign(args, out: Out) -> int:
 _HOOK_COMMANDS = {"webhook": cmd_webhook, "sign": cmd_sign}
 
 
-# ==== 27. main ====
+# ==== 28. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""

@@ -197,6 +197,12 @@ PENDING, APPROVED, REJECTED, EXPIRED = "pending", "approved", "rejected", "expir
 # which leaves such a row pending: a pending row on a cancelled run is read as waiting by
 # anything that looks at the row alone (show, a count, the model's status tool).
 CANCELLED_APPROVAL = "cancelled"
+# An interruption approval whose question was answered by the record itself: the attempt it
+# asks about finished after it was cut off, and what it came to is recorded (a late outcome).
+# Stricter than the reference, which leaves it pending: approving it would run again a call
+# the store knows has taken effect. Nothing can decide a settled approval.
+SETTLED_APPROVAL = "settled"
+SETTLED_BY = "the late outcome"      # decided_by of a settled approval: the record, not a person
 
 LOG_PREFIX = "agentrt-proxy: "
 
@@ -299,6 +305,11 @@ class NotPending(ProxyError):
 
 class ApprovalExpired(NotPending):
     """The approval, or the grant it became, expired before it was used."""
+
+
+class AttemptSettled(NotPending):
+    """The attempt an interruption approval asks about has a recorded outcome (it finished
+    after it was cut off): nothing is decided, and the re-run never executes."""
 
 
 class ApprovalHashMismatch(ProxyError):
@@ -2748,6 +2759,10 @@ class Tx:
     def exec(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
         return self.c.execute(sql, params)
 
+    def rows(self, sql: str, params: tuple = ()) -> list[tuple]:
+        """A read inside the transaction (a Query, as Store._read is outside one)."""
+        return self.c.execute(sql, params).fetchall()
+
     def event(self, run_id: str, step_id: str, at: str, typ: str, payload: Any) -> int:
         """Append one event, chained to the newest event of any run."""
         if self._head is None:
@@ -3310,6 +3325,14 @@ class _Allowed:
     granted: Approval | None
 
 
+def _known_outcome(doc: dict) -> bool:
+    """Without the caller's judgement: a result, or the tool's own error answer."""
+    content = doc.get("content")
+    return doc.get("kind") == TOOL_RESULT or (
+        doc.get("kind") == TOOL_ERROR and isinstance(content, dict) and
+        content.get("failure") in ("error", "invalid_content"))
+
+
 def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
     return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
 
@@ -3479,8 +3502,15 @@ class Gate:
                  now: Clock = time.time, wall: Clock = time.time,
                  new_id: Callable[[], str] = new_hex_id, lease_owner: str = "",
                  lease_ttl: float = DEFAULT_LEASE_TTL,
-                 reconcile: Callable[[RunView], Reconciliation] | None = None):
+                 reconcile: Callable[[RunView], Reconciliation] | None = None,
+                 known: Callable[[str, dict], bool] | None = None,
+                 on_settled: Callable[[Tx, list[str]], None] | None = None):
         self.store, self.policy, self.reconcile = store, policy, reconcile
+        # Whether a tool's observation is a known outcome (it ran and what came of it is
+        # known); the caller knows its tools' errors. on_settled is told, inside the
+        # transaction, of the runs a late outcome ended (section 13).
+        self.known = known or (lambda _tool, doc: _known_outcome(doc))
+        self.on_settled = on_settled
         self.tools: dict[str, Tool] = {}
         for tool in sorted(tools, key=lambda t: t.spec.name):
             _check_tool(tool.spec, self.tools)
@@ -3951,26 +3981,47 @@ class Session:
             fmt_time(now + ttl) if ttl > 0 else "")
         approval = dataclasses.replace(approval, hash=approval_hash(
             approval.kind, approval.capability, approval.presentation, request))
+        attempt = asked_attempt(approval)
+        owner = self.gate.owner if origin == RUNNING else ""
         with self.store.tx() as tx:
-            tx.transition(self.run_id, (origin,), WAITING,
-                          owner=self.gate.owner if origin == RUNNING else "")
-            tx.update_step(step.id, from_steps, status="awaiting_approval",
-                           policy_json=_policy_record(decision), spec_hash=step.spec_hash or
-                           request.spec.hash(), policy_id=extra.get("policy_id", ""),
-                           observation_json="", observation_hash="", finished_at="")
             tx.event(self.run_id, step.id, policy_at, "step.policy", _policy_record(decision, extra))
-            tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
-                    f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
-                    (approval.id, approval.run_id, approval.step_id, approval.kind,
-                     approval.capability.decode(), approval.presentation.decode(),
-                     approval.request_json, approval.hash, PENDING, approval.created_at,
-                     "", "", "", approval.expires_at))
-            tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
-                     {"approval_id": approval.id, "capability": Raw(approval.capability),
-                      "hash": approval.hash, "kind": approval.kind,
-                      "presentation": Raw(approval.presentation), "reason": decision.reason})
+            # No interruption approval is ever asked about an attempt whose outcome is
+            # recorded: looked for in the transaction that would ask, so that a late outcome
+            # recorded before it is found here, and one recorded after it settles what it
+            # asked (settle_attempt).
+            late = late_record(tx.rows, attempt, known=True) if attempt else None
+            if late is not None:
+                run = end_with_late(tx, self.run_id, step.id, (origin,), from_steps, late,
+                                    fmt_time(now), request.spec.terminal, owner)
+                if self.gate.on_settled is not None:
+                    self.gate.on_settled(tx, [self.run_id])
+            else:
+                self._ask(tx, approval, request, step, from_steps, origin, decision, extra)
+        if late is not None:
+            self._finish("ended", run)
+            return Verdict("settled", run=run)
         self._finish("paused", None)
         return Verdict("pending", approval=approval)
+
+    def _ask(self, tx: Tx, approval: Approval, request, step, from_steps, origin, decision,
+             extra) -> None:
+        """The writes of a pause: the run waits, its step waits, the approval is asked."""
+        tx.transition(self.run_id, (origin,), WAITING,
+                      owner=self.gate.owner if origin == RUNNING else "")
+        tx.update_step(step.id, from_steps, status="awaiting_approval",
+                       policy_json=_policy_record(decision), spec_hash=step.spec_hash or
+                       request.spec.hash(), policy_id=extra.get("policy_id", ""),
+                       observation_json="", observation_hash="", finished_at="")
+        tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
+                f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
+                (approval.id, approval.run_id, approval.step_id, approval.kind,
+                 approval.capability.decode(), approval.presentation.decode(),
+                 approval.request_json, approval.hash, PENDING, approval.created_at,
+                 "", "", "", approval.expires_at))
+        tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
+                 {"approval_id": approval.id, "capability": Raw(approval.capability),
+                  "hash": approval.hash, "kind": approval.kind,
+                  "presentation": Raw(approval.presentation), "reason": decision.reason})
 
     def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
         """An approved step: check the recorded arguments against today's schema, then
@@ -4058,27 +4109,52 @@ class Session:
         spec, request = allowed.request.spec, allowed.request
         started = {"args": Raw(request.args), "tool": spec.name}
         with self.store.tx() as tx:
-            if granted:
-                _require_grant(tx, step.id, granted)
-                tx.transition(self.run_id, (WAITING,), RUNNING, owner=gate.owner,
-                              lease_until=fmt_time(until))
-                tx.event(self.run_id, step.id, start_at, "run.resumed", {"approval_id": granted.id})
-                started = {"approval_id": granted.id, **started}
-            else:
-                _require_live_lease(tx, self.run_id, gate.owner, gate.wall())
-            cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
-                    "policy_id": gate.policy_id}
-            if granted:
-                cols["started_at"] = start_at
-            tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",), **cols)
-            tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
-                     _policy_record(allowed.decision, {"policy_id": gate.policy_id,
-                                                      "spec_hash": spec.hash(),
-                                                      "view": allowed.view}))
-            tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
+            settled = self._settled_at_start(tx, granted, start_at, spec) if granted else None
+            if settled is None:
+                if granted:
+                    tx.transition(self.run_id, (WAITING,), RUNNING, owner=gate.owner,
+                                  lease_until=fmt_time(until))
+                    tx.event(self.run_id, step.id, start_at, "run.resumed",
+                             {"approval_id": granted.id})
+                    started = {"approval_id": granted.id, **started}
+                else:
+                    _require_live_lease(tx, self.run_id, gate.owner, gate.wall())
+                cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
+                        "policy_id": gate.policy_id}
+                if granted:
+                    cols["started_at"] = start_at
+                tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",),
+                               **cols)
+                tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
+                         _policy_record(allowed.decision, {"policy_id": gate.policy_id,
+                                                          "spec_hash": spec.hash(),
+                                                          "view": allowed.view}))
+                tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
+        if settled is not None:
+            self._finish("ended", settled[0])
+            raise AttemptSettled(f"run {self.run_id}: approval {granted.id} is not run: the "
+                                 f"attempt it re-runs {settled[1].text()}")
         gate.leases.hold(self.run_id, until)
-        self.current = dataclasses.replace(step, status="executing", started_at=start_at)
+        # The attempt's start as the store holds it: a late outcome names it (section 13).
+        self.current = dataclasses.replace(step, status="executing",
+                                           started_at=start_at if granted else step.started_at)
         self._started = request
+
+    def _settled_at_start(self, tx: Tx, granted: Approval, at: str, spec: ToolSpec):
+        """The grant may be collected only while it is the step's grant, and a re-run never
+        executes once the attempt it re-runs has a recorded outcome, whatever the approval
+        says: judged in the transaction that would start it, so that no late outcome lands
+        between the look and the start. (run, late record) when the run ended instead."""
+        _require_grant(tx, self.current.id, granted)
+        late = late_record(tx.rows, asked_attempt(granted), known=True)
+        if late is None:
+            return None
+        settle_approval(tx, granted, late, at)
+        run = end_with_late(tx, self.run_id, self.current.id, (WAITING,),
+                            ("awaiting_approval",), late, at, spec.terminal)
+        if self.gate.on_settled is not None:
+            self.gate.on_settled(tx, [self.run_id])
+        return run, late
 
     async def run_started(self) -> dict:
         """Call the tool whose start was committed, and record what came of it. When the
@@ -4175,15 +4251,26 @@ class Session:
 
     def _late(self, doc: dict, obs: tuple, finished: dict) -> None:
         """The run was cancelled or taken over while the tool ran. What came of the call is
-        recorded all the same, as a late event on its step (an event needs no lease), so an
-        operator asked whether the cut-off attempt runs again can see that it finished and
-        how: a known outcome is never thrown away."""
-        late = {"duration_ms": finished["duration_ms"], "late": True,
-                "observation": Raw(obs[1].encode()), "tool": finished["tool"]}
+        recorded all the same, as a late event on its step (an event needs no lease), naming
+        the attempt's start and whether the outcome is known: a known outcome is never
+        thrown away. A known one settles the attempt in the same transaction: an approval
+        asking whether it runs again is answered by it, and its run ends (section 13)."""
+        step, gate = self.current, self.gate
+        known = bool(gate.known(finished["tool"], doc))
+        late = {"duration_ms": finished["duration_ms"], "known": known, "late": True,
+                "observation": Raw(obs[1].encode()), "started_at": step.started_at,
+                "tool": finished["tool"]}
         if doc["kind"] == TOOL_RESULT:
             late.update(content_hash=obs[2], summary=doc["summary"])
+        at = gate.now()
         with self.store.tx() as tx:
-            tx.event(self.run_id, self.current.id, self.gate.now(), "step.tool_finished", late)
+            seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
+            if known:
+                record = LateRecord(seq, self.run_id, step.id, step.started_at, at, True,
+                                    obs[1], doc)
+                ended = settle_attempt(tx, record, at)
+                if ended and gate.on_settled is not None:
+                    gate.on_settled(tx, ended)
         run = self.store.get_run(self.run_id)
         if run.status == CANCELLED and run.reason == "operator_cancelled":
             self._finish("ended", run)
@@ -4433,9 +4520,297 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
     return None
 
 
-# ==== 13. Operator decisions ====
-# Approve and reject bound to the hash of the approval the operator was shown; cancel; and
-# expiry. Each is one transaction with its events; none executes anything.
+# ==== 13. Operator decisions and late outcomes ====
+# Approve and reject bound to the view of the approval the operator was shown; cancel; and
+# expiry. Each is one transaction with its events; none executes anything. A late outcome
+# answers the interruption approvals that ask about its attempt: they are settled, and
+# nothing decides or runs them afterwards.
+
+# -- what came of an attempt that was cut off --
+# A tool call whose run was taken over or cancelled while it ran may still return. What it
+# came to is then recorded as a late step.tool_finished event on its step, naming the
+# attempt's start and whether the outcome is known (Session._late). A known late outcome
+# settles the attempt: every interruption approval still asking about it (pending, or
+# approved and not collected) is settled, and its run ends with that outcome, in the
+# transaction that records it (settle_attempt). Whatever would act on the attempt as
+# unknown afterwards looks for it first, inside its own transaction: the pause that would
+# ask (Session._pause), the collection that would run it again (Session.start), an
+# operator's decision (decide_approval), and the rules across calls (last_attempt). Stricter
+# than the reference, which leaves such an approval pending and approvable.
+
+Query = Callable[[str, tuple], list]       # Store._read, or Tx.rows inside a transaction
+
+
+def attempt_in(capability: bytes) -> dict | None:
+    """The earlier attempt an interruption capability names ({run_id, step_id, started_at,
+    ended}), or None."""
+    try:
+        cap = loads_own(capability)
+    except JSONError:
+        return None
+    at = cap.get("interrupted") if isinstance(cap, dict) else None
+    return at if isinstance(at, dict) else None
+
+
+def _interrupted_attempt(approval: Approval | None) -> dict | None:
+    """The earlier attempt an interruption approval names, from its capability."""
+    if approval is None or approval.kind != INTERRUPTED_KIND:
+        return None
+    return attempt_in(approval.capability)
+
+
+def asked_attempt(approval: Approval | None) -> dict | None:
+    """The attempt an interruption approval asks about: the one its capability names, else
+    (a gate's own pause, whose capability names none) the step it waits on."""
+    if approval is None or approval.kind != INTERRUPTED_KIND:
+        return None
+    return _interrupted_attempt(approval) or {"run_id": approval.run_id,
+                                              "step_id": approval.step_id}
+
+
+@dataclasses.dataclass(frozen=True)
+class LateRecord:
+    """A late step.tool_finished event: the attempt it ends, when, and what it says."""
+    seq: int
+    run_id: str
+    step_id: str
+    started_at: str
+    at: str
+    known: bool
+    observation: str               # the observation as recorded, JSON text
+    doc: dict
+
+    def outcome(self) -> str:
+        if self.doc.get("kind") == TOOL_RESULT:
+            return "it succeeded"
+        return f"it failed: {clean(error_text(self.doc), REASON_BYTES)}"
+
+    def text(self) -> str:
+        try:
+            when = fmt_time_s(parse_time(self.at))
+        except (ValueError, TypeError, OverflowError):
+            when = clean(str(self.at), CLI_BAD_TIME_WIDTH)
+        return f"finished after it was cut off, at {when}: {self.outcome()}"
+
+
+def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> LateRecord | None:
+    if not isinstance(payload, str):
+        return None
+    try:
+        raw = payload.encode("utf-8")
+        doc = read_own(raw)
+        obs_raw = member_spans(raw).get("observation") if isinstance(doc, dict) else None
+    except (JSONError, UnicodeError):
+        return None
+    if not isinstance(doc, dict) or doc.get("late") is not True or obs_raw is None:
+        return None
+    obs, flag, start = doc.get("observation"), doc.get("known"), doc.get("started_at")
+    if not isinstance(obs, dict):
+        return None
+    # An event written before it said whether it is known: a result is, anything else is
+    # left to the operator (who is shown it).
+    known = flag if isinstance(flag, bool) else obs.get("kind") == TOOL_RESULT
+    return LateRecord(seq if isinstance(seq, int) else 0, run_id, step_id,
+                      start if isinstance(start, str) else "", str(at), known,
+                      obs_raw.decode("utf-8"), obs)
+
+
+def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateRecord | None:
+    """The newest late outcome recorded for ``attempt``: of its run's step, and of that very
+    attempt when the event names its start (a step re-run after an approval is another
+    attempt of it). With ``known``, only an outcome that is known. None when there is none.
+    The events of one run are few, read through the index events_run."""
+    if not attempt:
+        return None
+    run_id, step_id, started = (attempt.get(k) for k in ("run_id", "step_id", "started_at"))
+    if not isinstance(run_id, str) or not isinstance(step_id, str):
+        return None
+    for seq, at, payload in q("SELECT seq, at, payload_json FROM events WHERE run_id=? AND "
+                              "step_id=? AND type='step.tool_finished' ORDER BY seq DESC",
+                              (run_id, step_id)):
+        late = _late_of(seq, run_id, step_id, at, payload)
+        if late is None or (known and not late.known):
+            continue
+        if late.started_at and isinstance(started, str) and late.started_at != started:
+            continue
+        return late
+    return None
+
+
+def _settled_obs(late: LateRecord) -> tuple[dict, str, str]:
+    """The late observation as the step it settles records it, naming where it came from."""
+    raw = late.observation.encode("utf-8")
+    doc, spans = read_own(raw), member_spans(raw)
+    doc["content"] = Raw(spans.get("content", b"{}"))
+    doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
+    text = dump_json(doc)
+    return read_own(text), text, str(doc.get("content_hash", ""))
+
+
+def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps: tuple,
+                  late: LateRecord, at: str, terminal: bool, owner: str = "") -> Run:
+    """End a run whose open step would re-run (or ask about) an attempt with a known late
+    outcome: the step records that outcome, and the run ends with it, as it would have had
+    the outcome come in time (a terminal tool's result completes its run)."""
+    obs = _settled_obs(late)
+    ok = obs[0].get("kind") == TOOL_RESULT
+    tx.update_step(step_id, from_steps, status="done" if ok else "failed", finished_at=at,
+                   observation_json=obs[1], observation_hash=obs[2])
+    detail = f"the attempt in run {late.run_id}, step {late.step_id}, {late.text()}"
+    if not ok:
+        tx.event(run_id, step_id, at, "step.failed",
+                 {"content_hash": obs[2], "detail": detail, "observation": obs[0].get("kind")})
+    status, reason = (COMPLETED, "goal_completed") if ok and terminal else (FAILED, "goal_failed")
+    run = tx.transition(run_id, from_run, status, owner=owner, reason=reason, detail=detail,
+                        finished_at=at,
+                        result=_content_bytes(obs[1]).decode() if status == COMPLETED else "")
+    tx.event(run_id, "", at, "run.finished", {"detail": detail, "reason": reason,
+                                              "status": status, "steps": run.step_count})
+    return run
+
+
+def settle_approval(tx: Tx, approval: Approval, late: LateRecord, at: str) -> None:
+    """Mark an interruption approval settled by the late outcome, with an event naming it."""
+    note = clean(f"the attempt it asks about {late.text()}", NOTE_BYTES)
+    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
+                  "WHERE id=? AND status IN (?,?)",
+                  (SETTLED_APPROVAL, at, SETTLED_BY, note, approval.id, PENDING, APPROVED))
+    if cur.rowcount != 1:
+        raise NotPending(f"approval {approval.id} is no longer pending or approved")
+    tx.event(approval.run_id, approval.step_id, at, "approval.decided",
+             {"approval_id": approval.id, "by": SETTLED_BY, "note": note,
+              "late_outcome": {"at": late.at, "run_id": late.run_id, "seq": late.seq,
+                               "step_id": late.step_id},
+              "status": SETTLED_APPROVAL})
+
+
+# Interruption approvals that may still lead to a re-run: pending or approved, each its
+# step's latest, on a run that waits. From the partial index runs_waiting: what waits.
+_ASKING_SQL = (
+    "SELECT " + ", ".join(f"a.{c.strip()}" for c in _APPROVAL_COLS.split(",")) +
+    f" FROM runs AS r CROSS JOIN approvals AS a ON a.run_id = r.id"
+    f" WHERE r.status = '{WAITING}' AND a.kind = '{INTERRUPTED_KIND}' AND a.status IN"
+    f" ('{PENDING}', '{APPROVED}') AND a.rowid = (SELECT MAX(b.rowid) FROM approvals AS b"
+    " WHERE b.run_id = a.run_id AND b.step_id = a.step_id) ORDER BY a.rowid")
+
+
+def _terminal_tool(approval: Approval) -> bool:
+    try:
+        return approval.request().spec.terminal
+    except (ProxyError, KeyError, ValueError, TypeError):
+        return False
+
+
+def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
+    """A known late outcome answers every approval asking about its attempt, in this run or
+    in a fresh run of the same request: each is settled and its run ends with the outcome.
+    Returns the runs it ended."""
+    ended = []
+    for row in tx.rows(_ASKING_SQL):
+        approval = _approval_from_row(row)
+        at_ = asked_attempt(approval) or {}
+        if at_.get("run_id") != late.run_id or at_.get("step_id") != late.step_id or \
+                (late.started_at and at_.get("started_at", late.started_at) != late.started_at):
+            continue
+        settle_approval(tx, approval, late, at)
+        end_with_late(tx, approval.run_id, approval.step_id, (WAITING,),
+                      ("awaiting_approval",), late, at, _terminal_tool(approval))
+        ended.append(approval.run_id)
+    return ended
+
+
+# -- the view of an approval: what every channel shows, and what a decision is bound to --
+
+@dataclasses.dataclass(frozen=True)
+class ApprovalView:
+    """Everything the store holds that bears on deciding one approval: the approval, its
+    run, the attempt it asks about and any late outcome of that attempt, the policy's
+    reason, the grant's lapse. Every channel (approve and reject, pending, the inbox, the
+    webhook, on_pending, show, the status tool) shows what it shows from this, and a
+    decision is bound to its digest: if anything in it changed between showing and
+    deciding, nothing is decided. The approval row's own hash, which binds the exact request,
+    is part of it and stays in the record as the seed defines it."""
+    approval: Approval
+    run: Run | None
+    attempt: dict | None
+    late: LateRecord | None
+    reason: str
+    grant_lapses: str
+
+    def bound(self) -> dict:
+        a, run, late = self.approval, self.run, self.late
+        return {
+            "approval": {k: str(getattr(a, k)) for k in (
+                "id", "run_id", "step_id", "kind", "status", "hash", "created_at",
+                "expires_at", "decided_at", "decided_by", "note")},
+            "run": None if run is None else {"id": str(run.id), "status": str(run.status),
+                                             "reason": str(run.reason)},
+            "attempt": None if self.attempt is None else
+            {k: str(v) for k, v in sorted(self.attempt.items())},
+            "late": None if late is None else {"seq": str(late.seq), "at": late.at,
+                                               "known": late.known, "outcome": late.outcome()},
+            "reason": str(self.reason), "grant_lapses": self.grant_lapses}
+
+    @property
+    def digest(self) -> str:
+        return sha256_hex(encode_canonical(self.bound()))
+
+    def late_text(self) -> str:
+        return self.late.text() if self.late is not None else ""
+
+    def changes(self, now: "ApprovalView") -> list[str]:
+        """What differs in ``now``, one phrase a part, for an operator told nothing was
+        decided."""
+        was, is_ = self.bound(), now.bound()
+        said = []
+        for part in ("approval", "run"):
+            for k, v in sorted((is_[part] or {}).items()):
+                before = (was[part] or {}).get(k)
+                if before != v:
+                    said.append(f"{part} {k} was {clean(str(before), ID_SHOWN)}, is "
+                                f"{clean(str(v), ID_SHOWN)}")
+        if was["late"] != is_["late"]:
+            said.append(f"the attempt it asks about {now.late_text()}" if now.late else
+                        "the late outcome shown is gone")
+        for part in ("attempt", "reason", "grant_lapses"):
+            if was[part] != is_[part]:
+                said.append(f"its {part.replace('_', ' ')} changed")
+        return said or ["its record changed"]
+
+
+def _step_reason(q: Query, step_id: str) -> str:
+    rows = q("SELECT policy_json FROM steps WHERE id=?", (step_id,))
+    try:
+        policy = loads_own(rows[0][0]) if rows and rows[0][0] else {}
+    except (JSONError, TypeError, AttributeError):
+        return ""
+    reason = policy.get("reason", "") if isinstance(policy, dict) else ""
+    return reason if isinstance(reason, str) else ""
+
+
+def approval_view(q: Query, approval: Approval) -> ApprovalView:
+    """The view of ``approval`` from the store (``q``: Store._read, or Tx.rows to read it
+    inside the transaction that decides)."""
+    rows = q(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (approval.run_id,))
+    run = _run_from_row(rows[0]) if rows else None
+    attempt = asked_attempt(approval)
+    lapses = ""
+    if approval.status == APPROVED and run is not None and run.limits.grant_ttl > 0:
+        with contextlib.suppress(ValueError, TypeError, OverflowError):
+            lapses = fmt_time(parse_time(approval.decided_at) + run.limits.grant_ttl)
+    return ApprovalView(approval, run, attempt, late_record(q, attempt),
+                        _step_reason(q, approval.step_id), lapses)
+
+
+def view_of(store: Store, approval: Approval) -> ApprovalView:
+    return approval_view(store._read, approval)
+
+
+def late_outcome(store: Store, approval: Approval) -> str:
+    """What the attempt an interruption approval asks about came to, when its tool returned
+    after the attempt was cut off and a late event records it; '' otherwise."""
+    return view_of(store, approval).late_text()
+
 
 def expire_approval(store: Store, approval: Approval, now: str) -> Run:
     """Expire a pending approval or a stale grant and cancel its run."""
@@ -4457,13 +4832,37 @@ def expire_approval(store: Store, approval: Approval, now: str) -> Run:
     return run
 
 
+class Shown(str):
+    """The approval hash an operator was shown, carrying the view it was shown in: equal to
+    the hash as a string, so whatever compares or records the hash sees just the hash, while
+    decide_approval binds the decision to the whole view."""
+    view: "ApprovalView | None" = None
+
+    def __new__(cls, digest: str, view: "ApprovalView"):
+        shown = super().__new__(cls, digest)
+        shown.view = view
+        return shown
+
+
 def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, by: str,
-                    note: str, shown_hash: str, now: float) -> tuple[Approval, Run]:
-    """Approve or reject the approval the operator was shown, bound to the hash shown."""
+                    note: str, shown_hash: str, now: float,
+                    view: "ApprovalView | str" = "") -> tuple[Approval, Run]:
+    """Approve or reject the approval the operator was shown: bound to its hash (the exact
+    request, as the seed binds it) and, when ``view`` is given, to the view it was shown from
+    (an ApprovalView, or its digest; a Shown hash carries one): if anything in it changed,
+    nothing is decided and the refusal says what. An interruption approval whose attempt has
+    a known late outcome is never approved: it is settled, and the refusal names the outcome
+    (AttemptSettled)."""
+    view = view or getattr(shown_hash, "view", None) or ""
     run = store.get_run(run_id)
+    approval = store.find_approval(approval_id)
+    if approval is not None and approval.run_id == run_id and \
+            approval.status == SETTLED_APPROVAL:
+        _check_shown(approval, shown_hash)          # names the late outcome that settled it
     if run.status != WAITING:
         raise RunStateError(f"run {run_id} is {run.status}, not waiting for approval")
-    approval = store.get_approval(approval_id)
+    if approval is None:
+        raise NotFound(f"approval {approval_id} not found")
     if approval.run_id != run_id:
         raise NotFound(f"approval {approval_id} is not an approval of run {run_id}")
     _check_shown(approval, shown_hash)
@@ -4474,32 +4873,63 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
     with store.tx() as tx:
         tx.require(run_id, (WAITING,))
         row = tx.exec(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,)).fetchone()
-        _check_shown(_approval_from_row(row), shown_hash)
-        cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                      "WHERE id=? AND status=? AND hash=?",
-                      (status, at, by, note, approval_id, PENDING, shown_hash))
-        if cur.rowcount != 1:
-            raise ApprovalChanged(f"approval {approval_id} changed after it was shown")
-        tx.event(run_id, approval.step_id, at, "approval.decided",
-                 {"approval_id": approval_id, "by": by, "note": note, "status": status})
-        if not approve:
-            obs = _obs(POLICY_DENIED, {"approval_id": approval_id, "note": note},
-                       f"approval rejected: {note}")
-            tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
-                    "finished_at=? WHERE id=?", (obs[1], obs[2], at, approval.step_id))
-            run = tx.transition(run_id, (WAITING,), CANCELLED, reason="approval_rejected",
-                                detail=note, finished_at=at)
-            tx.event(run_id, "", at, "run.finished",
-                     {"detail": note, "reason": "approval_rejected", "status": CANCELLED,
-                      "steps": run.step_count})
+        current = _approval_from_row(row)
+        _check_shown(current, shown_hash)
+        late = late_record(tx.rows, asked_attempt(current), known=True)
+        if late is not None:
+            settle_approval(tx, current, late, at)
+            end_with_late(tx, run_id, current.step_id, (WAITING,), ("awaiting_approval",),
+                          late, at, _terminal_tool(current))
         else:
-            run = tx.run(run_id)
-    return store.get_approval(approval_id), run
+            _check_view(tx, current, view)
+            _decide_in(tx, current, approve, status, by, note, at)
+    if late is not None:
+        raise AttemptSettled(f"approval {approval_id} is settled, and nothing runs: the "
+                             f"attempt it asks about {late.text()}")
+    return store.get_approval(approval_id), store.get_run(run_id)
+
+
+def _check_view(tx: Tx, approval: Approval, shown: "ApprovalView | str") -> None:
+    """Refuse a decision on a view that is no longer the store's, saying what changed."""
+    if not shown:
+        return
+    now = approval_view(tx.rows, approval)
+    digest = shown.digest if isinstance(shown, ApprovalView) else shown
+    if same_digest(now.digest, digest):
+        return
+    said = shown.changes(now) if isinstance(shown, ApprovalView) else \
+        [f"the attempt it asks about {now.late_text()}" if now.late else "its record changed"]
+    raise ApprovalChanged("; ".join(said))
+
+
+def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, note: str,
+               at: str) -> None:
+    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
+                  "WHERE id=? AND status=? AND hash=?",
+                  (status, at, by, note, approval.id, PENDING, approval.hash))
+    if cur.rowcount != 1:
+        raise ApprovalChanged(f"approval {approval.id} changed after it was shown")
+    run_id = approval.run_id
+    tx.event(run_id, approval.step_id, at, "approval.decided",
+             {"approval_id": approval.id, "by": by, "note": note, "status": status})
+    if not approve:
+        obs = _obs(POLICY_DENIED, {"approval_id": approval.id, "note": note},
+                   f"approval rejected: {note}")
+        tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
+                "finished_at=? WHERE id=?", (obs[1], obs[2], at, approval.step_id))
+        run = tx.transition(run_id, (WAITING,), CANCELLED, reason="approval_rejected",
+                            detail=note, finished_at=at)
+        tx.event(run_id, "", at, "run.finished",
+                 {"detail": note, "reason": "approval_rejected", "status": CANCELLED,
+                  "steps": run.step_count})
 
 
 def _check_shown(approval: Approval, shown_hash: str) -> None:
     if approval.status == EXPIRED:
         raise ApprovalExpired(f"approval {approval.id} is already expired")
+    if approval.status == SETTLED_APPROVAL:
+        raise AttemptSettled(f"approval {approval.id} is settled, and nothing runs: "
+                             f"{sanitize(approval.note)}")
     if approval.status != PENDING:
         raise NotPending(f"approval {approval.id} is already {approval.status}")
     if not shown_hash:
@@ -6862,31 +7292,6 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
     return prose("GATE_STATUS", "\n".join(lines), False)
 
 
-def late_outcome(store: Store, approval: Approval) -> str:
-    """What the attempt an interruption approval asks about came to, when its tool returned
-    after the attempt was cut off and a late event records it; '' otherwise. An operator
-    reads this before deciding whether the attempt runs again."""
-    at = _interrupted_attempt(approval) or {}
-    run_id, step_id = at.get("run_id") or approval.run_id, at.get("step_id") or approval.step_id
-    if not isinstance(run_id, str) or not isinstance(step_id, str):
-        return ""
-    for _seq, _run, step, when, typ, payload, _hash in reversed(store.list_events(run_id)):
-        if step != step_id or typ != "step.tool_finished":
-            continue
-        try:
-            doc = read_own(payload)
-        except JSONError:
-            continue
-        obs = doc.get("observation") if isinstance(doc, dict) and doc.get("late") is True \
-            else None
-        if not isinstance(obs, dict):
-            continue
-        how = "it succeeded" if obs.get("kind") == TOOL_RESULT else \
-            f"it failed: {clean(error_text(obs), REASON_BYTES)}"
-        return f"finished after it was cut off, at {fmt_time_s(parse_time(when))}: {how}"
-    return ""
-
-
 def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     """One approval: which call, then the first state that holds."""
     row, state, a = item
@@ -6916,6 +7321,10 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
         return who + "CANCELLED by the operator. It was not executed."
     if a.status == PENDING:
         return who + "EXPIRED without a decision; it was not executed."
+    if a.status == SETTLED_APPROVAL:
+        late = late_outcome(proxy.store, a) or "finished after it was cut off"
+        return who + (f"SETTLED: the earlier attempt it asked about {late}. It is not run "
+                      "again; an identical call is answered with that outcome.")
     if a.status == REJECTED:
         return who + f"REJECTED by the operator.{_note(a.note)} It was not executed; do not " \
                      "ask for it again."
@@ -7285,6 +7694,11 @@ class CallIndex:
             tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE run_id=? AND "
                     "outcome=?", (now, outcome, run_id, UNSEEN))
 
+    def settle_in(self, tx: Tx, run_id: str, outcome: int, now: float) -> None:
+        """settle_run inside the caller's transaction (a late outcome's, section 13)."""
+        tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE run_id=? AND outcome=?",
+                (now, outcome, run_id, UNSEEN))
+
     def settle_empty(self, row: CallRow, now: float) -> None:
         """A row whose run never began: nothing started (checked in the same statement)."""
         with self.store.tx() as tx:
@@ -7343,18 +7757,6 @@ def _attempt(run_id: str, step: Step, ended: str) -> dict:
     return {"run_id": run_id, "step_id": step.id, "started_at": step.started_at, "ended": ended}
 
 
-def _interrupted_attempt(approval: Approval | None) -> dict | None:
-    """The earlier attempt an interruption approval names, from its capability."""
-    if approval is None or approval.kind != INTERRUPTED_KIND:
-        return None
-    try:
-        cap = loads_own(approval.capability)
-    except JSONError:
-        return None
-    at = cap.get("interrupted") if isinstance(cap, dict) else None
-    return at if isinstance(at, dict) else None
-
-
 class Proxy:
     """The gate behind the host, the proxy's rules across calls, and its answers."""
 
@@ -7369,7 +7771,8 @@ class Proxy:
         self.index.migrate(clock())
         self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
                          lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl,
-                         reconcile=self.reconcile)
+                         reconcile=self.reconcile, known=self.known,
+                         on_settled=self._settled)
         self.limits = Limits(CALL_MAX_STEPS, CALL_MAX_FAILURES, CALL_LOOP_THRESHOLD,
                              cfg.approval_ttl, cfg.grant_ttl)
         self.stopping = asyncio.Event()
@@ -7401,6 +7804,20 @@ class Proxy:
     def new_run_id(self) -> str:
         return f"{self.cfg.session}.{secrets.token_hex(RUN_SUFFIX_BYTES)}"
 
+    def known(self, name: str, obs: dict) -> bool:
+        """Whether a tool's observation is a known outcome: a result, or an error the server
+        answered (or a refusal before sending); a timeout or no answer is not."""
+        if obs.get("kind") == TOOL_RESULT:
+            return True
+        tool = self.tools.get(name)
+        return obs.get("kind") == TOOL_ERROR and tool is not None and \
+            unknown_ending(tool, obs) is None
+
+    def _settled(self, tx: Tx, run_ids: list[str]) -> None:
+        """Runs a late outcome ended: their index rows are known, in the same transaction."""
+        for run_id in run_ids:
+            self.index.settle_in(tx, run_id, KNOWN, self.clock())
+
     def inspect(self, run_id: str) -> RunState | None:
         run = self.store.find_run(run_id)
         if run is None:
@@ -7415,8 +7832,9 @@ class Proxy:
                  f"run {run_id}")
         self.log(f"  decide with: {decide_command(self.store.path, run_id, approval.id)}"
                  "   (or reject)")
-        path = self.store.path
-        self.notifier.notify(approval.id, lambda: waiting_doc(approval, path))
+        path, store = self.store.path, self.store
+        self.notifier.notify(approval.id,
+                             lambda: waiting_doc(approval, path, view_of(store, approval)))
 
     # -- a call --
 
@@ -7439,7 +7857,10 @@ class Proxy:
                 self.log(f"error: {sanitize(str(exc))}")
                 return unavailable("read its records")
             if isinstance(action, Execute):
-                return await self.execute(action)
+                result = await self.execute(action)
+                if result is None:          # its attempt had a recorded outcome: decide again
+                    continue
+                return result
             if isinstance(action, Pending):
                 if not held and self.cfg.hold > 0 and not _is_set(cancelled) and \
                         not self.stopping.is_set():
@@ -7548,6 +7969,8 @@ class Proxy:
             return Answer(self.denied(session, verdict.observation))
         if verdict.kind == "ended":
             return None
+        if verdict.kind == "settled":        # the attempt it re-runs has a recorded outcome
+            self.settle_run(row.run_id)
         session.close()
         return Retry()
 
@@ -7563,7 +7986,7 @@ class Proxy:
             self.log(f"run {row.run_id}: {tool.spec.name} was cut off while executing; "
                      "its outcome is unknown")
             return Pending(verdict.approval)
-        if verdict.kind != "ended":
+        if verdict.kind not in ("ended", "settled"):
             self.finish(session, CLOSE_TAKEN_OVER)
         self.settle_run(row.run_id)
         return None
@@ -7781,6 +8204,8 @@ class Proxy:
             return Answer(self.denied(session, verdict.observation))
         session.close()
         self.settle_run(session.run_id)
+        if verdict.kind == "settled":     # the attempt it asks about has a recorded outcome:
+            return Retry()                # the rules now answer it (DUPLICATE within the window)
         run = verdict.run
         return Answer(denied_answer(run.reason_detail if run else "the run ended"))
 
@@ -7838,6 +8263,10 @@ class Proxy:
             if session._started is None:
                 session.start()
             called = await session.call_started()
+        except AttemptSettled as exc:
+            self.log(f"{exc}; it is not run again")
+            self.settle_run(run_id)
+            return None
         except ApprovalExpired:
             self.settle_run(run_id)
             return expired(action.last_approval, self.clock() + self.window(tool))
@@ -8074,7 +8503,15 @@ def _unrecorded(tool, obs: dict) -> bool:
 
 def last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
     """What the run's last attempt came to: KNOWN, UNKNOWN (with the attempt), or
-    NO_ATTEMPT when nothing was executed."""
+    NO_ATTEMPT when nothing was executed. An attempt cut off whose tool returned after all,
+    with a known outcome recorded as a late event, is KNOWN (section 13)."""
+    outcome, at = _last_attempt(proxy, state)
+    if outcome == UNKNOWN and late_record(proxy.store._read, at, known=True) is not None:
+        return KNOWN, None
+    return outcome, at
+
+
+def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
     by_step = {a.step_id: a for a in state.approvals}      # the latest per step
     for step in reversed(state.steps):
         decision = step.decision or {}
@@ -9881,7 +10318,9 @@ _SHELL_SAFE = re.compile(r"[A-Za-z0-9._:@%+=,/-]+")    # an id printed as a shel
 # JSON may carry DEL, C1 controls and bidirectional characters raw; -json output is read on
 # terminals too, so they are written as \u escapes (they can occur only inside strings).
 _JSON_INERT = re.compile(f"[\x7f-\x9f{_INVISIBLE}]")
-PENDING_ARGS_BYTES = 160             # the one-line summary of a waiting call's arguments
+PENDING_ARGS_BYTES = 480             # the one-line summary of a waiting call's arguments
+PENDING_KEY_BYTES = 40               # ... the start of each key in it
+PENDING_VALUE_BYTES = 60             # ... and of each value, cut on its own
 INBOX_POLL = 1.0                     # seconds between the inbox's looks for new approvals
 INBOX_LINE_BYTES = 4096              # one answer typed at the inbox (a note included)
 INBOX_ANSWERS = {"a": "approve", "approve": "approve", "r": "reject", "reject": "reject",
@@ -10112,17 +10551,20 @@ def _fields(raw: bytes) -> list[str]:
     return lines
 
 
-def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
-    """Everything an operator must read before deciding, as printed by show/approve/reject."""
+def approval_block(store: Store, approval: Approval, db_path: str,
+                   view: ApprovalView | None = None) -> list[str]:
+    """Everything an operator must read before deciding, as printed by show, approve, reject,
+    the inbox and the webhook's text, from the approval's view (section 13)."""
+    view = view or view_of(store, approval)
+    approval = view.approval
+    state = "WAITING" if approval.status == PENDING else sanitize(str(approval.status)).upper()
     try:
         cap = read_own(approval.capability)        # it wraps the arguments: the allowance
         request = approval.request()
     except (ProxyError, KeyError, ValueError) as exc:
-        return [f"APPROVAL WAITING  {sanitize(approval.id)}", f"unread  {sanitize(str(exc))}"]
+        return [f"APPROVAL {state}  {sanitize(approval.id)}", f"unread  {sanitize(str(exc))}"]
     cap = cap if isinstance(cap, dict) else {}
-    step = next((s for s in store.list_steps(approval.run_id) if s.id == approval.step_id), None)
-    reason = ((step.policy or {}).get("reason", "") if step else "")
-    lines = ["", f"APPROVAL WAITING  {sanitize(approval.id)}",
+    lines = ["", f"APPROVAL {state}  {sanitize(approval.id)}",
              f"kind          {sanitize(approval.kind)}"]
     if cap.get("server"):
         lines.append(f"server        {sanitize(str(cap['server']))}")
@@ -10130,7 +10572,7 @@ def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
         lines.append(f"upstream tool {sanitize(str(cap['tool']))}")
     lines += [f"tool          {sanitize(request.spec.name)}",
               f"side effect   {sanitize(str(cap.get('side_effect') or request.spec.side_effect))}",
-              f"reason        {sanitize(reason) or '-'}"]
+              f"reason        {sanitize(view.reason) or '-'}"]
     if approval.expires_at:
         lines.append(f"expires       {_stamp(approval.expires_at)}")
     lines.append("arguments: the tool call the model made, one field per line "
@@ -10142,14 +10584,19 @@ def approval_block(store: Store, approval: Approval, db_path: str) -> list[str]:
     if "interrupted" in cap:
         lines.append("interrupted attempt: an earlier run of this request whose outcome is unknown")
         lines += _fields(dump_json(cap["interrupted"]).encode())
-    late = late_outcome(store, approval) if approval.kind == INTERRUPTED_KIND else ""
-    if late:
-        lines.append(f"LATE OUTCOME  the attempt this approval asks about {late}; approving "
-                     "runs it again")
+    if view.late is not None:
+        then = "it is not run again" if view.late.known else \
+            "its outcome is still unknown; approving runs it again"
+        lines.append(f"LATE OUTCOME  the attempt this approval asks about {view.late_text()}; "
+                     + then)
     lines.append("presentation: built by the policy; it may hold text the model chose")
     lines += _fields(approval.presentation)
-    lines.append(f"decide with: {decide_command(db_path, approval.run_id, approval.id)}"
-                 "   (or reject)")
+    if approval.status == PENDING:
+        lines.append(f"decide with: {decide_command(db_path, approval.run_id, approval.id)}"
+                     "   (or reject)")
+    elif approval.decided_by or approval.note:
+        lines.append(f"decided by    {sanitize(approval.decided_by) or '-'}"
+                     + (f": {_clip(approval.note, CLI_FIELD_BYTES)}" if approval.note else ""))
     lines.append(f"---- end of approval {approval.id} for tool {request.spec.name} ----")
     # The ids and names are a stored row's, and the command line above is one to paste.
     return [sanitize(line) for line in lines]
@@ -10174,6 +10621,11 @@ def decide_command(db_path: str, run_id: str, approval_id: str) -> str:
             f"-approval {_shell_word(approval_id)}")
 
 
+def show_command(db_path: str, run_id: str) -> str:
+    """The command that shows a run's waiting approval in full, every field."""
+    return f'{_self_command()} -db "{db_path}" show {_shell_word(run_id)}'
+
+
 def _cancel_command(db_path: str, run_id: str) -> str:
     return f'{_self_command()} -db "{db_path}" cancel {_shell_word(run_id)}'
 
@@ -10193,14 +10645,17 @@ def _step_row(s: Step) -> dict:
     return row
 
 
-def _approval_row(a: Approval) -> dict:
+def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
     try:
         tool = a.request().spec.name
     except (ProxyError, KeyError, ValueError):
         tool = ""
-    return {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
-            "created_at": a.created_at, "expires_at": a.expires_at,
-            "decided_by": a.decided_by, "note": a.note}
+    row = {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
+           "created_at": a.created_at, "expires_at": a.expires_at,
+           "decided_by": a.decided_by, "note": a.note}
+    if view is not None:
+        row["late_outcome"] = sanitize(view.late_text())
+    return row
 
 
 def cmd_show(store: Store, args, out: Out) -> int:
@@ -10210,7 +10665,7 @@ def cmd_show(store: Store, args, out: Out) -> int:
     page = steps[args.offset:args.offset + limit] if limit > 0 else steps[args.offset:]
     if args.json:
         out.json({"run": _run_summary(store, run), "steps": [_step_row(s) for s in page],
-                  "approvals": [_approval_row(a) for a in approvals]})
+                  "approvals": [_approval_row(a, view_of(store, a)) for a in approvals]})
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
         (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
@@ -10221,7 +10676,7 @@ def cmd_show(store: Store, args, out: Out) -> int:
     out.text(f"created {_stamp(run.created_at)}" +
              (f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""))
     for a in approvals:
-        if a.status == PENDING and run.status == WAITING:
+        if (a.status == PENDING and run.status == WAITING) or a.status == SETTLED_APPROVAL:
             for line in approval_block(store, a, store.path):
                 out.text(line)
     out.text()
@@ -10310,6 +10765,9 @@ def _choose_approval(store: Store, run_id: str | None, wanted: str | None) -> Ap
         if approval.status == CANCELLED_APPROVAL:
             raise NotPending(f"approval {wanted} is already cancelled: an operator cancelled "
                              f"run {run_id} while it waited")
+        if approval.status == SETTLED_APPROVAL:
+            raise AttemptSettled(f"approval {wanted} is settled, and nothing runs: "
+                                 f"{sanitize(approval.note)}")
         if approval.status != PENDING:
             raise NotPending(f"approval {wanted} is already {approval.status}: approval is "
                              "not pending")
@@ -10336,6 +10794,10 @@ def cmd_decide(store: Store, args, out: Out) -> int:
     verb, by = args.command, args.by
     approval = _choose_approval(store, args.run, args.approval)
     args.run = approval.run_id
+    # The view is read before the block is printed from the store: anything the block shows
+    # that the view does not (a late outcome landing in between) is still in the store at the
+    # decision, which is then refused, since what the store records only accumulates.
+    view = view_of(store, approval)
     # Under -json stdout carries one JSON document, so the block goes to stderr.
     emit = out.log if args.json else out.text
     for line in approval_block(store, approval, store.path):
@@ -10353,10 +10815,10 @@ def cmd_decide(store: Store, args, out: Out) -> int:
             raise ProxyError(f"{verb}: declined at the prompt")
     try:
         decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
-                                       args.note, approval.hash, time.time())
-    except ApprovalChanged:
-        raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown; run the "
-                         "command again and read it before deciding") from None
+                                       args.note, Shown(approval.hash, view), time.time())
+    except ApprovalChanged as exc:
+        raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
+                         "run the command again and read it before deciding") from None
     if args.json:
         out.json({"run": _run_summary(store, run), "approval": _approval_row(decided)})
         return 0
@@ -10445,41 +10907,109 @@ def cmd_verify(store: Store, args, out: Out) -> int:
 # until it is collected, the rules across calls refuse (BLOCKED) every other call to its tool
 # that changes anything, and the operator must be able to see why.
 
-def args_summary(raw: bytes) -> str:
-    """A call's arguments on one line, compact and sanitised, cut at PENDING_ARGS_BYTES:
-    enough to tell waiting calls apart; `approve` and `inbox` show them in full. Members in
-    their canonical (sorted) order, as `approve` lists them, so that the model cannot push a
-    field it would rather not have read past the cut by padding the ones before it."""
+def _cut(text: str, limit: int) -> tuple[str, int]:
+    """Sanitised text cut at ``limit`` bytes, and how many bytes were left out."""
+    text = sanitize(text)
+    size = len(text.encode("utf-8"))
+    if size <= limit:
+        return text, 0
+    kept = text.encode("utf-8")[:limit].decode("utf-8", "ignore")
+    return kept, size - len(kept.encode("utf-8"))
+
+
+def _policy_text(value: Any) -> str:
+    """A parsed value as compact JSON with its strings unescaped (as a policy reads them)."""
+    out: list[str] = []
+    _encode(value, out, _policy_str)
+    return "".join(out)
+
+
+def args_fields(raw: bytes) -> tuple[list[dict], int]:
+    """A call's arguments for a one-line view: every field in canonical (sorted) order with
+    the start of its key and of its value, each cut on its own with the bytes it left out,
+    as many as fit in PENDING_ARGS_BYTES; and how many fields did not fit. A model that pads
+    one value, or sends many fields, cannot push another out of view unannounced."""
     try:
-        text = policy_json(raw.strip(JSON_WS) or b"{}", strict=False).decode("utf-8")
-    except JSONError:
-        text = raw.decode("utf-8", "replace")
-    return clean(text, PENDING_ARGS_BYTES)
+        value = parse_json(raw.strip(JSON_WS) or b"{}", strict=False)
+    except JSONError as exc:
+        text, cut = _cut(raw.decode("utf-8", "replace"), PENDING_VALUE_BYTES)
+        return [{"name": "(not JSON)", "value": text, "omitted_bytes": cut,
+                 "problem": sanitize(str(exc))}], 0
+    if not isinstance(value, dict):
+        text, cut = _cut(_policy_text(value), PENDING_VALUE_BYTES)
+        return [{"name": "(not an object)", "value": text, "omitted_bytes": cut}], 0
+    fields, used = [], 2
+    for n, key in enumerate(sorted(value)):
+        name, name_cut = _cut(key, PENDING_KEY_BYTES)
+        text, cut = _cut(_policy_text(value[key]), PENDING_VALUE_BYTES)
+        entry = {"name": name, "value": text, "omitted_bytes": cut}
+        if name_cut:
+            entry["name_omitted_bytes"] = name_cut
+        size = len(_field_text(entry).encode("utf-8")) + 1
+        if used + size > PENDING_ARGS_BYTES and fields:
+            return fields, len(value) - n
+        fields.append(entry)
+        used += size
+    return fields, 0
 
 
-def waiting_doc(approval: Approval, db_path: str) -> dict:
+def _field_text(f: dict) -> str:
+    """One field as compact JSON (`"to":"bob"`), each cut marked with the bytes left out."""
+    name = sanitize(_json_str(f["name"])) + (f"\u2026[+{f['name_omitted_bytes']} bytes]"
+                                             if f.get("name_omitted_bytes") else "")
+    return f"{name}:{f['value']}" + (f"\u2026[+{f['omitted_bytes']} bytes]"
+                                     if f["omitted_bytes"] else "")
+
+
+def args_summary(raw: bytes) -> str:
+    """A call's arguments on one line, sanitised: every field with the start of its value
+    (args_fields), then how many fields follow when they do not all fit; `approve`, `show`
+    and the inbox show them in full."""
+    fields, more = args_fields(raw)
+    text = "{" + ",".join(_field_text(f) for f in fields) + "}"
+    if more:
+        text += f" and {more} more field{'s' if more != 1 else ''} not shown here"
+    return text
+
+
+def _args_cut(fields: list[dict], more: int) -> bool:
+    return bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes") for f in fields)
+
+
+def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None) -> dict:
     """What the operator is told of a waiting approval: on_pending's stdin, and the core of
     an entry of `pending -json`. Every string is sanitised, since the model's arguments and
-    a server's names reach a terminal or a notification through it."""
+    a server's names reach a terminal or a notification through it. ``view`` adds what the
+    store knows beyond the row (a late outcome of the attempt it asks about)."""
     cap: Any = {}
-    tool = side = args = ""
+    tool = side = ""
+    fields, more = [], 0
     try:
         request = approval.request()
         tool, side = request.spec.name, request.spec.side_effect
-        args = args_summary(request.args)
+        fields, more = args_fields(request.args)
         cap = read_own(approval.capability)
     except (ProxyError, KeyError, ValueError, TypeError) as exc:
-        args = args or clean(f"(not readable: {exc})", PENDING_ARGS_BYTES)
+        fields = fields or [{"name": "(not readable)", "omitted_bytes": 0,
+                             "value": clean(str(exc), PENDING_VALUE_BYTES)}]
     cap = cap if isinstance(cap, dict) else {}
 
     def field(name: str) -> str:
         value = cap.get(name)
         return sanitize(value) if isinstance(value, str) else ""
+    summary = "{" + ",".join(_field_text(f) for f in fields) + "}" + (
+        f" and {more} more field{'s' if more != 1 else ''} not shown here" if more else "")
+    late = view.late if view is not None else None
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
             "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
             "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
-            "arguments": args, "created_at": sanitize(approval.created_at),
+            "arguments": summary, "argument_fields": fields, "fields_not_shown": more,
+            "arguments_cut": _args_cut(fields, more),
+            "late_outcome": sanitize(late.text()) if late is not None else "",
+            "late_outcome_known": bool(late is not None and late.known),
+            "created_at": sanitize(approval.created_at),
             "expires_at": sanitize(approval.expires_at),
+            "read": sanitize(show_command(db_path, approval.run_id)),
             "decide": sanitize(decide_command(db_path, approval.run_id, approval.id))}
 
 
@@ -10513,7 +11043,7 @@ def _since(stamp: str, now: float) -> int:
 
 
 def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dict:
-    doc = waiting_doc(approval, store.path)
+    doc = waiting_doc(approval, store.path, view_of(store, approval))
     doc.update(status=sanitize(approval.status), age_seconds=_since(approval.created_at, now),
                blocks_tool=approval.kind == INTERRUPTED_KIND)
     if approval.status == APPROVED:      # decided; it waits for the identical call
@@ -10539,6 +11069,10 @@ def _pending_lines(e: dict) -> list[str]:
     lines = [head, f"  run {e['run_id']}  server {e['server'] or '-'}  upstream tool "
                    f"{e['upstream_tool'] or '-'}  side effect {e['side_effect'] or '-'}",
              f"  arguments {e['arguments']}"]
+    if e["arguments_cut"]:
+        lines.append(f"  NOT ALL SHOWN: read every field in full before deciding: {e['read']}")
+    if e["late_outcome"]:
+        lines.append(f"  LATE OUTCOME: the attempt it asks about {e['late_outcome']}")
     if e["blocks_tool"]:
         until = "an operator decides it" if e["status"] == PENDING else \
             "the identical call collects this grant"
@@ -10674,6 +11208,7 @@ class Inbox:
 
     def offer(self, approval: Approval) -> bool:
         """Show one approval in full and act on the answer; False when the operator quits."""
+        view = view_of(self.store, approval)          # read first, as cmd_decide does
         for line in approval_block(self.store, approval, self.store.path):
             self.out.text(line)
         if self.once:
@@ -10688,13 +11223,13 @@ class Inbox:
                 self.passed.add(approval.id)
                 return True
             if verb == "approve":
-                self.decide(approval, True, "")
+                self.decide(view, True, "")
                 return True
             if verb == "reject":
                 note = self.ask("note for the rejection (the model reads it; Enter for none): ")
                 if note is None:
                     return False
-                self.decide(approval, False, note.strip())
+                self.decide(view, False, note.strip())
                 return True
             self.out.text("answer a, r, s or q, then Enter")
 
@@ -10706,16 +11241,18 @@ class Inbox:
             self.out.line()
         return line
 
-    def decide(self, approval: Approval, approve: bool, note: str) -> None:
-        """Decide the approval as it was shown (its hash); a refusal is said and the loop
-        goes on: the approval changed, was decided elsewhere, expired, or the run moved."""
-        verb = "approve" if approve else "reject"
+    def decide(self, view: ApprovalView, approve: bool, note: str) -> None:
+        """Decide the approval as it was shown (its view); a refusal is said and the loop
+        goes on: the approval changed, was settled by a late outcome, was decided elsewhere,
+        expired, or the run moved."""
+        verb, approval = "approve" if approve else "reject", view.approval
         try:
             decided, run = decide_approval(self.store, approval.run_id, approval.id, approve,
-                                           self.by, note, approval.hash, time.time())
-        except ApprovalChanged:
+                                           self.by, note, Shown(approval.hash, view),
+                                           time.time())
+        except ApprovalChanged as exc:
             self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
-                          "decided")
+                          f"decided ({exc})")
             return
         except ProxyError as exc:
             self.out.text(f"approval {approval.id}: nothing was decided: "
@@ -10765,6 +11302,8 @@ def _describe_failure(exc: Exception, command: str) -> str:
         return f"run is not waiting for approval: {exc}"
     if isinstance(exc, RunStateError) and command == "cancel":
         return f"run is already finished: {exc}"
+    if isinstance(exc, AttemptSettled):
+        return f"{exc}"
     if isinstance(exc, NotPending):
         return f"approval is already decided: {exc}"
     if isinstance(exc, StoreError) and "locked" in str(exc):
@@ -10910,7 +11449,7 @@ _HOOK_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthori
                  429: "Too Many Requests", 500: "Internal Server Error",
                  503: "Service Unavailable"}
 _HOOK_JSON, _HOOK_TEXT = "application/json", "text/plain; charset=utf-8"
-_DECISION_FIELDS = ("run_id", "approval_id", "hash", "by", "note")
+_DECISION_FIELDS = ("run_id", "approval_id", "hash", "by", "note", "view")
 _CANCEL_FIELDS = ("run_id", "by", "note")
 
 
@@ -11192,7 +11731,7 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
     unknown = sorted(set(doc) - set(fields))
     if unknown:
         raise _bad(f"the body has a field {sanitize(unknown[0])!r} that no decision has")
-    missing = [f for f in fields if f != "note" and not doc.get(f)]
+    missing = [f for f in fields if f not in ("note", "view") and not doc.get(f)]
     if missing:
         raise _bad(f"the body lacks {missing[0]}")
     if doc["run_id"] != route.run or doc.get("approval_id", route.approval) != route.approval:
@@ -11202,7 +11741,7 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
 
 # Each outcome of the store, in the error table; the first class that matches decides.
 _HOOK_OUTCOMES = ((NotFound, 404, "not_found"), (ApprovalExpired, 410, "expired"),
-                  (NotPending, 409, "not_pending"), (ApprovalChanged, 409, "approval_changed"),
+                  (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"), (ApprovalChanged, 409, "approval_changed"),
                   (ApprovalHashMismatch, 409, "approval_hash"),
                   (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"))
 
@@ -11240,9 +11779,22 @@ def _hook_record(data: bytes) -> Any:
         return {"unread": sanitize(str(exc))}
 
 
+def _hook_view(store: Store, a: Approval) -> dict:
+    """What the view adds to a row: the late outcome of the attempt it asks about, and the
+    view's digest, which a decision may carry as "view" to be bound to all of it."""
+    view = view_of(store, a)
+    late = view.late
+    return {"late_outcome": sanitize(late.text()) if late is not None else "",
+            "late_outcome_known": bool(late is not None and late.known),
+            "attempt": None if view.attempt is None else
+            {sanitize(str(k)): sanitize(str(v)) for k, v in view.attempt.items()},
+            "view": view.digest}
+
+
 def _hook_approval(store: Store, a: Approval) -> dict:
-    """One approval in full: its state and everything its hash binds."""
+    """One approval in full: its state, everything its hash binds, and its view."""
     doc = _hook_row(a)
+    doc.update(_hook_view(store, a))
     try:
         doc["arguments"] = _hook_record(a.request().args)
     except (ProxyError, KeyError, ValueError) as exc:
@@ -11383,7 +11935,8 @@ class Webhook:
         # build) waits for nothing: listed, it would be read as waiting.
         pending = store.pending_approvals(route.run) if run.status == WAITING else []
         return _hook_json(200, {"run_id": route.run, "total": len(pending), "approvals":
-                                [_hook_row(a) for a in pending[:WEBHOOK_LIST_LIMIT]]})
+                                [dict(_hook_row(a), **_hook_view(store, a))
+                                 for a in pending[:WEBHOOK_LIST_LIMIT]]})
 
     def _do_show(self, store: Store, route: HookRoute, req: HookRequest):
         approval = _approval_under(store, route)
@@ -11408,7 +11961,8 @@ class Webhook:
         doc = _hook_body(req.body, route, _DECISION_FIELDS)
         approve = route.action == "approve"
         approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
-                                        doc.get("note", ""), doc["hash"], self.clock())
+                                        doc.get("note", ""), doc["hash"], self.clock(),
+                                        doc.get("view", ""))
         self.log(f"webhook: approval {approval.id} of run {run.id}: {approval.status} by "
                  f"{doc['by']}")
         return _hook_json(202 if approve else 200,

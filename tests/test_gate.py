@@ -542,12 +542,19 @@ def test_an_outcome_after_a_take_over_is_recorded_as_a_late_event(h):
     with pytest.raises(ap.LateOutcome) as late:
         asyncio.run(s.execute())
     assert late.value.observation["kind"] == ap.TOOL_RESULT
-    assert taken["v"][1].kind == "pending"       # the new owner asks an operator
-    assert h.store.get_run("run-1").status == "WAITING_FOR_APPROVAL"
+    assert taken["v"][1].kind == "pending"       # the new owner asked an operator
     finished = [e for e in h.store.list_events("run-1") if e[4] == "step.tool_finished"]
     assert len(finished) == 1 and '"late":true' in finished[0][5]
-    assert ap.late_outcome(h.store, taken["v"][1].approval).endswith("it succeeded")
+    asked = taken["v"][1].approval
+    assert ap.late_outcome(h.store, asked).endswith("it succeeded")
     assert not g.leases.holds("run-1")
+    # The known late outcome settles the attempt: the question it asked is answered.
+    run = h.store.get_run("run-1")
+    assert (run.status, run.reason) == ("COMPLETED", "goal_completed"), run
+    assert h.store.get_approval(asked.id).status == "settled"
+    with pytest.raises(ap.AttemptSettled, match="finished after it was cut off"):
+        approve(h, asked)
+    assert h.calls["pay"] == [b'{"amount":1,"to":"x"}']
 
 
 def test_a_failed_pause_after_a_take_over_lets_go_of_the_lease(h, monkeypatch):

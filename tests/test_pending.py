@@ -222,7 +222,12 @@ def test_on_pending_receives_the_json_of_a_waiting_approval(tmp_path, procs):
     doc = eventually(lambda: read_json_file(got), 20, "the notification command's input")
     asked = d.pending()[0]
     assert set(doc) == {"approval_id", "run_id", "kind", "tool", "server", "upstream_tool",
-                        "side_effect", "arguments", "created_at", "expires_at", "decide"}
+                        "side_effect", "arguments", "argument_fields", "fields_not_shown",
+                        "arguments_cut", "late_outcome", "late_outcome_known", "created_at",
+                        "expires_at", "read", "decide"}
+    assert doc["argument_fields"] == [{"name": "amount", "value": "3", "omitted_bytes": 0},
+                                      {"name": "to", "value": '"fay"', "omitted_bytes": 0}]
+    assert (doc["fields_not_shown"], doc["arguments_cut"], doc["late_outcome"]) == (0, False, "")
     assert (doc["approval_id"], doc["run_id"], doc["kind"], doc["tool"], doc["server"],
             doc["upstream_tool"], doc["side_effect"]) == \
         (asked["id"], asked["run_id"], "remote_mutation", "bank_pay", "bank", "pay",

@@ -409,10 +409,16 @@ def test_process_result_after_a_take_over_is_recorded_and_shown(tmp_path, procs)
                                   (run_id,)) if t == "step.tool_finished"]
     assert len(late) == 1 and json.loads(late[0])["late"] is True, late
     status = text(survivor.call("gate_status", {"approval_id": a["id"]}))
-    assert "finished after it was cut off" in status and "it succeeded" in status, status
+    assert "SETTLED" in status and "finished after it was cut off" in status and \
+        "it succeeded" in status, status
     code, out, err = d.operator("show", run_id)
     assert code == 0 and "LATE OUTCOME" in out and "it succeeded" in out, out + err
+    assert "APPROVAL SETTLED" in out and "decide with" not in out, out
     assert d.payments() == 1
-    d.reject(run_id, a["id"], "it went through")
-    want(survivor.call("bank_pay", args), "REJECTED", True)
+    # The late success answered the question: the operator can no longer decide it, and
+    # the identical call is answered with the recorded payment.
+    code, out, err = d.operator("reject", run_id, "-approval", a["id"], "-note", "x")
+    assert code == 1 and "it succeeded" in err, out + err
+    t = want(survivor.call("bank_pay", args), "DUPLICATE", True)
+    assert "paid 5.00 to rob" in t, t
     assert d.payments() == 1

@@ -2688,8 +2688,11 @@ def _insecure(path: str, mode: int, reason: str) -> UnsafeDatabase:
 
 
 def check_database_file(path: str, writer: bool) -> bool:
-    """Refuse a database path we must not trust; False when it does not exist yet.
-    Writers tighten an owned file (and its WAL sidecars) that others may read to 0600."""
+    """Refuse a database path we must not trust; False when it does not exist yet. Every
+    opener applies it (serving, every operator command, the webhook, recheck): a database
+    another user owns is theirs to rewrite, so nothing it says is verified, listed or decided
+    on, and nothing is written into it, not even by root. Writers tighten an owned file (and
+    its WAL sidecars) that others may read to 0600."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -2698,6 +2701,11 @@ def check_database_file(path: str, writer: bool) -> bool:
         raise UnsafeDatabase(f"{path} is a symbolic link; name the database file itself")
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeDatabase(f"{path} is not a regular file")
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if st.st_uid != uid:
+        raise UnsafeDatabase(f"database: {path} is owned by uid {st.st_uid}, not by the "
+                             f"current user (uid {uid}); use the database of the user that "
+                             "runs the proxy, as that user")
     for name in (path, path + "-wal", path + "-shm"):
         try:
             side = os.lstat(name)
@@ -7418,7 +7426,10 @@ def status_tool_entry(name: str) -> dict:
 # -- on_pending: the operator's command, started when an approval starts to wait --
 
 ON_PENDING_TIMEOUT = 10.0            # seconds the command may run; then its process group is killed
-ON_PENDING_RUNNING = 8               # commands running at once; past it, one is skipped (logged)
+ON_PENDING_RUNNING = 8               # approval notices running at once; past it, they queue
+ON_PENDING_QUEUED = 256              # approval notices waiting for a slot; past it, skipped (logged)
+ON_PENDING_DRIFT_RUNNING = 2         # drift notices running at once, in slots of their own;
+                                     # past it, one is skipped (logged)
 ON_PENDING_CLOSE_GRACE = 1.0         # at shutdown, what a command still running is given
 
 
@@ -7429,45 +7440,76 @@ class Notifier:
     discarded, killed with its process group after ON_PENDING_TIMEOUT. Starting, writing and
     waiting happen on a daemon thread, so the call that asked for the approval waits for none
     of it and the deciding lock is never held across it. A failure is logged and changes
-    nothing else. At most ON_PENDING_RUNNING run at once: a burst of approvals a model asks
-    for cannot fill the process table with notifications."""
+    nothing else. At most ON_PENDING_RUNNING approval notices run at once, so a burst of
+    approvals a model asks for cannot fill the process table; past that they queue (bounded)
+    and run as slots free up. Drift notices have slots of their own, so a server that keeps
+    changing its tools can never crowd out the notice that an approval waits."""
 
     def __init__(self, argv: Iterable[str], log: Callable[[str], None]):
         self.argv, self.log = tuple(argv), log
         self._slots = threading.BoundedSemaphore(ON_PENDING_RUNNING)
+        self._drift_slots = threading.BoundedSemaphore(ON_PENDING_DRIFT_RUNNING)
+        self._queue: list[tuple[str, Callable[[], dict]]] = []
+        self._queue_lock = threading.Lock()     # the queue, and handing a slot on from it
         self._lock = threading.Lock()
         self._running: dict[int, subprocess.Popen] = {}      # by pid, until reaped
 
-    def notify(self, approval_id: str, doc: Callable[[], dict]) -> None:
-        """Start the command for this approval; ``doc`` is built on the thread."""
+    def notify(self, label: str, doc: Callable[[], dict], drift: bool = False) -> None:
+        """Start the command for this approval (or, with ``drift``, this drift notice);
+        ``doc`` is built on the thread."""
         if not self.argv:
             return
-        if not self._slots.acquire(blocking=False):
-            self.log(f"on_pending: {ON_PENDING_RUNNING} are still running; not started for "
-                     f"approval {approval_id}")
+        if not drift:
+            label = f"approval {label}"
+        if drift:
+            if not self._drift_slots.acquire(blocking=False):
+                self.log(f"on_pending: {ON_PENDING_DRIFT_RUNNING} drift notices are still "
+                         f"running; not started for {label}")
+                return
+            self._start(label, doc, self._drift_slots)
             return
+        with self._queue_lock:
+            if not self._slots.acquire(blocking=False):
+                if len(self._queue) >= ON_PENDING_QUEUED:
+                    self.log(f"on_pending: {ON_PENDING_QUEUED} notices wait for one of "
+                             f"{ON_PENDING_RUNNING} running; not started for {label}")
+                else:
+                    self._queue.append((label, doc))
+                return
+        self._start(label, doc, self._slots)
+
+    def _start(self, label: str, doc: Callable[[], dict], slots) -> None:
         try:
-            threading.Thread(target=self._run, args=(approval_id, doc), daemon=True,
+            threading.Thread(target=self._run, args=(label, doc, slots), daemon=True,
                              name="on_pending").start()
         except RuntimeError as exc:         # no thread can be started now
-            self._slots.release()
-            self.log(f"on_pending: not started for approval {approval_id}: {exc}")
+            slots.release()
+            self.log(f"on_pending: not started for {label}: {exc}")
 
-    def _run(self, approval_id: str, doc: Callable[[], dict]) -> None:
-        try:
-            self._once(approval_id, (dump_json(doc()) + "\n").encode())
-        except (ProxyError, OSError, ValueError, TypeError) as exc:
-            self.log(f"on_pending: approval {approval_id}: {exc}")
-        finally:
-            self._slots.release()
+    def _run(self, label: str, doc: Callable[[], dict], slots) -> None:
+        """Run the command, then the next queued approval notice in the same slot; the slot
+        is given back, under the queue's lock, only when none waits."""
+        while True:
+            try:
+                self._once(label, (dump_json(doc()) + "\n").encode())
+            except (ProxyError, OSError, ValueError, TypeError) as exc:
+                self.log(f"on_pending: {label}: {exc}")
+            except BaseException:
+                slots.release()
+                raise
+            with self._queue_lock:
+                if slots is not self._slots or not self._queue:
+                    slots.release()
+                    return
+                label, doc = self._queue.pop(0)
 
-    def _once(self, approval_id: str, data: bytes) -> None:
+    def _once(self, label: str, data: bytes) -> None:
         try:
             proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
-            self.log(f"on_pending: {self.argv[0]} could not be started for approval "
-                     f"{approval_id}: {exc.strerror or exc}")
+            self.log(f"on_pending: {self.argv[0]} could not be started for "
+                     f"{label}: {exc.strerror or exc}")
             return
         with self._lock:
             self._running[proc.pid] = proc
@@ -7478,14 +7520,14 @@ class Notifier:
             with contextlib.suppress(subprocess.TimeoutExpired, OSError, ValueError):
                 proc.communicate(timeout=ON_PENDING_TIMEOUT)       # reaped: no zombie
             self.log(f"on_pending: killed after {fmt_duration(ON_PENDING_TIMEOUT)} "
-                     f"(approval {approval_id})")
+                     f"({label})")
             return
         finally:
             with self._lock:
                 self._running.pop(proc.pid, None)
         if proc.returncode != 0:
             self.log(f"on_pending: exited with status {proc.returncode} "
-                     f"(approval {approval_id})")
+                     f"({label})")
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
@@ -9971,7 +10013,8 @@ class ServerWatch:
         self.log(f"  withheld until pinned again; pin with: {sanitize(pin)}")
         doc = {"kind": "drift", "server": sanitize(self.server.name), "withheld": shown,
                "more": more, "pin": sanitize(pin), "at": fmt_time(time.time())}
-        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc)
+        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc,
+                                   drift=True)
 
     def apply(self, offered: list[UpstreamTool], withheld: dict[str, str]) -> None:
         added, removed = offer(self.proxy, self.server.name, offered, withheld)

@@ -33,7 +33,8 @@ Trust boundaries
   write them: the store refuses files others can write, symbolic links, and schemas holding
   triggers or views.
 - The operator decides approvals outside the host, from a shell; a decision is bound to the
-  hash of exactly what the operator was shown.
+  hash of exactly what the operator was shown, and to the view it was shown in: everything
+  the store holds that bears on it, a late outcome of the attempt it asks about included.
 - The on_pending command is the operator's own program, started without a shell when an
   approval starts to wait; what it is told (the model's arguments among it) is sanitised,
   and it can neither decide nor delay anything.

@@ -4274,12 +4274,17 @@ class Session:
         at = gate.now()
         with self.store.tx() as tx:
             seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
-            if known:
-                record = LateRecord(seq, self.run_id, step.id, step.started_at, at, True,
-                                    obs[1], doc)
-                ended = settle_attempt(tx, record, at)
-                if ended and gate.on_settled is not None:
-                    gate.on_settled(tx, ended)
+        # Settled in a transaction of its own, so that nothing in it can cost the late event
+        # itself. Should it fail, nothing is lost: whatever would act on the attempt as
+        # unknown looks for the event first (section 13), and settles it then.
+        if known:
+            record = LateRecord(seq, self.run_id, step.id, step.started_at, at, True,
+                                obs[1], doc)
+            with contextlib.suppress(StoreError, RunStateError, NotPending):
+                with self.store.tx() as tx:
+                    ended = settle_attempt(tx, record, at)
+                    if ended and gate.on_settled is not None:
+                        gate.on_settled(tx, ended)
         run = self.store.get_run(self.run_id)
         if run.status == CANCELLED and run.reason == "operator_cancelled":
             self._finish("ended", run)
@@ -4698,7 +4703,9 @@ def settle_approval(tx: Tx, approval: Approval, late: LateRecord, at: str) -> No
 _ASKING_SQL = (
     "SELECT " + ", ".join(f"a.{c.strip()}" for c in _APPROVAL_COLS.split(",")) +
     f" FROM runs AS r CROSS JOIN approvals AS a ON a.run_id = r.id"
-    f" WHERE r.status = '{WAITING}' AND a.kind = '{INTERRUPTED_KIND}' AND a.status IN"
+    " CROSS JOIN steps AS s ON s.id = a.step_id"
+    f" WHERE r.status = '{WAITING}' AND s.status = 'awaiting_approval'"
+    f" AND a.kind = '{INTERRUPTED_KIND}' AND a.status IN"
     f" ('{PENDING}', '{APPROVED}') AND a.rowid = (SELECT MAX(b.rowid) FROM approvals AS b"
     " WHERE b.run_id = a.run_id AND b.step_id = a.step_id) ORDER BY a.rowid")
 

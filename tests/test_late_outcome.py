@@ -196,11 +196,12 @@ def test_a_late_success_is_never_paid_again_by_any_channel(tmp_path, procs):
     the webhook and `pending`. Then the first proxy wakes and records the payment's success.
     Approving afterwards, by the inbox, by the webhook with the hash it showed, or by the
     command `pending` printed, decides nothing; the identical call is a DUPLICATE with the
-    recorded result; every view shows the late outcome; the server is paid once."""
-    from process_helpers import PROXY, PYTHON, eventually, prefix, text
+    recorded result; every view shows the late outcome; the server is paid once. Past the
+    window the identical call is a new request under the policy (which allows it here)."""
+    from process_helpers import PROXY, PYTHON, eventually, parse_time, prefix, text
     from test_webhook import Hook, write_secret, approve_path
 
-    d = procs(tmp_path, allow_pay=True, lease_ttl="3s", repeat_window="10m")
+    d = procs(tmp_path, allow_pay=True, lease_ttl="3s", repeat_window="8s")
     args = {"to": "rob", "amount": 25, "mode": "block"}
     stalled, survivor = d.start("stalled"), d.start("survivor")
     ident = stalled.send_call("bank_pay", args)
@@ -235,6 +236,9 @@ def test_a_late_success_is_never_paid_again_by_any_channel(tmp_path, procs):
     eventually(lambda: d.approvals()[0]["status"] != "pending" or
                "finished after it was cut off" in d.operator("pending")[1], 15,
                "the late outcome to be recorded and shown")
+    for p_ in (survivor, stalled):         # within the window: the recorded result
+        r = p_.call("bank_pay", args)
+        assert prefix(r) == "DUPLICATE" and "paid 25.00 to rob" in text(r), text(r)
 
     # The inbox's answer, typed after the late outcome: nothing decided, the outcome named.
     out, _ = inbox.communicate(b"a\n", timeout=30)
@@ -263,10 +267,12 @@ def test_a_late_success_is_never_paid_again_by_any_channel(tmp_path, procs):
     assert "APPROVAL SETTLED" in shown_run and "LATE OUTCOME" in shown_run, shown_run
     status_text = text(survivor.call("gate_status", {"approval_id": asked["id"]}))
     assert "SETTLED" in status_text and "it succeeded" in status_text, status_text
-    for p_ in (survivor, stalled):
-        r = p_.call("bank_pay", args)
-        assert prefix(r) == "DUPLICATE" and "paid 25.00 to rob" in text(r), text(r)
     assert d.payments() == 1
     assert d.query("SELECT outcome FROM proxy_calls WHERE run_id=?", (run_id,)) == [(2,)]
+    ended = d.show(run_id)["run"]["finished_at"]
+    time.sleep(max(0.0, parse_time(ended) + 8.5 - time.time()))
+    r = survivor.call("bank_pay", args)                        # past the window: a new one
+    assert text(r) == "paid 25.00 to rob", text(r)
+    assert d.payments() == 2
     stalled.stop()
     survivor.stop()

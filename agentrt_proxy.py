@@ -3990,9 +3990,9 @@ class Session:
             fmt_time(now + ttl) if ttl > 0 else "")
         approval = dataclasses.replace(approval, hash=approval_hash(
             approval.kind, approval.capability, approval.presentation, request))
-        attempt = asked_attempt(approval)
         owner = self.gate.owner if origin == RUNNING else ""
         with self.store.tx() as tx:
+            attempt = asked_attempt(approval, tx.rows)
             tx.event(self.run_id, step.id, policy_at, "step.policy", _policy_record(decision, extra))
             # No interruption approval is ever asked about an attempt whose outcome is
             # recorded: looked for in the transaction that would ask, so that a late outcome
@@ -4155,7 +4155,7 @@ class Session:
         says: judged in the transaction that would start it, so that no late outcome lands
         between the look and the start. (run, late record) when the run ended instead."""
         _require_grant(tx, self.current.id, granted)
-        late = late_record(tx.rows, asked_attempt(granted), known=True)
+        late = late_record(tx.rows, asked_attempt(granted, tx.rows), known=True)
         if late is None:
             return None
         settle_approval(tx, granted, late, at)
@@ -4573,13 +4573,19 @@ def _interrupted_attempt(approval: Approval | None) -> dict | None:
     return attempt_in(approval.capability)
 
 
-def asked_attempt(approval: Approval | None) -> dict | None:
+def asked_attempt(approval: Approval | None, q: Query | None = None) -> dict | None:
     """The attempt an interruption approval asks about: the one its capability names, else
-    (a gate's own pause, whose capability names none) the step it waits on."""
+    (a gate's own pause, whose capability names none) the latest attempt of the step it waits
+    on, which is the one its start in the store names while the approval waits (a re-run
+    after the approval would start another; read through ``q``)."""
     if approval is None or approval.kind != INTERRUPTED_KIND:
         return None
-    return _interrupted_attempt(approval) or {"run_id": approval.run_id,
-                                              "step_id": approval.step_id}
+    named = _interrupted_attempt(approval)
+    if named is not None:
+        return named
+    rows = q("SELECT started_at FROM steps WHERE id=?", (approval.step_id,)) if q else []
+    return {"run_id": approval.run_id, "step_id": approval.step_id,
+            "started_at": rows[0][0] if rows and isinstance(rows[0][0], str) else ""}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -4724,9 +4730,9 @@ def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
     ended = []
     for row in tx.rows(_ASKING_SQL):
         approval = _approval_from_row(row)
-        at_ = asked_attempt(approval) or {}
+        at_ = asked_attempt(approval, tx.rows) or {}
         if at_.get("run_id") != late.run_id or at_.get("step_id") != late.step_id or \
-                (late.started_at and at_.get("started_at", late.started_at) != late.started_at):
+                (late.started_at and at_.get("started_at") != late.started_at):
             continue
         settle_approval(tx, approval, late, at)
         end_with_late(tx, approval.run_id, approval.step_id, (WAITING,),
@@ -4809,7 +4815,7 @@ def approval_view(q: Query, approval: Approval) -> ApprovalView:
     inside the transaction that decides)."""
     rows = q(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (approval.run_id,))
     run = _run_from_row(rows[0]) if rows else None
-    attempt = asked_attempt(approval)
+    attempt = asked_attempt(approval, q)
     lapses = ""
     if approval.status == APPROVED and run is not None and run.limits.grant_ttl > 0:
         with contextlib.suppress(ValueError, TypeError, OverflowError):
@@ -4891,7 +4897,7 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
         row = tx.exec(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,)).fetchone()
         current = _approval_from_row(row)
         _check_shown(current, shown_hash)
-        late = late_record(tx.rows, asked_attempt(current), known=True)
+        late = late_record(tx.rows, asked_attempt(current, tx.rows), known=True)
         if late is not None:
             settle_approval(tx, current, late, at)
             end_with_late(tx, run_id, current.step_id, (WAITING,), ("awaiting_approval",),
@@ -7333,6 +7339,13 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     if waiting:
         return who + (f"PENDING for {age}; nothing has been executed; the operator decides "
                       "elsewhere; do not call the tool again until it is approved.")
+    if a.status in (REJECTED, EXPIRED, CANCELLED_APPROVAL, PENDING) and \
+            a.kind == INTERRUPTED_KIND:
+        late = view_of(proxy.store, a).late
+        if late is not None and late.known:
+            return who + (f"{'CLOSED' if a.status == PENDING else a.status.upper()}: it was "
+                          f"not run again, and the earlier attempt it asked about "
+                          f"{late.text()}, so it did take effect.")
     if a.status == PENDING and state.run.reason == "operator_cancelled":
         return who + "CANCELLED by the operator. It was not executed."
     if a.status == PENDING:
@@ -7459,6 +7472,7 @@ class Notifier:
         self._drift_slots = threading.BoundedSemaphore(ON_PENDING_DRIFT_RUNNING)
         self._queue: list[tuple[str, Callable[[], dict]]] = []
         self._queue_lock = threading.Lock()     # the queue, and handing a slot on from it
+        self._closed = False                    # set at shutdown: nothing new starts
         self._lock = threading.Lock()
         self._running: dict[int, subprocess.Popen] = {}      # by pid, until reaped
 
@@ -7477,6 +7491,8 @@ class Notifier:
             self._start(label, doc, self._drift_slots)
             return
         with self._queue_lock:
+            if self._closed:
+                return
             if not self._slots.acquire(blocking=False):
                 if len(self._queue) >= ON_PENDING_QUEUED:
                     self.log(f"on_pending: {ON_PENDING_QUEUED} notices wait for one of "
@@ -7506,20 +7522,25 @@ class Notifier:
                 slots.release()
                 raise
             with self._queue_lock:
-                if slots is not self._slots or not self._queue:
+                if slots is not self._slots or not self._queue or self._closed:
                     slots.release()
                     return
                 label, doc = self._queue.pop(0)
 
     def _once(self, label: str, data: bytes) -> None:
-        try:
-            proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            self.log(f"on_pending: {self.argv[0]} could not be started for "
-                     f"{label}: {exc.strerror or exc}")
-            return
+        # Started and registered under the lock close() reads the running ones under, once
+        # it has said closed: so a command is either killed at shutdown or never started.
         with self._lock:
+            if self._closed:
+                return
+            try:
+                proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True)
+            except OSError as exc:
+                self.log(f"on_pending: {self.argv[0]} could not be started for "
+                         f"{label}: {exc.strerror or exc}")
+                return
             self._running[proc.pid] = proc
         try:
             proc.communicate(data, timeout=ON_PENDING_TIMEOUT)
@@ -7546,8 +7567,13 @@ class Notifier:
                 os.killpg(proc.pid, signal.SIGKILL)
 
     def close(self) -> None:
-        """At shutdown: a command still running gets ON_PENDING_CLOSE_GRACE, then its group
-        is killed, so none outlives the proxy unbounded."""
+        """At shutdown: nothing queued starts; a command still running gets
+        ON_PENDING_CLOSE_GRACE, then its group is killed, so none outlives the proxy."""
+        with self._queue_lock:
+            self._closed, dropped = True, len(self._queue)
+            self._queue.clear()
+        if dropped:
+            self.log(f"on_pending: shutting down; {dropped} queued notice(s) not started")
         deadline = time.monotonic() + ON_PENDING_CLOSE_GRACE
         with self._lock:
             running = list(self._running.values())
@@ -8082,6 +8108,12 @@ class Proxy:
             return None
         until, latest = end + window, state.latest()
         reason = state.run.reason
+        late = late_of(self, state) if outcome == KNOWN and reason in (
+            "approval_rejected", "approval_expired", "operator_cancelled") else None
+        if late is not None:
+            # The run says the re-run was refused; the store also knows that the attempt
+            # it asked about took effect. The model is told that, never "not executed".
+            return Answer(duplicate(end, window, late_known_outcome(late)))
         if reason == "approval_rejected" and latest is not None:
             return Answer(rejected(latest.id, latest.note, until))
         if reason == "approval_expired":
@@ -8561,6 +8593,14 @@ def last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
     return outcome, at
 
 
+def late_of(proxy: Proxy, state: RunState) -> LateRecord | None:
+    """The known late outcome of the run's last attempt, when what the run itself records
+    of that attempt is only that it was cut off (a run that ended rejected, expired or
+    cancelled while the cut-off call was still out)."""
+    outcome, at = _last_attempt(proxy, state)
+    return late_record(proxy.store._read, at, known=True) if outcome == UNKNOWN else None
+
+
 def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
     by_step = {a.step_id: a for a in state.approvals}      # the latest per step
     for step in reversed(state.steps):
@@ -8599,6 +8639,16 @@ def _tool_started(store: Store, run_id: str, step_id: str) -> bool:
     """Whether the record shows the step's tool call leaving the proxy."""
     return bool(store._read("SELECT 1 FROM events WHERE run_id=? AND step_id=? AND "
                             "type='step.tool_started' LIMIT 1", (run_id, step_id)))
+
+
+def late_known_outcome(late: LateRecord) -> str:
+    """A late outcome, as a DUPLICATE quotes it."""
+    obs = late.doc
+    if obs.get("kind") == TOOL_RESULT:
+        return "it succeeded (its result arrived after it was cut off): " + \
+            clean(result_text(obs), MAX_RESULT_BYTES)
+    return "it failed (its answer arrived after it was cut off): " + \
+        clean(error_text(obs), MAX_RESULT_BYTES)
 
 
 def known_outcome(step: Step) -> str:
@@ -10372,6 +10422,7 @@ _JSON_INERT = re.compile(f"[\x7f-\x9f{_INVISIBLE}]")
 PENDING_ARGS_BYTES = 480             # the one-line summary of a waiting call's arguments
 PENDING_KEY_BYTES = 40               # ... the start of each key in it
 PENDING_VALUE_BYTES = 60             # ... and of each value, cut on its own
+PADDING_RUN = 8                      # a run of one blank character this long is counted
 INBOX_POLL = 1.0                     # seconds between the inbox's looks for new approvals
 INBOX_LINE_BYTES = 4096              # one answer typed at the inbox (a note included)
 INBOX_ANSWERS = {"a": "approve", "approve": "approve", "r": "reject", "reject": "reject",
@@ -10958,9 +11009,17 @@ def cmd_verify(store: Store, args, out: Out) -> int:
 # until it is collected, the rules across calls refuse (BLOCKED) every other call to its tool
 # that changes anything, and the operator must be able to see why.
 
+# A run of one blank or escaped character, as padding is written: shown as one with its
+# count, so that padding at the start of a value cannot fill the part of it that is shown.
+_PADDING = re.compile(r"( |\t|\\[nrtbf]|\\u[0-9a-fA-F]{4}|\\u\{[0-9a-f]+\}|\\x[0-9a-f]{2})"
+                      r"\1{%d,}" % (PADDING_RUN - 1))
+
+
 def _cut(text: str, limit: int) -> tuple[str, int]:
-    """Sanitised text cut at ``limit`` bytes, and how many bytes were left out."""
-    text = sanitize(text)
+    """Sanitised text, its padding runs counted, cut at ``limit`` bytes, and how many bytes
+    of that were left out."""
+    text = _PADDING.sub(lambda m: f"[{len(m.group()) // len(m.group(1))} x '{m.group(1)}']",
+                        sanitize(text))
     size = len(text.encode("utf-8"))
     if size <= limit:
         return text, 0

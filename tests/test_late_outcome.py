@@ -276,3 +276,101 @@ def test_a_late_success_is_never_paid_again_by_any_channel(tmp_path, procs):
     assert d.payments() == 2
     stalled.stop()
     survivor.stop()
+
+
+# ---- the adversarial review of the change --------------------------------------------------
+
+def test_a_late_outcome_is_kept_when_its_step_has_moved_on(h):
+    """The attempt's step was re-run after an approval and failed, and the run asks again in
+    a new step; then the first attempt returns. Its late event is recorded (settling nothing
+    whose step no longer waits), and its caller is given the result, not UNAVAILABLE."""
+    allow = ap.SideEffectPolicy(dict(ap.DEFAULT_POLICY, remote_mutation="allow"))
+    a = h.gate(wall=lambda: T0, policy=allow)
+    b = h.gate(wall=lambda: T0 + 31, policy=allow)
+    asked = {}
+
+    async def pay(args):
+        if len(h.calls["pay"]) > 1:
+            raise ap.ToolFailure("pay: 50 bytes, error: declined")
+        sb, v = b.attach("run-1")                    # B takes over and asks
+        asked["first"] = v.approval
+        approve(h, v.approval)
+        sb, v = b.attach("run-1")
+        assert v.kind == "allowed"
+        assert (await sb.execute())["kind"] == ap.TOOL_ERROR     # the re-run fails
+        b.policy = ap.SideEffectPolicy()
+        sb.step()
+        v = sb.propose(ap.Decision("tool_call", "pay", PAID, origin="operator"))
+        assert v.kind == "pending"
+        return ap.ToolResult(b'{"paid":true}', "paid 5.00 to rob")   # the first, late
+    h.behaviour["pay"] = pay
+    s = a.begin("run-1", "call pay", LIMITS)
+    s.step()
+    assert s.propose(ap.Decision("tool_call", "pay", PAID)).kind == "allowed"
+    with pytest.raises(ap.LateOutcome) as late:
+        asyncio.run(s.execute())
+    assert late.value.observation["kind"] == ap.TOOL_RESULT
+    events = [json.loads(e[5]) for e in h.store.list_events("run-1")
+              if e[4] == "step.tool_finished"]
+    assert [e.get("late", False) for e in events] == [False, True], events
+    assert h.store.get_approval(asked["first"].id).status == "approved"
+
+
+def test_a_gates_own_question_is_settled_only_by_the_attempt_it_asks_about(h):
+    """A gate without a reconcile hook names no attempt in its interruption approval: the
+    attempt is the step's latest. A late outcome of an earlier attempt of the same step does
+    not answer the question about a later one."""
+    allow = ap.SideEffectPolicy(dict(ap.DEFAULT_POLICY, remote_mutation="allow"))
+    a = h.gate(wall=lambda: T0, policy=allow)
+    b = h.gate(wall=lambda: T0 + 31, policy=allow)
+
+    async def pay(args):
+        sb, v = b.attach("run-1")                  # B takes over, asks about the first
+        approve(h, v.approval)
+        sb, v = b.attach("run-1")
+        h.clock.t += 1                             # the re-run starts a second later
+        sb.start()                                 # B's re-run leaves, and B dies
+        b.close()
+        return ap.ToolResult(b'{"paid":true}', "paid 5.00 to rob")   # the first, late
+    h.behaviour["pay"] = pay
+    s = a.begin("run-1", "call pay", LIMITS)
+    s.step()
+    assert s.propose(ap.Decision("tool_call", "pay", PAID)).kind == "allowed"
+    with pytest.raises(ap.LateOutcome):
+        asyncio.run(s.execute())
+    _, v = h.gate(wall=lambda: T0 + 62).attach("run-1")
+    assert v.kind == "pending" and v.approval.kind == ap.INTERRUPTED_KIND, v
+    assert ap.view_of(h.store, v.approval).late is None
+
+
+def test_a_refused_question_whose_attempt_finished_is_never_told_not_executed(tmp_path, procs):
+    """The operator rejected the re-run before the late success arrived: the identical call
+    is answered with the recorded payment (a DUPLICATE), and the status tool says it took
+    effect, never "it was not executed"."""
+    from process_helpers import eventually, prefix, text
+
+    d = procs(tmp_path, allow_pay=True, lease_ttl="3s", repeat_window="10m")
+    args = {"to": "rob", "amount": 25, "mode": "block"}
+    stalled, survivor = d.start("stalled"), d.start("survivor")
+    ident = stalled.send_call("bank_pay", args)
+    eventually(lambda: d.payments() == 1, 15, "the payment to reach the server")
+    run_id = d.runs()[0]["id"]
+    os.kill(stalled.pid, signal.SIGSTOP)
+    try:
+        eventually(lambda: (d.lease(run_id)[2] or time.time() + 1) < time.time(), 15,
+                   "the stopped proxy's lease to run out")
+        assert prefix(survivor.call("bank_pay", args)) == "INTERRUPTED"
+        asked = d.pending()[0]
+        d.reject(run_id, asked["id"], "not sure")
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+    d.release()
+    assert text(stalled.result(ident)) == "paid 25.00 to rob"
+    r = survivor.call("bank_pay", args)
+    assert prefix(r) == "DUPLICATE" and "paid 25.00 to rob" in text(r), text(r)
+    status = text(survivor.call("gate_status", {"approval_id": asked["id"]}))
+    assert "REJECTED" in status and "did take effect" in status, status
+    assert "not executed" not in status, status
+    assert d.payments() == 1
+    stalled.stop()
+    survivor.stop()

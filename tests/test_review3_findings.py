@@ -56,8 +56,17 @@ def test_pending_keeps_the_payee_in_view_when_an_earlier_field_is_padded(padded)
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.strip().startswith("arguments "))
     assert '"to":"mallory"' in line and '"amount":25' in line, line
-    assert re.search(r'"currency":"EUR +\u2026\[\+\d+ bytes\]', line), line
-    assert "NOT ALL SHOWN" in out and " show " in out, out
+    assert '"currency":"EUR[240 x \' \']"' in line, line
+
+
+def test_a_long_value_is_cut_on_its_own_and_the_full_view_is_named(padded):
+    long = {"currency": "EUR" + "-x" * 150, "amount": 3, "to": "mallory"}
+    assert padded.prefix(padded.call("bank_pay", long)) == "PENDING_APPROVAL"
+    code, out, err = operator(padded, "pending")
+    lines = [x for x in out.splitlines() if x.strip().startswith("arguments ")]
+    assert len(lines) == 2 and all('"to":"mallory"' in x for x in lines), lines
+    assert re.search(r'"currency":"EUR(-x)+\u2026\[\+\d+ bytes\]', lines[1]), lines[1]
+    assert out.count("NOT ALL SHOWN") == 1 and " show " in out, out
 
 
 def test_pending_json_and_on_pending_name_every_field(padded):
@@ -67,10 +76,9 @@ def test_pending_json_and_on_pending_name_every_field(padded):
     fields = {f["name"]: f for f in entry["argument_fields"]}
     assert set(fields) == {"amount", "currency", "to"}
     assert fields["to"] == {"name": "to", "value": '"mallory"', "omitted_bytes": 0}
-    assert fields["currency"]["omitted_bytes"] > 0
-    assert len(fields["currency"]["value"].encode()) + fields["currency"]["omitted_bytes"] == \
-        len(json.dumps(PADDED["currency"]).encode())
-    assert entry["arguments_cut"] is True and entry["fields_not_shown"] == 0
+    assert fields["currency"] == {"name": "currency", "value": '"EUR[240 x \' \']"',
+                                  "omitted_bytes": 0}
+    assert entry["arguments_cut"] is False and entry["fields_not_shown"] == 0
     approval = padded.pending()[0]
     doc = ap.waiting_doc(approval, padded.cfg.database, ap.view_of(padded.store, approval))
     assert doc["argument_fields"] == entry["argument_fields"]
@@ -193,3 +201,27 @@ def test_drift_notices_never_crowd_out_an_approval_notice(tmp_path):
     assert sum("drift notices are still running" in line for line in logged) == \
         6 - ap.ON_PENDING_DRIFT_RUNNING, logged
     assert not any("approval" in line and "not started" in line for line in logged), logged
+
+
+def test_nothing_queued_starts_after_close(tmp_path):
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    hook = tmp_path / "hook.py"
+    hook.write_text("import json, os, sys, time\n"
+                    "doc = json.load(sys.stdin)\n"
+                    f"open(os.path.join({str(seen)!r}, doc['approval_id']), 'w').close()\n"
+                    "time.sleep(30)\n")
+    logged = []
+    n = ap.Notifier([sys.executable, str(hook)], logged.append)
+    for i in range(ap.ON_PENDING_RUNNING + 3):
+        n.notify(f"{i:032x}", lambda i=i: {"approval_id": f"{i:02d}"})
+    deadline = time.monotonic() + 20
+    while len(os.listdir(seen)) < ap.ON_PENDING_RUNNING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    n.close()
+    started = set(os.listdir(seen))
+    time.sleep(1.5)                 # a queued notice would have been started by now
+    assert set(os.listdir(seen)) == started and len(started) == ap.ON_PENDING_RUNNING
+    assert any("3 queued notice(s) not started" in line for line in logged), logged
+    with n._lock:
+        assert all(p.poll() is not None for p in n._running.values())

@@ -55,7 +55,7 @@ Sections, in dependency order
 10. The store                           23. Serving, pinning, checking, wrap
 11. The gate                            24. Tools that change while serving
 12. A run's session                     25. Re-checking recorded calls
-13. Operator decisions                  26. Operator commands
+13. Decisions and late outcomes         26. Operator commands
                                         27. The webhook (HTTP approvals)
                                         28. main
 """
@@ -4534,7 +4534,7 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
     return None
 
 
-# ==== 13. Operator decisions and late outcomes ====
+# ==== 13. Decisions and late outcomes ====
 # Approve and reject bound to the view of the approval the operator was shown; cancel; and
 # expiry. Each is one transaction with its events; none executes anything. A late outcome
 # answers the interruption approvals that ask about its attempt: they are settled, and

@@ -208,74 +208,81 @@ def test_a_late_success_is_never_paid_again_by_any_channel(tmp_path, procs):
     eventually(lambda: d.payments() == 1, 15, "the payment to reach the server")
     run_id = d.runs()[0]["id"]
     hook = inbox = None
-    os.kill(stalled.pid, signal.SIGSTOP)
     try:
-        eventually(lambda: (d.lease(run_id)[2] or time.time() + 1) < time.time(), 15,
-                   "the stopped proxy's lease to run out")
-        r = survivor.call("bank_pay", args)
-        assert prefix(r) == "INTERRUPTED", text(r)
-        asked = d.pending()[0]
-        # Shown on every channel while it waits.
-        inbox = subprocess.Popen([PYTHON, PROXY, "-db", d.db, "inbox", "-tty-not-required",
-                                  "-by", "inboxer"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        shown = b""
-        while b"a approve, r reject" not in shown:
-            chunk = inbox.stdout.read1(65536)
-            assert chunk, shown
-            shown += chunk
-        hook = Hook(d.db, write_secret(tmp_path))
+        os.kill(stalled.pid, signal.SIGSTOP)
+        try:
+            eventually(lambda: (d.lease(run_id)[2] or time.time() + 1) < time.time(), 15,
+                       "the stopped proxy's lease to run out")
+            r = survivor.call("bank_pay", args)
+            assert prefix(r) == "INTERRUPTED", text(r)
+            asked = d.pending()[0]
+            # Shown on every channel while it waits.
+            inbox = subprocess.Popen([PYTHON, PROXY, "-db", d.db, "inbox", "-tty-not-required",
+                                      "-by", "inboxer"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            shown = b""
+            while b"a approve, r reject" not in shown:
+                chunk = inbox.stdout.read1(65536)
+                assert chunk, shown
+                shown += chunk
+            hook = Hook(d.db, write_secret(tmp_path))
+            status, got = hook.call("GET", f"/runs/{run_id}/approvals/{asked['id']}")
+            assert status == 200 and got["approval"].get("late_outcome", "") == "", got
+            code, listed, err = d.operator("pending")
+            decide_line = next(line for line in listed.splitlines() if "decide with:" in line)
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+        d.release()
+        assert text(stalled.result(ident)) == "paid 25.00 to rob"
+        eventually(lambda: d.approvals()[0]["status"] != "pending" or
+                   "finished after it was cut off" in d.operator("pending")[1], 15,
+                   "the late outcome to be recorded and shown")
+        for p_ in (survivor, stalled):         # within the window: the recorded result
+            r = p_.call("bank_pay", args)
+            assert prefix(r) == "DUPLICATE" and "paid 25.00 to rob" in text(r), text(r)
+
+        # The inbox's answer, typed after the late outcome: nothing decided, the outcome named.
+        out, _ = inbox.communicate(b"a\n", timeout=30)
+        assert b"finished after it was cut off" in out and b"it succeeded" in out, out
+        assert b"approved by inboxer" not in out, out
+        # The webhook, with the hash it showed: 409 late_outcome.
+        body = {"run_id": run_id, "approval_id": asked["id"], "hash": got["approval"]["hash"],
+                "by": "pat", "note": ""}
+        status, answer = hook.call("POST", approve_path(run_id, asked["id"]), body)
+        assert (status, answer["code"]) == (409, "late_outcome"), answer
+        assert "it succeeded" in answer["error"], answer
         status, got = hook.call("GET", f"/runs/{run_id}/approvals/{asked['id']}")
-        assert status == 200 and got["approval"].get("late_outcome", "") == "", got
-        code, listed, err = d.operator("pending")
-        decide_line = next(line for line in listed.splitlines() if "decide with:" in line)
-    finally:
-        os.kill(stalled.pid, signal.SIGCONT)
-    d.release()
-    assert text(stalled.result(ident)) == "paid 25.00 to rob"
-    eventually(lambda: d.approvals()[0]["status"] != "pending" or
-               "finished after it was cut off" in d.operator("pending")[1], 15,
-               "the late outcome to be recorded and shown")
-    for p_ in (survivor, stalled):         # within the window: the recorded result
-        r = p_.call("bank_pay", args)
-        assert prefix(r) == "DUPLICATE" and "paid 25.00 to rob" in text(r), text(r)
+        assert got["approval"]["status"] == "settled" and "it succeeded" in \
+            got["approval"]["late_outcome"], got
+        hook.stop()
+        # The command pending printed, pasted: refused, naming the late result.
+        command = decide_line.split("decide with: ", 1)[1].split("   (or reject)")[0]
+        p = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and "it succeeded" in p.stderr, p.stdout + p.stderr
 
-    # The inbox's answer, typed after the late outcome: nothing decided, the outcome named.
-    out, _ = inbox.communicate(b"a\n", timeout=30)
-    assert b"finished after it was cut off" in out and b"it succeeded" in out, out
-    assert b"approved by inboxer" not in out, out
-    # The webhook, with the hash it showed: 409 late_outcome.
-    body = {"run_id": run_id, "approval_id": asked["id"], "hash": got["approval"]["hash"],
-            "by": "pat", "note": ""}
-    status, answer = hook.call("POST", approve_path(run_id, asked["id"]), body)
-    assert (status, answer["code"]) == (409, "late_outcome"), answer
-    assert "it succeeded" in answer["error"], answer
-    status, got = hook.call("GET", f"/runs/{run_id}/approvals/{asked['id']}")
-    assert got["approval"]["status"] == "settled" and "it succeeded" in \
-        got["approval"]["late_outcome"], got
-    hook.stop()
-    # The command pending printed, pasted: refused, naming the late result.
-    command = decide_line.split("decide with: ", 1)[1].split("   (or reject)")[0]
-    p = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 1 and "it succeeded" in p.stderr, p.stdout + p.stderr
-
-    # Every view: nothing waits; show, the status tool and the identical call say what
-    # came of it.
-    code, listed, _ = d.operator("pending")
-    assert "no approval waits" in listed, listed
-    code, shown_run, _ = d.operator("show", run_id)
-    assert "APPROVAL SETTLED" in shown_run and "LATE OUTCOME" in shown_run, shown_run
-    status_text = text(survivor.call("gate_status", {"approval_id": asked["id"]}))
-    assert "SETTLED" in status_text and "it succeeded" in status_text, status_text
-    assert d.payments() == 1
-    assert d.query("SELECT outcome FROM proxy_calls WHERE run_id=?", (run_id,)) == [(2,)]
-    ended = d.show(run_id)["run"]["finished_at"]
-    time.sleep(max(0.0, parse_time(ended) + 8.5 - time.time()))
-    r = survivor.call("bank_pay", args)                        # past the window: a new one
-    assert text(r) == "paid 25.00 to rob", text(r)
-    assert d.payments() == 2
-    stalled.stop()
-    survivor.stop()
+        # Every view: nothing waits; show, the status tool and the identical call say what
+        # came of it.
+        code, listed, _ = d.operator("pending")
+        assert "no approval waits" in listed, listed
+        code, shown_run, _ = d.operator("show", run_id)
+        assert "APPROVAL SETTLED" in shown_run and "LATE OUTCOME" in shown_run, shown_run
+        status_text = text(survivor.call("gate_status", {"approval_id": asked["id"]}))
+        assert "SETTLED" in status_text and "it succeeded" in status_text, status_text
+        assert d.payments() == 1
+        assert d.query("SELECT outcome FROM proxy_calls WHERE run_id=?", (run_id,)) == [(2,)]
+        ended = d.show(run_id)["run"]["finished_at"]
+        time.sleep(max(0.0, parse_time(ended) + 8.5 - time.time()))
+        r = survivor.call("bank_pay", args)                        # past the window: a new one
+        assert text(r) == "paid 25.00 to rob", text(r)
+        assert d.payments() == 2
+        stalled.stop()
+        survivor.stop()
+    finally:                      # what the test started, ended by its pid
+        if hook is not None:
+            hook.stop()
+        if inbox is not None and inbox.poll() is None:
+            os.kill(inbox.pid, signal.SIGKILL)
+            inbox.wait(10)
 
 
 # ---- the adversarial review of the change --------------------------------------------------

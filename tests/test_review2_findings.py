@@ -100,15 +100,17 @@ def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_pa
 
 # ==== 2. an answer that arrived in time is not a timeout ======================================
 
+# The answer is encoded once, before any request, so that the server answers at once on
+# any machine: what the test times is the proxy's reading, never the server's encoding.
 BIG_ANSWER_SERVER = r"""
 import json, sys
 BLOCKS = int(sys.argv[1])
-result = {"content": [{"type": "text", "text": "x"}] * BLOCKS}
+result = json.dumps({"content": [{"type": "text", "text": "x"}] * BLOCKS}).encode()
 for line in sys.stdin.buffer:
     msg = json.loads(line)
     if "id" in msg and "method" in msg:
-        out = json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result})
-        sys.stdout.buffer.write(out.encode() + b"\n")
+        head = b'{"jsonrpc":"2.0","id":' + json.dumps(msg["id"]).encode() + b',"result":'
+        sys.stdout.buffer.write(head + result + b"}\n")
         sys.stdout.buffer.flush()
 """
 BLOCKS = 200_000          # about 6 MB; its parse takes well over REPLY_TIMEOUT

@@ -102,6 +102,7 @@ def test_events_json_prints_arguments_nested_to_the_bound(erase_harness, depth):
 # the gate's check, the decision record), at a few microseconds a value each, before it can
 # answer anything else. The faulty code takes 4 to 9 s here; the bound leaves room for a
 # loaded machine.
+PASSES_BOUND = 1.8          # strict parses of an answer that reading and mapping it may cost
 LOOP_BOUND = 3.0           # seconds; the faulty code takes 5 to 9 s (a loaded 2-core machine: about 2)
 
 
@@ -133,12 +134,19 @@ def test_a_large_server_answer_is_read_in_bounded_time():
     assert len(line) < ap.MAX_FRAME
     spec = ap.ToolSpec("bank_pay", "pays", b'{"type":"object"}', "remote_mutation", 5.0, True)
     tool = ap.UpstreamTool(spec, "bank", "pay", ap.Rule(side_effect="remote_mutation"), None)
+    # Judged against one strict parse of the same line on this machine: the fixed code
+    # reads the answer in one pass and maps it in a small fraction of another; the faulty
+    # code parsed it, or its structured content, three times or more.
+    start = time.perf_counter()
+    ap.parse_json(line, strict=False)
+    one_pass = time.perf_counter() - start
     start = time.perf_counter()
     msg = ap.parse_message(line, ap.UPSTREAM_DEPTH)
     obs = ap._observe("bank_pay", 5.0, ap.map_result(tool, msg))
     took = time.perf_counter() - start
     assert obs[0]["kind"] == ap.TOOL_RESULT
-    assert took < LOOP_BOUND, f"reading one answer kept the loop busy for {took:.1f} s"
+    assert took < PASSES_BOUND * one_pass, \
+        f"reading one answer took {took:.1f} s, {took / one_pass:.1f} parses of it"
 
 
 # ---- 4. closing stubborn servers one after another ------------------------------------------

@@ -1,5 +1,5 @@
-"""Crash torture: two proxy processes on one session and one database, killed at random
-points many times, with the books checked after every trial.
+"""Crash torture: two proxy processes on one session and one database, killed and stalled
+at random points many times, with the books checked after every trial.
 
 Each trial starts two real proxies (`python agentrt_proxy.py -config proxy.json`) over
 pipes. Behind each, the fake payment server, twice: `bank`, whose pay the operator's rule
@@ -8,69 +8,120 @@ allows, and `vault`, whose pay waits for an approval; both write one ledger. The
 - a host per proxy sends a random mix of calls: new payments (plain, `slow`, `block`,
   `error`), identical retries (often of a request that waits or was cut off, sometimes two
   at once, sometimes through the other proxy), changed arguments, reads and the status tool;
-- a releaser lets `block` payments inside the server answer now and then; the others time
-  out (an unknown outcome);
-- an operator approves, rejects and cancels what waits, with the real command line,
-  interruption approvals included, and is itself killed mid-decision now and then;
+- a releaser lets `block` payments inside the server answer now and then; a `vault` one not
+  released within 3 s times out (an unknown outcome); `bank`'s pay waits longer than a stall;
+- an operator decides what waits with the real command line, and is itself killed
+  mid-decision now and then: it approves, rejects or cancels an ordinary approval, and
+  approves every interruption approval it finds, after a random wait, through one of three
+  channels at random: `approve`, the inbox (`inbox -once -tty-not-required`, answering on a
+  pipe) or the webhook (one process per trial on a free loopback port, a signed GET then a
+  signed POST). What each channel answered (exit code, HTTP status) is in the timeline; a
+  refusal (the attempt's outcome is known by now, it was decided elsewhere) is an answer;
 - a killer sends SIGKILL to a random proxy at a random moment, often while a payment of its
-  host is inside the server, and starts it again.
+  host is inside the server, and starts it again;
+- a staller sends SIGSTOP to a proxy while a `slow` or `block` payment of its host is inside
+  the server (the server writes its ledger line before it answers), keeps it stopped past
+  its lease, has the other proxy's host make the identical call once the lease ran out (it
+  takes the run over and an interruption approval is asked), and sends SIGCONT: the stopped
+  proxy then gets the server's answer and records it as a late outcome of that attempt.
 
 Then everything is stopped, and the books are read from the ledger and, read-only, from the
 database (`check_books`): every payment is matched by an executed attempt, no request is
 paid twice without an approved re-run of an unknown outcome (or a known outcome more than
-the window earlier), every run is finished, waiting on an approval, or resolvable by the
-next identical call (which a fresh proxy then makes, and the books are read again), no
-tool is BLOCKED with nothing to act on, no approval is lost or changed, and `verify` finds
-the chain intact.
+the window earlier), no re-run starts after a known outcome of the attempt it re-runs was
+recorded (`check_reruns`: approving an interruption whose late outcome is in must not pay
+again), every run is finished, waiting on an approval, or resolvable by the next identical
+call (which a fresh proxy then makes, and the books are read again), no tool is BLOCKED with
+nothing to act on, no approval is lost or changed, and `verify` finds the chain intact.
 
-    python3 -m pytest -q tests/test_torture.py                  # CI: at least 100 kills
-    TORTURE_KILLS=1000 python3 -m pytest -q -s tests/test_torture.py       # long mode
+    python3 -m pytest -q tests/test_torture.py        # CI: at least 100 kills and 20 stalls
+    TORTURE_STALLS=300 TORTURE_KILLS=1000 python3 -m pytest -q -s tests/test_torture.py  # long
     TORTURE_SEED=1234 python3 -m pytest -q -s tests/test_torture.py        # replay a seed
 
-The seed and the kill schedule are printed; a failing trial prints its timeline: the host
-calls, kills and operator decisions, the ledger, the runs, the events and each proxy's
-stderr. Processes are real, so a replay follows the same schedule and choices, not the same
-interleaving to the millisecond. Every process is ended by the pid it was started under.
+TORTURE_KILLS and TORTURE_STALLS (defaults 100 and 20) are the least numbers of kills and
+stalls; they are shared evenly over trials of at most 20 kills and 6 stalls. The seed and
+each trial's kill schedule are printed, then one line: kills, stalls (taken over, late
+outcomes recorded, known), payments, double executions, re-runs of a recorded outcome, and
+how the interruption approvals went on each channel. A failing trial prints its timeline:
+the host calls, kills, stalls and operator decisions, the ledger, the runs, the events and
+each process's stderr. Processes are real, so a replay follows the same schedule and
+choices, not the same interleaving to the millisecond. Every process is ended by the pid it
+was started under.
 """
 
+from __future__ import annotations
+
 import dataclasses
+import hashlib
+import hmac
+import http.client
 import json
 import math
 import os
+import queue
 import random
 import re
+import secrets
+import select
 import signal
 import sqlite3
 import subprocess
 import threading
 import time
+import traceback
 
-from process_helpers import (FAKE_SERVER, PROXY, PYTHON, ProcessDir, parse_time, prefix,
-                             text)
+from process_helpers import (FAKE_SERVER, PROXY, PYTHON, ProcessDir, eventually, parse_time,
+                             prefix, text)
 
 KILLS = int(os.environ.get("TORTURE_KILLS", "100"))
+STALLS = int(os.environ.get("TORTURE_STALLS", "20"))
 SEED = int(os.environ.get("TORTURE_SEED", str(int(time.time() * 1000) % 1_000_000)))
 KILLS_PER_TRIAL = 20
+STALLS_PER_TRIAL = 6             # at most; stalls overlap the kills, so a trial hardly grows
 LEASE = "3s"
+LEASE_SECONDS = 3.0
 WINDOW = "10m"
 WINDOW_SECONDS = 600.0
-PAY_TIMEOUT = "3s"               # a `block` payment not released within it: unknown outcome
+PAY_TIMEOUT = "3s"               # vault: a `block` payment not released within it: unknown
+BANK_PAY_TIMEOUT = "10s"         # bank: outlasts a stall, so the stopped proxy finds the
+                                 # server's answer waiting when it goes on (not a timeout)
 MAX_PENDING = 5
 ANSWER_WAIT = 25.0               # a live proxy that answers no call in this long is a finding
 STOP_WAIT = 30.0
 THINK = (0.0, 0.04)              # a host's pause between two calls
 KILL_GAP = (0.15, 0.7)           # seconds between two kills
+KILL_TRIES = 4                   # a kill finds its proxy stalled: the other one, or again
 IN_PAYMENT_WAIT = 3.0            # how long the killer waits for a payment inside the server
+STALL_GAP = (0.2, 1.5)           # seconds between two stalls
+STALL_PAYMENT_WAIT = 5.0         # how long the staller waits for a payment inside the server
+STALL_HOLD = (3.6, 4.6)          # seconds a proxy stays stopped: past its lease (LEASE)
+STALL_MAX = 7.0                  # at most, while the other host has not yet taken it over
+STALL_CALL_AFTER = 0.2           # the identical call: this long after the lease ran out
+STALL_RETRY = 0.25               # before the identical call again, when it took nothing over
+STALL_RETRY_ON = {"IN_PROGRESS", "BLOCKED", "lost", "error"}   # answers that take nothing over
+STALL_TRIES = 8                  # attempts per stall owed (one finding no payment inside: none)
+STALL_JOIN = 900.0               # the staller's attempts are bounded; this bounds the wait
+LOCK_PROBE = 0.3                 # a stopped proxy holding the write lock this long: let go
 OPERATOR_GAP = (0.1, 0.6)
 OPERATOR_KILL_AFTER = (0.0, 0.35)
+INTERRUPTION_WAIT = (0.0, 2.5)   # how long an interruption approval waits for the operator:
+                                 # a stall's late outcome lands about 1 s after it is asked;
+                                 # longer, and its tool stays BLOCKED for all that time
+CHANNELS = ("cli", "inbox", "webhook")
+INBOX_WAIT = 30.0
+WEBHOOK_START = 30.0
+HTTP_WAIT = 20.0
 RELEASE_GAP = (0.4, 2.5)
 RELEASE_HOLD = 0.15
 APPROVAL_ID = re.compile(r"\(approval ([0-9a-f]{32})\)")
 STDERR_APPROVAL = re.compile(r"agentrt-proxy: approval ([0-9a-f]{32}) \(")
+INBOX_PROMPT = re.compile(r"approval ([0-9a-f]{32}): a approve, r reject, s skip, q quit: ")
+LISTENING = re.compile(r"agentrt-proxy: webhook listening on http://127\.0\.0\.1:(\d+)")
 OPEN_PREFIXES = {"PENDING_APPROVAL", "INTERRUPTED", "UNKNOWN_OUTCOME", "IN_PROGRESS", "lost"}
 SERVER_ERROR = "card declined"     # the one error the fake server answers (mode error)
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 PAY_TOOLS = ("bank_pay", "vault_pay")
+INTERRUPTED = "interrupted_side_effect"
 
 
 # -- the directory: two server entries, one ledger -------------------------------------------
@@ -84,8 +135,8 @@ class TortureDir(ProcessDir):
         super().__init__(tmp, **kw)
 
     def write_config(self, rules, **top) -> None:
-        def server(name: str, outcome: str | None) -> dict:
-            pay = {"side_effect": "remote_mutation", "timeout": PAY_TIMEOUT}
+        def server(name: str, outcome: str | None, timeout: str) -> dict:
+            pay = {"side_effect": "remote_mutation", "timeout": timeout}
             if outcome:
                 pay["outcome"] = outcome
             return {"name": name, "command": [PYTHON, FAKE_SERVER],
@@ -95,7 +146,8 @@ class TortureDir(ProcessDir):
                               "pay": pay}}
         doc = {"database": "runs.db", "session": "torture", "hold": "0s",
                "lease_ttl": LEASE, "repeat_window": WINDOW, "max_pending": MAX_PENDING,
-               "servers": [server("bank", "allow"), server("vault", None)]}
+               "servers": [server("bank", "allow", BANK_PAY_TIMEOUT),
+                           server("vault", None, PAY_TIMEOUT)]}
         with open(self.config, "w") as f:
             json.dump(doc, f, indent=2)
         os.chmod(self.config, 0o600)
@@ -121,6 +173,7 @@ def ledger_keys(path: str) -> list[str]:
 class Books:
     payments: int = 0
     double: int = 0
+    rerun_of_recorded: int = 0
     lost: int = 0
     unresolvable: int = 0
     to_resolve: list = dataclasses.field(default_factory=list)   # (run id, tool, args)
@@ -144,16 +197,35 @@ def read_db(db: str) -> dict:
         conn.close()
 
 
+def known_outcome(doc: dict) -> bool:
+    """A step.tool_finished payload recording what the server answered: a result (it has a
+    summary) or the server's own error. A timeout or a lost server is no known outcome."""
+    return "summary" in doc or SERVER_ERROR in json.dumps(doc.get("error")) + \
+        json.dumps(doc.get("observation"))
+
+
+def write_lock_free(db: str) -> bool:
+    """Whether the database's write lock can be taken within LOCK_PROBE seconds. Taken and
+    given back at once, writing nothing."""
+    conn = sqlite3.connect(f"file:{db}?mode=rw", uri=True, timeout=LOCK_PROBE,
+                           isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        conn.close()
+
+
 def attempts_by_key(events) -> dict:
     """Each request's executed attempts (step.tool_started), oldest first, as
     [start time, step id, whether the server's answer was recorded, when]."""
     answered: dict[str, float] = {}
     for seq, run_id, step_id, at, typ, payload in events:
-        if typ == "step.tool_finished":
-            doc = json.loads(payload)
-            if "summary" in doc or SERVER_ERROR in json.dumps(doc.get("error")) + \
-                    json.dumps(doc.get("observation")):
-                answered.setdefault(step_id, parse_time(at))
+        if typ == "step.tool_finished" and known_outcome(json.loads(payload)):
+            answered.setdefault(step_id, parse_time(at))
     found: dict[str, list] = {}
     for seq, run_id, step_id, at, typ, payload in events:
         if typ == "step.tool_started":
@@ -165,10 +237,12 @@ def attempts_by_key(events) -> dict:
 
 
 def approved_reruns(approvals) -> dict:
-    """When an operator approved a re-run of an unknown outcome, by request."""
+    """When an operator approved a re-run of an unknown outcome, by request. An approval
+    `settled` grants nothing, whoever approved it first: the attempt's late outcome answered
+    it, and nothing may run again under it."""
     found: dict[str, list] = {}
     for aid, run_id, kind, status, _hash, cap, request, decided in approvals:
-        if kind == "interrupted_side_effect" and status == "approved":
+        if kind == INTERRUPTED and status == "approved":
             found.setdefault(canon(json.loads(request)["args"]), []).append(parse_time(decided))
     return {k: sorted(v) for k, v in found.items()}
 
@@ -213,6 +287,85 @@ def check_payments(books: Books, ledger: list[str], attempts: dict, reruns: dict
             books.problems.append(f"{key} paid {paid[key]} times, {allowed} allowed")
 
 
+def asked_attempts(approvals) -> dict:
+    """The attempt each interruption approval asks about (its capability's `interrupted`:
+    run_id, step_id, started_at), by approval id."""
+    found: dict[str, dict] = {}
+    for aid, run_id, kind, status, _hash, cap, request, decided in approvals:
+        at = (json.loads(cap) or {}).get("interrupted") if kind == INTERRUPTED and cap else None
+        if isinstance(at, dict):
+            found[aid] = at
+    return found
+
+
+def started_before(events, seq) -> dict:
+    """By (run id, step id): the seq of the latest step.tool_started on that step before
+    seq (its attempt: a step is attempted again only when it is re-run)."""
+    found: dict[tuple, int] = {}
+    for s, run_id, step_id, at, typ, payload in events:
+        if typ == "step.tool_started" and s < seq:
+            found[(run_id, step_id)] = s
+    return found
+
+
+def recorded_outcomes(events) -> dict:
+    """Each step's step.tool_finished events with a known outcome, late or not, by (run id,
+    step id), as (seq, the attempt's start when the payload names it, else None, the seq of
+    the latest step.tool_started on the step before it)."""
+    found: dict[tuple, list] = {}
+    starts: dict[tuple, int] = {}
+    for seq, run_id, step_id, at, typ, payload in events:
+        if typ == "step.tool_started":
+            starts[(run_id, step_id)] = seq
+        elif typ == "step.tool_finished":
+            doc = json.loads(payload)
+            if known_outcome(doc):
+                found.setdefault((run_id, step_id), []).append(
+                    (seq, doc.get("started_at"), starts.get((run_id, step_id))))
+    return found
+
+
+def check_reruns(books: Books, events, approvals) -> None:
+    """No payment of a request whose earlier attempt has a recorded outcome: a re-run (a
+    step.tool_started under an interruption approval) starts only while the outcome of the
+    attempt that approval asks about is unknown. An outcome is that attempt's when it names
+    the attempt's start or, naming none, follows the step's latest start before the approval
+    was asked. One recorded after the re-run began is no finding (the re-run was approved
+    without it), nor one of another attempt of the same step."""
+    asked, recorded = asked_attempts(approvals), recorded_outcomes(events)
+    requested = {json.loads(e[5]).get("approval_id"): e[0] for e in events
+                 if e[4] == "approval.requested"}
+    for seq, run_id, step_id, at, typ, payload in events:
+        if typ != "step.tool_started":
+            continue
+        doc = json.loads(payload)
+        attempt = asked.get(doc.get("approval_id", ""))
+        if attempt is None:
+            continue
+        step = (attempt.get("run_id"), attempt.get("step_id"))
+        named = started_before(events, requested[doc["approval_id"]]).get(step) \
+            if doc["approval_id"] in requested else None
+        earlier = [s for s, started, start in recorded.get(step, []) if s < seq and (
+            started == attempt.get("started_at") if started is not None else
+            named is None or start == named)]
+        if earlier:
+            books.rerun_of_recorded += 1
+            books.problems.append(
+                f"{canon(doc.get('args'))} re-run at seq {seq} (run {run_id}, step {step_id}) "
+                f"under approval {doc['approval_id']}, though the outcome of the attempt it "
+                f"re-runs (run {attempt.get('run_id')}, step {attempt.get('step_id')}, started "
+                f"{attempt.get('started_at')}) was recorded at seq {earlier[0]}")
+
+
+def settled_by_outcome(events, approvals) -> set:
+    """The interruption approvals whose attempt has a known outcome recorded: these may be
+    `settled` though an operator approved them (the outcome answered them before the
+    identical call collected the grant)."""
+    recorded = recorded_outcomes(events)
+    return {aid for aid, at in asked_attempts(approvals).items()
+            if (at.get("run_id"), at.get("step_id")) in recorded}
+
+
 def check_runs(books: Books, runs, approvals, final: bool) -> None:
     """Every run is finished, waiting on a pending approval, approved and waiting to be
     collected, or left running by a proxy that is gone; the last two are resolvable by the
@@ -244,12 +397,18 @@ def check_runs(books: Books, runs, approvals, final: bool) -> None:
                                   f"until {until})")
 
 
-def check_approvals(books: Books, approvals, seen: dict, decided: list, told: set) -> None:
+def check_approvals(books: Books, approvals, seen: dict, decided: list, told: set,
+                    settled_ok: set = frozenset()) -> None:
     """No approval lost or changed: every one the operator saw is still there with the same
-    kind, hash, capability and request; a decided one is never decided otherwise; a decision
-    the command reported done holds; every approval a host or a stderr line was told of
-    exists."""
+    kind, hash, capability and request; a decided one is never decided otherwise (an
+    approved interruption in settled_ok may become settled); a decision its channel reported
+    done (exit 0, the inbox's `approved by`, HTTP 200 or 202) holds; every approval a host or
+    a stderr line was told of exists."""
     now = {a[0]: a for a in approvals}
+
+    def holds(aid: str, was: str, status) -> bool:
+        return status == was or (was, status, aid in settled_ok) == ("approved", "settled", True)
+
     for aid, first in seen.items():
         cur = now.get(aid)
         if cur is None:
@@ -260,15 +419,17 @@ def check_approvals(books: Books, approvals, seen: dict, decided: list, told: se
                                                         first[5], first[6]):
             books.lost += 1
             books.problems.append(f"approval {aid} changed: was {first[:7]}, is {cur[:7]}")
-        if first[3] != "pending" and cur[3] != first[3]:
+        if first[3] != "pending" and not holds(aid, first[3], cur[3]):
             books.lost += 1
             books.problems.append(f"approval {aid} was {first[3]}, is {cur[3]}")
     want = {"approve": "approved", "reject": "rejected", "cancel": "cancelled"}
     for d in decided:
-        if d["rc"] == 0 and now.get(d["approval"], (None,) * 4)[3] != want[d["action"]]:
+        status = now.get(d["approval"], (None,) * 4)[3]
+        if d["done"] and not holds(d["approval"], want[d["action"]], status):
             books.lost += 1
-            books.problems.append(f"{d['action']} of approval {d['approval']} exited 0, the "
-                                  f"approval is {now.get(d['approval'], (None,) * 4)[3]}")
+            books.problems.append(f"{d['action']} of approval {d['approval']} through "
+                                  f"{d.get('channel', 'cli')} was done ({d['rc']}), the "
+                                  f"approval is {status}")
     for aid in sorted(told - set(now)):
         books.lost += 1
         books.problems.append(f"approval {aid} named to a host or on stderr does not exist")
@@ -281,8 +442,10 @@ def check_books(db: str, ledger_path: str, seen=None, decided=(), told=(),
     rows = read_db(db)
     check_payments(books, ledger_keys(ledger_path), attempts_by_key(rows["events"]),
                    approved_reruns(rows["approvals"]))
+    check_reruns(books, rows["events"], rows["approvals"])
     check_runs(books, rows["runs"], rows["approvals"], final)
-    check_approvals(books, rows["approvals"], seen or {}, list(decided), set(told))
+    check_approvals(books, rows["approvals"], seen or {}, list(decided), set(told),
+                    settled_by_outcome(rows["events"], rows["approvals"]))
     code, out, err = run_cli("-db", db, "-json", "verify")
     try:
         intact = code == 0 and json.loads(out)["intact"] is True
@@ -315,15 +478,19 @@ class Timeline:
 
 
 class Slot:
-    """One of the two proxies, started again after each kill."""
+    """One of the two proxies, started again after each kill, stopped and let go on by the
+    staller (never killed while it is stopped)."""
 
     def __init__(self, d: TortureDir, index: int, log: Timeline):
         self.d, self.index, self.log = d, index, log
         self.lock = threading.Lock()
         self.ready = threading.Event()
         self.proc = None
+        self.paused = None       # the process the staller stopped, until it goes on
         self.killed: set[int] = set()
-        self.inflight = None     # (args, payments of them before) of a slow payment awaited
+        # Of a slow or block payment its host awaits: (args, payments of them before, tool,
+        # arguments, pid of the proxy it was sent to).
+        self.inflight = None
         self.start()
 
     def start(self) -> None:
@@ -336,7 +503,7 @@ class Slot:
     def kill(self) -> bool:
         with self.lock:
             p = self.proc
-            if p is None or not self.ready.is_set():
+            if p is None or not self.ready.is_set() or self.paused is not None:
                 return False
             self.ready.clear()
             self.killed.add(p.pid)
@@ -344,17 +511,65 @@ class Slot:
             p.crash()
         except ProcessLookupError:
             pass
-        self.log.add(f"slot{self.index}: SIGKILL pid {p.pid} (in flight: {self.inflight})")
+        inflight = self.inflight
+        self.log.add(f"slot{self.index}: SIGKILL pid {p.pid} (in flight: "
+                     f"{inflight[:2] if inflight else None})")
         return True
+
+    def pause(self, pid: int):
+        """SIGSTOP of the proxy, if it is still the one with pid and running; it, or None."""
+        with self.lock:
+            p = self.proc
+            if p is None or p.pid != pid or not self.ready.is_set() or \
+                    p.proc.poll() is not None:
+                return None
+            os.kill(p.pid, signal.SIGSTOP)
+            self.paused = p
+        self.log.add(f"slot{self.index}: SIGSTOP pid {p.pid}")
+        return p
+
+    def resume(self) -> None:
+        with self.lock:
+            p, self.paused = self.paused, None
+        if p is not None:
+            os.kill(p.pid, signal.SIGCONT)
+            self.log.add(f"slot{self.index}: SIGCONT pid {p.pid}")
+
+
+class Order:
+    """A call the staller needs a host to make: not before `at`, not after `until`
+    (monotonic); `said` is the answer's prefix once `done` is set."""
+
+    def __init__(self, tool: str, args: dict, at: float, until: float):
+        self.tool, self.args, self.at, self.until = tool, args, at, until
+        self.done = threading.Event()
+        self.said = ""
 
 
 class Host(threading.Thread):
-    """A raw JSON-RPC host on one slot: a random mix of calls, answers recorded."""
+    """A raw JSON-RPC host on one slot: a random mix of calls, answers recorded, and the
+    staller's orders first."""
 
     def __init__(self, trial: "Trial", slot: Slot, rng: random.Random):
         super().__init__(daemon=True)
         self.trial, self.slot, self.rng = trial, slot, rng
         self.n = 0
+        self.orders: queue.Queue = queue.Queue()
+
+    def order(self, tool: str, args: dict, at: float, until: float) -> Order:
+        o = Order(tool, args, at, until)
+        self.orders.put(o)
+        return o
+
+    def follow(self, o: Order) -> None:
+        """Make the ordered call at its time, unless that time is past (the staller gave up)."""
+        try:
+            if not self.trial.stop.wait(max(0.0, o.at - time.monotonic())) and \
+                    self.slot.ready.wait(max(0.0, o.until - time.monotonic())) and \
+                    time.monotonic() < o.until:
+                o.said = self.call(o.tool, o.args, False)[-1]
+        finally:
+            o.done.set()
 
     def new_request(self, server: str) -> dict:
         self.n += 1
@@ -390,6 +605,11 @@ class Host(threading.Thread):
 
     def run(self) -> None:
         while not self.trial.stop.wait(self.rng.uniform(*THINK)):
+            try:
+                self.follow(self.orders.get_nowait())
+                continue
+            except queue.Empty:
+                pass
             tool, args = self.choose()
             twice = tool in PAY_TOOLS and self.rng.random() < 0.15
             if not self.slot.ready.wait(60):
@@ -397,11 +617,13 @@ class Host(threading.Thread):
                 return
             self.call(tool, args, twice)
 
-    def call(self, tool: str, args: dict, twice: bool) -> None:
+    def call(self, tool: str, args: dict, twice: bool) -> list[str]:
+        """The call (twice at once when asked); each answer's prefix."""
         with self.slot.lock:
             p = self.slot.proc
         key = canon(args)
-        self.slot.inflight = (key, ledger_keys(self.trial.d.ledger).count(key)) \
+        self.slot.inflight = (key, ledger_keys(self.trial.d.ledger).count(key), tool, args,
+                              p.pid) \
             if tool in PAY_TOOLS and args.get("mode") in ("slow", "block") else None
         try:
             idents = [p.send_call(tool, args)]
@@ -409,12 +631,12 @@ class Host(threading.Thread):
                 idents.append(p.send_call(tool, args))
         except OSError:                            # its proxy was just killed
             self.record(p, tool, args, "lost", "")
-            return
-        for ident in idents:
-            self.await_answer(p, ident, tool, args)
+            return ["lost"]
+        said = [self.await_answer(p, ident, tool, args) for ident in idents]
         self.slot.inflight = None
+        return said
 
-    def await_answer(self, p, ident: int, tool: str, args: dict) -> None:
+    def await_answer(self, p, ident: int, tool: str, args: dict) -> str:
         try:
             msg = p.answer(ident, ANSWER_WAIT)
         except AssertionError as e:
@@ -425,13 +647,14 @@ class Host(threading.Thread):
                 else:
                     self.trial.fail(f"pid {p.pid} exited {p.proc.poll()} by itself: {e}")
             self.record(p, tool, args, "lost", "")
-            return
+            return "lost"
         if "error" in msg:
             self.trial.fail(f"protocol error from pid {p.pid} for {tool} {args}: {msg}")
             self.record(p, tool, args, "error", json.dumps(msg["error"]))
-            return
+            return "error"
         said = text(msg["result"])
         self.record(p, tool, args, prefix(msg["result"]), said)
+        return prefix(msg["result"])
 
     def record(self, p, tool: str, args: dict, pfx: str, said: str) -> None:
         self.trial.calls += 1
@@ -466,8 +689,75 @@ class Pool:
             return rng.choice(open_ if open_ and rng.random() < 0.7 else self.requests)
 
 
+class Webhook:
+    """`agentrt_proxy.py -db DB webhook` on a free loopback port (port 0: the one it says it
+    bound), and a client signing each request by the README's recipe."""
+
+    def __init__(self, d: TortureDir):
+        self.secret = secrets.token_hex(32).encode()
+        path = os.path.join(d.tmp, "webhook.secret")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.secret + b"\n")
+        self.proc = subprocess.Popen(
+            [PYTHON, PROXY, "-db", d.db, "webhook", "-listen", "127.0.0.1:0", "-secret-file",
+             path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.pid = self.proc.pid
+        self.lines: list[str] = []
+        self.port = None
+        self.listening = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.listening.wait(WEBHOOK_START):
+            self.stop()
+            raise AssertionError(f"the webhook did not listen within {WEBHOOK_START} s: "
+                                 f"{self.lines}")
+
+    def _read(self) -> None:
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.lines.append(line)
+            match = LISTENING.search(line)
+            if match and self.port is None:
+                self.port = int(match.group(1))
+                self.listening.set()
+
+    def call(self, method: str, path: str, doc=None) -> tuple[int, dict]:
+        """(HTTP status, the JSON answer); (0, {"error": ...}) when no answer came."""
+        body = b"" if doc is None else json.dumps(doc).encode()
+        ts, nonce = str(int(time.time())), secrets.token_hex(16)
+        mac = hmac.new(self.secret, f"{ts}\n{nonce}\n{method}\n{path}\n".encode() + body,
+                       hashlib.sha256)
+        headers = {"X-Approval-Timestamp": ts, "X-Approval-Nonce": nonce,
+                   "X-Approval-Signature": "v1=" + mac.hexdigest(),
+                   "Content-Type": "application/json"}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=HTTP_WAIT)
+        try:
+            conn.request(method, path, body=body if doc is not None else None, headers=headers)
+            resp = conn.getresponse()
+            status, data = resp.status, resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            return 0, {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            conn.close()
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, {"error": data[:200].decode("utf-8", "replace")}
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL, of this pid only."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.proc.poll() is not None:
+                break
+            os.kill(self.pid, sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+
+
 class Trial:
-    def __init__(self, tmp, number: int, seed: int, kills: int):
+    def __init__(self, tmp, number: int, seed: int, kills: int, stalls: int):
         self.number, self.seed = number, seed
         self.rng = random.Random(seed)
         self.d = TortureDir(tmp)
@@ -478,10 +768,17 @@ class Trial:
         self.kills = 0
         self.kills_in_payment = 0
         self.operator_kills = 0
+        self.stall_target = stalls
+        self.stalls = 0
+        self.stalled: list[tuple] = []     # per stall: (request, attempt taken over or None)
+        self.stalls_late = 0
+        self.stalls_known = 0
         self.told: set[str] = set()
         self.seen: dict[str, tuple] = {}
         self.decided: list[dict] = []
+        self.due: dict[str, float] = {}    # when the operator approves an interruption
         self.failures: list[str] = []
+        self.hook = None
         self.schedule = [(round(self.rng.uniform(*KILL_GAP), 3), self.rng.randrange(2),
                           "in_payment" if self.rng.random() < 0.6 else "any")
                          for _ in range(kills)]
@@ -490,29 +787,144 @@ class Trial:
         self.log.add(f"FAILURE {why}")
         self.failures.append(why)
 
-    # -- the killer, the operator, the releaser --
+    def guarded(self, actor, *args) -> None:
+        """Run an actor's loop; one that dies of an exception is a failure, not a quieter
+        trial."""
+        try:
+            actor(*args)
+        except Exception:
+            self.fail(f"{actor.__name__} died: {traceback.format_exc()}")
+
+    # -- the killer, the staller, the operator, the releaser --
+
+    def payment_inside(self, slot: Slot, wait: float):
+        """The slow or block payment slot's host awaits, once the server has it (its ledger
+        line is written before it answers), within wait seconds; None if none."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not self.stop.is_set():
+            inflight = slot.inflight
+            if inflight and ledger_keys(self.d.ledger).count(inflight[0]) > inflight[1]:
+                return inflight
+            time.sleep(0.02)
+        return None
 
     def killer(self, slots: list[Slot]) -> None:
         for gap, index, trigger in self.schedule:
             if self.stop.wait(gap):
                 return
-            slot = slots[index]
-            if not slot.ready.wait(60):
-                self.fail(f"slot{index} was not started again within 60 s")
+            for _ in range(KILL_TRIES):         # a stalled proxy is not killed: the other is
+                slot = slots[index] if slots[index].paused is None else slots[1 - index]
+                if not slot.ready.wait(60):
+                    self.fail(f"slot{slot.index} was not started again within 60 s")
+                    return
+                inside = trigger == "in_payment" and \
+                    self.payment_inside(slot, IN_PAYMENT_WAIT) is not None
+                if slot.kill():
+                    self.kills += 1
+                    self.kills_in_payment += inside
+                    threading.Thread(target=self.restart, args=(slot,), daemon=True).start()
+                    break
+
+    def staller(self, slots: list[Slot], hosts: list[Host]) -> None:
+        rng = random.Random(self.seed * 7 + 5)
+        for _ in range(self.stall_target * STALL_TRIES):
+            if self.stalls >= self.stall_target or self.stop.wait(rng.uniform(*STALL_GAP)):
                 return
-            inside = False
-            if trigger == "in_payment":
-                deadline = time.monotonic() + IN_PAYMENT_WAIT
-                while time.monotonic() < deadline and not self.stop.is_set():
-                    inflight = slot.inflight
-                    if inflight and ledger_keys(self.d.ledger).count(inflight[0]) > inflight[1]:
-                        inside = True
-                        break
-                    time.sleep(0.02)
-            if slot.kill():
-                self.kills += 1
-                self.kills_in_payment += inside
-                threading.Thread(target=self.restart, args=(slot,), daemon=True).start()
+            found = self.either_payment_inside(rng, slots, STALL_PAYMENT_WAIT)
+            if found is not None:
+                self.stall(rng, slots[found[0]], hosts[1 - found[0]], found[1])
+
+    def either_payment_inside(self, rng: random.Random, slots: list[Slot], wait: float):
+        """(slot index, in flight) of the first slow or block payment found inside the
+        server, of either host, within wait seconds; None if none."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not self.stop.is_set():
+            paid = ledger_keys(self.d.ledger)
+            inside = [(s.index, s.inflight) for s in slots if s.inflight and
+                      s.ready.is_set() and paid.count(s.inflight[0]) > s.inflight[1]]
+            if inside:
+                return rng.choice(inside)
+            time.sleep(0.02)
+        return None
+
+    def stall(self, rng: random.Random, slot: Slot, other: Host, inflight: tuple) -> None:
+        """Stop slot's proxy while a payment of its host is inside the server, past its
+        lease; the other host makes the identical call once the lease ran out, until it takes
+        the run over (or STALL_MAX); then let the stopped proxy go on."""
+        key, _, tool, args, pid = inflight
+        try:
+            asked_before = set(self.interruptions_of(key))
+        except sqlite3.Error as e:
+            self.log.add(f"stall: database busy: {e}")
+            return
+        p = slot.pause(pid)
+        if p is None:
+            return
+        began, hold, attempt = time.monotonic(), rng.uniform(*STALL_HOLD), None
+        try:
+            if not write_lock_free(self.d.db):
+                # Stopped inside a transaction: every other process would wait on its lock
+                # (SQLite's, not the proxy's, to answer for); not a stall worth having.
+                self.log.add(f"stall: slot{slot.index} pid {p.pid} was stopped holding the "
+                             "database's write lock; let go at once")
+                return
+            attempt = self.take_over(other, tool, args, key, asked_before, began)
+            time.sleep(max(0.0, began + hold - time.monotonic()))
+            self.stalls += 1
+            self.stalled.append((key, attempt))
+        finally:
+            slot.resume()
+        self.log.add(f"stall: slot{slot.index} pid {p.pid} stopped "
+                     f"{time.monotonic() - began:.2f} s with {key} inside the server; "
+                     + (f"taken over, attempt {canon(attempt)}" if attempt else
+                        "not taken over"))
+
+    def take_over(self, other: Host, tool: str, args: dict, key: str, asked_before: set,
+                  began: float):
+        """The other host's identical call once the lease ran out, again while its answer
+        took nothing over; the attempt the new interruption approval asks about, or None."""
+        at, until = began + LEASE_SECONDS + STALL_CALL_AFTER, began + STALL_MAX
+        while time.monotonic() < until:
+            o = other.order(tool, args, at, until)
+            o.done.wait(max(0.0, until - time.monotonic()) + 1.0)
+            try:
+                attempt = self.asked_about(key, asked_before)
+            except sqlite3.Error:
+                attempt = None
+            if attempt is not None:
+                return attempt
+            if o.said not in STALL_RETRY_ON:   # e.g. DUPLICATE: it finished before the stop
+                return None
+            at = time.monotonic() + STALL_RETRY
+        return None
+
+    def interruptions_of(self, key: str) -> dict:
+        """The interruption approvals of this request, by id: the attempt each asks about."""
+        approvals = read_db(self.d.db)["approvals"]
+        mine = [a for a in approvals if a[2] == INTERRUPTED and
+                canon(json.loads(a[6])["args"]) == key]
+        return asked_attempts(mine)
+
+    def asked_about(self, key: str, asked_before: set):
+        found = [at for aid, at in self.interruptions_of(key).items()
+                 if aid not in asked_before]
+        return found[-1] if found else None
+
+    def late_outcomes(self, events) -> None:
+        """Of the stalls taken over, those whose stopped proxy recorded the server's answer
+        as a late outcome of the attempt, and how many of those outcomes are known."""
+        late: dict[tuple, list] = {}
+        for seq, run_id, step_id, at, typ, payload in events:
+            doc = json.loads(payload) if typ == "step.tool_finished" else {}
+            if doc.get("late") is True:
+                late.setdefault((run_id, step_id), []).append(doc)
+        for key, attempt in self.stalled:
+            if attempt is None:
+                continue
+            docs = [d for d in late.get((attempt.get("run_id"), attempt.get("step_id")), [])
+                    if d.get("started_at") in (None, attempt.get("started_at"))]
+            self.stalls_late += bool(docs)
+            self.stalls_known += any(known_outcome(d) for d in docs)
 
     def restart(self, slot: Slot) -> None:
         try:
@@ -529,6 +941,8 @@ class Trial:
         return approvals
 
     def operator(self) -> None:
+        """An interruption approval, once its random wait is over, is approved through a
+        channel at random; any other is approved, rejected or cancelled."""
         rng = random.Random(self.seed * 7 + 1)
         while not self.stop.wait(rng.uniform(*OPERATOR_GAP)):
             try:
@@ -536,16 +950,29 @@ class Trial:
             except sqlite3.Error as e:
                 self.log.add(f"operator: database busy: {e}")
                 continue
-            if not pending:
-                continue
-            a = rng.choice(pending)
-            interrupted = a[2] == "interrupted_side_effect"
-            action = rng.choices(["approve", "reject", "cancel"],
-                                 [5, 3, 2] if interrupted else [6, 2, 2])[0]
-            self.decide(rng, a[0], a[1], action, kill=rng.random() < 0.2)
+            now = time.monotonic()
+            for a in pending:
+                if a[2] == INTERRUPTED and a[0] not in self.due:
+                    self.due[a[0]] = now + rng.uniform(*INTERRUPTION_WAIT)
+            due = [a for a in pending if a[2] == INTERRUPTED and self.due[a[0]] <= now]
+            others = [a for a in pending if a[2] != INTERRUPTED]
+            if due:
+                a = rng.choice(due)
+                channel = rng.choice(CHANNELS)
+                if channel == "cli":
+                    self.decide(rng, a[0], a[1], "approve", kill=rng.random() < 0.2,
+                                interruption=True)
+                elif channel == "inbox":
+                    self.inbox_approve(a[0], a[1])
+                else:
+                    self.webhook_approve(a[0], a[1])
+            elif others:
+                a = rng.choice(others)
+                action = rng.choices(["approve", "reject", "cancel"], [6, 2, 2])[0]
+                self.decide(rng, a[0], a[1], action, kill=rng.random() < 0.2)
 
     def decide(self, rng: random.Random, aid: str, run_id: str, action: str,
-               kill: bool) -> None:
+               kill: bool, interruption: bool = False) -> None:
         argv = [PYTHON, PROXY, "-db", self.d.db]
         if action == "cancel":
             argv += ["cancel", run_id, "-by", "operator", "-note", "torture"]
@@ -564,9 +991,72 @@ class Trial:
                 self.operator_kills += 1
         out, err = p.communicate(timeout=60)
         rc = p.returncode if rc is None else rc
-        self.decided.append({"approval": aid, "action": action, "rc": rc})
+        self.decided.append({"approval": aid, "action": action, "rc": rc, "done": rc == 0,
+                             "channel": "cli", "interruption": interruption})
         self.log.add(f"operator: {action} {aid} (run {run_id}) -> exit {rc}"
                      f"{' (killed)' if rc == -signal.SIGKILL else ''} {err.strip()[:160]}")
+
+    def inbox_approve(self, aid: str, run_id: str) -> None:
+        """`inbox -once` on a pipe: `a` when aid is shown, `s` to any shown before it, `q`
+        to the next; done when it says `approval AID: approved by operator`."""
+        p = subprocess.Popen([PYTHON, PROXY, "-db", self.d.db, "inbox", "-once",
+                              "-tty-not-required", "-by", "operator"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, answered, approving = b"", 0, False
+        deadline = time.monotonic() + INBOX_WAIT
+        try:
+            while time.monotonic() < deadline:
+                if select.select([p.stdout], [], [], 0.2)[0]:
+                    chunk = os.read(p.stdout.fileno(), 65536)
+                    if not chunk:
+                        break
+                    out += chunk
+                for shown in INBOX_PROMPT.findall(out.decode("utf-8", "replace"))[answered:]:
+                    answer = "q" if approving else "a" if shown == aid else "s"
+                    approving = approving or answer == "a"
+                    answered += 1
+                    try:
+                        p.stdin.write(answer.encode() + b"\n")
+                        p.stdin.flush()
+                    except OSError:                # it exited meanwhile
+                        pass
+        finally:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+            try:
+                rc = p.wait(max(0.0, deadline - time.monotonic()) + 1.0)
+            except subprocess.TimeoutExpired:
+                os.kill(p.pid, signal.SIGKILL)
+                rc = p.wait(10)
+                self.fail(f"inbox pid {p.pid} did not end within {INBOX_WAIT} s")
+            p.stdout.close()
+        said = out.decode("utf-8", "replace")
+        done = f"approval {aid}: approved by operator" in said
+        after = said.split(f"approval {aid}: a approve, r reject, s skip, q quit: ", 1)
+        self.decided.append({"approval": aid, "action": "approve", "rc": rc, "done": done,
+                             "channel": "inbox", "interruption": True})
+        self.log.add(f"operator: inbox approve {aid} (run {run_id}) -> exit {rc}, "
+                     + (f"shown: {after[1].strip()[:160]!r}" if len(after) > 1 else
+                        f"not shown: {said.strip()[-160:]!r}"))
+
+    def webhook_approve(self, aid: str, run_id: str) -> None:
+        """A signed GET of the approval, then a signed POST approving what it showed; done
+        on 202 (or 200)."""
+        path = f"/runs/{run_id}/approvals/{aid}"
+        got, shown = self.hook.call("GET", path)
+        posted, answer = None, {}
+        if got == 200 and isinstance(shown.get("approval"), dict):
+            posted, answer = self.hook.call("POST", path + "/approve", {
+                "run_id": run_id, "approval_id": aid, "hash": shown["approval"].get("hash"),
+                "by": "operator", "note": "torture"})
+        self.decided.append({"approval": aid, "action": "approve", "rc": posted or got,
+                             "done": posted in (200, 202), "channel": "webhook",
+                             "interruption": True})
+        self.log.add(f"operator: webhook approve {aid} (run {run_id}) -> GET {got} "
+                     f"{shown.get('code', '')} POST {posted} {answer.get('code', '')} "
+                     f"{(answer or shown).get('error', '')[:160]}")
 
     def releaser(self) -> None:
         rng = random.Random(self.seed * 7 + 2)
@@ -581,18 +1071,35 @@ class Trial:
 
     def run(self) -> Books:
         slots = [Slot(self.d, i, self.log) for i in range(2)]
+        self.hook = Webhook(self.d)
+        try:
+            return self.torture(slots)
+        finally:
+            self.stop.set()
+            self.hook.stop()
+
+    def torture(self, slots: list[Slot]) -> Books:
         hosts = [Host(self, s, random.Random(self.seed * 7 + 3 + s.index)) for s in slots]
-        actors = hosts + [threading.Thread(target=f, daemon=True)
-                          for f in (self.operator, self.releaser)]
-        for a in actors:
+        releaser = threading.Thread(target=self.releaser, daemon=True)
+        actors = hosts + [threading.Thread(target=self.guarded, args=(self.operator,),
+                                           daemon=True), releaser]
+        staller = threading.Thread(target=self.guarded, args=(self.staller, slots, hosts),
+                                   daemon=True)
+        for a in actors + [staller]:
             a.start()
         self.killer(slots)
+        staller.join(STALL_JOIN)
+        if staller.is_alive():
+            self.fail(f"the staller did not finish within {STALL_JOIN} s")
         self.stop.set()
+        releaser.join(STOP_WAIT)
+        open(self.d.ledger + ".release", "w").close()   # what still waits inside answers now
         for a in actors:
             a.join(ANSWER_WAIT + STOP_WAIT)
             if a.is_alive():
                 self.fail(f"{a} did not stop")
-        open(self.d.ledger + ".release", "w").close()
+        if self.hook.proc.poll() is not None:
+            self.fail(f"the webhook exited {self.hook.proc.poll()} by itself")
         for s in slots:
             if not s.ready.wait(60):
                 self.fail(f"slot{s.index} was not started again within 60 s")
@@ -606,6 +1113,7 @@ class Trial:
                             self.told | self.stderr_approvals(), final=True)
         final.problems = books.problems + final.problems
         final.unresolvable += books.unresolvable
+        self.late_outcomes(read_db(self.d.db)["events"])
         return final
 
     def stop_proxy(self, p) -> None:
@@ -668,6 +1176,8 @@ class Trial:
                  *(f"{e[0]} {e[1]} {e[3]} {e[4]} {e[5][:200]}" for e in rows["events"])]
         for p in self.d.procs:
             parts += [f"stderr of pid {p.pid}:", p.stderr()]
+        if self.hook is not None:
+            parts += [f"stderr of the webhook, pid {self.hook.pid}:", *self.hook.lines]
         return "\n".join(parts)
 
 
@@ -707,21 +1217,105 @@ def test_books_checker_catches_a_planted_double_payment(tmp_path):
     assert books.lost == 1, books           # an attempt the server answered, not in the ledger
 
 
+def test_books_checker_catches_a_rerun_of_a_recorded_outcome(tmp_path):
+    """check_reruns is not vacuous. Real records of a re-run of an unknown outcome (a proxy
+    killed with its payment inside the server, the run taken over by another, the
+    interruption approved, the identical call paying again) check clean; planted among them,
+    a known outcome of the attempt before the re-run's start is counted, and a plant naming
+    another start, coming after the re-run's start, or recording no known outcome is not.
+    The same records with the approval settled instead of approved are two double payments."""
+    d = TortureDir(tmp_path / "real")
+    args = {"to": "twice", "amount": 5, "mode": "block"}
+    try:
+        a = d.start("a")
+        a.send_call("bank_pay", args)
+        eventually(lambda: d.payments() == 1, 30, "the payment to reach the server")
+        a.crash()
+        b = d.start("b")
+        eventually(lambda: prefix(b.call("bank_pay", args)) == "INTERRUPTED", 3 * LEASE_SECONDS,
+                   "the other proxy to take the run over once the lease ran out", 0.3)
+        (asked,) = d.pending()
+        d.approve(asked["run_id"], asked["id"])
+        d.release()
+        r = b.call("bank_pay", args)
+        assert text(r) == "paid 5.00 to twice", text(r)
+        b.stop()
+    finally:
+        d.cleanup()
+    clean = check_books(d.db, d.ledger)
+    assert clean.problems == [] and clean.payments == 2 and clean.rerun_of_recorded == 0, clean
+
+    rows = read_db(d.db)
+    attempt = asked_attempts(rows["approvals"])[asked["id"]]
+    started = [e for e in rows["events"] if e[4] == "step.tool_started"]
+    assert len(started) == 2, started
+    first, rerun = started
+    assert json.loads(rerun[5]).get("approval_id") == asked["id"], rerun
+    known = {"duration_ms": 1, "known": True, "late": True, "started_at": attempt["started_at"],
+             "observation": {"kind": "tool_result", "content": "paid 5.00 to twice"},
+             "content_hash": "0" * 64, "summary": "bank/pay: 18 bytes", "tool": "bank_pay"}
+
+    def planted(doc: dict, seq: float = rerun[0] - 0.5) -> int:
+        event = (seq, attempt["run_id"], attempt["step_id"], rerun[3], "step.tool_finished",
+                 json.dumps(doc))
+        books = Books()
+        check_reruns(books, sorted(rows["events"] + [event]), rows["approvals"])
+        assert len(books.problems) == books.rerun_of_recorded, books
+        return books.rerun_of_recorded
+
+    assert planted(known) == 1
+    assert planted({k: v for k, v in known.items() if k != "started_at"}) == 1
+    assert planted({"duration_ms": 1, "late": True, "tool": "bank_pay", "observation": {
+        "kind": "tool_error", "content": "card declined for twice"}}) == 1
+    assert planted({"duration_ms": 1, "tool": "bank_pay", "summary": "bank/pay: 18 bytes",
+                    "content_hash": "0" * 64}) == 1                      # not late: the same
+    assert planted(dict(known, started_at="2001-01-01T00:00:00.000000Z")) == 0
+    assert planted(known, rerun[0] + 0.5) == 0                           # after the re-run
+    assert planted({k: v for k, v in known.items() if k != "started_at"},
+                   first[0] - 0.5) == 0                  # before the attempt: not its outcome
+    assert planted({"duration_ms": 1, "known": False, "late": True, "tool": "bank_pay",
+                    "observation": {"kind": "tool_error", "content": {
+                        "error": "no answer within 10s", "failure": "timeout"}}}) == 0
+
+    settled = [x[:3] + ("settled",) + x[4:] if x[0] == asked["id"] else x
+               for x in rows["approvals"]]
+    books = Books()
+    check_payments(books, ledger_keys(d.ledger), attempts_by_key(rows["events"]),
+                   approved_reruns(settled))
+    assert books.double == 2, books
+
+
+def share(total: int, parts: int, n: int) -> int:
+    """Part n of total split as evenly as it goes over parts."""
+    return total // parts + (n < total % parts)
+
+
+def channel_counts(decided: list, totals: dict) -> None:
+    """The interruption approvals each channel was asked for, and how many it did."""
+    for d in decided:
+        if d["action"] == "approve" and d.get("interruption"):
+            asked, done = totals["channels"].get(d["channel"], (0, 0))
+            totals["channels"][d["channel"]] = (asked + 1, done + d["done"])
+
+
 def test_torture_kills_proxies_and_the_books_balance(tmp_path, capsys):
-    trials = math.ceil(KILLS / KILLS_PER_TRIAL)
+    trials = max(1, math.ceil(KILLS / KILLS_PER_TRIAL), math.ceil(STALLS / STALLS_PER_TRIAL))
     rng = random.Random(SEED)
-    totals = {"kills": 0, "kills_in_payment": 0, "operator_kills": 0, "calls": 0,
-              "payments": 0, "double": 0, "lost": 0, "unresolvable": 0, "verify": "intact"}
+    totals = {"kills": 0, "kills_in_payment": 0, "operator_kills": 0, "stalls": 0,
+              "taken_over": 0, "stalls_late": 0, "stalls_known": 0, "calls": 0,
+              "payments": 0, "double": 0, "rerun_of_recorded": 0, "lost": 0,
+              "unresolvable": 0, "verify": "intact", "channels": {}}
     failed: list[str] = []
     began = time.monotonic()
     with capsys.disabled():
-        print(f"\ntorture: seed {SEED} (TORTURE_SEED={SEED} replays it), {KILLS} kills in "
-              f"{trials} trials")
+        print(f"\ntorture: seed {SEED} (TORTURE_SEED={SEED} replays it), {KILLS} kills and "
+              f"{STALLS} stalls in {trials} trials")
     for n in range(trials):
-        kills = min(KILLS_PER_TRIAL, KILLS - n * KILLS_PER_TRIAL)
-        trial = Trial(tmp_path / f"trial{n}", n, rng.randrange(1 << 30), kills)
+        trial = Trial(tmp_path / f"trial{n}", n, rng.randrange(1 << 30),
+                      share(KILLS, trials, n), share(STALLS, trials, n))
         with capsys.disabled():
-            print(f"torture: trial {n} seed {trial.seed} schedule {trial.schedule}")
+            print(f"torture: trial {n} seed {trial.seed} stalls {trial.stall_target} "
+                  f"schedule {trial.schedule}")
         try:
             books = trial.run()
         finally:
@@ -730,18 +1324,29 @@ def test_torture_kills_proxies_and_the_books_balance(tmp_path, capsys):
         totals["kills"] += trial.kills
         totals["operator_kills"] += trial.operator_kills
         totals["kills_in_payment"] += trial.kills_in_payment
+        totals["stalls"] += trial.stalls
+        totals["taken_over"] += sum(1 for _, attempt in trial.stalled if attempt)
+        totals["stalls_late"] += trial.stalls_late
+        totals["stalls_known"] += trial.stalls_known
         totals["calls"] += trial.calls
-        for k in ("payments", "double", "lost", "unresolvable"):
+        for k in ("payments", "double", "rerun_of_recorded", "lost", "unresolvable"):
             totals[k] += getattr(books, k)
+        channel_counts(trial.decided, totals)
         if any(p.startswith("verify:") for p in books.problems):
             totals["verify"] = "BROKEN"
         if books.problems or trial.failures:
             failed.append(trial.report(books))
+    channels = ", ".join(f"{c} {totals['channels'].get(c, (0, 0))[1]} of "
+                         f"{totals['channels'].get(c, (0, 0))[0]}" for c in CHANNELS)
     summary = (f"torture: seed {SEED}: {totals['kills']} kills ({totals['kills_in_payment']} "
                f"with a payment inside the server; and {totals['operator_kills']} operator "
-               f"commands killed), {totals['calls']} calls, {totals['payments']} "
-               f"payments, {totals['double']} double executions, {totals['lost']} lost "
-               f"records, {totals['unresolvable']} runs left unresolvable, verify "
+               f"commands killed), {totals['stalls']} stalls ({totals['taken_over']} taken "
+               f"over, {totals['stalls_late']} late outcomes recorded, "
+               f"{totals['stalls_known']} known), {totals['calls']} calls, "
+               f"{totals['payments']} payments, {totals['double']} double executions, "
+               f"{totals['rerun_of_recorded']} re-runs of a recorded outcome, "
+               f"{totals['lost']} lost records, {totals['unresolvable']} runs left "
+               f"unresolvable, interruption approvals done ({channels}), verify "
                f"{totals['verify']}, {time.monotonic() - began:.0f} s")
     with capsys.disabled():
         print(summary)
@@ -752,6 +1357,7 @@ def test_torture_kills_proxies_and_the_books_balance(tmp_path, capsys):
             print("\n\n".join(failed))
     assert not failed, summary + "; the failing trials' timelines are printed above"
     assert totals["kills"] >= KILLS, summary
+    assert totals["stalls"] >= STALLS, summary
 
 
 def test_replay_cancel_of_a_waiting_run_cancels_its_approval(tmp_path):
@@ -783,7 +1389,8 @@ def test_replay_cancel_of_a_waiting_run_cancels_its_approval(tmp_path):
         assert code == 1, out + err
         p.stop()
         books = check_books(d.db, d.ledger, decided=[{"approval": asked["id"],
-                                                       "action": "cancel", "rc": 0}])
+                                                       "action": "cancel", "rc": 0,
+                                                       "done": True}])
         assert books.problems == [] and books.payments == 0, books
     finally:
         d.cleanup()

@@ -7343,9 +7343,10 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
             a.kind == INTERRUPTED_KIND:
         late = view_of(proxy.store, a).late
         if late is not None and late.known:
+            took = ", so it did take effect" if late.doc.get("kind") == TOOL_RESULT else ""
             return who + (f"{'CLOSED' if a.status == PENDING else a.status.upper()}: it was "
                           f"not run again, and the earlier attempt it asked about "
-                          f"{late.text()}, so it did take effect.")
+                          f"{late.text()}{took}.")
     if a.status == PENDING and state.run.reason == "operator_cancelled":
         return who + "CANCELLED by the operator. It was not executed."
     if a.status == PENDING:

@@ -221,19 +221,32 @@ def write_lock_free(db: str) -> bool:
 
 def attempts_by_key(events) -> dict:
     """Each request's executed attempts (step.tool_started), oldest first, as
-    [start time, step id, whether the server's answer was recorded, when]."""
-    answered: dict[str, float] = {}
-    for seq, run_id, step_id, at, typ, payload in events:
-        if typ == "step.tool_finished" and known_outcome(json.loads(payload)):
-            answered.setdefault(step_id, parse_time(at))
-    found: dict[str, list] = {}
+    [start time, step id, whether the server's answer was recorded, when]. A step re-run
+    after an approval holds two attempts, so an answer is given to the attempt it ends: a
+    late one to the attempt its started_at names (a re-run's start, else the step's first
+    attempt), any other to the step's latest attempt before it."""
+    attempts: dict[str, list] = {}            # step id -> [[seq, at, key, answered at]]
     for seq, run_id, step_id, at, typ, payload in events:
         if typ == "step.tool_started":
             doc = json.loads(payload)
             if doc.get("tool") in PAY_TOOLS:
-                found.setdefault(canon(doc["args"]), []).append(
-                    [parse_time(at), step_id, step_id in answered, answered.get(step_id)])
-    return found
+                attempts.setdefault(step_id, []).append([seq, at, canon(doc["args"]), None])
+        elif typ == "step.tool_finished" and step_id in attempts:
+            doc = json.loads(payload)
+            if not known_outcome(doc):
+                continue
+            before = [a for a in attempts[step_id] if a[0] < seq]
+            named = doc.get("started_at") if doc.get("late") else None
+            if named:
+                before = [a for a in before if a[1] == named] or before[:1]
+            if before and before[-1][3] is None:
+                before[-1][3] = parse_time(at)
+    found: dict[str, list] = {}
+    for step_id, tries in attempts.items():
+        for seq, at, key, answered in tries:
+            found.setdefault(key, []).append([seq, parse_time(at), step_id, answered is not None,
+                                              answered])
+    return {k: [t[1:] for t in sorted(v)] for k, v in found.items()}
 
 
 def approved_reruns(approvals) -> dict:

@@ -11076,7 +11076,11 @@ def args_summary(raw: bytes) -> str:
     """A call's arguments on one line, sanitised: every field with the start of its value
     (args_fields), then how many fields follow when they do not all fit; `approve`, `show`
     and the inbox show them in full."""
-    fields, more = args_fields(raw)
+    return _summary(*args_fields(raw))
+
+
+def _summary(fields: list[dict], more: int) -> str:
+    """The one line of args_fields' fields, and the count of those that did not fit."""
     text = "{" + ",".join(_field_text(f) for f in fields) + "}"
     if more:
         text += f" and {more} more field{'s' if more != 1 else ''} not shown here"
@@ -11108,8 +11112,7 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
     def field(name: str) -> str:
         value = cap.get(name)
         return sanitize(value) if isinstance(value, str) else ""
-    summary = "{" + ",".join(_field_text(f) for f in fields) + "}" + (
-        f" and {more} more field{'s' if more != 1 else ''} not shown here" if more else "")
+    summary = _summary(fields, more)
     late = view.late if view is not None else None
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
             "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),

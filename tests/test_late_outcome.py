@@ -189,6 +189,21 @@ def test_a_view_digest_changes_with_each_part_it_binds(h):
 
 # ---- real proxies: every channel an operator decides by ---------------------------------
 
+def payment_in_the_server(d, args):
+    """Two proxies; the first's payment is inside the server (its ledger line written)."""
+    from process_helpers import eventually
+    stalled, survivor = d.start("stalled"), d.start("survivor")
+    ident = stalled.send_call("bank_pay", args)
+    eventually(lambda: d.payments() == 1, 15, "the payment to reach the server")
+    return stalled, survivor, ident, d.runs()[0]["id"]
+
+
+def lease_runs_out(d, run_id):
+    from process_helpers import eventually
+    eventually(lambda: (d.lease(run_id)[2] or time.time() + 1) < time.time(), 15,
+               "the stopped proxy's lease to run out")
+
+
 def test_a_late_success_is_never_paid_again_by_any_channel(tmp_path, procs):
     """The third review's reproduction. Two proxies share a database; the first stops
     (SIGSTOP) with a payment inside the server, past its lease; the second's identical call
@@ -203,16 +218,12 @@ def test_a_late_success_is_never_paid_again_by_any_channel(tmp_path, procs):
 
     d = procs(tmp_path, allow_pay=True, lease_ttl="3s", repeat_window="8s")
     args = {"to": "rob", "amount": 25, "mode": "block"}
-    stalled, survivor = d.start("stalled"), d.start("survivor")
-    ident = stalled.send_call("bank_pay", args)
-    eventually(lambda: d.payments() == 1, 15, "the payment to reach the server")
-    run_id = d.runs()[0]["id"]
+    stalled, survivor, ident, run_id = payment_in_the_server(d, args)
     hook = inbox = None
     try:
         os.kill(stalled.pid, signal.SIGSTOP)
         try:
-            eventually(lambda: (d.lease(run_id)[2] or time.time() + 1) < time.time(), 15,
-                       "the stopped proxy's lease to run out")
+            lease_runs_out(d, run_id)
             r = survivor.call("bank_pay", args)
             assert prefix(r) == "INTERRUPTED", text(r)
             asked = d.pending()[0]
@@ -358,14 +369,10 @@ def test_a_refused_question_whose_attempt_finished_is_never_told_not_executed(tm
 
     d = procs(tmp_path, allow_pay=True, lease_ttl="3s", repeat_window="10m")
     args = {"to": "rob", "amount": 25, "mode": "block"}
-    stalled, survivor = d.start("stalled"), d.start("survivor")
-    ident = stalled.send_call("bank_pay", args)
-    eventually(lambda: d.payments() == 1, 15, "the payment to reach the server")
-    run_id = d.runs()[0]["id"]
+    stalled, survivor, ident, run_id = payment_in_the_server(d, args)
     os.kill(stalled.pid, signal.SIGSTOP)
     try:
-        eventually(lambda: (d.lease(run_id)[2] or time.time() + 1) < time.time(), 15,
-                   "the stopped proxy's lease to run out")
+        lease_runs_out(d, run_id)
         assert prefix(survivor.call("bank_pay", args)) == "INTERRUPTED"
         asked = d.pending()[0]
         d.reject(run_id, asked["id"], "not sure")

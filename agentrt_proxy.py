@@ -12,9 +12,10 @@ It is for one person who is both the host's user and the operator. It does not s
 The upstream servers run as that same user: no server may be able to reach the proxy's
 configuration, its manifests, or its database. It never sees model calls, so it sets no token
 or cost limits, and it never sees the user's prompt. Each call is a separate run, so there are
-no limits or policy over a conversation's history. The duplicate rule refuses a deliberate
-identical repeat of a mutating call inside the window, not only a retry. Results are capped and
-flattened. The pin covers what a server presents, not what it does.
+no limits or policy over a conversation's history (a rule's limits count only what its tools
+executed). The duplicate rule refuses a deliberate identical repeat of a mutating call inside the window,
+not only a retry. Results are capped and flattened. The pin covers what a server presents,
+not what it does.
 
 What it keeps: an approval bound by hash to the exact request, durable across restarts, with
 the policy evaluated again when the request is collected; a mutating call whose outcome is
@@ -38,26 +39,26 @@ Trust boundaries
 - The on_pending command is the operator's own program, started without a shell when an
   approval starts to wait; what it is told (the model's arguments among it) is sanitised,
   and it can neither decide nor delay anything.
-- The webhook (section 27), only when an operator starts it, takes the same decisions over
+- The webhook (section 28), only when an operator starts it, takes the same decisions over
   HTTP from whoever holds its shared secret; the serving proxy itself opens no listener.
 
 Sections, in dependency order
 -----------------------------
- 1. Constants and limits                14. JSON-RPC framing
- 2. Errors                              15. Upstream client (stdio)
- 3. Strict JSON                         16. Upstream client (streamable HTTP)
- 4. Canonical JSON, request keys        17. Pinning and loading upstream tools
- 5. Sanitising                          18. Configuration
- 6. Schema patterns (ECMA-262, linear)  19. The proxy: one run per call, its answers
- 7. Schema validation                   20. The rules across calls: the call index
- 8. Time and records                    21. Deciding a call
- 9. Policy                              22. The host-facing server
-10. The store                           23. Serving, pinning, checking, wrap
-11. The gate                            24. Tools that change while serving
-12. A run's session                     25. Re-checking recorded calls
-13. Decisions and late outcomes         26. Operator commands
-                                        27. The webhook (HTTP approvals)
-                                        28. main
+ 1. Constants and limits                15. Upstream client (stdio)
+ 2. Errors                              16. Upstream client (streamable HTTP)
+ 3. Strict JSON                         17. Pinning and loading upstream tools
+ 4. Canonical JSON, request keys        18. Configuration
+ 5. Sanitising                          19. The proxy: one run per call, its answers
+ 6. Schema patterns (ECMA-262, linear)  20. Conditions and limits
+ 7. Schema validation                   21. The rules across calls: the call index
+ 8. Time and records                    22. Deciding a call
+ 9. Policy                              23. The host-facing server
+10. The store                           24. Serving, pinning, checking, wrap
+11. The gate                            25. Tools that change while serving
+12. A run's session                     26. Re-checking recorded calls
+13. Decisions and late outcomes         27. Operator commands
+14. JSON-RPC framing                    28. The webhook (HTTP approvals)
+                                        29. main
 """
 
 from __future__ import annotations
@@ -1947,6 +1948,19 @@ class Schema:
             raise SchemaError(shown + (f"; and {errors.more} more" if errors.more else ""))
         return value
 
+    def test(self, value: Any, budget: int) -> tuple[bool, int]:
+        """Whether a parsed value validates, spending from ``budget`` (what is left is
+        returned): a rule's conditions share one call's budget (section 20). Raises
+        CheckTooCostly when the budget runs out, never answering either way."""
+        run = copy.copy(self)
+        run._left, run._keys, run._interned = budget, {}, {}
+        errors = _Failures()
+        try:
+            run._validate(self.root, value, [], errors)
+        except RecursionError:
+            raise CheckTooCostly((), "") from None
+        return not errors and not errors.more, run._left
+
     def _validate(self, node: Any, value: Any, path: list, errors: list) -> None:
         if node is True or node is False:
             # _spend, inline: this runs once per item of an array
@@ -3513,8 +3527,12 @@ class Gate:
                  lease_ttl: float = DEFAULT_LEASE_TTL,
                  reconcile: Callable[[RunView], Reconciliation] | None = None,
                  known: Callable[[str, dict], bool] | None = None,
-                 on_settled: Callable[[Tx, list[str]], None] | None = None):
+                 on_settled: Callable[[Tx, list[str]], None] | None = None,
+                 budget: Any = None):
         self.store, self.policy, self.reconcile = store, policy, reconcile
+        # A caller's limits (section 20): budget.admit(tx, request, decision, at) is called
+        # inside the transaction that starts an attempt, and may refuse it by raising.
+        self.budget = budget
         # Whether a tool's observation is a known outcome (it ran and what came of it is
         # known); the caller knows its tools' errors. on_settled is told, inside the
         # transaction, of the runs a late outcome ended (section 13).
@@ -3580,7 +3598,9 @@ class Gate:
         judged = self._prejudge(run_id, step_id, goal, limits, decision)
         session = None
         try:
-            with self.store.batch(synced=not _read_allowed(tool_of(self, decision), judged)):
+            counted = self.budget is not None and self.budget.counts(decision.tool)
+            with self.store.batch(synced=counted or
+                                  not _read_allowed(tool_of(self, decision), judged)):
                 session = self.begin(run_id, goal, limits)
                 if also is not None:
                     also()
@@ -4132,6 +4152,8 @@ class Session:
                         "policy_id": gate.policy_id}
                 if granted:
                     cols["started_at"] = start_at
+                if gate.budget is not None:
+                    gate.budget.admit(tx, request, allowed.decision, start_at)
                 tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",),
                                **cols)
                 tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
@@ -5148,7 +5170,7 @@ def error_code(exc: BaseException) -> int:
 # (streamable HTTP is section 16). The era is
 # probed per server (server/discover, falling back to initialize on any error or timeout)
 # and kept for the connection. Requests a server sends the proxy are refused, its
-# notifications ignored but for a change of its tools (section 24). Every wait is bounded;
+# notifications ignored but for a change of its tools (section 25). Every wait is bounded;
 # nothing is read past MAX_FRAME.
 
 STDERR_TAIL = 4096
@@ -5241,7 +5263,7 @@ class Upstream:
         self.closed = False
         self.caps: dict = {}                 # the capabilities the server declared
         self.change_notices = 0              # its tools/list_changed notices, ever
-        self.on_tools_changed: Callable[[], None] | None = None    # section 24
+        self.on_tools_changed: Callable[[], None] | None = None    # section 25
 
     # -- transport hooks --
     async def _exchange(self, msg_id: int, method: str, payload: bytes,
@@ -5365,7 +5387,7 @@ class Upstream:
                              f"{msg.method} is not available through this proxy")
         return None
 
-    # -- tools that change while serving (section 24) --
+    # -- tools that change while serving (section 25) --
     # Any notice that the tools may have changed only ever leads to a re-listing, bounded
     # in rate, that can withhold tools and never offers one that is not pinned: so notices
     # are taken from the server in either era, with or without a subscription id, and a
@@ -6616,6 +6638,8 @@ class Rule:
     allow_hint_mismatch: bool = False
     outcome: str = ""
     repeat_window: float | None = None
+    when: tuple["Condition", ...] = ()      # section 20
+    limits: tuple["Limit", ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6660,8 +6684,8 @@ class Config:
 
     def policy_id(self) -> str:
         """The identity of exactly what the policy decides from: the policy map (defaults
-        merged) and, per server by name, each rule's class, outcome, fixed values and
-        rename. Descriptions, timeouts, hold, windows, TTLs and paths leave it unchanged."""
+        merged) and, per server by name, each rule's class, outcome, fixed values, rename,
+        conditions and limits. Descriptions, timeouts, hold, windows, TTLs and paths leave it unchanged."""
         servers = []
         for server in sorted(self.servers, key=lambda s: s.name):
             rules = {}
@@ -6673,6 +6697,10 @@ class Config:
                     entry["fixed"] = {k: Raw(v) for k, v in rule.fixed}
                 if rule.rename:
                     entry["rename"] = rule.rename
+                if rule.when:
+                    entry["when"] = [c.written() for c in rule.when]
+                if rule.limits:
+                    entry["limits"] = [lim.written() for lim in rule.limits]
                 rules[tool] = entry
             servers.append({"name": server.name, "rules": rules})
         doc = dump_json({"policy": self.policy_map, "servers": servers}).encode()
@@ -6771,7 +6799,7 @@ _TOP_FIELDS = ("database", "session", "servers", "policy", "hold", "repeat_windo
 _SERVER_FIELDS = ("name", "command", "endpoint", "env", "inherit_env", "connect_timeout",
                   "default_timeout", "manifest", "rules", "skip_path_check")
 _RULE_FIELDS = ("side_effect", "timeout", "terminal", "description", "deny", "fixed",
-                "rename", "allow_hint_mismatch", "outcome", "repeat_window")
+                "rename", "allow_hint_mismatch", "outcome", "repeat_window", "when", "limits")
 
 
 def load_config(path: str) -> Config:
@@ -6826,6 +6854,7 @@ def parse_config(raw: bytes, path: str) -> Config:
             raise ConfigError(f"servers[{i}]: the name {_quote(server.name)} is used twice")
         names.add(server.name)
         servers.append(server)
+    check_shared_limits(servers)
     return Config(
         path=path, database=os.path.join(base, database), session=session,
         servers=tuple(servers), policy=tuple(policy.items()),
@@ -7024,7 +7053,9 @@ def _parse_rule(doc: Any, where: str) -> Rule:
                 terminal=f.flag("terminal"), description=f.text("description"),
                 deny=f.texts("deny"), fixed=fixed, rename=f.text("rename"),
                 allow_hint_mismatch=f.flag("allow_hint_mismatch"), outcome=outcome,
-                repeat_window=f.duration("repeat_window", None))
+                repeat_window=f.duration("repeat_window", None),
+                when=parse_conditions(f.doc.get("when"), where),
+                limits=parse_limits(f.doc.get("limits"), where))
 
 
 # ==== 19. The proxy: one run per call ====
@@ -7114,11 +7145,16 @@ class ProxyPolicy:
         if tool is None:
             return PolicyDecision("deny", f"tool {_quote(request.spec.name)} is not offered")
         outcome, reason = self.decide(tool)
+        judged = None
+        if tool.rule.when or tool.rule.limits:          # section 20
+            judged = judge(tool, request.args, outcome, reason, self.use_of())
+            outcome, reason = judged.outcome, judged.reason
         if outcome == "deny":
             return PolicyDecision(outcome, reason)
         attempt = self.rerun_of(request, view)
         if attempt is not None:
-            return self.interruption(tool, request.args, attempt)
+            decision = self.interruption(tool, request.args, attempt, judged)
+            return covered(decision, request, view) if judged else decision
         if outcome == "allow":
             return PolicyDecision(outcome, reason)
         if outcome != "require_approval":
@@ -7126,8 +7162,32 @@ class ProxyPolicy:
         cap = self.capability(tool, request.args)
         question = f"May the model call {tool.remote} on server {tool.server} with these " \
                    "arguments?"
-        return need_approval(tool.spec.side_effect, reason, cap,
-                             {"question": question, **cap, "reason": reason})
+        if not judged or not judged.asked:
+            return need_approval(tool.spec.side_effect, reason, cap,
+                                 {"question": question, **cap, "reason": reason})
+        cap["asked_by"] = judged.asked
+        return covered(need_approval(tool.spec.side_effect, reason, cap,
+                                     {"question": question, **cap, "reason": reason,
+                                      "figures": judged.figures}), request, view)
+
+    def use_of(self) -> "UseOf | None":
+        """How a limit's use is read: from the proxy's index of executions."""
+        return self.proxy.budgets.use_of if self.proxy is not None else None
+
+    def outcome_of(self, tool: "UpstreamTool", args: bytes) -> str:
+        """What the policy makes of this call to ``tool``, short of an approval's kind."""
+        outcome, reason = self.decide(tool)
+        if not (tool.rule.when or tool.rule.limits):
+            return outcome
+        try:
+            return judge(tool, args, outcome, reason, self.use_of()).outcome
+        except (ProxyError, ValueError):
+            return "require_approval"
+
+    def never_runs(self, tool: "UpstreamTool") -> bool:
+        """Whether every call to ``tool`` is denied, whatever its arguments."""
+        return self.decide(tool)[0] == "deny" and \
+            all(c.outcome == "deny" for c in tool.rule.when)
 
     def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
         """The earlier attempt this request re-runs, if it does: named by the step's own
@@ -7147,10 +7207,13 @@ class ProxyPolicy:
             return self.proxy.reruns.get(request.run_id)
         return None
 
-    def interruption(self, tool: "UpstreamTool", args: bytes, at: dict) -> PolicyDecision:
+    def interruption(self, tool: "UpstreamTool", args: bytes, at: dict,
+                     judged: "Judgement | None" = None) -> PolicyDecision:
         """Built only from its inputs, so the pause, the collection and a re-check of the
-        record hash alike."""
+        record hash alike. A condition or limit that asks too is named in it."""
         cap = {**self.capability(tool, args), "interrupted": at}
+        if judged is not None and judged.asked:
+            cap["asked_by"] = judged.asked
         notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in run "
                   f"{at.get('run_id')}, ended as follows: {HOW.get(at.get('ended'), HOW['cut_off'])}. "
                   "Whether it took effect is unknown: it may have. Approving runs it again with "
@@ -7158,9 +7221,10 @@ class ProxyPolicy:
                   "and an identical call later asks an operator again, whatever the policy.")
         question = f"May the model run {tool.remote} on server {tool.server} again with " \
                    "these arguments?"
-        return need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON, cap,
-                             {"question": question, **cap, "reason": INTERRUPTED_REASON,
-                              "notice": notice})
+        shown = {"question": question, **cap, "reason": INTERRUPTED_REASON, "notice": notice}
+        if judged is not None and judged.asked:
+            shown["figures"] = judged.figures
+        return need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON, cap, shown)
 
     @staticmethod
     def capability(tool: "UpstreamTool", args: bytes) -> dict:
@@ -7305,12 +7369,17 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
     waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)
                and i[1].run.status == WAITING]
     if not waiting:
-        return prose("GATE_STATUS", "no request in this session is waiting for an operator's "
-                                    "approval.", False)
-    head = "1 request in this session is waiting" if len(waiting) == 1 else \
-        f"{len(waiting)} requests in this session are waiting"
-    lines = [f"{head} for an operator's approval:"]
-    lines += ["- " + describe(proxy, i, items, now) for i in waiting]
+        lines = ["no request in this session is waiting for an operator's approval."]
+    else:
+        head = "1 request in this session is waiting" if len(waiting) == 1 else \
+            f"{len(waiting)} requests in this session are waiting"
+        lines = [f"{head} for an operator's approval:"]
+        lines += ["- " + describe(proxy, i, items, now) for i in waiting]
+    limits = proxy.budgets.lines()
+    if limits:
+        lines.append("The limits on this session's tools, and what they have used (a call "
+                     "over a limit waits for an operator or is denied):")
+        lines += ["- " + line for line in limits]
     return prose("GATE_STATUS", "\n".join(lines), False)
 
 
@@ -7584,7 +7653,510 @@ class Notifier:
             self._kill(proc)
 
 
-# ==== 20. The rules across calls: the call index ====
+# ==== 20. Conditions and limits ====
+# A rule's `when` decides by the values of the arguments, and its `limits` by what its tools
+# have executed (DESIGN section 9). A condition is a JSON Schema compiled by section 7 under
+# the limits of an input schema, and the conditions of one call share one check's budget, so
+# no arguments make them cost more than checking the arguments may. A limit is counted from
+# proxy_limit_uses, the index of executions: one row per execution and limit, written in the
+# transaction that records the attempt's start, holding its limit's running count and sum.
+# The use within a window is the difference between two of those rows, each found by one
+# search of an index, so a call costs the same whatever the history holds.
+#
+# Sums are exact integers in units of 10**-LIMIT_PLACES. A value is rounded up to a unit
+# (exact for any value with at most LIMIT_PLACES decimal places, otherwise counted as a
+# little more, never less), and a value of 10**LIMIT_DIGITS or more, above any max, counts as
+# that much: a number of ten thousand digits costs what a small one does.
+
+LIMIT_PLACES = 36                    # decimal places a sum is counted exactly to
+LIMIT_DIGITS = 36                    # a max is below 10**LIMIT_DIGITS
+_UNIT = 10 ** LIMIT_PLACES
+_CAP = 10 ** (LIMIT_DIGITS + LIMIT_PLACES)
+MAX_CONDITIONS, MAX_LIMITS, WHY_CHARS = 32, 8, 200
+MIN_PER, MAX_PER = 1.0, 31 * 86400.0
+MAX_CALLS_DIGITS = 12                # calls is at most 999,999,999,999
+_WHEN_FIELDS = ("if", "outcome", "why")
+_LIMIT_FIELDS = ("calls", "sum", "max", "per", "over", "name")
+_STRICTER = {"allow": 0, "require_approval": 1, "deny": 2}
+_DECIMAL = re.compile(r"(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_LIMIT_SQL = (
+    """CREATE TABLE proxy_limit_uses (
+        key TEXT NOT NULL, n INTEGER NOT NULL, at REAL NOT NULL, total TEXT NOT NULL,
+        run_id TEXT NOT NULL, step_id TEXT NOT NULL, PRIMARY KEY (key, n)) WITHOUT ROWID""",
+    "CREATE INDEX proxy_limit_uses_at ON proxy_limit_uses(key, at, n)",
+)
+# A limit's newest row (its running count and sum), and its last row at or before the
+# window's start: two searches of the index, whatever the window holds.
+_USE_SQL = ("SELECT 0, n, total, at FROM (SELECT n, total, at FROM proxy_limit_uses WHERE "
+            "key=?1 ORDER BY n DESC LIMIT 1) UNION ALL SELECT 1, n, total, at FROM (SELECT n, "
+            "total, at FROM proxy_limit_uses WHERE key=?1 AND at<=?2 ORDER BY at DESC, n DESC "
+            "LIMIT 1)")
+
+
+class BudgetMoved(ProxyError):
+    """Between a call's evaluation and its start, another call counted by one of its limits
+    started: nothing was started, and the call is decided again on the new count."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """when[index]: when the arguments, as the server receives them, match ``schema``."""
+    index: int
+    schema_json: bytes               # the `if` schema, canonical: compared and hashed
+    outcome: str
+    why: str = ""
+    schema: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"when[{self.index}]"
+
+    def written(self) -> dict:
+        doc: dict[str, Any] = {"if": Raw(self.schema_json), "outcome": self.outcome}
+        if self.why:
+            doc["why"] = self.why
+        return doc
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """limits[index]: at most ``calls`` executions, or a sum of at most ``max`` of the value
+    at ``pointer``, within the last ``per`` seconds."""
+    index: int
+    per: float
+    over: str = "require_approval"
+    name: str = ""
+    calls: int = 0
+    pointer: str = ""
+    max_units: int = 0
+
+    @property
+    def ref(self) -> str:
+        """What a capability names: stable however the window moves."""
+        return self.name or f"limits[{self.index}]"
+
+    @property
+    def label(self) -> str:
+        return f'limit "{self.name}"' if self.name else f"limits[{self.index}]"
+
+    def key(self, server: str, remote: str) -> str:
+        """The counter it is counted under: its name, or its place; and what it counts, so
+        that a sum of another pointer never reads this one's rows."""
+        what = "calls" if self.calls else "sum " + self.pointer
+        where = ["name", self.name] if self.name else ["tool", server, remote, self.index]
+        return dump_json(where + [what])
+
+    def written(self) -> dict:
+        doc: dict[str, Any] = {"per": fmt_duration(self.per), "over": self.over}
+        if self.name:
+            doc["name"] = self.name
+        if self.calls:
+            doc["calls"] = Num(str(self.calls))
+        else:
+            doc.update({"sum": self.pointer, "max": fmt_units(self.max_units)})
+        return doc
+
+    def what(self) -> str:
+        return "calls" if self.calls else f"sum of {self.pointer}"
+
+    def shown(self, units: int) -> str:
+        return str(units) if self.calls else fmt_units(units)
+
+    def most(self) -> int:
+        return self.calls if self.calls else self.max_units
+
+
+def to_units(num: Num) -> int:
+    """A number of at least 0 in units of 10**-LIMIT_PLACES, rounded up, at most _CAP; in
+    time linear in its literal (no power of ten beyond _CAP is built)."""
+    sign, digits, exponent = num.normal()
+    if sign == 0:
+        return 0
+    if exponent + len(digits) > LIMIT_DIGITS:
+        return _CAP
+    shift = exponent + LIMIT_PLACES
+    if shift >= 0:
+        return int(digits) * 10 ** shift
+    keep = len(digits) + shift          # the digits at or above one unit; digits has no
+    if keep <= 0:                       # trailing zero, so any cut-off part is above zero
+        return 1
+    return int(digits[:keep]) + (1 if keep < len(digits) else 0)
+
+
+def fmt_units(units: int) -> str:
+    if units >= _CAP:
+        return f"at least 1e{LIMIT_DIGITS}"
+    whole, part = divmod(units, _UNIT)
+    return str(whole) + (("." + str(part).rjust(LIMIT_PLACES, "0").rstrip("0")) if part else "")
+
+
+# -- reading them from a rule (section 18 calls these) --
+
+def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
+    if doc is None:
+        return ()
+    if not isinstance(doc, list):
+        raise ConfigError(f"{where}: when must be an array of conditions")
+    if len(doc) > MAX_CONDITIONS:
+        raise ConfigError(f"{where}: when holds {len(doc)} conditions, more than "
+                          f"{MAX_CONDITIONS}")
+    out = []
+    for i, entry in enumerate(doc):
+        at = f"{where}: when[{i}]"
+        f = _Fields(entry, at, _WHEN_FIELDS)
+        if "if" not in f.doc:
+            raise ConfigError(f"{at}: if is required: the JSON Schema the arguments match")
+        outcome = f.text("outcome")
+        if outcome not in CONFIG_OUTCOMES:
+            raise ConfigError(f"{at}: outcome {_quote(outcome)} is not allow, "
+                              "require_approval, or deny" if outcome else
+                              f"{at}: outcome is required: allow, require_approval, or deny")
+        why = f.text("why")
+        if "why" in f.doc:
+            _check_why(why, at)
+        if not isinstance(f.doc["if"], (dict, bool)):
+            raise ConfigError(f"{at}: if must be a JSON Schema: an object or a boolean")
+        raw = encode_canonical(f.doc["if"])
+        try:
+            schema = compile_schema(raw)
+        except (SchemaError, JSONError) as exc:
+            raise ConfigError(f"{at}: if: {exc}") from None
+        out.append(Condition(i, raw, outcome, why, schema))
+    return tuple(out)
+
+
+def _check_why(why: str, at: str) -> None:
+    if not 1 <= len(why) <= WHY_CHARS:
+        raise ConfigError(f"{at}: why is {len(why)} characters; it must be 1 to {WHY_CHARS}")
+    bad = next((ch for ch in why if not ch.isprintable()), None)
+    if bad is not None:
+        raise ConfigError(f"{at}: why holds the character U+{ord(bad):04X}, which is not "
+                          "printable")
+
+
+def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
+    if doc is None:
+        return ()
+    if not isinstance(doc, list):
+        raise ConfigError(f"{where}: limits must be an array of limits")
+    if len(doc) > MAX_LIMITS:
+        raise ConfigError(f"{where}: limits holds {len(doc)} limits, more than {MAX_LIMITS}")
+    out: list[Limit] = []
+    for i, entry in enumerate(doc):
+        at = f"{where}: limits[{i}]"
+        f = _Fields(entry, at, _LIMIT_FIELDS)
+        if "per" not in f.doc:
+            raise ConfigError(f'{at}: per is required: the window, such as "1h" or "24h"')
+        per = _parse_per(f, at)
+        if not MIN_PER <= per <= MAX_PER:
+            raise ConfigError(f"{at}: per {fmt_duration(per)} is not between 1s and 31d")
+        over = f.text("over", "require_approval")
+        if over not in ("require_approval", "deny"):
+            raise ConfigError(f"{at}: over {_quote(over)} is not require_approval or deny")
+        name = f.text("name")
+        if "name" in f.doc and not _NAME_RE.fullmatch(name):
+            raise ConfigError(f"{at}: name {_quote(name)} must be 1 to 64 letters, digits, "
+                              "_ or -")
+        if any(name and other.name == name for other in out):
+            raise ConfigError(f"{at}: the name {_quote(name)} is used twice in this rule")
+        if ("calls" in f.doc) == ("sum" in f.doc):
+            raise ConfigError(f"{at}: exactly one of calls or sum is required")
+        if "calls" in f.doc:
+            if "max" in f.doc:
+                raise ConfigError(f"{at}: max goes with sum; calls is itself the most")
+            calls = f._get("calls", (Num,), "a positive whole number", None)
+            sign, digits, exponent = calls.normal()
+            if sign <= 0 or not calls.is_integer() or len(digits) + exponent > MAX_CALLS_DIGITS:
+                raise ConfigError(f"{at}: calls must be a whole number from 1 to "
+                                  f"{10 ** MAX_CALLS_DIGITS - 1}")
+            out.append(Limit(i, per, over, name, calls=int(digits) * 10 ** exponent))
+            continue
+        pointer = f.text("sum")
+        _check_pointer(pointer, at)
+        if "max" not in f.doc:
+            raise ConfigError(f"{at}: max is required with sum")
+        out.append(Limit(i, per, over, name, pointer=pointer,
+                         max_units=_parse_max(f.doc["max"], at)))
+    return tuple(out)
+
+
+def _parse_per(f: _Fields, at: str) -> float:
+    """A window: a duration, or whole days such as "7d"."""
+    text = f.doc["per"]
+    if isinstance(text, str) and re.fullmatch(r"[1-9][0-9]{0,2}d", text):
+        return int(text[:-1]) * 86400.0
+    return f.duration("per", 0.0)
+
+
+def _check_pointer(pointer: str, at: str) -> None:
+    if not pointer.startswith("/"):
+        raise ConfigError(f"{at}: sum {_quote(pointer)} is not a JSON Pointer to a value in the "
+                          'arguments, such as "/amount"')
+    if re.search(r"~(?![01])", pointer):
+        raise ConfigError(f"{at}: sum {_quote(pointer)} holds a ~ that is not ~0 or ~1")
+
+
+def _parse_max(value: Any, at: str) -> int:
+    if isinstance(value, str) and _DECIMAL.fullmatch(value):
+        value = Num(value)
+    if not isinstance(value, Num):
+        raise ConfigError(f"{at}: max must be a decimal of at least 0, as a number or a "
+                          'string such as "50" or "12.50"')
+    sign, digits, exponent = value.normal()
+    if sign < 0:
+        raise ConfigError(f"{at}: max {value.text} is below 0")
+    if sign and exponent + len(digits) > LIMIT_DIGITS:
+        raise ConfigError(f"{at}: max {value.text} is not below 1e{LIMIT_DIGITS}")
+    if sign and exponent < -LIMIT_PLACES:
+        raise ConfigError(f"{at}: max {value.text} has more than {LIMIT_PLACES} decimal places")
+    return to_units(value)
+
+
+def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
+    """Limits of one name count together, so they must say the same thing wherever they
+    are written: anything else is two limits that would read each other's counts."""
+    seen: dict[str, tuple[str, bytes]] = {}
+    for server in servers:
+        for tool, rule in server.rules:
+            for limit in rule.limits:
+                if not limit.name:
+                    continue
+                where = f"server {_quote(server.name)}: tool {_quote(tool)}: limits[{limit.index}]"
+                doc = dict(limit.written())
+                spelled = encode_canonical(doc)
+                first = seen.setdefault(limit.name, (where, spelled))
+                if first[1] != spelled:
+                    raise ConfigError(
+                        f"{where}: the limit named {_quote(limit.name)} is written differently "
+                        f"at {first[0]}: a shared limit must be written the same wherever it "
+                        f"appears ({spelled.decode()} against {first[1].decode()})")
+
+
+# -- judging one call --
+
+@dataclasses.dataclass
+class Use:
+    """One limit as one call finds it: its use in the window, and what the call adds."""
+    limit: Limit
+    key: str
+    used: int
+    adds: int
+
+    @property
+    def over(self) -> bool:
+        return self.used + self.adds > self.limit.most()
+
+    def figures(self, tool: str) -> str:
+        lim = self.limit
+        unit = " calls" if lim.calls else ""
+        return (f"{lim.label} of {tool}: {lim.shown(self.used)} of {lim.shown(lim.most())}"
+                f"{unit} in the last {fmt_duration(lim.per)}; this call adds "
+                f"{lim.shown(self.adds)}")
+
+
+@dataclasses.dataclass
+class Judgement:
+    outcome: str
+    reason: str
+    asked: list[str]                 # what asks: when[N], and each limit over it that asks
+    figures: list[str]               # what the operator reads of them
+
+
+def server_value(tool: "UpstreamTool", args: bytes) -> Any:
+    """The arguments as the server will receive them: the model's, with the rule's fixed
+    values in."""
+    value = parse_json(args.strip(JSON_WS) or b"{}")
+    if isinstance(value, dict) and tool.rule.fixed:
+        value = dict(value)
+        for name, fixed in tool.rule.fixed:
+            value[name] = parse_json(fixed)
+    return value
+
+
+def _at_pointer(value: Any, pointer: str) -> tuple[bool, Any]:
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and _ARRAY_INDEX.fullmatch(part) and \
+                len(part) <= MAX_CALLS_DIGITS and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return False, None
+    return True, value
+
+
+def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
+    """What a call adds to a limit, or why it cannot be counted."""
+    if limit.calls:
+        return 1, ""
+    found, at = _at_pointer(value, limit.pointer)
+    if not found:
+        return 0, f"{limit.pointer} is missing"
+    if not isinstance(at, Num):
+        return 0, f"{limit.pointer} is {_kind(at)}, not a number"
+    if at.normal()[0] < 0:
+        return 0, f"{limit.pointer} is negative"
+    return to_units(at), ""
+
+
+UseOf = Callable[[str, Limit], int]
+
+
+def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
+          use_of: UseOf | None) -> Judgement:
+    """The rule's conditions, then its limits, on one call. ``outcome`` and ``reason`` are
+    what the rule or the class says; ``use_of`` reads a limit's use (None: limits are not
+    counted, as for check)."""
+    name, rule = tool.spec.name, tool.rule
+    value = server_value(tool, args)
+    asked: list[str] = []
+    figures: list[str] = []
+    budget = MAX_SCHEMA_EVALUATIONS
+    for cond in rule.when:
+        try:
+            hit, budget = cond.schema.test(value, budget)
+        except CheckTooCostly:
+            return Judgement("deny", f"{cond.label} of {name} could not be evaluated within "
+                             f"{MAX_SCHEMA_EVALUATIONS} evaluations", [], [])
+        if hit:
+            outcome = cond.outcome
+            reason = f"{cond.label} of {name}" + (f": {cond.why}" if cond.why else " matched")
+            if outcome == "require_approval":
+                asked.append(cond.label)
+                figures.append(reason)
+            break
+    if outcome == "deny" or use_of is None:
+        return Judgement(outcome, reason, asked, figures)
+    base = "" if asked else reason      # the rule's or the class's reason to ask, if it asks
+    for limit in rule.limits:
+        adds, problem = counted_value(limit, value)
+        if problem:
+            return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
+                             f"{problem}; the value must be a number of at least 0", [], [])
+        use = Use(limit, limit.key(tool.server, tool.remote), 0, adds)
+        use.used = use_of(use.key, limit)
+        if not use.over:
+            continue
+        if limit.over == "deny":
+            return Judgement("deny", f"{use.figures(name)}, over its max of "
+                             f"{limit.shown(limit.most())} ({limit.what()})", [], [])
+        if outcome == "allow":
+            outcome, base = "require_approval", ""
+        asked.append(limit.ref)
+        figures.append(use.figures(name))
+    if outcome == "require_approval" and figures:
+        reason = "; ".join(([base] if base else []) + figures)
+    return Judgement(outcome, reason, asked, figures)
+
+
+def asked_by(capability: bytes) -> list[str]:
+    """What a capability says asked for it (empty for one no condition or limit asked)."""
+    try:
+        cap = read_own(capability) if capability.strip(JSON_WS) else {}
+    except ProxyError:
+        return []
+    found = cap.get("asked_by") if isinstance(cap, dict) else None
+    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+
+
+def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> PolicyDecision:
+    """At collection: when the step's grant asked about at least what asks now, on the same
+    call, the grant's own capability and presentation are the decision, so the gate finds it
+    (the presentation's figures were the window's when it asked). A new reason to ask, such
+    as a limit crossed since, asks again."""
+    grant = next((a for a in reversed(view.approvals) if a.step_id == request.step_id), None)
+    if grant is None or grant.status != APPROVED or grant.kind != fresh.kind:
+        return fresh
+    try:
+        had, now = read_own(grant.capability), read_own(fresh.capability)
+    except ProxyError:
+        return fresh
+    if not isinstance(had, dict) or not isinstance(now, dict):
+        return fresh
+    had_asked, now_asked = asked_by(grant.capability), now.pop("asked_by", [])
+    had.pop("asked_by", None)
+    if encode_canonical(had) != encode_canonical(now) or not set(now_asked) <= set(had_asked):
+        return fresh
+    return dataclasses.replace(fresh, capability=grant.capability,
+                               presentation=grant.presentation)
+
+
+# -- counting --
+
+class Budgets:
+    """The limits of a proxy's tools, counted in proxy_limit_uses.
+
+    How a call's check and the start of its attempt are one step: admit() runs inside the
+    transaction that writes the attempt's step.tool_started, and that transaction is begun
+    IMMEDIATE (Store.tx and Store.batch), which takes SQLite's write lock before anything in
+    it is read. Every counted start, in this process or in another on the same database,
+    writes its row here in such a transaction; so from admit's read of a limit's newest row
+    to the commit that adds the call's own, no other write can commit, and every start
+    committed before it is seen. The count admit reads is the count at commit, and the row
+    it adds is committed with the start. The evaluation before it, outside the transaction,
+    is a forecast: when admit finds the call over a limit the forecast did not ask about,
+    it raises BudgetMoved, the whole transaction is rolled back (nothing started, nothing
+    sent), and the call is decided again on the count that moved."""
+
+    def __init__(self, store: Store, tools: dict[str, "UpstreamTool"], clock: Clock):
+        self.store, self.clock = store, clock
+        self.tools = {name: t for name, t in tools.items() if t.rule.limits}
+
+    def counts(self, name: str) -> bool:
+        return name in self.tools
+
+    def use_of(self, key: str, limit: Limit) -> int:
+        return _use(self.store._read, key, limit, self.clock())[1]
+
+    def admit(self, tx: Tx, request: ToolRequest, decision: PolicyDecision, at: str) -> None:
+        tool = self.tools.get(request.spec.name)
+        if tool is None:
+            return
+        now, covers = parse_time(at), set(asked_by(decision.capability))
+        value = server_value(tool, request.args)
+        for limit in tool.rule.limits:
+            adds, problem = counted_value(limit, value)
+            key = limit.key(tool.server, tool.remote)
+            newest, used = _use(tx.rows, key, limit, now)
+            if problem or (used + adds > limit.most() and
+                           (limit.over == "deny" or limit.ref not in covers)):
+                raise BudgetMoved(f"{limit.label} of {tool.spec.name} moved before the call "
+                                  "started")
+            n, total, last = newest
+            tx.exec("INSERT INTO proxy_limit_uses (key, n, at, total, run_id, step_id) "
+                    "VALUES (?,?,?,?,?,?)", (key, n + 1, max(now, last), str(total + adds),
+                                             request.run_id, request.step_id))
+
+    def lines(self) -> list[str]:
+        """Each limit of each tool with its use now: what gate_status tells the model."""
+        out = []
+        for name, tool in self.tools.items():
+            for limit in tool.rule.limits:
+                used = self.use_of(limit.key(tool.server, tool.remote), limit)
+                named = f', limit "{limit.name}"' if limit.name else ""
+                out.append(f"{name}: {limit.shown(used)} of {limit.shown(limit.most())} "
+                           f"({limit.what()}{named}) in the last {fmt_duration(limit.per)}")
+        return out
+
+
+def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,
+         now: float) -> tuple[tuple[int, int, float], int]:
+    """A limit's newest row (n, total, at), and its use in the window ending ``now``: the
+    executions whose rows are later than the window's start. A row's time is never earlier
+    than the one before it (admit), so the rows after the start are the newest ones."""
+    newest, before = (0, 0, 0.0), (0, 0)
+    for which, n, total, at in read(_USE_SQL, (key, now - limit.per)):
+        if which == 0:
+            newest = (n, int(total), at)
+        else:
+            before = (n, int(total))
+    if limit.calls:
+        return newest, newest[0] - before[0]
+    return newest, newest[1] - before[1]
+
+
+# ==== 21. The rules across calls: the call index ====
 # MCP gives a server no conversation, so each call is a run of its own; the rules that span
 # calls are the proxy's, kept in its own table, proxy_calls. A row says "a call with this
 # request key was given this run id"; it is written before its run begins, and what a call
@@ -7595,7 +8167,7 @@ class Notifier:
 # happen outside that. Across processes the unique open-row index and
 # IMMEDIATE transactions let exactly one call begin a row's run; the loser retries.
 
-PROXY_SCHEMA_VERSION = 2
+PROXY_SCHEMA_VERSION = 3
 APPROVAL_POLL = 0.2                    # how often a held call looks at its approval
 PROGRESS_EVERY = 1.0                   # seconds between progress notifications while held
 MAX_RETRIES = 5                        # lost races before a call answers IN_PROGRESS
@@ -7623,6 +8195,7 @@ _INDEX_SQL = (
 # Each later version: its statements, applied in one transaction with its own record.
 _INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("CREATE INDEX proxy_calls_tool_outcome ON proxy_calls(session, tool, outcome, id)",),
+    3: _LIMIT_SQL,                   # the index of executions that limits count (section 20)
 }
 _ROW_COLS = "id, session, request_key, tool, side_effect, run_id, created_at, open, closed_at, " \
             "settled_at, outcome"
@@ -7804,7 +8377,7 @@ class RunState:
         return self.approvals[-1] if self.approvals else None
 
 
-# ==== 21. Deciding a call ====
+# ==== 22. Deciding a call ====
 # The rules in the seed's order, then at most one hold for an approval and at most one
 # execution. What executes is always what the gate recorded.
 
@@ -7843,13 +8416,14 @@ class Proxy:
         self.cfg, self.store, self.log, self.clock, self.poll = cfg, store, log, clock, poll
         self.tools = {t.spec.name: t for t in tools}
         self.reruns: dict[str, dict] = {}      # run id -> the attempt its proposal re-runs
+        self.budgets = Budgets(store, self.tools, clock)
         self.policy = ProxyPolicy(cfg.policy_map, self.tools, self, cfg.policy_id())
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
         self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
                          lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl,
                          reconcile=self.reconcile, known=self.known,
-                         on_settled=self._settled)
+                         on_settled=self._settled, budget=self.budgets)
         self.limits = Limits(CALL_MAX_STEPS, CALL_MAX_FAILURES, CALL_LOOP_THRESHOLD,
                              cfg.approval_ttl, cfg.grant_ttl)
         self.stopping = asyncio.Event()
@@ -7986,7 +8560,7 @@ class Proxy:
         if action is not None:
             return action
         prior = self.unresolved(key) if tool.spec.side_effect != "read_only" else None
-        action = self.session_rules(tool, key, prior is not None)  # BLOCKED, max_pending
+        action = self.session_rules(tool, key, prior is not None, args)  # BLOCKED, max_pending
         if action is not None:
             return action
         return self.begin(tool, key, args, open_row, reuse, prior)  # rule 7 (and rule 6)
@@ -8151,8 +8725,8 @@ class Proxy:
 
     # the rules over the session: BLOCKED while an unknown outcome waits, max_pending
 
-    def session_rules(self, tool, key: str, rerun: bool):
-        outcome, _ = self.policy.decide(tool)
+    def session_rules(self, tool, key: str, rerun: bool, args: bytes = b"{}"):
+        outcome = self.policy.outcome_of(tool, args)
         needs_approval = outcome == "require_approval" or (rerun and outcome != "deny")
         mutating = tool.spec.side_effect != "read_only"
         if not mutating and not needs_approval:
@@ -8201,7 +8775,7 @@ class Proxy:
         """Another request to this tool has an unknown outcome with nothing waiting for an
         operator (its re-run met the step limit, its run stopped before asking, or its
         approval expired): ask again in a fresh run of that request, and refuse this one."""
-        if self.policy.decide(tool)[0] == "deny":
+        if self.policy.never_runs(tool):
             return None
         for row in self.index.unknown_for_tool(tool.spec.name, key):
             state = self.inspect(row.run_id)
@@ -8265,7 +8839,7 @@ class Proxy:
             session, verdict = self.gate.start(
                 run_id, f"call {tool.spec.name}", self.limits,
                 Decision("tool_call", tool.spec.name, args, origin=origin), also=also)
-        except IndexRace:
+        except (IndexRace, BudgetMoved):
             return Retry()
         except (RunStateError, StoreError, LeaseLost) as exc:
             if self.store.find_run(run_id) is not None:
@@ -8349,6 +8923,9 @@ class Proxy:
         except AttemptSettled as exc:
             self.log(f"{exc}; it is not run again")
             self.settle_run(run_id)
+            return None
+        except BudgetMoved:                 # nothing started: decide again on the new count
+            session.close()
             return None
         except ApprovalExpired:
             self.settle_run(run_id)
@@ -8668,15 +9245,15 @@ def result_text(obs: dict) -> str:
     return content if isinstance(content, str) else dump_json(content)
 
 
-# ==== 22. The host-facing server ====
+# ==== 23. The host-facing server ====
 # The proxy as an MCP server on stdin and stdout, in both protocol eras: the legacy handshake
 # (initialize) and the stateless 2026-07-28 era (per-request _meta, server/discover). stdin is
 # read as bytes; each call's arguments are parsed once, strictly, and written again in the
 # proxy's own encoding before the gate keys and records them. Each call is its own task;
 # answers go out in any order. A host told its tools changed: the legacy notice once it is
-# initialized, or on a subscriptions/listen of its own (section 24). A host's cancel ends only a wait, never an upstream call
+# initialized, or on a subscriptions/listen of its own (section 25). A host's cancel ends only a wait, never an upstream call
 # already running. On EOF or a signal: accept no new call, finish the ones in flight, exit.
-# While the servers are still loading (section 23) the handshake is answered at once, so the
+# While the servers are still loading (section 24) the handshake is answered at once, so the
 # host's start-up timeout runs against the proxy's own start and not its slowest server's;
 # the requests that need the tools wait, in the order they came, until loading ends.
 
@@ -8919,7 +9496,7 @@ class HostServer:
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
 
-    # -- the offered tools changed (section 24) --
+    # -- the offered tools changed (section 25) --
 
     def listen(self, msg: Message) -> None:
         """A modern host's subscriptions/listen: acknowledged at once, answered never; a
@@ -9012,7 +9589,7 @@ def _id_key(raw: bytes | None) -> str:
         return raw.decode("utf-8", "replace")
 
 
-# ==== 23. Serving, pinning, checking and wrapping ====
+# ==== 24. Serving, pinning, checking and wrapping ====
 # Loading every server as serving does (all at once, each under its connect timeout); serve,
 # pin (with the reach check first and a diff of what changed), check (what each tool gets),
 # and wrap (a host's configuration made into the proxy's, every server pinned, nothing
@@ -9250,7 +9827,7 @@ def _decisions(cfg: Config, tools: list[UpstreamTool]) -> list[list[str]]:
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     """Serve the host on stdin and stdout until EOF or a signal. The host is read from the
     start: the handshake is answered while the servers load, and the requests for tools
-    wait for loading (section 22). A signal during start-up ends it as cleanly as one while
+    wait for loading (section 23). A signal during start-up ends it as cleanly as one while
     serving; a failure to start answers each waiting request with an error, then fails as
     it would have before anything was read."""
     stop = asyncio.Event()
@@ -9819,7 +10396,7 @@ def _print_host_entry(host: str, config_path: str, out: Out) -> None:
     out.line(f"the {host} entry that starts the proxy instead of the servers it wraps:")
     out.line(_JSON_INERT.sub(_json_escape, _pretty(doc, cut=False)))
 
-# ==== 24. Tools that change while serving ====
+# ==== 25. Tools that change while serving ====
 # A server may change its tools after the proxy loaded them: the rug pull that pinning
 # exists to stop. On a server's notice (legacy notifications/tools/list_changed, unasked;
 # 2026-07-28, on the subscriptions/listen the proxy opens when discover declared
@@ -10086,7 +10663,7 @@ class ServerWatch:
             self.announce()
 
 
-# ==== 25. Re-checking recorded calls ====
+# ==== 26. Re-checking recorded calls ====
 # `recheck` rebuilds the policy today's configuration gives the proxy and hands it every
 # decision the proxy's policy recorded, rebuilt as it was handed then: the request (its
 # recorded spec, or with -current-tools the tool's spec as loaded now) and the view of its
@@ -10406,7 +10983,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     return 1 if differ else 0
 
 
-# ==== 26. Operator commands ====
+# ==== 27. Operator commands ====
 # runs, show, events, approve, reject, cancel, verify, pending, inbox. Arguments are checked
 # before the database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
@@ -11119,12 +11696,26 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
             "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
             "arguments": summary, "argument_fields": fields, "fields_not_shown": more,
             "arguments_cut": _args_cut(fields, more),
+            "asked_by": [sanitize(a) for a in asked_by(approval.capability)],
+            "figures": _figures(approval),
             "late_outcome": sanitize(late.text()) if late is not None else "",
             "late_outcome_known": bool(late is not None and late.known),
             "created_at": sanitize(approval.created_at),
             "expires_at": sanitize(approval.expires_at),
             "read": sanitize(show_command(db_path, approval.run_id)),
             "decide": sanitize(decide_command(db_path, approval.run_id, approval.id))}
+
+
+def _figures(approval: Approval) -> list[str]:
+    """The figures of the conditions and limits that asked, as the presentation gives them
+    (section 20)."""
+    try:
+        pres = read_own(approval.presentation)
+    except ProxyError:
+        return []
+    found = pres.get("figures") if isinstance(pres, dict) else None
+    return [clean(f, REASON_BYTES) for f in found if isinstance(f, str)][:MAX_CONDITIONS] \
+        if isinstance(found, list) else []
 
 
 def _lapsed(run: Run, approval: Approval, now: float) -> bool:
@@ -11505,7 +12096,7 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
-# ==== 27. The webhook: the HTTP approval channel ====
+# ==== 28. The webhook: the HTTP approval channel ====
 # `webhook` serves approve, reject and cancel over HTTP. An operator runs it on purpose, as a
 # process of its own; the serving proxy opens no listener. A request is judged in an order
 # where each step is paid for only once the one before has passed: the rate (before a byte
@@ -12181,7 +12772,7 @@ def cmd_sign(args, out: Out) -> int:
 _HOOK_COMMANDS = {"webhook": cmd_webhook, "sign": cmd_sign}
 
 
-# ==== 28. main ====
+# ==== 29. main ====
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""

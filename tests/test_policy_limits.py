@@ -1,0 +1,383 @@
+"""Policy by argument value and by history (DESIGN.md section 9): a rule's `when` conditions
+and its `limits`, through the real host-facing server, the real store and the real fake
+payment server (tests/proxy_harness.py). Each payment that reached the server is a line of
+its ledger, counted by ``h.payments()``.
+"""
+
+import json
+import os
+import sqlite3
+
+import pytest
+
+from proxy_harness import ProxyHarness, ap
+
+PAY, STATUS = "bank_pay", "gate_status"
+BASE = {
+    "balance": {"side_effect": "read_only", "timeout": "10s"},
+    "refund": {"side_effect": "destructive", "timeout": "10s"},
+}
+SMALL = {"if": {"properties": {"amount": {"maximum": 10}}, "required": ["amount"]},
+         "outcome": "allow", "why": "small payment"}
+HUGE = {"if": {"properties": {"amount": {"exclusiveMinimum": 1000}}, "required": ["amount"]},
+        "outcome": "deny", "why": "far too large"}
+BLOCKED = {"if": {"properties": {"to": {"enum": ["mallory"]}}, "required": ["to"]},
+           "outcome": "deny", "why": "blocked payee"}
+
+
+def pay_rule(**extra):
+    out = json.loads(json.dumps(BASE))
+    out["pay"] = {"side_effect": "remote_mutation", "timeout": "10s", **extra}
+    return out
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def build(name="h", **kw):
+        d = tmp_path / name
+        d.mkdir(exist_ok=True)
+        h = ProxyHarness(d, **kw)
+        made.append(h)
+        return h
+    yield build
+    for h in made:
+        h.close()
+
+
+def config_error(tmp_path, rules, names=("bank",)):
+    from proxy_harness import write_config
+    path = write_config(str(tmp_path), rules, names=names)
+    with pytest.raises(ap.ConfigError) as exc:
+        ap.load_config(path)
+    return str(exc.value)
+
+
+# -- conditions --
+
+def test_policy_small_allowed_large_asked_huge_denied(make):
+    h = make(rules=pay_rule(when=[HUGE, SMALL]))
+    r = h.call(PAY, {"to": "bob", "amount": 5})
+    assert not h.is_error(r) and h.payments() == 1, h.text(r)
+    r = h.call(PAY, {"to": "bob", "amount": 50})
+    assert h.prefix(r) == "PENDING_APPROVAL" and h.payments() == 1
+    r = h.call(PAY, {"to": "bob", "amount": 5000})
+    assert h.prefix(r) == "DENIED" and h.payments() == 1
+    assert "when[0]" in h.text(r) and "far too large" in h.text(r)
+    [a] = h.pending()
+    h.decide(a)
+    r = h.call(PAY, {"to": "bob", "amount": 50})
+    assert not h.is_error(r) and h.payments() == 2, h.text(r)
+
+
+def test_policy_payee_allow_list(make):
+    allow = {"if": {"properties": {"to": {"enum": ["alice", "bob"]}}, "required": ["to"]},
+             "outcome": "allow", "why": "known payee"}
+    h = make(rules=pay_rule(when=[allow], outcome="deny"))
+    assert h.payments() == 0
+    r = h.call(PAY, {"to": "alice", "amount": 3})
+    assert not h.is_error(r) and h.payments() == 1, h.text(r)
+    r = h.call(PAY, {"to": "eve", "amount": 3})
+    assert h.prefix(r) == "DENIED" and h.payments() == 1
+
+
+def test_policy_condition_deny_names_its_index_and_why(make):
+    h = make(rules=pay_rule(when=[BLOCKED], outcome="allow"))
+    r = h.call(PAY, {"to": "mallory", "amount": 1})
+    assert h.prefix(r) == "DENIED" and h.payments() == 0
+    assert "when[0]" in h.text(r) and "blocked payee" in h.text(r)
+
+
+def test_policy_numbers_compare_exactly(make):
+    h = make(rules=pay_rule(when=[SMALL]))
+    r = h.call(PAY, {"to": "bob", "amount": 1}, raw_args=b'{"to":"bob","amount":1E1}')
+    assert not h.is_error(r) and h.payments() == 1, h.text(r)
+    r = h.call(PAY, None, raw_args=b'{"to":"bob","amount":10.000000000000000000001}')
+    assert h.prefix(r) == "PENDING_APPROVAL" and h.payments() == 1
+    # 1e400 is beyond what a model may send (a 64-bit float); what the validator makes of
+    # it, read without that bound, is still exact.
+    cond = ap.parse_conditions(ap.parse_json(json.dumps([SMALL]).encode()), "t")[0]
+    big = ap.parse_json(b'{"amount":1e400}', strict=False)
+    assert cond.schema.test(big, 1000)[0] is False
+    assert cond.schema.test(ap.parse_json(b'{"amount":1E1}'), 1000)[0] is True
+
+
+def test_policy_condition_sees_fixed_values(make):
+    # The model cannot set `mode`; the operator's fixed value is what the condition reads.
+    blocked = {"if": {"properties": {"mode": {"const": "slow"}}, "required": ["mode"]},
+               "outcome": "deny", "why": "fixed mode is slow"}
+    h = make(rules=pay_rule(when=[blocked], outcome="allow", fixed={"mode": "slow"}))
+    r = h.call(PAY, {"to": "bob", "amount": 1})
+    assert h.prefix(r) == "DENIED" and "fixed mode is slow" in h.text(r)
+    assert h.payments() == 0
+
+
+def test_policy_condition_errors_name_server_tool_and_index(tmp_path):
+    cases = [
+        ([SMALL, {"if": {}, "outcome": "allow", "colour": 1}], 'unknown field "colour"'),
+        ([{"if": {}, "outcome": "maybe"}], 'outcome "maybe"'),
+        ([{"outcome": "allow"}], "if is required"),
+        ([{"if": {"type": "nothing"}, "outcome": "allow"}], "if:"),
+        ([{"if": {"$ref": "http://x/y"}, "outcome": "allow"}], "if:"),
+        ([{"if": {}, "outcome": "allow", "why": "x" * 201}], "201 characters"),
+        ([{"if": {}, "outcome": "allow", "why": "a\u001bb"}], "U+001B"),
+        ([{"if": {}, "outcome": "allow"}] * 33, "more than 32"),
+    ]
+    for i, (when, expected) in enumerate(cases):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        text = config_error(d, pay_rule(when=when))
+        assert expected in text, text
+        assert 'server "bank"' in text and 'tool "pay"' in text, text
+        if len(when) <= 2:
+            assert f"when[{len(when) - 1}]" in text, text
+
+
+def test_policy_limit_errors(tmp_path):
+    cases = [
+        ([{"calls": 3}], "per is required"),
+        ([{"calls": 3, "per": "0s"}], "not between 1s and 31d"),
+        ([{"calls": 3, "per": "32d"}], "not between 1s and 31d"),
+        ([{"calls": 3, "sum": "/amount", "max": 1, "per": "1h"}], "exactly one of calls or sum"),
+        ([{"per": "1h"}], "exactly one of calls or sum"),
+        ([{"calls": 0, "per": "1h"}], "calls must be a whole number"),
+        ([{"calls": 2.5, "per": "1h"}], "calls must be a whole number"),
+        ([{"sum": "amount", "max": 1, "per": "1h"}], "not a JSON Pointer"),
+        ([{"sum": "/amount", "per": "1h"}], "max is required"),
+        ([{"sum": "/amount", "max": -1, "per": "1h"}], "below 0"),
+        ([{"sum": "/amount", "max": "ten", "per": "1h"}], "max must be a decimal"),
+        ([{"sum": "/amount", "max": "1e40", "per": "1h"}], "not below 1e36"),
+        ([{"sum": "/amount", "max": 1, "per": "1h", "over": "allow"}], 'over "allow"'),
+        ([{"calls": 1, "per": "1h", "name": "a b"}], 'name "a b"'),
+        ([{"calls": 1, "per": "1h", "name": "x"}, {"calls": 2, "per": "1h", "name": "x"}],
+         "used twice"),
+        ([{"calls": 1, "per": "1h"}] * 9, "more than 8"),
+    ]
+    for i, (limits, expected) in enumerate(cases):
+        d = tmp_path / f"l{i}"
+        d.mkdir()
+        text = config_error(d, pay_rule(limits=limits))
+        assert expected in text, text
+        assert 'server "bank"' in text and 'tool "pay"' in text, text
+
+
+def test_policy_shared_limit_written_differently_is_refused(tmp_path):
+    rules = pay_rule(limits=[{"sum": "/amount", "max": 50, "per": "24h", "name": "daily"}])
+    rules["refund"]["limits"] = [{"sum": "/amount", "max": 60, "per": "24h", "name": "daily"}]
+    text = config_error(tmp_path, rules)
+    assert 'limit named "daily" is written differently' in text, text
+    # The same limit spelled another way is the same limit.
+    rules["refund"]["limits"] = [{"sum": "/amount", "max": "50.0", "per": "24h",
+                                  "name": "daily"}]
+    from proxy_harness import write_config
+    ap.load_config(write_config(str(tmp_path), rules))
+
+
+def test_policy_identity_covers_conditions_and_limits(tmp_path):
+    from proxy_harness import write_config
+    ids = []
+    for extra in ({}, {"when": [SMALL]}, {"when": [dict(SMALL, outcome="deny")]},
+                  {"limits": [{"calls": 3, "per": "1h"}]},
+                  {"limits": [{"calls": 4, "per": "1h"}]}):
+        ids.append(ap.load_config(write_config(str(tmp_path), pay_rule(**extra))).policy_id())
+    assert len(set(ids)) == len(ids)
+    # A rule without either keeps the identity it had.
+    plain = ap.load_config(write_config(str(tmp_path), pay_rule())).policy_id()
+    assert plain == ids[0]
+
+
+# -- limits --
+
+DAILY = {"sum": "/amount", "max": "50", "per": "24h", "name": "daily-spend"}
+
+
+def test_policy_sum_limit_asks_with_the_figures_and_names_the_limit(make):
+    h = make(rules=pay_rule(outcome="allow", limits=[DAILY]))
+    for amount in (20, 25):
+        r = h.call(PAY, {"to": "bob", "amount": amount})
+        assert not h.is_error(r), h.text(r)
+    r = h.call(PAY, {"to": "bob", "amount": 10})
+    assert h.prefix(r) == "PENDING_APPROVAL" and h.payments() == 2
+    [a] = h.pending()
+    cap, pres = json.loads(a.capability), json.loads(a.presentation)
+    assert cap["asked_by"] == ["daily-spend"]
+    assert "45" not in json.dumps(cap)             # never the running figures
+    assert pres["figures"] == ['limit "daily-spend" of bank_pay: 45 of 50 in the last 24h; '
+                               'this call adds 10']
+    block = "\n".join(ap.approval_block(h.store, a, h.cfg.database))
+    assert "daily-spend" in block and "45 of 50" in block
+    doc = ap.waiting_doc(a, h.cfg.database)
+    assert doc["asked_by"] == ["daily-spend"]
+    assert doc["figures"] == pres["figures"]
+    h.decide(a)
+    r = h.call(PAY, {"to": "bob", "amount": 10})
+    assert not h.is_error(r) and h.payments() == 3, h.text(r)
+
+
+def test_policy_grant_covers_while_over_and_window_moves(make):
+    h = make(rules=pay_rule(outcome="allow", limits=[DAILY]))
+    h.call(PAY, {"to": "bob", "amount": 45})
+    r = h.call(PAY, {"to": "bob", "amount": 10})
+    [a] = h.pending()
+    h.decide(a)
+    h.clock.skew += 3600                      # the window moved; still over
+    r = h.call(PAY, {"to": "bob", "amount": 10})
+    assert not h.is_error(r) and h.payments() == 2, h.text(r)
+
+
+def test_policy_no_longer_over_at_collection_is_allowed(make):
+    h = make(rules=pay_rule(outcome="allow", limits=[dict(DAILY, per="1h")]))
+    h.call(PAY, {"to": "bob", "amount": 45})
+    h.call(PAY, {"to": "bob", "amount": 10})
+    [a] = h.pending()
+    h.clock.skew += 3700                      # the 45 left the window: the call is under
+    h.decide(a)
+    r = h.call(PAY, {"to": "bob", "amount": 10})
+    assert not h.is_error(r) and h.payments() == 2, h.text(r)
+
+
+def test_policy_condition_grant_does_not_cover_a_limit_crossed_since(make):
+    large = {"if": {"properties": {"amount": {"exclusiveMinimum": 10}}}, "outcome":
+             "require_approval", "why": "large payment"}
+    h = make(rules=pay_rule(outcome="allow", when=[large], limits=[DAILY]))
+    r = h.call(PAY, {"to": "bob", "amount": 30})
+    [a] = h.pending()
+    assert json.loads(a.capability)["asked_by"] == ["when[0]"]
+    h.decide(a)
+    h.call(PAY, {"to": "carol", "amount": 10})      # small, allowed: 10 of 50
+    h.call(PAY, {"to": "dave", "amount": 10})       # 20 of 50
+    h.call(PAY, {"to": "erin", "amount": 5})        # 25 of 50; the 30 would cross it
+    assert h.payments() == 3
+    r = h.call(PAY, {"to": "bob", "amount": 30})
+    assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+    assert h.payments() == 3
+    again = [p for p in h.pending()]
+    assert json.loads(again[-1].capability)["asked_by"] == ["when[0]", "daily-spend"]
+
+
+def test_policy_calls_limit_over_deny_names_use_and_max(make):
+    h = make(rules=pay_rule(outcome="allow",
+                            limits=[{"calls": 2, "per": "1h", "over": "deny"}]))
+    for i in range(2):
+        assert not h.is_error(h.call(PAY, {"to": f"p{i}", "amount": 1}))
+    r = h.call(PAY, {"to": "p3", "amount": 1})
+    assert h.prefix(r) == "DENIED" and h.payments() == 2
+    text = h.text(r)
+    assert "limits[0]" in text and "2 of 2 calls" in text and "max of 2" in text, text
+    h.clock.skew += 3601
+    assert not h.is_error(h.call(PAY, {"to": "p4", "amount": 1}))
+    assert h.payments() == 3
+
+
+def test_policy_uncountable_value_is_denied_and_nothing_sent(make):
+    h = make(rules=pay_rule(outcome="allow",
+                            limits=[{"sum": "/currency", "max": 5, "per": "1h"}]))
+    r = h.call(PAY, {"to": "bob", "amount": 1})
+    assert h.prefix(r) == "DENIED" and "/currency is missing" in h.text(r), h.text(r)
+    r = h.call(PAY, {"to": "bob", "amount": 1, "currency": "EUR"})
+    assert h.prefix(r) == "DENIED" and "not a number" in h.text(r), h.text(r)
+    h2 = make("neg", rules=pay_rule(outcome="allow",
+                                    limits=[{"sum": "/amount", "max": 5, "per": "1h"}]))
+    r = h2.call(PAY, {"to": "bob", "amount": -1})
+    assert h2.prefix(r) == "DENIED" and "negative" in h2.text(r), h2.text(r)
+    assert h.payments() == 0 and h2.payments() == 0
+
+
+def test_policy_unknown_outcome_counts(make):
+    h = make(rules=pay_rule(outcome="allow", timeout="300ms",
+                            limits=[{"calls": 1, "per": "1h", "over": "deny"}]))
+    r = h.call(PAY, {"to": "bob", "amount": 1, "mode": "slow"})
+    assert h.prefix(r) == "UNKNOWN_OUTCOME", h.text(r)
+    use = h.proxy.budgets.lines()
+    assert use == ["bank_pay: 1 of 1 (calls) in the last 1h"], use
+
+
+def test_policy_refused_and_waiting_calls_do_not_count(make):
+    asks = {"if": {"properties": {"to": {"const": "ask"}}, "required": ["to"]},
+            "outcome": "require_approval"}
+    h = make(rules=pay_rule(outcome="allow", when=[BLOCKED, asks],
+                            limits=[{"calls": 1, "per": "1h", "over": "deny"}]))
+    assert h.prefix(h.call(PAY, {"to": "mallory", "amount": 1})) == "DENIED"
+    assert h.prefix(h.call(PAY, {"to": "ask", "amount": 1})) == "PENDING_APPROVAL"
+    assert h.proxy.budgets.lines() == ["bank_pay: 0 of 1 (calls) in the last 1h"]
+    assert not h.is_error(h.call(PAY, {"to": "bob", "amount": 1}))
+    assert h.payments() == 1
+
+
+def test_policy_daily_cap_shared_by_two_tools_on_two_servers(make):
+    h = make(rules=pay_rule(outcome="allow", limits=[DAILY]), names=("bank", "bank2"))
+    assert not h.is_error(h.call("bank_pay", {"to": "bob", "amount": 30}))
+    assert not h.is_error(h.call("bank2_pay", {"to": "bob", "amount": 20}))
+    r = h.call("bank2_pay", {"to": "carol", "amount": 1})
+    assert h.prefix(r) == "PENDING_APPROVAL" and h.payments() == 2
+    lines = h.proxy.budgets.lines()
+    assert 'bank_pay: 50 of 50 (sum of /amount, limit "daily-spend") in the last 24h' in lines
+
+
+def test_policy_gate_status_lists_each_limit(make):
+    h = make(rules=pay_rule(outcome="allow", limits=[{"sum": "/amount", "max": 10,
+                                                      "per": "24h"}]))
+    h.call(PAY, {"to": "bob", "amount": 4})
+    text = h.text(h.call(STATUS, {}))
+    assert "bank_pay: 4 of 10 (sum of /amount) in the last 24h" in text, text
+
+
+def test_policy_counts_survive_a_restart(tmp_path):
+    rules = pay_rule(outcome="allow", limits=[{"calls": 1, "per": "1h", "over": "deny"}])
+    (tmp_path / "h").mkdir()
+    h = ProxyHarness(tmp_path / "h", rules=rules)
+    try:
+        assert not h.is_error(h.call(PAY, {"to": "bob", "amount": 1}))
+    finally:
+        h.close()
+    again = ProxyHarness(tmp_path / "h", rules=rules, pin=False)
+    try:
+        r = again.call(PAY, {"to": "carol", "amount": 1})
+        assert again.prefix(r) == "DENIED", again.text(r)
+    finally:
+        again.close()
+
+
+def test_policy_check_at_start_refuses_a_forecast_the_count_overtook(make, monkeypatch):
+    """The in-transaction check: the evaluation's forecast is told the limit is empty, as if
+    another process's start had not yet been seen; the start itself counts again, refuses,
+    and the call is decided again on the true count."""
+    h = make(rules=pay_rule(outcome="allow", limits=[{"calls": 1, "per": "1h"}]))
+    assert not h.is_error(h.call(PAY, {"to": "bob", "amount": 1}))
+    real = h.proxy.budgets.use_of
+    stale = [True]
+
+    def forecast(key, limit):
+        if stale:
+            stale.pop()
+            return 0
+        return real(key, limit)
+    monkeypatch.setattr(h.proxy.budgets, "use_of", forecast)
+    r = h.call(PAY, {"to": "carol", "amount": 1})
+    assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+    assert h.payments() == 1 and not stale
+
+
+def test_policy_use_query_is_two_index_searches(tmp_path):
+    store = ap.Store.open(str(tmp_path / "db"))
+    try:
+        ap.CallIndex(store, "s").migrate(0.0)
+        plan = store._read("EXPLAIN QUERY PLAN " + ap._USE_SQL, ("k", 1.0))
+        details = [row[-1] for row in plan]
+        assert not any(d.startswith("SCAN") and "proxy_limit_uses" in d for d in details), \
+            details
+        searches = [d for d in details if d.startswith("SEARCH")]
+        assert len(searches) == 2, details
+    finally:
+        store.close()
+
+
+def test_policy_units_are_exact_and_bounded():
+    units = ap.to_units
+    assert units(ap.Num("10.000000000000000000001")) > units(ap.Num("10"))
+    assert units(ap.Num("1E1")) == units(ap.Num("10")) == units(ap.Num("10.0"))
+    assert units(ap.Num("1e400")) == ap._CAP
+    assert units(ap.Num("1e-999999")) == 1         # below a unit: counted up, never free
+    assert units(ap.Num("0.1")) + units(ap.Num("0.2")) == units(ap.Num("0.3"))
+    assert ap.fmt_units(units(ap.Num("12.50"))) == "12.5"

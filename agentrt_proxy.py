@@ -7678,7 +7678,7 @@ MAX_CALLS_DIGITS = 12                # calls is at most 999,999,999,999
 _WHEN_FIELDS = ("if", "outcome", "why")
 _LIMIT_FIELDS = ("calls", "sum", "max", "per", "over", "name")
 _STRICTER = {"allow": 0, "require_approval": 1, "deny": 2}
-_DECIMAL = re.compile(r"(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_MAX_TEXT = re.compile(r"(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 _LIMIT_SQL = (
     """CREATE TABLE proxy_limit_uses (
         key TEXT NOT NULL, n INTEGER NOT NULL, at REAL NOT NULL, total TEXT NOT NULL,
@@ -7897,7 +7897,7 @@ def _check_pointer(pointer: str, at: str) -> None:
 
 
 def _parse_max(value: Any, at: str) -> int:
-    if isinstance(value, str) and _DECIMAL.fullmatch(value):
+    if isinstance(value, str) and _MAX_TEXT.fullmatch(value):
         value = Num(value)
     if not isinstance(value, Num):
         raise ConfigError(f"{at}: max must be a decimal of at least 0, as a number or a "
@@ -8138,6 +8138,44 @@ class Budgets:
                 out.append(f"{name}: {limit.shown(used)} of {limit.shown(limit.most())} "
                            f"({limit.what()}{named}) in the last {fmt_duration(limit.per)}")
         return out
+
+
+# -- what check prints of them --
+
+def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
+    """A tool's conditions and limits, one line each, then a warning for each condition that
+    is looser than ``base`` (what the tool gets without it) and constrains a property that
+    neither it nor the input schema requires: it also matches a call without that property,
+    which is seldom what was meant (an amount of at most 10 allows a call with no amount)."""
+    name, out, warnings = sanitize(tool.spec.name), [], []
+    try:
+        schema = parse_json(tool.spec.input_schema, strict=False)
+    except JSONError:
+        schema = {}
+    needed = set(_required(schema))
+    for cond in tool.rule.when:
+        why = f" ({sanitize(cond.why)})" if cond.why else ""
+        out.append(f"{name}: {cond.label} -> {cond.outcome}{why}: if "
+                   f"{sanitize(cond.schema_json.decode())}")
+        doc = parse_json(cond.schema_json, strict=False)
+        props = doc.get("properties") if isinstance(doc, dict) else None
+        loose = [p for p in (props if isinstance(props, dict) else {})
+                 if p not in needed and p not in _required(doc)]
+        if _STRICTER[cond.outcome] < _STRICTER.get(base, 2) and loose:
+            warnings.append(f"warning: {name}: {cond.label} gives {cond.outcome}, looser than "
+                            f"{base}, and constrains {', '.join(_quote(p) for p in loose)}, "
+                            "which neither the condition nor the input schema requires: it "
+                            "also matches a call without it; add it to the condition's "
+                            "required")
+    for limit in tool.rule.limits:
+        out.append(f"{name}: {limit.label}: at most {limit.shown(limit.most())} "
+                   f"({limit.what()}) in any {fmt_duration(limit.per)}; over it: {limit.over}")
+    return out + warnings
+
+
+def _required(doc: Any) -> list[str]:
+    found = doc.get("required") if isinstance(doc, dict) else None
+    return [r for r in found if isinstance(r, str)] if isinstance(found, list) else []
 
 
 def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,
@@ -9798,6 +9836,10 @@ async def cmd_check(cfg: Config, out: Out) -> int:
             store.close()
         for line in _table(_decisions(cfg, tools)):
             out.line(line)
+        policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
+        for tool in tools:
+            for line in rule_lines(tool, policy.decide(tool)[0]):
+                out.line(line)
         out.line(f"status tool: {sanitize(cfg.status_tool)}")
         out.line(f"session: {sanitize(cfg.session)}")
         out.line(f"database: {sanitize(cfg.database)}")

@@ -381,3 +381,112 @@ def test_policy_units_are_exact_and_bounded():
     assert units(ap.Num("1e-999999")) == 1         # below a unit: counted up, never free
     assert units(ap.Num("0.1")) + units(ap.Num("0.2")) == units(ap.Num("0.3"))
     assert ap.fmt_units(units(ap.Num("12.50"))) == "12.5"
+
+
+# -- the README's recipes, as written --
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin_server.py")
+
+
+def recipe(name):
+    text = open(README, encoding="utf-8").read()
+    marker = f"<!-- recipe: {name} -->\n```json\n"
+    assert text.count(marker) == 1, name
+    body = text.split(marker, 1)[1].split("```", 1)[0]
+    return json.loads(body)
+
+
+def with_base(rules):
+    out = json.loads(json.dumps(BASE))
+    out.update(rules)
+    return out
+
+
+def standin(make, name, rules):
+    d_rules = json.loads(json.dumps(rules))
+    h = make(name, rules=d_rules, names=("dev",), command=[ap.sys.executable, STANDIN],
+             server_env=[])
+    return h
+
+
+def standin_calls(h):
+    path = os.path.join(h.tmp, "ledger")
+    return open(path).read().count("\n") if os.path.exists(path) else 0
+
+
+def test_readme_recipe_small_large_huge(make):
+    h = make(rules=with_base(recipe("small-large-huge")))
+    assert not h.is_error(h.call(PAY, {"to": "bob", "amount": 20})) and h.payments() == 1
+    assert h.prefix(h.call(PAY, {"to": "bob", "amount": 20.5})) == "PENDING_APPROVAL"
+    r = h.call(PAY, {"to": "bob", "amount": 1000.01})
+    assert h.prefix(r) == "DENIED" and "never paid by a model" in h.text(r)
+    assert h.payments() == 1
+
+
+def test_readme_recipe_payee_allow_list(make):
+    h = make(rules=with_base(recipe("payee-allow-list")))
+    assert not h.is_error(h.call(PAY, {"to": "alice", "amount": 5}))
+    assert h.prefix(h.call(PAY, {"to": "mallory", "amount": 5})) == "DENIED"
+    assert h.payments() == 1
+
+
+def test_readme_recipe_shared_daily_cap(make):
+    h = make(rules=with_base(recipe("shared-daily-cap")), names=("bank", "bank2"))
+    assert not h.is_error(h.call("bank_pay", {"to": "bob", "amount": 150}))
+    assert not h.is_error(h.call("bank2_pay", {"to": "bob", "amount": 50}))
+    r = h.call("bank_pay", {"to": "carol", "amount": 0.01})
+    assert h.prefix(r) == "PENDING_APPROVAL" and h.payments() == 2
+    [a] = h.pending()
+    assert json.loads(a.capability)["asked_by"] == ["daily-spend"]
+    assert 'limit "daily-spend" of bank_pay: 200 of 200' in json.loads(a.presentation)[
+        "figures"][0]
+    h.clock.skew += 24 * 3600 + 1            # a new day (the approval waits, unexpired)
+    assert not h.is_error(h.call("bank2_pay", {"to": "dave", "amount": 1}))
+
+
+def test_readme_recipe_commits_per_hour(make, tmp_path):
+    h = make(rules=recipe("commits-per-hour"), names=("dev",),
+             command=[ap.sys.executable, STANDIN],
+             server_env=[f"STANDIN_LEDGER={tmp_path}/h/ledger"])
+    for i in range(5):
+        r = h.call("dev_git_commit", {"repo_path": "/r", "message": f"change {i}"})
+        assert not h.is_error(r), h.text(r)
+    r = h.call("dev_git_commit", {"repo_path": "/r", "message": "change 5"})
+    assert h.prefix(r) == "DENIED" and "5 of 5 calls" in h.text(r), h.text(r)
+    assert standin_calls(h) == 5
+
+
+def test_readme_recipe_path_prefix(make, tmp_path):
+    h = make(rules=recipe("path-prefix"), names=("dev",),
+             command=[ap.sys.executable, STANDIN],
+             server_env=[f"STANDIN_LEDGER={tmp_path}/h/ledger"])
+    ok = h.call("dev_write_file", {"path": "/home/me/sandbox/notes.txt", "content": "x"})
+    assert not h.is_error(ok), h.text(ok)
+    for path in ("/home/me/.ssh/authorized_keys", "/home/me/sandbox/../.ssh/config",
+                 "/home/me/sandbox/a/..", "/home/me/sandboxed/x"):
+        r = h.call("dev_write_file", {"path": path, "content": "x"})
+        assert h.prefix(r) == "PENDING_APPROVAL", (path, h.text(r))
+    assert standin_calls(h) == 1
+
+
+def test_check_prints_conditions_limits_and_warnings(tmp_path):
+    from process_helpers import ProcessDir
+    # amount is required by pay's input schema; currency is not.
+    loose = {"if": {"properties": {"amount": {"maximum": 10}, "currency": {"enum": ["EUR"]}}},
+             "outcome": "allow"}
+    rules = pay_rule(when=[BLOCKED, loose], limits=[DAILY])
+    d = ProcessDir(tmp_path, rules=rules)
+    code, out, err = d.check()
+    assert code == 0, err
+    assert 'bank_pay: when[0] -> deny (blocked payee): if {"properties"' in out, out
+    assert 'bank_pay: limit "daily-spend": at most 50 (sum of /amount) in any 24h; over it: ' \
+           'require_approval' in out, out
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "when[1]" in warnings[0] and '"currency"' in warnings[0], out
+    assert '"amount"' not in warnings[0]
+    # Required by the condition: no warning.
+    rules = pay_rule(when=[BLOCKED, SMALL])
+    d.write_config(rules)
+    code, out, err = d.check()
+    assert code == 0 and "warning:" not in out, out

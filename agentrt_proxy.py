@@ -11295,6 +11295,10 @@ def approval_block(store: Store, approval: Approval, db_path: str,
     lines += [f"tool          {sanitize(request.spec.name)}",
               f"side effect   {sanitize(str(cap.get('side_effect') or request.spec.side_effect))}",
               f"reason        {sanitize(view.reason) or '-'}"]
+    asked = asked_by(approval.capability)
+    if asked:                                   # a condition or limit asked (section 20)
+        lines.append(f"asked by      {', '.join(sanitize(a) for a in asked)}")
+        lines += [f"  {line}" for line in _figures(approval)]
     if approval.expires_at:
         lines.append(f"expires       {_stamp(approval.expires_at)}")
     lines.append("arguments: the tool call the model made, one field per line "
@@ -11818,6 +11822,9 @@ def _pending_lines(e: dict) -> list[str]:
              f"  arguments {e['arguments']}"]
     if e["arguments_cut"]:
         lines.append(f"  NOT ALL SHOWN: read every field in full before deciding: {e['read']}")
+    if e["asked_by"]:
+        lines.append(f"  asked by {', '.join(e['asked_by'])}")
+        lines += [f"    {line}" for line in e["figures"]]
     if e["late_outcome"]:
         lines.append(f"  LATE OUTCOME: the attempt it asks about {e['late_outcome']}")
     if e["blocks_tool"]:
@@ -12548,6 +12555,8 @@ def _hook_approval(store: Store, a: Approval) -> dict:
         doc["arguments"] = {"unread": sanitize(str(exc))}
     doc["capability"], doc["presentation"] = _hook_record(a.capability), \
         _hook_record(a.presentation)
+    doc["asked_by"] = [sanitize(x) for x in asked_by(a.capability)]
+    doc["figures"] = _figures(a)
     return doc
 
 

@@ -490,3 +490,20 @@ def test_check_prints_conditions_limits_and_warnings(tmp_path):
     d.write_config(rules)
     code, out, err = d.check()
     assert code == 0 and "warning:" not in out, out
+
+
+def test_policy_every_operator_view_shows_what_asked(make):
+    h = make(rules=pay_rule(outcome="allow", limits=[DAILY]))
+    h.call(PAY, {"to": "bob", "amount": 45})
+    h.call(PAY, {"to": "bob", "amount": 10})
+    [a] = h.pending()
+    figures = 'limit "daily-spend" of bank_pay: 45 of 50 in the last 24h; this call adds 10'
+    block = ap.approval_block(h.store, a, h.cfg.database)
+    assert "asked by      daily-spend" in block and f"  {figures}" in block, block
+    run = h.store.get_run(a.run_id)
+    entry = ap.pending_entry(h.store, a, run, ap.time.time())
+    assert entry["asked_by"] == ["daily-spend"] and entry["figures"] == [figures]
+    lines = ap._pending_lines(entry)
+    assert "  asked by daily-spend" in lines and f"    {figures}" in lines, lines
+    hook = ap._hook_approval(h.store, a)
+    assert hook["asked_by"] == ["daily-spend"] and hook["figures"] == [figures]

@@ -8140,6 +8140,26 @@ class Budgets:
         return out
 
 
+def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit: Limit,
+                 before_seq: int, now: float) -> int:
+    """A limit's use as the events show it, for recheck: the executions of its tools
+    (step.tool_started) recorded before event ``before_seq`` that started within the window
+    ending ``now``. A walk through the window's events: recheck's cost, never a call's."""
+    counted = {name: t for name, t in tools.items()
+               if any(lim.key(t.server, t.remote) == key for lim in t.rule.limits)}
+    total = 0
+    for payload, in store._read("SELECT payload_json FROM events WHERE type='step.tool_started' "
+                                "AND seq<? AND at>?", (before_seq, fmt_time(now - limit.per))):
+        try:
+            tool = counted.get(loads_own(payload).get("tool"))
+            if tool is not None:
+                args = member_spans(payload.encode()).get("args", b"{}")
+                total += counted_value(limit, server_value(tool, args))[0]
+        except (ProxyError, AttributeError):
+            continue                 # an edited row: the chain's verify reports it
+    return total
+
+
 # -- what check prints of them --
 
 def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
@@ -10717,7 +10737,8 @@ RECHECK_LIMIT = 50
 RECHECK_TEXT = 240                     # bytes of one value in a report line
 RECHECK_SCOPE = (
     "A re-check covers the gate's policy: the policy map, each rule's outcome, its fixed "
-    "values and its rename. It does not cover the rules applied before the policy (the "
+    "values, its rename, its conditions, and its limits as counted from the executions "
+    "recorded before each decision. It does not cover the rules applied before the policy (the "
     "duplicate rule, the repeat window, max_pending, the refusal of a rejected or expired "
     "approval) or any call refused before the gate; without -current-tools it covers no "
     "change to a tool's schema or denied parameters either.")
@@ -10808,6 +10829,15 @@ class _RecordedPolicy(ProxyPolicy):
         super().__init__(cfg.policy_map, tools, None, policy_id)
         self.store = store
         self.following: Approval | None = None
+        self.as_of: tuple[int, float] | None = None     # the decision's event and time
+
+    def use_of(self) -> "UseOf | None":
+        """Limits as they stood when the decision was made: from the executions recorded
+        before it."""
+        if self.as_of is None:
+            return None
+        seq, now = self.as_of
+        return lambda key, limit: recorded_use(self.store, self.tools, key, limit, seq, now)
 
     def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
         at = super().rerun_of(request, view)
@@ -10929,6 +10959,8 @@ def _recheck_one(store, run, steps, ordered_steps, approvals, events, seq, step_
     handed_view = RunView(view_run, ordered_steps[:n_steps],
                           _approvals_as_of(approvals, events, seq, n_approvals))
     policy.following = approvals[n_approvals] if n_approvals < len(approvals) else None
+    at = next((e[3] for e in events if e[0] == seq), "")
+    policy.as_of = (seq, parse_time(at)) if at else None
     try:
         handed = dataclasses.replace(
             request, spec=dataclasses.replace(spec, input_schema=policy_json(spec.input_schema,
@@ -10939,7 +10971,7 @@ def _recheck_one(store, run, steps, ordered_steps, approvals, events, seq, step_
         ev.result, ev.rechecked, ev.detail = "different", "error", f"policy failed: {exc}"
         return ev
     finally:
-        policy.following = None
+        policy.following, policy.as_of = None, None
     ev.rechecked = now.outcome
     if now.outcome != outcome:
         ev.result, ev.detail = "different", now.reason

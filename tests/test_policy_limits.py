@@ -507,3 +507,45 @@ def test_policy_every_operator_view_shows_what_asked(make):
     assert "  asked by daily-spend" in lines and f"    {figures}" in lines, lines
     hook = ap._hook_approval(h.store, a)
     assert hook["asked_by"] == ["daily-spend"] and hook["figures"] == [figures]
+
+
+def test_recheck_evaluates_conditions_and_limits_as_they_stood(make):
+    rules = pay_rule(outcome="allow", when=[BLOCKED], limits=[DAILY])
+    h = make(rules=rules)
+    for to, amount in (("bob", 30), ("carol", 15), ("dave", 10), ("mallory", 1)):
+        h.call(PAY, {"to": to, "amount": amount})
+    assert h.payments() == 2 and len(h.pending()) == 1
+
+    def recheck(rules_now):
+        cfg = ap.load_config(_config_in(h, rules_now))
+        policy = ap._RecordedPolicy(cfg, ap.recorded_tools(cfg), cfg.policy_id(), h.store)
+        out = {}
+        for run in h.runs():
+            report = ap.recheck_run(h.store, run.id, policy, None)
+            out[run.id] = [(e.result, e.recorded, e.rechecked) for e in report.evaluations
+                           if e.result in ("same", "different")]
+        return out
+    same = recheck(rules)
+    assert all(r == "same" for ev in same.values() for r, _, _ in ev), same
+    # A lower max: the second payment (30 + 15 > 40) would now have asked.
+    lower = pay_rule(outcome="allow", when=[BLOCKED], limits=[dict(DAILY, max="40")])
+    diff = recheck(lower)
+    changed = [ev for ev in diff.values() if any(r == "different" for r, _, _ in ev)]
+    assert [("different", "allow", "require_approval")] in changed, diff
+    # Without the blocked-payee condition, mallory's call would have run.
+    loose = pay_rule(outcome="allow", limits=[DAILY])
+    diff = recheck(loose)
+    assert any(("different", "deny", "allow") in ev for ev in diff.values()), diff
+
+
+def _config_in(h, rules):
+    from proxy_harness import write_config
+    d = os.path.join(h.tmp, "again")
+    os.makedirs(d, exist_ok=True)
+    path = write_config(d, rules)
+    # The same database: recheck reads the harness's store.
+    doc = json.load(open(path))
+    doc["database"] = h.cfg.database
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return path

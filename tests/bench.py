@@ -102,6 +102,8 @@ MUTATING_OVERHEAD_MS = 1.2
 DUPLICATE_TOTAL_MS = 0.5
 SAME_REQUEST_RATIO = 1.10
 FULL_DATABASE_RATIO = 1.20
+LIMIT_EXTRA_MS = 0.3          # what a sum limit may add to an allowed mutating call
+LIMIT_ROWS_FULL, LIMIT_ROWS_QUICK = 1_000_000, 100_000
 INFLIGHT_MIN_RATE = 1500.0
 INFLIGHT_VS_FASTMCP = 2.0
 STARTUP_BEYOND_MS = 100.0
@@ -389,10 +391,10 @@ def echo_server() -> dict:
             "rules": ECHO_RULES}
 
 
-def bank_server(ledger: str) -> dict:
+def bank_server(ledger: str, rules: dict | None = None) -> dict:
     return {"name": "bank", "command": [PYTHON, FAKE_SERVER],
             "env": [f"FAKE_PAYMENTS_LEDGER={ledger}"], "manifest": "bank.manifest.json",
-            "rules": BANK_RULES}
+            "rules": rules or BANK_RULES}
 
 
 def ledger_lines(path: str) -> int:
@@ -422,11 +424,13 @@ class Lab:
         with open(self.fastmcp_script, "w") as f:
             f.write(FASTMCP_SCRIPT)
 
-    def proxy_dir(self, name: str, bank: bool, echo: bool, **top) -> ProxyDir:
+    def proxy_dir(self, name: str, bank: bool, echo: bool, bank_rules: dict | None = None,
+                  **top) -> ProxyDir:
         path = os.path.join(self.root, name)
         os.mkdir(path, 0o700)
         ledger = os.path.join(path, "ledger")
-        servers = ([echo_server()] if echo else []) + ([bank_server(ledger)] if bank else [])
+        servers = ([echo_server()] if echo else []) + \
+            ([bank_server(ledger, bank_rules)] if bank else [])
         doc = {"database": "runs.db", "session": SESSION, "hold": "0s", "servers": servers}
         doc.update(top)
         config = os.path.join(path, "proxy.json")
@@ -762,6 +766,66 @@ def database_rows(lab: Lab, dirs: dict, direct: Client, plan: Plan, rep: Report)
     lab.stop(arms["full"])
 
 
+# A sum limit that never refuses (its max is far above what the bench pays), so that what is
+# timed is its cost alone: one indexed query and one row, in the start's transaction.
+LIMIT_RULES = dict(BANK_RULES, pay=dict(PAY_RULES, limits=[
+    {"sum": "/amount", "max": "1e30", "per": "31d", "name": "bench"}]))
+LIMIT_KEY = json.dumps(["name", "bench", "sum /amount"], separators=(",", ":"))
+
+
+def build_limit_rows(database: str, rows: int) -> float:
+    """``rows`` executions of the bench limit within its window, in proxy_limit_uses, by
+    plain SQL (each adds 1: n and its running total rise by one each); seconds taken."""
+    began = time.perf_counter()
+    conn = sqlite3.connect(database, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")
+        conn.execute("PRAGMA synchronous=OFF")
+        (n,) = conn.execute("SELECT COUNT(*) FROM proxy_limit_uses").fetchone()
+        if n:
+            raise BenchError("the limit's table was not empty")
+        conn.execute("BEGIN")
+        conn.execute(
+            "WITH RECURSIVE k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k WHERE i < ?) "
+            "INSERT INTO proxy_limit_uses (key, n, at, total, run_id, step_id) "
+            "SELECT ?, i, ? + i * 1e-3, printf('%d', i) || ?, 'bench', 'bench' FROM k",
+            (rows, LIMIT_KEY, time.time() - rows * 1e-3 - 60, "0" * 36))
+        conn.execute("COMMIT")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA journal_mode=WAL")
+    finally:
+        conn.close()
+    return time.perf_counter() - began
+
+
+def limit_rows(lab: Lab, dirs: dict, plan: Plan, rep: Report) -> None:
+    """Allowed pays without a limit, under a sum limit with an empty history, and under one
+    whose window holds a million executions, side by side."""
+    rows = LIMIT_ROWS_QUICK if plan is QUICK else LIMIT_ROWS_FULL
+    seed = lab.proxy("limit-seed", dirs["limit-full"])      # creates the tables
+    lab.stop(seed)
+    took = build_limit_rows(dirs["limit-full"].database, rows)
+    arms = {name: lab.proxy(name, dirs[name]) for name in ("no-limit", "limit-empty",
+                                                             "limit-full")}
+
+    def one(name, c, i):
+        return c.ok("bank_pay", {"to": f"limit-{name}-{i}", "amount": 1})
+    warm(arms, lambda name: "bank_pay", lambda s: {"to": s, "amount": 1})
+    got = interleave(arms, plan.rounds, plan.per_round, one)
+    base, empty, full = (stats(got[k]) for k in ("no-limit", "limit-empty", "limit-full"))
+    for label, st in (("sum limit, empty history", empty),
+                      (f"sum limit, {rows:,} executions in the window", full)):
+        extra = st["p50"] - base["p50"]
+        rep.add(Row(f"allowed mutating call, {label}", fmt_stats(base), fmt_stats(st),
+                    f"{extra:+.2f} vs no limit", "n/a", f"<= +{LIMIT_EXTRA_MS} ms",
+                    extra <= LIMIT_EXTRA_MS,
+                    "" if st is empty else f"the window's rows built by plain SQL in "
+                                           f"{took:.1f} s"))
+    rep.figures["limits"] = {"rows": rows, "no_limit": base, "empty": empty, "full": full}
+    for arm in arms.values():
+        lab.stop(arm)
+
+
 def flight_row(arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
     walls = {name: 0.0 for name in arms}
     samples: dict = {name: [] for name in arms}
@@ -862,7 +926,12 @@ def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
             "db-full": lab.proxy_dir("db-full", bank=False, echo=True),
             "startup": lab.proxy_dir("startup", bank=True, echo=False),
             "held": lab.proxy_dir("held", bank=True, echo=False, hold=HOLD,
-                                  max_pending=HELD_MAX_PENDING)}
+                                  max_pending=HELD_MAX_PENDING),
+            "no-limit": lab.proxy_dir("no-limit", bank=True, echo=False),
+            "limit-empty": lab.proxy_dir("limit-empty", bank=True, echo=False,
+                                         bank_rules=LIMIT_RULES),
+            "limit-full": lab.proxy_dir("limit-full", bank=True, echo=False,
+                                        bank_rules=LIMIT_RULES)}
     lab.pin(list(dirs.values()))
     main_dir = dirs["main"]
     direct = {"echo": lab.direct("direct-echo", ECHO_SERVER, start=False),
@@ -887,6 +956,7 @@ def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
         ("in flight", lambda: flight_row(reads, read_tools, plan, rep)),
         ("same request", lambda: same_request_rows(proxy, direct["echo"], plan, rep)),
         ("database", lambda: database_rows(lab, dirs, direct["echo"], plan, rep)),
+        ("limits", lambda: limit_rows(lab, dirs, plan, rep)),
         ("start-up", lambda: startup_row(lab, dirs["startup"], plan, with_fastmcp, rep)),
         ("memory", lambda: memory_row(lab, dirs["held"], rep)),
     ]

@@ -674,3 +674,29 @@ def test_clock_steps_around_the_repeat_window(tmp_path):
         assert_chain_intact(h)
     finally:
         h.close()
+
+
+def test_clock_steps_around_a_limit_window(tmp_path):
+    """A sum limit of 10 an hour: stepped an hour back, what was spent still counts (an
+    execution is never counted as earlier than the one before it, so the window grows by
+    the step); stepped two hours forward, the window has passed and the cap opens again,
+    as the README says. What runs is what the count allowed, and the chain verifies."""
+    rules = json.loads(json.dumps(ALLOW_PAY))
+    rules["pay"]["limits"] = [{"sum": "/amount", "max": "10", "per": "1h", "over": "deny"}]
+    h = ProxyHarness(tmp_path, rules=rules)
+    try:
+        assert not h.is_error(h.call("bank_pay", {"to": "bob", "amount": 8}))
+        h.clock.skew = -HOUR
+        want(h.call("bank_pay", {"to": "carol", "amount": 3}), "DENIED", True)
+        assert not h.is_error(h.call("bank_pay", {"to": "carol", "amount": 2}))
+        want(h.call("bank_pay", {"to": "dave", "amount": 0.5}), "DENIED", True)
+        assert h.payments() == 2
+        h.clock.skew = HOUR + 1
+        # The rows of the two payments are at the real time, an hour behind this clock:
+        # both have left the window.
+        assert not h.is_error(h.call("bank_pay", {"to": "erin", "amount": 10}))
+        want(h.call("bank_pay", {"to": "fay", "amount": 0.01}), "DENIED", True)
+        assert h.payments() == 3
+        assert_chain_intact(h)
+    finally:
+        h.close()

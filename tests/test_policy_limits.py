@@ -549,3 +549,49 @@ def _config_in(h, rules):
     with open(path, "w") as f:
         json.dump(doc, f)
     return path
+
+
+def test_policy_check_at_start_of_a_collected_grant(make, monkeypatch):
+    """A grant asked by a condition, collected while the forecast misses a limit the count
+    crossed: the start refuses, and the call asks again, naming the limit too."""
+    large = {"if": {"properties": {"amount": {"exclusiveMinimum": 10}}},
+             "outcome": "require_approval", "why": "large payment"}
+    h = make(rules=pay_rule(outcome="allow", when=[large],
+                            limits=[{"sum": "/amount", "max": 40, "per": "1h", "name": "cap"}]))
+    assert h.prefix(h.call(PAY, {"to": "bob", "amount": 30})) == "PENDING_APPROVAL"
+    h.decide(h.pending()[0])
+    for to in ("c", "d"):
+        assert not h.is_error(h.call(PAY, {"to": to, "amount": 10}))     # 20 of 40
+    real = h.proxy.budgets.use_of
+    stale = [True]
+
+    def forecast(key, limit):
+        if stale:
+            stale.pop()
+            return 0
+        return real(key, limit)
+    monkeypatch.setattr(h.proxy.budgets, "use_of", forecast)
+    r = h.call(PAY, {"to": "bob", "amount": 30})
+    assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+    assert h.payments() == 2 and not stale
+    newest = h.pending()[-1]
+    assert json.loads(newest.capability)["asked_by"] == ["when[0]", "cap"]
+
+
+def test_policy_conditions_share_one_checks_budget():
+    """32 conditions, each affordable alone on a 60,000-item array, cost together more than
+    one check may spend: the call is denied, naming the condition where the budget ran out,
+    never checked 32 times over."""
+    cond = {"if": {"properties": {"x": {"items": {"minimum": 0, "maximum": 10}}},
+                   "required": ["y"]}, "outcome": "allow"}
+    when = ap.parse_conditions(ap.parse_json(json.dumps([cond] * 32).encode()), "t")
+    alone, _ = when[0].schema.test(ap.parse_json(json.dumps({"x": [1] * 60000}).encode()),
+                                   ap.MAX_SCHEMA_EVALUATIONS)
+    assert alone is False                               # affordable alone: it just fails
+    rule = ap.Rule(side_effect="remote_mutation", when=when)
+    spec = ap.ToolSpec("bank_pay", "", b"{}", "remote_mutation", 1.0)
+    tool = ap.UpstreamTool(spec, "bank", "pay", rule, None)
+    args = json.dumps({"x": [1] * 60000}).encode()
+    judged = ap.judge(tool, args, "require_approval", "by class", None)
+    assert judged.outcome == "deny" and "could not be evaluated" in judged.reason, judged
+    assert judged.reason.startswith("when[")

@@ -8106,6 +8106,42 @@ class Budgets:
     def counts(self, name: str) -> bool:
         return name in self.tools
 
+    def backfill(self) -> None:
+        """A limit this database has no row of yet (new, or now counting another pointer)
+        counts what its tools already executed within its window, as the events record it:
+        read once, in a write transaction that looks again for a row first, so that two
+        proxies starting together write the history once. A limit whose tools executed
+        nothing in its window finds nothing, and looks again at the next start (a walk
+        through the events: a start's cost, never a call's)."""
+        limits: dict[str, tuple[Limit, dict]] = {}
+        for name, tool in self.tools.items():
+            for limit in tool.rule.limits:
+                key = limit.key(tool.server, tool.remote)
+                limits.setdefault(key, (limit, {}))[1][name] = tool
+        now = self.clock()
+        for key, (limit, tools) in limits.items():
+            with self.store.tx() as tx:
+                if tx.rows("SELECT 1 FROM proxy_limit_uses WHERE key=? LIMIT 1", (key,)):
+                    continue
+                n, total, last = 0, 0, 0.0
+                for at, run_id, step_id, payload in tx.rows(
+                        "SELECT at, run_id, step_id, payload_json FROM events WHERE "
+                        "type='step.tool_started' AND at>? ORDER BY seq",
+                        (fmt_time(now - limit.per),)):
+                    try:
+                        tool = tools.get(loads_own(payload).get("tool"))
+                        if tool is None:
+                            continue
+                        args = member_spans(payload.encode()).get("args", b"{}")
+                        adds = counted_value(limit, server_value(tool, args))[0]
+                        when = parse_time(at)
+                    except (ProxyError, AttributeError, ValueError):
+                        continue
+                    n, total, last = n + 1, total + adds, max(when, last)
+                    tx.exec("INSERT INTO proxy_limit_uses (key, n, at, total, run_id, "
+                            "step_id) VALUES (?,?,?,?,?,?)",
+                            (key, n, last, str(total), run_id, step_id))
+
     def use_of(self, key: str, limit: Limit) -> int:
         return _use(self.store._read, key, limit, self.clock())[1]
 
@@ -8478,6 +8514,7 @@ class Proxy:
         self.policy = ProxyPolicy(cfg.policy_map, self.tools, self, cfg.policy_id())
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
+        self.budgets.backfill()
         self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
                          lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl,
                          reconcile=self.reconcile, known=self.known,
@@ -8821,7 +8858,7 @@ class Proxy:
                     return Answer(blocked_interrupted(tool.spec.name, action.approval.id))
                 if action is not None:
                     return Answer(in_progress())
-        if mutating:
+        if mutating and outcome != "deny":       # a call denied anyway is the gate's to deny
             action = self.unknown_block(tool, key)
             if action is not None:
                 return action

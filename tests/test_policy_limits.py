@@ -291,6 +291,15 @@ def test_policy_unknown_outcome_counts(make):
     assert h.prefix(r) == "UNKNOWN_OUTCOME", h.text(r)
     use = h.proxy.budgets.lines()
     assert use == ["bank_pay: 1 of 1 (calls) in the last 1h"], use
+    # Another call is over the limit too: denied by it, not answered about the other one.
+    r = h.call(PAY, {"to": "carol", "amount": 1})
+    assert h.prefix(r) == "DENIED" and "1 of 1 calls" in h.text(r), h.text(r)
+    # Once the window lets the re-run in, the operator is asked, and the tool is BLOCKED.
+    h.clock.skew += 3700
+    r = h.call(PAY, {"to": "carol", "amount": 1})
+    assert h.prefix(r) == "BLOCKED", h.text(r)
+    assert [a.kind for a in h.pending()] == ["interrupted_side_effect"]
+    assert h.payments() <= 1
 
 
 def test_policy_refused_and_waiting_calls_do_not_count(make):
@@ -595,3 +604,27 @@ def test_policy_conditions_share_one_checks_budget():
     judged = ap.judge(tool, args, "require_approval", "by class", None)
     assert judged.outcome == "deny" and "could not be evaluated" in judged.reason, judged
     assert judged.reason.startswith("when[")
+
+
+def test_policy_a_new_limit_counts_what_already_ran(tmp_path):
+    """What counts is what the store recorded: a limit added to a rule counts the tool's
+    executions already within its window, once, however many proxies start on it."""
+    d = tmp_path / "h"
+    d.mkdir()
+    h = ProxyHarness(d, rules=pay_rule(outcome="allow"))
+    try:
+        for to, amount in (("bob", 20), ("carol", 25)):
+            assert not h.is_error(h.call(PAY, {"to": to, "amount": amount}))
+    finally:
+        h.close()
+    rules = pay_rule(outcome="allow", limits=[DAILY])
+    first = ProxyHarness(d, rules=rules, pin=False)
+    second = ProxyHarness(d, rules=rules, pin=False)     # a second start: nothing twice
+    try:
+        assert first.proxy.budgets.lines() == [
+            'bank_pay: 45 of 50 (sum of /amount, limit "daily-spend") in the last 24h']
+        r = second.call(PAY, {"to": "dave", "amount": 10})
+        assert second.prefix(r) == "PENDING_APPROVAL", second.text(r)
+    finally:
+        second.close()
+        first.close()

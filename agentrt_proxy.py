@@ -7740,9 +7740,11 @@ class Limit:
         return f'limit "{self.name}"' if self.name else f"limits[{self.index}]"
 
     def key(self, server: str, remote: str) -> str:
-        """The counter it is counted under: its name, or its place; and what it counts, so
-        that a sum of another pointer never reads this one's rows."""
-        what = "calls" if self.calls else "sum " + self.pointer
+        """The counter it is counted under: its name, or its place; and what it counts and
+        over what window, so that a sum of another pointer never reads this one's rows, and
+        a longer window starts from the history (Budgets.backfill), not from its rows."""
+        what = ("calls" if self.calls else "sum " + self.pointer) + \
+            " per " + fmt_duration(self.per)
         where = ["name", self.name] if self.name else ["tool", server, remote, self.index]
         return dump_json(where + [what])
 

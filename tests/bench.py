@@ -770,7 +770,7 @@ def database_rows(lab: Lab, dirs: dict, direct: Client, plan: Plan, rep: Report)
 # timed is its cost alone: one indexed query and one row, in the start's transaction.
 LIMIT_RULES = dict(BANK_RULES, pay=dict(PAY_RULES, limits=[
     {"sum": "/amount", "max": "1e30", "per": "31d", "name": "bench"}]))
-LIMIT_KEY = json.dumps(["name", "bench", "sum /amount"], separators=(",", ":"))
+LIMIT_KEY = json.dumps(["name", "bench", "sum /amount per 744h"], separators=(",", ":"))
 
 
 def build_limit_rows(database: str, rows: int) -> float:

@@ -628,3 +628,23 @@ def test_policy_a_new_limit_counts_what_already_ran(tmp_path):
     finally:
         second.close()
         first.close()
+
+
+def test_policy_a_longer_window_counts_from_the_history(tmp_path):
+    d = tmp_path / "h"
+    d.mkdir()
+    short = dict(DAILY, per="1h")
+    h = ProxyHarness(d, rules=pay_rule(outcome="allow", limits=[short]))
+    try:
+        assert not h.is_error(h.call(PAY, {"to": "bob", "amount": 40}))
+        h.clock.skew = 2 * 3600            # the 40 has left the 1h window
+        assert not h.is_error(h.call(PAY, {"to": "carol", "amount": 5}))
+    finally:
+        h.close()
+    again = ProxyHarness(d, rules=pay_rule(outcome="allow", limits=[DAILY]), pin=False)
+    try:
+        again.clock.skew = 2 * 3600
+        assert again.proxy.budgets.lines() == [
+            'bank_pay: 45 of 50 (sum of /amount, limit "daily-spend") in the last 24h']
+    finally:
+        again.close()

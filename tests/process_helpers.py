@@ -238,7 +238,8 @@ class ProxyProcess:
         self.d = d
         self.stderr_path = os.path.join(d.tmp, f"{name}-{len(d.procs)}.stderr")
         self.err_file = open(self.stderr_path, "wb")
-        self.proc = subprocess.Popen([PYTHON, PROXY, "-config", d.config],
+        program = getattr(d, "program", PROXY)        # a test may run a copy of the file
+        self.proc = subprocess.Popen([PYTHON, program, "-config", d.config],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.err_file, cwd=d.tmp)
         self.pid = self.proc.pid

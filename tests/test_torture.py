@@ -47,11 +47,24 @@ the host calls, kills, stalls and operator decisions, the ledger, the runs, the 
 each process's stderr. Processes are real, so a replay follows the same schedule and
 choices, not the same interleaving to the millisecond. Every process is ended by the pid it
 was started under.
+
+The budget trial: two proxies on one database pay through one tool under two sum limits of
+one 2 s window, `cap` (over it: deny) and `soft` (over it: an approval), and a condition
+that asks about large amounts. Each host keeps 16 calls in flight; a killer sends SIGKILL to
+a random proxy every 1 to 3 s; the operator approves most of what waits and rejects the
+rest. The books, from the events: in every window that ends at an execution, the executions
+sum to at most `cap`, and to at most `soft` plus those an operator approved over it; and
+the ledger holds nothing that no execution started. A planted mutant, checking the limits
+only before the start's transaction, must fail the same books.
+
+    python3 -m pytest -q -s tests/test_torture.py -k budget                  # CI: 30 s
+    TORTURE_BUDGET_SECONDS=600 python3 -m pytest -q -s tests/test_torture.py -k budget
 """
 
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import hashlib
 import hmac
 import http.client
@@ -1407,3 +1420,364 @@ def test_replay_cancel_of_a_waiting_run_cancels_its_approval(tmp_path):
         assert books.problems == [] and books.payments == 0, books
     finally:
         d.cleanup()
+
+
+# -- the budget trial -----------------------------------------------------------------------
+# Two proxies on one database pay through one tool under two sum limits of one window: `cap`
+# (over it: deny) and `soft` (over it: an approval). Each host keeps BUDGET_IN_FLIGHT calls
+# in flight; a killer sends SIGKILL to a random proxy now and then and starts it again; an
+# operator approves most of what waits (an approval over `soft` among them) and rejects the
+# rest. The books, from the events alone: for every window that ends at an execution, the
+# executions in it sum to at most `cap`, and to at most `soft` plus the executions in it
+# that an operator approved over `soft`.
+
+BUDGET_SECONDS = float(os.environ.get("TORTURE_BUDGET_SECONDS", "30"))
+BUDGET_PER, BUDGET_PER_SECONDS = "2s", 2.0
+BUDGET_CAP, BUDGET_SOFT = decimal.Decimal("40"), decimal.Decimal("20")
+BUDGET_LARGE = 8                    # an amount at least this asks (a condition), limits aside
+BUDGET_IN_FLIGHT = 16
+BUDGET_KILL_GAP = (1.0, 3.0)
+BUDGET_OPERATOR_GAP = (0.05, 0.4)
+BUDGET_THINK = (0.0, 0.02)          # a host's pause before each call it sends
+BUDGET_RETRY = 0.3                  # of a host's calls, this share retries an open request
+BUDGET_MUTANT_SECONDS = 60.0     # at most: it stops once a window is over
+
+
+class BudgetDir(ProcessDir):
+    """`bank` (the fake payment server) whose pay runs under the two limits; `program` is the
+    proxy file the proxies run (a planted mutant's copy, for the checker's own test)."""
+
+    def __init__(self, tmp, program: str = PROXY):
+        os.makedirs(str(tmp), exist_ok=True)
+        self.program = program
+        super().__init__(tmp)
+
+    def write_config(self, rules, **top) -> None:
+        pay = {"side_effect": "remote_mutation", "outcome": "allow", "timeout": "5s",
+               "when": [{"if": {"properties": {"amount": {"minimum": BUDGET_LARGE}},
+                                "required": ["amount"]},
+                         "outcome": "require_approval", "why": "a large payment"}],
+               "limits": [{"name": "cap", "sum": "/amount", "max": str(BUDGET_CAP),
+                           "per": BUDGET_PER, "over": "deny"},
+                          {"name": "soft", "sum": "/amount", "max": str(BUDGET_SOFT),
+                           "per": BUDGET_PER}]}
+        server = {"name": "bank", "command": [PYTHON, FAKE_SERVER],
+                  "env": [f"FAKE_PAYMENTS_LEDGER={self.ledger}"],
+                  "manifest": "bank.manifest.json",
+                  "rules": {"balance": {"side_effect": "read_only", "timeout": "5s"},
+                            "pay": pay}}
+        doc = {"database": "runs.db", "session": "budget", "hold": "0s", "lease_ttl": LEASE,
+               "max_pending": 2 * BUDGET_IN_FLIGHT, "servers": [server]}
+        with open(self.config, "w") as f:
+            json.dump(doc, f, indent=2)
+        os.chmod(self.config, 0o600)
+
+
+def exact(args_json: str) -> dict:
+    return json.loads(args_json, parse_float=decimal.Decimal, parse_int=decimal.Decimal)
+
+
+def budget_executions(events, approvals) -> list[tuple]:
+    """Each execution of bank_pay (step.tool_started), as (time, amount, whether an approval
+    asked by `soft` let it start), in the order the store recorded them."""
+    over_soft = {aid for aid, _run, _kind, status, _h, cap, _req, _at in approvals
+                 if status == "approved" and "soft" in json.loads(cap).get("asked_by", [])}
+    found = []
+    for seq, run_id, step_id, at, typ, payload in events:
+        if typ != "step.tool_started":
+            continue
+        doc = json.loads(payload)
+        if doc.get("tool") != "bank_pay":
+            continue
+        amount = exact(json.dumps(doc["args"]))["amount"]
+        found.append((parse_time(at), amount, doc.get("approval_id") in over_soft))
+    return found
+
+
+def check_budget_windows(executions: list[tuple], per: float, cap, soft) -> list[str]:
+    """For each window (t - per, t] ending at an execution's start t, the sum of the
+    executions that started in it: at most cap, and at most soft plus those of them approved
+    over soft. (A limit counts an execution while its start is later than now - per.)"""
+    problems = []
+    for t, _amount, _over in executions:
+        inside = [(a, over) for s, a, over in executions if t - per < s <= t]
+        total = sum((a for a, _ in inside), decimal.Decimal(0))
+        approved = sum((a for a, over in inside if over), decimal.Decimal(0))
+        if total > cap:
+            problems.append(f"the window ending {fmt(t)} sums to {total}, over cap {cap}")
+        if total > soft + approved:
+            problems.append(f"the window ending {fmt(t)} sums to {total}, over soft {soft} "
+                            f"plus {approved} approved over it")
+    return problems
+
+
+def fmt(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}"
+
+
+@dataclasses.dataclass
+class BudgetBooks:
+    executions: int = 0
+    approved_over_soft: int = 0
+    payments: int = 0
+    problems: list = dataclasses.field(default_factory=list)
+
+
+def check_budget_books(db: str, ledger_path: str) -> BudgetBooks:
+    """The windows, and the ledger against the executions: nothing reached the server that
+    no counted execution started."""
+    rows = read_db(db)
+    executions = budget_executions(rows["events"], rows["approvals"])
+    books = BudgetBooks(len(executions), sum(1 for e in executions if e[2]))
+    books.problems = check_budget_windows(executions, BUDGET_PER_SECONDS, BUDGET_CAP,
+                                          BUDGET_SOFT)
+    started: dict[str, int] = {}
+    for seq, run_id, step_id, at, typ, payload in rows["events"]:
+        if typ == "step.tool_started" and json.loads(payload).get("tool") == "bank_pay":
+            key = canon(json.loads(payload)["args"])
+            started[key] = started.get(key, 0) + 1
+    paid = ledger_keys(ledger_path)
+    books.payments = len(paid)
+    for key in set(paid):
+        if paid.count(key) > started.get(key, 0):
+            books.problems.append(f"{key} was paid {paid.count(key)} times and started "
+                                  f"{started.get(key, 0)}")
+    return books
+
+
+class BudgetHost(threading.Thread):
+    """A host on one slot keeping BUDGET_IN_FLIGHT calls in flight, on one thread: it sends
+    until that many wait, then reads one answer. New payments, and retries of requests still
+    open (waiting for an approval, cut off by a kill)."""
+
+    def __init__(self, trial: "BudgetTrial", slot: Slot, rng: random.Random):
+        super().__init__(daemon=True)
+        self.trial, self.slot, self.rng = trial, slot, rng
+        self.n = 0
+
+    def choose(self) -> dict:
+        cut, waits = self.trial.open_requests()
+        if cut and self.rng.random() < BUDGET_RETRY:      # what a kill cut off blocks the
+            return self.rng.choice(cut)                   # tool until it is called again
+        if waits and self.rng.random() < BUDGET_RETRY:
+            return self.rng.choice(waits)
+        self.n += 1
+        large = self.rng.random() < 0.15
+        args = {"to": f"payee-{self.slot.index}-{self.n}",
+                "amount": self.rng.choice([8, 9.5, 12] if large else [1, 2, 3, 4.5, 5, 6.25])}
+        if self.rng.random() < 0.2:
+            args["mode"] = "slow"
+        return args
+
+    def run(self) -> None:
+        while not self.trial.stop.is_set():
+            if not self.slot.ready.wait(60):
+                self.trial.fail(f"slot{self.slot.index} was not started again within 60 s")
+                return
+            with self.slot.lock:
+                p = self.slot.proc
+            self.serve(p)
+
+    def serve(self, p) -> None:
+        waiting: dict[int, tuple[dict, float]] = {}
+        try:
+            while not self.trial.stop.is_set() and p.proc.poll() is None:
+                while len(waiting) < BUDGET_IN_FLIGHT and \
+                        not self.trial.stop.wait(self.rng.uniform(*BUDGET_THINK)):
+                    args = self.choose()
+                    waiting[p.send_call("bank_pay", args)] = (args, time.monotonic())
+                if not p._pump(time.monotonic() + 0.2) and p.proc.poll() is None:
+                    late = [a for a, since in waiting.values()
+                            if time.monotonic() - since > ANSWER_WAIT]
+                    if late and p.pid not in self.slot.killed:
+                        self.trial.fail(f"pid {p.pid} answered none of {late[:3]} within "
+                                        f"{ANSWER_WAIT} s")
+                        return
+                for ident in [i for i in waiting if json.dumps(i) in p.answers]:
+                    args, _ = waiting.pop(ident)
+                    self.trial.answered(p, args, p.answers.pop(json.dumps(ident)))
+        except OSError:                            # its proxy was just killed
+            pass
+        if self.trial.stop.is_set():               # the last answers, before the proxy stops
+            deadline = time.monotonic() + ANSWER_WAIT
+            while waiting and time.monotonic() < deadline and p._pump(deadline):
+                for ident in [i for i in waiting if json.dumps(i) in p.answers]:
+                    args, _ = waiting.pop(ident)
+                    self.trial.answered(p, args, p.answers.pop(json.dumps(ident)))
+        for args, _ in waiting.values():
+            self.trial.answered(p, args, None)
+
+
+class BudgetTrial:
+    def __init__(self, tmp, seed: int, seconds: float, program: str = PROXY,
+                 kills: bool = True, until_found: bool = False):
+        self.seed, self.seconds, self.kills_on = seed, seconds, kills
+        self.until_found = until_found      # stop once the books find a window over
+        self.rng = random.Random(seed)
+        self.d = BudgetDir(tmp, program)
+        self.log = Timeline()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.last: dict[str, tuple[dict, str]] = {}    # request -> (arguments, last prefix)
+        self.said: dict[str, int] = {}                  # answers by prefix
+        self.cap_denials = 0
+        self.kills = 0
+        self.decided: dict[str, int] = {}
+        self.failures: list[str] = []
+
+    def fail(self, why: str) -> None:
+        self.log.add(f"FAILURE {why}")
+        self.failures.append(why)
+
+    def open_requests(self) -> tuple[list[dict], list[dict]]:
+        """The requests cut off or of unknown outcome, and those waiting for an approval."""
+        with self.lock:
+            return ([a for a, pfx in self.last.values()
+                     if pfx in OPEN_PREFIXES and pfx != "PENDING_APPROVAL"],
+                    [a for a, pfx in self.last.values() if pfx == "PENDING_APPROVAL"])
+
+    def answered(self, p, args: dict, msg: dict | None) -> None:
+        if msg is None:
+            pfx, said = "lost", ""
+        elif "error" in msg:
+            pfx, said = "error", json.dumps(msg["error"])
+            self.fail(f"protocol error from pid {p.pid} for {args}: {said}")
+        else:
+            pfx, said = prefix(msg["result"]), text(msg["result"])
+            pfx = "paid" if said.startswith("paid ") else pfx
+        with self.lock:
+            self.last[canon(args)] = (args, pfx)
+            self.said[pfx] = self.said.get(pfx, 0) + 1
+            self.cap_denials += pfx == "DENIED" and 'limit "cap"' in said
+        self.log.add(f"pid {p.pid} bank_pay {canon(args)} -> {pfx}: {said[:140]}")
+
+    def killer(self, slots: list[Slot]) -> None:
+        rng = random.Random(self.seed * 7 + 3)
+        while self.kills_on and not self.stop.wait(rng.uniform(*BUDGET_KILL_GAP)):
+            slot = slots[rng.randrange(2)]
+            if slot.kill():
+                self.kills += 1
+                try:
+                    slot.start()
+                except Exception as e:             # a proxy that cannot start is a finding
+                    self.fail(f"slot{slot.index} could not start again: {e}")
+
+    def operator(self) -> None:
+        rng = random.Random(self.seed * 7 + 1)
+        while not self.stop.wait(rng.uniform(*BUDGET_OPERATOR_GAP)):
+            try:
+                pending = [a for a in read_db(self.d.db)["approvals"] if a[3] == "pending"]
+            except sqlite3.Error as e:
+                self.log.add(f"operator: database busy: {e}")
+                continue
+            # An interruption first: until it is decided its tool is BLOCKED for every call.
+            first = [a for a in pending if a[2] == INTERRUPTED] or pending
+            if not first:
+                continue
+            aid, run_id, kind = rng.choice(first)[:3]
+            action = "approve" if kind == INTERRUPTED or rng.random() < 0.75 else "reject"
+            argv = [action, run_id, "-approval", aid, "-by", "operator"]
+            code, out, err = run_cli("-db", self.d.db, *argv + (["-note", "budget"]
+                                                                 if action == "reject" else []))
+            self.decided[action] = self.decided.get(action, 0) + (code == 0)
+            self.log.add(f"operator: {action} {aid} ({kind}) -> exit {code} {err.strip()[:120]}")
+
+    def run(self) -> BudgetBooks:
+        slots = [Slot(self.d, i, self.log) for i in range(2)]
+        hosts = [BudgetHost(self, s, random.Random(self.seed * 7 + 10 + s.index))
+                 for s in slots]
+        actors = hosts + [threading.Thread(target=self.operator, daemon=True)]
+        killer = threading.Thread(target=self.killer, args=(slots,), daemon=True)
+        for a in actors + [killer]:
+            a.start()
+        ends = time.monotonic() + self.seconds
+        while not self.stop.wait(min(1.0, max(0.0, ends - time.monotonic()))) and \
+                time.monotonic() < ends:
+            if self.until_found and check_budget_books(self.d.db, self.d.ledger).problems:
+                break
+        self.stop.set()
+        killer.join(STOP_WAIT + 60)
+        for a in actors:
+            a.join(ANSWER_WAIT + STOP_WAIT)
+            if a.is_alive():
+                self.fail(f"{a} did not stop")
+        for s in slots:
+            if s.ready.wait(60):
+                s.proc.close_stdin()
+                code = s.proc.wait_exit(STOP_WAIT)
+                if code != 0:
+                    self.fail(f"pid {s.proc.pid} exited {code} on stdin close")
+        return check_budget_books(self.d.db, self.d.ledger)
+
+    def report(self, books: BudgetBooks) -> str:
+        parts = [f"budget trial seed {self.seed}", "problems:", *books.problems,
+                 *self.failures, "timeline:", *self.log.lines]
+        for p in self.d.procs:
+            parts += [f"stderr of pid {p.pid}:", p.stderr()[-4000:]]
+        return "\n".join(parts)
+
+
+def budget_trial(tmp, seed: int, seconds: float, program: str = PROXY, kills: bool = True,
+                 until_found: bool = False):
+    trial = BudgetTrial(tmp, seed, seconds, program, kills, until_found)
+    try:
+        return trial, trial.run()
+    finally:
+        trial.stop.set()
+        trial.d.cleanup()
+
+
+def test_budget_books_catch_a_window_over_its_max():
+    """The window checker is not vacuous: executions that fit pass; one more inside the
+    window, or an approval over soft counted as over cap, is found."""
+    D = decimal.Decimal
+    fits = [(0.0, D(20), False), (0.5, D("19.5"), True), (1.9, D("0.5"), True),
+            (2.0, D(10), False)]
+    assert check_budget_windows(fits, 2.0, D(40), D(20)) == []
+    over_cap = fits + [(2.4, D("10.000000000000000000001"), True)]
+    assert check_budget_windows(over_cap, 2.0, D(40), D(20)) != []
+    over_soft = [(0.0, D(15), False), (1.0, D(6), False)]
+    assert check_budget_windows(over_soft, 2.0, D(40), D(20)) != []
+    assert check_budget_windows([(0.0, D(15), False), (2.0, D(6), False)], 2.0, D(40),
+                                D(20)) == []                     # 0.0 left the window at 2.0
+
+
+def test_torture_budget_holds_across_two_proxies_and_kills(tmp_path, capsys):
+    trial, books = budget_trial(tmp_path / "budget", SEED, BUDGET_SECONDS)
+    summary = (f"torture budget: seed {SEED}: {BUDGET_SECONDS:.0f} s, {trial.kills} kills, "
+               f"{sum(trial.said.values())} answers {dict(sorted(trial.said.items()))}, "
+               f"{books.executions} executions ({books.approved_over_soft} approved over "
+               f"soft), {books.payments} payments, {trial.cap_denials} denied by cap, "
+               f"operator {trial.decided}, {len(books.problems)} windows over")
+    with capsys.disabled():
+        print("\n" + summary)
+        if books.problems or trial.failures:
+            print(trial.report(books))
+    assert not books.problems and not trial.failures, summary
+    assert trial.kills >= BUDGET_SECONDS / BUDGET_KILL_GAP[1] / 2, summary
+    assert books.executions and trial.cap_denials and books.approved_over_soft, summary
+
+
+def test_torture_budget_catches_a_check_outside_the_transaction(tmp_path, capsys):
+    """A planted mutant: the limits are checked only by the evaluation before the start's
+    transaction (its check inside it never refuses), and a call waits a little between the
+    two. The same trial, without kills (a kill's unknown outcome blocks the tool for a
+    while), must find a window over its max; it stops when it does."""
+    with open(PROXY) as f:
+        source = f.read()
+    for old, new in [
+            ("            if problem or (used + adds > limit.most() and",
+             "            if False and (used + adds > limit.most() and"),
+            ("        judged = self._prejudge(run_id, step_id, goal, limits, decision)\n",
+             "        judged = self._prejudge(run_id, step_id, goal, limits, decision)\n"
+             "        time.sleep(0.05)\n")]:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    mutant = tmp_path / "agentrt_proxy.py"
+    mutant.write_text(source)
+    trial, books = budget_trial(tmp_path / "budget", SEED, BUDGET_MUTANT_SECONDS, str(mutant),
+                                kills=False, until_found=True)
+    with capsys.disabled():
+        print(f"\ntorture budget mutant: seed {SEED}: {books.executions} executions, "
+              f"{len(books.problems)} windows over; first: {books.problems[:1]}")
+    assert books.problems, trial.report(books)

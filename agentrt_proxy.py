@@ -1514,6 +1514,11 @@ class Pattern:
             nxt = self._memo.get((state, ch, ctx))
             if nxt is None:
                 nxt = self._step(state, ch, ctx, work)
+            else:                # a memoised step is cheaper, never free: a visit a character
+                work[0] += 1
+                if work[0] > work[1]:
+                    raise PatternTooCostly(f"the string is too costly to match against "
+                                           f"pattern {_quote(self.text)}")
             state = nxt
         return self._match in state, work[0]
 
@@ -6282,6 +6287,16 @@ class UpstreamTool:
     def fixed(self) -> dict[str, bytes]:
         return dict(self.rule.fixed)
 
+    def refused_param(self, value: dict) -> str:
+        """Why arguments holding a denied or a fixed parameter are refused, or ''."""
+        for param in self.rule.deny:
+            if param in value:
+                return f'{self.spec.name}: parameter "{param}" is denied by the operator'
+        for param, _ in self.rule.fixed:
+            if param in value:
+                return f'{self.spec.name}: parameter "{param}" is fixed by the operator'
+        return ""
+
     async def call(self, args: bytes) -> ToolResult:
         """Send the call: denied or fixed parameters the model set are refused before
         anything is sent; fixed values are injected; the answer is mapped to content."""
@@ -6295,12 +6310,9 @@ class UpstreamTool:
             value, raw = {}, b"{}"
         if not isinstance(value, dict):
             raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}")
-        for param in self.rule.deny:
-            if param in value:
-                raise ToolFailure(f'{name}: parameter "{param}" is denied by the operator')
-        for param, _ in self.rule.fixed:
-            if param in value:
-                raise ToolFailure(f'{name}: parameter "{param}" is fixed by the operator')
+        refused = self.refused_param(value)
+        if refused:
+            raise ToolFailure(refused)
         if self.rule.fixed:
             for param, fixed in self.rule.fixed:
                 value[param] = parse_json(fixed)
@@ -7129,6 +7141,7 @@ class ProxyPolicy:
     def __init__(self, policy: dict[str, str], tools: dict[str, "UpstreamTool"],
                  proxy: "Proxy | None" = None, policy_id: str = ""):
         self.policy, self.tools, self.proxy, self.policy_id = policy, tools, proxy, policy_id
+        self.seen: dict = {}             # the last call's first condition (first_condition)
 
     def decide(self, tool: "UpstreamTool") -> tuple[str, str]:
         if tool.rule.outcome:
@@ -7147,7 +7160,7 @@ class ProxyPolicy:
         outcome, reason = self.decide(tool)
         judged = None
         if tool.rule.when or tool.rule.limits:          # section 20
-            judged = judge(tool, request.args, outcome, reason, self.use_of())
+            judged = judge(tool, request.args, outcome, reason, self.use_of(), self.seen)
             outcome, reason = judged.outcome, judged.reason
         if outcome == "deny":
             return PolicyDecision(outcome, reason)
@@ -7180,7 +7193,7 @@ class ProxyPolicy:
         if not (tool.rule.when or tool.rule.limits):
             return outcome
         try:
-            return judge(tool, args, outcome, reason, self.use_of()).outcome
+            return judge(tool, args, outcome, reason, self.use_of(), self.seen).outcome
         except (ProxyError, ValueError):
             return "require_approval"
 
@@ -7742,7 +7755,7 @@ class Limit:
     def key(self, server: str, remote: str) -> str:
         """The counter it is counted under: its name, or its place; and what it counts and
         over what window, so that a sum of another pointer never reads this one's rows, and
-        a longer window starts from the history (Budgets.backfill), not from its rows."""
+        a longer window starts from the history (Budgets.catch_up), not from its rows."""
         what = ("calls" if self.calls else "sum " + self.pointer) + \
             " per " + fmt_duration(self.per)
         where = ["name", self.name] if self.name else ["tool", server, remote, self.index]
@@ -7896,6 +7909,10 @@ def _check_pointer(pointer: str, at: str) -> None:
                           'arguments, such as "/amount"')
     if re.search(r"~(?![01])", pointer):
         raise ConfigError(f"{at}: sum {_quote(pointer)} holds a ~ that is not ~0 or ~1")
+    bad = next((ch for ch in pointer if not ch.isprintable()), None)
+    if bad is not None:           # it is shown to the model and the operator as it is written
+        raise ConfigError(f"{at}: sum holds the character U+{ord(bad):04X}, which is not "
+                          "printable")
 
 
 def _parse_max(value: Any, at: str) -> int:
@@ -7967,7 +7984,10 @@ class Judgement:
 def server_value(tool: "UpstreamTool", args: bytes) -> Any:
     """The arguments as the server will receive them: the model's, with the rule's fixed
     values in."""
-    value = parse_json(args.strip(JSON_WS) or b"{}")
+    return _with_fixed(tool, parse_json(args.strip(JSON_WS) or b"{}"))
+
+
+def _with_fixed(tool: "UpstreamTool", value: Any) -> Any:
     if isinstance(value, dict) and tool.rule.fixed:
         value = dict(value)
         for name, fixed in tool.rule.fixed:
@@ -8005,29 +8025,55 @@ def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
 UseOf = Callable[[str, Limit], int]
 
 
-def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
-          use_of: UseOf | None) -> Judgement:
-    """The rule's conditions, then its limits, on one call. ``outcome`` and ``reason`` are
-    what the rule or the class says; ``use_of`` reads a limit's use (None: limits are not
-    counted, as for check)."""
-    name, rule = tool.spec.name, tool.rule
-    value = server_value(tool, args)
-    asked: list[str] = []
-    figures: list[str] = []
+def first_condition(tool: "UpstreamTool", value: Any, args: bytes,
+                    seen: dict | None = None) -> "Condition | str | None":
+    """The first of the rule's conditions that ``value`` matches, None if none does, or the
+    label of the one at which their shared budget of MAX_SCHEMA_EVALUATIONS ran out. All of
+    a call's conditions spend one budget, so their cost is bounded like one input schema's.
+    ``seen`` (a caller's one-entry memo) keeps the last call's answer, so that a call
+    evaluated twice (its rules, then its policy) pays once."""
+    if seen is not None and seen.get("tool") is tool and seen.get("args") == args:
+        return seen["found"]
+    found: Condition | str | None = None
     budget = MAX_SCHEMA_EVALUATIONS
-    for cond in rule.when:
+    for cond in tool.rule.when:
         try:
             hit, budget = cond.schema.test(value, budget)
         except CheckTooCostly:
-            return Judgement("deny", f"{cond.label} of {name} could not be evaluated within "
-                             f"{MAX_SCHEMA_EVALUATIONS} evaluations", [], [])
-        if hit:
-            outcome = cond.outcome
-            reason = f"{cond.label} of {name}" + (f": {cond.why}" if cond.why else " matched")
-            if outcome == "require_approval":
-                asked.append(cond.label)
-                figures.append(reason)
+            found = cond.label
             break
+        if hit:
+            found = cond
+            break
+    if seen is not None:
+        seen.clear()
+        seen.update(tool=tool, args=args, found=found)
+    return found
+
+
+def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
+          use_of: UseOf | None, seen: dict | None = None) -> Judgement:
+    """The rule's conditions, then its limits, on one call. ``outcome`` and ``reason`` are
+    what the rule or the class says; ``use_of`` reads a limit's use (None: limits are not
+    counted, as for check); ``seen`` is first_condition's memo."""
+    name, rule = tool.spec.name, tool.rule
+    given = parse_json(args.strip(JSON_WS) or b"{}")
+    refused = tool.refused_param(given) if isinstance(given, dict) else ""
+    if refused:                      # refused unsent at the call: denied before it counts
+        return Judgement("deny", refused, [], [])
+    value = _with_fixed(tool, given)
+    asked: list[str] = []
+    figures: list[str] = []
+    cond = first_condition(tool, value, args, seen) if rule.when else None
+    if isinstance(cond, str):
+        return Judgement("deny", f"{cond} of {name} could not be evaluated within "
+                         f"{MAX_SCHEMA_EVALUATIONS} evaluations", [], [])
+    if cond is not None:
+        outcome = cond.outcome
+        reason = f"{cond.label} of {name}" + (f": {cond.why}" if cond.why else " matched")
+        if outcome == "require_approval":
+            asked.append(cond.label)
+            figures.append(reason)
     if outcome == "deny" or use_of is None:
         return Judgement(outcome, reason, asked, figures)
     base = "" if asked else reason      # the rule's or the class's reason to ask, if it asks
@@ -8108,13 +8154,15 @@ class Budgets:
     def counts(self, name: str) -> bool:
         return name in self.tools
 
-    def backfill(self) -> None:
-        """A limit this database has no row of yet (new, or now counting another pointer)
-        counts what its tools already executed within its window, as the events record it:
-        read once, in a write transaction that looks again for a row first, so that two
-        proxies starting together write the history once. A limit whose tools executed
-        nothing in its window finds nothing, and looks again at the next start (a walk
-        through the events: a start's cost, never a call's)."""
+    def catch_up(self) -> None:
+        """At start: each limit counts what its tools executed within its window that its
+        rows do not hold yet; executions while no proxy counted it (a limit new, moved to
+        another window, pointer or place, or a proxy on the database that lacked it). A
+        limit's mark in proxy_limit_marks says up to which event its rows were last caught
+        up (and its newest row then), so a start reads the events since the previous one,
+        not the whole history; the long read is done outside the write lock, and only what
+        was recorded meanwhile is read again under it. Two proxies starting together catch
+        up once: the second finds the mark moved and leaves it."""
         limits: dict[str, tuple[Limit, dict]] = {}
         for name, tool in self.tools.items():
             for limit in tool.rule.limits:
@@ -8122,27 +8170,36 @@ class Budgets:
                 limits.setdefault(key, (limit, {}))[1][name] = tool
         now = self.clock()
         for key, (limit, tools) in limits.items():
-            with self.store.tx() as tx:
-                if tx.rows("SELECT 1 FROM proxy_limit_uses WHERE key=? LIMIT 1", (key,)):
+            self._catch_up(key, limit, tools, fmt_time(now - limit.per))
+
+    def _catch_up(self, key: str, limit: Limit, tools: dict, since: str) -> None:
+        mark_sql = "SELECT seq, n FROM proxy_limit_marks WHERE key=?"
+        mark = tuple(next(iter(self.store._read(mark_sql, (key,))), (0, 0)))
+        top = self.store._read("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
+        ran = _executions(self.store._read, tools, limit, mark[0], top, since)
+        with self.store.tx() as tx:
+            if tuple(next(iter(tx.rows(mark_sql, (key,))), (0, 0))) != mark:
+                return                       # another proxy caught it up meanwhile
+            now_top = tx.rows("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
+            ran += _executions(tx.rows, tools, limit, top, now_top, since)
+            held: dict[tuple[str, str], int] = {}
+            for run_id, step_id in tx.rows(
+                    "SELECT run_id, step_id FROM proxy_limit_uses WHERE key=? AND n>? AND "
+                    "at>?", (key, mark[1], parse_time(since))):
+                held[(run_id, step_id)] = held.get((run_id, step_id), 0) + 1
+            newest = tx.rows("SELECT n, total, at FROM proxy_limit_uses WHERE key=? ORDER BY "
+                             "n DESC LIMIT 1", (key,))
+            n, total, last = (newest[0][0], int(newest[0][1]), newest[0][2]) if newest \
+                else (0, 0, 0.0)
+            for at, run_id, step_id, adds in ran:
+                if held.get((run_id, step_id), 0) > 0:
+                    held[(run_id, step_id)] -= 1          # counted when it started
                     continue
-                n, total, last = 0, 0, 0.0
-                for at, run_id, step_id, payload in tx.rows(
-                        "SELECT at, run_id, step_id, payload_json FROM events WHERE "
-                        "type='step.tool_started' AND at>? ORDER BY seq",
-                        (fmt_time(now - limit.per),)):
-                    try:
-                        tool = tools.get(loads_own(payload).get("tool"))
-                        if tool is None:
-                            continue
-                        args = member_spans(payload.encode()).get("args", b"{}")
-                        adds = counted_value(limit, server_value(tool, args))[0]
-                        when = parse_time(at)
-                    except (ProxyError, AttributeError, ValueError):
-                        continue
-                    n, total, last = n + 1, total + adds, max(when, last)
-                    tx.exec("INSERT INTO proxy_limit_uses (key, n, at, total, run_id, "
-                            "step_id) VALUES (?,?,?,?,?,?)",
-                            (key, n, last, str(total), run_id, step_id))
+                n, total, last = n + 1, total + adds, max(at, last)
+                tx.exec("INSERT INTO proxy_limit_uses (key, n, at, total, run_id, step_id) "
+                        "VALUES (?,?,?,?,?,?)", (key, n, last, str(total), run_id, step_id))
+            tx.exec("INSERT OR REPLACE INTO proxy_limit_marks (key, seq, n) VALUES (?,?,?)",
+                    (key, now_top, n))
 
     def use_of(self, key: str, limit: Limit) -> int:
         return _use(self.store._read, key, limit, self.clock())[1]
@@ -8178,6 +8235,27 @@ class Budgets:
         return out
 
 
+def _executions(read: Callable[[str, tuple], list], tools: dict, limit: Limit, after: int,
+                upto: int, since: str) -> list[tuple[float, str, str, int]]:
+    """The executions of ``tools`` recorded as events after seq ``after`` up to ``upto``
+    that started later than ``since``: (start, run id, step id, what each adds to
+    ``limit``), in the order recorded. A walk through those events."""
+    out = []
+    for at, run_id, step_id, payload in read(
+            "SELECT at, run_id, step_id, payload_json FROM events WHERE seq>? AND seq<=? AND "
+            "type='step.tool_started' AND at>? ORDER BY seq", (after, upto, since)):
+        try:
+            tool = tools.get(loads_own(payload).get("tool"))
+            if tool is None:
+                continue
+            args = member_spans(payload.encode()).get("args", b"{}")
+            out.append((parse_time(at), run_id, step_id,
+                        counted_value(limit, server_value(tool, args))[0]))
+        except (ProxyError, AttributeError, ValueError):
+            continue                 # an edited row: the chain's verify reports it
+    return out
+
+
 def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit: Limit,
                  before_seq: int, now: float) -> int:
     """A limit's use as the events show it, for recheck: the executions of its tools
@@ -8185,17 +8263,8 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
     ending ``now``. A walk through the window's events: recheck's cost, never a call's."""
     counted = {name: t for name, t in tools.items()
                if any(lim.key(t.server, t.remote) == key for lim in t.rule.limits)}
-    total = 0
-    for payload, in store._read("SELECT payload_json FROM events WHERE type='step.tool_started' "
-                                "AND seq<? AND at>?", (before_seq, fmt_time(now - limit.per))):
-        try:
-            tool = counted.get(loads_own(payload).get("tool"))
-            if tool is not None:
-                args = member_spans(payload.encode()).get("args", b"{}")
-                total += counted_value(limit, server_value(tool, args))[0]
-        except (ProxyError, AttributeError):
-            continue                 # an edited row: the chain's verify reports it
-    return total
+    return sum(adds for _, _, _, adds in _executions(store._read, counted, limit, 0,
+                                                      before_seq - 1, fmt_time(now - limit.per)))
 
 
 # -- what check prints of them --
@@ -8263,7 +8332,7 @@ def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,
 # happen outside that. Across processes the unique open-row index and
 # IMMEDIATE transactions let exactly one call begin a row's run; the loser retries.
 
-PROXY_SCHEMA_VERSION = 3
+PROXY_SCHEMA_VERSION = 4
 APPROVAL_POLL = 0.2                    # how often a held call looks at its approval
 PROGRESS_EVERY = 1.0                   # seconds between progress notifications while held
 MAX_RETRIES = 5                        # lost races before a call answers IN_PROGRESS
@@ -8292,6 +8361,8 @@ _INDEX_SQL = (
 _INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("CREATE INDEX proxy_calls_tool_outcome ON proxy_calls(session, tool, outcome, id)",),
     3: _LIMIT_SQL,                   # the index of executions that limits count (section 20)
+    4: ("CREATE TABLE proxy_limit_marks (key TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
+        "n INTEGER NOT NULL) WITHOUT ROWID",),          # how far each limit was caught up
 }
 _ROW_COLS = "id, session, request_key, tool, side_effect, run_id, created_at, open, closed_at, " \
             "settled_at, outcome"
@@ -8516,7 +8587,7 @@ class Proxy:
         self.policy = ProxyPolicy(cfg.policy_map, self.tools, self, cfg.policy_id())
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
-        self.budgets.backfill()
+        self.budgets.catch_up()
         self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
                          lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl,
                          reconcile=self.reconcile, known=self.known,

@@ -113,6 +113,24 @@ def test_policy_condition_sees_fixed_values(make):
     assert h.payments() == 0
 
 
+def test_policy_a_call_refused_unsent_is_not_counted():
+    """A denied or fixed parameter the model sets (an input schema that leaves
+    additionalProperties open lets it) is refused at the call, before anything is sent;
+    under a limit the policy denies it first, so it never starts and spends nothing."""
+    limits = ap.parse_limits(ap.parse_json(json.dumps([DAILY]).encode()), "t")
+    rule = ap.Rule(side_effect="remote_mutation", outcome="allow", limits=limits,
+                   fixed=(("mode", b'"plain"'),), deny=("currency",))
+    spec = ap.ToolSpec("bank_pay", "", b"{}", "remote_mutation", 1.0)
+    tool = ap.UpstreamTool(spec, "bank", "pay", rule, None)
+    for extra, why in (({"mode": "slow"}, "fixed"), ({"currency": "EUR"}, "denied")):
+        args = json.dumps({"to": "bob", "amount": 40, **extra}).encode()
+        judged = ap.judge(tool, args, "allow", "by rule", lambda key, limit: 0)
+        assert (judged.outcome, judged.reason) == (
+            "deny", f'bank_pay: parameter "{list(extra)[0]}" is {why} by the operator')
+    args = json.dumps({"to": "bob", "amount": 40}).encode()
+    assert ap.judge(tool, args, "allow", "by rule", lambda key, limit: 0).outcome == "allow"
+
+
 def test_policy_condition_errors_name_server_tool_and_index(tmp_path):
     cases = [
         ([SMALL, {"if": {}, "outcome": "allow", "colour": 1}], 'unknown field "colour"'),
@@ -144,6 +162,7 @@ def test_policy_limit_errors(tmp_path):
         ([{"calls": 0, "per": "1h"}], "calls must be a whole number"),
         ([{"calls": 2.5, "per": "1h"}], "calls must be a whole number"),
         ([{"sum": "amount", "max": 1, "per": "1h"}], "not a JSON Pointer"),
+        ([{"sum": "/a\u001b[2J\u202e", "max": 1, "per": "1h"}], "U+001B, which is not printable"),
         ([{"sum": "/amount", "per": "1h"}], "max is required"),
         ([{"sum": "/amount", "max": -1, "per": "1h"}], "below 0"),
         ([{"sum": "/amount", "max": "ten", "per": "1h"}], "max must be a decimal"),
@@ -648,3 +667,87 @@ def test_policy_a_longer_window_counts_from_the_history(tmp_path):
             'bank_pay: 45 of 50 (sum of /amount, limit "daily-spend") in the last 24h']
     finally:
         again.close()
+
+
+def _serve_and_pay(d, limits, calls, pin=False):
+    """One proxy on the directory's database under ``limits``: the calls, each paid or not;
+    then what gate_status says of the limits."""
+    h = ProxyHarness(d, rules=pay_rule(outcome="allow", limits=limits), pin=pin)
+    try:
+        said = [h.prefix(h.call(PAY, {"to": to, "amount": amount})) for to, amount in calls]
+        return said, h.proxy.budgets.lines(), h.payments()
+    finally:
+        h.close()
+
+
+def test_policy_a_window_changed_and_changed_back_counts_what_ran_between(tmp_path):
+    """A 24h limit moved to 1h and back: what ran under the 1h window was never written to
+    the 24h counter, and counts in it at the next start."""
+    d = tmp_path / "h"
+    d.mkdir()
+    day = {k: v for k, v in DAILY.items() if k != "name"}
+    assert _serve_and_pay(d, [day], [("a", 20)], pin=True)[2] == 1
+    assert _serve_and_pay(d, [dict(day, per="1h")], [("b", 25)])[2] == 2
+    said, lines, paid = _serve_and_pay(d, [day], [("c", 25)])
+    assert lines == ["bank_pay: 45 of 50 (sum of /amount) in the last 24h"], lines
+    assert said == ["PENDING_APPROVAL"] and paid == 2, (said, lines)
+
+
+def test_policy_a_limit_removed_and_restored_counts_what_ran_without_it(tmp_path):
+    d = tmp_path / "h"
+    d.mkdir()
+    assert _serve_and_pay(d, [DAILY], [("a", 20)], pin=True)[2] == 1
+    assert _serve_and_pay(d, [], [("b", 30)])[2] == 2             # no limit: nothing counted
+    said, lines, paid = _serve_and_pay(d, [DAILY], [("c", 1)])
+    assert lines == ['bank_pay: 50 of 50 (sum of /amount, limit "daily-spend") in the last 24h']
+    assert said == ["PENDING_APPROVAL"] and paid == 2
+    said, lines, _ = _serve_and_pay(d, [DAILY], [])               # caught up once, not twice
+    assert lines == ['bank_pay: 50 of 50 (sum of /amount, limit "daily-spend") in the last 24h']
+
+
+def test_policy_catching_up_reads_only_the_events_since_the_last_start(tmp_path):
+    """The mark: a start after one that caught up walks the events recorded since, not the
+    history (the query's lower bound is the mark's event)."""
+    d = tmp_path / "h"
+    d.mkdir()
+    _serve_and_pay(d, [DAILY], [("a", 1), ("b", 2)], pin=True)
+    _serve_and_pay(d, [DAILY], [("c", 3)])
+    conn = sqlite3.connect(str(d / "runs.db"))
+    try:
+        (seq, n), = conn.execute("SELECT seq, n FROM proxy_limit_marks").fetchall()
+        top, = conn.execute("SELECT MAX(seq) FROM events").fetchone()
+        plan = " ".join(r[3] for r in conn.execute(
+            "EXPLAIN QUERY PLAN SELECT at, run_id, step_id, payload_json FROM events WHERE "
+            "seq>? AND seq<=? AND type='step.tool_started' AND at>? ORDER BY seq",
+            (seq, top, "")))
+    finally:
+        conn.close()
+    assert n == 2 and 0 < seq < top              # marked at the second start, before c
+    assert "USING INTEGER PRIMARY KEY (rowid>? AND rowid<?)" in plan, plan
+
+
+def test_policy_a_memoised_pattern_step_is_charged():
+    """A pattern's memoised steps cost a visit a character, so a long string spends the
+    budget however cheap each step became; 32 conditions on a 2 MB string are denied for
+    their cost, evaluated once for the call's rules and its policy."""
+    rx = ap.Pattern("^(a|aa)*b$")
+    s = "a" * 100_000
+    assert rx.search_costed(s, 10 ** 9)[1] >= len(s)
+    cond = {"if": {"properties": {"to": {"pattern": "^(a|aa)*b$"}}}, "outcome": "allow"}
+    when = ap.parse_conditions(ap.parse_json(json.dumps([cond] * 32).encode()), "t")
+    rule = ap.Rule(side_effect="remote_mutation", when=when)
+    spec = ap.ToolSpec("bank_pay", "", b"{}", "remote_mutation", 1.0)
+    tool = ap.UpstreamTool(spec, "bank", "pay", rule, None)
+    args = json.dumps({"to": "a" * 2_000_000, "amount": 1}).encode()
+    seen: dict = {}
+    tested = []
+    for c in when:
+        real = c.schema.test
+        object.__setattr__(c.schema, "test", lambda v, b, real=real: (tested.append(1),
+                                                                      real(v, b))[1])
+    first = ap.judge(tool, args, "require_approval", "by class", None, seen)
+    runs = len(tested)
+    again = ap.judge(tool, args, "require_approval", "by class", None, seen)
+    assert first.outcome == again.outcome == "deny", first
+    assert "could not be evaluated" in first.reason, first
+    assert len(tested) == runs and 0 < runs < 32, runs

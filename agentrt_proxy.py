@@ -180,7 +180,9 @@ CLI_LIST_IDS = 20                    # pending approval ids named when one must 
 VERIFY_PAGE = 128                    # events read at once by verify
 
 INTERRUPTED_KIND = "interrupted_side_effect"
+REPEAT_KIND = "repeat"                 # an identical call the operator allows (section 10)
 INTERRUPTED_REASON = "interrupted while executing; outcome unknown"
+REPEAT_REASON = "an identical call already executed within the window"
 INTERRUPTED_NOTICE = (
     "This tool call started, and the process running it stopped before its outcome was "
     "recorded, so whether it took effect is unknown. Approving runs it again with these "
@@ -4593,6 +4595,15 @@ def attempt_in(capability: bytes) -> dict | None:
     return at if isinstance(at, dict) else None
 
 
+def repeat_in(approval: Approval) -> dict | None:
+    """The earlier execution a repeat approval names, from its capability."""
+    try:
+        found = read_own(approval.capability).get("repeat_of")
+    except (ProxyError, AttributeError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def _interrupted_attempt(approval: Approval | None) -> dict | None:
     """The earlier attempt an interruption approval names, from its capability."""
     if approval is None or approval.kind != INTERRUPTED_KIND:
@@ -6619,6 +6630,7 @@ def _restrict(schema: dict, hidden: list[str]) -> bytes:
 POLICY_ID_PREFIX = "agentrt-proxy/sha256:"
 DEFAULT_HOLD = 15.0
 DEFAULT_REPEAT_WINDOW = 600.0
+REPEATS = ("refuse", "ask")          # an identical call within the window (section 10)
 DEFAULT_MAX_PENDING = 5
 DEFAULT_STATUS_TOOL = "gate_status"
 MIN_LEASE_TTL = 3.0
@@ -6650,6 +6662,7 @@ class Rule:
     allow_hint_mismatch: bool = False
     outcome: str = ""
     repeat_window: float | None = None
+    repeat: str = ""                         # "" : the configuration's default
     when: tuple["Condition", ...] = ()      # section 20
     limits: tuple["Limit", ...] = ()
 
@@ -6682,6 +6695,7 @@ class Config:
     policy: tuple[tuple[str, str], ...] = tuple(DEFAULT_POLICY.items())
     hold: float = DEFAULT_HOLD
     repeat_window: float = DEFAULT_REPEAT_WINDOW
+    repeat: str = "refuse"
     max_pending: int = DEFAULT_MAX_PENDING
     approval_ttl: float = DEFAULT_APPROVAL_TTL
     grant_ttl: float = DEFAULT_GRANT_TTL
@@ -6805,13 +6819,14 @@ class _Fields:
         return self._get(name, (dict,), "an object", {})
 
 
-_TOP_FIELDS = ("database", "session", "servers", "policy", "hold", "repeat_window",
+_TOP_FIELDS = ("database", "session", "servers", "policy", "hold", "repeat_window", "repeat",
                "max_pending", "approval_ttl", "grant_ttl", "status_tool", "lease_ttl",
                "on_pending")
 _SERVER_FIELDS = ("name", "command", "endpoint", "env", "inherit_env", "connect_timeout",
                   "default_timeout", "manifest", "rules", "skip_path_check")
 _RULE_FIELDS = ("side_effect", "timeout", "terminal", "description", "deny", "fixed",
-                "rename", "allow_hint_mismatch", "outcome", "repeat_window", "when", "limits")
+                "rename", "allow_hint_mismatch", "outcome", "repeat_window", "repeat", "when",
+                "limits")
 
 
 def load_config(path: str) -> Config:
@@ -6872,6 +6887,7 @@ def parse_config(raw: bytes, path: str) -> Config:
         servers=tuple(servers), policy=tuple(policy.items()),
         hold=top.duration("hold", DEFAULT_HOLD),
         repeat_window=top.duration("repeat_window", DEFAULT_REPEAT_WINDOW),
+        repeat=_parse_repeat(top) or "refuse",
         max_pending=max_pending or DEFAULT_MAX_PENDING,
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
@@ -7050,6 +7066,13 @@ def _default_manifest(name: str, where: str) -> str:
     return name + MANIFEST_SUFFIX
 
 
+def _parse_repeat(f: _Fields) -> str:
+    repeat = f.doc.get("repeat", "")
+    if repeat != "" and not (isinstance(repeat, str) and repeat in REPEATS):
+        raise ConfigError(f'{f.where}: repeat must be "refuse" or "ask"')
+    return repeat
+
+
 def _parse_rule(doc: Any, where: str) -> Rule:
     f = _Fields(doc, where, _RULE_FIELDS)
     outcome = f.text("outcome")
@@ -7065,7 +7088,7 @@ def _parse_rule(doc: Any, where: str) -> Rule:
                 terminal=f.flag("terminal"), description=f.text("description"),
                 deny=f.texts("deny"), fixed=fixed, rename=f.text("rename"),
                 allow_hint_mismatch=f.flag("allow_hint_mismatch"), outcome=outcome,
-                repeat_window=f.duration("repeat_window", None),
+                repeat_window=f.duration("repeat_window", None), repeat=_parse_repeat(f),
                 when=parse_conditions(f.doc.get("when"), where),
                 limits=parse_limits(f.doc.get("limits"), where))
 
@@ -7168,6 +7191,10 @@ class ProxyPolicy:
         if attempt is not None:
             decision = self.interruption(tool, request.args, attempt, judged)
             return covered(decision, request, view) if judged else decision
+        earlier = self.repeat_of(request, view)
+        if earlier is not None:
+            decision = self.repetition(tool, request.args, earlier, judged)
+            return covered(decision, request, view) if judged else decision
         if outcome == "allow":
             return PolicyDecision(outcome, reason)
         if outcome != "require_approval":
@@ -7224,9 +7251,6 @@ class ProxyPolicy:
                      judged: "Judgement | None" = None) -> PolicyDecision:
         """Built only from its inputs, so the pause, the collection and a re-check of the
         record hash alike. A condition or limit that asks too is named in it."""
-        cap = {**self.capability(tool, args), "interrupted": at}
-        if judged is not None and judged.asked:
-            cap["asked_by"] = judged.asked
         notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in run "
                   f"{at.get('run_id')}, ended as follows: {HOW.get(at.get('ended'), HOW['cut_off'])}. "
                   "Whether it took effect is unknown: it may have. Approving runs it again with "
@@ -7234,10 +7258,43 @@ class ProxyPolicy:
                   "and an identical call later asks an operator again, whatever the policy.")
         question = f"May the model run {tool.remote} on server {tool.server} again with " \
                    "these arguments?"
-        shown = {"question": question, **cap, "reason": INTERRUPTED_REASON, "notice": notice}
-        if judged is not None and judged.asked:
+        return self._asking(INTERRUPTED_KIND, INTERRUPTED_REASON, tool, args,
+                            {"interrupted": at}, question, notice, judged)
+
+    def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
+        """The earlier execution this request repeats, if the rules found one: named by
+        the step's own repeat approval, or by the proxy as it proposes the call."""
+        mine = [a for a in view.approvals if a.step_id == request.step_id]
+        if mine:
+            return repeat_in(mine[-1]) if mine[-1].kind == REPEAT_KIND else None
+        return self.proxy.repeats.get(request.run_id) if self.proxy is not None else None
+
+    def repetition(self, tool: "UpstreamTool", args: bytes, earlier: dict,
+                   judged: "Judgement | None" = None) -> PolicyDecision:
+        """Built only from its inputs, like an interruption approval: the earlier
+        execution's run, time and outcome are in the capability, so the collection and a
+        re-check of the record hash alike."""
+        notice = (f"This exact request already executed, in run {earlier.get('run_id')}, "
+                  f"finished at {earlier.get('at')}; {earlier.get('outcome')}. Approving runs "
+                  "it once more, with these arguments, when the model calls it again. "
+                  "Rejecting refuses it, and the model is told your note.")
+        question = f"May the model run {tool.remote} on server {tool.server} once more with " \
+                   "the same arguments?"
+        return self._asking(REPEAT_KIND, REPEAT_REASON, tool, args, {"repeat_of": earlier},
+                            question, notice, judged)
+
+    def _asking(self, kind: str, reason: str, tool: "UpstreamTool", args: bytes, named: dict,
+                question: str, notice: str, judged: "Judgement | None") -> PolicyDecision:
+        """An approval the proxy asks whatever the policy says short of deny, naming what
+        it asks about (``named``) and any condition or limit that asks too."""
+        cap = {**self.capability(tool, args), **named}
+        asked = judged.asked if judged is not None else []
+        if asked:
+            cap["asked_by"] = asked
+        shown = {"question": question, **cap, "reason": reason, "notice": notice}
+        if asked:
             shown["figures"] = judged.figures
-        return need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON, cap, shown)
+        return need_approval(kind, reason, cap, shown)
 
     @staticmethod
     def capability(tool: "UpstreamTool", args: bytes) -> dict:
@@ -7259,6 +7316,16 @@ _NOT_AGAIN = ("Do not call this tool again until you are told the operator decid
 def pending_approval(approval_id: str) -> dict:
     return {"content": [{"type": "text", "text": PENDING_TEXT.format(id=approval_id)}],
             "isError": False}
+
+
+def repeat_pending(approval_id: str, at: Any) -> dict:
+    try:
+        when = fmt_time_s(parse_time(at))
+    except (ValueError, TypeError, AttributeError, OverflowError):
+        when = "an earlier time"
+    return prose("PENDING_APPROVAL", f"this exact request already executed, at {when}, and an "
+                 "operator must approve running it once more (approval "
+                 f"{approval_id}). Nothing further has been executed. {_NOT_AGAIN}", False)
 
 
 def interrupted(approval_id: str) -> dict:
@@ -8559,6 +8626,13 @@ class Pending:
 
 
 @dataclasses.dataclass
+class Repeat:
+    """An identical call within the window, where the rule asks about a repeat: it goes on
+    to be begun, asking the operator with an approval naming ``earlier`` (section 10)."""
+    earlier: dict
+
+
+@dataclasses.dataclass
 class Execute:
     """Run what the session's gate allowed: the recorded request, never this call's bytes."""
     session: Session
@@ -8583,6 +8657,7 @@ class Proxy:
         self.cfg, self.store, self.log, self.clock, self.poll = cfg, store, log, clock, poll
         self.tools = {t.spec.name: t for t in tools}
         self.reruns: dict[str, dict] = {}      # run id -> the attempt its proposal re-runs
+        self.repeats: dict[str, dict] = {}     # run id -> the execution its proposal repeats
         self.budgets = Budgets(store, self.tools, clock)
         self.policy = ProxyPolicy(cfg.policy_map, self.tools, self, cfg.policy_id())
         self.index = CallIndex(store, cfg.session)
@@ -8725,13 +8800,15 @@ class Proxy:
                 if state is not None and not state.terminal:
                     return Answer(in_progress())
         action = self.refusal(tool, recent, now)                  # rules 4 and 5
-        if action is not None:
+        repeat = action.earlier if isinstance(action, Repeat) else None
+        if action is not None and repeat is None:
             return action
         prior = self.unresolved(key) if tool.spec.side_effect != "read_only" else None
         action = self.session_rules(tool, key, prior is not None, args)  # BLOCKED, max_pending
         if action is not None:
             return action
-        return self.begin(tool, key, args, open_row, reuse, prior)  # rule 7 (and rule 6)
+        return self.begin(tool, key, args, open_row, reuse, prior,     # rule 7 (and rule 6)
+                          repeat=repeat)
 
     # rules 1 to 3: the request's own run, not finished
 
@@ -8856,7 +8933,8 @@ class Proxy:
         if late is not None:
             # The run says the re-run was refused; the store also knows that the attempt
             # it asked about took effect. The model is told that, never "not executed".
-            return Answer(duplicate(end, window, late_known_outcome(late)))
+            return self.repeat_or_duplicate(tool, late.run_id, late.at, end, window,
+                                            late_known_outcome(late))
         if reason == "approval_rejected" and latest is not None:
             return Answer(rejected(latest.id, latest.note, until))
         if reason == "approval_expired":
@@ -8871,8 +8949,17 @@ class Proxy:
         step = next((s for s in reversed(state.steps)
                      if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)), None)
         if outcome == KNOWN and step is not None:
-            return Answer(duplicate(end, window, known_outcome(step)))
+            return self.repeat_or_duplicate(tool, row.run_id, state.run.finished_at, end,
+                                            window, known_outcome(step))
         return None                          # nothing ran, or its outcome is rule 6's
+
+    def repeat_or_duplicate(self, tool, run_id: str, at: str, end: float, window: float,
+                            outcome: str):
+        """DUPLICATE, or, where the rule asks about a repeat, the earlier execution to name
+        in the approval the call goes on to ask."""
+        if (tool.rule.repeat or self.cfg.repeat) == "ask":
+            return Repeat({"run_id": run_id, "at": at, "outcome": outcome})
+        return Answer(duplicate(end, window, outcome))
 
     # rule 6: an unknown outcome of this request, at any age
 
@@ -8992,7 +9079,8 @@ class Proxy:
     # rule 7: a new run
 
     def begin(self, tool, key: str | None, args: bytes, open_row: CallRow | None,
-              reuse: bool, prior: dict | None, origin: str = "model"):
+              reuse: bool, prior: dict | None, origin: str = "model",
+              repeat: dict | None = None):
         run_id = open_row.run_id if reuse else self.new_run_id()
         claim = None
         if not reuse:
@@ -9003,6 +9091,8 @@ class Proxy:
         also = claim or (lambda: self.index.unsettle(run_id))
         if prior is not None:
             self.reruns[run_id] = prior
+        if repeat is not None:
+            self.repeats[run_id] = repeat
         try:
             session, verdict = self.gate.start(
                 run_id, f"call {tool.spec.name}", self.limits,
@@ -9017,6 +9107,7 @@ class Proxy:
                                       else "record this request"))
         finally:
             self.reruns.pop(run_id, None)
+            self.repeats.pop(run_id, None)
         return self.verdict(session, verdict, tool)
 
     def verdict(self, session: Session, verdict: Verdict, tool):
@@ -9226,6 +9317,8 @@ class Proxy:
                 progress(now - began, self.cfg.hold)
 
     def pending_answer(self, approval: Approval) -> dict:
+        if approval.kind == REPEAT_KIND:
+            return repeat_pending(approval.id, (repeat_in(approval) or {}).get("at", ""))
         if approval.kind != INTERRUPTED_KIND:
             return pending_approval(approval.id)
         at = _interrupted_attempt(approval)
@@ -10420,11 +10513,28 @@ def _hint_cell(ann: Any, hint: str) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else "-"
 
 
+_STATEFUL_WORD = re.compile(r"(?:^|[^a-z])(?:commit|push|send|post)(?:s|es|ed|ing)?(?:[^a-z]|$)")
+
+
+def suggests_repeat(name: str, description: Any) -> bool:
+    """Whether a tool's name or description says commit, push, send or post: an effect that
+    depends on state outside its arguments, so an identical call is often a new one, and its
+    rule is suggested `"repeat": "ask"` (section 10)."""
+    said = [name, description if isinstance(description, str) else ""]
+    return any(_STATEFUL_WORD.search(re.sub(r"([a-z])([A-Z])", r"\1 \2", text).lower())
+               for text in said)
+
+
 def rules_block(tools: dict) -> list[str]:
-    """A "rules" member to paste into a server's entry, one suggested class per tool. Each
-    line is JSON written inert: a tool name cannot drive the terminal that prints it."""
-    items = [f'    {dump_json(name)}: {{"side_effect": "{suggest_class(t.get("annotations"))[0]}"}}'
-             for name, t in tools.items()]
+    """A "rules" member to paste into a server's entry, one suggested class per tool (and
+    `"repeat": "ask"` where suggests_repeat says so). Each line is JSON written inert: a
+    tool name cannot drive the terminal that prints it."""
+    def rule(name: str, t: dict) -> str:
+        cls = suggest_class(t.get("annotations"))[0]
+        repeat = ', "repeat": "ask"' if cls != "read_only" and \
+            suggests_repeat(name, t.get("description")) else ""
+        return f'    {dump_json(name)}: {{"side_effect": "{cls}"{repeat}}}'
+    items = [rule(name, t) for name, t in tools.items()]
     body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
     return [_JSON_INERT.sub(_json_escape, line) for line in ['  "rules": {', *body, "  }"]]
 
@@ -10960,6 +11070,14 @@ class _RecordedPolicy(ProxyPolicy):
                                           named.get("step_id") == request.step_id):
                 return named
         return None
+
+    def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
+        earlier = super().repeat_of(request, view)
+        nxt = self.following
+        if earlier is None and nxt is not None and nxt.step_id == request.step_id and \
+                nxt.kind == REPEAT_KIND:
+            return repeat_in(nxt)
+        return earlier
 
 
 def recorded_tools(cfg: Config) -> dict[str, "UpstreamTool"]:
@@ -11886,12 +12004,22 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
             "arguments_cut": _args_cut(fields, more),
             "asked_by": [sanitize(a) for a in asked_by(approval.capability)],
             "figures": _figures(approval),
+            "repeat_of": _repeated(approval),
             "late_outcome": sanitize(late.text()) if late is not None else "",
             "late_outcome_known": bool(late is not None and late.known),
             "created_at": sanitize(approval.created_at),
             "expires_at": sanitize(approval.expires_at),
             "read": sanitize(show_command(db_path, approval.run_id)),
             "decide": sanitize(decide_command(db_path, approval.run_id, approval.id))}
+
+
+def _repeated(approval: Approval) -> str:
+    """The earlier execution a repeat approval names, as one line (section 10), or ''."""
+    earlier = repeat_in(approval) if approval.kind == REPEAT_KIND else None
+    if earlier is None:
+        return ""
+    return sanitize(f"run {earlier.get('run_id')}, finished at {earlier.get('at')}: "
+                    f"{earlier.get('outcome')}")
 
 
 def _figures(approval: Approval) -> list[str]:
@@ -11967,6 +12095,8 @@ def _pending_lines(e: dict) -> list[str]:
     if e["asked_by"]:
         lines.append(f"  asked by {', '.join(e['asked_by'])}")
         lines += [f"    {line}" for line in e["figures"]]
+    if e["repeat_of"]:
+        lines.append(f"  REPEAT: this exact request already executed, {e['repeat_of']}")
     if e["late_outcome"]:
         lines.append(f"  LATE OUTCOME: the attempt it asks about {e['late_outcome']}")
     if e["blocks_tool"]:
@@ -12699,6 +12829,7 @@ def _hook_approval(store: Store, a: Approval) -> dict:
         _hook_record(a.presentation)
     doc["asked_by"] = [sanitize(x) for x in asked_by(a.capability)]
     doc["figures"] = _figures(a)
+    doc["repeat_of"] = _repeated(a)
     return doc
 
 

@@ -101,3 +101,21 @@ def procs():
     yield make
     for d in made:
         d.cleanup()
+
+
+@pytest.fixture
+def harnesses(tmp_path):
+    """In-process proxies a test makes (proxy_harness.ProxyHarness), each in a directory of
+    its own under tmp_path, closed at the end."""
+    from proxy_harness import ProxyHarness
+    made: list = []
+
+    def build(name="h", **kw):
+        d = tmp_path / name
+        d.mkdir(exist_ok=True)
+        h = ProxyHarness(d, **kw)
+        made.append(h)
+        return h
+    yield build
+    for h in made:
+        h.close()

@@ -32,18 +32,8 @@ def pay_rule(**extra):
 
 
 @pytest.fixture
-def make(tmp_path):
-    made = []
-
-    def build(name="h", **kw):
-        d = tmp_path / name
-        d.mkdir(exist_ok=True)
-        h = ProxyHarness(d, **kw)
-        made.append(h)
-        return h
-    yield build
-    for h in made:
-        h.close()
+def make(harnesses):
+    return harnesses
 
 
 def config_error(tmp_path, rules, names=("bank",)):

@@ -77,7 +77,8 @@ def wrapped_and_checked(cli, config_path: str, out: str) -> str:
     rules = pasted_rules(out)
     for server_rules in rules.values():
         for tool, rule in server_rules.items():
-            assert rule == {"side_effect": SUGGESTED[tool]}, (tool, rule)
+            asks = {"repeat": "ask"} if tool == "pay" else {}    # "Sends a payment"
+            assert rule == {"side_effect": SUGGESTED[tool], **asks}, (tool, rule)
     paste(config_path, rules)
     code, checked, err = cli("check", "-config", config_path)
     assert code == 0, err
@@ -435,3 +436,22 @@ def test_suggested_rules_are_inert_json():
     assert "\x1b" not in text and "\u202e" not in text
     assert json.loads("{" + text + "}") == {"rules": {"x\x1b[2J\u202e": {
         "side_effect": "read_only"}}}
+
+
+@pytest.mark.parametrize("name, description, asks", [
+    ("git_commit", "Records the staged changes.", True),
+    ("push", "", True),
+    ("sendMessage", "", True),
+    ("create_comment", "Posts a comment on an issue.", True),
+    ("notify", "Sends a notification.", True),
+    ("write_file", "Writes a file.", False),
+    ("postpone_task", "Delays a task.", False),
+    ("list_commits", "Lists commits.", True),    # the name says it; a read-only tool gets none
+])
+def test_suggested_rules_ask_about_a_repeat_of_a_stateful_tool(name, description, asks):
+    assert ap.suggests_repeat(name, description) is asks
+    tools = {name: {"annotations": {"destructiveHint": False}, "description": description},
+             "read_" + name: {"annotations": {"readOnlyHint": True}, "description": description}}
+    rules = json.loads("{" + "\n".join(ap.rules_block(tools)) + "}")["rules"]
+    assert rules[name].get("repeat") == ("ask" if asks else None), rules
+    assert "repeat" not in rules["read_" + name]

@@ -1,0 +1,149 @@
+"""A repeat the operator allows (DESIGN.md section 10): `repeat: "ask"` in a rule, or at the
+top level as every rule's default. An identical call within the window asks the operator
+with an approval of kind `repeat` naming the earlier execution, instead of answering
+DUPLICATE; approving runs it once more, rejecting answers REJECTED with the note. Through
+the real host-facing server, the real store and the fake payment server.
+"""
+
+import json
+
+import pytest
+
+from proxy_harness import ProxyHarness, ap
+
+PAY = "bank_pay"
+ARGS = {"to": "landlord", "amount": 950}
+
+
+def rules(**pay):
+    return {"balance": {"side_effect": "read_only", "timeout": "10s"},
+            "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow",
+                    **pay}}
+
+
+@pytest.fixture
+def make(harnesses):
+    return harnesses
+
+
+def test_repeat_refuse_is_the_default(make):
+    h = make(rules=rules())
+    assert not h.is_error(h.call(PAY, ARGS))
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "DUPLICATE" and h.payments() == 1 and h.pending() == []
+
+
+def test_repeat_ask_asks_naming_the_earlier_execution(make):
+    h = make(rules=rules(repeat="ask"))
+    first = h.call(PAY, ARGS)
+    assert h.text(first) == "paid 950.00 to landlord"
+    earlier = h.runs()[0]
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "PENDING_APPROVAL" and h.payments() == 1, h.text(r)
+    (asked,) = h.pending()
+    assert asked.kind == "repeat"
+    cap = json.loads(asked.capability)
+    assert cap["repeat_of"]["run_id"] == earlier.id
+    assert cap["repeat_of"]["at"] == earlier.finished_at
+    shown = json.loads(asked.presentation)
+    assert "paid 950.00 to landlord" in shown["notice"], shown
+    assert earlier.id in shown["notice"] and "already executed" in shown["notice"]
+    assert asked.id in h.text(r) and "already executed, at " in h.text(r), h.text(r)
+    assert "approve running it once more" in h.text(r)
+    assert h.prefix(h.call(PAY, ARGS)) == "PENDING_APPROVAL" and h.payments() == 1   # waits
+
+
+def paid_then_asked(h, approve: bool | None = None, note: str = ""):
+    """Pay once, repeat the identical call, and (when told) decide the repeat approval."""
+    assert not h.is_error(h.call(PAY, ARGS))
+    h.call(PAY, ARGS)
+    (asked,) = h.pending()
+    if approve is not None:
+        h.decide(asked, approve=approve, note=note)
+    return asked
+
+
+def test_repeat_approved_runs_once_more_and_then_asks_again(make):
+    h = make(rules=rules(repeat="ask"))
+    asked = paid_then_asked(h, approve=True)
+    r = h.call(PAY, ARGS)
+    assert h.text(r) == "paid 950.00 to landlord" and h.payments() == 2
+    second = next(run for run in h.runs() if run.id == asked.run_id)
+    assert second.status == "COMPLETED"
+    r = h.call(PAY, ARGS)                      # the second execution is now the earlier one
+    assert h.prefix(r) == "PENDING_APPROVAL" and h.payments() == 2
+    (again,) = h.pending()
+    assert json.loads(again.capability)["repeat_of"]["run_id"] == second.id
+
+
+def test_repeat_rejected_answers_rejected_with_the_note(make):
+    h = make(rules=rules(repeat="ask"))
+    paid_then_asked(h, approve=False, note="paid already")
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "REJECTED" and "paid already" in h.text(r), h.text(r)
+    assert h.payments() == 1
+
+
+def test_repeat_top_level_default_and_a_rule_overrides_it(make):
+    h = make(rules=rules(repeat="refuse"), repeat="ask")
+    assert not h.is_error(h.call(PAY, ARGS))
+    assert h.prefix(h.call(PAY, ARGS)) == "DUPLICATE"
+    g = make("g", rules=rules(), repeat="ask")
+    assert not g.is_error(g.call(PAY, ARGS))
+    assert g.prefix(g.call(PAY, ARGS)) == "PENDING_APPROVAL"
+    assert [a.kind for a in g.pending()] == ["repeat"]
+
+
+def test_repeat_outside_the_window_needs_no_approval(make):
+    h = make(rules=rules(repeat="ask"))
+    assert not h.is_error(h.call(PAY, ARGS))
+    h.clock.skew += ap.DEFAULT_REPEAT_WINDOW + 5
+    assert not h.is_error(h.call(PAY, ARGS)) and h.payments() == 2 and h.pending() == []
+
+
+def test_repeat_a_policy_deny_still_denies(make, tmp_path):
+    (tmp_path / "h").mkdir()
+    h = ProxyHarness(tmp_path / "h", rules=rules(repeat="ask"))
+    try:
+        assert not h.is_error(h.call(PAY, ARGS))
+    finally:
+        h.close()
+    g = make("h", rules=rules(repeat="ask", outcome="deny"), pin=False)
+    r = g.call(PAY, ARGS)
+    assert g.prefix(r) == "DENIED" and g.pending() == [] and g.payments() == 1, g.text(r)
+
+
+def test_repeat_an_unknown_outcome_stays_an_interruption(make):
+    h = make(rules=rules(repeat="ask", timeout="1s"))
+    r = h.call(PAY, dict(ARGS, mode="block"))
+    assert h.prefix(r) != "PENDING_APPROVAL", h.text(r)     # timed out: unknown outcome
+    h.release()
+    r = h.call(PAY, dict(ARGS, mode="block"))
+    assert h.prefix(r) == "UNKNOWN_OUTCOME", h.text(r)
+    assert [a.kind for a in h.pending()] == [ap.INTERRUPTED_KIND]
+
+
+def test_repeat_config_errors(tmp_path):
+    from proxy_harness import write_config
+    for i, (where, value) in enumerate((("rule", "maybe"), ("top", "always"), ("rule", 1))):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        if where == "rule":
+            path = write_config(str(d), rules(repeat=value))
+        else:
+            path = write_config(str(d), rules(), repeat=value)
+        with pytest.raises(ap.ConfigError) as exc:
+            ap.load_config(path)
+        assert "repeat" in str(exc.value) and "refuse" in str(exc.value), str(exc.value)
+
+
+def test_repeat_recheck_finds_the_repeat_decided_as_recorded(make):
+    h = make(rules=rules(repeat="ask"))
+    asked = paid_then_asked(h, approve=True)
+    assert not h.is_error(h.call(PAY, ARGS))
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, ap.__file__, "recheck", "-config", h.config_path,
+                        "-run", asked.run_id], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "DIFFERENT" not in p.stdout, p.stdout + p.stderr
+    assert "same" in p.stdout, p.stdout

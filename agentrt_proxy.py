@@ -10525,16 +10525,29 @@ def suggests_repeat(name: str, description: Any) -> bool:
                for text in said)
 
 
-def rules_block(tools: dict) -> list[str]:
-    """A "rules" member to paste into a server's entry, one suggested class per tool (and
-    `"repeat": "ask"` where suggests_repeat says so). Each line is JSON written inert: a
-    tool name cannot drive the terminal that prints it."""
-    def rule(name: str, t: dict) -> str:
-        cls = suggest_class(t.get("annotations"))[0]
-        repeat = ', "repeat": "ask"' if cls != "read_only" and \
-            suggests_repeat(name, t.get("description")) else ""
-        return f'    {dump_json(name)}: {{"side_effect": "{cls}"{repeat}}}'
-    items = [rule(name, t) for name, t in tools.items()]
+def suggested_rules(tools: dict, server: str = "") -> dict[str, dict]:
+    """One suggested rule per tool: the class its hints suggest, `"repeat": "ask"` where
+    suggests_repeat says so, and a `rename` that drops a doubled prefix (server `git`'s
+    `git_commit` would register as `git_git_commit`) when no other tool of the server
+    registers under that name. Each is the server's claim, never applied unasked."""
+    taken = {f"{server}_{name}" for name in tools}
+    out: dict[str, dict] = {}
+    for name, t in tools.items():
+        rule: dict[str, Any] = {"side_effect": suggest_class(t.get("annotations"))[0]}
+        if rule["side_effect"] != "read_only" and suggests_repeat(name, t.get("description")):
+            rule["repeat"] = "ask"
+        if server and name.startswith(server + "_") and name not in taken:
+            rule["rename"] = name
+        out[name] = rule
+    return out
+
+
+def rules_block(tools: dict, server: str = "") -> list[str]:
+    """suggested_rules as the "rules" member to paste into a server's entry, one rule a
+    line. Each line is JSON written inert: a tool name cannot drive the terminal that
+    prints it."""
+    items = [f"    {dump_json(name)}: {dump_json(rule)}"
+             for name, rule in suggested_rules(tools, server).items()]
     body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
     return [_JSON_INERT.sub(_json_escape, line) for line in ['  "rules": {', *body, "  }"]]
 
@@ -10610,9 +10623,10 @@ def _unchanged(path: str, read: bytes) -> None:
 
 
 async def cmd_wrap(args, out: Out) -> int:
-    """Translate the host's servers, write and check the proxy's configuration, pin every
-    server, print the suggested rules and the host's entry; with -write, rewrite the
-    host's file."""
+    """Translate the host's servers and pin each, print the suggested rules and the host's
+    entry. Without -write nothing is written: it shows what -write would write. With -write
+    it writes the configuration (the suggested rules in it with -rules suggested), the
+    manifests, and, once every server is pinned, the host's file."""
     host_path = find_host_config(args.host, args.host_config)
     raw, doc = read_host_config(args.host, host_path)
     found = translate_host(args.host, host_path, doc)
@@ -10624,22 +10638,45 @@ async def cmd_wrap(args, out: Out) -> int:
     if os.path.lexists(config_path):
         raise ConfigError(f"{config_path} exists: wrap writes a new configuration; name "
                           "another, or edit that one and run pin")
-    text = _pretty({"database": WRAP_DATABASE, "session": args.host, "servers": servers},
-                   cut=False) + "\n"
-    cfg = parse_config(text.encode("utf-8"), config_path)
+    top = {"database": WRAP_DATABASE, "session": args.host}
+    cfg = parse_config((_pretty({**top, "servers": servers}, cut=False) + "\n").encode(),
+                       config_path)
     check_reach(cfg)                    # before anything is written or started
-    write_new_owned(config_path, text)
-    out.line(f"read {sanitize(host_path)}; wrote {sanitize(config_path)} (0600): "
-             f"{len(servers)} server(s), none classified, so none is offered yet")
+    out.line(f"read {sanitize(host_path)}: {len(servers)} server(s) to wrap" +
+             ("" if args.write else "; nothing is written without -write"))
     for f in found:
         if f.server is None:
             out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still "
                      "starts it directly, outside the gate")
-    pinned = await _wrap_pin(cfg, out)
+    pins = await _wrap_pin(cfg, out)
+    if args.rules == "suggested":
+        for server in servers:
+            if server["name"] in pins:
+                server["rules"] = suggested_rules(pins[server["name"]]["tools"],
+                                                  server["name"])
+    text = _pretty({**top, "servers": servers}, cut=False) + "\n"
+    parse_config(text.encode("utf-8"), config_path)     # what is written loads as written
+    written = bool(args.write)
+    if written:
+        write_new_owned(config_path, text)
+        for server in cfg.servers:
+            if server.name in pins:
+                write_manifest(server.manifest, pins[server.name])
+        out.line(f"wrote {sanitize(config_path)} (0600) and {len(pins)} manifest(s)")
+    else:
+        out.line(f"-write would write {sanitize(config_path)} (0600):")
+        out.line(_JSON_INERT.sub(_json_escape, text.rstrip("\n")))
+    rules = "the suggested rules, as printed above," if args.rules == "suggested" else ""
+    if rules:
+        out.line(f"{'it holds' if written else 'it would hold'} {rules} for every pinned "
+                 "server: they are the servers' own claims; read each before you trust it")
+    else:
+        out.line("it classifies no tool, so none is offered until you paste the rules (or "
+                 "wrap again with -rules suggested)")
     _print_host_entry(args.host, config_path, out)
-    if args.write and pinned < len(servers):
+    if written and len(pins) < len(servers):
         out.line(f"{sanitize(host_path)} was not written: pin every server first")
-    elif args.write:
+    elif written:
         gated = gated_host_doc(args.host, doc, [f.key for f in found if f.server],
                                host_entry(args.host, config_path))
         backup = write_host_config(host_path, raw, gated, time.time())
@@ -10647,30 +10684,33 @@ async def cmd_wrap(args, out: Out) -> int:
         out.line(f"wrote {sanitize(host_path)}: its {len(servers)} wrapped server(s) replaced "
                  f"by the gated entry" + (f", {kept} not wrapped kept as they were" if kept
                                           else "") + f"; the file as it was is {sanitize(backup)}")
-    out.line(f"paste the rules, then run: {_self_command()} check -config "
-             f"{sanitize(config_path)}")
-    return 0 if pinned == len(servers) else 1
+    if not written:
+        out.line("nothing was written; run again with -write to write it")
+    else:
+        out.line(("read the rules" if rules else "paste the rules") + f", then run: "
+                 f"{_self_command()} check -config {sanitize(config_path)}")
+    return 0 if len(pins) == len(servers) else 1
 
 
-async def _wrap_pin(cfg: Config, out: Out) -> int:
-    """Pin every server and print its suggested rules; returns how many were pinned."""
-    pinned = 0
+async def _wrap_pin(cfg: Config, out: Out) -> dict[str, dict]:
+    """Pin every server (nothing written) and print its suggested rules; the manifest of
+    each server pinned, by name."""
+    pins: dict[str, dict] = {}
     for server in cfg.servers:
         try:
             manifest = await pin_server(server, time.time())
-            write_manifest(server.manifest, manifest)
         except (ProxyError, OSError) as exc:
             out.line(f"server {_quote(server.name)}: not pinned: {sanitize(str(exc))}; "
                      f"run pin once it starts")
             continue
-        pinned += 1
+        pins[server.name] = manifest
         tools = manifest["tools"]
-        out.line(f"server {_quote(server.name)}: {len(tools)} tools pinned to "
+        out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
-                 "(claims, not facts: check each), to paste into its entry:")
-        for line in rules_block(tools) + hints_table(tools):
+                 "(claims, not facts: check each):")
+        for line in rules_block(tools, server.name) + hints_table(tools):
             out.line(line)
-    return pinned
+    return pins
 
 
 def _print_host_entry(host: str, config_path: str, out: Out) -> None:
@@ -11314,7 +11354,8 @@ USAGE = """usage:
   python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
   python agentrt_proxy.py check -config proxy.json    what is offered, refused, unclassified
   python agentrt_proxy.py wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json
-                                  [-write]   a new configuration from the host's servers
+                                  [-write [-rules suggested]]   a new configuration from
+                                  the host's servers (without -write: what it would write)
   python agentrt_proxy.py recheck -config proxy.json [-run ID | -session NAME] [-limit N]
                                   [-current-tools] [-json]   what today's policy decides otherwise
   python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
@@ -11379,7 +11420,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(sub.add_parser("wrap", add_help=False, allow_abbrev=False),
            ("config", {"default": argparse.SUPPRESS}),
            ("host", {"choices": WRAP_HOSTS, "required": True}), ("host-config", {}),
-           ("write", {"action": "store_true"}))
+           ("write", {"action": "store_true"}), ("rules", {"choices": ("none", "suggested"),
+                                                          "default": "none"}))
     cancel = sub.add_parser("cancel", add_help=False, allow_abbrev=False)
     cancel.add_argument("run")
     _flags(cancel, ("by", {}), ("note", {"default": ""}))

@@ -51,7 +51,7 @@ def pasted_rules(out: str) -> dict:
     """The rules wrap printed, per server name, parsed as the operator would paste them."""
     rules, lines, i = {}, out.split("\n"), 0
     while i < len(lines):
-        m = re.match(r'server "([^"]+)": \d+ tools pinned', lines[i])
+        m = re.match(r'server "([^"]+)": \d+ tools, to be pinned', lines[i])
         if m:
             assert lines[i + 1] == '  "rules": {', lines[i + 1]
             end = lines.index("  }", i + 1)
@@ -59,6 +59,12 @@ def pasted_rules(out: str) -> dict:
             i = end
         i += 1
     return rules
+
+
+def shown_config(out: str) -> dict:
+    """The configuration a dry run of wrap shows it would write."""
+    start = out.index("\n", out.index("-write would write ")) + 1
+    return json.loads(out[start:out.index("\n}\n", start) + 2])
 
 
 def paste(config_path: str, rules: dict) -> None:
@@ -110,9 +116,8 @@ def test_wrap_claude_desktop_config_becomes_one_check_accepts(tmp_path, cli):
     config = str(proxy_dir / "proxy.json")
     code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config)
     assert code == 0, err
-    assert stat.S_IMODE(os.stat(config).st_mode) == 0o600
-    with open(config) as f:
-        doc = json.load(f)
+    assert os.listdir(proxy_dir) == [] and "nothing was written" in out   # a dry run
+    doc = shown_config(out)
     assert doc["session"] == "claude" and doc["database"] == "proxy.db"
     by_name = {s["name"]: s for s in doc["servers"]}
     assert set(by_name) == {"bank", "bank-modern", "echo_tools"}
@@ -120,19 +125,26 @@ def test_wrap_claude_desktop_config_becomes_one_check_accepts(tmp_path, cli):
                                "env": [f"FAKE_PAYMENTS_LEDGER={tmp_path / 'ledger'}",
                                        "FAKE_PAYMENTS_ERA=legacy"]}
     assert by_name["echo_tools"] == {"name": "echo_tools", "command": [PYTHON, "-u", ECHO_SERVER]}
-    # Nothing classified; every server pinned to its default manifest.
-    assert all("rules" not in s for s in doc["servers"])
-    for name in by_name:
-        assert os.path.exists(proxy_dir / f"{name}.manifest.json"), name
+    assert all("rules" not in s for s in doc["servers"])       # nothing classified
     # The hints table explains each suggestion.
     assert re.search(r"refund\s+destructive\s+-\s+-\s+-\s+-\s+not read-only, and "
                      r"destructiveHint is missing \(MCP's default: true\)", out), out
     assert re.search(r"pay\s+remote_mutation\s+-\s+false", out), out
     # The host entry, printed, starts this proxy with absolute paths; the file is untouched.
-    entry = json.loads(out[out.index('{\n  "mcpServers"'):out.index("\n}\n") + 2])
+    start = out.index('{\n  "mcpServers"')
+    entry = json.loads(out[start:out.index("\n}\n", start) + 2])
     assert entry == {"mcpServers": {"gated": {"command": PYTHON,
                                               "args": [PROXY, "-config", config]}}}
     assert read_bytes(host) == before
+    # -write writes what the dry run showed, every server pinned to its default manifest.
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,
+                         "-write")
+    assert code == 0, err
+    assert stat.S_IMODE(os.stat(config).st_mode) == 0o600
+    with open(config) as f:
+        assert json.load(f) == doc
+    for name in by_name:
+        assert os.path.exists(proxy_dir / f"{name}.manifest.json"), name
     checked = wrapped_and_checked(cli, config, out)
     for tool, cls in (("bank_balance", "read_only"), ("bank-modern_pay", "remote_mutation"),
                       ("echo_tools_echo", "read_only"), ("bank_refund", "destructive")):
@@ -266,8 +278,8 @@ def test_wrap_vscode_workspace_config(tmp_path, cli, monkeypatch):
         os.makedirs(os.path.dirname(config))
         code, out, err = cli("wrap", "-host", "vscode", "-config", config)
         assert code == 0, err
-        assert f"read {host}" in out
-        doc = json.load(open(config))
+        assert f"read {host}" in out and not os.path.exists(config)
+        doc = shown_config(out)
         by_name = {s["name"]: s for s in doc["servers"]}
         assert by_name["bank"] == {
             "name": "bank", "command": [PYTHON, f"{workspace}/tools/bank.py"],
@@ -277,16 +289,15 @@ def test_wrap_vscode_workspace_config(tmp_path, cli, monkeypatch):
         assert "github" not in by_name
         assert re.search(r'NOT WRAPPED github: env\.GITHUB_PERSONAL_ACCESS_TOKEN holds '
                          r'"\$\{input:api-key\}", a variable of the host', out), out
-        entry = json.loads(out[out.index('{\n  "servers"'):out.index("\n}\n") + 2])
+        start = out.index('{\n  "servers": {\n    "gated"')
+        entry = json.loads(out[start:out.index("\n}\n", start) + 2])
         assert entry == {"servers": {"gated": {"type": "stdio", "command": PYTHON,
                                                "args": [PROXY, "-config", config]}}}
-        checked = wrapped_and_checked(cli, config, out)
-        assert re.search(r"payments_remote_pay\s+remote_mutation", checked), checked
-
         # -write keeps inputs and the server it could not wrap, beside the gated entry.
-        os.unlink(config)
         code, out, err = cli("wrap", "-host", "vscode", "-config", config, "-write")
         assert code == 0, err
+        checked = wrapped_and_checked(cli, config, out)
+        assert re.search(r"payments_remote_pay\s+remote_mutation", checked), checked
         now = json.load(open(host))
         assert now["inputs"][0]["id"] == "api-key"
         assert list(now["servers"]) == ["gated", "github"]
@@ -312,12 +323,14 @@ def test_wrap_cursor_global_config(tmp_path, cli, monkeypatch):
         config = str(tmp_path / "proxy.json")
         code, out, err = cli("wrap", "-host", "cursor", "-config", config)
         assert code == 0, err
-        assert f"read {host}" in out
-        doc = json.load(open(config))
+        assert f"read {host}" in out and not os.path.exists(config)
+        doc = shown_config(out)
         assert [s["name"] for s in doc["servers"]] == ["payments", "bank", "echo"]
         assert doc["servers"][0] == {"name": "payments", "endpoint": srv.url}
         assert doc["servers"][2] == {"name": "echo", "command": [PYTHON, ECHO_SERVER]}
         assert 'NOT WRAPPED legacy-sse: type "sse"' in out
+        code, out, err = cli("wrap", "-host", "cursor", "-config", config, "-write")
+        assert code == 0, err
         checked = wrapped_and_checked(cli, config, out)
         assert re.search(r"payments_balance\s+read_only", checked), checked
 
@@ -455,3 +468,64 @@ def test_suggested_rules_ask_about_a_repeat_of_a_stateful_tool(name, description
     rules = json.loads("{" + "\n".join(ap.rules_block(tools)) + "}")["rules"]
     assert rules[name].get("repeat") == ("ask" if asks else None), rules
     assert "repeat" not in rules["read_" + name]
+
+
+def test_wrap_without_write_writes_nothing_and_write_then_works(tmp_path, cli):
+    host = write_host(tmp_path / "claude_desktop_config.json", claude_desktop(tmp_path))
+    before = read_bytes(host)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    config = str(gate / "proxy.json")
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config)
+    assert code == 0, err
+    assert os.listdir(gate) == [] and read_bytes(host) == before
+    assert "nothing is written without -write" in out and "-write would write" in out
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,
+                         "-write")
+    assert code == 0, err                              # not "exists": the dry run wrote none
+    assert sorted(os.listdir(gate)) == ["bank-modern.manifest.json", "bank.manifest.json",
+                                        "echo_tools.manifest.json", "proxy.json"]
+
+
+def test_wrap_write_rules_suggested_writes_exactly_the_printed_rules(tmp_path, cli):
+    host = write_host(tmp_path / "claude_desktop_config.json", claude_desktop(tmp_path))
+    config = str(tmp_path / "gate" / "proxy.json")
+    os.makedirs(os.path.dirname(config))
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,
+                         "-write", "-rules", "suggested")
+    assert code == 0, err
+    printed = pasted_rules(out)
+    with open(config) as f:
+        written = {s["name"]: s["rules"] for s in json.load(f)["servers"]}
+    assert written == printed and printed["bank"]["pay"] == {"side_effect": "remote_mutation",
+                                                             "repeat": "ask"}
+    assert "the servers' own claims; read each before you trust it" in out
+    code, checked, err = cli("check", "-config", config)
+    assert code == 0, err
+    assert re.search(r"bank_pay\s+remote_mutation", checked), checked
+
+
+def test_wrap_rules_suggested_without_write_shows_them_in_the_configuration(tmp_path, cli):
+    host = write_host(tmp_path / "claude_desktop_config.json", claude_desktop(tmp_path))
+    config = str(tmp_path / "proxy.json")
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,
+                         "-rules", "suggested")
+    assert code == 0 and not os.path.exists(config), err
+    shown = {s["name"]: s["rules"] for s in shown_config(out)["servers"]}
+    assert shown == pasted_rules(out)
+
+
+def test_wrap_suggests_a_rename_that_drops_a_doubled_prefix():
+    tools = {"git_commit": {"annotations": {"destructiveHint": False, "openWorldHint": False},
+                            "description": "Records changes."},
+             "git_status": {"annotations": {"readOnlyHint": True}},
+             "log": {"annotations": {"readOnlyHint": True}}}
+    rules = ap.suggested_rules(tools, "git")
+    assert rules["git_commit"] == {"side_effect": "local_mutation", "repeat": "ask",
+                                   "rename": "git_commit"}
+    assert rules["git_status"] == {"side_effect": "read_only", "rename": "git_status"}
+    assert rules["log"] == {"side_effect": "read_only"}
+    # A rename that another tool's registered name already takes is not suggested.
+    clash = ap.suggested_rules({"git_log": {"annotations": {"readOnlyHint": True}},
+                                "log": {"annotations": {"readOnlyHint": True}}}, "git")
+    assert clash["git_log"] == {"side_effect": "read_only"}

@@ -7448,6 +7448,8 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
         return prose("GATE_STATUS", describe(proxy, item, items, now), False)
     waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)
                and i[1].run.status == WAITING]
+    granted = [i for i in items if i[2].status == APPROVED and i[1].run.status == WAITING
+               and (i[1].latest() is None or i[1].latest().id == i[2].id)]
     if not waiting:
         lines = ["no request in this session is waiting for an operator's approval."]
     else:
@@ -7455,6 +7457,12 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
             f"{len(waiting)} requests in this session are waiting"
         lines = [f"{head} for an operator's approval:"]
         lines += ["- " + describe(proxy, i, items, now) for i in waiting]
+    if granted:
+        head = "1 approved request waits" if len(granted) == 1 else \
+            f"{len(granted)} approved requests wait"
+        lines.append(f"{head} for you to collect it: call the tool again with exactly the "
+                     "same arguments to run it:")
+        lines += ["- " + describe(proxy, i, items, now) for i in granted]
     limits = proxy.budgets.lines()
     if limits:
         lines.append("The limits on this session's tools, and what they have used (a call "
@@ -7570,15 +7578,18 @@ def _ran_unknown(row, items: list, a: Approval, ended: str, now: float) -> str:
     return text + "No approval to run it again is waiting now."
 
 
-# What a host is told of each class, in MCP's tool annotations (every hint given, so that
-# no host falls back on MCP's defaults, which take a tool with no hints as destructive).
+# What a host is told of each class, in MCP's tool annotations: readOnlyHint and
+# destructiveHint always, so that no host falls back on MCP's defaults, which take a tool
+# with no hints as destructive; openWorldHint only where the class says it (a mutation is
+# local or remote). read_only and destructive say nothing of the world a tool reaches (a web
+# search is read-only and open), so they claim nothing, and a host reads MCP's default.
 CLASS_ANNOTATIONS = {
-    "read_only": {"readOnlyHint": True, "destructiveHint": False, "openWorldHint": False},
+    "read_only": {"readOnlyHint": True, "destructiveHint": False},
     "local_mutation": {"readOnlyHint": False, "destructiveHint": False,
                        "openWorldHint": False},
     "remote_mutation": {"readOnlyHint": False, "destructiveHint": False,
                         "openWorldHint": True},
-    "destructive": {"readOnlyHint": False, "destructiveHint": True, "openWorldHint": True},
+    "destructive": {"readOnlyHint": False, "destructiveHint": True},
 }
 
 
@@ -9502,7 +9513,11 @@ def known_outcome(step: Step) -> str:
 
 
 def result_text(obs: dict) -> str:
-    content = obs.get("content")
+    """The text the model first read of a result: the server's text beside structured
+    content (as result_of gives it), else the content itself."""
+    content, text = obs.get("content"), obs.get("text")
+    if isinstance(content, dict) and isinstance(text, str):
+        return text
     return content if isinstance(content, str) else dump_json(content)
 
 
@@ -11645,17 +11660,18 @@ def _self_command() -> str:
 def decide_command(db_path: str, run_id: str, approval_id: str) -> str:
     """The one command line that approves this approval (reject: the same with reject),
     as the stderr hint, `show`, `approve`, `pending` and on_pending print it."""
-    return (f'{_self_command()} -db "{db_path}" approve {_shell_word(run_id)} '
+    db = os.path.abspath(db_path)       # printed to be run from anywhere
+    return (f'{_self_command()} -db "{db}" approve {_shell_word(run_id)} '
             f"-approval {_shell_word(approval_id)}")
 
 
 def show_command(db_path: str, run_id: str) -> str:
     """The command that shows a run's waiting approval in full, every field."""
-    return f'{_self_command()} -db "{db_path}" show {_shell_word(run_id)}'
+    return f'{_self_command()} -db "{os.path.abspath(db_path)}" show {_shell_word(run_id)}'
 
 
 def _cancel_command(db_path: str, run_id: str) -> str:
-    return f'{_self_command()} -db "{db_path}" cancel {_shell_word(run_id)}'
+    return f'{_self_command()} -db "{os.path.abspath(db_path)}" cancel {_shell_word(run_id)}'
 
 
 def _step_row(s: Step) -> dict:
@@ -13140,6 +13156,15 @@ _HOOK_COMMANDS = {"webhook": cmd_webhook, "sign": cmd_sign}
 
 # ==== 29. main ====
 
+def _stdout_to_devnull(out: Out) -> None:
+    """Point a closed stdout at /dev/null, so that the interpreter's last flush of what is
+    still buffered does not print a traceback of its own."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, out.stdout.fileno())
+        os.close(fd)
+
+
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -13163,6 +13188,9 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
         out.log(str(exc))
         out.stderr.write(USAGE + "\n")
         return 2
+    except BrokenPipeError:             # `runs | head`: the reader went away; end quietly
+        _stdout_to_devnull(out)
+        return 1
     except (ProxyError, ValueError, OSError) as exc:
         out.log("error: " + _describe_failure(exc, getattr(args, "command", "")))
         return 1

@@ -225,11 +225,11 @@ def test_offered_tools_carry_the_annotations_of_their_class_not_the_servers_hint
     listed = {t["name"]: t for t in p.request("tools/list", {})["result"]["tools"]}
     # the fake server hints balance read-only, pay not destructive, refund nothing at all
     assert listed["bank_balance"]["annotations"] == {
-        "readOnlyHint": True, "destructiveHint": False, "openWorldHint": False}
+        "readOnlyHint": True, "destructiveHint": False}     # says nothing of an open world
     assert listed["bank_pay"]["annotations"] == {
         "readOnlyHint": False, "destructiveHint": False, "openWorldHint": True}
     assert listed["bank_refund"]["annotations"] == {
-        "readOnlyHint": False, "destructiveHint": True, "openWorldHint": True}
+        "readOnlyHint": False, "destructiveHint": True}
     assert listed[STATUS]["annotations"]["readOnlyHint"] is True
 
 

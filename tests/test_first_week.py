@@ -1,0 +1,99 @@
+"""The first week of a new operator (issue: no dead ends, nothing pasted by hand, the trail
+shows every refusal): each friction met, replayed from a host or the command line as the
+user met it.
+"""
+
+import json
+
+import pytest
+
+from proxy_harness import ProxyHarness, ap
+
+PAY, STATUS = "bank_pay", "gate_status"
+
+
+@pytest.fixture
+def make(harnesses):
+    return harnesses
+
+
+def test_gate_status_lists_an_approved_grant_not_yet_collected(make):
+    """The model was told "nothing waits" while its approved call waited for it."""
+    h = make()
+    args = {"to": "landlord", "amount": 950}
+    r = h.call(PAY, args)
+    assert h.prefix(r) == "PENDING_APPROVAL"
+    (asked,) = h.pending()
+    h.decide(asked, approve=True)
+    said = h.text(h.call(STATUS, {}))
+    assert "no request in this session is waiting" in said, said
+    assert "1 approved request waits for you to collect it" in said, said
+    assert asked.id in said and "exactly the same arguments" in said, said
+    assert h.payments() == 0
+    assert h.text(h.call(PAY, args)) == "paid 950.00 to landlord"
+    said = h.text(h.call(STATUS, {}))
+    assert "approved request" not in said and asked.id not in said, said
+
+
+class _ClosedAfter:
+    """A stdout whose reader goes away after ``n`` bytes, as `runs | head` does."""
+
+    def __init__(self, n: int, fd: int):
+        self.n, self.fd, self.written = n, fd, 0
+
+    def write(self, text: str) -> int:
+        self.written += len(text)
+        if self.written > self.n:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_a_closed_stdout_ends_the_command_quietly(make, tmp_path):
+    import io
+    import os
+    h = make(rules={"balance": {"side_effect": "read_only", "timeout": "10s"}})
+    for i in range(5):
+        h.call("bank_balance", {"account": f"a-{i}"})
+    r, w = os.pipe()
+    try:
+        out, err = _ClosedAfter(100, w), io.StringIO()
+        code = ap.main(["-db", h.cfg.database, "runs"], stdout=out, stderr=err)
+        assert code == 1 and err.getvalue() == "", err.getvalue()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_printed_commands_carry_absolute_paths(make, tmp_path, monkeypatch):
+    """`pending -db proxy.db` printed a relative -db, which worked only from there."""
+    h = make()
+    h.call(PAY, {"to": "bob", "amount": 5})
+    monkeypatch.chdir(h.tmp)
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    assert ap.main(["-db", "runs.db", "pending"], stdout=out, stderr=err) == 0, err.getvalue()
+    decide = next(line for line in out.getvalue().splitlines() if "decide with:" in line)
+    assert f'-db "{h.cfg.database}"' in decide, decide
+    out = io.StringIO()
+    assert ap.main(["-db", "runs.db", "-json", "pending"], stdout=out, stderr=err) == 0
+    doc = json.loads(out.getvalue())["approvals"][0]
+    assert f'-db \\"{h.cfg.database}\\"' in json.dumps(doc["decide"]) and \
+        f'-db \\"{h.cfg.database}\\"' in json.dumps(doc["read"]), doc
+
+
+def test_a_duplicate_of_a_structured_result_quotes_the_text_the_model_read(make):
+    h = make(rules={"pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                            "outcome": "allow"}})
+    args = {"to": "bob", "amount": 5, "mode": "structured"}
+    first = h.call(PAY, args)
+    assert h.text(first) == "paid 5.00 to bob" and "structuredContent" in first, first
+    r = h.call(PAY, args)
+    assert h.prefix(r) == "DUPLICATE", h.text(r)
+    assert h.text(r).endswith("The earlier call's outcome: it succeeded: paid 5.00 to bob"), \
+        h.text(r)

@@ -10061,10 +10061,13 @@ def _diff_lines(old: list[str], new: list[str]) -> list[str]:
     return shown
 
 
-async def cmd_check(cfg: Config, out: Out) -> int:
+async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
+    """What each server offers and what the policy makes of it, ending with a summary that
+    names every tool a rule classifies but that is refused, and every tool no call to which
+    can run. With ``strict`` a refused tool fails the check."""
     check_database_owner(cfg.database)
     check_reach(cfg)
-    tools, _ = await load_tools(cfg, out.line)
+    tools, reports = await load_tools(cfg, out.line)
     try:
         store = Store.open(cfg.database)
         try:
@@ -10081,9 +10084,30 @@ async def cmd_check(cfg: Config, out: Out) -> int:
         out.line(f"status tool: {sanitize(cfg.status_tool)}")
         out.line(f"session: {sanitize(cfg.session)}")
         out.line(f"database: {sanitize(cfg.database)}")
+        refused = [(r.server, t, why) for r in reports for t, why in r.refused]
+        for line in check_summary(tools, reports, policy, refused):
+            out.line(line)
     finally:
         await close_tools(tools)
-    return 0
+    return 1 if strict and refused else 0
+
+
+def check_summary(tools: list[UpstreamTool], reports: list[Report], policy: "ProxyPolicy",
+                  refused: list[tuple[str, str, str]]) -> list[str]:
+    """check's last lines: the counts, then each refusal a rule met and each tool every
+    call to which is denied, so that none hides among the lines above."""
+    never = [t for t in tools if policy.never_runs(t)]
+    unclassified = sum(len(r.unclassified) for r in reports)
+    out = [f"summary: {len(tools)} tool(s) offered ({len(never)} of them denied on every "
+           f"call), {len(refused)} classified by a rule but refused, {unclassified} "
+           "unclassified (no rule)"]
+    s = sanitize
+    out += [f"REFUSED {s(server)}: {s(tool)}: {s(why)}" for server, tool, why in refused]
+    for t in never:
+        by = "its rule" if t.rule.outcome == "deny" else \
+            f"its class {t.spec.side_effect}, which the policy denies"
+        out.append(f"DENIED ON EVERY CALL {s(t.spec.name)}: by {by}")
+    return out
 
 
 def _decisions(cfg: Config, tools: list[UpstreamTool]) -> list[list[str]]:
@@ -11367,7 +11391,9 @@ HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
 USAGE = """usage:
   python agentrt_proxy.py -config proxy.json          serve the host over stdin and stdout
   python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
-  python agentrt_proxy.py check -config proxy.json    what is offered, refused, unclassified
+  python agentrt_proxy.py check -config proxy.json [-strict]
+                                  what is offered, refused, unclassified (-strict: a refused
+                                  tool exits 1)
   python agentrt_proxy.py wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json
                                   [-write [-rules suggested]]   a new configuration from
                                   the host's servers (without -write: what it would write)
@@ -11429,9 +11455,11 @@ def build_parser() -> argparse.ArgumentParser:
            ("limit", {"type": int, "default": RECHECK_LIMIT}),
            ("current-tools", {"action": "store_true"}),
            ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
-    for name in ("serve", "pin", "check"):
+    for name in ("serve", "pin"):
         _flags(sub.add_parser(name, add_help=False, allow_abbrev=False),
                ("config", {"default": argparse.SUPPRESS}))
+    _flags(sub.add_parser("check", add_help=False, allow_abbrev=False),
+           ("config", {"default": argparse.SUPPRESS}), ("strict", {"action": "store_true"}))
     _flags(sub.add_parser("wrap", add_help=False, allow_abbrev=False),
            ("config", {"default": argparse.SUPPRESS}),
            ("host", {"choices": WRAP_HOSTS, "required": True}), ("host-config", {}),
@@ -12469,7 +12497,7 @@ def run_proxy_command(args, out: Out) -> int:
     if args.command == "pin":
         return asyncio.run(cmd_pin(cfg, out))
     if args.command == "check":
-        return asyncio.run(cmd_check(cfg, out))
+        return asyncio.run(cmd_check(cfg, out, bool(getattr(args, "strict", False))))
     stdin = getattr(out.stdin, "buffer", out.stdin)
     stdout = getattr(out.stdout, "buffer", out.stdout)
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))

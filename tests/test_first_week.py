@@ -97,3 +97,40 @@ def test_a_duplicate_of_a_structured_result_quotes_the_text_the_model_read(make)
     assert h.prefix(r) == "DUPLICATE", h.text(r)
     assert h.text(r).endswith("The earlier call's outcome: it succeeded: paid 5.00 to bob"), \
         h.text(r)
+
+
+def _checked(tmp_path, cli, rules, *flags):
+    from proxy_harness import write_config
+    h = ProxyHarness(tmp_path, rules=rules)          # pins the manifest, then closes
+    h.close()
+    return cli("check", "-config", write_config(str(tmp_path), rules), *flags)
+
+
+def test_check_ends_with_a_summary_naming_each_refusal(tmp_path, cli):
+    """check hid a refused tool among a hundred lines; -strict fails on one."""
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                     "rename": "bank_balance"},                      # taken: refused
+             "refund": {"side_effect": "destructive", "timeout": "10s"}}
+    code, out, err = _checked(tmp_path, cli, rules)
+    assert code == 0, err
+    lines = out.splitlines()
+    summary = lines.index(next(l for l in lines if l.startswith("summary: ")))
+    assert lines[summary] == ("summary: 2 tool(s) offered (1 of them denied on every call), "
+                              "1 classified by a rule but refused, 0 unclassified (no rule)")
+    assert lines[summary + 1].startswith('REFUSED bank: pay: the name "bank_balance" is '
+                                         'already taken'), lines[summary + 1]
+    assert lines[summary + 2] == ("DENIED ON EVERY CALL bank_refund: by its class "
+                                  "destructive, which the policy denies")
+    code, _, _ = cli("check", "-config", str(tmp_path / "proxy.json"), "-strict")
+    assert code == 1
+
+
+def test_check_strict_passes_when_nothing_is_refused(tmp_path, cli):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "deny"}}
+    code, out, err = _checked(tmp_path, cli, rules, "-strict")
+    assert code == 0, err
+    assert "DENIED ON EVERY CALL bank_pay: by its rule" in out
+    assert "summary: 2 tool(s) offered (1 of them denied on every call), 0 classified by a " \
+           "rule but refused, 1 unclassified (no rule)" in out, out

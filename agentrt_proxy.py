@@ -10688,11 +10688,19 @@ async def cmd_wrap(args, out: Out) -> int:
             out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still "
                      "starts it directly, outside the gate")
     pins = await _wrap_pin(cfg, out)
+    notify = suggested_on_pending(cfg.database)
+    if notify:
+        out.line("a notification for this machine when an approval waits" +
+                 (", written into the configuration:" if args.rules == "suggested" else
+                  ", to paste at the top level of the configuration:"))
+        out.line(_JSON_INERT.sub(_json_escape, f'  "on_pending": {dump_json(notify)}'))
     if args.rules == "suggested":
         for server in servers:
             if server["name"] in pins:
                 server["rules"] = suggested_rules(pins[server["name"]]["tools"],
                                                   server["name"])
+        if notify:
+            top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
     parse_config(text.encode("utf-8"), config_path)     # what is written loads as written
     written = bool(args.write)
@@ -10729,6 +10737,20 @@ async def cmd_wrap(args, out: Out) -> int:
         out.line(("read the rules" if rules else "paste the rules") + f", then run: "
                  f"{_self_command()} check -config {sanitize(config_path)}")
     return 0 if len(pins) == len(servers) else 1
+
+
+def suggested_on_pending(database: str) -> list[str]:
+    """An on_pending argv for this machine's notifier, when one is on PATH: notify-send
+    (Linux desktops), else osascript (macOS); [] when neither is."""
+    found = shutil.which("notify-send")
+    if found:
+        return [os.path.abspath(found), "agentrt-proxy", "an approval waits: run "
+                f'{_self_command()} -db "{os.path.abspath(database)}" pending']
+    found = shutil.which("osascript")
+    if found:
+        return [os.path.abspath(found), "-e",
+                'display notification "an approval waits" with title "agentrt-proxy"']
+    return []
 
 
 async def _wrap_pin(cfg: Config, out: Out) -> dict[str, dict]:

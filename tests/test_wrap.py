@@ -529,3 +529,46 @@ def test_wrap_suggests_a_rename_that_drops_a_doubled_prefix():
     clash = ap.suggested_rules({"git_log": {"annotations": {"readOnlyHint": True}},
                                 "log": {"annotations": {"readOnlyHint": True}}}, "git")
     assert clash["git_log"] == {"side_effect": "read_only"}
+
+
+def _notifier(tmp_path, monkeypatch, name: str) -> str:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    program = bin_dir / name
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return str(program)
+
+
+def test_wrap_prints_an_on_pending_line_for_the_machines_notifier(tmp_path, cli, monkeypatch):
+    program = _notifier(tmp_path, monkeypatch, "notify-send")
+    host = write_host(tmp_path / "claude_desktop_config.json", claude_desktop(tmp_path))
+    config = str(tmp_path / "gate" / "proxy.json")
+    os.makedirs(os.path.dirname(config))
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config)
+    assert code == 0, err
+    line = next(l for l in out.splitlines() if l.startswith('  "on_pending": '))
+    argv = json.loads("{" + line + "}")["on_pending"]
+    db = str(tmp_path / "gate" / "proxy.db")
+    assert argv == [program, "agentrt-proxy", f'an approval waits: run {PYTHON} {PROXY} -db '
+                                              f'"{db}" pending'], argv
+    assert "to paste at the top level" in out
+    assert "on_pending" not in shown_config(out)
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,
+                         "-write", "-rules", "suggested")
+    assert code == 0, err
+    with open(config) as f:
+        assert json.load(f)["on_pending"] == argv
+    assert "written into the configuration" in out
+    code, _, err = cli("check", "-config", config)
+    assert code == 0, err
+
+
+def test_wrap_suggests_osascript_where_there_is_no_notify_send(tmp_path, cli, monkeypatch):
+    real_which = ap.shutil.which
+    monkeypatch.setattr(ap.shutil, "which",
+                        lambda name: None if name == "notify-send" else real_which(name))
+    program = _notifier(tmp_path, monkeypatch, "osascript")
+    assert ap.suggested_on_pending(str(tmp_path / "x.db")) == [
+        program, "-e", 'display notification "an approval waits" with title "agentrt-proxy"']

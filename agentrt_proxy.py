@@ -7400,6 +7400,14 @@ def expired(approval_id: str, until: float) -> dict:
                  f"refused until {fmt_time_s(until)}. Tell the user.", True)
 
 
+def answer_prefix(result: dict) -> str:
+    """The prefix an answer starts with (DUPLICATE, REJECTED, BLOCKED, ...)."""
+    try:
+        return result["content"][0]["text"].split(":", 1)[0]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return ""
+
+
 def duplicate(at: float, window: float, outcome: str) -> dict:
     return prose("DUPLICATE", f"this exact request already executed, at {fmt_time_s(at)}. It "
                  f"is not executed again: an identical call to this tool within "
@@ -8410,7 +8418,7 @@ def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,
 # happen outside that. Across processes the unique open-row index and
 # IMMEDIATE transactions let exactly one call begin a row's run; the loser retries.
 
-PROXY_SCHEMA_VERSION = 4
+PROXY_SCHEMA_VERSION = 5
 APPROVAL_POLL = 0.2                    # how often a held call looks at its approval
 PROGRESS_EVERY = 1.0                   # seconds between progress notifications while held
 MAX_RETRIES = 5                        # lost races before a call answers IN_PROGRESS
@@ -8436,11 +8444,52 @@ _INDEX_SQL = (
     "CREATE INDEX proxy_calls_outcome ON proxy_calls(session, request_key, outcome, id)",
 )
 # Each later version: its statements, applied in one transaction with its own record.
+# A refusal changes nothing, so it is not an event of the chain: it is counted here, one row
+# per run it names, request key and answer, the first and the last time. A model that repeats
+# a refused call only moves a row's count and last time; 200 identical refusals are one row.
+_REFUSALS_SQL = """CREATE TABLE proxy_refusals (
+    run_id TEXT NOT NULL, request_key TEXT NOT NULL, answer TEXT NOT NULL,
+    count INTEGER NOT NULL, first_at REAL NOT NULL, last_at REAL NOT NULL,
+    PRIMARY KEY (run_id, request_key, answer)) WITHOUT ROWID"""
+
+
+class RefusalLog:
+    """proxy_refusals: each refusal of a call, against the run it names (the earlier
+    execution of a DUPLICATE, the rejected, expired or cancelled run, the run that blocks).
+    Written unsynced: a power loss may lose the last counts, never a run's own record."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def record(self, run_id: str, key: str, answer: str, now: float) -> None:
+        with self.store.batch(synced=False), self.store.tx() as tx:
+            tx.exec("INSERT INTO proxy_refusals VALUES (?,?,?,1,?,?) ON CONFLICT (run_id, "
+                    "request_key, answer) DO UPDATE SET count=count+1, last_at=excluded.last_at",
+                    (run_id, key, answer, now, now))
+
+    @staticmethod
+    def of_run(store: Store, run_id: str) -> list[dict]:
+        """A run's refusals, oldest first; [] where the table is not there yet."""
+        try:
+            rows = store._read("SELECT answer, count, first_at, last_at, request_key FROM "
+                               "proxy_refusals WHERE run_id=? ORDER BY first_at", (run_id,))
+        except StoreError:
+            return []
+        return [{"answer": a, "count": n, "first_at": fmt_time(f), "last_at": fmt_time(t),
+                 "request_key": k} for a, n, f, t, k in rows]
+
+
+def refusal_lines(refusals: list[dict]) -> list[str]:
+    return [f"refused {r['count']} time(s) as {sanitize(r['answer'])}, first "
+            f"{_stamp(r['first_at'])}, last {_stamp(r['last_at'])}" for r in refusals]
+
+
 _INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("CREATE INDEX proxy_calls_tool_outcome ON proxy_calls(session, tool, outcome, id)",),
     3: _LIMIT_SQL,                   # the index of executions that limits count (section 20)
     4: ("CREATE TABLE proxy_limit_marks (key TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
         "n INTEGER NOT NULL) WITHOUT ROWID",),          # how far each limit was caught up
+    5: (_REFUSALS_SQL,),                                 # the refusals of each run (RefusalLog)
 }
 _ROW_COLS = "id, session, request_key, tool, side_effect, run_id, created_at, open, closed_at, " \
             "settled_at, outcome"
@@ -8669,6 +8718,7 @@ class Proxy:
         self.tools = {t.spec.name: t for t in tools}
         self.reruns: dict[str, dict] = {}      # run id -> the attempt its proposal re-runs
         self.repeats: dict[str, dict] = {}     # run id -> the execution its proposal repeats
+        self.refusals = RefusalLog(store)
         self.budgets = Budgets(store, self.tools, clock)
         self.policy = ProxyPolicy(cfg.policy_map, self.tools, self, cfg.policy_id())
         self.index = CallIndex(store, cfg.session)
@@ -8944,33 +8994,43 @@ class Proxy:
         if late is not None:
             # The run says the re-run was refused; the store also knows that the attempt
             # it asked about took effect. The model is told that, never "not executed".
-            return self.repeat_or_duplicate(tool, late.run_id, late.at, end, window,
+            return self.repeat_or_duplicate(tool, row, late.run_id, late.at, end, window,
                                             late_known_outcome(late))
         if reason == "approval_rejected" and latest is not None:
-            return Answer(rejected(latest.id, latest.note, until))
+            return self.refused(row.run_id, row.key, rejected(latest.id, latest.note, until))
         if reason == "approval_expired":
             if outcome == UNKNOWN:
                 return None                  # an expiry resolves nothing: rule 6 asks
             if latest is not None:
-                return Answer(expired(latest.id, until))
+                return self.refused(row.run_id, row.key, expired(latest.id, until))
         if reason == "operator_cancelled":
-            return Answer(cancelled_answer(state.run.reason_detail, until))
+            return self.refused(row.run_id, row.key,
+                                cancelled_answer(state.run.reason_detail, until))
         if tool.spec.side_effect == "read_only":
             return None
         step = next((s for s in reversed(state.steps)
                      if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)), None)
         if outcome == KNOWN and step is not None:
-            return self.repeat_or_duplicate(tool, row.run_id, state.run.finished_at, end,
+            return self.repeat_or_duplicate(tool, row, row.run_id, state.run.finished_at, end,
                                             window, known_outcome(step))
         return None                          # nothing ran, or its outcome is rule 6's
 
-    def repeat_or_duplicate(self, tool, run_id: str, at: str, end: float, window: float,
-                            outcome: str):
+    def repeat_or_duplicate(self, tool, row: CallRow, run_id: str, at: str, end: float,
+                            window: float, outcome: str):
         """DUPLICATE, or, where the rule asks about a repeat, the earlier execution to name
         in the approval the call goes on to ask."""
         if (tool.rule.repeat or self.cfg.repeat) == "ask":
             return Repeat({"run_id": run_id, "at": at, "outcome": outcome})
-        return Answer(duplicate(end, window, outcome))
+        return self.refused(row.run_id, row.key, duplicate(end, window, outcome))
+
+    def refused(self, run_id: str, key: str, result: dict) -> Answer:
+        """The answer that refuses a call, counted against the run it names (RefusalLog).
+        A count that cannot be written is told to the operator; the answer stands."""
+        try:
+            self.refusals.record(run_id, key, answer_prefix(result), self.clock())
+        except StoreError as exc:
+            self.log(f"run {run_id}: a refusal of it was not counted: {exc}")
+        return Answer(result)
 
     # rule 6: an unknown outcome of this request, at any age
 
@@ -8997,7 +9057,7 @@ class Proxy:
         mutating = tool.spec.side_effect != "read_only"
         if not mutating and not needs_approval:
             return None
-        now, pending = self.clock(), 0
+        now, pending, oldest = self.clock(), 0, ""
         for row in self.index.unsettled():
             if row.key == key:
                 continue
@@ -9018,23 +9078,25 @@ class Proxy:
                     (latest.status == APPROVED and not _grant_stale(state.run, latest, now))
                 if same_tool and latest.kind == INTERRUPTED_KIND:
                     if live:
-                        return Answer(blocked_interrupted(tool.spec.name, latest.id,
-                                                          latest.status == APPROVED))
+                        return self.refused(row.run_id, key, blocked_interrupted(
+                            tool.spec.name, latest.id, latest.status == APPROVED))
                     self._attach_and_close(row.run_id)
                 elif live and latest.status == PENDING:
                     pending += 1
+                    oldest = oldest or row.run_id
             elif same_tool and not _lease_live(state.run):
                 action = self.recover(tool, row)
                 if isinstance(action, Pending):
-                    return Answer(blocked_interrupted(tool.spec.name, action.approval.id))
+                    return self.refused(row.run_id, key, blocked_interrupted(
+                        tool.spec.name, action.approval.id))
                 if action is not None:
                     return Answer(in_progress())
         if mutating and outcome != "deny":       # a call denied anyway is the gate's to deny
             action = self.unknown_block(tool, key)
             if action is not None:
                 return action
-        if needs_approval and pending >= self.cfg.max_pending:
-            return Answer(blocked_pending(self.cfg.max_pending))
+        if needs_approval and pending >= self.cfg.max_pending:    # counted against the
+            return self.refused(oldest, key, blocked_pending(self.cfg.max_pending))  # oldest
         return None
 
     def unknown_block(self, tool, key: str):
@@ -9056,7 +9118,8 @@ class Proxy:
             if approval is None:
                 return Answer(unavailable("ask an operator about an earlier call to this tool "
                                           "whose outcome is unknown"))
-            return Answer(blocked_interrupted(tool.spec.name, approval.id))
+            return self.refused(approval.run_id, key,
+                                blocked_interrupted(tool.spec.name, approval.id))
         return None
 
     def reopen(self, tool, key: str | None, args: bytes, at: dict) -> Approval | None:
@@ -11573,9 +11636,35 @@ def _pending_id(store: Store, run: Run) -> str:
 
 def _run_summary(store: Store, run: Run) -> dict:
     return {"id": run.id, "goal": run.goal, "status": run.status, "reason": run.reason,
-            "reason_detail": run.reason_detail, "steps": run.step_count,
-            "created_at": run.created_at, "finished_at": run.finished_at,
-            "pending_approval_id": _pending_id(store, run)}
+            "reason_detail": run.reason_detail, "why": ended_why(store, run),
+            "steps": run.step_count, "created_at": run.created_at,
+            "finished_at": run.finished_at, "pending_approval_id": _pending_id(store, run)}
+
+
+_CLOSED_WHY = {CLOSE_DENIED: "denied by policy", CLOSE_INVALID: "refused: invalid arguments",
+               CLOSE_TOOL_ERROR: "the tool answered an error",
+               CLOSE_UNRECORDED: "executed; its result could not be recorded",
+               CLOSE_TAKEN_OVER: "taken over after an interruption"}
+
+
+def ended_why(store: Store, run: Run) -> str:
+    """Why a run ended, in plain words ("denied by policy", "rejected by pat"), beside the
+    seed's status and reason; '' for a run not ended."""
+    if run.status not in TERMINAL:
+        return ""
+    if run.status == COMPLETED:
+        return "completed"
+    if run.reason in ("approval_rejected", "operator_cancelled"):
+        by = ""
+        for _seq, _run, _step, _at, typ, payload, _hash in store.list_events(run.id, -1, 0):
+            if typ in ("approval.decided", "run.finished"):
+                with contextlib.suppress(ProxyError, AttributeError):
+                    by = str(loads_own(payload).get("by") or by)
+        verb = "rejected" if run.reason == "approval_rejected" else "cancelled"
+        return f"{verb} by {by}" if by else f"{verb} by an operator"
+    if run.reason == "approval_expired":
+        return "its approval expired"
+    return _CLOSED_WHY.get(run.reason_detail) or run.reason_detail or run.reason
 
 
 def cmd_runs(store: Store, args, out: Out) -> int:
@@ -11587,10 +11676,11 @@ def cmd_runs(store: Store, args, out: Out) -> int:
     if not runs:
         out.text("no runs")
         return 0
-    rows = [["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL"]]
+    rows = [["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL", "WHY"]]
     for r in runs:
         rows.append([r.id, r.status, r.reason or "-", str(r.step_count), _stamp(r.created_at),
-                     _pending_id(store, r) or "-", _clip(r.goal, CLI_GOAL_WIDTH)])
+                     _pending_id(store, r) or "-", _clip(r.goal, CLI_GOAL_WIDTH),
+                     _clip(ended_why(store, r), CLI_GOAL_WIDTH) or "-"])
     for line in _table(rows):
         out.text(line)
     shown = args.offset + len(runs)
@@ -11757,9 +11847,11 @@ def cmd_show(store: Store, args, out: Out) -> int:
     steps, approvals = store.list_steps(run.id), store.list_approvals(run.id)
     limit = CLI_SHOW_LIMIT if args.limit is None else args.limit
     page = steps[args.offset:args.offset + limit] if limit > 0 else steps[args.offset:]
+    refusals = RefusalLog.of_run(store, run.id)
     if args.json:
         out.json({"run": _run_summary(store, run), "steps": [_step_row(s) for s in page],
-                  "approvals": [_approval_row(a, view_of(store, a)) for a in approvals]})
+                  "approvals": [_approval_row(a, view_of(store, a)) for a in approvals],
+                  "refusals": refusals})
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
         (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
@@ -11769,6 +11861,10 @@ def cmd_show(store: Store, args, out: Out) -> int:
     out.text(f"steps   {run.step_count}")
     out.text(f"created {_stamp(run.created_at)}" +
              (f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""))
+    if run.status in TERMINAL:
+        out.text(f"ended   {ended_why(store, run)}")
+    for line in refusal_lines(refusals):
+        out.text(f"calls   {line}")
     for a in approvals:
         if (a.status == PENDING and run.status == WAITING) or a.status == SETTLED_APPROVAL:
             for line in approval_block(store, a, store.path):
@@ -11794,11 +11890,12 @@ def cmd_events(store: Store, args, out: Out) -> int:
     limit = CLI_EVENTS_LIMIT if args.limit is None else args.limit
     rows = store.list_events(args.run, limit if limit > 0 else -1, args.offset)
     total = store.count_events(args.run)
+    refusals = RefusalLog.of_run(store, args.run)
     if args.json:
         out.json({"events": [{"seq": seq, "run_id": run_id, "step_id": step_id, "at": at,
                               "type": typ, "payload": _raw_or_text(payload), "hash": digest}
                              for seq, run_id, step_id, at, typ, payload, digest in rows],
-                  "total": total})
+                  "total": total, "refusals": refusals})
         return 0
     for seq, _run, _step, at, typ, payload, _hash in rows:
         text = payload if len(payload.encode()) <= CLI_EVENT_PAYLOAD else \
@@ -11808,6 +11905,8 @@ def cmd_events(store: Store, args, out: Out) -> int:
     if shown < total:
         out.text(f"... {total - shown} more event(s): use -offset {shown} "
                  f"(shown {len(rows)} of {total})")
+    for line in refusal_lines(refusals):      # counted beside the chain, not in it
+        out.text(f"calls of this request {line}")
     return 0
 
 

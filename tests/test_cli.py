@@ -91,7 +91,8 @@ def test_runs_text(harness, cli):
     code, out, err = cli("-db", harness.path, "runs")
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0].split() == ["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL"]
+    assert lines[0].split() == ["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL",
+                                "WHY"]
     assert lines[1].split()[:2] == ["run-wait", "WAITING_FOR_APPROVAL"]      # newest first
     assert approval.id in lines[1]
     assert lines[2].split()[:4] == ["run-done", "COMPLETED", "goal_completed", "2"]

@@ -134,3 +134,58 @@ def test_check_strict_passes_when_nothing_is_refused(tmp_path, cli):
     assert "DENIED ON EVERY CALL bank_pay: by its rule" in out
     assert "summary: 2 tool(s) offered (1 of them denied on every call), 0 classified by a " \
            "rule but refused, 1 unclassified (no rule)" in out, out
+
+
+def test_refusals_are_recorded_against_the_run_they_name_and_coalesced(make, cli):
+    """A DUPLICATE left no trace; 200 identical ones now move one counter."""
+    h = make(rules={"pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                            "outcome": "allow"}})
+    args = {"to": "bob", "amount": 5}
+    assert not h.is_error(h.call(PAY, args))
+    (earlier,) = h.runs()
+    for _ in range(200):
+        assert h.prefix(h.call(PAY, args)) == "DUPLICATE"
+    (rows,) = h.store._read("SELECT count(*) FROM proxy_refusals", ())
+    assert rows == (1,)
+    code, out, err = cli("-db", h.cfg.database, "show", earlier.id)
+    assert code == 0, err
+    assert "refused 200 time(s) as DUPLICATE, first " in out and ", last " in out, out
+    code, out, err = cli("-db", h.cfg.database, "-json", "events", earlier.id)
+    (refusal,) = json.loads(out)["refusals"]
+    assert refusal["count"] == 200 and refusal["answer"] == "DUPLICATE"
+    assert refusal["first_at"] <= refusal["last_at"]
+    code, out, err = cli("-db", h.cfg.database, "events", earlier.id)
+    assert "calls of this request refused 200 time(s) as DUPLICATE" in out, out
+
+
+def test_a_repeated_rejection_and_a_block_are_recorded(make, cli):
+    h = make(max_pending=1)
+    args = {"to": "eve", "amount": 7}
+    h.call(PAY, args)
+    (asked,) = h.pending()
+    r = h.call(PAY, {"to": "fay", "amount": 8})            # one waits already: max_pending
+    assert h.prefix(r) == "BLOCKED", h.text(r)
+    h.decide(asked, approve=False, note="not this month", by="pat")
+    for _ in range(3):
+        assert h.prefix(h.call(PAY, args)) == "REJECTED"
+    code, out, err = cli("-db", h.cfg.database, "-json", "show", asked.run_id)
+    doc = json.loads(out)
+    assert doc["run"]["why"] == "rejected by pat", doc["run"]
+    assert {(r["answer"], r["count"]) for r in doc["refusals"]} == {("BLOCKED", 1),
+                                                                    ("REJECTED", 3)}
+    code, out, err = cli("-db", h.cfg.database, "runs")
+    assert "rejected by pat" in out, out
+
+
+def test_runs_say_plainly_why_a_run_ended(make, cli):
+    h = make(rules={"balance": {"side_effect": "read_only", "timeout": "10s"},
+                    "pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                            "outcome": "deny"}})
+    assert h.prefix(h.call(PAY, {"to": "bob", "amount": 5})) == "DENIED"
+    assert not h.is_error(h.call("bank_balance", {"account": "A"}))
+    code, out, err = cli("-db", h.cfg.database, "-json", "runs")
+    whys = {r["goal"]: r["why"] for r in json.loads(out)["runs"]}
+    assert whys == {"call bank_pay": "denied by policy", "call bank_balance": "completed"}
+    code, out, err = cli("-db", h.cfg.database, "show", next(
+        r.id for r in h.runs() if r.goal == "call bank_pay"))
+    assert "ended   denied by policy" in out, out

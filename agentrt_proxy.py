@@ -39,7 +39,7 @@ Trust boundaries
 - The on_pending command is the operator's own program, started without a shell when an
   approval starts to wait; what it is told (the model's arguments among it) is sanitised,
   and it can neither decide nor delay anything.
-- The webhook (section 28), only when an operator starts it, takes the same decisions over
+- The webhook (section 32), only when an operator starts it, takes the same decisions over
   HTTP from whoever holds its shared secret; the serving proxy itself opens no listener.
 
 Sections, in dependency order
@@ -56,9 +56,13 @@ Sections, in dependency order
 10. The store                           24. Serving, pinning, checking, wrap
 11. The gate                            25. Tools that change while serving
 12. A run's session                     26. Re-checking recorded calls
-13. Decisions and late outcomes         27. Operator commands
-14. JSON-RPC framing                    28. The webhook (HTTP approvals)
-                                        29. main
+13. Decisions and late outcomes         27. Operator commands: the command line
+14. JSON-RPC framing                    28. Operator views (runs, show, events, pending)
+                                        29. Operator decisions (approve, reject, cancel)
+                                        30. The inbox
+                                        31. Running a command
+                                        32. The webhook (HTTP approvals)
+                                        33. main
 """
 
 from __future__ import annotations
@@ -11449,7 +11453,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     return 1 if differ else 0
 
 
-# ==== 27. Operator commands ====
+# ==== 27. Operator commands: the command line and its output ====
 # runs, show, events, approve, reject, cancel, verify, pending, inbox. Arguments are checked
 # before the database is touched; the database is opened as it is (never created, never migrated),
 # read-only except for deciding and cancelling. approve and reject print the approval in full
@@ -11633,6 +11637,10 @@ def _pending_id(store: Store, run: Run) -> str:
     pending = store.pending_approvals(run.id)
     return pending[0].id if len(pending) == 1 else ""
 
+
+# ==== 28. Operator views: runs, show, events, verify, pending ====
+# What the store holds, read-only, every field sanitised on its way to the terminal. A view
+# hides no field: what it cannot show in a line it points to (`show`) in full.
 
 def _run_summary(store: Store, run: Run) -> dict:
     return {"id": run.id, "goal": run.goal, "status": run.status, "reason": run.reason,
@@ -11942,99 +11950,6 @@ def _given_run(store: Store, given: str) -> Run:
     raise NotFound(f"run {given} not found")
 
 
-def _choose_approval(store: Store, run_id: str | None, wanted: str | None) -> Approval:
-    """The approval to decide, from the run, the approval, or both (the approval names its
-    run). A run that is not waiting is refused before anything is printed."""
-    if run_id and not wanted and store.find_run(run_id) is None and \
-            store.find_approval(run_id) is not None:
-        run_id, wanted = None, run_id           # the approval id was given as the run
-    if wanted:
-        approval = store.get_approval(wanted)
-        if run_id and approval.run_id != run_id:
-            _given_run(store, run_id)
-            raise NotFound(f"approval {wanted} is not an approval of run {run_id}; it is an "
-                           f"approval of run {approval.run_id}")
-        run_id = approval.run_id
-        if approval.status == CANCELLED_APPROVAL:
-            raise NotPending(f"approval {wanted} is already cancelled: an operator cancelled "
-                             f"run {run_id} while it waited")
-        if approval.status == SETTLED_APPROVAL:
-            raise AttemptSettled(f"approval {wanted} is settled, and nothing runs: "
-                                 f"{sanitize(approval.note)}")
-        if approval.status != PENDING:
-            raise NotPending(f"approval {wanted} is already {approval.status}: approval is "
-                             "not pending")
-    run = _given_run(store, run_id)
-    if run.status != WAITING:
-        why = f" ({run.reason})" if run.reason else ""
-        already = "already " if run.status in TERMINAL else ""
-        raise RunStateError(f"run {run.id} is {already}{run.status}{why}: it has nothing "
-                            "waiting for a decision")
-    if wanted:
-        return approval
-    pending = store.pending_approvals(run_id)
-    if not pending:
-        raise NotPending(f"run {run_id}: no pending approval")
-    if len(pending) > 1:
-        ids = ", ".join(a.id for a in pending[:CLI_LIST_IDS])
-        more = f" and {len(pending) - CLI_LIST_IDS} more" if len(pending) > CLI_LIST_IDS else ""
-        raise ProxyError(f"run {run_id} has {len(pending)} pending approvals ({ids}{more}); "
-                         "name one with -approval: more than one pending approval")
-    return pending[0]
-
-
-def cmd_decide(store: Store, args, out: Out) -> int:
-    verb, by = args.command, args.by
-    approval = _choose_approval(store, args.run, args.approval)
-    args.run = approval.run_id
-    # The view is read before the block is printed from the store: anything the block shows
-    # that the view does not (a late outcome landing in between) is still in the store at the
-    # decision, which is then refused, since what the store records only accumulates.
-    view = view_of(store, approval)
-    # Under -json stdout carries one JSON document, so the block goes to stderr.
-    emit = out.log if args.json else out.text
-    for line in approval_block(store, approval, store.path):
-        emit(line)
-    if not (args.approval or args.yes):
-        if args.json or not _is_terminal(out.stdin):
-            raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
-                             "terminal to confirm at; pass -approval <id> or -yes")
-        out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
-        out.stdout.flush()
-        answer = out.stdin.readline()
-        if not answer:
-            raise UsageError(f"{verb}: no answer at the prompt; pass -approval <id> or -yes")
-        if answer.strip().lower() not in ("y", "yes"):
-            raise ProxyError(f"{verb}: declined at the prompt")
-    try:
-        decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
-                                       args.note, Shown(approval.hash, view), time.time())
-    except ApprovalChanged as exc:
-        raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
-                         "run the command again and read it before deciding") from None
-    if args.json:
-        out.json({"run": _run_summary(store, run), "approval": _approval_row(decided)})
-        return 0
-    out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
-    out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
-    if run.status == WAITING:
-        out.text("if the proxy still holds the call (hold), it executes the recorded request "
-                 "now and answers that call; otherwise the run waits until the model calls "
-                 "the tool again with exactly the same arguments, and the proxy then executes "
-                 "the recorded request once")
-    return 0
-
-
-def cmd_cancel(store: Store, args, out: Out) -> int:
-    _given_run(store, args.run)
-    run = cancel_run(store, args.run, args.by, args.note, time.time())
-    if args.json:
-        out.json({"run": _run_summary(store, run)})
-    else:
-        out.text(f"run {run.id}: {run.status} ({run.reason})")
-    return 0
-
-
 def _parse_head(text: str | None) -> tuple[int, str] | None:
     if text is None:
         return None
@@ -12334,7 +12249,104 @@ def cmd_pending(store: Store, args, out: Out) -> int:
     return 0
 
 
-# -- inbox: deciding from a terminal --
+# ==== 29. Operator decisions: approve, reject, cancel ====
+# Each is bound to the hash of the approval as printed, and to the view it was printed from:
+# a change in between decides nothing and says what changed. None of them executes anything.
+
+def _choose_approval(store: Store, run_id: str | None, wanted: str | None) -> Approval:
+    """The approval to decide, from the run, the approval, or both (the approval names its
+    run). A run that is not waiting is refused before anything is printed."""
+    if run_id and not wanted and store.find_run(run_id) is None and \
+            store.find_approval(run_id) is not None:
+        run_id, wanted = None, run_id           # the approval id was given as the run
+    if wanted:
+        approval = store.get_approval(wanted)
+        if run_id and approval.run_id != run_id:
+            _given_run(store, run_id)
+            raise NotFound(f"approval {wanted} is not an approval of run {run_id}; it is an "
+                           f"approval of run {approval.run_id}")
+        run_id = approval.run_id
+        if approval.status == CANCELLED_APPROVAL:
+            raise NotPending(f"approval {wanted} is already cancelled: an operator cancelled "
+                             f"run {run_id} while it waited")
+        if approval.status == SETTLED_APPROVAL:
+            raise AttemptSettled(f"approval {wanted} is settled, and nothing runs: "
+                                 f"{sanitize(approval.note)}")
+        if approval.status != PENDING:
+            raise NotPending(f"approval {wanted} is already {approval.status}: approval is "
+                             "not pending")
+    run = _given_run(store, run_id)
+    if run.status != WAITING:
+        why = f" ({run.reason})" if run.reason else ""
+        already = "already " if run.status in TERMINAL else ""
+        raise RunStateError(f"run {run.id} is {already}{run.status}{why}: it has nothing "
+                            "waiting for a decision")
+    if wanted:
+        return approval
+    pending = store.pending_approvals(run_id)
+    if not pending:
+        raise NotPending(f"run {run_id}: no pending approval")
+    if len(pending) > 1:
+        ids = ", ".join(a.id for a in pending[:CLI_LIST_IDS])
+        more = f" and {len(pending) - CLI_LIST_IDS} more" if len(pending) > CLI_LIST_IDS else ""
+        raise ProxyError(f"run {run_id} has {len(pending)} pending approvals ({ids}{more}); "
+                         "name one with -approval: more than one pending approval")
+    return pending[0]
+
+
+def cmd_decide(store: Store, args, out: Out) -> int:
+    verb, by = args.command, args.by
+    approval = _choose_approval(store, args.run, args.approval)
+    args.run = approval.run_id
+    # The view is read before the block is printed from the store: anything the block shows
+    # that the view does not (a late outcome landing in between) is still in the store at the
+    # decision, which is then refused, since what the store records only accumulates.
+    view = view_of(store, approval)
+    # Under -json stdout carries one JSON document, so the block goes to stderr.
+    emit = out.log if args.json else out.text
+    for line in approval_block(store, approval, store.path):
+        emit(line)
+    if not (args.approval or args.yes):
+        if args.json or not _is_terminal(out.stdin):
+            raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
+                             "terminal to confirm at; pass -approval <id> or -yes")
+        out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
+        out.stdout.flush()
+        answer = out.stdin.readline()
+        if not answer:
+            raise UsageError(f"{verb}: no answer at the prompt; pass -approval <id> or -yes")
+        if answer.strip().lower() not in ("y", "yes"):
+            raise ProxyError(f"{verb}: declined at the prompt")
+    try:
+        decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
+                                       args.note, Shown(approval.hash, view), time.time())
+    except ApprovalChanged as exc:
+        raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
+                         "run the command again and read it before deciding") from None
+    if args.json:
+        out.json({"run": _run_summary(store, run), "approval": _approval_row(decided)})
+        return 0
+    out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
+    out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+    if run.status == WAITING:
+        out.text("if the proxy still holds the call (hold), it executes the recorded request "
+                 "now and answers that call; otherwise the run waits until the model calls "
+                 "the tool again with exactly the same arguments, and the proxy then executes "
+                 "the recorded request once")
+    return 0
+
+
+def cmd_cancel(store: Store, args, out: Out) -> int:
+    _given_run(store, args.run)
+    run = cancel_run(store, args.run, args.by, args.note, time.time())
+    if args.json:
+        out.json({"run": _run_summary(store, run)})
+    else:
+        out.text(f"run {run.id}: {run.status} ({run.reason})")
+    return 0
+
+
+# ==== 30. The inbox: deciding from a terminal ====
 # One waiting approval at a time, oldest first, shown in full as `approve` shows it, and
 # decided bound to the hash of what was shown. An answer is a line (a letter, then Enter), so
 # it works over ssh and through a pipe. While nothing waits, the inbox looks again every
@@ -12506,6 +12518,10 @@ def cmd_inbox(store: Store, args, out: Out) -> int:
     return Inbox(store, out, args.by, _Lines(out.stdin), args.once).run()
 
 
+# ==== 31. Running a command ====
+# Which command runs, against which database, and how a failure is told: one line, naming
+# what to do about it, and the exit status of the usage line.
+
 _COMMANDS = {"runs": (cmd_runs, True), "show": (cmd_show, True), "events": (cmd_events, True),
              "approve": (cmd_decide, False), "reject": (cmd_decide, False),
              "cancel": (cmd_cancel, False), "verify": (cmd_verify, True),
@@ -12624,7 +12640,7 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
-# ==== 28. The webhook: the HTTP approval channel ====
+# ==== 32. The webhook: the HTTP approval channel ====
 # `webhook` serves approve, reject and cancel over HTTP. An operator runs it on purpose, as a
 # process of its own; the serving proxy opens no listener. A request is judged in an order
 # where each step is paid for only once the one before has passed: the rate (before a byte
@@ -13303,7 +13319,7 @@ def cmd_sign(args, out: Out) -> int:
 _HOOK_COMMANDS = {"webhook": cmd_webhook, "sign": cmd_sign}
 
 
-# ==== 29. main ====
+# ==== 33. main ====
 
 def _stdout_to_devnull(out: Out) -> None:
     """Point a closed stdout at /dev/null, so that the interpreter's last flush of what is

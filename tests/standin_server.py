@@ -9,6 +9,9 @@ by STANDIN_LEDGER before it answers, so that a test counts what reached the serv
     git_commit  {repo_path, message}     no annotations
     write_file  {path, content}          no annotations
 
+With STANDIN_KIND=filesystem, memory, git or everything it offers instead the tools (names
+and hints) of that server, for the first-week story (test_first_week.py).
+
 It speaks the legacy handshake only, answering each request in order as soon as it is read.
 Not a test module: pytest collects nothing here.
 """
@@ -33,6 +36,37 @@ TOOLS = [
     {"name": "write_file", "description": "Writes a file.",
      "inputSchema": strings("path", "content")},
 ]
+READ = {"readOnlyHint": True}
+LOCAL = {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": False}
+# STANDIN_KIND: the tools of one of the servers a new user starts with, by their names and
+# hints (not their behaviour: every tool appends its line and answers "<tool> done").
+KINDS = {
+    "filesystem": [
+        {"name": "read_file", "description": "Reads a file.", "annotations": READ,
+         "inputSchema": strings("path")},
+        {"name": "list_directory", "description": "Lists a directory.", "annotations": READ,
+         "inputSchema": strings("path")},
+        {"name": "write_file", "description": "Writes a file.", "annotations": LOCAL,
+         "inputSchema": strings("path", "content")}],
+    "memory": [
+        {"name": "read_graph", "description": "Reads the knowledge graph.",
+         "annotations": READ, "inputSchema": strings()},
+        {"name": "create_entities", "description": "Adds entities to the graph.",
+         "annotations": LOCAL, "inputSchema": strings("name")}],
+    "git": [
+        {"name": "git_status", "description": "Shows the working tree status.",
+         "annotations": READ, "inputSchema": strings("repo_path")},
+        {"name": "git_add", "description": "Stages files.", "annotations": LOCAL,
+         "inputSchema": strings("repo_path", "files")},
+        {"name": "git_commit", "description": "Records the staged changes with a message.",
+         "annotations": LOCAL, "inputSchema": strings("repo_path", "message")}],
+    "everything": [
+        {"name": "echo", "description": "Echoes the message.", "annotations": READ,
+         "inputSchema": strings("message")},
+        {"name": "add", "description": "Adds two numbers.", "annotations": READ,
+         "inputSchema": strings("a", "b")}],
+}
+TOOLS = KINDS.get(os.environ.get("STANDIN_KIND", ""), TOOLS)
 
 
 def answer(method: str, params: dict) -> dict:

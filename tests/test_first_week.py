@@ -189,3 +189,110 @@ def test_runs_say_plainly_why_a_run_ended(make, cli):
     code, out, err = cli("-db", h.cfg.database, "show", next(
         r.id for r in h.runs() if r.goal == "call bank_pay"))
     assert "ended   denied by policy" in out, out
+
+
+# -- the five-server story, end to end --
+
+def test_first_week_five_servers_wrap_check_serve_ask_approve_repeat_audit(tmp_path, cli):
+    """The new user's story, replayed: a Claude Desktop file with five servers (stand-ins for
+    filesystem, memory, git and everything, and the fake payment server), wrapped with the
+    suggested rules, checked, served to a host, read, asked, approved, repeated with `ask`,
+    and audited, from the command line as the user met it."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from process_helpers import ProxyProcess, text, prefix
+    standin = os.path.join(ROOT, "tests", "standin_server.py")
+    ledger = str(tmp_path / "standin.ledger")
+
+    def stand_in(kind):
+        return {"command": sys.executable, "args": [standin],
+                "env": {"STANDIN_KIND": kind, "STANDIN_LEDGER": ledger}}
+    host = tmp_path / "Claude" / "claude_desktop_config.json"
+    host.parent.mkdir()
+    host.write_text(json.dumps({"mcpServers": {
+        "filesystem": stand_in("filesystem"), "memory": stand_in("memory"),
+        "git": stand_in("git"), "everything": stand_in("everything"),
+        "bank": {"command": sys.executable,
+                 "args": [os.path.join(ROOT, "fake_payment_server.py")],
+                 "env": {"FAKE_PAYMENTS_LEDGER": str(tmp_path / "bank.ledger")}}}}))
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    config = str(gate / "proxy.json")
+    # wrap: a dry run writes nothing; -write -rules suggested writes the printed rules.
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", str(host), "-config",
+                         config)
+    assert code == 0 and os.listdir(gate) == [], err
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", str(host), "-config",
+                         config, "-write", "-rules", "suggested")
+    assert code == 0, err
+    with open(config) as f:
+        rules = {s["name"]: s["rules"] for s in json.load(f)["servers"]}
+    assert rules["git"]["git_commit"] == {"side_effect": "local_mutation", "repeat": "ask",
+                                          "rename": "git_commit"}
+    assert rules["bank"]["refund"] == {"side_effect": "destructive"}
+    # check: every tool named, the refund denied on every call, nothing refused.
+    code, out, err = cli("check", "-config", config, "-strict")
+    assert code == 0, err
+    assert "0 classified by a rule but refused" in out, out
+    assert "DENIED ON EVERY CALL bank_refund" in out, out
+
+    class Dir:                                   # what ProxyProcess needs of a directory
+        tmp, procs = str(gate), []
+    Dir.config = config
+    p = ProxyProcess(Dir, "host")
+    try:
+        p.initialize()
+        listed = {t["name"] for t in p.request("tools/list", {})["result"]["tools"]}
+        assert {"filesystem_read_file", "git_commit", "git_status", "memory_read_graph",
+                "everything_echo", "bank_pay", "gate_status"} <= listed, listed
+        # read
+        assert text(p.call("filesystem_read_file", {"path": "/notes.txt"})) == \
+            "read_file done"
+        # ask, approve from a shell, collect once
+        pay = {"to": "landlord", "amount": 950}
+        r = p.call("bank_pay", pay)
+        assert prefix(r) == "PENDING_APPROVAL", text(r)
+        (aid,) = re.findall(r"approval ([0-9a-f]{32})", text(r))
+        code, out, err = cli("-db", str(gate / "proxy.db"), "approve", "-approval", aid,
+                             "-by", "pat")
+        assert code == 0, err
+        assert text(p.call("bank_pay", pay)) == "paid 950.00 to landlord"
+        # repeat with ask: a second identical commit asks, naming the first; approved, it runs
+        commit = {"repo_path": "/r", "message": "fix typo"}
+        assert text(p.call("git_commit", commit)) == "git_commit done"
+        r = p.call("git_commit", commit)
+        assert prefix(r) == "PENDING_APPROVAL" and "already executed" in text(r), text(r)
+        code, out, err = cli("-db", str(gate / "proxy.db"), "pending")
+        assert "  repeat  git_commit" in out and "REPEAT: this exact request already " \
+            "executed" in out, out
+        (aid,) = re.findall(r"approval ([0-9a-f]{32})", text(r))
+        code, out, err = cli("-db", str(gate / "proxy.db"), "approve", "-approval", aid,
+                             "-by", "pat")
+        assert code == 0, err
+        assert text(p.call("git_commit", commit)) == "git_commit done"
+        with open(ledger) as f:
+            commits = [json.loads(line) for line in f if '"git_commit"' in line]
+        assert len(commits) == 2
+        # a refund is denied; a rejected repeat is refused again, and the trail keeps both
+        assert prefix(p.call("bank_refund", {"payment": "p-1"})) == "DENIED"
+        r = p.call("git_commit", commit)
+        (aid,) = re.findall(r"approval ([0-9a-f]{32})", text(r))
+        code, out, err = cli("-db", str(gate / "proxy.db"), "reject", "-approval", aid,
+                             "-by", "pat", "-note", "enough commits")
+        assert code == 0, err
+        for _ in range(3):
+            r = p.call("git_commit", commit)
+            assert prefix(r) == "REJECTED" and "enough commits" in text(r), text(r)
+        p.stop()
+    finally:
+        p.kill()
+    code, out, err = cli("-db", str(gate / "proxy.db"), "-json", "runs")
+    whys = [(r["goal"], r["why"]) for r in json.loads(out)["runs"]]
+    assert ("call bank_refund", "denied by policy") in whys, whys
+    assert ("call git_commit", "rejected by pat") in whys, whys
+    rejected = next(r["id"] for r in json.loads(out)["runs"] if r["why"] == "rejected by pat")
+    code, out, err = cli("-db", str(gate / "proxy.db"), "show", rejected)
+    assert "ended   rejected by pat" in out and "refused 3 time(s) as REJECTED" in out, out

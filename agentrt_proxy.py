@@ -7505,6 +7505,12 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
         return who + (f"OUTCOME UNKNOWN, waiting {age} for an operator to decide whether it "
                       "runs again; an earlier attempt may have taken effect; nothing further "
                       "has been executed.")
+    if waiting and a.kind == REPEAT_KIND:
+        at = (repeat_in(a) or {}).get("at", "")
+        return who + (f"PENDING for {age}: this exact request already executed (at "
+                      f"{clean(str(at), ID_SHOWN)}), and an operator decides whether it runs "
+                      "once more; nothing further has been executed; do not call the tool "
+                      "again until it is approved.")
     if waiting:
         return who + (f"PENDING for {age}; nothing has been executed; the operator decides "
                       "elsewhere; do not call the tool again until it is approved.")
@@ -10652,7 +10658,9 @@ def rules_block(tools: dict, server: str = "") -> list[str]:
     """suggested_rules as the "rules" member to paste into a server's entry, one rule a
     line. Each line is JSON written inert: a tool name cannot drive the terminal that
     prints it."""
-    items = [f"    {dump_json(name)}: {dump_json(rule)}"
+    def one(rule: dict) -> str:
+        return "{" + ", ".join(f"{dump_json(k)}: {dump_json(v)}" for k, v in rule.items()) + "}"
+    items = [f"    {dump_json(name)}: {one(rule)}"
              for name, rule in suggested_rules(tools, server).items()]
     body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
     return [_JSON_INERT.sub(_json_escape, line) for line in ['  "rules": {', *body, "  }"]]

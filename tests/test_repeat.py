@@ -147,3 +147,11 @@ def test_repeat_recheck_finds_the_repeat_decided_as_recorded(make):
                         "-run", asked.run_id], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "DIFFERENT" not in p.stdout, p.stdout + p.stderr
     assert "same" in p.stdout, p.stdout
+
+
+def test_repeat_gate_status_says_the_request_already_executed(make):
+    h = make(rules=rules(repeat="ask"))
+    asked = paid_then_asked(h)
+    said = h.text(h.call("gate_status", {}))
+    assert asked.id in said and "this exact request already executed" in said, said
+    assert "runs once more" in said, said

@@ -572,3 +572,10 @@ def test_wrap_suggests_osascript_where_there_is_no_notify_send(tmp_path, cli, mo
     program = _notifier(tmp_path, monkeypatch, "osascript")
     assert ap.suggested_on_pending(str(tmp_path / "x.db")) == [
         program, "-e", 'display notification "an approval waits" with title "agentrt-proxy"']
+
+
+def test_suggested_rules_print_as_the_readme_shows_them():
+    tools = {"pay": {"annotations": {"destructiveHint": False}, "description": "Sends it."}}
+    assert ap.rules_block(tools) == ['  "rules": {',
+                                     '    "pay": {"side_effect": "remote_mutation", '
+                                     '"repeat": "ask"}', "  }"]

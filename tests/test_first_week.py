@@ -296,3 +296,33 @@ def test_first_week_five_servers_wrap_check_serve_ask_approve_repeat_audit(tmp_p
     rejected = next(r["id"] for r in json.loads(out)["runs"] if r["why"] == "rejected by pat")
     code, out, err = cli("-db", str(gate / "proxy.db"), "show", rejected)
     assert "ended   rejected by pat" in out and "refused 3 time(s) as REJECTED" in out, out
+
+
+def test_an_expired_request_refused_again_is_recorded(make, cli):
+    h = make(approval_ttl="1m")
+    args = {"to": "gus", "amount": 9}
+    assert h.prefix(h.call(PAY, args)) == "PENDING_APPROVAL"
+    (asked,) = h.pending()
+    h.clock.skew += 120                                   # the approval expires unanswered
+    assert h.prefix(h.call(PAY, args)) == "EXPIRED"
+    assert h.prefix(h.call(PAY, args)) == "EXPIRED"
+    code, out, err = cli("-db", h.cfg.database, "-json", "show", asked.run_id)
+    doc = json.loads(out)
+    assert doc["run"]["why"] == "its approval expired", doc["run"]
+    assert [(r["answer"], r["count"]) for r in doc["refusals"]] == [("EXPIRED", 2)], doc
+
+
+def test_a_call_blocked_by_an_unknown_outcome_is_recorded_against_the_run_that_blocks(
+        make, cli):
+    h = make(rules={"pay": {"side_effect": "remote_mutation", "timeout": "1s",
+                            "outcome": "allow"}})
+    cut = {"to": "hal", "amount": 3, "mode": "block"}
+    h.call(PAY, cut)                                       # times out: outcome unknown
+    h.release()
+    assert h.prefix(h.call(PAY, cut)) == "UNKNOWN_OUTCOME"
+    (asked,) = h.pending()
+    for amount in (4, 4):
+        r = h.call(PAY, {"to": "ivy", "amount": amount})
+        assert h.prefix(r) == "BLOCKED", h.text(r)
+    code, out, err = cli("-db", h.cfg.database, "show", asked.run_id)
+    assert "calls   refused 2 time(s) as BLOCKED" in out, out

@@ -164,6 +164,7 @@ RECURSION_LIMIT = 6000
 sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
 
 BUSY_TIMEOUT_MS = 5000               # SQLite busy_timeout on every connection
+REFUSAL_WAIT_MS = 50                 # ... and for counting a refusal, which may be skipped
 WAL_SWITCH_SECONDS = 5.0             # how long to retry switching to WAL while busy
 WAL_SWITCH_STEP = 0.005
 DEFAULT_LEASE_TTL = 30.0             # seconds a run's lease lasts without renewal
@@ -3055,6 +3056,17 @@ class Store:
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"{self.path}: write failed: {exc}") from None
             raise
+
+    @contextlib.contextmanager
+    def waiting_at_most(self, ms: int):
+        """Writes inside wait at most ``ms`` for another process's write lock, not
+        BUSY_TIMEOUT_MS: for a write that may be skipped rather than waited for."""
+        with self._lock:
+            self.conn.execute(f"PRAGMA busy_timeout={int(ms)}")
+            try:
+                yield
+            finally:
+                self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
     @contextlib.contextmanager
     def batch(self, synced: bool = True):
@@ -8472,7 +8484,11 @@ class RefusalLog:
         self.store = store
 
     def record(self, run_id: str, key: str, answer: str, now: float) -> None:
-        with self.store.batch(synced=False), self.store.tx() as tx:
+        """Count one refusal. It waits for the write lock at most REFUSAL_WAIT_MS, not the
+        store's busy timeout: another process's long write costs a count (told to the
+        operator), never a stall of this proxy's decisions."""
+        with self.store.waiting_at_most(REFUSAL_WAIT_MS), self.store.batch(synced=False), \
+                self.store.tx() as tx:
             tx.exec("INSERT INTO proxy_refusals VALUES (?,?,?,1,?,?) ON CONFLICT (run_id, "
                     "request_key, answer) DO UPDATE SET count=count+1, last_at=excluded.last_at",
                     (run_id, key, answer, now, now))
@@ -8870,12 +8886,13 @@ class Proxy:
                 state = self.inspect(open_row.run_id)
                 if state is not None and not state.terminal:
                     return Answer(in_progress())
-        action = self.refusal(tool, recent, now)                  # rules 4 and 5
+        action = self.refusal(tool, key, recent, now)             # rules 4 and 5
         repeat = action.earlier if isinstance(action, Repeat) else None
         if action is not None and repeat is None:
             return action
         prior = self.unresolved(key) if tool.spec.side_effect != "read_only" else None
-        action = self.session_rules(tool, key, prior is not None, args)  # BLOCKED, max_pending
+        asks = prior is not None or repeat is not None  # an approval, whatever the policy
+        action = self.session_rules(tool, key, asks, args)         # BLOCKED, max_pending
         if action is not None:
             return action
         return self.begin(tool, key, args, open_row, reuse, prior,     # rule 7 (and rule 6)
@@ -8976,11 +8993,14 @@ class Proxy:
 
     # rules 4 and 5: the request was refused, expired, or ran, within its window
 
-    def refusal(self, tool, recent: list[CallRow], now: float):
+    def refusal(self, tool, key: str, recent: list[CallRow], now: float):
         """Rules 4 and 5, decided by the newest of the request's finished runs. No older run
         can decide otherwise: when that newest run was begun, these rules found nothing to
         refuse in the older ones within the same window, and a window ending now reaches
-        less of the past than one ending then."""
+        less of the past than one ending then. Where the rule asks about a repeat, a run is
+        begun within the window of an execution, and may end without executing (denied, or
+        refused by a limit): then the newest execution within the window is the earlier one
+        the repeat names, found among the key's rows that hold an attempt."""
         window = self.window(tool)
         if window <= 0:
             return None
@@ -8988,7 +9008,24 @@ class Proxy:
             state = self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
-            return self.refused_by(tool, row, state, now, window)
+            action = self.refused_by(tool, row, state, now, window)
+            if action is None and (tool.rule.repeat or self.cfg.repeat) == "ask":
+                return self.executed_within(tool, key, now, window)
+            return action
+        return None
+
+    def executed_within(self, tool, key: str, now: float, window: float):
+        """The Repeat of the newest execution of ``key`` that finished within the window,
+        or None (none did, or the newest attempt's outcome is unknown: rule 6's)."""
+        for row in self.index.attempts(key):
+            if row.closed_at and row.closed_at < now - window:
+                return None                  # rows close in the order they were opened
+            state = self.inspect(row.run_id)
+            if state is None or not state.terminal:
+                continue
+            action = self.refused_by(tool, row, state, now, window)
+            if isinstance(action, Repeat) or last_attempt(self, state)[0] != NO_ATTEMPT:
+                return action if isinstance(action, Repeat) else None
         return None
 
     def refused_by(self, tool, row: CallRow, state: RunState, now: float, window: float):
@@ -10637,12 +10674,14 @@ def suggests_repeat(name: str, description: Any) -> bool:
                for text in said)
 
 
-def suggested_rules(tools: dict, server: str = "") -> dict[str, dict]:
+def suggested_rules(tools: dict, server: str = "",
+                    others: Iterable[str] = ()) -> dict[str, dict]:
     """One suggested rule per tool: the class its hints suggest, `"repeat": "ask"` where
     suggests_repeat says so, and a `rename` that drops a doubled prefix (server `git`'s
-    `git_commit` would register as `git_git_commit`) when no other tool of the server
-    registers under that name. Each is the server's claim, never applied unasked."""
-    taken = {f"{server}_{name}" for name in tools}
+    `git_commit` would register as `git_git_commit`) when no tool registers under that name:
+    none of this server's, and none of ``others`` (the names the other servers' tools may
+    register under). Each is the server's claim, never applied unasked."""
+    taken = {f"{server}_{name}" for name in tools} | set(others)
     out: dict[str, dict] = {}
     for name, t in tools.items():
         rule: dict[str, Any] = {"side_effect": suggest_class(t.get("annotations"))[0]}
@@ -10654,14 +10693,14 @@ def suggested_rules(tools: dict, server: str = "") -> dict[str, dict]:
     return out
 
 
-def rules_block(tools: dict, server: str = "") -> list[str]:
+def rules_block(tools: dict, server: str = "", others: Iterable[str] = ()) -> list[str]:
     """suggested_rules as the "rules" member to paste into a server's entry, one rule a
     line. Each line is JSON written inert: a tool name cannot drive the terminal that
     prints it."""
     def one(rule: dict) -> str:
         return "{" + ", ".join(f"{dump_json(k)}: {dump_json(v)}" for k, v in rule.items()) + "}"
     items = [f"    {dump_json(name)}: {one(rule)}"
-             for name, rule in suggested_rules(tools, server).items()]
+             for name, rule in suggested_rules(tools, server, others).items()]
     body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
     return [_JSON_INERT.sub(_json_escape, line) for line in ['  "rules": {', *body, "  }"]]
 
@@ -10773,7 +10812,8 @@ async def cmd_wrap(args, out: Out) -> int:
         for server in servers:
             if server["name"] in pins:
                 server["rules"] = suggested_rules(pins[server["name"]]["tools"],
-                                                  server["name"])
+                                                  server["name"],
+                                                  names_elsewhere(pins, server["name"]))
         if notify:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
@@ -10829,24 +10869,33 @@ def suggested_on_pending(database: str) -> list[str]:
 
 
 async def _wrap_pin(cfg: Config, out: Out) -> dict[str, dict]:
-    """Pin every server (nothing written) and print its suggested rules; the manifest of
-    each server pinned, by name."""
+    """Pin every server (nothing written), then print each one's suggested rules; the
+    manifest of each server pinned, by name."""
     pins: dict[str, dict] = {}
     for server in cfg.servers:
         try:
-            manifest = await pin_server(server, time.time())
+            pins[server.name] = await pin_server(server, time.time())
         except (ProxyError, OSError) as exc:
             out.line(f"server {_quote(server.name)}: not pinned: {sanitize(str(exc))}; "
                      f"run pin once it starts")
+    for server in cfg.servers:
+        if server.name not in pins:
             continue
-        pins[server.name] = manifest
-        tools = manifest["tools"]
+        tools = pins[server.name]["tools"]
         out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
                  "(claims, not facts: check each):")
-        for line in rules_block(tools, server.name) + hints_table(tools):
+        for line in rules_block(tools, server.name, names_elsewhere(pins, server.name)) + \
+                hints_table(tools):
             out.line(line)
     return pins
+
+
+def names_elsewhere(pins: dict[str, dict], server: str) -> set[str]:
+    """The names the other servers' tools may register under: their own, and their tool
+    names as a suggested rename would give them."""
+    return {n for other, manifest in pins.items() if other != server
+            for tool in manifest["tools"] for n in (f"{other}_{tool}", tool)}
 
 
 def _print_host_entry(host: str, config_path: str, out: Out) -> None:

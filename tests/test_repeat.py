@@ -155,3 +155,43 @@ def test_repeat_gate_status_says_the_request_already_executed(make):
     said = h.text(h.call("gate_status", {}))
     assert asked.id in said and "this exact request already executed" in said, said
     assert "runs once more" in said, said
+
+
+def test_repeat_a_denied_repeat_does_not_hide_the_earlier_execution(make):
+    """Found in review: under ask, a repeat denied by a limit ended without executing, and
+    the next identical call within the window then ran unasked."""
+    once = [{"calls": 1, "per": "60s", "over": "deny"}]
+    h = make(rules=rules(repeat="ask", limits=once))
+    assert not h.is_error(h.call(PAY, ARGS))
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "DENIED", h.text(r)                 # the limit refuses the repeat
+    h.clock.skew += 70                                        # the limit frees; window not
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "PENDING_APPROVAL" and h.payments() == 1, h.text(r)
+    assert [a.kind for a in h.pending()] == ["repeat"]
+
+
+def test_repeat_approvals_count_toward_max_pending(make):
+    h = make(rules=rules(repeat="ask"), max_pending=1)
+    for to in ("a", "b"):
+        assert not h.is_error(h.call(PAY, {"to": to, "amount": 1}))
+    assert h.prefix(h.call(PAY, {"to": "a", "amount": 1})) == "PENDING_APPROVAL"
+    r = h.call(PAY, {"to": "b", "amount": 1})
+    assert h.prefix(r) == "BLOCKED" and len(h.pending()) == 1, h.text(r)
+
+
+def test_a_refusal_count_waits_briefly_for_another_writer(make):
+    import sqlite3
+    import time
+    h = make(rules=rules())
+    assert not h.is_error(h.call(PAY, ARGS))
+    other = sqlite3.connect(h.cfg.database, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")                       # another process writes long
+        began = time.monotonic()
+        assert h.prefix(h.call(PAY, ARGS)) == "DUPLICATE"
+        assert time.monotonic() - began < ap.BUSY_TIMEOUT_MS / 1000 / 2
+        assert any("refusal of it was not counted" in line for line in h.log_lines)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()

@@ -579,3 +579,13 @@ def test_suggested_rules_print_as_the_readme_shows_them():
     assert ap.rules_block(tools) == ['  "rules": {',
                                      '    "pay": {"side_effect": "remote_mutation", '
                                      '"repeat": "ask"}', "  }"]
+
+
+def test_suggested_rename_never_takes_another_servers_name():
+    """Found in review: server `evil` offering `evil_bank_pay` was suggested the rename
+    `evil_bank_pay`, the name server `evil_bank`'s `pay` registers under."""
+    pins = {"evil": {"tools": {"evil_bank_pay": {"annotations": {"readOnlyHint": True}}}},
+            "evil_bank": {"tools": {"pay": {"annotations": {"readOnlyHint": True}}}}}
+    rules = ap.suggested_rules(pins["evil"]["tools"], "evil",
+                               ap.names_elsewhere(pins, "evil"))
+    assert rules == {"evil_bank_pay": {"side_effect": "read_only"}}

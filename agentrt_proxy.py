@@ -9015,8 +9015,9 @@ class Proxy:
         return None
 
     def executed_within(self, tool, key: str, now: float, window: float):
-        """The Repeat of the newest execution of ``key`` that finished within the window,
-        or None (none did, or the newest attempt's outcome is unknown: rule 6's)."""
+        """What the newest of the key's runs with an attempt, finished within the window,
+        decides: the Repeat of its execution, or its refusal; None when none did, or when
+        its outcome is unknown (rule 6's)."""
         for row in self.index.attempts(key):
             if row.closed_at and row.closed_at < now - window:
                 return None                  # rows close in the order they were opened
@@ -9024,8 +9025,8 @@ class Proxy:
             if state is None or not state.terminal:
                 continue
             action = self.refused_by(tool, row, state, now, window)
-            if isinstance(action, Repeat) or last_attempt(self, state)[0] != NO_ATTEMPT:
-                return action if isinstance(action, Repeat) else None
+            if action is not None or last_attempt(self, state)[0] != NO_ATTEMPT:
+                return action
         return None
 
     def refused_by(self, tool, row: CallRow, state: RunState, now: float, window: float):

@@ -34,11 +34,11 @@ again), every run is finished, waiting on an approval, or resolvable by the next
 call (which a fresh proxy then makes, and the books are read again), no tool is BLOCKED with
 nothing to act on, no approval is lost or changed, and `verify` finds the chain intact.
 
-    python3 -m pytest -q tests/test_torture.py        # CI: at least 100 kills and 20 stalls
+    python3 -m pytest -q tests/test_torture.py        # CI: at least 40 kills and 8 stalls
     TORTURE_STALLS=300 TORTURE_KILLS=1000 python3 -m pytest -q -s tests/test_torture.py  # long
     TORTURE_SEED=1234 python3 -m pytest -q -s tests/test_torture.py        # replay a seed
 
-TORTURE_KILLS and TORTURE_STALLS (defaults 100 and 20) are the least numbers of kills and
+TORTURE_KILLS and TORTURE_STALLS (defaults 40 and 8) are the least numbers of kills and
 stalls; they are shared evenly over trials of at most 20 kills and 6 stalls. The seed and
 each trial's kill schedule are printed, then one line: kills, stalls (taken over, late
 outcomes recorded, known), payments, double executions, re-runs of a recorded outcome, and
@@ -57,7 +57,7 @@ sum to at most `cap`, and to at most `soft` plus those an operator approved over
 the ledger holds nothing that no execution started. A planted mutant, checking the limits
 only before the start's transaction, must fail the same books.
 
-    python3 -m pytest -q -s tests/test_torture.py -k budget                  # CI: 30 s
+    python3 -m pytest -q -s tests/test_torture.py -k budget                  # CI: 20 s
     TORTURE_BUDGET_SECONDS=600 python3 -m pytest -q -s tests/test_torture.py -k budget
 """
 
@@ -86,8 +86,8 @@ import traceback
 from process_helpers import (FAKE_SERVER, PROXY, PYTHON, ProcessDir, eventually, parse_time,
                              prefix, text)
 
-KILLS = int(os.environ.get("TORTURE_KILLS", "100"))
-STALLS = int(os.environ.get("TORTURE_STALLS", "20"))
+KILLS = int(os.environ.get("TORTURE_KILLS", "40"))
+STALLS = int(os.environ.get("TORTURE_STALLS", "8"))
 SEED = int(os.environ.get("TORTURE_SEED", str(int(time.time() * 1000) % 1_000_000)))
 KILLS_PER_TRIAL = 20
 STALLS_PER_TRIAL = 6             # at most; stalls overlap the kills, so a trial hardly grows
@@ -1431,7 +1431,7 @@ def test_replay_cancel_of_a_waiting_run_cancels_its_approval(tmp_path):
 # executions in it sum to at most `cap`, and to at most `soft` plus the executions in it
 # that an operator approved over `soft`.
 
-BUDGET_SECONDS = float(os.environ.get("TORTURE_BUDGET_SECONDS", "30"))
+BUDGET_SECONDS = float(os.environ.get("TORTURE_BUDGET_SECONDS", "20"))
 BUDGET_PER, BUDGET_PER_SECONDS = "2s", 2.0
 BUDGET_CAP, BUDGET_SOFT = decimal.Decimal("40"), decimal.Decimal("20")
 BUDGET_LARGE = 8                    # an amount at least this asks (a condition), limits aside

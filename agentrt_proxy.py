@@ -186,6 +186,7 @@ VERIFY_PAGE = 128                    # events read at once by verify
 
 INTERRUPTED_KIND = "interrupted_side_effect"
 REPEAT_KIND = "repeat"                 # an identical call the operator allows (section 10)
+REPEAT_QUOTE_BYTES = 2000              # of the earlier execution's result, in its approval
 INTERRUPTED_REASON = "interrupted while executing; outcome unknown"
 REPEAT_REASON = "an identical call already executed within the window"
 INTERRUPTED_NOTICE = (
@@ -9009,7 +9010,7 @@ class Proxy:
             if state is None or not state.terminal:
                 continue
             action = self.refused_by(tool, row, state, now, window)
-            if action is None and (tool.rule.repeat or self.cfg.repeat) == "ask":
+            if action is None and self.asks_repeat(tool):
                 return self.executed_within(tool, key, now, window)
             return action
         return None
@@ -9066,10 +9067,16 @@ class Proxy:
     def repeat_or_duplicate(self, tool, row: CallRow, run_id: str, at: str, end: float,
                             window: float, outcome: str):
         """DUPLICATE, or, where the rule asks about a repeat, the earlier execution to name
-        in the approval the call goes on to ask."""
-        if (tool.rule.repeat or self.cfg.repeat) == "ask":
-            return Repeat({"run_id": run_id, "at": at, "outcome": outcome})
+        in the approval the call goes on to ask (its result quoted to REPEAT_QUOTE_BYTES:
+        the approval names the run, which `show` gives whole)."""
+        if self.asks_repeat(tool):
+            return Repeat({"run_id": run_id, "at": at,
+                           "outcome": truncate(outcome, REPEAT_QUOTE_BYTES)})
         return self.refused(row.run_id, row.key, duplicate(end, window, outcome))
+
+    def asks_repeat(self, tool) -> bool:
+        """Whether an identical call within the window asks (section 10), not DUPLICATE."""
+        return (tool.rule.repeat or self.cfg.repeat) == "ask"
 
     def refused(self, run_id: str, key: str, result: dict) -> Answer:
         """The answer that refuses a call, counted against the run it names (RefusalLog).

@@ -34,11 +34,11 @@ again), every run is finished, waiting on an approval, or resolvable by the next
 call (which a fresh proxy then makes, and the books are read again), no tool is BLOCKED with
 nothing to act on, no approval is lost or changed, and `verify` finds the chain intact.
 
-    python3 -m pytest -q tests/test_torture.py        # CI: at least 40 kills and 8 stalls
+    python3 -m pytest -q tests/test_torture.py        # CI: at least 40 kills and 6 stalls
     TORTURE_STALLS=300 TORTURE_KILLS=1000 python3 -m pytest -q -s tests/test_torture.py  # long
     TORTURE_SEED=1234 python3 -m pytest -q -s tests/test_torture.py        # replay a seed
 
-TORTURE_KILLS and TORTURE_STALLS (defaults 40 and 8) are the least numbers of kills and
+TORTURE_KILLS and TORTURE_STALLS (defaults 40 and 6) are the least numbers of kills and
 stalls; they are shared evenly over trials of at most 20 kills and 6 stalls. The seed and
 each trial's kill schedule are printed, then one line: kills, stalls (taken over, late
 outcomes recorded, known), payments, double executions, re-runs of a recorded outcome, and
@@ -87,7 +87,7 @@ from process_helpers import (FAKE_SERVER, PROXY, PYTHON, ProcessDir, eventually,
                              prefix, text)
 
 KILLS = int(os.environ.get("TORTURE_KILLS", "40"))
-STALLS = int(os.environ.get("TORTURE_STALLS", "8"))
+STALLS = int(os.environ.get("TORTURE_STALLS", "6"))
 SEED = int(os.environ.get("TORTURE_SEED", str(int(time.time() * 1000) % 1_000_000)))
 KILLS_PER_TRIAL = 20
 STALLS_PER_TRIAL = 6             # at most; stalls overlap the kills, so a trial hardly grows

@@ -2708,6 +2708,9 @@ _WAITING_SQL = (
     " ORDER BY a.created_at, a.rowid")
 
 
+GROUPED = "grouped"        # Store.batch: a commit owed to disk, synced by Store.durable
+
+
 def _insecure(path: str, mode: int, reason: str) -> UnsafeDatabase:
     return UnsafeDatabase(
         f"{path} (mode {stat.filemode(mode)}) is {reason}; the database must be readable and "
@@ -2898,6 +2901,14 @@ class Store:
         self._batch: Tx | None = None
         self._batch_failed = False
         self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
+        # Group commit (Store.durable): commits owed to disk, counted; the count the last
+        # sync of the WAL covered; the sync under way; why the store may no longer sync.
+        self._owed = self._synced = 0
+        self._syncing: asyncio.Future | None = None
+        self._sync_lock = threading.Lock()
+        self._wal_fd: int | None = None
+        self._unsyncable = ""
+        self.calls_in_flight = 0      # kept by the proxy: with one call or none, sync inline
         exists = check_database_file(path, writer=not readonly)
         if not exists:
             if not create:
@@ -2998,6 +3009,8 @@ class Store:
         """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure; SQLite's errors become
         StoreError."""
         self._check_wal()
+        if self._unsyncable:
+            raise StoreError(self._unsyncable)
         try:
             self.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -3011,6 +3024,84 @@ class Store:
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"{self.path}: write failed: {exc}") from None
             raise
+
+    # ---- group commit ----
+    # A batch begun with synced=GROUPED commits under synchronous=NORMAL: its frames are in
+    # the WAL, not yet forced to disk, and the commit is counted as owed. Before anything
+    # that depends on it leaves the process (the request of a mutating call, the host's
+    # answer), the caller awaits durable(), which syncs the WAL file once for every commit
+    # owed when that sync began: calls that finish together share one sync, and the event
+    # loop goes on meanwhile (the sync runs on a worker thread; with no other call in
+    # flight, on the loop's own thread, which is quicker alone). Syncing the WAL file makes
+    # its committed frames durable exactly as synchronous=FULL does at each commit (SQLite
+    # writes them with plain writes, so they are in the file's pages, which fsync forces
+    # out; a checkpoint syncs the WAL before it copies from it).
+    #
+    # A failed sync is final: the kernel may have dropped the pages it could not write and
+    # a second fsync would then report success over the loss, so the store refuses every
+    # later write and every wait for durability until the proxy is started again.
+
+    async def durable(self) -> None:
+        """Return once every commit owed to disk before this call is on disk; raises
+        StoreError when the WAL cannot be synced."""
+        target = self._owed
+        while self._synced < target:
+            if self._unsyncable:
+                raise StoreError(self._unsyncable)
+            if self._syncing is None and self.calls_in_flight <= 1:
+                self.sync_owed()
+            elif self._syncing is None:
+                self._syncing = asyncio.ensure_future(self._sync_owed())
+            else:
+                await asyncio.shield(self._syncing)
+
+    def sync_owed(self) -> None:
+        """durable() for a caller outside the event loop: the sync on this thread."""
+        target = self._owed
+        if self._synced < target:
+            self._sync_wal()
+            self._synced = max(self._synced, target)
+
+    async def _sync_owed(self) -> None:
+        covered = self._owed
+        try:
+            await asyncio.to_thread(self._sync_wal)
+            self._synced = max(self._synced, covered)
+        finally:
+            self._syncing = None
+
+    def _sync_wal(self) -> None:
+        """fsync the WAL file this connection writes (opened once, checked to be the file
+        the store opened; the directory is synced once too, so that the WAL's name is as
+        durable as its contents)."""
+        with self._sync_lock:
+            if self._unsyncable:
+                raise StoreError(self._unsyncable)
+            try:
+                if self._wal_fd is None:
+                    self._wal_fd = self._open_wal()
+                os.fsync(self._wal_fd)
+            except (OSError, StoreError) as exc:
+                self._unsyncable = (f"{self.path}: its WAL file could not be synced to disk "
+                                    f"({exc}); nothing more is recorded until the proxy is "
+                                    "started again")
+                raise StoreError(self._unsyncable) from None
+
+    def _open_wal(self) -> int:
+        # Opened for writing because Windows flushes only a handle that may write; nothing
+        # is ever written through it.
+        fd = os.open(self.path + "-wal", os.O_RDWR | getattr(os, "O_BINARY", 0))
+        st = os.fstat(fd)
+        if self._wal is not None and (st.st_dev, st.st_ino) != self._wal:
+            os.close(fd)
+            raise StoreError("the WAL file was replaced while the database was open")
+        with contextlib.suppress(OSError, AttributeError):   # no directory handles on Windows
+            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        return fd
 
     def _check_wal(self) -> None:
         """Refuse to write once the WAL file this connection writes was deleted or replaced
@@ -3070,24 +3161,26 @@ class Store:
                 self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
     @contextlib.contextmanager
-    def batch(self, synced: bool = True):
+    def batch(self, synced: bool | str = True):
         """One transaction for several state changes that happen with nothing outside in
         between (begin, step, propose, start a tool): one commit instead of four. The
         store's lock is held throughout, so no other thread sees the batch half done.
 
-        ``synced=False`` is for the start of an allowed read-only call alone: its commit
-        is not synced to disk by itself; the call's outcome commit, synced, makes both
-        durable (the WAL is written in order). A process killed in between loses nothing
-        (the commit is in the operating system's hands); a power loss may lose the start
-        of a read, which changed nothing. A mutating call's start is always synced before
-        its request leaves."""
+        ``synced=True`` commits with synchronous=FULL. ``synced=GROUPED`` commits owed to
+        disk: the caller awaits durable() before anything that depends on the commit
+        leaves the process (a call's start before its request, its outcome before the
+        host's answer). ``synced=False`` is for writes nothing waits on: the start of an
+        allowed read-only call, whose outcome commit makes both durable (the WAL is written
+        in order), and the refusal counter. A process killed in between loses nothing (the
+        commit is in the operating system's hands); a power loss may lose the start of a
+        read, which changed nothing."""
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only")
         with self._lock:
             if self._batch is not None:
                 yield
                 return
-            with self._unsynced(not synced), self._immediate():
+            with self._unsynced(synced is not True), self._immediate():
                 self._batch, self._batch_failed = Tx(self.conn, self._specs), False
                 try:
                     yield
@@ -3096,6 +3189,8 @@ class Store:
                                          "the whole batch is rolled back")
                 finally:
                     self._batch = None
+            if synced == GROUPED:
+                self._owed += 1
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:
@@ -3227,6 +3322,10 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self.conn.close()
+        with self._sync_lock:
+            if self._wal_fd is not None:
+                os.close(self._wal_fd)
+                self._wal_fd = None
 
 
 @dataclasses.dataclass
@@ -3384,12 +3483,19 @@ def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
     return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
 
 
-def _read_allowed(tool: "Tool | None", judged: _Judged) -> bool:
-    """A read-only tool's call that the policy allows outright: the one start whose commit
-    need not be synced by itself (Store.batch)."""
-    return tool is not None and tool.spec.side_effect == "read_only" and \
-        not judged.problem and judged.error is None and \
+def _start_sync(gate: "Gate", tool: "Tool | None", decision: Decision, judged: _Judged
+                ) -> bool | str:
+    """How a call's start commits (Store.batch). A call the policy allows outright is
+    about to execute, and Session.call_started awaits the store's durable() before its
+    request leaves: a mutating call's start (or one a limit counts) commits owed to disk
+    (GROUPED), a read-only call's is not synced by itself (its outcome's sync covers it).
+    Any other start is synced at once."""
+    allowed = tool is not None and not judged.problem and judged.error is None and \
         judged.decision is not None and judged.decision.outcome == "allow"
+    if not allowed:
+        return True
+    counted = gate.budget is not None and gate.budget.counts(decision.tool)
+    return GROUPED if counted or tool.spec.side_effect != "read_only" else False
 
 
 def new_hex_id() -> str:
@@ -3621,18 +3727,20 @@ class Gate:
         step_id = self.new_id()
         judged = self._prejudge(run_id, step_id, goal, limits, decision)
         session = None
+        sync = _start_sync(self, tool_of(self, decision), decision, judged)
         try:
-            counted = self.budget is not None and self.budget.counts(decision.tool)
-            with self.store.batch(synced=counted or
-                                  not _read_allowed(tool_of(self, decision), judged)):
+            with self.store.batch(synced=sync):
                 session = self.begin(run_id, goal, limits)
                 if also is not None:
                     also()
                 if session.step(step_id) is None:
-                    return session, Verdict("ended", run=session.final)
-                verdict = session.propose(decision, judged)
-                if verdict.kind == "allowed":
-                    session.start()
+                    verdict = Verdict("ended", run=session.final)
+                else:
+                    verdict = session.propose(decision, judged)
+                    if verdict.kind == "allowed":
+                        session.start()
+            if verdict.kind != "allowed":   # nothing will wait on durable() for it
+                self.store.sync_owed()
         except BaseException:
             if session is not None:
                 session._let_go()
@@ -4215,7 +4323,9 @@ class Session:
         """Call the tool whose start was committed, and record what came of it. When the
         outcome cannot be recorded the lease is let go, so that the next executor takes the
         run over as cut off while executing, and StoreError is raised."""
-        return self.record_outcome(await self.call_started())
+        obs = self.record_outcome(await self.call_started())
+        await self.store.durable()
+        return obs
 
     async def call_started(self) -> tuple[tuple, float]:
         """Call the tool whose start was committed; its observation, not yet recorded (a
@@ -4229,6 +4339,7 @@ class Session:
                 raise RunStateError("a tool never runs inside an open transaction: its start "
                                     "must be committed first")
         spec = request.spec
+        await self.store.durable()          # the attempt is on disk before its request leaves
         began = time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args)
@@ -4242,7 +4353,8 @@ class Session:
         return obs, began
 
     def record_outcome(self, called: tuple[tuple, float]) -> dict:
-        """Record what call_started observed; the observation, as recorded."""
+        """Record what call_started observed; the observation, as recorded. The commit is
+        owed to disk: await the store's durable() before acting on what it says."""
         return self._record_or_let_go(*called)
 
     def _record_or_let_go(self, obs: tuple, began: float) -> dict:
@@ -4286,7 +4398,9 @@ class Session:
         finished.update({"content_hash": obs[2], "summary": doc["summary"]} if ok
                         else {"error": doc["summary"]})
         try:
-            with self.store.batch():        # the outcome, and the caller's own write with it
+            # The outcome, and the caller's own write with it, owed to disk: the caller
+            # awaits the store's durable() before answering for it.
+            with self.store.batch(synced=GROUPED):
                 if ok and spec.terminal:
                     self._settle(step, ("executing",), "done", obs, COMPLETED,
                                  "goal_completed", f"terminal tool {spec.name}",
@@ -7457,6 +7571,12 @@ def blocked_pending(limit: int) -> dict:
                  True)
 
 
+def _says_unavailable(result: dict) -> bool:
+    content = result.get("content")
+    return bool(result.get("isError")) and isinstance(content, list) and len(content) == 1 \
+        and str(content[0].get("text", "")).startswith("UNAVAILABLE: ")
+
+
 def unavailable(what: str, executed: str = "Nothing was executed.") -> dict:
     said = " ".join(part for part in (f"the gate could not {what}.", executed, "Tell the user.")
                     if part)
@@ -8823,7 +8943,25 @@ class Proxy:
     async def call(self, name: str, args: bytes, progress: Callable[[float, float], None]
                    | None = None, cancelled: asyncio.Event | None = None) -> dict:
         """One tools/call. Rules first (atomic: one call decides at a time), then at most one
-        hold for an approval, then at most one execution."""
+        hold for an approval, then at most one execution. No answer is given before every
+        commit owed to disk when it was reached is on disk: an answer may rest on another
+        call's record (a DUPLICATE names an outcome that call committed)."""
+        self.store.calls_in_flight += 1
+        try:
+            result = await self._call(name, args, progress, cancelled)
+        finally:
+            self.store.calls_in_flight -= 1
+        try:
+            await self.store.durable()
+        except StoreError as exc:
+            if _says_unavailable(result):   # the call's own answer already says so
+                return result
+            self.log(f"error: {exc}")
+            return unavailable("write its records to disk",
+                               "It may have been executed; do not call it again to retry.")
+        return result
+
+    async def _call(self, name: str, args: bytes, progress, cancelled) -> dict:
         if name == self.cfg.status_tool:
             return self.status(args)
         tool = self.tools.get(name)
@@ -9330,7 +9468,15 @@ class Proxy:
         # decided meanwhile would find the unknown outcome recorded and nothing yet asking
         # about it, and run past it.
         async with self._deciding():
-            return self.recorded(session, tool, called, settled)
+            result = self.recorded(session, tool, called, settled)
+        try:                                # on disk before the host is answered, the
+            await self.store.durable()      # deciding lock let go: calls share the sync
+        except StoreError as exc:
+            self.log(f"error: {exc}")
+            return unavailable("record the outcome of this request",
+                               "It was executed, so it may have taken effect; do not call it "
+                               "again to retry.")
+        return result
 
     def recorded(self, session: Session, tool, called: tuple, settled: list) -> dict:
         """Record what the tool call came to and answer for it (under the deciding lock)."""

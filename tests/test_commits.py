@@ -1,14 +1,16 @@
 """Which commits a call makes, and how each is synced.
 
 - An allowed read-only call: its start commits unsynced (synchronous=NORMAL), its outcome
-  commits synced (FULL), which makes both durable; the connection is FULL again after.
-- An allowed mutating call: its start commits synced before the request leaves, and so
-  does its outcome.
+  commits owed to disk (NORMAL) and the WAL file is synced before the call answers, which
+  makes both durable; the connection is FULL again after.
+- An allowed mutating call: its start commits owed to disk and the WAL is synced before the
+  request leaves; its outcome likewise before the answer.
 - A held call and a denied read: every commit synced.
 - A batch in which one change failed rolls back whole, even when the failure was caught
   inside it: nothing of a half-done batch is committed.
 """
 
+import os
 import sqlite3
 
 import pytest
@@ -19,12 +21,15 @@ from test_rules_cost import InstantServer, instant_proxy
 
 class Trace:
     """The statements the store's connection runs, with the synchronous level each COMMIT
-    ran under, and the point at which the upstream was called."""
+    ran under, each fsync of the database's WAL file, and the point at which the upstream
+    was called."""
 
     def __init__(self, store: ap.Store):
         self.lines: list[str] = []
         self.store = store
         store.conn.set_trace_callback(self.lines.append)
+        wal = os.stat(store.path + "-wal")
+        self.wal = (wal.st_dev, wal.st_ino)
 
     def mark(self, what: str) -> None:
         self.lines.append(f"-- {what}")
@@ -72,8 +77,27 @@ def traced(tmp_path):
     h.close()
 
 
+@pytest.fixture(autouse=True)
+def wal_syncs_marked(monkeypatch):
+    """Every fsync of the WAL file is marked in the trace under way."""
+    real = os.fsync
+
+    def fsync(fd):
+        real(fd)
+        st, trace = os.fstat(fd), TRACES[-1] if TRACES else None
+        if trace is not None and (st.st_dev, st.st_ino) == trace.wal:
+            trace.mark("WAL synced")
+    monkeypatch.setattr(ap.os, "fsync", fsync)
+    yield
+    TRACES.clear()
+
+
+TRACES: list = []
+
+
 def call_traced(h, proxy, box, name, args):
     box[0] = Trace(h.store)
+    TRACES.append(box[0])
     result = h.run(proxy.call(name, args))
     return result, box[0]
 
@@ -82,7 +106,7 @@ def test_allowed_read_starts_unsynced_and_its_outcome_commit_syncs_both(traced):
     h, proxy, box = traced
     result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":"A-1"}')
     assert not result["isError"], result
-    assert trace.commits() == ["NORMAL", "-- upstream called", "FULL"]
+    assert trace.commits() == ["NORMAL", "-- upstream called", "NORMAL", "-- WAL synced"]
     assert trace.level_now() == FULL
 
 
@@ -90,7 +114,8 @@ def test_allowed_mutation_start_is_synced_before_the_request_leaves(traced):
     h, proxy, box = traced
     result, trace = call_traced(h, proxy, box, "bank_pay", b'{"to":"bob","amount":1}')
     assert not result["isError"], result
-    assert trace.commits() == ["FULL", "-- upstream called", "FULL"]
+    assert trace.commits() == ["NORMAL", "-- WAL synced", "-- upstream called", "NORMAL",
+                               "-- WAL synced"]
     assert trace.level_now() == FULL
 
 
@@ -106,7 +131,7 @@ def test_held_and_denied_calls_commit_synced_only(tmp_path):
             result, trace = call_traced(h, proxy, box, name, args)
             assert result["isError"], result
             levels = trace.commits()
-            assert levels and set(levels) == {"FULL"}, (name, levels)
+            assert levels and set(levels) == {"FULL"}, (name, levels)    # no sync owed
             assert trace.level_now() == FULL
     finally:
         proxy.close()

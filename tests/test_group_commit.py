@@ -1,0 +1,186 @@
+"""Group commit: calls that finish together share one sync of the WAL, and nothing that
+depends on a commit leaves before the sync that covers it.
+
+- Sixteen reads at once: while the WAL's sync is held up, none is answered; once it goes
+  through, all are, with fewer syncs than calls.
+- A mutating call: while the WAL's sync of its start is held up, its request does not
+  leave.
+- A DUPLICATE that names an outcome committed but not yet synced waits for that sync.
+- A sync that fails is final: the call answers UNAVAILABLE saying it may have executed, and
+  the store refuses every later write.
+"""
+
+import asyncio
+import errno
+import os
+import threading
+import time
+
+import pytest
+
+from proxy_harness import ProxyHarness, ap
+from test_rules_cost import InstantServer, instant_proxy
+
+RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+         "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
+         "refund": {"side_effect": "destructive", "timeout": "10s"}}
+HELD = 0.5                 # seconds the WAL's sync is held up
+BOUND = 10.0               # no wait in these tests is longer
+
+
+class WalSyncs:
+    """os.fsync, watched for the WAL file: each sync's start and end times, held up while
+    ``hold`` is set (released by a timer, so a sync on the event loop's own thread ends
+    too), or failing with EIO while ``fail`` is set."""
+
+    def __init__(self, store: ap.Store, real):
+        st = os.stat(store.path + "-wal")
+        self.wal = (st.st_dev, st.st_ino)
+        self.real = real
+        self.started: list[float] = []
+        self.ended: list[float] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.fail = False
+
+    def hold_for(self, seconds: float) -> float:
+        self.release.clear()
+        timer = threading.Timer(seconds, self.release.set)
+        timer.daemon = True
+        timer.start()
+        return time.monotonic() + seconds
+
+    def __call__(self, fd):
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.wal:
+            return self.real(fd)
+        self.started.append(time.monotonic())
+        if self.fail:
+            raise OSError(errno.EIO, "Input/output error")
+        assert self.release.wait(BOUND)
+        self.real(fd)
+        self.ended.append(time.monotonic())
+
+
+class Upstream(InstantServer):
+    """Answers at once, noting when each request arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived: list[float] = []
+
+    async def call_tool(self, remote, args, timeout):
+        self.arrived.append(time.monotonic())
+        await asyncio.sleep(0)              # let other calls interleave
+        return await super().call_tool(remote, args, timeout)
+
+
+@pytest.fixture
+def grouped(tmp_path, monkeypatch):
+    h = ProxyHarness(tmp_path, rules=RULES)
+    upstream = Upstream()
+    proxy = instant_proxy(h, upstream)
+    syncs = WalSyncs(h.store, os.fsync)
+    monkeypatch.setattr(ap.os, "fsync", syncs)
+    yield h, proxy, upstream, syncs
+    proxy.close()
+    h.close()
+
+
+async def answered_at(proxy, name, args):
+    result = await proxy.call(name, args)
+    return time.monotonic(), result
+
+
+def test_group_commit_sixteen_reads_share_syncs_and_none_answers_before_its_sync(grouped):
+    h, proxy, upstream, syncs = grouped
+    h.run(proxy.call("bank_balance", b'{"account":"A-0"}'))       # warm
+    before = len(syncs.started)
+    released = syncs.hold_for(HELD)
+    got = h.run(asyncio.gather(*[answered_at(proxy, "bank_balance",
+                                             b'{"account":"A-%d"}' % i)
+                                 for i in range(1, 17)]))
+    for at, result in got:
+        assert not result["isError"], result
+        assert at >= released, "an answer left while the WAL's sync was held up"
+    used = len(syncs.started) - before
+    assert 1 <= used < 16, f"{used} syncs for 16 calls finishing together"
+    assert upstream.calls == 17
+
+
+def test_group_commit_mutating_request_waits_for_the_sync_of_its_start(grouped):
+    h, proxy, upstream, syncs = grouped
+    released = syncs.hold_for(HELD)
+    at, result = h.run(answered_at(proxy, "bank_pay", b'{"to":"bob","amount":1}'))
+    assert not result["isError"], result
+    assert upstream.arrived and upstream.arrived[0] >= released, \
+        "the request left before its start was on disk"
+    assert len(syncs.ended) >= 2 and syncs.ended[0] <= upstream.arrived[0] <= at
+
+
+def test_group_commit_sixteen_payments_none_leaves_before_its_start_is_synced(grouped):
+    h, proxy, upstream, syncs = grouped
+    released = syncs.hold_for(HELD)
+    got = h.run(asyncio.gather(*[answered_at(proxy, "bank_pay",
+                                             b'{"to":"bob","amount":%d}' % i)
+                                 for i in range(1, 17)]))
+    assert all(not r["isError"] for _, r in got), got
+    assert len(upstream.arrived) == 16
+    assert min(upstream.arrived) >= released
+    assert len(syncs.started) < 32, f"{len(syncs.started)} syncs for 16 payments"
+
+
+def test_group_commit_duplicate_waits_for_the_sync_of_the_outcome_it_names(grouped):
+    h, proxy, upstream, syncs = grouped
+    args = b'{"to":"bob","amount":7}'
+    h.run(proxy.call("bank_balance", b'{"account":"A-0"}'))
+    base, held = len(syncs.started), []
+    real_call = upstream.call_tool
+
+    async def hold_the_outcome(remote, a, timeout):
+        held.append(syncs.hold_for(HELD))        # the next sync is the outcome's
+        return await real_call(remote, a, timeout)
+    upstream.call_tool = hold_the_outcome
+
+    async def both():
+        first = asyncio.ensure_future(answered_at(proxy, "bank_pay", args))
+        deadline = time.monotonic() + BOUND
+        while len(syncs.started) < base + 2:     # the start's sync, then the outcome's
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        second = await answered_at(proxy, "bank_pay", args)
+        return await first, second
+
+    proxy.store.calls_in_flight = 1       # the syncs on a worker thread, as under load
+    (at1, r1), (at2, r2) = h.run(both())
+    assert not r1["isError"] and h.prefix(r2) == "DUPLICATE", (r1, r2)
+    assert at2 >= held[0], "a DUPLICATE named an outcome not yet on disk"
+    assert upstream.calls == 2            # the warm read and the payment, once
+
+
+def test_group_commit_failed_sync_is_final(grouped):
+    h, proxy, upstream, syncs = grouped
+    syncs.fail = True
+    result = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":3}'))
+    assert h.prefix(result) == "UNAVAILABLE", result
+    assert upstream.calls == 0, "the request left though its start could not be synced"
+    syncs.fail = False
+    again = h.run(proxy.call("bank_balance", b'{"account":"A-9"}'))
+    assert h.prefix(again) == "UNAVAILABLE", again
+    with pytest.raises(ap.StoreError, match="could not be synced"):
+        with h.store.tx() as tx:
+            tx.exec("SELECT 1")
+
+
+def test_group_commit_failed_outcome_sync_says_it_may_have_executed(grouped):
+    h, proxy, upstream, syncs = grouped
+    real_call = upstream.call_tool
+
+    async def then_fail(remote, args, timeout):
+        syncs.fail = True               # the start is on disk; the outcome's sync fails
+        return await real_call(remote, args, timeout)
+    upstream.call_tool = then_fail
+    result = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":4}'))
+    assert upstream.calls == 1
+    assert h.prefix(result) == "UNAVAILABLE" and "may have taken effect" in h.text(result), \
+        result

@@ -90,6 +90,20 @@ def too_old_message(program: str) -> str:
 if sys.version_info < MIN_PYTHON:
     sys.exit(too_old_message("agentrt_proxy.py"))
 
+# Run as a module (python3 -m agentrt_proxy), the interpreter loads its cached compiled form
+# of this file instead of compiling it at every start, as it does a script. But -m also puts
+# the current directory first on the module path, and a host starts the proxy in a directory
+# of its choosing (a workspace, say): a file there named like any module imported below would
+# run in its place. So a module run needs -P (or PYTHONSAFEPATH=1; Python 3.11 and newer),
+# which leaves the current directory out. Checked before any other import.
+SAFE_MODULE_RUN = ("agentrt_proxy: run as a module, start it as python3 -P -m agentrt_proxy "
+                   "with its directory on PYTHONPATH (Python 3.11 or newer), so that the "
+                   "current directory is not searched for modules; or run the file itself: "
+                   "python3 /path/to/agentrt_proxy.py")
+if __name__ == "__main__" and globals().get("__spec__") is not None and \
+        not getattr(sys.flags, "safe_path", False):
+    sys.exit(SAFE_MODULE_RUN)
+
 import argparse
 import asyncio
 import base64
@@ -2324,7 +2338,9 @@ _DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m(?!s))?(?:([0-9]+(?:\.[0-9]+)
 
 
 def fmt_time(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    d = _dt.datetime.fromtimestamp(t, _dt.timezone.utc)
+    return "%04d-%02d-%02dT%02d:%02d:%02d.%06dZ" % (d.year, d.month, d.day, d.hour, d.minute,
+                                                    d.second, d.microsecond)
 
 
 def fmt_time_s(t: float) -> str:
@@ -2761,11 +2777,16 @@ def _sqlite_uri(path: str, mode: str) -> str:
 def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str,
                payload: str) -> str:
     """SHA-256 over seven netstrings: the previous hash and the event's stored fields."""
-    parts = [p if isinstance(p, str) else str(p)       # an edited row may hold anything
-             for p in (prev, seq, run_id, step_id, at, typ, payload)]
-    data = b"".join(b"%d:%s," % (len(b), b) for b in
-                    (p.encode("utf-8", "surrogatepass") for p in parts))
-    return sha256_hex(data)
+    data = []
+    for part in (prev, seq, run_id, step_id, at, typ, payload):
+        raw = (part if isinstance(part, str) else str(part)).encode("utf-8", "surrogatepass")
+        data.append(b"%d:%s," % (len(raw), raw))         # an edited row may hold anything
+    return sha256_hex(b"".join(data))
+
+
+_HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name='events') "
+             "FROM (SELECT 1) LEFT JOIN (SELECT seq, hash FROM events ORDER BY seq DESC "
+             "LIMIT 1) AS e")
 
 
 class Tx:
@@ -2775,15 +2796,22 @@ class Tx:
         self.c = conn
         self._head: tuple[int, str] | None = None
         self._specs = specs if specs is not None else set()
+        # Runs read in this transaction. It holds the write lock, so only its own writes
+        # can change a run: every statement that is not a SELECT forgets them all.
+        self._runs: dict[str, Run] = {}
 
     def forget_head(self) -> None:
         self._head = None
 
     def run(self, run_id: str) -> Run:
+        found = self._runs.get(run_id)
+        if found is not None:
+            return found
         row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
         if row is None:
             raise NotFound(f"run {run_id} not found")
-        return _run_from_row(row)
+        found = self._runs[run_id] = _run_from_row(row)
+        return found
 
     def require(self, run_id: str, statuses: tuple[str, ...], owner: str = "") -> Run:
         """The run, if its status is one of ``statuses`` and (with ``owner``) a RUNNING run
@@ -2796,20 +2824,21 @@ class Tx:
         return run
 
     def exec(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
+        if not sql.startswith("SELECT "):
+            self._runs.clear()
         return self.c.execute(sql, params)
 
     def rows(self, sql: str, params: tuple = ()) -> list[tuple]:
         """A read inside the transaction (a Query, as Store._read is outside one)."""
+        if not sql.startswith("SELECT "):
+            self._runs.clear()
         return self.c.execute(sql, params).fetchall()
 
     def event(self, run_id: str, step_id: str, at: str, typ: str, payload: Any) -> int:
         """Append one event, chained to the newest event of any run."""
-        if self._head is None:
-            row = self.c.execute("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1").fetchone()
-            used = self.c.execute(
-                "SELECT seq FROM sqlite_sequence WHERE name='events'").fetchone()
-            seq = max(row[0] if row else 0, used[0] if used else 0)
-            self._head = (seq, row[1] if row else "")
+        if self._head is None:          # the newest event, and the last seq ever given
+            last, digest, used = self.c.execute(_HEAD_SQL).fetchone()
+            self._head = (max(last or 0, used or 0), digest or "")
         text = payload if isinstance(payload, str) else dump_json(payload or {})
         seq = self._head[0] + 1
         digest = event_hash(self._head[1], seq, run_id, step_id, at, typ, text)
@@ -2825,6 +2854,7 @@ class Tx:
         pausing or finishing releases it in the same transaction."""
         self.require(run_id, statuses, owner)
         lease = (owner, lease_until) if to == RUNNING and owner else ("", "")
+        self._runs.clear()
         self.c.execute("UPDATE runs SET status=?, reason=?, reason_detail=?, finished_at=?, "
                        "result_json=?, lease_owner=?, lease_expires_at=? WHERE id=?",
                        (to, reason, detail, finished_at, result, *lease, run_id))
@@ -2832,6 +2862,7 @@ class Tx:
 
     def take_lease(self, run_id: str, owner: str, until: str) -> None:
         """Write a new lease on a RUNNING run (a take-over: the caller judged the old one)."""
+        self._runs.clear()
         cur = self.c.execute("UPDATE runs SET lease_owner=?, lease_expires_at=? "
                              "WHERE id=? AND status=?", (owner, until, run_id, RUNNING))
         if cur.rowcount != 1:
@@ -3048,6 +3079,9 @@ class Store:
         while self._synced < target:
             if self._unsyncable:
                 raise StoreError(self._unsyncable)
+            if self._syncing is not None and \
+                    self._syncing.get_loop() is not asyncio.get_running_loop():
+                self._syncing = None        # begun in a loop that has since ended
             if self._syncing is None and self.calls_in_flight <= 1:
                 self.sync_owed()
             elif self._syncing is None:

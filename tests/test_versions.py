@@ -151,3 +151,42 @@ def test_a_stdio_server_runs_in_a_process_group_of_its_own(monkeypatch, popen_gr
     pid, group = asyncio.run(body())
     assert group == pid
     assert group != os.getpgrp()
+
+
+# -- run as a module: the interpreter's cached compiled form, never the current directory --
+
+def module_run(tmp_path, *flags: str, env_extra: dict | None = None):
+    """``python3 <flags> -m agentrt_proxy -h`` from a directory holding an impostor module
+    named like one the proxy imports; the proxy's own directory on PYTHONPATH."""
+    (tmp_path / "secrets.py").write_text("raise SystemExit('IMPOSTOR RAN')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH",)}
+    env.update(PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, *flags, "-m", "agentrt_proxy", "-h"],
+                          cwd=str(tmp_path), env=env, capture_output=True,
+                          timeout=RUN_TIMEOUT)
+
+
+def test_module_run_without_a_safe_path_is_refused_before_any_import(tmp_path):
+    done = module_run(tmp_path)
+    assert done.returncode == 1, done
+    assert b"IMPOSTOR" not in done.stdout + done.stderr
+    assert ap.SAFE_MODULE_RUN.encode() in done.stderr
+    assert done.stdout == b""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="-P and PYTHONSAFEPATH are 3.11's")
+@pytest.mark.parametrize("how", ["-P", "PYTHONSAFEPATH"])
+def test_module_run_with_a_safe_path_serves_and_never_imports_the_current_directory(
+        tmp_path, how):
+    done = module_run(tmp_path, *(["-P"] if how == "-P" else []),
+                      env_extra={"PYTHONSAFEPATH": "1"} if how != "-P" else None)
+    assert done.returncode == 0, done
+    assert b"IMPOSTOR" not in done.stdout + done.stderr
+    assert done.stdout.startswith(b"What it governs")
+
+
+def test_script_run_never_imports_the_current_directory(tmp_path):
+    (tmp_path / "secrets.py").write_text("raise SystemExit('IMPOSTOR RAN')\n")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "agentrt_proxy.py"), "-h"],
+                          cwd=str(tmp_path), capture_output=True, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0 and b"IMPOSTOR" not in done.stdout + done.stderr, done

@@ -2935,6 +2935,7 @@ class Store:
         # Group commit (Store.durable): commits owed to disk, counted; the count the last
         # sync of the WAL covered; the sync under way; why the store may no longer sync.
         self._owed = self._synced = 0
+        self._seen_version = None     # PRAGMA data_version when other commits were synced
         self._syncing: asyncio.Future | None = None
         self._sync_lock = threading.Lock()
         self._wal_fd: int | None = None
@@ -2955,6 +2956,11 @@ class Store:
             self.conn.close()
             raise
         self._wal = None if readonly else _file_identity(path + "-wal")
+        if self._wal is not None:
+            # Opened before any commit of ours: a write error the kernel reports once per
+            # open file is then reported to this handle too, not only to SQLite's.
+            with contextlib.suppress(OSError, StoreError):
+                self._wal_fd = self._open_wal()
 
     @classmethod
     def open(cls, path: str) -> "Store":
@@ -3072,9 +3078,19 @@ class Store:
     # a second fsync would then report success over the loss, so the store refuses every
     # later write and every wait for durability until the proxy is started again.
 
-    async def durable(self) -> None:
+    def owe(self) -> None:
+        """Count the last commit as owed to disk (one made unsynced that something now rests
+        on)."""
+        self._owed += 1
+
+    async def durable(self, others: bool = False) -> None:
         """Return once every commit owed to disk before this call is on disk; raises
-        StoreError when the WAL cannot be synced."""
+        StoreError when the WAL cannot be synced. ``others``: commits of other connections
+        too (another proxy's, whose records an answer may name): they are visible here
+        before they are on disk when that connection committed them owed, so a change of
+        PRAGMA data_version since the last sync is synced as well (the same WAL file)."""
+        if others and self._data_version() != self._seen_version:
+            self._owed += 1                 # committed elsewhere since the last sync began
         target = self._owed
         while self._synced < target:
             if self._unsyncable:
@@ -3091,18 +3107,27 @@ class Store:
 
     def sync_owed(self) -> None:
         """durable() for a caller outside the event loop: the sync on this thread."""
-        target = self._owed
+        target, version = self._owed, self._data_version()
         if self._synced < target:
             self._sync_wal()
-            self._synced = max(self._synced, target)
+            self._synced, self._seen_version = max(self._synced, target), version
 
     async def _sync_owed(self) -> None:
-        covered = self._owed
+        covered, version = self._owed, self._data_version()
         try:
             await asyncio.to_thread(self._sync_wal)
-            self._synced = max(self._synced, covered)
+            self._synced, self._seen_version = max(self._synced, covered), version
         finally:
             self._syncing = None
+
+    def _data_version(self) -> int | None:
+        """PRAGMA data_version: it changes when another connection commits. What it was
+        when a sync began is covered by that sync (the same WAL file)."""
+        with self._lock:
+            try:
+                return self.conn.execute("PRAGMA data_version").fetchone()[0]
+            except sqlite3.Error:
+                return None                 # unknown: the next answer syncs again
 
     def _sync_wal(self) -> None:
         """fsync the WAL file this connection writes (opened once, checked to be the file
@@ -3167,7 +3192,13 @@ class Store:
         try:
             yield
         finally:
-            self.conn.execute("PRAGMA synchronous=FULL")
+            try:
+                self.conn.execute("PRAGMA synchronous=FULL")
+            except sqlite3.Error as exc:    # every later commit would be unsynced unseen
+                self._unsyncable = (f"{self.path}: synchronous=FULL could not be restored "
+                                    f"({exc}); nothing more is recorded until the proxy is "
+                                    "started again")
+                raise StoreError(self._unsyncable) from None
 
     @contextlib.contextmanager
     def _within(self):
@@ -3221,10 +3252,10 @@ class Store:
                     if self._batch_failed:
                         raise StoreError(f"{self.path}: a change inside a batch failed; "
                                          "the whole batch is rolled back")
+                    if synced == GROUPED:   # counted before COMMIT: counting one that then
+                        self._owed += 1     # failed costs a needless sync, never a lost one
                 finally:
                     self._batch = None
-            if synced == GROUPED:
-                self._owed += 1
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:
@@ -3774,6 +3805,8 @@ class Gate:
                     if verdict.kind == "allowed":
                         session.start()
             if verdict.kind != "allowed":   # nothing will wait on durable() for it
+                if sync is not True:
+                    self.store.owe()
                 self.store.sync_owed()
         except BaseException:
             if session is not None:
@@ -4374,6 +4407,8 @@ class Session:
                                     "must be committed first")
         spec = request.spec
         await self.store.durable()          # the attempt is on disk before its request leaves
+        if not self.gate.leases.ok(self.run_id):    # taken over while the sync ran
+            raise self._lose()
         began = time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args)
@@ -8986,7 +9021,7 @@ class Proxy:
         finally:
             self.store.calls_in_flight -= 1
         try:
-            await self.store.durable()
+            await self.store.durable(others=True)
         except StoreError as exc:
             if _says_unavailable(result):   # the call's own answer already says so
                 return result
@@ -10065,6 +10100,8 @@ class HostServer:
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",
                                  "Whether anything was executed is not known here.")
+            with contextlib.suppress(Exception):    # what is owed is on disk first
+                await self.proxy.store.durable(others=True)
         finally:
             self._forget(msg, cancelled)
         if not cancelled.is_set():             # a cancelled request gets no answer

@@ -96,6 +96,7 @@ TRACES: list = []
 
 
 def call_traced(h, proxy, box, name, args):
+    h.run(h.store.durable(others=True))     # what other connections committed, synced
     box[0] = Trace(h.store)
     TRACES.append(box[0])
     result = h.run(proxy.call(name, args))

@@ -184,3 +184,77 @@ def test_group_commit_failed_outcome_sync_says_it_may_have_executed(grouped):
     assert upstream.calls == 1
     assert h.prefix(result) == "UNAVAILABLE" and "may have taken effect" in h.text(result), \
         result
+
+
+def test_group_commit_answer_resting_on_another_proxys_unsynced_commit_waits_for_it(
+        grouped, tmp_path):
+    """Another process's owed commit is visible here before it is on disk: an answer that
+    may name it syncs the WAL first, though this store owes nothing itself."""
+    h, proxy, upstream, syncs = grouped
+    h.run(proxy.call("bank_balance", b'{"account":"A-0"}'))
+    other = ap.Store.open(h.store.path)
+    try:
+        with other.batch(synced=ap.GROUPED), other.tx() as tx:     # the other's outcome,
+            tx.exec("CREATE TABLE IF NOT EXISTS scratch (x)")      # owed, not yet synced
+            tx.exec("INSERT INTO scratch VALUES (1)")
+        before = len(syncs.started)
+        h.run(h.store.durable(others=True))
+        assert len(syncs.started) == before + 1, "an answer could name an unsynced record"
+        h.run(h.store.durable(others=True))
+        assert len(syncs.started) == before + 1, "nothing new: no second sync"
+    finally:
+        other.close()
+
+
+class FailingRestore:
+    """The store's connection, except that restoring synchronous=FULL fails."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def execute(self, sql, *args):
+        if sql == "PRAGMA synchronous=FULL":
+            raise ap.sqlite3.OperationalError("disk I/O error")
+        return self.conn.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_group_commit_failed_restore_of_full_sync_is_final(grouped):
+    h, proxy, upstream, syncs = grouped
+    real = h.store.conn
+    h.store.conn = FailingRestore(real)
+    try:
+        with pytest.raises(ap.StoreError, match="could not be restored"):
+            with h.store.batch(synced=ap.GROUPED), h.store.tx() as tx:
+                tx.exec("CREATE TABLE IF NOT EXISTS scratch (x)")
+    finally:
+        h.store.conn = real
+    assert h.store._owed > h.store._synced, "the commit made is owed to disk"
+    result = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":5}'))
+    assert h.prefix(result) == "UNAVAILABLE" and upstream.calls == 0, result
+
+
+def test_group_commit_lease_lost_while_the_start_syncs_sends_nothing(grouped):
+    h, proxy, upstream, syncs = grouped
+    syncs.hold_for(HELD)
+
+    async def lose_it():
+        deadline = time.monotonic() + BOUND
+        while not syncs.started:                # the start's sync is held up
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        run_id = h.store.conn.execute(
+            "SELECT id FROM runs ORDER BY created_at DESC LIMIT 1").fetchone()[0]
+        proxy.gate.leases._lost.add(run_id)     # as the renewer finds when it was taken over
+
+    async def both():
+        call = asyncio.ensure_future(proxy.call("bank_pay", b'{"to":"bob","amount":6}'))
+        await lose_it()
+        return await call
+
+    proxy.store.calls_in_flight = 1       # the sync on a worker thread, as under load
+    result = h.run(both())
+    assert upstream.calls == 0, "the request left though its run was taken over"
+    assert h.prefix(result) == "IN_PROGRESS", result

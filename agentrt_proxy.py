@@ -3081,7 +3081,8 @@ class Store:
     def owe(self) -> None:
         """Count the last commit as owed to disk (one made unsynced that something now rests
         on)."""
-        self._owed += 1
+        with self._lock:
+            self._owed += 1
 
     async def durable(self, others: bool = False) -> None:
         """Return once every commit owed to disk before this call is on disk; raises
@@ -3089,8 +3090,10 @@ class Store:
         too (another proxy's, whose records an answer may name): they are visible here
         before they are on disk when that connection committed them owed, so a change of
         PRAGMA data_version since the last sync is synced as well (the same WAL file)."""
+        if self._unsyncable:
+            raise StoreError(self._unsyncable)
         if others and self._data_version() != self._seen_version:
-            self._owed += 1                 # committed elsewhere since the last sync began
+            self.owe()                      # committed elsewhere since the last sync began
         target = self._owed
         while self._synced < target:
             if self._unsyncable:
@@ -3252,10 +3255,14 @@ class Store:
                     if self._batch_failed:
                         raise StoreError(f"{self.path}: a change inside a batch failed; "
                                          "the whole batch is rolled back")
-                    if synced == GROUPED:   # counted before COMMIT: counting one that then
-                        self._owed += 1     # failed costs a needless sync, never a lost one
                 finally:
                     self._batch = None
+            # Counted once COMMIT has written the frames (a sync that reads the count then
+            # covers them; a batch runs on a worker thread when its arguments are large),
+            # still under the lock. Had restoring FULL failed, StoreError was raised
+            # instead and every later durable() raises too (_unsyncable).
+            if synced == GROUPED:
+                self._owed += 1
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:

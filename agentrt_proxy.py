@@ -2725,6 +2725,7 @@ _WAITING_SQL = (
 
 
 GROUPED = "grouped"        # Store.batch: a commit owed to disk, synced by Store.durable
+_UNKNOWN = object()        # a PRAGMA data_version that could not be read: never matches
 
 
 def _insecure(path: str, mode: int, reason: str) -> UnsafeDatabase:
@@ -2935,7 +2936,8 @@ class Store:
         # Group commit (Store.durable): commits owed to disk, counted; the count the last
         # sync of the WAL covered; the sync under way; why the store may no longer sync.
         self._owed = self._synced = 0
-        self._seen_version = None     # PRAGMA data_version when other commits were synced
+        self._seen_version: object = _UNKNOWN   # PRAGMA data_version when a sync began
+        self._count_lock = threading.Lock()     # the counters; never waits on a transaction
         self._syncing: asyncio.Future | None = None
         self._sync_lock = threading.Lock()
         self._wal_fd: int | None = None
@@ -2956,6 +2958,8 @@ class Store:
             self.conn.close()
             raise
         self._wal = None if readonly else _file_identity(path + "-wal")
+        if readonly:
+            _sync_readonly(path + "-wal")
         if self._wal is not None:
             # Opened before any commit of ours: a write error the kernel reports once per
             # open file is then reported to this handle too, not only to SQLite's.
@@ -3081,7 +3085,7 @@ class Store:
     def owe(self) -> None:
         """Count the last commit as owed to disk (one made unsynced that something now rests
         on)."""
-        with self._lock:
+        with self._count_lock:
             self._owed += 1
 
     async def durable(self, others: bool = False) -> None:
@@ -3092,15 +3096,17 @@ class Store:
         PRAGMA data_version since the last sync is synced as well (the same WAL file)."""
         if self._unsyncable:
             raise StoreError(self._unsyncable)
-        if others and self._data_version() != self._seen_version:
+        seen = self._seen_version
+        if others and (seen is _UNKNOWN or self._data_version() != seen):
             self.owe()                      # committed elsewhere since the last sync began
         target = self._owed
         while self._synced < target:
             if self._unsyncable:
                 raise StoreError(self._unsyncable)
-            if self._syncing is not None and \
-                    self._syncing.get_loop() is not asyncio.get_running_loop():
-                self._syncing = None        # begun in a loop that has since ended
+            if self._syncing is not None and (self._syncing.done() or
+                                              self._syncing.get_loop() is not
+                                              asyncio.get_running_loop()):
+                self._syncing = None        # cancelled before it began, or of an ended loop
             if self._syncing is None and self.calls_in_flight <= 1:
                 self.sync_owed()
             elif self._syncing is None:
@@ -3123,14 +3129,19 @@ class Store:
         finally:
             self._syncing = None
 
-    def _data_version(self) -> int | None:
+    def _data_version(self) -> object:
         """PRAGMA data_version: it changes when another connection commits. What it was
-        when a sync began is covered by that sync (the same WAL file)."""
-        with self._lock:
-            try:
-                return self.conn.execute("PRAGMA data_version").fetchone()[0]
-            except sqlite3.Error:
-                return None                 # unknown: the next answer syncs again
+        when a sync began is covered by that sync (the same WAL file). Unknown (it could
+        not be read, or a transaction on a worker thread holds the connection: the loop
+        never waits for one) is a change: the next answer syncs."""
+        if not self._lock.acquire(blocking=False):
+            return _UNKNOWN
+        try:
+            return self.conn.execute("PRAGMA data_version").fetchone()[0]
+        except sqlite3.Error:
+            return _UNKNOWN
+        finally:
+            self._lock.release()
 
     def _sync_wal(self) -> None:
         """fsync the WAL file this connection writes (opened once, checked to be the file
@@ -3262,7 +3273,8 @@ class Store:
             # still under the lock. Had restoring FULL failed, StoreError was raised
             # instead and every later durable() raises too (_unsyncable).
             if synced == GROUPED:
-                self._owed += 1
+                with self._count_lock:
+                    self._owed += 1
 
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:
@@ -3432,6 +3444,19 @@ def _create_private(path: str) -> None:
         check_database_file(path, writer=True)
         return
     os.close(fd)
+
+
+def _sync_readonly(wal: str) -> None:
+    """A reader's view is on disk before it prints it: a proxy's grouped commits are
+    visible to other connections before its sync (Store.durable), so an operator's view
+    (a chain head that verify prints, say) could name an event a power loss then takes
+    back. Best effort: a platform that cannot sync a file opened read-only is skipped."""
+    with contextlib.suppress(OSError):
+        fd = os.open(wal, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _file_identity(path: str) -> tuple[int, int] | None:
@@ -3811,6 +3836,7 @@ class Gate:
                     verdict = session.propose(decision, judged)
                     if verdict.kind == "allowed":
                         session.start()
+                        session.start_owed = sync is not False
             if verdict.kind != "allowed":   # nothing will wait on durable() for it
                 if sync is not True:
                     self.store.owe()
@@ -4043,6 +4069,9 @@ class Session:
         self._started: ToolRequest | None = None
         self.state = "open"            # open, paused, ended, lost, closed
         self.final: Run | None = None
+        # Whether the request waits for the store's durable() before it leaves: not for an
+        # allowed read, whose start owes nothing (Gate.start).
+        self.start_owed = True
         # Called with the observation inside the transaction that records a tool's outcome.
         self.on_recorded: Callable[[dict], None] | None = None
 
@@ -4413,9 +4442,10 @@ class Session:
                 raise RunStateError("a tool never runs inside an open transaction: its start "
                                     "must be committed first")
         spec = request.spec
-        await self.store.durable()          # the attempt is on disk before its request leaves
-        if not self.gate.leases.ok(self.run_id):    # taken over while the sync ran
-            raise self._lose()
+        if self.start_owed:                 # the attempt is on disk before its request leaves
+            await self.store.durable()
+            if not self.gate.leases.ok(self.run_id):    # taken over while the sync ran
+                raise self._lose()
         began = time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args)
@@ -9025,17 +9055,18 @@ class Proxy:
         self.store.calls_in_flight += 1
         try:
             result = await self._call(name, args, progress, cancelled)
+            try:
+                await self.store.durable(others=True)
+            except StoreError as exc:
+                if _says_unavailable(result):   # the call's own answer already says so
+                    return result
+                self.log(f"error: {exc}")
+                return unavailable("write its records to disk",
+                                   "It may have been executed; do not call it again to "
+                                   "retry.")
+            return result
         finally:
             self.store.calls_in_flight -= 1
-        try:
-            await self.store.durable(others=True)
-        except StoreError as exc:
-            if _says_unavailable(result):   # the call's own answer already says so
-                return result
-            self.log(f"error: {exc}")
-            return unavailable("write its records to disk",
-                               "It may have been executed; do not call it again to retry.")
-        return result
 
     async def _call(self, name: str, args: bytes, progress, cancelled) -> dict:
         if name == self.cfg.status_tool:

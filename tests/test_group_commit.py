@@ -259,3 +259,52 @@ def test_group_commit_lease_lost_while_the_start_syncs_sends_nothing(grouped):
     result = h.run(both())
     assert upstream.calls == 0, "the request left though its run was taken over"
     assert h.prefix(result) == "IN_PROGRESS", result
+
+
+def test_group_commit_unknown_data_version_counts_as_a_change(grouped, monkeypatch):
+    h, proxy, upstream, syncs = grouped
+    h.run(h.store.durable(others=True))
+    before = len(syncs.started)
+    monkeypatch.setattr(h.store, "_data_version", lambda: ap._UNKNOWN)
+    h.run(h.store.durable(others=True))
+    h.run(h.store.durable(others=True))
+    assert len(syncs.started) == before + 2, "a version that could not be read was trusted"
+
+
+def test_group_commit_read_request_waits_for_no_other_calls_sync(grouped):
+    """An allowed read's start owes nothing: its request leaves while another call's
+    outcome sync is still held up (its answer waits for that sync, as every answer does)."""
+    h, proxy, upstream, syncs = grouped
+    real_call = upstream.call_tool
+    held = []
+
+    async def hold_the_outcome(remote, a, timeout):
+        if not held:
+            held.append(syncs.hold_for(HELD))    # the payment's outcome sync is held up
+        return await real_call(remote, a, timeout)
+    upstream.call_tool = hold_the_outcome
+
+    async def both():
+        pay = asyncio.ensure_future(answered_at(proxy, "bank_pay", b'{"to":"bob","amount":8}'))
+        deadline = time.monotonic() + BOUND
+        while not held or len(syncs.started) < 2:    # the start's sync, then the outcome's
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        read = await answered_at(proxy, "bank_balance", b'{"account":"A-8"}')
+        return await pay, read
+
+    proxy.store.calls_in_flight = 1
+    (at_pay, r_pay), (at_read, r_read) = h.run(both())
+    assert not r_pay["isError"] and not r_read["isError"], (r_pay, r_read)
+    assert len(upstream.arrived) == 2 and upstream.arrived[1] < held[0], \
+        "a read's request waited for another call's sync"
+    assert at_read >= held[0], "the read's answer left before the owed sync"
+
+
+def test_group_commit_read_only_view_syncs_the_wal_it_reads(grouped, monkeypatch):
+    h, proxy, upstream, syncs = grouped
+    h.run(proxy.call("bank_balance", b'{"account":"A-1"}'))
+    before = len(syncs.started)
+    view = ap.Store.open_existing(h.store.path, readonly=True)
+    view.close()
+    assert len(syncs.started) == before + 1

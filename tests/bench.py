@@ -59,11 +59,12 @@ measured is the cost of an allowed read as the tables grow, not verification.
 
 Where the time of an allowed call goes
 --------------------------------------
-cProfile of 2,000 allowed read-only calls in-process (tests/test_rules_cost.py's instant
-upstream, the database on /dev/shm so that the sync is not counted, Python 3.11, 2-core VM,
-2026-12-03): 1.35 ms a call without the profiler, of which 36 SQLite statements (11 SELECT,
-11 INSERT, 6 UPDATE, 2 BEGIN/COMMIT, 4 PRAGMA switching the level around the two unsynced
-commits) take about 0.5 ms; the event chain (8 events, each encoded and hashed) 0.35 ms
+cProfile of 2,000 allowed read-only calls in-process (``python3 tests/profile_call.py -dir
+/dev/shm``: tests/test_rules_cost.py's instant upstream, the database on /dev/shm so that
+the sync is not counted; Python 3.11, 2-core VM, 2026-12-03): 1.0 to 1.4 ms a call without
+the profiler, of which 38 SQLite statements (11 SELECT, 11 INSERT, 6 UPDATE, 2 BEGIN and 2
+COMMIT, and 6 PRAGMA: the level switched around the two unsynced commits, data_version read
+at the sync and at the answer) take about 0.5 ms; the event chain (8 events, each encoded and hashed) 0.35 ms
 under the profiler; parsing (9 parses) and encoding (11 records) the rest, with asyncio's
 hand-offs. Through the real process add reading and answering the host's frame and the
 upstream's, and the one sync of the WAL (0.3 to 0.5 ms on this VM's disk), which calls in

@@ -15,8 +15,9 @@ client (class Client: pipes, the legacy initialize, then tools/call lines read b
               fake_payment_server.py (its ``pay`` appends to a ledger file and fsyncs it)
     proxy     python3 -P -m agentrt_proxy -config <tmp>/<arm>/proxy.json (PYTHONPATH the
               checkout, its compiled form cached under the temporary directory; a plain
-              script run before Python 3.11), pinned first, in front of the same two servers (echo classified read_only, ``pay`` remote_mutation with
-              outcome allow), its database in the same temporary directory
+              script run before Python 3.11), pinned first, in front of the same two
+              servers (echo classified read_only, ``pay`` remote_mutation with outcome
+              allow), its database in the same temporary directory
     FastMCP   fastmcp's create_proxy over a stdio client to the same servers, one small script
               per upstream, run by --fastmcp-python (default: this interpreter) when
               ``import fastmcp`` works there; otherwise its columns say "skipped"
@@ -64,8 +65,8 @@ cProfile of 2,000 allowed read-only calls in-process (``python3 tests/profile_ca
 the sync is not counted; Python 3.11, 2-core VM, 2026-12-03): 1.0 to 1.4 ms a call without
 the profiler, of which 38 SQLite statements (11 SELECT, 11 INSERT, 6 UPDATE, 2 BEGIN and 2
 COMMIT, and 6 PRAGMA: the level switched around the two unsynced commits, data_version read
-at the sync and at the answer) take about 0.5 ms; the event chain (8 events, each encoded and hashed) 0.35 ms
-under the profiler; parsing (9 parses) and encoding (11 records) the rest, with asyncio's
+at the sync and at the answer) take about 0.5 ms; the event chain (8 events, each encoded
+and hashed) 0.35 ms under the profiler; parsing (9 parses) and encoding (11 records) the rest, with asyncio's
 hand-offs. Through the real process add reading and answering the host's frame and the
 upstream's, and the one sync of the WAL (0.3 to 0.5 ms on this VM's disk), which calls in
 flight together share (group commit: Store.durable). At start-up, a script run compiles the

@@ -67,12 +67,12 @@ the profiler, of which 38 SQLite statements (11 SELECT, 11 INSERT, 6 UPDATE, 2 B
 COMMIT, and 6 PRAGMA: the level switched around the two unsynced commits, data_version read
 at the sync and at the answer) take about 0.5 ms; the event chain (8 events, each encoded
 and hashed) 0.35 ms under the profiler; parsing (9 parses) and encoding (11 records) the
-rest, with asyncio's hand-offs. Through the real process add reading and answering the host's frame and the
-upstream's, and the one sync of the WAL (0.3 to 0.5 ms on this VM's disk), which calls in
-flight together share (group commit: Store.durable). At start-up, a script run compiles the
-whole file first (about 0.2 s that day), which CPython never caches for a script; the
-proxy arms here run as ``python3 -P -m agentrt_proxy``, which loads the cached compiled
-form, and the start-up row times a script run beside it.
+rest, with asyncio's hand-offs. Through the real process add reading and answering the
+host's frame and the upstream's, and the one sync of the WAL (0.3 to 0.5 ms on this VM's
+disk), which calls in flight together share (group commit: Store.durable). At start-up, a
+script run compiles the whole file first (about 0.2 s that day), which CPython never caches
+for a script; the proxy arms here run as ``python3 -P -m agentrt_proxy``, which loads the
+cached compiled form, and the start-up row times a script run beside it.
 """
 
 from __future__ import annotations

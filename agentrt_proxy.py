@@ -2663,6 +2663,7 @@ def check_policy_id(pid: str) -> str:
 # One SQLite file. Every state change is one BEGIN IMMEDIATE transaction holding the row
 # writes and their audit events; events form a SHA-256 hash chain across all runs. Status
 # changes are compare-and-set inside the transaction, so two processes never both win.
+# The commits of an allowed call are synced by the store itself, grouped (Store.durable).
 # The file is created 0600; a symbolic link, a file others can write, a schema holding
 # triggers or views, and a schema from another version are refused.
 
@@ -3163,7 +3164,8 @@ class Store:
     def _open_wal(self) -> int:
         # Opened for writing because Windows flushes only a handle that may write; nothing
         # is ever written through it.
-        fd = os.open(self.path + "-wal", os.O_RDWR | getattr(os, "O_BINARY", 0))
+        fd = os.open(self.path + "-wal", os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) |
+                     getattr(os, "O_BINARY", 0))
         st = os.fstat(fd)
         if self._wal is not None and (st.st_dev, st.st_ino) != self._wal:
             os.close(fd)
@@ -3452,7 +3454,7 @@ def _sync_readonly(wal: str) -> None:
     (a chain head that verify prints, say) could name an event a power loss then takes
     back. Best effort: a platform that cannot sync a file opened read-only is skipped."""
     with contextlib.suppress(OSError):
-        fd = os.open(wal, os.O_RDONLY)
+        fd = os.open(wal, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
             os.fsync(fd)
         finally:
@@ -7677,12 +7679,6 @@ def blocked_pending(limit: int) -> dict:
                  True)
 
 
-def _says_unavailable(result: dict) -> bool:
-    content = result.get("content")
-    return bool(result.get("isError")) and isinstance(content, list) and len(content) == 1 \
-        and str(content[0].get("text", "")).startswith("UNAVAILABLE: ")
-
-
 def unavailable(what: str, executed: str = "Nothing was executed.") -> dict:
     said = " ".join(part for part in (f"the gate could not {what}.", executed, "Tell the user.")
                     if part)
@@ -9055,14 +9051,12 @@ class Proxy:
         self.store.calls_in_flight += 1
         try:
             result = await self._call(name, args, progress, cancelled)
-            try:
-                await self.store.durable(others=True)
+            try:                            # the one wait before any answer, outside
+                await self.store.durable(others=True)     # the deciding lock
             except StoreError as exc:
-                if _says_unavailable(result):   # the call's own answer already says so
-                    return result
                 self.log(f"error: {exc}")
                 return unavailable("write its records to disk",
-                                   "It may have been executed; do not call it again to "
+                                   "It may have taken effect; do not call it again to "
                                    "retry.")
             return result
         finally:
@@ -9574,16 +9568,8 @@ class Proxy:
         # operator at once), with no other call deciding in between: a mutating call that
         # decided meanwhile would find the unknown outcome recorded and nothing yet asking
         # about it, and run past it.
-        async with self._deciding():
-            result = self.recorded(session, tool, called, settled)
-        try:                                # on disk before the host is answered, the
-            await self.store.durable()      # deciding lock let go: calls share the sync
-        except StoreError as exc:
-            self.log(f"error: {exc}")
-            return unavailable("record the outcome of this request",
-                               "It was executed, so it may have taken effect; do not call it "
-                               "again to retry.")
-        return result
+        async with self._deciding():        # on disk before the answer: Proxy.call
+            return self.recorded(session, tool, called, settled)
 
     def recorded(self, session: Session, tool, called: tuple, settled: list) -> dict:
         """Record what the tool call came to and answer for it (under the deciding lock)."""

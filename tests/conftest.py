@@ -87,20 +87,25 @@ def cli():
     return run
 
 
+def _made(build, end):
+    """A factory fixture's body: it yields ``build``, remembering what each call made,
+    and ends each of them afterwards with ``end``."""
+    made: list = []
+
+    def make(*args, **kw):
+        made.append(build(*args, **kw))
+        return made[-1]
+    yield make
+    for thing in made:
+        end(thing)
+
+
 @pytest.fixture
 def procs():
     """Directories of real proxy processes a test makes (process_helpers.ProcessDir); every
     proxy started in them is killed, by its pid, at the end."""
     from process_helpers import ProcessDir
-    made: list = []
-
-    def make(tmp, **kw):
-        d = ProcessDir(tmp, **kw)
-        made.append(d)
-        return d
-    yield make
-    for d in made:
-        d.cleanup()
+    yield from _made(ProcessDir, lambda d: d.cleanup())
 
 
 @pytest.fixture
@@ -108,14 +113,9 @@ def harnesses(tmp_path):
     """In-process proxies a test makes (proxy_harness.ProxyHarness), each in a directory of
     its own under tmp_path, closed at the end."""
     from proxy_harness import ProxyHarness
-    made: list = []
 
     def build(name="h", **kw):
         d = tmp_path / name
         d.mkdir(exist_ok=True)
-        h = ProxyHarness(d, **kw)
-        made.append(h)
-        return h
-    yield build
-    for h in made:
-        h.close()
+        return ProxyHarness(d, **kw)
+    yield from _made(build, lambda h: h.close())

@@ -108,14 +108,22 @@ def claude_desktop(tmp_path) -> dict:
 
 # ---- Claude Desktop ----
 
-def test_wrap_claude_desktop_config_becomes_one_check_accepts(tmp_path, cli):
-    host = write_host(tmp_path / "Claude" / "claude_desktop_config.json", claude_desktop(tmp_path))
+def dry_wrap(tmp_path, cli, host_file: str, config_dir: str):
+    """A Claude Desktop file of claude_desktop(), wrapped without -write into a new
+    directory: (host file, its bytes before, the directory, the config path, the output)."""
+    host = write_host(tmp_path / host_file, claude_desktop(tmp_path))
     before = read_bytes(host)
-    proxy_dir = tmp_path / "proxy"
-    proxy_dir.mkdir()
-    config = str(proxy_dir / "proxy.json")
+    d = tmp_path / config_dir
+    d.mkdir()
+    config = str(d / "proxy.json")
     code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config)
     assert code == 0, err
+    return host, before, d, config, out
+
+
+def test_wrap_claude_desktop_config_becomes_one_check_accepts(tmp_path, cli):
+    host, before, proxy_dir, config, out = dry_wrap(
+        tmp_path, cli, "Claude/claude_desktop_config.json", "proxy")
     assert os.listdir(proxy_dir) == [] and "nothing was written" in out   # a dry run
     doc = shown_config(out)
     assert doc["session"] == "claude" and doc["database"] == "proxy.db"
@@ -471,13 +479,8 @@ def test_suggested_rules_ask_about_a_repeat_of_a_stateful_tool(name, description
 
 
 def test_wrap_without_write_writes_nothing_and_write_then_works(tmp_path, cli):
-    host = write_host(tmp_path / "claude_desktop_config.json", claude_desktop(tmp_path))
-    before = read_bytes(host)
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    config = str(gate / "proxy.json")
-    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config)
-    assert code == 0, err
+    host, before, gate, config, out = dry_wrap(tmp_path, cli, "claude_desktop_config.json",
+                                               "gate")
     assert os.listdir(gate) == [] and read_bytes(host) == before
     assert "nothing is written without -write" in out and "-write would write" in out
     code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,

@@ -34,11 +34,11 @@ again), every run is finished, waiting on an approval, or resolvable by the next
 call (which a fresh proxy then makes, and the books are read again), no tool is BLOCKED with
 nothing to act on, no approval is lost or changed, and `verify` finds the chain intact.
 
-    python3 -m pytest -q tests/test_torture.py        # CI: at least 40 kills and 6 stalls
+    python3 -m pytest -q tests/test_torture.py        # CI: at least 30 kills and 4 stalls
     TORTURE_STALLS=300 TORTURE_KILLS=1000 python3 -m pytest -q -s tests/test_torture.py  # long
     TORTURE_SEED=1234 python3 -m pytest -q -s tests/test_torture.py        # replay a seed
 
-TORTURE_KILLS and TORTURE_STALLS (defaults 40 and 6) are the least numbers of kills and
+TORTURE_KILLS and TORTURE_STALLS (defaults 30 and 4) are the least numbers of kills and
 stalls; they are shared evenly over trials of at most 20 kills and 6 stalls. The seed and
 each trial's kill schedule are printed, then one line: kills, stalls (taken over, late
 outcomes recorded, known), payments, double executions, re-runs of a recorded outcome, and
@@ -59,7 +59,7 @@ only before the start's transaction, must fail the same books.
 
     python3 -m pytest -q -s tests/test_torture.py -k budget                  # CI: 20 s
 
-(A trial goes on past its seconds, up to three times as long, until the cap has refused a
+(A trial goes on past its seconds, up to twice as long, until the cap has refused a
 call at least once: on a slow machine 20 s may hold no window that reaches the cap.)
     TORTURE_BUDGET_SECONDS=600 python3 -m pytest -q -s tests/test_torture.py -k budget
 """
@@ -89,8 +89,8 @@ import traceback
 from process_helpers import (FAKE_SERVER, PROXY, PYTHON, ProcessDir, eventually, parse_time,
                              prefix, text)
 
-KILLS = int(os.environ.get("TORTURE_KILLS", "40"))
-STALLS = int(os.environ.get("TORTURE_STALLS", "6"))
+KILLS = int(os.environ.get("TORTURE_KILLS", "30"))
+STALLS = int(os.environ.get("TORTURE_STALLS", "4"))
 SEED = int(os.environ.get("TORTURE_SEED", str(int(time.time() * 1000) % 1_000_000)))
 KILLS_PER_TRIAL = 20
 STALLS_PER_TRIAL = 6             # at most; stalls overlap the kills, so a trial hardly grows
@@ -1444,7 +1444,7 @@ BUDGET_OPERATOR_GAP = (0.05, 0.4)
 BUDGET_THINK = (0.0, 0.02)          # a host's pause before each call it sends
 BUDGET_RETRY = 0.3                  # of a host's calls, this share retries an open request
 BUDGET_MUTANT_SECONDS = 60.0     # at most: it stops once a window is over
-BUDGET_OVERTIME = 3.0            # a trial's longest run, in its seconds, waiting for a cap
+BUDGET_OVERTIME = 2.0            # a trial's longest run, in its seconds, waiting for a cap
 
 
 class BudgetDir(ProcessDir):

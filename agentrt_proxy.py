@@ -3601,8 +3601,14 @@ def new_hex_id() -> str:
     return secrets.token_hex(ID_BYTES)
 
 
-def _obs(kind: str, content: Any, summary: str, text: str | None = None
-         ) -> tuple[dict, str, str]:
+class Obs(tuple):
+    """An observation as _obs makes it: (the dict, its stored JSON, its content hash), and
+    as ``content`` the exact bytes of its content member in that JSON, so that what is built
+    is never parsed again to find them (_content_bytes)."""
+    content: bytes
+
+
+def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Obs:
     """An observation: the dict, its stored JSON, and its content hash. Text that will not
     encode (a lone surrogate) is replaced, never allowed to stop the recording. ``text`` is
     a result's text beside its structured content (ToolResult.text)."""
@@ -3612,11 +3618,14 @@ def _obs(kind: str, content: Any, summary: str, text: str | None = None
                    for k, v in content.items()}
     raw = content if isinstance(content, bytes) else dump_json(content).encode()
     digest = content_hash(raw)
-    doc = {"kind": kind, "content": Raw(raw), "summary": summary, "content_hash": digest}
+    embedded = _raw_text(raw).encode()      # as the record will hold it, byte for byte
+    doc = {"kind": kind, "content": Raw(embedded), "summary": summary, "content_hash": digest}
     if text is not None:
         doc["text"] = _SURROGATES.sub("\ufffd", text)
     text = dump_json(doc)
-    return read_own(text), text, digest
+    obs = Obs((read_own(text), text, digest))
+    obs.content = embedded
+    return obs
 
 
 def _decision_record(d: Decision) -> str:
@@ -4512,7 +4521,7 @@ class Session:
                 if ok and spec.terminal:
                     self._settle(step, ("executing",), "done", obs, COMPLETED,
                                  "goal_completed", f"terminal tool {spec.name}",
-                                 _content_bytes(obs[1]).decode(), finished_event=finished)
+                                 _content_bytes(obs).decode(), finished_event=finished)
                 else:
                     now = self.gate.now()
                     with self.store.tx() as tx:
@@ -4668,8 +4677,12 @@ class Session:
             self._finish("closed", self.final)
 
 
-def _content_bytes(observation_json: str) -> bytes:
-    return member_spans(observation_json.encode()).get("content", b"{}")
+def _content_bytes(obs: tuple) -> bytes:
+    """The exact bytes of an observation's content member: kept by _obs, else read from
+    its stored JSON (an observation read back from a record)."""
+    if isinstance(obs, Obs):
+        return obs.content
+    return member_spans(obs[1].encode()).get("content", b"{}")
 
 
 def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
@@ -4713,6 +4726,19 @@ def _require_live_lease(tx: Tx, run_id: str, owner: str, wall: float) -> None:
         raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
 
 
+_TIMEOUT = getattr(asyncio, "timeout", None)       # Python 3.11 and later
+
+
+async def in_time(aw: Awaitable, seconds: float) -> Any:
+    """``await aw`` under a deadline, raising asyncio.TimeoutError (cancelling it) past
+    the deadline, as asyncio.wait_for does; from Python 3.11 on without the task wait_for
+    wraps a coroutine in there, which costs every call two more turns of the loop."""
+    if _TIMEOUT is None:
+        return await asyncio.wait_for(aw, seconds)
+    async with _TIMEOUT(seconds):
+        return await aw
+
+
 async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
     """Call the tool under its timeout and turn every outcome into an observation. Once the
     call has returned, whatever fails in making its observation is an answer that could not
@@ -4721,8 +4747,7 @@ async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
     try:
         # A backstop just past the tool's own timeout, so that an upstream client's timeout
         # fires first and tells the server it stopped waiting.
-        outcome: Any = await asyncio.wait_for(
-            tool.call(args), timeout=tool.spec.timeout + TOOL_TIMEOUT_SLACK)
+        outcome: Any = await in_time(tool.call(args), tool.spec.timeout + TOOL_TIMEOUT_SLACK)
     except asyncio.CancelledError:
         raise
     except Exception as exc:             # an outcome too: observed below, like a result
@@ -4960,7 +4985,7 @@ def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps
     status, reason = (COMPLETED, "goal_completed") if ok and terminal else (FAILED, "goal_failed")
     run = tx.transition(run_id, from_run, status, owner=owner, reason=reason, detail=detail,
                         finished_at=at,
-                        result=_content_bytes(obs[1]).decode() if status == COMPLETED else "")
+                        result=_content_bytes(obs).decode() if status == COMPLETED else "")
     tx.event(run_id, "", at, "run.finished", {"detail": detail, "reason": reason,
                                               "status": status, "steps": run.step_count})
     return run
@@ -5884,7 +5909,7 @@ class StdioUpstream(Upstream):
         self._pending[msg_id] = fut
         try:
             await self._write(payload)
-            return await asyncio.wait_for(fut, timeout)
+            return await in_time(fut, timeout)
         except asyncio.TimeoutError:
             if method == "server/discover":      # a legacy server must see initialize first
                 raise
@@ -10117,9 +10142,10 @@ class HostServer:
                 "total": Num(f"{total:.3f}"),
                 "message": "waiting for an operator's approval"}))
         try:
-            # Shielded: a host's cancel ends a hold, never the gate's work or an upstream call.
-            result = await asyncio.shield(self.proxy.call(
-                name, args, progress if token is not None else None, cancelled))
+            # Awaited in this task, which nothing cancels: a host's cancel sets ``cancelled``,
+            # which ends a hold, never the gate's work or an upstream call.
+            result = await self.proxy.call(name, args, progress if token is not None else None,
+                                           cancelled)
         except Exception as exc:            # an answer is owed even when something broke
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",

@@ -39,7 +39,7 @@ def arguments(tool: str, i: int) -> bytes:
     """Distinct arguments each call, so that no rule across calls refuses one."""
     if tool == "bank_balance":
         return b'{"account":"A-%d"}' % i
-    return b'{"to":"payee-%d","amount":"1.00"}' % i
+    return b'{"to":"payee-%d","amount":1}' % i
 
 
 def main() -> int:

@@ -736,7 +736,34 @@ def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH,
 
 def check_json(raw: bytes) -> None:
     """Refuse what the strict parser refuses; accept everything else."""
-    parse_json(raw)
+    parse_strict(raw)
+
+
+# A call's arguments are parsed strictly by its schema check, its policy's copy and its
+# record in turn, and an upstream's result by its check and its hash: the values of the
+# last few small documents parsed strictly are kept, keyed by their exact bytes (a strict
+# parse depends on nothing else). Only readers that never change a value use them.
+_STRICT_KEPT: dict[bytes, Any] = {}
+_STRICT_KEPT_LOCK = threading.Lock()
+STRICT_KEPT_COUNT = 8
+STRICT_KEPT_BYTES = 64 * 1024
+
+
+def parse_strict(raw: bytes) -> Any:
+    """parse_json(raw) with its defaults, the value shared with every other caller of this
+    function for the same bytes: read it, never change it."""
+    if len(raw) > STRICT_KEPT_BYTES or not isinstance(raw, bytes):
+        return parse_json(raw)
+    with _STRICT_KEPT_LOCK:
+        found = _STRICT_KEPT.get(raw, _STRICT_KEPT)
+    if found is not _STRICT_KEPT:
+        return found
+    value = parse_json(raw)
+    with _STRICT_KEPT_LOCK:
+        if len(_STRICT_KEPT) >= STRICT_KEPT_COUNT:
+            del _STRICT_KEPT[next(iter(_STRICT_KEPT))]
+        _STRICT_KEPT[raw] = value
+    return value
 
 
 def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH,
@@ -887,7 +914,7 @@ def canonical_json(raw: bytes) -> bytes:
 def policy_json(raw: bytes, strict: bool = True) -> bytes:
     """The canonical form without HTML escaping: what a policy is handed. Never hashed."""
     out: list[str] = []
-    _encode(parse_json(raw, strict), out, _policy_str)
+    _encode(parse_strict(raw) if strict else parse_json(raw, False), out, _policy_str)
     return "".join(out).encode("utf-8")
 
 
@@ -908,7 +935,12 @@ def same_digest(a: Any, b: Any) -> bool:
 def content_hash(raw: bytes) -> str:
     """Hash of the canonical form of the first value in ``raw`` (read leniently: a repeated
     key keeps its last value, bad bytes become U+FFFD, blank is null), or of the bytes
-    themselves when there is no value to read. Only hashes what was recorded; never judges."""
+    themselves when there is no value to read. Only hashes what was recorded; never judges.
+    Bytes just parsed strictly (parse_strict) read the same leniently: their value is used."""
+    with _STRICT_KEPT_LOCK:
+        kept = _STRICT_KEPT.get(raw, _STRICT_KEPT)
+    if kept is not _STRICT_KEPT:
+        return sha256_hex(encode_canonical(kept))
     text = _decode_lossy(raw)
     p = _Parser(raw, text, strict=False)
     pos = p.skip_ws(0)
@@ -1954,10 +1986,10 @@ class Schema:
     # -- validating --
 
     def check(self, raw: bytes) -> Any:
-        """Parse strict JSON arguments and validate them; returns the parsed value.
-        Raises JSONError for bytes that are not usable JSON, SchemaError for a mismatch
-        (CheckTooCostly when checking spent the call's budget)."""
-        value = parse_json(raw)
+        """Parse strict JSON arguments and validate them; returns the parsed value (shared,
+        see parse_strict). Raises JSONError for bytes that are not usable JSON, SchemaError
+        for a mismatch (CheckTooCostly when checking spent the call's budget)."""
+        value = parse_strict(raw)
         errors = _Failures()
         # A compiled schema is shared by every call of its tool: a call's budget and keys
         # live on a shallow copy, which shares the compiled tables.

@@ -3,6 +3,10 @@
 - An observation keeps the exact bytes of its content member, as the record holds them
   (line breaks written again by the encoder), so that a terminal tool's result is never
   parsed out of the record just built; one read back from a record is parsed as before.
+- A strict parse is kept for the few readers that parse the same small document in turn
+  (the arguments' schema check, the policy's copy, the record's check; a result's check
+  and its hash): the same value as a fresh parse, a refusal refused every time, at most
+  STRICT_KEPT_COUNT documents of at most STRICT_KEPT_BYTES each.
 - A deadline on an upstream call (in_time) raises asyncio.TimeoutError and cancels what it
   waited for, as asyncio.wait_for does; from Python 3.11 on the upstream call runs in the
   caller's own task (no task of its own, two turns of the event loop fewer each call).
@@ -102,3 +106,36 @@ def test_an_upstream_call_runs_in_the_callers_task(tmp_path):
     finally:
         proxy.close()
         h.close()
+
+
+DOCS = [b'{"to":"payee-1","amount":1}', b'{"b":"\\u00e9","a":[2]}',
+        b'[1.50,"x",{"a":[null,true]}]', b'"\\u00e9"', b'{"n":123456789012345678901234567890}',
+        b'0']
+
+
+def test_a_kept_strict_parse_is_a_fresh_parse_of_the_same_bytes():
+    for raw in DOCS:
+        assert ap.parse_strict(raw) == ap.parse_json(raw)
+        assert ap.parse_strict(raw) == ap.parse_json(raw)       # the kept one
+    for bad in (b'{"a":1,"a":2}', b'"\\ud800"', b'[1,]'):
+        for _ in range(2):
+            with pytest.raises(ap.JSONError):
+                ap.parse_strict(bad)
+            with pytest.raises(ap.JSONError):
+                ap.check_json(bad)
+        assert bad not in ap._STRICT_KEPT
+    big = b'{"a":"' + b"x" * ap.STRICT_KEPT_BYTES + b'"}'
+    ap.parse_strict(big)
+    assert big not in ap._STRICT_KEPT
+    for i in range(3 * ap.STRICT_KEPT_COUNT):
+        ap.parse_strict(b'{"i":%d}' % i)
+        assert len(ap._STRICT_KEPT) <= ap.STRICT_KEPT_COUNT
+
+
+def test_a_kept_value_hashes_as_the_lenient_read_does():
+    for raw in DOCS:
+        ap._STRICT_KEPT.clear()
+        lenient = ap.content_hash(raw)
+        ap.parse_strict(raw)
+        assert raw in ap._STRICT_KEPT
+        assert ap.content_hash(raw) == lenient

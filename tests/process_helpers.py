@@ -1,7 +1,7 @@
 """A host and an operator for tests that run the proxy as a real process (test_process.py).
 
     d = ProcessDir(tmp_path, allow_pay=True, lease_ttl="3s")   # writes proxy.json (0600), pins
-    p = d.start()                       # python3 agentrt_proxy.py -config proxy.json, initialized
+    p = d.start()                       # the proxy on -config proxy.json (proxy_command), initialized
     r = p.call("bank_pay", {"to": "bob", "amount": 5})          # the CallToolResult dict
     ident = p.send_call(...); r = p.result(ident)               # a call left in flight
     p.stop()                            # close stdin; exit 0 within 30 s
@@ -15,14 +15,17 @@ Not a test module: pytest collects nothing here.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
 import queue
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -31,6 +34,27 @@ ROOT = os.path.dirname(HERE)
 PROXY = os.path.join(ROOT, "agentrt_proxy.py")
 FAKE_SERVER = os.path.join(ROOT, "fake_payment_server.py")
 PYTHON = sys.executable or "python3"
+
+# The proxy runs as the README's module form, ``python3 -P -m agentrt_proxy`` with the
+# checkout on PYTHONPATH, so that its compiled form is cached (under a directory of this
+# test process, never in the checkout) instead of compiled again at each of the suite's
+# many starts. Before Python 3.11 (no -P), and for a test that runs a copy of the file, it
+# is the script form, as wrap writes it; tests/test_versions.py starts both forms itself.
+MODULE_RUN = sys.version_info >= (3, 11)
+_COMPILED = tempfile.mkdtemp(prefix="agentrt-proxy-pycache-")
+atexit.register(shutil.rmtree, _COMPILED, True)
+
+
+def proxy_command(program: str = PROXY, env: dict | None = None
+                  ) -> tuple[list[str], dict | None]:
+    """The argv that starts the proxy, and the environment to start it in: ``env`` (None:
+    this process's own) with what the module form needs."""
+    if not MODULE_RUN or program != PROXY:
+        return [PYTHON, program], env
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PYTHONPATH=ROOT, PYTHONPYCACHEPREFIX=_COMPILED)
+    return [PYTHON, "-P", "-m", "agentrt_proxy"], env
 
 # The CLI harness's rules (reference/proxy.md §17.1).
 RULES = {
@@ -140,8 +164,9 @@ class ProcessDir:
 
     def run(self, *argv: str, timeout: float = 60) -> tuple[int, str, str]:
         """Run agentrt_proxy.py with argv to completion, stdin closed."""
-        p = subprocess.run([PYTHON, PROXY, *argv], stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=timeout, cwd=self.tmp)
+        command, env = proxy_command()
+        p = subprocess.run([*command, *argv], stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=timeout, cwd=self.tmp, env=env)
         return p.returncode, p.stdout, p.stderr
 
     def pin(self):
@@ -232,16 +257,16 @@ class ProcessDir:
 
 
 class ProxyProcess:
-    """python3 agentrt_proxy.py -config <file>, spoken to as a host over its pipes."""
+    """The proxy on -config <file> (proxy_command), spoken to as a host over its pipes."""
 
     def __init__(self, d: ProcessDir, name: str):
         self.d = d
         self.stderr_path = os.path.join(d.tmp, f"{name}-{len(d.procs)}.stderr")
         self.err_file = open(self.stderr_path, "wb")
-        program = getattr(d, "program", PROXY)        # a test may run a copy of the file
-        self.proc = subprocess.Popen([PYTHON, program, "-config", d.config],
+        command, env = proxy_command(getattr(d, "program", PROXY))   # a test may run a copy
+        self.proc = subprocess.Popen([*command, "-config", d.config],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err_file, cwd=d.tmp)
+                                     stderr=self.err_file, cwd=d.tmp, env=env)
         self.pid = self.proc.pid
         self.messages: queue.Queue = queue.Queue()
         self.answers: dict = {}

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from conftest import ROOT, Harness, ap
+from process_helpers import proxy_command
 
 SCRIPT = os.path.join(ROOT, "agentrt_proxy.py")
 PREFIX = "agentrt-proxy: "
@@ -46,8 +47,9 @@ def subprocess_env(**extra: str) -> dict:
 
 def run_script(*argv: str, env: dict | None = None, stdin=subprocess.DEVNULL,
                timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *argv], stdin=stdin, capture_output=True,
-                          text=True, env=env or subprocess_env(), timeout=timeout)
+    command, env = proxy_command(env=env or subprocess_env())
+    return subprocess.run([*command, *argv], stdin=stdin, capture_output=True, text=True,
+                          env=env, timeout=timeout)
 
 
 def status_of(path: str, approval_id: str) -> str:

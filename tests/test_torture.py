@@ -87,7 +87,7 @@ import time
 import traceback
 
 from process_helpers import (FAKE_SERVER, PROXY, PYTHON, ProcessDir, eventually, parse_time,
-                             prefix, text)
+                             prefix, proxy_command, text)
 
 KILLS = int(os.environ.get("TORTURE_KILLS", "30"))
 STALLS = int(os.environ.get("TORTURE_STALLS", "4"))
@@ -486,8 +486,9 @@ def check_books(db: str, ledger_path: str, seen=None, decided=(), told=(),
 
 
 def run_cli(*argv: str, timeout: float = 60) -> tuple[int, str, str]:
-    p = subprocess.run([PYTHON, PROXY, *argv], stdin=subprocess.DEVNULL, capture_output=True,
-                       text=True, timeout=timeout)
+    command, env = proxy_command()
+    p = subprocess.run([*command, *argv], stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True, timeout=timeout, env=env)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -728,9 +729,10 @@ class Webhook:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(self.secret + b"\n")
+        command, env = proxy_command()
         self.proc = subprocess.Popen(
-            [PYTHON, PROXY, "-db", d.db, "webhook", "-listen", "127.0.0.1:0", "-secret-file",
-             path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [*command, "-db", d.db, "webhook", "-listen", "127.0.0.1:0", "-secret-file", path],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         self.pid = self.proc.pid
         self.lines: list[str] = []
         self.port = None
@@ -1002,7 +1004,8 @@ class Trial:
 
     def decide(self, rng: random.Random, aid: str, run_id: str, action: str,
                kill: bool, interruption: bool = False) -> None:
-        argv = [PYTHON, PROXY, "-db", self.d.db]
+        command, env = proxy_command()
+        argv = [*command, "-db", self.d.db]
         if action == "cancel":
             argv += ["cancel", run_id, "-by", "operator", "-note", "torture"]
         else:
@@ -1010,7 +1013,7 @@ class Trial:
             if action == "reject":
                 argv += ["-note", "torture"]
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, env=env)
         rc = None
         if kill:
             try:
@@ -1028,9 +1031,10 @@ class Trial:
     def inbox_approve(self, aid: str, run_id: str) -> None:
         """`inbox -once` on a pipe: `a` when aid is shown, `s` to any shown before it, `q`
         to the next; done when it says `approval AID: approved by operator`."""
-        p = subprocess.Popen([PYTHON, PROXY, "-db", self.d.db, "inbox", "-once",
+        command, env = proxy_command()
+        p = subprocess.Popen([*command, "-db", self.d.db, "inbox", "-once",
                               "-tty-not-required", "-by", "operator"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         out, answered, approving = b"", 0, False
         deadline = time.monotonic() + INBOX_WAIT
         try:

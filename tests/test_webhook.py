@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from process_helpers import PROXY, PYTHON, ProcessDir, is_error, prefix, text
+from process_helpers import PROXY, PYTHON, ProcessDir, is_error, prefix, proxy_command, text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -65,10 +65,11 @@ class Hook:
     def __init__(self, db: str, secret_path: str, *extra: str,
                  listen: str = "127.0.0.1:0"):
         self.secret = read_secret(secret_path)
+        command, env = proxy_command()
         self.proc = subprocess.Popen(
-            [PYTHON, PROXY, "-db", db, "webhook", "-listen", listen, "-secret-file",
+            [*command, "-db", db, "webhook", "-listen", listen, "-secret-file",
              secret_path, *extra], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE)
+            stderr=subprocess.PIPE, env=env)
         self.pid = self.proc.pid
         self.lines: queue.Queue = queue.Queue()
         self.log: list[str] = []
@@ -532,9 +533,10 @@ def test_webhook_no_path_lists_runs(tmp_path, harness, hooks):
 
 
 def run_webhook(db: str, listen: str, secret: str, *extra: str):
-    return subprocess.run([PYTHON, PROXY, "-db", db, "webhook", "-listen", listen,
+    command, env = proxy_command()
+    return subprocess.run([*command, "-db", db, "webhook", "-listen", listen,
                            "-secret-file", secret, *extra],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
 
 
 @pytest.mark.parametrize("listen,why", [

@@ -137,13 +137,15 @@ class Plan:
     flight_rounds: int
     flight_calls: int            # calls per arm per round, IN_FLIGHT outstanding
     startup_rounds: int
+    records_calls: int           # calls captured and replayed by the records-alone rows
 
 
 QUICK = Plan(rounds=5, per_round=20, same_calls=2000, same_deadline=12.0, db_runs=100_000,
-             db_rounds=4, db_per_round=20, flight_rounds=3, flight_calls=120, startup_rounds=3)
+             db_rounds=4, db_per_round=20, flight_rounds=3, flight_calls=120, startup_rounds=3,
+             records_calls=200)
 FULL = Plan(rounds=20, per_round=50, same_calls=10_000, same_deadline=90.0,
             db_runs=1_000_000, db_rounds=10, db_per_round=50, flight_rounds=5,
-            flight_calls=400, startup_rounds=10)
+            flight_calls=400, startup_rounds=10, records_calls=1000)
 
 # -- waits: every one bounded --
 CALL_TIMEOUT = 60.0
@@ -874,6 +876,96 @@ def limit_rows(lab: Lab, dirs: dict, plan: Plan, rep: Report) -> None:
         lab.stop(arm)
 
 
+class _Captured:
+    """The store's connection, every statement it is given recorded with its parameters."""
+
+    def __init__(self, conn: sqlite3.Connection, into: list):
+        self._conn, self._into = conn, into
+
+    def execute(self, sql: str, params=()):
+        self._into.append((sql, tuple(params)))
+        return self._conn.execute(sql, params)
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+
+def records_alone(root: str, tool: str, calls: int) -> tuple[float, float]:
+    """What an allowed call's records cost with no Python of the proxy's: the statements
+    ``calls`` calls of ``tool`` ran in-process (tests/profile_call.py's set-up, an instant
+    upstream), captured with their parameters, are replayed by sqlite3 on a copy of the
+    database as it was before them, here on this disk, each call's commits followed by
+    the syncs of the WAL the proxy makes for it (one for a read's outcome; the attempt's
+    and the outcome's for a mutating call). Returns ms a call, and statements a call."""
+    sys.path.insert(0, HERE)
+    import pathlib
+    from profile_call import RULES, arguments
+    from proxy_harness import ProxyHarness
+    from test_rules_cost import InstantServer, instant_proxy
+    where = tempfile.mkdtemp(prefix=f"records-{tool}-", dir=root)
+    h = ProxyHarness(pathlib.Path(where), rules=RULES)
+    proxy = instant_proxy(h, InstantServer())
+    per_call: list[list] = []
+    try:
+        for i in range(WARMUP_CALLS * 10):
+            h.run(proxy.call(tool, arguments(tool, i)))
+        h.store.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        copy = sqlite3.connect(os.path.join(where, "replay.db"))
+        h.store.conn.backup(copy)
+        copy.close()
+        real = h.store.conn
+        for i in range(calls):
+            per_call.append([])
+            h.store.conn = _Captured(real, per_call[-1])
+            try:
+                h.run(proxy.call(tool, arguments(tool, 1000 + i)))
+            finally:
+                h.store.conn = real
+    finally:
+        proxy.close()
+        h.close()
+    syncs_after = {"COMMIT"} if tool == "bank_pay" else set()
+    conn = sqlite3.connect(os.path.join(where, "replay.db"), isolation_level=None)
+    for pragma in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
+        conn.execute(f"PRAGMA {pragma}")
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("COMMIT")                           # the WAL file exists from here on
+    wal = os.open(os.path.join(where, "replay.db-wal"), os.O_RDWR)
+    try:
+        began = time.perf_counter()
+        for statements in per_call:
+            for sql, params in statements:
+                conn.execute(sql, params).fetchall()
+                if sql in syncs_after:
+                    os.fsync(wal)
+            if not syncs_after:
+                os.fsync(wal)                        # the read's one sync, before its answer
+        took = time.perf_counter() - began
+    finally:
+        os.close(wal)
+        conn.close()
+    return took / calls * MS, sum(len(c) for c in per_call) / calls
+
+
+def records_row(rep: Report, root: str, calls: int) -> None:
+    """The floor under the read and mutating rows: their records alone, against the
+    FastMCP overhead those rows measured (a proxy that records nothing)."""
+    for tool, row, key, factor in (("bank_balance", "read", "read", READ_VS_FASTMCP),
+                                   ("bank_pay", "mutating", "mutating", MUTATING_VS_FASTMCP)):
+        ms, statements = records_alone(root, tool, calls)
+        got = rep.figures.get(key, {})
+        note = (f"the {statements:g} statements of an allowed {row} call replayed by sqlite3 "
+                f"with its syncs of the WAL, no proxy Python")
+        f_over = got["fastmcp"]["p50"] - got["direct"]["p50"] if "fastmcp" in got else None
+        if f_over and f_over > 0:
+            note += (f": {ms / f_over:.2f}x FastMCP's overhead ({f_over:.2f} ms), where the "
+                     f"{row} row's target allows {factor:g}x ({factor * f_over:.2f} ms)")
+        rep.add(Row(f"records alone, {row}", proxy=f"{ms:.2f}", overhead=f"{ms:+.2f}",
+                    fastmcp=f"{f_over:+.2f}" if f_over else "skipped", target="(the floor)",
+                    note=note))
+        rep.figures.setdefault("records_alone", {})[row] = {"ms": ms, "statements": statements}
+
+
 def flight_row(arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
     walls = {name: 0.0 for name in arms}
     samples: dict = {name: [] for name in arms}
@@ -1010,6 +1102,7 @@ def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
     steps = [
         ("read", lambda: read_row(reads, read_tools, plan, rep)),
         ("mutating", lambda: mutating_rows(pays, ledgers, plan, rep)),
+        ("records alone", lambda: records_row(rep, lab.root, plan.records_calls)),
         ("in flight", lambda: flight_row(reads, read_tools, plan, rep)),
         ("same request", lambda: same_request_rows(proxy, direct["echo"], plan, rep)),
         ("database", lambda: database_rows(lab, dirs, direct["echo"], plan, rep)),

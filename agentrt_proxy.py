@@ -2450,13 +2450,15 @@ class ToolSpec:
             found = _SPEC_FORMS[self] = (canon, sha256_hex(canon))
         return found
 
-    def policy_schema(self) -> bytes:
-        """Its input schema as a policy is handed it (policy_json), worked out once."""
+    def policy_form(self) -> "ToolSpec":
+        """The spec as a policy is handed it, its input schema in policy form (policy_json),
+        worked out once."""
         found = _SPEC_POLICY_FORMS.get(self)
         if found is None:
             if len(_SPEC_POLICY_FORMS) >= SPEC_CACHE_SIZE:
                 _SPEC_POLICY_FORMS.clear()
-            found = _SPEC_POLICY_FORMS[self] = policy_json(self.input_schema, False)
+            found = _SPEC_POLICY_FORMS[self] = dataclasses.replace(
+                self, input_schema=policy_json(self.input_schema, False))
         return found
 
     @classmethod
@@ -2468,7 +2470,7 @@ class ToolSpec:
 
 
 _SPEC_FORMS: dict[ToolSpec, tuple[bytes, str]] = {}
-_SPEC_POLICY_FORMS: dict[ToolSpec, bytes] = {}
+_SPEC_POLICY_FORMS: dict[ToolSpec, ToolSpec] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2956,6 +2958,28 @@ def _approval_from_row(row: tuple) -> Approval:
     return Approval(*row[:4], row[4].encode(), row[5].encode(), *row[6:])
 
 
+class _Within:
+    """A state change inside a batch (Store.tx). No savepoint is taken (two statements
+    each, and nothing inside a batch goes on after a failed change); instead a failure
+    marks the batch failed, and a batch marked failed rolls back whole even if the failure
+    was caught inside it."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: "Store"):
+        self.store = store
+
+    def __enter__(self) -> Tx:
+        return self.store._batch
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None:
+            self.store._batch_failed = True
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"{self.store.path}: write failed: {exc}") from None
+        return False
+
+
 class Store:
     """The database: opened once per process for writing, or read-only by an operator."""
 
@@ -2965,6 +2989,7 @@ class Store:
         self._lock = threading.RLock()
         self._batch: Tx | None = None
         self._batch_failed = False
+        self._batch_thread = 0
         self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
         # Group commit (Store.durable): commits owed to disk, counted; the count the last
         # sync of the WAL covered; the sync under way; why the store may no longer sync.
@@ -3062,17 +3087,22 @@ class Store:
                 "this build writes; operator commands do not migrate a database: start the "
                 "proxy that owns it once to migrate it")
 
-    @contextlib.contextmanager
     def tx(self):
         """A write transaction begun IMMEDIATE: it takes the write lock up front, so a
         compare-and-set read inside it cannot be overtaken by another writer. Inside a
         batch it is part of the batch's transaction instead: a failure inside it fails the
-        whole batch (_within), so nothing of a half-done batch is ever committed."""
+        whole batch (_Within), so nothing of a half-done batch is ever committed."""
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only")
-        with self._lock:
+        if self._batch is not None and self._batch_thread == threading.get_ident():
+            return _Within(self)            # this thread's batch, whose lock it holds
+        return self._tx()
+
+    @contextlib.contextmanager
+    def _tx(self):
+        with self._lock:                    # another thread's batch is waited for
             if self._batch is not None:
-                with self._within() as tx:
+                with _Within(self) as tx:
                     yield tx
                 return
             with self._immediate():
@@ -3249,20 +3279,6 @@ class Store:
                 raise StoreError(self._unsyncable) from None
 
     @contextlib.contextmanager
-    def _within(self):
-        """A state change inside a batch. No savepoint is taken (two statements each, and
-        nothing inside a batch goes on after a failed change); instead a failure marks the
-        batch failed, and a batch marked failed rolls back whole even if the failure was
-        caught inside it."""
-        try:
-            yield self._batch
-        except BaseException as exc:
-            self._batch_failed = True
-            if isinstance(exc, sqlite3.Error):
-                raise StoreError(f"{self.path}: write failed: {exc}") from None
-            raise
-
-    @contextlib.contextmanager
     def waiting_at_most(self, ms: int):
         """Writes inside wait at most ``ms`` for another process's write lock, not
         BUSY_TIMEOUT_MS: for a write that may be skipped rather than waited for."""
@@ -3294,6 +3310,8 @@ class Store:
                 yield
                 return
             with self._unsynced(synced is not True), self._immediate():
+                # The owner first: a thread that sees the batch sees whose it is.
+                self._batch_thread = threading.get_ident()
                 self._batch, self._batch_failed = Tx(self.conn, self._specs), False
                 try:
                     yield
@@ -3301,7 +3319,7 @@ class Store:
                         raise StoreError(f"{self.path}: a change inside a batch failed; "
                                          "the whole batch is rolled back")
                 finally:
-                    self._batch = None
+                    self._batch, self._batch_thread = None, 0
             # Counted once COMMIT has written the frames (a sync that reads the count then
             # covers them; a batch runs on a worker thread when its arguments are large),
             # still under the lock. Had restoring FULL failed, StoreError was raised
@@ -4054,8 +4072,8 @@ class Gate:
 
     def evaluate(self, request: ToolRequest, view: RunView) -> PolicyDecision:
         """Hand the policy a copy in policy form: arguments and schema canonical, unescaped."""
-        spec = dataclasses.replace(request.spec, input_schema=request.spec.policy_schema())
-        handed = dataclasses.replace(request, spec=spec, args=policy_json(request.args))
+        handed = ToolRequest(request.run_id, request.step_id, request.spec.policy_form(),
+                             policy_json(request.args))
         return self.policy.evaluate(handed, view)
 
     def check_args(self, tool: Tool, args: bytes) -> str:
@@ -4763,8 +4781,24 @@ _TIMEOUT = getattr(asyncio, "timeout", None)       # Python 3.11 and later
 
 async def in_time(aw: Awaitable, seconds: float) -> Any:
     """``await aw`` under a deadline, raising asyncio.TimeoutError (cancelling it) past
-    the deadline, as asyncio.wait_for does; from Python 3.11 on without the task wait_for
-    wraps a coroutine in there, which costs every call two more turns of the loop."""
+    the deadline, as asyncio.wait_for does, with two differences. A future (an upstream's
+    answer) that is done when the deadline is judged is taken, never lost: its result
+    may have been set in the very turn of the loop in which the deadline fell due, and a
+    call that was answered in time must not be recorded as timed out. A coroutine (a tool
+    call, under the backstop past its own deadline) runs in the caller's task from Python
+    3.11 on, without the task wait_for wraps it in, which costs every call two more turns
+    of the loop; the backstop fires only when the call's own deadline has not, two
+    seconds before, and what it cuts short is recorded as an unknown outcome."""
+    if isinstance(aw, asyncio.Future):
+        try:
+            await asyncio.wait((aw,), timeout=seconds)
+        except asyncio.CancelledError:
+            aw.cancel()
+            raise
+        if aw.done():
+            return aw.result()
+        aw.cancel()
+        raise asyncio.TimeoutError()
     if _TIMEOUT is None:
         return await asyncio.wait_for(aw, seconds)
     async with _TIMEOUT(seconds):

@@ -7,19 +7,26 @@
   (the arguments' schema check, the policy's copy, the record's check; a result's check
   and its hash): the same value as a fresh parse, a refusal refused every time, at most
   STRICT_KEPT_COUNT documents of at most STRICT_KEPT_BYTES each.
+- A transaction inside a batch joins the batch only on the batch's own thread: another
+  thread's transaction waits for the batch to end and is never part of it.
 - A deadline on an upstream call (in_time) raises asyncio.TimeoutError and cancels what it
   waited for, as asyncio.wait_for does; from Python 3.11 on the upstream call runs in the
-  caller's own task (no task of its own, two turns of the event loop fewer each call).
+  caller's own task (no task of its own, two turns of the event loop fewer each call). An
+  answer set in the very turn its deadline falls due is taken, on every version (3.12's
+  wait_for loses it).
 """
 
 import asyncio
 import sys
+import threading
+import time
 
 import pytest
 
 from proxy_harness import ProxyHarness, ap
 from test_rules_cost import InstantServer, instant_proxy
 
+BOUND = 10.0               # no wait in these tests is longer
 RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
          "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
          "refund": {"side_effect": "destructive", "timeout": "10s"}}
@@ -84,6 +91,29 @@ def test_a_deadline_past_raises_timeout_and_cancels_what_it_waited_for():
     assert cancelled == [True]
 
 
+def test_an_answer_set_in_the_turn_its_deadline_falls_due_is_taken():
+    async def trial():
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        deadline = 0.05
+        loop.call_at(loop.time() + deadline - 0.001, lambda: fut.set_result("answer"))
+        loop.call_soon(time.sleep, deadline + 0.02)     # the loop busy past both
+        return await ap.in_time(fut, deadline)
+    assert asyncio.run(trial()) == "answer"
+
+
+def test_an_outside_cancel_cancels_the_answer_awaited():
+    async def trial():
+        fut = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(ap.in_time(fut, 10))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return fut.cancelled()
+    assert asyncio.run(trial())
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is new in 3.11")
 def test_an_upstream_call_runs_in_the_callers_task(tmp_path):
     class Watched(InstantServer):
@@ -139,3 +169,33 @@ def test_a_kept_value_hashes_as_the_lenient_read_does():
         ap.parse_strict(raw)
         assert raw in ap._STRICT_KEPT
         assert ap.content_hash(raw) == lenient
+
+
+def test_another_threads_transaction_waits_for_a_batch_and_is_not_part_of_it(tmp_path):
+    store = ap.Store.open(str(tmp_path / "runs.db"))
+    joined, order = threading.Event(), []
+    insert = "INSERT INTO tool_specs (hash, spec_json) VALUES (?, '{}')"
+
+    def other():
+        joined.wait(BOUND)
+        with store.tx() as tx:
+            order.append("other")
+            tx.exec(insert, ("other",))
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        with pytest.raises(RuntimeError):
+            with store.batch(synced=True):
+                with store.tx() as tx:
+                    tx.exec(insert, ("batch",))
+                joined.set()
+                time.sleep(0.3)             # the other thread is waiting meanwhile
+                order.append("batch ends")
+                raise RuntimeError("the batch fails: rolled back whole")
+        t.join(BOUND)
+        assert order == ["batch ends", "other"]
+        kept = [r[0] for r in store._read("SELECT hash FROM tool_specs ORDER BY hash")]
+        assert kept == ["other"]
+    finally:
+        t.join(BOUND)
+        store.close()

@@ -44,6 +44,18 @@ def split(files: list[str], parts: int) -> list[list[str]]:
     return [sorted(groups[n]) for n in ordered if groups[n]]
 
 
+def ignored(options: list[str]) -> set[str]:
+    """The paths of pytest's --ignore options: pytest applies them to what it collects from
+    a directory, never to a file named on its command line, as every part's files are."""
+    found, it = set(), iter(options)
+    for option in it:
+        if option.startswith("--ignore="):
+            found.add(os.path.normpath(option.split("=", 1)[1]))
+        elif option == "--ignore":
+            found.add(os.path.normpath(next(it, "")))
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-j", type=int, default=min(2, os.cpu_count() or 1),
@@ -52,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     files = [os.path.join("tests", f) for f in os.listdir(HERE)
              if f.startswith("test_") and f.endswith(".py")]
     os.chdir(ROOT)
+    files = [f for f in files if os.path.normpath(f) not in ignored(extra)]
     if args.j <= 1:
         return subprocess.call([sys.executable, "-m", "pytest", "-q", *extra, "tests"])
     work = tempfile.mkdtemp(prefix="agentrt-proxy-suite-")

@@ -30,6 +30,13 @@ direct p50):
     allowed mutating call      pay with distinct arguments per call (so no rule refuses it),
                                its attempt's commit synced before the request leaves; with
                                FastMCP measured, met when the overhead is at most FastMCP's
+    records alone              the floor under the two rows above: the SQLite statements
+                               of 1,000 allowed reads and 1,000 allowed pays (-quick: 200),
+                               captured with their parameters in-process (profile_call.py's
+                               instant upstream), replayed by sqlite3 on a copy of the
+                               database, on this disk, with the syncs of the WAL the proxy
+                               makes for them (one a read, two a pay) and none of the proxy's
+                               Python; beside FastMCP's overhead from the rows above
     DUPLICATE refusal          right after each timed pay, the identical pay again, timed: the
                                proxy must refuse it (DUPLICATE) and its ledger must not grow;
                                direct and FastMCP pay a second time, as the ledger shows

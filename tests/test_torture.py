@@ -1705,9 +1705,12 @@ class BudgetTrial:
                 time.monotonic() < ends:
             if self.until_found and check_budget_books(self.d.db, self.d.ledger).problems:
                 break
-        # A short trial on a slow machine may end before the cap refused anything: it goes
-        # on, at most BUDGET_OVERTIME times as long, until it has (the books need both).
+        # A short trial on a slow machine may end before the cap refused anything (each
+        # kill leaves an unknown outcome that blocks the tool until an operator approves
+        # it, so half the answers may be BLOCKED): it goes on without kills, at most
+        # BUDGET_OVERTIME times as long, until the cap has refused (the books need both).
         longest = began + self.seconds * BUDGET_OVERTIME
+        self.kills_on = False
         while not self.until_found and self.cap_denials == 0 and \
                 time.monotonic() < longest and not self.stop.wait(0.5):
             pass

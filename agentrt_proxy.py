@@ -752,7 +752,7 @@ STRICT_KEPT_BYTES = 64 * 1024
 def parse_strict(raw: bytes) -> Any:
     """parse_json(raw) with its defaults, the value shared with every other caller of this
     function for the same bytes: read it, never change it."""
-    if len(raw) > STRICT_KEPT_BYTES or not isinstance(raw, bytes):
+    if type(raw) is not bytes or len(raw) > STRICT_KEPT_BYTES:
         return parse_json(raw)
     with _STRICT_KEPT_LOCK:
         found = _STRICT_KEPT.get(raw, _STRICT_KEPT)
@@ -937,10 +937,11 @@ def content_hash(raw: bytes) -> str:
     key keeps its last value, bad bytes become U+FFFD, blank is null), or of the bytes
     themselves when there is no value to read. Only hashes what was recorded; never judges.
     Bytes just parsed strictly (parse_strict) read the same leniently: their value is used."""
-    with _STRICT_KEPT_LOCK:
-        kept = _STRICT_KEPT.get(raw, _STRICT_KEPT)
-    if kept is not _STRICT_KEPT:
-        return sha256_hex(encode_canonical(kept))
+    if type(raw) is bytes:
+        with _STRICT_KEPT_LOCK:
+            kept = _STRICT_KEPT.get(raw, _STRICT_KEPT)
+        if kept is not _STRICT_KEPT:
+            return sha256_hex(encode_canonical(kept))
     text = _decode_lossy(raw)
     p = _Parser(raw, text, strict=False)
     pos = p.skip_ws(0)
@@ -4788,7 +4789,8 @@ async def in_time(aw: Awaitable, seconds: float) -> Any:
     call, under the backstop past its own deadline) runs in the caller's task from Python
     3.11 on, without the task wait_for wraps it in, which costs every call two more turns
     of the loop; the backstop fires only when the call's own deadline has not, two
-    seconds before, and what it cuts short is recorded as an unknown outcome."""
+    seconds before, and what it cuts short is recorded as a timeout (for a call that
+    changes something, an outcome not known: an operator is asked before it runs again)."""
     if isinstance(aw, asyncio.Future):
         try:
             await asyncio.wait((aw,), timeout=seconds)

@@ -69,12 +69,12 @@ Where the time of an allowed call goes
 --------------------------------------
 cProfile of 2,000 allowed read-only calls in-process (``python3 tests/profile_call.py -dir
 /dev/shm``: tests/test_rules_cost.py's instant upstream, the database on /dev/shm so that
-the sync is not counted; Python 3.11, 2-core VM, 2026-12-03): 1.0 to 1.4 ms a call without
+the sync is not counted; Python 3.11, 2-core VM, 2026-12-03): 0.9 to 1.4 ms a call without
 the profiler, of which 38 SQLite statements (11 SELECT, 11 INSERT, 6 UPDATE, 2 BEGIN and 2
 COMMIT, and 6 PRAGMA: the level switched around the two unsynced commits, data_version read
-at the sync and at the answer) take about 0.5 ms; the event chain (8 events, each encoded
-and hashed) 0.35 ms under the profiler; parsing (9 parses) and encoding (11 records) the
-rest, with asyncio's hand-offs. Through the real process add reading and answering the
+at the sync and at the answer) take about 0.37 ms; the event chain (8 events, each encoded
+and hashed) 0.3 ms under the profiler; parsing (6 parses) and encoding (11 records) the
+rest, with asyncio's hand-offs (8 turns of the loop a call). Through the real process add reading and answering the
 host's frame and the upstream's, and the one sync of the WAL (0.3 to 0.5 ms on this VM's
 disk), which calls in flight together share (group commit: Store.durable). At start-up, a
 script run compiles the whole file first (about 0.2 s that day), which CPython never caches

@@ -169,6 +169,7 @@ def test_a_kept_value_hashes_as_the_lenient_read_does():
         ap.parse_strict(raw)
         assert raw in ap._STRICT_KEPT
         assert ap.content_hash(raw) == lenient
+        assert ap.content_hash(bytearray(raw)) == lenient        # not hashable: not kept
 
 
 def test_another_threads_transaction_waits_for_a_batch_and_is_not_part_of_it(tmp_path):

@@ -1448,6 +1448,7 @@ BUDGET_OPERATOR_GAP = (0.05, 0.4)
 BUDGET_THINK = (0.0, 0.02)          # a host's pause before each call it sends
 BUDGET_RETRY = 0.3                  # of a host's calls, this share retries an open request
 BUDGET_MUTANT_SECONDS = 60.0     # at most: it stops once a window is over
+UNAVAILABLE_SHOWN = 10           # the budget trial prints the first few UNAVAILABLE answers
 BUDGET_OVERTIME = 2.0            # a trial's longest run, in its seconds, waiting for a cap
 
 
@@ -1771,6 +1772,8 @@ def test_torture_budget_holds_across_two_proxies_and_kills(tmp_path, capsys):
                f"operator {trial.decided}, {len(books.problems)} windows over")
     with capsys.disabled():
         print("\n" + summary)
+        for line in [x for x in trial.log.lines if "-> UNAVAILABLE" in x][:UNAVAILABLE_SHOWN]:
+            print(f"  {line[:400]}")            # a fault's answer, allowed; what it said
         if books.problems or trial.failures:
             print(trial.report(books))
     assert not books.problems and not trial.failures, summary

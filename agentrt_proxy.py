@@ -749,13 +749,20 @@ STRICT_KEPT_COUNT = 8
 STRICT_KEPT_BYTES = 64 * 1024
 
 
+def _kept(raw: Any) -> Any:
+    """The kept strict parse of ``raw``, or _STRICT_KEPT itself when there is none."""
+    if type(raw) is not bytes:          # a bytearray is not hashable, a str never kept
+        return _STRICT_KEPT
+    with _STRICT_KEPT_LOCK:
+        return _STRICT_KEPT.get(raw, _STRICT_KEPT)
+
+
 def parse_strict(raw: bytes) -> Any:
     """parse_json(raw) with its defaults, the value shared with every other caller of this
     function for the same bytes: read it, never change it."""
     if type(raw) is not bytes or len(raw) > STRICT_KEPT_BYTES:
         return parse_json(raw)
-    with _STRICT_KEPT_LOCK:
-        found = _STRICT_KEPT.get(raw, _STRICT_KEPT)
+    found = _kept(raw)
     if found is not _STRICT_KEPT:
         return found
     value = parse_json(raw)
@@ -937,11 +944,9 @@ def content_hash(raw: bytes) -> str:
     key keeps its last value, bad bytes become U+FFFD, blank is null), or of the bytes
     themselves when there is no value to read. Only hashes what was recorded; never judges.
     Bytes just parsed strictly (parse_strict) read the same leniently: their value is used."""
-    if type(raw) is bytes:
-        with _STRICT_KEPT_LOCK:
-            kept = _STRICT_KEPT.get(raw, _STRICT_KEPT)
-        if kept is not _STRICT_KEPT:
-            return sha256_hex(encode_canonical(kept))
+    kept = _kept(raw)
+    if kept is not _STRICT_KEPT:
+        return sha256_hex(encode_canonical(kept))
     text = _decode_lossy(raw)
     p = _Parser(raw, text, strict=False)
     pos = p.skip_ws(0)
@@ -4788,9 +4793,10 @@ async def in_time(aw: Awaitable, seconds: float) -> Any:
     call that was answered in time must not be recorded as timed out. A coroutine (a tool
     call, under the backstop past its own deadline) runs in the caller's task from Python
     3.11 on, without the task wait_for wraps it in, which costs every call two more turns
-    of the loop; the backstop fires only when the call's own deadline has not, two
-    seconds before, and what it cuts short is recorded as a timeout (for a call that
-    changes something, an outcome not known: an operator is asked before it runs again)."""
+    of the loop; the backstop fires only when the call's own deadline has not,
+    TOOL_TIMEOUT_SLACK before, and what it cuts short is recorded as a timeout (for a call
+    that changes something, an outcome not known: an operator is asked before it runs
+    again)."""
     if isinstance(aw, asyncio.Future):
         try:
             await asyncio.wait((aw,), timeout=seconds)

@@ -2826,6 +2826,16 @@ def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str
     return sha256_hex(b"".join(data))
 
 
+def sync_wal_fd(fd: int) -> None:
+    """Force a WAL file's written frames to disk as SQLite's own synchronous=FULL commit does
+    where the system has it: fdatasync, the data and the size needed to read it back (a WAL's
+    times and other metadata play no part in recovery). fsync elsewhere."""
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:
+        os.fsync(fd)
+
+
 _HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name='events') "
              "FROM (SELECT 1) LEFT JOIN (SELECT seq, hash FROM events ORDER BY seq DESC "
              "LIMIT 1) AS e")
@@ -3213,16 +3223,16 @@ class Store:
             self._lock.release()
 
     def _sync_wal(self) -> None:
-        """fsync the WAL file this connection writes (opened once, checked to be the file
-        the store opened; the directory is synced once too, so that the WAL's name is as
-        durable as its contents)."""
+        """Sync the WAL file this connection writes (sync_wal_fd; opened once, checked to be
+        the file the store opened; the directory is synced once too, so that the WAL's name
+        is as durable as its contents)."""
         with self._sync_lock:
             if self._unsyncable:
                 raise StoreError(self._unsyncable)
             try:
                 if self._wal_fd is None:
                     self._wal_fd = self._open_wal()
-                os.fsync(self._wal_fd)
+                sync_wal_fd(self._wal_fd)
             except (OSError, StoreError) as exc:
                 self._unsyncable = (f"{self.path}: its WAL file could not be synced to disk "
                                     f"({exc}); nothing more is recorded until the proxy is "
@@ -3512,7 +3522,7 @@ def _sync_readonly(wal: str) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(wal, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
-            os.fsync(fd)
+            sync_wal_fd(fd)
         finally:
             os.close(fd)
 

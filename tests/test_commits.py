@@ -21,7 +21,7 @@ from test_rules_cost import InstantServer, instant_proxy
 
 class Trace:
     """The statements the store's connection runs, with the synchronous level each COMMIT
-    ran under, each fsync of the database's WAL file, and the point at which the upstream
+    ran under, each sync of the database's WAL file, and the point at which the upstream
     was called."""
 
     def __init__(self, store: ap.Store):
@@ -79,15 +79,15 @@ def traced(tmp_path):
 
 @pytest.fixture(autouse=True)
 def wal_syncs_marked(monkeypatch):
-    """Every fsync of the WAL file is marked in the trace under way."""
-    real = os.fsync
+    """Every sync of the WAL file is marked in the trace under way."""
+    real = ap.sync_wal_fd
 
     def fsync(fd):
         real(fd)
         st, trace = os.fstat(fd), TRACES[-1] if TRACES else None
         if trace is not None and (st.st_dev, st.st_ino) == trace.wal:
             trace.mark("WAL synced")
-    monkeypatch.setattr(ap.os, "fsync", fsync)
+    monkeypatch.setattr(ap, "sync_wal_fd", fsync)
     yield
     TRACES.clear()
 

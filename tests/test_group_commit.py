@@ -29,9 +29,9 @@ BOUND = 10.0               # no wait in these tests is longer
 
 
 class WalSyncs:
-    """os.fsync, watched for the WAL file: each sync's start and end times, held up while
-    ``hold`` is set (released by a timer, so a sync on the event loop's own thread ends
-    too), or failing with EIO while ``fail`` is set."""
+    """The store's sync of the WAL file (sync_wal_fd), watched: each sync's start and end
+    times, held up while ``hold`` is set (released by a timer, so a sync on the event loop's
+    own thread ends too), or failing with EIO while ``fail`` is set."""
 
     def __init__(self, store: ap.Store, real):
         st = os.stat(store.path + "-wal")
@@ -80,8 +80,8 @@ def grouped(tmp_path, monkeypatch):
     h = ProxyHarness(tmp_path, rules=RULES)
     upstream = Upstream()
     proxy = instant_proxy(h, upstream)
-    syncs = WalSyncs(h.store, os.fsync)
-    monkeypatch.setattr(ap.os, "fsync", syncs)
+    syncs = WalSyncs(h.store, ap.sync_wal_fd)
+    monkeypatch.setattr(ap, "sync_wal_fd", syncs)
     yield h, proxy, upstream, syncs
     proxy.close()
     h.close()
@@ -308,3 +308,29 @@ def test_group_commit_read_only_view_syncs_the_wal_it_reads(grouped, monkeypatch
     view = ap.Store.open_existing(h.store.path, readonly=True)
     view.close()
     assert len(syncs.started) == before + 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fdatasync"), reason="no fdatasync on this system")
+def test_group_commit_the_wal_is_synced_as_sqlite_syncs_it(tmp_path, monkeypatch):
+    """fdatasync where the system has it, as SQLite's own synchronous=FULL commit: the data
+    and the size that reading it back needs."""
+    h = ProxyHarness(tmp_path, rules=RULES)
+    proxy = instant_proxy(h, InstantServer())
+    st = os.stat(h.store.path + "-wal")
+    wal, calls = (st.st_dev, st.st_ino), {"fdatasync": 0, "fsync": 0}
+
+    def watched(name, real):
+        def sync(fd):
+            st = os.fstat(fd)
+            calls[name] += (st.st_dev, st.st_ino) == wal
+            return real(fd)
+        return sync
+    monkeypatch.setattr(ap.os, "fdatasync", watched("fdatasync", os.fdatasync))
+    monkeypatch.setattr(ap.os, "fsync", watched("fsync", os.fsync))
+    try:
+        result = h.run(proxy.call("bank_balance", b'{"account":"A-1"}'))
+    finally:
+        proxy.close()
+        h.close()
+    assert not result["isError"], result
+    assert calls == {"fdatasync": 1, "fsync": 0}, calls

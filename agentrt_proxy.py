@@ -3006,6 +3006,7 @@ class Store:
         self._batch: Tx | None = None
         self._batch_failed = False
         self._batch_thread = 0
+        self._level: str | None = None          # PRAGMA synchronous, as last set; None: unknown
         self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
         # Group commit (Store.durable): commits owed to disk, counted; the count the last
         # sync of the WAL covered; the sync under way; why the store may no longer sync.
@@ -3125,12 +3126,13 @@ class Store:
                 yield Tx(self.conn, self._specs)
 
     @contextlib.contextmanager
-    def _immediate(self):
+    def _immediate(self, full: bool = True):
         """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure; SQLite's errors become
-        StoreError."""
+        StoreError. The commit is synced (synchronous=FULL) unless ``full`` is False."""
         self._check_wal()
         if self._unsyncable:
             raise StoreError(self._unsyncable)
+        self._synchronous(full)
         try:
             self.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -3272,27 +3274,23 @@ class Store:
                          "database was open; what was committed is written into the database, "
                          "and nothing more is recorded until the proxy is started again")
 
-    @contextlib.contextmanager
-    def _unsynced(self, relax: bool):
-        """synchronous=NORMAL for one transaction (SQLite allows the change only between
-        transactions), then FULL again whatever happened."""
-        if not relax:
-            yield
+    def _synchronous(self, full: bool) -> None:
+        """The safety level of the next transaction: FULL, or NORMAL for a commit that is
+        synced by durable() or needs no sync. SQLite allows the change only between
+        transactions, so it is made before each BEGIN that needs another level than the
+        last, never after a COMMIT: calls that commit unsynced in turn (an allowed read's
+        start and its owed outcome) change nothing, and a transaction never runs under a
+        level it did not ask for. Whether the level was set is unknown after a failure:
+        the next transaction sets it again."""
+        level = "FULL" if full else "NORMAL"
+        if self._level == level:
             return
+        self._level = None
         try:
-            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute(f"PRAGMA synchronous={level}")
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
-        try:
-            yield
-        finally:
-            try:
-                self.conn.execute("PRAGMA synchronous=FULL")
-            except sqlite3.Error as exc:    # every later commit would be unsynced unseen
-                self._unsyncable = (f"{self.path}: synchronous=FULL could not be restored "
-                                    f"({exc}); nothing more is recorded until the proxy is "
-                                    "started again")
-                raise StoreError(self._unsyncable) from None
+        self._level = level
 
     @contextlib.contextmanager
     def waiting_at_most(self, ms: int):
@@ -3325,7 +3323,7 @@ class Store:
             if self._batch is not None:
                 yield
                 return
-            with self._unsynced(synced is not True), self._immediate():
+            with self._immediate(full=synced is True):
                 # The owner first: a thread that sees the batch sees whose it is.
                 self._batch_thread = threading.get_ident()
                 self._batch, self._batch_failed = Tx(self.conn, self._specs), False
@@ -3338,8 +3336,7 @@ class Store:
                     self._batch, self._batch_thread = None, 0
             # Counted once COMMIT has written the frames (a sync that reads the count then
             # covers them; a batch runs on a worker thread when its arguments are large),
-            # still under the lock. Had restoring FULL failed, StoreError was raised
-            # instead and every later durable() raises too (_unsyncable).
+            # still under the lock.
             if synced == GROUPED:
                 with self._count_lock:
                     self._owed += 1

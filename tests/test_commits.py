@@ -2,7 +2,8 @@
 
 - An allowed read-only call: its start commits unsynced (synchronous=NORMAL), its outcome
   commits owed to disk (NORMAL) and the WAL file is synced before the call answers, which
-  makes both durable; the connection is FULL again after.
+  makes both durable. The level is set before each transaction that needs another than
+  the last: a synced transaction after them commits FULL.
 - An allowed mutating call: its start commits owed to disk and the WAL is synced before the
   request leaves; its outcome likewise before the answer.
 - A held call and a denied read: every commit synced.
@@ -27,6 +28,7 @@ class Trace:
     def __init__(self, store: ap.Store):
         self.lines: list[str] = []
         self.store = store
+        self.level = LEVELS[store.conn.execute("PRAGMA synchronous").fetchone()[0]]
         store.conn.set_trace_callback(self.lines.append)
         wal = os.stat(store.path + "-wal")
         self.wal = (wal.st_dev, wal.st_ino)
@@ -36,7 +38,7 @@ class Trace:
 
     def commits(self) -> list[str]:
         """'FULL' or 'NORMAL' for each COMMIT, and '-- ...' marks, in order."""
-        level, out = "FULL", []
+        level, out = self.level, []
         for line in self.lines:
             if line.startswith("PRAGMA synchronous="):
                 level = line.split("=", 1)[1]
@@ -46,9 +48,11 @@ class Trace:
                 out.append(line)
         return out
 
-    def level_now(self) -> int:
+    def level_of_a_synced_transaction(self) -> int:
+        """The level a plain transaction of the store commits under, read inside it."""
         self.store.conn.set_trace_callback(None)
-        return self.store.conn.execute("PRAGMA synchronous").fetchone()[0]
+        with self.store.tx() as tx:
+            return tx.rows("SELECT * FROM pragma_synchronous")[0][0]
 
 
 class MarkingServer(InstantServer):
@@ -65,6 +69,7 @@ RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
          "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
          "refund": {"side_effect": "destructive", "timeout": "10s"}}
 FULL = 2
+LEVELS = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
 
 
 @pytest.fixture
@@ -108,7 +113,7 @@ def test_allowed_read_starts_unsynced_and_its_outcome_commit_syncs_both(traced):
     result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":"A-1"}')
     assert not result["isError"], result
     assert trace.commits() == ["NORMAL", "-- upstream called", "NORMAL", "-- WAL synced"]
-    assert trace.level_now() == FULL
+    assert trace.level_of_a_synced_transaction() == FULL
 
 
 def test_allowed_mutation_start_is_synced_before_the_request_leaves(traced):
@@ -117,7 +122,7 @@ def test_allowed_mutation_start_is_synced_before_the_request_leaves(traced):
     assert not result["isError"], result
     assert trace.commits() == ["NORMAL", "-- WAL synced", "-- upstream called", "NORMAL",
                                "-- WAL synced"]
-    assert trace.level_now() == FULL
+    assert trace.level_of_a_synced_transaction() == FULL
 
 
 def test_held_and_denied_calls_commit_synced_only(tmp_path):
@@ -133,7 +138,7 @@ def test_held_and_denied_calls_commit_synced_only(tmp_path):
             assert result["isError"], result
             levels = trace.commits()
             assert levels and set(levels) == {"FULL"}, (name, levels)    # no sync owed
-            assert trace.level_now() == FULL
+            assert trace.level_of_a_synced_transaction() == FULL
     finally:
         proxy.close()
         h.close()
@@ -177,20 +182,34 @@ def test_batch_with_a_failed_change_caught_inside_rolls_back_whole(tmp_path):
         store.close()
 
 
-def test_failed_unsynced_batch_leaves_the_connection_synced(tmp_path):
+def test_synced_transaction_after_unsynced_ones_commits_full(tmp_path):
+    """One unsynced batch that commits, one that fails: the next plain transaction, and the
+    next synced batch, each run under synchronous=FULL."""
     store = ap.Store.open(str(tmp_path / "runs.db"))
     try:
+        def level(tx):
+            return tx.rows("SELECT * FROM pragma_synchronous")[0][0]
+        with store.batch(synced=False), store.tx() as tx:
+            add_run(tx, "r-1")
+            assert level(tx) == 1
+        with store.tx() as tx:
+            assert level(tx) == FULL
         with pytest.raises(ap.StoreError):
-            with store.batch(synced=False):
-                with store.tx() as tx:
-                    tx.exec("INSERT INTO no_such_table VALUES (1)")
-        assert store.conn.execute("PRAGMA synchronous").fetchone()[0] == FULL
+            with store.batch(synced=ap.GROUPED), store.tx() as tx:
+                tx.exec("INSERT INTO no_such_table VALUES (1)")
+        with store.batch(), store.tx() as tx:
+            add_run(tx, "r-2")
+            assert level(tx) == FULL
+        with store.batch(synced=False), store.tx() as tx:
+            assert level(tx) == 1
+        with store.tx() as tx:
+            assert level(tx) == FULL
     finally:
         store.close()
 
 
 def test_sqlite_refuses_a_safety_level_change_inside_a_transaction(tmp_path):
-    """Why Store._unsynced changes the level between transactions: inside one, SQLite
+    """Why Store._synchronous changes the level between transactions: inside one, SQLite
     refuses (so a relaxed commit cannot be chosen after the batch has begun)."""
     conn = sqlite3.connect(str(tmp_path / "x.db"), isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")

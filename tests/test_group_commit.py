@@ -206,8 +206,8 @@ def test_group_commit_answer_resting_on_another_proxys_unsynced_commit_waits_for
         other.close()
 
 
-class FailingRestore:
-    """The store's connection, except that restoring synchronous=FULL fails."""
+class FailingFull:
+    """The store's connection, except that setting synchronous=FULL fails."""
 
     def __init__(self, conn):
         self.conn = conn
@@ -221,20 +221,29 @@ class FailingRestore:
         return getattr(self.conn, name)
 
 
-def test_group_commit_failed_restore_of_full_sync_is_final(grouped):
+def test_group_commit_synced_write_when_full_cannot_be_set_writes_nothing(grouped):
+    """A transaction that asks for synchronous=FULL never commits under NORMAL: when the
+    level cannot be set, it is refused before it begins. Set again, the next one is FULL."""
     h, proxy, upstream, syncs = grouped
     real = h.store.conn
-    h.store.conn = FailingRestore(real)
+    h.store.conn = FailingFull(real)
     try:
-        with pytest.raises(ap.StoreError, match="could not be restored"):
-            with h.store.batch(synced=ap.GROUPED), h.store.tx() as tx:
-                tx.exec("CREATE TABLE IF NOT EXISTS scratch (x)")
+        with h.store.batch(synced=ap.GROUPED), h.store.tx() as tx:
+            tx.exec("CREATE TABLE IF NOT EXISTS scratch (x)")       # NORMAL: it commits
+        with pytest.raises(ap.StoreError, match="cannot begin"):
+            with h.store.tx() as tx:
+                tx.exec("INSERT INTO scratch VALUES (1)")
+        h.run(h.store.durable())
+        result = h.run(proxy.call("bank_refund", b'{"payment":"p-1"}'))   # held: synced
+        assert h.prefix(result) == "UNAVAILABLE" and upstream.calls == 0, result
     finally:
         h.store.conn = real
-    with pytest.raises(ap.StoreError, match="could not be restored"):
-        h.run(h.store.durable())            # nothing rests on that commit unseen
+    assert real.execute("SELECT COUNT(*) FROM scratch").fetchone()[0] == 0
+    with h.store.tx() as tx:
+        tx.exec("INSERT INTO scratch VALUES (2)")
+        assert tx.rows("SELECT * FROM pragma_synchronous")[0][0] == 2
     result = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":5}'))
-    assert h.prefix(result) == "UNAVAILABLE" and upstream.calls == 0, result
+    assert not result["isError"] and upstream.calls == 1, result
 
 
 def test_group_commit_lease_lost_while_the_start_syncs_sends_nothing(grouped):

@@ -9220,7 +9220,7 @@ class Proxy:
         if key is None:                 # arguments with no canonical form: INVALID, no rule
             return self.begin(tool, None, args, None, False, None)
         open_row, recent = self.index.for_key(key, now - self.window(tool))
-        reuse = False
+        reuse, ended = False, None
         if open_row is not None:
             state = self.inspect(open_row.run_id)
             if state is None:
@@ -9232,7 +9232,8 @@ class Proxy:
                 state = self.inspect(open_row.run_id)
                 if state is not None and not state.terminal:
                     return Answer(in_progress())
-        action = self.refusal(tool, key, recent, now)             # rules 4 and 5
+            ended = state
+        action = self.refusal(tool, key, recent, now, ended)     # rules 4 and 5
         repeat = action.earlier if isinstance(action, Repeat) else None
         if action is not None and repeat is None:
             return action
@@ -9339,19 +9340,22 @@ class Proxy:
 
     # rules 4 and 5: the request was refused, expired, or ran, within its window
 
-    def refusal(self, tool, key: str, recent: list[CallRow], now: float):
+    def refusal(self, tool, key: str, recent: list[CallRow], now: float,
+                ended: RunState | None = None):
         """Rules 4 and 5, decided by the newest of the request's finished runs. No older run
         can decide otherwise: when that newest run was begun, these rules found nothing to
         refuse in the older ones within the same window, and a window ending now reaches
         less of the past than one ending then. Where the rule asks about a repeat, a run is
         begun within the window of an execution, and may end without executing (denied, or
         refused by a limit): then the newest execution within the window is the earlier one
-        the repeat names, found among the key's rows that hold an attempt."""
+        the repeat names, found among the key's rows that hold an attempt. ``ended``: the
+        open row's run, already read and ended: the decision reads each run once."""
         window = self.window(tool)
         if window <= 0:
             return None
         for row in recent:
-            state = self.inspect(row.run_id)
+            state = ended if ended is not None and ended.run.id == row.run_id else \
+                self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
             action = self.refused_by(tool, row, state, now, window)

@@ -14,6 +14,8 @@
   caller's own task (no task of its own, two turns of the event loop fewer each call). An
   answer set in the very turn its deadline falls due is taken, on every version (3.12's
   wait_for loses it).
+- A DUPLICATE reads the earlier run once: the run the request's open row names, read and
+  found ended, is the run the duplicate rule judges.
 """
 
 import asyncio
@@ -200,3 +202,22 @@ def test_another_threads_transaction_waits_for_a_batch_and_is_not_part_of_it(tmp
     finally:
         t.join(BOUND)
         store.close()
+
+
+def test_a_duplicate_reads_the_earlier_run_once(tmp_path):
+    h = ProxyHarness(tmp_path, rules=RULES)
+    upstream = InstantServer()
+    proxy = instant_proxy(h, upstream)
+    statements: list[str] = []
+    try:
+        first = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
+        assert not first["isError"], first
+        h.store.conn.set_trace_callback(statements.append)
+        again = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
+        h.store.conn.set_trace_callback(None)
+    finally:
+        proxy.close()
+        h.close()
+    assert h.prefix(again) == "DUPLICATE" and upstream.calls == 1, again
+    reads = [s for s in statements if s.startswith("SELECT") and " FROM runs " in s]
+    assert len(reads) == 1, reads

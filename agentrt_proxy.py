@@ -766,11 +766,19 @@ def parse_strict(raw: bytes) -> Any:
     if found is not _STRICT_KEPT:
         return found
     value = parse_json(raw)
+    _keep(raw, value)
+    return value
+
+
+def _keep(raw: bytes, value: Any) -> None:
+    """Keep ``value`` as the strict parse of ``raw``: the caller knows it to be exactly
+    what parse_json(raw) gives, and no longer changes it."""
+    if len(raw) > STRICT_KEPT_BYTES:
+        return
     with _STRICT_KEPT_LOCK:
-        if len(_STRICT_KEPT) >= STRICT_KEPT_COUNT:
+        if raw not in _STRICT_KEPT and len(_STRICT_KEPT) >= STRICT_KEPT_COUNT:
             del _STRICT_KEPT[next(iter(_STRICT_KEPT))]
         _STRICT_KEPT[raw] = value
-    return value
 
 
 def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH,
@@ -6659,7 +6667,7 @@ class UpstreamTool:
         name = self.spec.name
         raw = args.strip(JSON_WS) or b"{}"
         try:
-            value = parse_json(raw)
+            value = parse_strict(raw)       # shared: copied before it is changed
         except JSONError as exc:
             raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}") from None
         if value is None:
@@ -6670,6 +6678,7 @@ class UpstreamTool:
         if refused:
             raise ToolFailure(refused)
         if self.rule.fixed:
+            value = dict(value)
             for param, fixed in self.rule.fixed:
                 value[param] = parse_json(fixed)
             raw = dump_json(value).encode("utf-8")
@@ -9849,7 +9858,12 @@ def host_arguments(name: str, raw: bytes) -> tuple[bytes, str | None]:
         value = parse_json(raw)
     except JSONError:
         return raw, None
-    return dump_json(value).encode("utf-8"), _request_key_of(name, value)
+    args = dump_json(value).encode("utf-8")
+    key = _request_key_of(name, value)
+    # The proxy's own encoding of a strict parse parses strictly to the same value, and
+    # the arguments' readers parse exactly these bytes next (parse_strict).
+    _keep(args, value)
+    return args, key
 
 
 def _is_set(event: asyncio.Event | None) -> bool:

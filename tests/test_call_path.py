@@ -14,6 +14,10 @@
   caller's own task (no task of its own, two turns of the event loop fewer each call). An
   answer set in the very turn its deadline falls due is taken, on every version (3.12's
   wait_for loses it).
+- A call's arguments are parsed once: the host's arguments, parsed strictly for their
+  request key, are kept as the strict parse of the proxy's own encoding of them, which is
+  what every later reader parses (the schema check, the policy's copy, the record, the
+  request sent). A fixed parameter is written into a copy, never into the kept value.
 - A DUPLICATE reads the earlier run once: the run the request's open row names, read and
   found ended, is the run the duplicate rule judges.
 """
@@ -221,3 +225,69 @@ def test_a_duplicate_reads_the_earlier_run_once(tmp_path):
     assert h.prefix(again) == "DUPLICATE" and upstream.calls == 1, again
     reads = [s for s in statements if s.startswith("SELECT") and " FROM runs " in s]
     assert len(reads) == 1, reads
+
+
+ARGUMENTS = [
+    b'{"account":"A-1"}',
+    b'{ "account" : "A-\\u00e9",\r\n "n": [1.50, -0, 2E+3, {"x": null}] }',
+    b'{"t":"a\xe2\x80\xa8b\\ud83d\\ude00"}',
+    b'{"big":123456789012345678901234567890}',
+]
+
+
+@pytest.mark.parametrize("raw", ARGUMENTS, ids=range(len(ARGUMENTS)))
+def test_host_arguments_keep_the_strict_parse_of_their_recorded_bytes(raw, monkeypatch):
+    monkeypatch.setattr(ap, "_STRICT_KEPT", {})          # nothing kept by another test
+    args, key = ap.host_arguments("bank_pay", raw)
+    assert key is not None
+    kept = ap._kept(args)
+    assert kept is not ap._STRICT_KEPT, "not kept"
+    assert kept == ap.parse_json(args)
+    assert ap.dump_json(kept).encode() == args
+
+
+def one_call(h, upstream, name, args):
+    """One call through a proxy in front of ``upstream``; the proxy and store closed."""
+    proxy = instant_proxy(h, upstream)
+    try:
+        return h.run(proxy.call(name, args))
+    finally:
+        proxy.close()
+        h.close()
+
+
+def test_a_calls_arguments_are_parsed_once(tmp_path, monkeypatch):
+    h = ProxyHarness(tmp_path, rules=RULES)
+    args = b'{"to":"bob","amount":1}'
+    parsed: list[bytes] = []
+    real = ap.parse_json
+    monkeypatch.setattr(ap, "_STRICT_KEPT", {})          # nothing kept by another test
+
+    def counted(raw, *a, **k):
+        parsed.append(bytes(raw))
+        return real(raw, *a, **k)
+    monkeypatch.setattr(ap, "parse_json", counted)
+    result = one_call(h, InstantServer(), "bank_pay", args)
+    assert not result["isError"], result
+    assert parsed.count(args) == 1, parsed
+
+
+class Recording(InstantServer):
+    def __init__(self):
+        super().__init__()
+        self.sent: list[bytes] = []
+
+    async def call_tool(self, remote, args, timeout):
+        self.sent.append(args)
+        return await super().call_tool(remote, args, timeout)
+
+
+def test_a_fixed_parameter_is_written_into_a_copy_of_the_kept_arguments(tmp_path):
+    rules = dict(RULES, pay=dict(RULES["pay"], fixed={"currency": "EUR"}))
+    h = ProxyHarness(tmp_path, rules=rules)
+    upstream = Recording()
+    args = b'{"to":"bob","amount":1}'
+    result = one_call(h, upstream, "bank_pay", args)
+    assert not result["isError"], result
+    assert upstream.sent == [b'{"to":"bob","amount":1,"currency":"EUR"}']
+    assert ap.parse_strict(args) == {"to": "bob", "amount": ap.Num("1")}

@@ -28,6 +28,10 @@ HELD = 0.5                 # seconds the WAL's sync is held up
 BOUND = 10.0               # no wait in these tests is longer
 
 
+class Hold:
+    at = float("inf")          # when the held syncs were let go; not yet: never
+
+
 class WalSyncs:
     """The store's sync of the WAL file (sync_wal_fd), watched: each sync's start and end
     times, held up while ``hold`` is set (released by a timer, so a sync on the event loop's
@@ -43,12 +47,19 @@ class WalSyncs:
         self.release.set()
         self.fail = False
 
-    def hold_for(self, seconds: float) -> float:
+    def hold_for(self, seconds: float) -> "Hold":
+        """Hold the syncs up for ``seconds``; the Hold returned says when they were let go
+        (noted before the release, so nothing waiting on it can end earlier)."""
+        hold = Hold()
         self.release.clear()
-        timer = threading.Timer(seconds, self.release.set)
+
+        def release():
+            hold.at = time.monotonic()
+            self.release.set()
+        timer = threading.Timer(seconds, release)
         timer.daemon = True
         timer.start()
-        return time.monotonic() + seconds
+        return hold
 
     def __call__(self, fd):
         st = os.fstat(fd)
@@ -102,7 +113,7 @@ def test_group_commit_sixteen_reads_share_syncs_and_none_answers_before_its_sync
                                  for i in range(1, 17)]))
     for at, result in got:
         assert not result["isError"], result
-        assert at >= released, "an answer left while the WAL's sync was held up"
+        assert at >= released.at, "an answer left while the WAL's sync was held up"
     used = len(syncs.started) - before
     assert 1 <= used < 16, f"{used} syncs for 16 calls finishing together"
     assert upstream.calls == 17
@@ -113,7 +124,7 @@ def test_group_commit_mutating_request_waits_for_the_sync_of_its_start(grouped):
     released = syncs.hold_for(HELD)
     at, result = h.run(answered_at(proxy, "bank_pay", b'{"to":"bob","amount":1}'))
     assert not result["isError"], result
-    assert upstream.arrived and upstream.arrived[0] >= released, \
+    assert upstream.arrived and upstream.arrived[0] >= released.at, \
         "the request left before its start was on disk"
     assert len(syncs.ended) >= 2 and syncs.ended[0] <= upstream.arrived[0] <= at
 
@@ -126,7 +137,7 @@ def test_group_commit_sixteen_payments_none_leaves_before_its_start_is_synced(gr
                                  for i in range(1, 17)]))
     assert all(not r["isError"] for _, r in got), got
     assert len(upstream.arrived) == 16
-    assert min(upstream.arrived) >= released
+    assert min(upstream.arrived) >= released.at
     assert len(syncs.started) < 32, f"{len(syncs.started)} syncs for 16 payments"
 
 
@@ -154,7 +165,7 @@ def test_group_commit_duplicate_waits_for_the_sync_of_the_outcome_it_names(group
     proxy.store.calls_in_flight = 1       # the syncs on a worker thread, as under load
     (at1, r1), (at2, r2) = h.run(both())
     assert not r1["isError"] and h.prefix(r2) == "DUPLICATE", (r1, r2)
-    assert at2 >= held[0], "a DUPLICATE named an outcome not yet on disk"
+    assert at2 >= held[0].at, "a DUPLICATE named an outcome not yet on disk"
     assert upstream.calls == 2            # the warm read and the payment, once
 
 
@@ -305,9 +316,9 @@ def test_group_commit_read_request_waits_for_no_other_calls_sync(grouped):
     proxy.store.calls_in_flight = 1
     (at_pay, r_pay), (at_read, r_read) = h.run(both())
     assert not r_pay["isError"] and not r_read["isError"], (r_pay, r_read)
-    assert len(upstream.arrived) == 2 and upstream.arrived[1] < held[0], \
+    assert len(upstream.arrived) == 2 and upstream.arrived[1] < held[0].at, \
         "a read's request waited for another call's sync"
-    assert at_read >= held[0], "the read's answer left before the owed sync"
+    assert at_read >= held[0].at, "the read's answer left before the owed sync"
 
 
 def test_group_commit_read_only_view_syncs_the_wal_it_reads(grouped, monkeypatch):

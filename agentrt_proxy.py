@@ -5611,14 +5611,25 @@ def _executable(argv0: str, cwd: str | None) -> str:
     return shutil.which(argv0, path=os.environ.get("PATH")) or argv0
 
 
-def _contain_child() -> None:
+_PRCTL: list = []                       # libc's prctl once looked up, or None
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl (Linux), looked up once in the proxy itself: looked up in each child,
+    between its fork and its exec, importing ctypes there delayed every server's start."""
+    if not _PRCTL:
+        try:
+            import ctypes
+            _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+        except (OSError, AttributeError):
+            _PRCTL.append(None)
+    return _PRCTL[0]
+
+
+def _contain_child(prctl: Callable[..., int] | None) -> None:
     """Run in the child before exec (Linux): die when the proxy dies."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)        # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if prctl is not None:
+        prctl(1, signal.SIGKILL)            # PR_SET_PDEATHSIG
 
 
 class Upstream:
@@ -5922,7 +5933,8 @@ class StdioUpstream(Upstream):
         kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
                                   else {"start_new_session": True})
         if sys.platform.startswith("linux"):
-            kwargs["preexec_fn"] = _contain_child
+            prctl = _prctl()
+            kwargs["preexec_fn"] = lambda: _contain_child(prctl)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
@@ -10673,19 +10685,34 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
 async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
                          ) -> tuple[list[UpstreamTool], Store, Proxy] | None:
     """Load the servers, open the store, build the proxy; None when ``stop`` came first
-    (then nothing is left open). On a failure, what was opened is closed."""
+    (then nothing is left open). On a failure, what was opened is closed.
+
+    A database that exists is opened on a worker thread while the servers start, since
+    the loop only waits for them meanwhile; a failure to load them still comes first, and
+    the store opened beside it is closed. A database that does not exist yet is created
+    only once the servers have loaded, so that a start that fails creates nothing."""
     loading = asyncio.create_task(load_tools(cfg, out.log))
+    opening = (asyncio.ensure_future(asyncio.to_thread(Store.open, cfg.database))
+               if os.path.lexists(cfg.database) else None)
     stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if not loading.done():
-        loading.cancel()
-        await asyncio.gather(loading, return_exceptions=True)
-        return None
-    tools, _ = loading.result()
     try:
-        store = Store.open(cfg.database)
+        await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not loading.done():
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+            await _close_opened(opening)
+            return None
+        tools, _ = loading.result()
     except BaseException:
+        await _close_opened(opening)
+        raise
+    try:
+        store = (Store.open(cfg.database) if opening is None
+                 else await asyncio.shield(opening))
+    except BaseException:
+        if opening is not None and not opening.done():
+            opening.add_done_callback(_close_result)
         await close_tools(tools)
         raise
     try:
@@ -10696,6 +10723,27 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
         store.close()
         raise
     return tools, store, proxy
+
+
+async def _close_opened(opening: "asyncio.Future[Store] | None") -> None:
+    """Close the store a worker thread opened beside a start that is not going on. Its
+    thread cannot be stopped, so it is waited for; if this wait is cancelled too, the
+    store is closed when the thread has opened it."""
+    if opening is None:
+        return
+    try:
+        store = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_result)
+        raise
+    except Exception:                   # it failed to open: nothing to close
+        return
+    store.close()
+
+
+def _close_result(opened: "asyncio.Future[Store]") -> None:
+    if not opened.cancelled() and opened.exception() is None:
+        opened.result().close()
 
 
 async def _first_of(*events: asyncio.Event) -> None:

@@ -1010,7 +1010,7 @@ def dump_json(value: Any) -> str:
     return "".join(out)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Raw:
     """JSON bytes in the proxy's own encoding, embedded as they are when a record or frame
     is written. Bytes holding a line break of any reader are written again by the encoder
@@ -2376,6 +2376,9 @@ def compile_schema(raw: bytes) -> Schema:
 # Every timestamp is stored as RFC 3339 UTC text with microseconds, fixed width, so it sorts.
 # Durations are written as the configuration writes them: 15s, 10m, 1h30m, 300ms, 0s.
 # Records are small frozen dataclasses read from, and written to, the store.
+# No dataclass here has a generated __repr__ (repr=False): nothing the proxy writes
+# shows one (what it prints goes through its own encoder or sanitize), and each
+# generated method is compiled when the module loads, at every start.
 
 Clock = Callable[[], float]          # seconds since the epoch
 NANOS = 1_000_000_000                # a tool spec's timeout is hashed in integer nanoseconds
@@ -2429,7 +2432,7 @@ SPEC_CACHE_SIZE = 1024                # tool specs whose canonical form is kept
 LIMITS_CACHE_SIZE = 64                # limits records whose parse is kept
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class ToolSpec:
     """What a tool is. Its canonical JSON is hashed into every approval for it."""
     name: str
@@ -2487,7 +2490,7 @@ _SPEC_FORMS: dict[ToolSpec, tuple[bytes, str]] = {}
 _SPEC_POLICY_FORMS: dict[ToolSpec, ToolSpec] = {}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class ToolRequest:
     """One request to execute: the exact argument bytes for one step of one run."""
     run_id: str
@@ -2513,7 +2516,7 @@ class ToolRequest:
         return cls(doc["run_id"], doc["step_id"], ToolSpec.from_json(spans["spec"]), spans["args"])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class PolicyDecision:
     """A policy's answer. ``capability`` and ``presentation`` are JSON bytes (or empty)."""
     outcome: str
@@ -2540,7 +2543,7 @@ def approval_hash(kind: str, capability: bytes, presentation: bytes, request: To
     return sha256_hex(encode_canonical(doc))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Limits:
     """Per-run limits; a TTL of 0 means no expiry."""
     max_steps: int = 50
@@ -2590,8 +2593,9 @@ _LIMITS_READ: dict[str, "Limits"] = {}
 _LIMITS_WRITTEN: dict["Limits", str] = {}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Run:
+    """A run as the runs table holds it."""
     id: str
     goal: str
     status: str
@@ -2606,8 +2610,9 @@ class Run:
     lease_expires_at: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Step:
+    """A step as the steps table holds it: one proposal of a run and what became of it."""
     id: str
     run_id: str
     idx: int
@@ -2632,8 +2637,9 @@ class Step:
         return content if isinstance(content, dict) else {}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Approval:
+    """An approval as the approvals table holds it, bound to its request by hash."""
     id: str
     run_id: str
     step_id: str
@@ -2663,7 +2669,7 @@ class Approval:
                                        "its recorded request")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class RunView:
     """What a policy is shown of the run it decides in."""
     run: Run
@@ -3485,16 +3491,18 @@ class Store:
                 self._wal_fd = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class ChainBreak:
+    """The first event whose hash does not follow from the one before it."""
     seq: int
     expected: str
     found: str
     detail: str
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class ChainReport:
+    """What verify found over the events from ``first`` to ``last``."""
     first: int
     last: int
     checked: int = 0
@@ -3568,7 +3576,7 @@ POLICY_DENIED, INVALID_DECISION, INTERRUPTED_OBS = "policy_denied", "invalid_dec
 ORIGINS = ("", "model", "plan", "operator")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class ToolResult:
     """What a tool returned: JSON content bytes and a one-line summary; and, when the
     content is the server's structured content, the text the server sent beside it (what
@@ -3587,13 +3595,14 @@ class AnswerUnreadable(Exception):
     recorded as an answer that could not be recorded (UNRECORDED), never as no answer."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Tool:
+    """A tool the gate can execute: its spec, and the call that runs it."""
     spec: ToolSpec
     call: Callable[[bytes], Awaitable[ToolResult]]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Decision:
     """What the caller proposes: a tool call, or ending the run."""
     kind: str                      # tool_call, complete or fail
@@ -3604,7 +3613,7 @@ class Decision:
     origin: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Verdict:
     """allowed (call execute), denied (the step is over), pending (the run waits on
     ``approval``), ended (the run is over); empty for a session ready for a step."""
@@ -3614,7 +3623,7 @@ class Verdict:
     observation: dict | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Reconciliation:
     """A reconcile hook's answer for a run found mid-step: continue, or wait on ``pause``."""
     outcome: str
@@ -3622,7 +3631,7 @@ class Reconciliation:
     detail: str = ""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class _Judged:
     """A proposal's validation and policy decision, worked out before its transaction."""
     problem: str
@@ -3631,7 +3640,7 @@ class _Judged:
     view: "RunView | None" = None     # what the policy was shown: a run begun just now
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class _Allowed:
     """An allowed request waiting for execute: nothing about it is written yet."""
     request: ToolRequest
@@ -4979,7 +4988,7 @@ def asked_attempt(approval: Approval | None, q: Query | None = None) -> dict | N
             "started_at": rows[0][0] if rows and isinstance(rows[0][0], str) else ""}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class LateRecord:
     """A late step.tool_finished event: the attempt it ends, when, and what it says."""
     seq: int
@@ -5134,7 +5143,7 @@ def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
 
 # -- the view of an approval: what every channel shows, and what a decision is bound to --
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class ApprovalView:
     """Everything the store holds that bears on deciding one approval: the approval, its
     run, the attempt it asks about and any late outcome of that attempt, the policy's
@@ -5425,7 +5434,7 @@ class ProtocolError(ProxyError):
         self.code, self.data = code, data
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Message:
     """One JSON-RPC message: its lenient parse and the exact bytes of its members."""
     doc: dict
@@ -5813,7 +5822,7 @@ def _says_list_changed(caps: dict) -> bool:
     return isinstance(tools, dict) and tools.get("listChanged") is True
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class LiveTool:
     """One tool as the server lists it now."""
     name: str
@@ -6587,8 +6596,9 @@ def write_manifest(path: str, manifest: dict) -> None:
         raise
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class PinnedTool:
+    """One tool as the manifest pins it."""
     name: str
     description: str
     schema: bytes
@@ -6625,7 +6635,7 @@ def read_manifest(path: str, server: str) -> dict[str, PinnedTool]:
     return tools
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Report:
     """What loading one server decided, tool by tool, in the server's name order."""
     server: str
@@ -6649,7 +6659,7 @@ class Report:
         return "".join(line + "\n" for line in self.lines())
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class UpstreamTool:
     """A registered upstream tool: what the gate calls, and what the proxy's rules need."""
     spec: ToolSpec
@@ -7015,7 +7025,7 @@ class ConfigError(ProxyError):
     """A configuration, manifest or rule that cannot be used as written."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Rule:
     """The operator's classification of one upstream tool."""
     side_effect: str = ""
@@ -7033,8 +7043,9 @@ class Rule:
     limits: tuple["Limit", ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class ServerConfig:
+    """One entry of the configuration's servers."""
     name: str
     command: tuple[str, ...] = ()
     endpoint: str = ""
@@ -7052,8 +7063,10 @@ class ServerConfig:
         return dict(self.rules)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Config:
+    """The configuration file as loaded and checked; the database is named relative to
+    the file's directory."""
     path: str
     database: str
     session: str
@@ -8169,7 +8182,7 @@ class BudgetMoved(ProxyError):
     started: nothing was started, and the call is decided again on the new count."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Condition:
     """when[index]: when the arguments, as the server receives them, match ``schema``."""
     index: int
@@ -8189,7 +8202,7 @@ class Condition:
         return doc
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Limit:
     """limits[index]: at most ``calls`` executions, or a sum of at most ``max`` of the value
     at ``pointer``, within the last ``per`` seconds."""
@@ -8411,7 +8424,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
 
 # -- judging one call --
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Use:
     """One limit as one call finds it: its use in the window, and what the call adds."""
     limit: Limit
@@ -8431,8 +8444,9 @@ class Use:
                 f"{lim.shown(self.adds)}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Judgement:
+    """What a rule's conditions and limits make of one call."""
     outcome: str
     reason: str
     asked: list[str]                 # what asks: when[N], and each limit over it that asks
@@ -8875,8 +8889,9 @@ class IndexRace(ProxyError):
     """Another call changed this request's index row first; the caller decides again."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class CallRow:
+    """A row of proxy_calls: a request key, the run it was given, and what came of it."""
     id: int
     session: str
     key: str
@@ -9033,8 +9048,9 @@ class CallIndex:
                     "settled_at!=0", (UNSEEN, run_id))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class RunState:
+    """A run with its steps and approvals."""
     run: Run
     steps: list[Step]
     approvals: list[Approval]
@@ -9051,24 +9067,26 @@ class RunState:
 # The rules in the seed's order, then at most one hold for an approval and at most one
 # execution. What executes is always what the gate recorded.
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Answer:
+    """Serving's reply to a call: the result the host gets."""
     result: dict
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Pending:
+    """Serving's reply to a call held for approval: the approval it waits on."""
     approval: Approval
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Repeat:
     """An identical call within the window, where the rule asks about a repeat: it goes on
     to be begun, asking the operator with an approval naming ``earlier`` (section 10)."""
     earlier: dict
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Execute:
     """Run what the session's gate allowed: the recorded request, never this call's bytes."""
     session: Session
@@ -10892,7 +10910,7 @@ _MCP_HINTS = (("readOnlyHint", False), ("destructiveHint", True), ("idempotentHi
               ("openWorldHint", True))      # each hint with MCP's default when it is missing
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class WrappedEntry:
     """One entry of the host's servers: the proxy's server entry, or why there is none."""
     key: str
@@ -11611,8 +11629,9 @@ RECHECK_SCOPE = (
     "change to a tool's schema or denied parameters either.")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Evaluation:
+    """recheck's verdict on one recorded policy evaluation."""
     step_index: int
     step_id: str
     seq: int
@@ -11627,8 +11646,9 @@ class Evaluation:
     policy_id: str = ""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class RecheckReport:
+    """recheck's report on one run."""
     run_id: str
     run_status: str
     policy_id: str
@@ -13305,16 +13325,18 @@ def parse_listen(text: str | None, public: bool) -> tuple[str, int, int]:
     return str(address), int(port), family
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class HookRequest:
+    """One HTTP request to the webhook, as read off the socket."""
     method: str
     target: str                     # as sent, query included: what the signature covers
     headers: dict                   # lower-cased name -> value
     body: bytes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class HookRoute:
+    """What a webhook request asks for, once its path is read."""
     action: str                     # list, show, approve, reject, cancel
     run: str
     approval: str = ""

@@ -13,7 +13,7 @@ client (class Client: pipes, the legacy initialize, then tools/call lines read b
 
     direct    the upstream server process itself: tests/echo_server.py (a trivial echo) and
               fake_payment_server.py (its ``pay`` appends to a ledger file and fsyncs it)
-    proxy     python3 -P -m agentrt_proxy -config <tmp>/<arm>/proxy.json (PYTHONPATH the
+    proxy     python3 -S -P -m agentrt_proxy -config <tmp>/<arm>/proxy.json (PYTHONPATH the
               checkout, its compiled form cached under the temporary directory; a plain
               script run before Python 3.11), pinned first, in front of the same two
               servers (echo classified read_only, ``pay`` remote_mutation with outcome
@@ -78,8 +78,9 @@ rest, with asyncio's hand-offs (8 turns of the loop a call). Through the real pr
 host's frame and the upstream's, and the one sync of the WAL (0.3 to 0.5 ms on this VM's
 disk), which calls in flight together share (group commit: Store.durable). At start-up, a
 script run compiles the whole file first (about 0.2 s that day), which CPython never caches
-for a script; the proxy arms here run as ``python3 -P -m agentrt_proxy``, which loads the
-cached compiled form, and the start-up row times a script run beside it.
+for a script; the proxy arms here run as ``python3 -S -P -m agentrt_proxy``, which loads the
+cached compiled form without running site, and the start-up row times a module run with
+site and a script run beside it.
 """
 
 from __future__ import annotations
@@ -476,19 +477,20 @@ class Lab:
         self.clients.append(client)
         return client.start() if start else client
 
-    def proxy(self, name: str, d: ProxyDir, start: bool = True, script: bool = False
-              ) -> Client:
-        """The proxy as the README's faster host configuration starts it: ``python3 -P -m
-        agentrt_proxy`` with its directory on PYTHONPATH, so that the interpreter loads
+    def proxy(self, name: str, d: ProxyDir, start: bool = True, script: bool = False,
+              site: bool = False) -> Client:
+        """The proxy as the README's faster host configuration starts it: ``python3 -S -P
+        -m agentrt_proxy`` with its directory on PYTHONPATH, so that the interpreter loads
         its cached compiled form (kept here under PYTHONPYCACHEPREFIX, never in the
-        checkout). ``script``, or a Python older than 3.11 (no -P): run as ``python3
-        agentrt_proxy.py``, compiled at every start."""
+        checkout) and runs no site. ``site``: without -S. ``script``, or a Python older
+        than 3.11 (no -P): run as ``python3 agentrt_proxy.py``, compiled at every start."""
         if script or not MODULE_RUN:
             return self._start(Client(name, [PYTHON, PROXY, "-config", d.config], d.path),
                                start)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         env.update(PYTHONPATH=ROOT, PYTHONPYCACHEPREFIX=os.path.join(self.root, "pycache"))
-        argv = [PYTHON, "-P", "-m", "agentrt_proxy", "-config", d.config]
+        argv = [PYTHON, *([] if site else ["-S"]), "-P", "-m", "agentrt_proxy", "-config",
+                d.config]
         return self._start(Client(name, argv, d.path, env), start)
 
     def direct(self, name: str, server: str, ledger: str = "", start: bool = True) -> Client:
@@ -1002,6 +1004,8 @@ def startup_row(lab: Lab, d: ProxyDir, plan: Plan, with_fastmcp: bool, rep: Repo
     starts = {"direct": lambda: lab.direct("startup-direct", FAKE_SERVER),
               "proxy": lambda: lab.proxy("startup-proxy", d),
               "script": lambda: lab.proxy("startup-script", d, script=True)}
+    if MODULE_RUN:
+        starts["site"] = lambda: lab.proxy("startup-site", d, site=True)
     if with_fastmcp:
         starts["fastmcp"] = lambda: lab.fastmcp("startup-fastmcp", FAKE_SERVER)
 
@@ -1011,16 +1015,23 @@ def startup_row(lab: Lab, d: ProxyDir, plan: Plan, with_fastmcp: bool, rep: Repo
         return client.ready_after
     interleave(starts, 1, 1, one)            # once untimed: the database made, files cached
     got = interleave(starts, plan.startup_rounds, 1, one)
-    rep.add(overhead_row("start-up to first tools/list (python3 -P -m)" if MODULE_RUN else
+    rep.add(overhead_row("start-up to first tools/list (python3 -S -P -m)" if MODULE_RUN else
                          "start-up to first tools/list (script: no -P before 3.11)", got,
                          STARTUP_BEYOND_MS,
                          f"beyond upstream <= {STARTUP_BEYOND_MS:.0f} ms"))
+    if MODULE_RUN:
+        site = {"direct": got["direct"], "proxy": got["site"]}
+        row = overhead_row("start-up, python3 -P -m (site runs)", site, None, "")
+        row.note = ("site runs the .pth files of site-packages before the proxy's first "
+                    "line; -S skips it")
+        rep.add(row)
+        rep.ratios.append(p50_ratios("start-up (python3 -P -m, site)", site))
     script = {"direct": got["direct"], "proxy": got["script"]}
     row = overhead_row("start-up, run as python3 agentrt_proxy.py", script, None, "")
     row.note = ("a script run compiles the whole file at every start (CPython caches the "
                 "compiled form of modules only)")
     rep.add(row)
-    rep.ratios.append(p50_ratios("start-up (python3 -P -m)", got))
+    rep.ratios.append(p50_ratios("start-up (python3 -S -P -m)", got))
     rep.ratios.append(p50_ratios("start-up (script)", script))
     rep.figures["startup"] = {k: stats(v) for k, v in got.items()}
 

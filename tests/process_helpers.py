@@ -54,7 +54,7 @@ def proxy_command(program: str = PROXY, env: dict | None = None
     env = {k: v for k, v in (os.environ if env is None else env).items()
            if k != "PYTHONDONTWRITEBYTECODE"}
     env.update(PYTHONPATH=ROOT, PYTHONPYCACHEPREFIX=_COMPILED)
-    return [PYTHON, "-P", "-m", "agentrt_proxy"], env
+    return [PYTHON, "-S", "-P", "-m", "agentrt_proxy"], env
 
 # The CLI harness's rules (reference/proxy.md §17.1).
 RULES = {

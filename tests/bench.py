@@ -52,7 +52,8 @@ direct p50):
                                outstanding on one connection; calls per second over the rounds
     start-up                   process start to the first tools/list answer, fake payment
                                server alone against a proxy in front of it, as a module
-                               run (-P -m) and, beside it, as a script run
+                               run (-S -P -m) and, beside it, with site (-P -m) and as a
+                               script run
     memory, 64 held            64 calls to a require_approval tool held (hold 30s,
                                max_pending 100), then VmRSS of the proxy from /proc
 
@@ -1019,20 +1020,22 @@ def startup_row(lab: Lab, d: ProxyDir, plan: Plan, with_fastmcp: bool, rep: Repo
                          "start-up to first tools/list (script: no -P before 3.11)", got,
                          STARTUP_BEYOND_MS,
                          f"beyond upstream <= {STARTUP_BEYOND_MS:.0f} ms"))
-    if MODULE_RUN:
-        site = {"direct": got["direct"], "proxy": got["site"]}
-        row = overhead_row("start-up, python3 -P -m (site runs)", site, None, "")
-        row.note = ("site runs the .pth files of site-packages before the proxy's first "
-                    "line; -S skips it")
-        rep.add(row)
-        rep.ratios.append(p50_ratios("start-up (python3 -P -m, site)", site))
-    script = {"direct": got["direct"], "proxy": got["script"]}
-    row = overhead_row("start-up, run as python3 agentrt_proxy.py", script, None, "")
-    row.note = ("a script run compiles the whole file at every start (CPython caches the "
-                "compiled form of modules only)")
-    rep.add(row)
     rep.ratios.append(p50_ratios("start-up (python3 -S -P -m)", got))
-    rep.ratios.append(p50_ratios("start-up (script)", script))
+
+    def beside(arm: str, measure: str, short: str, note: str) -> None:
+        """Another way of starting the proxy, against the same upstream starts."""
+        other = {"direct": got["direct"], "proxy": got[arm]}
+        row = overhead_row(measure, other, None, "")
+        row.note = note
+        rep.add(row)
+        rep.ratios.append(p50_ratios(short, other))
+    if MODULE_RUN:
+        beside("site", "start-up, python3 -P -m (site runs)", "start-up (python3 -P -m, site)",
+               "site runs the .pth files of site-packages before the proxy's first line; "
+               "-S skips it")
+    beside("script", "start-up, run as python3 agentrt_proxy.py", "start-up (script)",
+           "a script run compiles the whole file at every start (CPython caches the "
+           "compiled form of modules only)")
     rep.figures["startup"] = {k: stats(v) for k, v in got.items()}
 
 

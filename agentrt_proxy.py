@@ -105,35 +105,53 @@ if __name__ == "__main__" and globals().get("__spec__") is not None and \
     sys.exit(SAFE_MODULE_RUN)
 
 import argparse
-import asyncio
 import base64
 import contextlib
-import copy
 import dataclasses
 import datetime as _dt
 import hashlib
 import hmac
 import io
-import ipaddress
 import json
 import os
-import queue
 import re
-import secrets
-import select
 import shutil
 import signal
-import socket
-import sqlite3
 import stat
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.parse
 import unicodedata
 from decimal import Context, Decimal
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
+
+# What serving needs and starting its servers does not comes last: asyncio (with what it
+# loads, about a quarter of the start), sqlite3 and a few more. Run as the program, serve
+# spawns its stdio servers first (EarlyStart), so that they start while these are imported;
+# every other command, and any import of this module, has them at once.
+RUN_AS_PROGRAM = __name__ == "__main__"
+
+
+def _import_late() -> None:
+    """Import what serving needs beyond starting its servers (again: a no-op)."""
+    global asyncio, copy, ipaddress, queue, secrets, select, socket, sqlite3, tempfile
+    global _TIMEOUT, SOCKET_TIMEOUTS
+    import asyncio
+    import copy
+    import ipaddress
+    import queue
+    import secrets
+    import select
+    import socket
+    import sqlite3
+    import tempfile
+    _TIMEOUT = getattr(asyncio, "timeout", None)       # Python 3.11 and later
+    SOCKET_TIMEOUTS = (TimeoutError, socket.timeout)   # one class from Python 3.10
+
+
+if not RUN_AS_PROGRAM:
+    _import_late()
 
 # Imported where first used, so that importing the module and serving stdio servers do not
 # pay for them: http.client (with the email package it loads) only for a server reached
@@ -4806,9 +4824,6 @@ def _require_live_lease(tx: Tx, run_id: str, owner: str, wall: float) -> None:
         raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
 
 
-_TIMEOUT = getattr(asyncio, "timeout", None)       # Python 3.11 and later
-
-
 async def in_time(aw: Awaitable, seconds: float) -> Any:
     """``await aw`` under a deadline, raising asyncio.TimeoutError (cancelling it) past
     the deadline, as asyncio.wait_for does, with two differences. A future (an upstream's
@@ -5571,7 +5586,6 @@ HTTP_CLOSE_WAIT = 2.0                 # the session's DELETE at close, at most
 HTTP_BODY_SHOWN = 200                 # bytes of an unexpected HTTP answer quoted in an error
 # A socket's timeout: TimeoutError itself from Python 3.10, before that socket.timeout, an
 # OSError apart. Both are the deadline passing (outcome unknown), never a plain failure.
-SOCKET_TIMEOUTS = (TimeoutError, socket.timeout)
 # Envelope numbers are read from their literal, never converted exactly: an id or a code of
 # 1e20000000 costs seconds of CPU per conversion. The proxy's own ids are small positive
 # integers, so an answer's id matches only as those plain digits; a code is taken only from a
@@ -5921,6 +5935,28 @@ def _same_id(got: Any, want: int | None) -> bool:
     return want is not None and _answer_id(got) == want
 
 
+def spawn_server(argv: list[str], env: dict[str, str], cwd: str | None) -> subprocess.Popen:
+    """Start a stdio server: its own process group, pipes on its stdin, stdout and stderr,
+    killed with the proxy (Linux). Needs no event loop, so that serve can start its servers
+    before it imports asyncio (EarlyStart)."""
+    kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
+                              else {"start_new_session": True})
+    if sys.platform.startswith("linux"):
+        prctl = _prctl()
+        kwargs["preexec_fn"] = lambda: _contain_child(prctl)
+    try:
+        return subprocess.Popen([_executable(argv[0], cwd), *argv[1:]], bufsize=0,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, cwd=cwd, **kwargs)
+    except OSError as exc:
+        raise UpstreamError(f"cannot start {_quote(argv[0])}: {exc}") from None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 class StdioUpstream(Upstream):
     """A server started as a child process: its own process group, a minimal environment,
     newline-delimited JSON-RPC, the last 4 KiB of its stderr kept for error messages."""
@@ -5930,33 +5966,37 @@ class StdioUpstream(Upstream):
         super().__init__(name)
         self.argv, self.env = argv, env
         self.cwd = cwd or None      # the configuration's directory (section 18)
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: subprocess.Popen | None = None
+        self._stdin: asyncio.StreamWriter | None = None
+        self._stdout: asyncio.StreamReader | None = None
+        self._stderr: asyncio.StreamReader | None = None
+        self._pipes: list[asyncio.ReadTransport] = []
         self._pending: dict[int, asyncio.Future] = {}
         self._write_lock = asyncio.Lock()
         self._tail = bytearray()
         self._tasks: list[asyncio.Task] = []
         self._close_lock = asyncio.Lock()
 
-    async def start(self) -> None:
-        exe = _executable(self.argv[0], self.cwd)
-        kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
-                                  else {"start_new_session": True})
-        if sys.platform.startswith("linux"):
-            prctl = _prctl()
-            kwargs["preexec_fn"] = lambda: _contain_child(prctl)
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                exe, *self.argv[1:], stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=self.env, cwd=self.cwd, limit=MAX_FRAME + 1024, **kwargs)
-        except OSError as exc:
-            raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
+    async def start(self, spawned: subprocess.Popen | None = None) -> None:
+        """Spawn the server, or take the one ``spawned`` for it, and connect its pipes to
+        the event loop. A failure leaves it to close() to end."""
+        self.proc = spawned or spawn_server(self.argv, self.env, self.cwd)
+        loop = asyncio.get_running_loop()
+        self._stdout, self._stderr = (asyncio.StreamReader(limit=MAX_FRAME + 1024),
+                                      asyncio.StreamReader(limit=MAX_FRAME + 1024))
+        for reader, pipe in ((self._stdout, self.proc.stdout), (self._stderr, self.proc.stderr)):
+            transport, _ = await loop.connect_read_pipe(
+                lambda r=reader: asyncio.StreamReaderProtocol(r), pipe)
+            self._pipes.append(transport)
+        transport, protocol = await loop.connect_write_pipe(
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), self.proc.stdin)
+        self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
 
     async def _drain(self) -> None:
         """Keep the last STDERR_TAIL bytes of the server's stderr."""
         while True:
-            chunk = await self.proc.stderr.read(STDERR_TAIL)
+            chunk = await self._stderr.read(STDERR_TAIL)
             if not chunk:
                 return
             self._tail += chunk
@@ -5971,7 +6011,7 @@ class StdioUpstream(Upstream):
         try:
             while True:
                 try:
-                    line = await self.proc.stdout.readuntil(b"\n")
+                    line = await self._stdout.readuntil(b"\n")
                 except asyncio.IncompleteReadError:
                     break
                 except asyncio.LimitOverrunError:
@@ -6006,11 +6046,11 @@ class StdioUpstream(Upstream):
 
     async def _write(self, data: bytes) -> None:
         async with self._write_lock:
-            if self.proc is None or self.proc.stdin.is_closing():
+            if self._stdin is None or self._stdin.is_closing():
                 raise UpstreamError("the server's input is closed")
-            self.proc.stdin.write(data)
+            self._stdin.write(data)
             try:
-                await self.proc.stdin.drain()
+                await self._stdin.drain()
             except (ConnectionError, BrokenPipeError) as exc:
                 raise UpstreamError(f"the server's input is closed: {exc}") from None
 
@@ -6042,27 +6082,36 @@ class StdioUpstream(Upstream):
             proc, self.closed = self.proc, True
             if proc is None:
                 return
-            if not proc.stdin.is_closing():
+            if self._stdin is not None:
+                self._stdin.close()
+            else:                           # its pipes were never connected
                 proc.stdin.close()
             for sig in (None, signal.SIGTERM, signal.SIGKILL):
-                if proc.returncode is not None:
+                if proc.poll() is not None:
                     break
                 if sig is not None:
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(sig)
                 await _exited(proc, CLOSE_WAIT)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group(proc)
             for task in self._tasks:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(task, STDERR_WAIT)
+            # A descendant may still hold the pipes: they are closed here, each first
+            # taken from the event loop if it was connected to it.
+            if self._stdin is not None and self._stdin.transport.get_write_buffer_size():
+                self._stdin.transport.abort()       # what it never read is dropped
+            for transport in self._pipes:
+                transport.close()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                pipe.close()
             self.proc = None
 
 
-async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> None:
+async def _exited(proc: subprocess.Popen, timeout: float) -> None:
     """Wait for the process itself to exit (not for its pipes: a descendant may hold them)."""
     deadline = time.monotonic() + timeout
-    while proc.returncode is None and time.monotonic() < deadline:
+    while proc.poll() is None and time.monotonic() < deadline:
         await asyncio.sleep(EXIT_POLL)
 
 
@@ -6525,12 +6574,19 @@ def hash_string(text: str) -> str:
     return sha256_hex(encode_canonical(text))
 
 
-async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
-    """Start or reach the server and settle its era, all within ``deadline``."""
+async def open_upstream(server: ServerConfig, deadline: float,
+                        early: "EarlyStart | None" = None) -> Upstream:
+    """Start or reach the server and settle its era, all within ``deadline``; a stdio
+    server ``early`` spawned is taken from it."""
     if server.command:
-        conn: Upstream = StdioUpstream(server.name, list(server.command),
-                                       child_env(server.inherit_env, server.env), server.cwd)
-        await conn.start()
+        stdio = StdioUpstream(server.name, list(server.command),
+                              child_env(server.inherit_env, server.env), server.cwd)
+        conn: Upstream = stdio
+        try:
+            await stdio.start(early.take(server.name) if early is not None else None)
+        except BaseException:
+            await stdio.close()
+            raise
     else:
         conn = HttpUpstream(server.name, server.endpoint)
     try:
@@ -6552,9 +6608,10 @@ def _phase_error(server: ServerConfig, conn: Upstream, step: str,
                     (f"; stderr: {_quote(tail)}" if tail else ""))
 
 
-async def _connect_and_list(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
+async def _connect_and_list(server: ServerConfig, early: "EarlyStart | None" = None,
+                            ) -> tuple[Upstream, list[LiveTool], float]:
     deadline = time.monotonic() + server.connect_timeout
-    conn = await open_upstream(server, deadline)
+    conn = await open_upstream(server, deadline, early)
     try:
         tools = await asyncio.wait_for(conn.list_tools(deadline),
                                        max(0.0, deadline - time.monotonic()))
@@ -6829,15 +6886,12 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
-                      ) -> tuple[list[UpstreamTool], Report]:
+                      early: "EarlyStart | None" = None) -> tuple[list[UpstreamTool], Report]:
     """Connect, list, and register what passes every check. Nothing registered is an
     error that carries the report."""
+    check_rules_pinned(server, pinned)
     rules = server.rule_map
-    unknown = sorted(set(rules) - set(pinned))
-    if unknown:
-        raise MCPError(f"mcp: server {_quote(server.name)}: rules name tools the manifest "
-                       f"does not pin: {', '.join(unknown)}")
-    conn, live_list, deadline = await _connect_and_list(server)
+    conn, live_list, deadline = await _connect_and_list(server, early)
     live = {t.name: t for t in live_list}
     report = Report(server.name, unpinned=sorted(set(live) - set(pinned)))
     tools: list[UpstreamTool] = []
@@ -10386,12 +10440,13 @@ def _id_key(raw: bytes | None) -> str:
 # classified).
 
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
+                     early: "EarlyStart | None" = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
     """Load every server as serving does; with ``emit``, every report line is handed to it,
     after a failure too. A failure closes what was opened; the reports made so far travel
-    with the error."""
+    with the error. ``early``: the servers serve spawned before the event loop ran."""
     try:
-        tools, reports = await _load_tools(cfg)
+        tools, reports = await _load_tools(cfg, early)
     except MCPError as exc:
         for report in getattr(exc, "reports", []) if emit else []:
             for line in report.lines():
@@ -10403,13 +10458,14 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
     return tools, reports
 
 
-async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
+async def _load_tools(cfg: Config, early: "EarlyStart | None" = None,
+                      ) -> tuple[list[UpstreamTool], list[Report]]:
     """Every server is connected, listed and built at once, so start-up takes as long as the
     slowest server, not the sum. The results are taken in configuration order: the reports,
     the names registered and the error a failure gives are those of loading the servers one
     after another. After a failure the servers later in the order are stopped, and every
     server opened is closed."""
-    loads = [asyncio.create_task(_load_one(server, cfg.path)) for server in cfg.servers]
+    loads = [asyncio.create_task(_load_one(server, cfg.path, early)) for server in cfg.servers]
     tools: list[UpstreamTool] = []
     reports: list[Report] = []
     owners: dict[str, str] = {}
@@ -10436,16 +10492,30 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     return tools, reports
 
 
-async def _load_one(server: ServerConfig, config_path: str = "",
-                    ) -> tuple[list[UpstreamTool], Report]:
+def check_rules_pinned(server: ServerConfig, pinned: dict[str, PinnedTool]) -> None:
+    """Every tool the server's rules name is in its manifest."""
+    unknown = sorted(set(server.rule_map) - set(pinned))
+    if unknown:
+        raise MCPError(f"mcp: server {_quote(server.name)}: rules name tools the manifest "
+                       f"does not pin: {', '.join(unknown)}")
+
+
+def read_pinned(server: ServerConfig, config_path: str = "") -> dict[str, PinnedTool]:
+    """The server's manifest, as loading takes it: it must exist and parse."""
     if not os.path.lexists(server.manifest):
         raise MCPError(f"server {_quote(server.name)}: manifest {server.manifest} does not "
                        f"exist: run {_self_command()} pin -config {config_path or 'CONFIG'}")
     try:
-        pinned = read_manifest(server.manifest, server.name)
+        return read_manifest(server.manifest, server.name)
     except ConfigError as exc:
         raise MCPError(f"server {_quote(server.name)}: manifest: {exc}") from None
-    return await load_server(server, pinned)
+
+
+async def _load_one(server: ServerConfig, config_path: str = "",
+                    early: "EarlyStart | None" = None) -> tuple[list[UpstreamTool], Report]:
+    if early is not None and server.name in early.pinned:
+        return await load_server(server, early.pinned[server.name], early)
+    return await load_server(server, read_pinned(server, config_path))
 
 
 def _register(cfg: Config, server: ServerConfig, got: list[UpstreamTool],
@@ -10642,19 +10712,74 @@ def _decisions(cfg: Config, tools: list[UpstreamTool]) -> list[list[str]]:
     return rows
 
 
-async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
+class EarlyStart:
+    """serve, run as the program, spawns its stdio servers before it imports asyncio and
+    sqlite3, so that the servers start while it does: the two take about as long. Only a
+    start that loading would make anyway is made early. The checks before any server
+    starts have passed (check_database_owner, check_reach), and every server's manifest
+    has been read and covers its rules; else nothing is spawned here, and loading reports
+    what it always has. Loading takes each server from here as it connects it (open_upstream
+    closes it on a failure); close_rest ends any it never took. A SIGINT or SIGTERM before
+    the event loop handles them is noted, and ends the start as one while loading does."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[str, dict[str, PinnedTool]] = {}
+        self.spawned: dict[str, subprocess.Popen] = {}
+        self.signalled = False
+
+    @classmethod
+    def begin(cls, cfg: Config) -> "EarlyStart":
+        early = cls()
+        try:
+            for server in cfg.servers:
+                pinned = read_pinned(server, cfg.path)
+                check_rules_pinned(server, pinned)
+                early.pinned[server.name] = pinned
+        except MCPError:
+            early.pinned.clear()
+            return early
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, early._note)
+        for server in cfg.servers:
+            if server.command:
+                with contextlib.suppress(UpstreamError):    # loading tries it and says why
+                    early.spawned[server.name] = spawn_server(
+                        list(server.command), child_env(server.inherit_env, server.env),
+                        server.cwd or None)
+        return early
+
+    def _note(self, signum, frame) -> None:
+        self.signalled = True
+
+    def take(self, name: str) -> subprocess.Popen | None:
+        return self.spawned.pop(name, None)
+
+    def close_rest(self) -> None:
+        """Kill the servers spawned here that loading never took, and reap them."""
+        while self.spawned:
+            _, proc = self.spawned.popitem()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                pipe.close()
+            _kill_group(proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(CLOSE_WAIT)
+
+
+async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
+                    early: EarlyStart | None = None) -> int:
     """Serve the host on stdin and stdout until EOF or a signal. The host is read from the
     start: the handshake is answered while the servers load, and the requests for tools
     wait for loading (section 23). A signal during start-up ends it as cleanly as one while
     serving; a failure to start answers each waiting request with an error, then fails as
-    it would have before anything was read."""
+    it would have before anything was read. The checks before any server starts were made
+    by run_proxy_command."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    check_database_owner(cfg.database)
-    check_reach(cfg)
+    if early is not None and early.signalled:
+        stop.set()
     writer = LineWriter(stdout, lambda: loop.call_soon_threadsafe(stop.set))
     host = HostServer(None, writer.write, out.log)
     lines = LineReader(stdin, loop)
@@ -10671,7 +10796,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
         ended.set()
     reader = asyncio.create_task(feed())
     try:
-        started = await _start_serving(cfg, out, stop)
+        started = await _start_serving(cfg, out, stop, early)
     except BaseException:
         host.refuse(START_FAILED)
         reader.cancel()
@@ -10701,6 +10826,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
 
 
 async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
+                         early: EarlyStart | None = None,
                          ) -> tuple[list[UpstreamTool], Store, Proxy] | None:
     """Load the servers, open the store, build the proxy; None when ``stop`` came first
     (then nothing is left open). On a failure, what was opened is closed.
@@ -10709,7 +10835,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
     the loop only waits for them meanwhile; a failure to load them still comes first, and
     the store opened beside it is closed. A database that does not exist yet is created
     only once the servers have loaded, so that a start that fails creates nothing."""
-    loading = asyncio.create_task(load_tools(cfg, out.log))
+    loading = asyncio.create_task(load_tools(cfg, out.log, early))
     opening = (asyncio.ensure_future(asyncio.to_thread(Store.open, cfg.database))
                if os.path.lexists(cfg.database) else None)
     stopped = asyncio.create_task(stop.wait())
@@ -13125,6 +13251,9 @@ def run_proxy_command(args, out: Out) -> int:
             raise UsageError("recheck: -run and -session are exclusive")
         if args.limit <= 0:
             raise UsageError("recheck: -limit must be positive")
+    if args.command == "serve":
+        return _serve(args, out)
+    _import_late()
     if args.command == "wrap":          # its configuration does not exist yet
         return asyncio.run(cmd_wrap(args, out))
     cfg = load_config(args.config)
@@ -13132,11 +13261,29 @@ def run_proxy_command(args, out: Out) -> int:
         return asyncio.run(cmd_recheck(cfg, args, out))
     if args.command == "pin":
         return asyncio.run(cmd_pin(cfg, out))
-    if args.command == "check":
-        return asyncio.run(cmd_check(cfg, out, bool(getattr(args, "strict", False))))
-    stdin = getattr(out.stdin, "buffer", out.stdin)
-    stdout = getattr(out.stdout, "buffer", out.stdout)
-    return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
+    return asyncio.run(cmd_check(cfg, out, bool(getattr(args, "strict", False))))
+
+
+def _serve(args, out: Out) -> int:
+    """Run as the program, the servers are spawned before asyncio is imported (EarlyStart).
+    Whatever fails before the event loop runs, asyncio is imported, so that the failure is
+    reported as any other."""
+    early = None
+    try:
+        try:
+            cfg = load_config(args.config)
+            check_database_owner(cfg.database)
+            check_reach(cfg)
+            if RUN_AS_PROGRAM:
+                early = EarlyStart.begin(cfg)
+        finally:
+            _import_late()
+        stdin = getattr(out.stdin, "buffer", out.stdin)
+        stdout = getattr(out.stdout, "buffer", out.stdout)
+        return asyncio.run(cmd_serve(cfg, out, stdin, stdout, early))
+    finally:
+        if early is not None:
+            early.close_rest()
 
 
 # ==== 32. The webhook: the HTTP approval channel ====
@@ -13847,6 +13994,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
             raise UsageError("no command given")
         if args.command in _PROXY_COMMANDS:
             return run_proxy_command(args, out)
+        _import_late()
         if args.command in _HOOK_COMMANDS:
             return _HOOK_COMMANDS[args.command](args, out)
         return run_operator(args, out)

@@ -321,7 +321,7 @@ class _Start:
             self.opened.set()
             return self.stores[-1]
 
-        async def default_load(cfg, emit):
+        async def default_load(cfg, emit, early=None):
             self.loaded_after_open = await self.until_opened()
             return ["tool"], []
 
@@ -367,7 +367,7 @@ def test_a_database_that_does_not_exist_is_created_only_after_the_servers_load(
         monkeypatch, tmp_path):
     order: list[str] = []
 
-    async def load(cfg, emit):
+    async def load(cfg, emit, early=None):
         await asyncio.sleep(0.3)             # room for an open beside it, were there one
         order.append("loaded")
         return ["tool"], []
@@ -379,7 +379,7 @@ def test_a_database_that_does_not_exist_is_created_only_after_the_servers_load(
 
 
 def test_a_start_whose_servers_fail_creates_no_database(monkeypatch, tmp_path):
-    async def load(cfg, emit):
+    async def load(cfg, emit, early=None):
         raise ap.MCPError("mcp: server 'a': cannot start")
     s = _Start(monkeypatch, tmp_path, exists=False, load=load)
     monkeypatch.setattr(ap.Store, "open", staticmethod(_REAL_OPEN))
@@ -390,7 +390,7 @@ def test_a_start_whose_servers_fail_creates_no_database(monkeypatch, tmp_path):
 
 def test_a_failed_load_closes_the_store_opened_beside_it_and_its_error_comes_first(
         monkeypatch, tmp_path):
-    async def load(cfg, emit):
+    async def load(cfg, emit, early=None):
         assert await s.until_opened()
         raise ap.MCPError("mcp: server 'a': cannot start")
     s = _Start(monkeypatch, tmp_path, load=load)
@@ -400,7 +400,7 @@ def test_a_failed_load_closes_the_store_opened_beside_it_and_its_error_comes_fir
 
 
 def test_a_failed_load_is_reported_over_a_store_that_failed_to_open(monkeypatch, tmp_path):
-    async def load(cfg, emit):
+    async def load(cfg, emit, early=None):
         assert await s.until_opened()
         raise ap.MCPError("mcp: server 'a': cannot start")
     s = _Start(monkeypatch, tmp_path, load=load,
@@ -410,7 +410,7 @@ def test_a_failed_load_is_reported_over_a_store_that_failed_to_open(monkeypatch,
 
 
 def test_a_stop_while_loading_closes_the_store_opened_beside_it(monkeypatch, tmp_path):
-    async def load(cfg, emit):
+    async def load(cfg, emit, early=None):
         await asyncio.sleep(30)
     s = _Start(monkeypatch, tmp_path, load=load)
     assert s.run(stop_at_once=True) is None

@@ -1,0 +1,219 @@
+"""serve, run as the program, spawns its stdio servers before it imports asyncio and what
+else serving needs (EarlyStart), so that the two overlap. Only a start that loading would
+make anyway is made early, a server spawned early is the one loading connects, one it never
+takes is killed, and a signal before the event loop runs ends the start cleanly.
+
+The in-process tests run main() as the program does (RUN_AS_PROGRAM) with spawn_server and
+_import_late recorded; the process tests run the real module form and read its stderr."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import agentrt_proxy as ap
+from process_helpers import ProcessDir, proxy_command
+
+
+@pytest.fixture
+def program(monkeypatch):
+    """main() as run as the program: what was spawned and when the late imports came. The
+    signal handlers EarlyStart installs are put back afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    events: list[tuple] = []
+    procs: list[subprocess.Popen] = []
+    real_spawn, real_late = ap.spawn_server, ap._import_late
+
+    def spawn(argv, env, cwd):
+        events.append(("spawn", os.path.basename(argv[-1])))
+        procs.append(real_spawn(argv, env, cwd))
+        return procs[-1]
+
+    def late():
+        events.append(("late",))
+        real_late()
+
+    monkeypatch.setattr(ap, "RUN_AS_PROGRAM", True)
+    monkeypatch.setattr(ap, "spawn_server", spawn)
+    monkeypatch.setattr(ap, "_import_late", late)
+    yield events, procs
+    for proc in procs:                  # anything still running was started by this test
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def serve(config: str) -> tuple[int, str]:
+    """main() on -config with the host's input already at its end: it starts, then stops."""
+    err = io.StringIO()
+    code = ap.main(["-config", config], stdin=io.BytesIO(b""), stdout=io.BytesIO(),
+                   stderr=err)
+    return code, err.getvalue()
+
+
+def test_serve_spawns_its_servers_before_it_imports_asyncio(tmp_path, program):
+    events, procs = program
+    d = ProcessDir(tmp_path, allow_pay=True)
+    code, err = serve(d.config)
+    assert code == 0, err
+    assert "serving session laptop" in err
+    # spawned once, before the late imports: loading connected the server spawned early
+    assert events == [("spawn", "fake_payment_server.py"), ("late",)]
+    assert procs[0].poll() is not None          # and closed it when serving ended
+
+
+def test_every_other_command_imports_at_once(tmp_path, program):
+    events, _ = program
+    d = ProcessDir(tmp_path)
+    out, err = io.StringIO(), io.StringIO()
+    assert ap.main(["check", "-config", d.config], stdout=out, stderr=err) == 0, err.getvalue()
+    assert events[0] == ("late",)
+    assert ap.main(["-db", d.db, "runs"], stdout=out, stderr=err) == 0, err.getvalue()
+    assert events[-1] == ("late",)
+
+
+def test_a_missing_manifest_spawns_nothing(tmp_path, program):
+    events, _ = program
+    d = ProcessDir(tmp_path, pin=False)
+    code, err = serve(d.config)
+    assert code == 1
+    assert "bank.manifest.json does not exist" in err
+    assert events == [("late",)]
+
+
+def edit(d: ProcessDir, change) -> None:
+    """Rewrite the configuration's one server entry with ``change``."""
+    with open(d.config) as f:
+        doc = json.load(f)
+    change(doc["servers"][0])
+    with open(d.config, "w") as f:
+        json.dump(doc, f)
+
+
+def test_rules_naming_an_unpinned_tool_spawn_nothing(tmp_path, program):
+    events, _ = program
+    d = ProcessDir(tmp_path)
+    edit(d, lambda server: server["rules"].update(transfer={"side_effect": "read_only"}))
+    code, err = serve(d.config)
+    assert code == 1
+    assert "rules name tools the manifest does not pin: transfer" in err
+    assert events == [("late",)]
+
+
+def test_a_server_reaching_the_database_spawns_nothing(tmp_path, program):
+    events, _ = program
+    d = ProcessDir(tmp_path)
+    edit(d, lambda server: server["command"].append(d.db))
+    code, err = serve(d.config)
+    assert code == 1
+    assert "runs.db" in err
+    assert events == [("late",)]
+
+
+def test_a_signal_before_the_event_loop_ends_the_start_cleanly(tmp_path, program,
+                                                               monkeypatch):
+    events, procs = program
+    d = ProcessDir(tmp_path)
+    noted = []
+    # Were EarlyStart not to take SIGTERM, this handler would note it, and the start go on.
+    signal.signal(signal.SIGTERM, lambda signum, frame: noted.append(signum))
+    recorded_late = ap._import_late
+
+    def late():
+        os.kill(os.getpid(), signal.SIGTERM)       # while asyncio would be imported
+        recorded_late()
+    monkeypatch.setattr(ap, "_import_late", late)
+    code, err = serve(d.config)
+    assert noted == []
+    assert code == 0, err
+    assert "stopped before serving" in err
+    assert "serving session" not in err
+    assert [e[0] for e in events] == ["spawn", "late"]
+    assert procs[0].poll() is not None          # the server spawned early was closed
+
+
+def test_servers_loading_never_took_are_killed(tmp_path, program):
+    _, procs = program
+    d = ProcessDir(tmp_path)
+    cfg = ap.load_config(d.config)
+    early = ap.EarlyStart.begin(cfg)
+    assert list(early.spawned) == ["bank"] and procs[0].poll() is None
+    early.close_rest()
+    assert early.spawned == {}
+    assert procs[0].returncode is not None      # killed and reaped
+    with pytest.raises(ProcessLookupError):
+        os.killpg(procs[0].pid, 0)              # its process group is gone
+
+
+def test_a_server_that_cannot_be_spawned_is_reported_as_before(tmp_path, program):
+    events, _ = program
+    d = ProcessDir(tmp_path)
+    edit(d, lambda server: server.update(command=[str(tmp_path / "no-such-server")]))
+    code, err = serve(d.config)
+    assert code == 1
+    assert "cannot start" in err and "no-such-server" in err
+    # tried early (and failed, leaving it to loading), then by loading, which reports it
+    assert events == [("spawn", "no-such-server"), ("late",), ("spawn", "no-such-server")]
+
+
+# -- the real program --
+
+def run_program(d: ProcessDir, timeout: float = 60) -> subprocess.CompletedProcess:
+    command, env = proxy_command()
+    return subprocess.run([*command, "-config", d.config], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout, cwd=d.tmp, env=env)
+
+
+@pytest.mark.parametrize("case", ["missing manifest", "unpinned rule", "reach"])
+def test_a_start_refused_before_the_spawn_says_so_in_one_line(tmp_path, case):
+    """The module run refuses before asyncio is imported: one error line, no traceback."""
+    d = ProcessDir(tmp_path, pin=(case != "missing manifest"))
+    if case == "unpinned rule":
+        edit(d, lambda server: server["rules"].update(transfer={"side_effect": "read_only"}))
+    if case == "reach":
+        edit(d, lambda server: server["command"].append(d.db))
+    done = run_program(d)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("agentrt-proxy: error: ")], done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_program_serves_through_the_server_it_spawned_early(tmp_path):
+    d = ProcessDir(tmp_path, allow_pay=True)
+    p = d.start()
+    try:
+        r = p.call("bank_balance", {"account": "alice"})
+        assert not r.get("isError"), r
+        started = time.monotonic()
+        children = []
+        while not children and time.monotonic() - started < 10:
+            children = _children(p.pid)
+            time.sleep(0.05)
+        assert len(children) == 1                 # one server: spawned once
+    finally:
+        p.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+

@@ -2873,6 +2873,25 @@ _HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name=
              "LIMIT 1) AS e")
 
 
+_WRITES = re.compile(r"(?:UPDATE|(?:INSERT|REPLACE)(?: OR [A-Z]+)? INTO|DELETE FROM) "
+                     r"([a-z_]+)[ (]")
+_KEEPS_RUNS: dict[str, bool] = {}
+
+
+def _keeps_runs(sql: str) -> bool:
+    """Whether a statement leaves every row of runs as it was: a SELECT, or a write whose
+    one target is another table. Anything else (a write of runs, a schema change, a
+    statement not recognised) may change a run. Judged once per text: the texts are the
+    code's own, and few."""
+    found = _KEEPS_RUNS.get(sql)
+    if found is None:
+        target = _WRITES.match(sql)
+        found = sql.startswith("SELECT ") or (target is not None and target[1] != "runs")
+        if len(_KEEPS_RUNS) < 512:
+            _KEEPS_RUNS[sql] = found
+    return found
+
+
 class Tx:
     """One open write transaction: compare-and-set reads, writes, and chained events."""
 
@@ -2881,7 +2900,8 @@ class Tx:
         self._head: tuple[int, str] | None = None
         self._specs = specs if specs is not None else set()
         # Runs read in this transaction. It holds the write lock, so only its own writes
-        # can change a run: every statement that is not a SELECT forgets them all.
+        # can change a run: every statement that may write the runs table forgets them all
+        # (_keeps_runs; the store holds no trigger, so a statement writes only what it names).
         self._runs: dict[str, Run] = {}
 
     def forget_head(self) -> None:
@@ -2908,13 +2928,13 @@ class Tx:
         return run
 
     def exec(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
-        if not sql.startswith("SELECT "):
+        if not _keeps_runs(sql):
             self._runs.clear()
         return self.c.execute(sql, params)
 
     def rows(self, sql: str, params: tuple = ()) -> list[tuple]:
         """A read inside the transaction (a Query, as Store._read is outside one)."""
-        if not sql.startswith("SELECT "):
+        if not _keeps_runs(sql):
             self._runs.clear()
         return self.c.execute(sql, params).fetchall()
 
@@ -2936,13 +2956,45 @@ class Tx:
                    finished_at: str = "", result: str = "") -> Run:
         """Move a run to ``to``. Entering or staying RUNNING under a lease writes the lease;
         pausing or finishing releases it in the same transaction."""
-        self.require(run_id, statuses, owner)
+        run = self.require(run_id, statuses, owner)
         lease = (owner, lease_until) if to == RUNNING and owner else ("", "")
         self._runs.clear()
         self.c.execute("UPDATE runs SET status=?, reason=?, reason_detail=?, finished_at=?, "
                        "result_json=?, lease_owner=?, lease_expires_at=? WHERE id=?",
                        (to, reason, detail, finished_at, result, *lease, run_id))
-        return self.run(run_id)
+        # The row as the statement left it: the one read under this transaction's lock, with
+        # the columns it wrote.
+        run = self._runs[run_id] = dataclasses.replace(
+            run, status=to, reason=reason, reason_detail=detail, finished_at=finished_at,
+            result_json=result, lease_owner=lease[0], lease_expires_at=lease[1])
+        return run
+
+    def add_run(self, run: Run, limits_json: str, started_at: str) -> None:
+        """Insert a new run (refused when its id is taken: nothing is written). The run as
+        inserted is known here without reading it back."""
+        cur = self.c.execute(
+            "INSERT INTO runs (id, goal, status, limits_json, created_at, started_at, "
+            "lease_owner, lease_expires_at) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
+            (run.id, run.goal, run.status, limits_json, run.created_at, started_at,
+             run.lease_owner, run.lease_expires_at))
+        self._runs.clear()
+        if cur.rowcount != 1:
+            raise RunStateError(f"run {run.id} already exists")
+        self._runs[run.id] = run
+
+    def count_step(self, run_id: str, step_count: int, owner: str) -> bool:
+        """Add one to a RUNNING run's step count, if it still has ``step_count`` steps and
+        is leased to ``owner``; False (nothing written) otherwise."""
+        known = self._runs.get(run_id)
+        self._runs.clear()
+        cur = self.c.execute("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? "
+                             "AND step_count=? AND lease_owner=?",
+                             (run_id, RUNNING, step_count, owner))
+        if cur.rowcount != 1:
+            return False
+        if known is not None and known.step_count == step_count:
+            self._runs[run_id] = dataclasses.replace(known, step_count=step_count + 1)
+        return True
 
     def take_lease(self, run_id: str, owner: str, until: str) -> None:
         """Write a new lease on a RUNNING run (a take-over: the caller judged the old one)."""
@@ -3381,6 +3433,9 @@ class Store:
                 raise StoreError(f"{self.path}: read failed: {exc}") from None
 
     def get_run(self, run_id: str) -> Run:
+        with self._lock:
+            if self._batch is not None and self._batch_thread == threading.get_ident():
+                return self._batch.run(run_id)      # this thread's batch: as it left the run
         rows = self._read(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,))
         if not rows:
             raise NotFound(f"run {run_id} not found")
@@ -3906,16 +3961,13 @@ class Gate:
         self._claim(run_id)
         try:
             now, until = self.now(), self.wall() + self.lease_ttl
+            record = limits.record()
             with self.store.tx() as tx:
-                if tx.exec("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone():
-                    raise RunStateError(f"run {run_id} already exists")
-                tx.exec("INSERT INTO runs (id, goal, status, limits_json, created_at, started_at, "
-                        "lease_owner, lease_expires_at) VALUES (?,?,?,?,?,?,?,?)",
-                        (run_id, goal, RUNNING, limits.record(), now, now, self.owner,
-                         fmt_time(until)))
+                tx.add_run(Run(run_id, goal, RUNNING, "", "", Limits.from_record(record), 0, now,
+                               "", "", self.owner, fmt_time(until)), record, now)
                 hashes = [tx.save_spec(t.spec) for t in self.tools.values()]
                 tx.event(run_id, "", now, "run.created",
-                         {"goal": goal, "limits": Raw(limits.record().encode()), "tools": hashes})
+                         {"goal": goal, "limits": Raw(record.encode()), "tools": hashes})
                 tx.event(run_id, "", now, "run.started", {})
         except BaseException:
             self._release_claim(run_id)
@@ -4197,16 +4249,15 @@ class Session:
             return self._over(run)
         if not self.gate.leases.ok(self.run_id):
             raise self._lose()
-        steps = self.store.list_steps(self.run_id)
+        # A run with no step counted has none: each is counted in the transaction that
+        # inserts it (below), and the index is unique to it.
+        steps = self.store.list_steps(self.run_id) if run.step_count else []
         hit = _limit_hit(run, steps)
         if hit:
             return self._over(self._end_by_limit(*hit))
         now, step_id = self.gate.now(), step_id or self.gate.new_id()
         with self.store.tx() as tx:
-            cur = tx.exec("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? AND "
-                          "step_count=? AND lease_owner=?",
-                          (self.run_id, RUNNING, run.step_count, self.gate.owner))
-            if cur.rowcount != 1:
+            if not tx.count_step(self.run_id, run.step_count, self.gate.owner):
                 tx.require(self.run_id, (RUNNING,), self.gate.owner)
                 raise RunStateError(f"run {self.run_id} cannot start step {run.step_count}")
             tx.exec("INSERT INTO steps (id, run_id, idx, status, started_at) VALUES (?,?,?,?,?)",
@@ -6033,6 +6084,8 @@ class StdioUpstream(Upstream):
                 if not fut.done():
                     fut.set_exception(UpstreamError(reason))
             self._pending.clear()
+            if self.proc is not None:       # reaped once it exits, not only at close()
+                await _exited(self.proc, CLOSE_WAIT)
 
     async def _dispatch(self, msg: Message) -> None:
         if msg.method is None:
@@ -8939,6 +8992,13 @@ _ROW_COLS = "id, session, request_key, tool, side_effect, run_id, created_at, op
             "settled_at, outcome"
 
 
+# CallIndex.for_key's two searches of the key's rows in one statement: the open row (at
+# most one), then the newest closed rows.
+_FOR_KEY_SQL = (f"SELECT {_ROW_COLS} FROM proxy_calls WHERE session=? AND request_key=? AND "
+                f"open=1 UNION ALL SELECT * FROM (SELECT {_ROW_COLS} FROM proxy_calls WHERE "
+                "session=? AND request_key=? AND open=0 ORDER BY id DESC LIMIT ?)")
+
+
 class IndexRace(ProxyError):
     """Another call changed this request's index row first; the caller decides again."""
 
@@ -9005,11 +9065,12 @@ class CallIndex:
         row, then the newest closed rows (at most RULE_ROWS) closed since ``since``. Rows of
         one key close in the order they were opened, so the newest rows are the ones a window
         can hold, and the rules need only the newest."""
-        rows = self._rows("session=? AND request_key=? AND open=0 ORDER BY id DESC LIMIT ?",
-                          (self.session, key, RULE_ROWS))
-        current = self.open_row(key)
-        return current, ([current] if current else []) + [r for r in rows
-                                                          if r.closed_at >= since]
+        rows = [CallRow(*r) for r in self.store._read(_FOR_KEY_SQL,
+                                                      (self.session, key) * 2 + (RULE_ROWS,))]
+        current = next((r for r in rows if r.open), None)
+        closed = sorted((r for r in rows if not r.open and r.closed_at >= since),
+                        key=lambda r: r.id, reverse=True)
+        return current, ([current] if current else []) + closed
 
     def unsettled(self) -> list[CallRow]:
         return self._rows("session=? AND settled_at=0 ORDER BY id", (self.session,))
@@ -9055,16 +9116,17 @@ class CallIndex:
         """Open a row for ``key``, closing ``prev``; refused when the open row is not the one
         the caller read (another call got there first)."""
         with self.store.tx() as tx:
-            row = tx.exec("SELECT id FROM proxy_calls WHERE session=? AND request_key=? AND "
-                          "open=1", (self.session, key)).fetchone()
-            if (row is None) != (prev is None) or (row and row[0] != prev.id):
+            # A key has at most one open row (the unique index proxy_calls_open): ``prev``
+            # still open is still the open row; with no ``prev``, an open row inserted by
+            # another call meanwhile makes the insert a no-op. Either way nothing is written.
+            if prev is not None and tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE "
+                                            "id=? AND open=1", (now, prev.id)).rowcount != 1:
                 raise IndexRace("proxy: the request's index row changed")
-            if prev is not None:
-                tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE id=? AND open=1",
-                        (now, prev.id))
-            tx.exec("INSERT INTO proxy_calls (session, request_key, tool, side_effect, run_id, "
-                    "created_at) VALUES (?,?,?,?,?,?)",
-                    (self.session, key, tool, cls, run_id, now))
+            if tx.exec("INSERT INTO proxy_calls (session, request_key, tool, side_effect, "
+                       "run_id, created_at) VALUES (?,?,?,?,?,?) ON CONFLICT (session, "
+                       "request_key) WHERE open=1 DO NOTHING",
+                       (self.session, key, tool, cls, run_id, now)).rowcount != 1:
+                raise IndexRace("proxy: the request's index row changed")
 
     def settle(self, row: CallRow, outcome: int, now: float) -> None:
         """Cache what the row's run came to (once: only while it is unseen)."""
@@ -10738,14 +10800,20 @@ class EarlyStart:
         except MCPError:
             early.pinned.clear()
             return early
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, early._note)
-        for server in cfg.servers:
-            if server.command:
-                with contextlib.suppress(UpstreamError):    # loading tries it and says why
-                    early.spawned[server.name] = spawn_server(
-                        list(server.command), child_env(server.inherit_env, server.env),
-                        server.cwd or None)
+        before = {sig: signal.signal(sig, early._note)
+                  for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for server in cfg.servers:
+                if server.command and not early.signalled:
+                    with contextlib.suppress(UpstreamError):    # loading tries it, says why
+                        early.spawned[server.name] = spawn_server(
+                            list(server.command), child_env(server.inherit_env, server.env),
+                            server.cwd or None)
+        except BaseException:          # one it could not even try (a NUL in its command)
+            early.close_rest()
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+            raise
         return early
 
     def _note(self, signum, frame) -> None:
@@ -10755,14 +10823,22 @@ class EarlyStart:
         return self.spawned.pop(name, None)
 
     def close_rest(self) -> None:
-        """Kill the servers spawned here that loading never took, and reap them."""
+        """End the servers spawned here that loading never took as StdioUpstream.close ends
+        one (close stdin, wait, SIGTERM, wait, SIGKILL, then the process group), and reap
+        them."""
         while self.spawned:
             _, proc = self.spawned.popitem()
-            for pipe in (proc.stdin, proc.stdout, proc.stderr):
-                pipe.close()
+            proc.stdin.close()
+            for sig in (None, signal.SIGTERM, signal.SIGKILL):
+                if sig is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(CLOSE_WAIT)
+                    break
             _kill_group(proc)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(CLOSE_WAIT)
+            proc.stdout.close()
+            proc.stderr.close()
 
 
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
@@ -10771,8 +10847,8 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
     start: the handshake is answered while the servers load, and the requests for tools
     wait for loading (section 23). A signal during start-up ends it as cleanly as one while
     serving; a failure to start answers each waiting request with an error, then fails as
-    it would have before anything was read. The checks before any server starts were made
-    by run_proxy_command."""
+    it would have before anything was read. The checks before any server starts are the
+    caller's: _serve makes them (check_database_owner, check_reach) before it calls this."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -8,6 +8,7 @@ _import_late recorded; the process tests run the real module form and read its s
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -141,7 +142,7 @@ def test_a_signal_before_the_event_loop_ends_the_start_cleanly(tmp_path, program
     assert procs[0].poll() is not None          # the server spawned early was closed
 
 
-def test_servers_loading_never_took_are_killed(tmp_path, program):
+def test_servers_loading_never_took_are_ended_and_reaped(tmp_path, program):
     _, procs = program
     d = ProcessDir(tmp_path)
     cfg = ap.load_config(d.config)
@@ -149,9 +150,54 @@ def test_servers_loading_never_took_are_killed(tmp_path, program):
     assert list(early.spawned) == ["bank"] and procs[0].poll() is None
     early.close_rest()
     assert early.spawned == {}
-    assert procs[0].returncode is not None      # killed and reaped
+    # ended as a loaded server is: its input closed first, which this server exits on
+    assert procs[0].returncode == 0
     with pytest.raises(ProcessLookupError):
         os.killpg(procs[0].pid, 0)              # its process group is gone
+
+
+def two_servers(d: ProcessDir, **second) -> ap.Config:
+    """The configuration with a second server like the first (the same manifest)."""
+    cfg = ap.load_config(d.config)
+    with open(cfg.servers[0].manifest) as f:
+        manifest = dict(json.load(f), server="bank2")
+    path = os.path.join(d.tmp, "bank2.manifest.json")
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    other = dataclasses.replace(cfg.servers[0], name="bank2", manifest=path, **second)
+    return dataclasses.replace(cfg, servers=(*cfg.servers, other))
+
+
+def test_a_server_that_cannot_even_be_tried_leaves_none_running(tmp_path, program):
+    """A NUL in a server's environment fails the spawn before any process exists (not an
+    UpstreamError): the servers spawned before it are ended, the handlers put back."""
+    _, procs = program
+    d = ProcessDir(tmp_path)
+    cfg = two_servers(d, env=("X=a\x00b",))
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ValueError):
+        ap.EarlyStart.begin(cfg)
+    assert len(procs) == 1 and procs[0].returncode is not None
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_a_signal_while_spawning_spawns_no_more(tmp_path, program, monkeypatch):
+    events, procs = program
+    d = ProcessDir(tmp_path)
+    cfg = two_servers(d)
+    recorded_spawn = ap.spawn_server
+
+    def spawn(argv, env, cwd):
+        proc = recorded_spawn(argv, env, cwd)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return proc
+    monkeypatch.setattr(ap, "spawn_server", spawn)
+    early = ap.EarlyStart.begin(cfg)
+    try:
+        assert early.signalled and list(early.spawned) == ["bank"]
+        assert events == [("spawn", "fake_payment_server.py")]
+    finally:
+        early.close_rest()
 
 
 def test_a_server_that_cannot_be_spawned_is_reported_as_before(tmp_path, program):
@@ -202,6 +248,26 @@ def test_the_program_serves_through_the_server_it_spawned_early(tmp_path):
         assert len(children) == 1                 # one server: spawned once
     finally:
         p.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_server_that_exits_while_connected_is_reaped_before_close(tmp_path):
+    """The proxy adopts a Popen, so no child watcher reaps it: the reader does, at EOF."""
+    import asyncio
+
+    async def scenario():
+        upstream = ap.StdioUpstream("gone", [sys.executable, "-c", "pass"], {})
+        await upstream.start()
+        pid = upstream.proc.pid
+        try:
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return os.path.exists(f"/proc/{pid}")
+        finally:
+            await upstream.close()
+    ap._import_late()
+    assert asyncio.run(scenario()) is False      # no zombie left while still connected
 
 
 def _children(pid: int) -> list[int]:

@@ -91,8 +91,8 @@ INDEX_QUERIES = [
      "outcome=?", (1.0, 2, "r", 0)),
     ("settle a row", "UPDATE proxy_calls SET settled_at=CASE WHEN settled_at=0 THEN ? ELSE "
      "settled_at END, outcome=? WHERE id=? AND outcome=?", (1.0, 2, 5, 0)),
-    ("claim's check", "SELECT id FROM proxy_calls WHERE session=? AND request_key=? AND "
-     "open=1", ("s", "k")),
+    ("the key's rows, open and newest closed, in one statement", ap._FOR_KEY_SQL,
+     ("s", "k", "s", "k", 8)),
     ("close a row", "UPDATE proxy_calls SET open=0, closed_at=? WHERE id=? AND open=1",
      (1.0, 5)),
     ("unknown for a tool", "SELECT * FROM proxy_calls WHERE session=? AND tool=? AND "
@@ -129,9 +129,10 @@ def test_the_index_queries_are_the_ones_the_module_runs():
     """The statements above are the module's own: a changed query must be added here."""
     import inspect
     source = inspect.getsource(ap.CallIndex)
-    for fragment in ("open=1\"", "open=0 ORDER BY id DESC LIMIT ?", "id<? \"",
+    assert "_FOR_KEY_SQL" in source
+    for fragment in ("open=1\"", "id<? \"",
                      "settled_at=0 ORDER BY id\"", "settled_at=0 ORDER BY id DESC LIMIT ?",
                      "settled_at>=? ORDER BY settled_at DESC LIMIT ?", "\"run_id=?\"",
                      "q.outcome!=?) ORDER BY id\"", "WHERE run_id=? AND \"",
-                     "outcome=? WHERE id=? AND outcome=?\"", "WHERE id=? AND open=1\""):
+                     "outcome=? WHERE id=? AND outcome=?\"", "\"id=? AND open=1\""):
         assert fragment in source, fragment

@@ -1,0 +1,205 @@
+"""An allowed call in fewer SQLite statements, recording exactly what it recorded before.
+
+- A transaction keeps the runs it read until a statement may write the runs table: a write
+  of another table (steps, events, proxy_calls) leaves them as they are; a write of runs,
+  a schema change or a statement not recognised forgets them all.
+- A run the transaction inserts, counts a step of or moves is known without reading it
+  back; what it knows is the row as a fresh read finds it.
+- A read of a run inside this thread's batch is the batch's own, and a new run's first step
+  reads no steps (a run with no step counted has none).
+- A run id already taken is refused and nothing is written.
+- The call index's claim is a compare-and-set without a read: the open row the caller read
+  is closed only while it is still open, and a key that has an open row takes no second one.
+- The key's open row and its newest closed rows are one statement.
+"""
+
+import sqlite3
+
+import pytest
+
+from proxy_harness import ProxyHarness, ap
+from test_rules_cost import InstantServer, instant_proxy
+
+RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+         "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
+PAY = "bank_pay"
+
+
+@pytest.mark.parametrize("sql,keeps", [
+    ("SELECT id FROM runs WHERE id=?", True),
+    ("UPDATE steps SET status=? WHERE id=?", True),
+    ("INSERT INTO events (seq) VALUES (?)", True),
+    ("INSERT OR IGNORE INTO tool_specs (hash, spec_json) VALUES (?,?)", True),
+    ("UPDATE proxy_calls SET open=0 WHERE id=? AND NOT EXISTS (SELECT 1 FROM runs)", True),
+    ("UPDATE runs SET lease_owner='' WHERE id=?", False),
+    ("INSERT INTO runs (id) VALUES (?)", False),
+    ("INSERT OR REPLACE INTO runs (id) VALUES (?)", False),
+    ("REPLACE INTO runs (id) VALUES (?)", False),
+    ("DELETE FROM runs WHERE id=?", False),
+    ("CREATE TABLE x (a)", False),
+    ("PRAGMA foreign_keys=ON", False),
+    ("update runs set goal='x'", False),          # not the code's spelling: not recognised
+    ("UPDATE  runs SET goal='x'", False),
+    ("WITH r AS (SELECT 1) UPDATE runs SET goal='x'", False),
+])
+def test_which_statements_keep_the_runs_a_transaction_read(sql, keeps):
+    assert ap._keeps_runs(sql) is keeps
+
+
+@pytest.fixture
+def h(tmp_path):
+    harness = ProxyHarness(tmp_path, rules=RULES)
+    yield harness
+    harness.close()
+
+
+def fresh_run(store: ap.Store, run_id: str) -> ap.Run:
+    """The run as the table holds it, read past every cache."""
+    row = store.conn.execute(f"SELECT {ap._RUN_COLS} FROM runs WHERE id=?",
+                             (run_id,)).fetchone()
+    return ap._run_from_row(row)
+
+
+def fields(run: ap.Run) -> tuple:
+    return tuple(getattr(run, f) for f in ap.Run.__dataclass_fields__)
+
+
+def test_a_write_of_runs_forgets_what_the_transaction_read(h):
+    gate = h.proxy.gate
+    session = gate.begin("test.forget", "a goal", h.proxy.limits)
+    try:
+        with h.store.tx() as tx:
+            assert tx.run("test.forget").goal == "a goal"
+            tx.exec("UPDATE steps SET status='x' WHERE run_id=?", ("test.forget",))
+            assert tx.run("test.forget").goal == "a goal"
+            tx.exec("UPDATE runs SET goal='another' WHERE id=?", ("test.forget",))
+            assert tx.run("test.forget").goal == "another"
+            tx.rows("UPDATE runs SET goal='a third' WHERE id=? RETURNING id", ("test.forget",))
+            assert tx.run("test.forget").goal == "a third"
+    finally:
+        session.close()
+
+
+def test_the_runs_a_batch_knows_are_the_rows_a_fresh_read_finds(h):
+    gate, store = h.proxy.gate, h.store
+    decision = ap.Decision("tool_call", PAY, b'{"to":"bob","amount":1}')
+    seen = []
+    with store.batch(synced=True):
+        session = gate.begin("test.known", f"call {PAY}", h.proxy.limits)
+        seen.append((store.get_run("test.known"), fresh_run(store, "test.known")))
+        step = session.step()
+        seen.append((store.get_run("test.known"), fresh_run(store, "test.known")))
+        verdict = session.propose(decision)
+        assert verdict.kind == "allowed"
+        session.start()
+        seen.append((store.get_run("test.known"), fresh_run(store, "test.known")))
+        with store.tx() as tx:
+            moved = tx.transition("test.known", (ap.RUNNING,), ap.WAITING)
+            seen.append((moved, fresh_run(store, "test.known")))
+            seen.append((tx.run("test.known"), fresh_run(store, "test.known")))
+            moved = tx.transition("test.known", (ap.WAITING,), ap.RUNNING, owner=gate.owner,
+                                  lease_until="2030-01-01T00:00:00.000000Z")
+            seen.append((moved, fresh_run(store, "test.known")))
+    assert step.idx == 0 and seen[1][1].step_count == 1
+    for known, row in seen:
+        assert fields(known) == fields(row)
+    session.close()
+
+
+def test_a_calls_start_reads_no_run_it_wrote_and_a_new_run_reads_no_steps(tmp_path):
+    h = ProxyHarness(tmp_path, rules=RULES)
+    proxy = instant_proxy(h, InstantServer())
+    statements: list[str] = []
+    try:
+        h.run(proxy.call("bank_balance", b'{"account":"A-0"}'))
+        h.store.conn.set_trace_callback(statements.append)
+        result = h.run(proxy.call("bank_balance", b'{"account":"A-1"}'))
+        h.store.conn.set_trace_callback(None)
+    finally:
+        proxy.close()
+        h.close()
+    assert not result["isError"], result
+    begin = statements.index("BEGIN IMMEDIATE")
+    first = statements[begin:statements.index("COMMIT")]
+    second = statements[statements.index("COMMIT") + 1:]
+    run_reads = [s for s in first if s.startswith("SELECT") and " FROM runs " in s]
+    step_reads = [s for s in statements if s.startswith("SELECT") and " FROM steps " in s]
+    index_reads = [s for s in statements if s.startswith("SELECT") and "proxy_calls" in s]
+    assert run_reads == [] and step_reads == [], (run_reads, step_reads)
+    assert len([s for s in second if s.startswith("SELECT") and " FROM runs " in s]) == 1
+    assert len(index_reads) == 1 and statements.index(index_reads[0]) < begin
+    assert len(statements) <= 27, "\n".join(statements)      # 34 before
+
+
+def test_a_run_id_already_taken_is_refused_and_nothing_is_written(h):
+    gate = h.proxy.gate
+    session = gate.begin("test.taken", "the first", h.proxy.limits)
+    session.close()
+    before = h.store.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+    other = ap.Gate(h.store, [ap.Tool(t.spec, t.call) for t in h.proxy.tools.values()],
+                    h.proxy.policy, now=h.clock, lease_owner="another")
+    try:
+        with pytest.raises(ap.RunStateError, match="already exists"):
+            other.begin("test.taken", "the second", h.proxy.limits)
+    finally:
+        other.close()
+    assert fresh_run(h.store, "test.taken").goal == "the first"
+    assert h.store.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == before
+
+
+def index_rows(h) -> list[tuple]:
+    return h.store.conn.execute("SELECT id, request_key, run_id, open FROM proxy_calls "
+                                "ORDER BY id").fetchall()
+
+
+def test_a_claim_over_an_open_row_it_did_not_read_writes_nothing(h):
+    index, now = h.proxy.index, h.clock()
+    index.claim("key", PAY, "remote_mutation", "test.one", None, now)
+    before = index_rows(h)
+    with pytest.raises(ap.IndexRace):
+        index.claim("key", PAY, "remote_mutation", "test.two", None, now)     # read none
+    assert index_rows(h) == before
+    first = index.open_row("key")
+    index.claim("key", PAY, "remote_mutation", "test.three", first, now)
+    after = index_rows(h)
+    with pytest.raises(ap.IndexRace):                                           # closed since
+        index.claim("key", PAY, "remote_mutation", "test.four", first, now)
+    assert index_rows(h) == after
+    assert [r[2:] for r in after] == [("test.one", 0), ("test.three", 1)]
+
+
+def test_a_claim_under_a_run_id_in_use_is_an_error_not_a_race(h):
+    index, now = h.proxy.index, h.clock()
+    index.claim("key", PAY, "remote_mutation", "test.one", None, now)
+    with pytest.raises(ap.StoreError):
+        index.claim("other key", PAY, "remote_mutation", "test.one", None, now)
+    assert [r[1:] for r in index_rows(h)] == [("key", "test.one", 1)]
+
+
+def test_the_keys_rows_are_its_open_row_and_its_newest_closed_rows(h):
+    index = h.proxy.index
+    prev = None
+    for i in range(12):
+        index.claim("key", PAY, "remote_mutation", f"test.{i}", prev, 100.0 + i)
+        index.claim(f"noise {i}", PAY, "remote_mutation", f"test.noise.{i}", None, 100.0 + i)
+        prev = index.open_row("key")
+    open_row, rows = index.for_key("key", 0.0)
+    assert open_row.run_id == "test.11" and open_row.open == 1
+    assert [r.run_id for r in rows] == ["test.11"] + [f"test.{i}" for i in
+                                                      range(10, 10 - ap.RULE_ROWS, -1)]
+    open_row, rows = index.for_key("key", 108.0)       # closed at 108 or later: 7 to 10
+    assert [r.run_id for r in rows] == ["test.11", "test.10", "test.9", "test.8", "test.7"]
+    assert index.for_key("no such key", 0.0) == (None, [])
+
+
+def test_a_closed_rows_only_key_has_no_open_row(h):
+    index = h.proxy.index
+    index.claim("key", PAY, "remote_mutation", "test.a", None, 1.0)
+    with h.store.tx() as tx:
+        tx.exec("UPDATE proxy_calls SET open=0, closed_at=2.0 WHERE run_id='test.a'")
+    open_row, rows = index.for_key("key", 0.0)
+    assert open_row is None and [r.run_id for r in rows] == ["test.a"]
+    with pytest.raises(sqlite3.IntegrityError):       # the index the claim relies on
+        h.store.conn.execute("INSERT INTO proxy_calls (session, request_key, tool, "
+                             "side_effect, run_id, created_at) VALUES ('s','k','t','r','x',0), "
+                             "('s','k','t','r','y',0)")

@@ -483,6 +483,10 @@ class _Parser:
         self.decode_fault: tuple[str, int] | None = None
         self.overflow: tuple[str, int] | None = None     # refused even when lenient
         self.number: tuple[str, int] | None = None
+        # Objects nested at most this deep have their members' spans (character offsets of
+        # each value) recorded as they are parsed, by id of the dict: parse_message's.
+        self.span_depth = 0
+        self.spans: dict[int, dict[str, tuple[int, int]]] = {}
 
     def fail(self, reason: str, pos: int) -> JSONError:
         """The error for a fault at character ``pos`` of the decoded text."""
@@ -516,6 +520,9 @@ class _Parser:
 
     def obj(self, pos: int) -> tuple[int, dict]:
         src, out = self.src, {}
+        spans = None
+        if self.depth <= self.span_depth:
+            spans = self.spans[id(out)] = {}
         pos = self.skip_ws(pos)
         if src.startswith("}", pos):
             return pos + 1, out
@@ -529,8 +536,14 @@ class _Parser:
             m = _SCALAR_THEN.match(src, pos)
             if m:
                 val, sep = self.scalar(m), m.group(4)
+                if spans is not None:       # a string's closing quote is not in group 1
+                    g = 1 if m.start(1) >= 0 else 2 if m.start(2) >= 0 else 3
+                    spans[key] = (pos, m.end(g) + (g == 1))
             else:
+                start = pos
                 pos, val = self.value(pos)
+                if spans is not None:
+                    spans[key] = (start, pos)
                 m = _SEPARATOR.match(src, pos)
                 sep = m.group(1) if m else ""
             if key in out and self.decode_fault is None:
@@ -716,6 +729,34 @@ def _depth_exceeds(raw: bytes, limit: int) -> int | None:
     return None
 
 
+def _parse_text(raw: bytes, text: str, strict: bool,
+                span_depth: int = 0) -> tuple[_Parser, Any]:
+    """The one value ``text`` (``raw`` decoded) holds, and the parser that read it, whose
+    refusals the caller judges; objects up to ``span_depth`` deep have their members'
+    spans recorded (_Parser.spans)."""
+    p = _Parser(raw, text, strict)
+    p.span_depth = span_depth
+    pos = p.skip_ws(0)
+    if pos >= len(text):
+        raise p.syntax("no value", pos)
+    end, value = p.value(pos)
+    end = p.skip_ws(end)
+    if end != len(text):
+        raise p.syntax("data after the value", end)
+    return p, value
+
+
+def _decoded(raw: bytes, max_depth: int) -> str:
+    """``raw`` as text, once its nesting is within ``max_depth``: UTF-8, or refused."""
+    at = _depth_exceeds(raw, max_depth)
+    if at is not None:
+        raise JSONError(f"nested deeper than {max_depth} levels", raw, at)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise JSONError("not valid UTF-8", raw, exc.start) from None
+
+
 def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH,
                bounds: bool = True, float_range: bool | None = None) -> Any:
     """Parse exactly one JSON value from ``raw``.
@@ -729,21 +770,7 @@ def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH,
     """
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogatepass")
-    at = _depth_exceeds(raw, max_depth)
-    if at is not None:
-        raise JSONError(f"nested deeper than {max_depth} levels", raw, at)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise JSONError("not valid UTF-8", raw, exc.start) from None
-    p = _Parser(raw, text, strict)
-    pos = p.skip_ws(0)
-    if pos >= len(text):
-        raise p.syntax("no value", pos)
-    pos, value = p.value(pos)
-    pos = p.skip_ws(pos)
-    if pos != len(text):
-        raise p.syntax("data after the value", pos)
+    p, value = _parse_text(raw, _decoded(raw, max_depth), strict)
     checks = (p.surrogate, p.decode_fault, p.number) if strict else \
         (p.overflow if float_range else None, p.number) if bounds else ()
     for found in checks:
@@ -804,12 +831,17 @@ def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH,
     """The exact bytes of each member value of a top-level object, so that a record can hand
     back what was written into it byte for byte, never a re-serialisation. ``parsed``: the
     caller has just parsed ``raw`` as an object, so it is not parsed again."""
-    if not parsed and not isinstance(parse_json(raw, strict=False, max_depth=max_depth,
-                                                bounds=False), dict):
-        raise JSONError("not valid JSON: expected an object", raw, 0)
-    text = raw.decode("utf-8")
-    p = _Parser(raw, text, strict=False)
-    return {k: text[a:b].encode("utf-8") for k, (a, b) in _spans(p, p.skip_ws(0)).items()}
+    if parsed:
+        text = raw.decode("utf-8")
+        p = _Parser(raw, text, strict=False)
+        spans = _spans(p, p.skip_ws(0))
+    else:                               # one pass: parsed, the members' spans recorded
+        text = _decoded(raw, max_depth)
+        p, doc = _parse_text(raw, text, False, span_depth=1)
+        if not isinstance(doc, dict):
+            raise JSONError("not valid JSON: expected an object", raw, 0)
+        spans = p.spans[id(doc)]
+    return {k: text[a:b].encode("utf-8") for k, (a, b) in spans.items()}
 
 
 def _spans(p: _Parser, pos: int) -> dict[str, tuple[int, int]]:
@@ -5507,6 +5539,7 @@ class Message:
     text: str                                    # the line, decoded with surrogateescape
     spans: dict[str, tuple[int, int]]            # top-level members
     params_spans: dict[str, tuple[int, int]]     # members of params, when it is an object
+    inner: dict[str, dict[str, tuple[int, int]]]  # members of each top-level object member
 
     def raw(self, name: str, in_params: bool = False) -> bytes | None:
         """The bytes of a member as they were sent, or None when it is absent."""
@@ -5517,13 +5550,9 @@ class Message:
     def inner_spans(self, name: str) -> dict[str, bytes]:
         """The bytes of each member of the top-level member ``name``, an object, found
         without parsing it again; a byte that was not UTF-8 reads as U+FFFD."""
-        span = self.spans.get(name)
-        if span is None or self.text[span[0]:span[0] + 1] != "{":
-            return {}
-        p = _Parser(b"", self.text, strict=False)
         return {k: self.text[a:b].encode("utf-8", "surrogateescape").decode(
                     "utf-8", "replace").encode("utf-8")
-                for k, (a, b) in _spans(p, span[0]).items()}
+                for k, (a, b) in self.inner.get(name, {}).items()}
 
     @property
     def method(self) -> str | None:
@@ -5559,20 +5588,12 @@ def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
     if at is not None:
         raise JSONError(f"nested deeper than {max_depth} levels", line, at)
     text = line.decode("utf-8", "surrogateescape")
-    p = _Parser(line, text, strict=False)
-    pos = p.skip_ws(0)
-    if pos >= len(text):
-        raise p.syntax("no value", pos)
-    end, doc = p.value(pos)
-    if p.skip_ws(end) != len(text):
-        raise p.syntax("data after the value", p.skip_ws(end))
+    # the message's members' spans, and those of each of its objects
+    p, doc = _parse_text(line, text, False, span_depth=2)
     if not isinstance(doc, dict):
         raise ProtocolError("not a JSON-RPC message: expected an object", INVALID_REQUEST)
-    spans = _spans(p, pos)
-    params_spans = {}
-    if isinstance(doc.get("params"), dict):
-        params_spans = _spans(p, spans["params"][0])
-    return Message(doc, text, spans, params_spans)
+    inner = {k: p.spans[id(v)] for k, v in doc.items() if type(v) is dict}
+    return Message(doc, text, p.spans[id(doc)], inner.get("params", {}), inner)
 
 
 def rpc_request(msg_id: int, method: str, params: Any) -> bytes:

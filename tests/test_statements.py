@@ -203,3 +203,50 @@ def test_a_closed_rows_only_key_has_no_open_row(h):
         h.store.conn.execute("INSERT INTO proxy_calls (session, request_key, tool, "
                              "side_effect, run_id, created_at) VALUES ('s','k','t','r','x',0), "
                              "('s','k','t','r','y',0)")
+
+
+# -- a frame's spans, recorded while it is parsed --
+
+FRAMES = [
+    b'{"jsonrpc":"2.0","id":17,"method":"tools/call","params":{"name":"t","arguments":{"a":1}}}',
+    b' { "id" : "x\\u00e9" , "params" : { "name" : "t" ,\t"arguments" : { } } , "z" : [1, {"b": 2}] } ',
+    b'{"id":-1.5e3,"result":{"content":[{"type":"text","text":"a\\"b"}],"isError":false},"x":null}',
+    b'{"a":true,"b":false,"c":null,"d":"","e":{},"f":[],"g":{"h":{"i":{"j":1}}}}',
+    b'{"k\\u0041":{"in":"\\ud83d\\ude00"},"kA":{"in":2},"params":[1,2]}',      # a repeated key
+    b'{"params":{"arguments":"\xff\xfe not UTF-8","name":"n"},"id":1}',
+    b'{"a":{"b":1},"a":5,"c":{"d":{"e":2}}}',                                # a dict dropped
+    b'{"id":0,"result":{"x":"\\n\\t","y":12345678901234567890,"z":[{"q":"}"}]}}',
+    b'{}',
+]
+
+
+def walked_spans(text: str, at: int) -> dict:
+    """The members' spans as found by walking the parsed text again (member_spans' way)."""
+    return ap._spans(ap._Parser(b"", text, strict=False), at)
+
+
+@pytest.mark.parametrize("frame", FRAMES, ids=range(len(FRAMES)))
+def test_a_frames_spans_are_found_while_it_is_parsed(frame):
+    msg = ap.parse_message(frame)
+    start = len(msg.text) - len(msg.text.lstrip(" \t\r\n"))
+    top = walked_spans(msg.text, start)
+    assert msg.spans == top
+    for name, (a, _) in top.items():
+        if msg.text[a] == "{":
+            assert msg.inner[name] == walked_spans(msg.text, a), name
+        else:
+            assert name not in msg.inner
+    params = msg.doc.get("params")
+    assert msg.params_spans == (walked_spans(msg.text, top["params"][0])
+                                if isinstance(params, dict) else {})
+    if b"\xff" in frame:
+        return                                     # its arguments are not JSON text alone
+    for name, (a, b) in top.items():               # each span is its value, exactly
+        value = ap.parse_json(msg.text[a:b].encode(), strict=False, bounds=False)
+        assert ap.encode_canonical(value) == ap.encode_canonical(msg.doc[name])
+
+
+def test_only_a_frame_parse_records_spans():
+    parser = ap._Parser(b'{"a":{"b":1}}', '{"a":{"b":1}}', strict=False)
+    parser.value(0)
+    assert parser.spans == {}

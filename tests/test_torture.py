@@ -1447,7 +1447,7 @@ BUDGET_KILL_GAP = (1.0, 3.0)
 BUDGET_OPERATOR_GAP = (0.05, 0.4)
 BUDGET_THINK = (0.0, 0.02)          # a host's pause before each call it sends
 BUDGET_RETRY = 0.3                  # of a host's calls, this share retries an open request
-BUDGET_MUTANT_SECONDS = 60.0     # at most: it stops once a window is over
+BUDGET_MUTANT_SECONDS = 120.0    # at most: it stops once a window is over
 UNAVAILABLE_SHOWN = 10           # the budget trial prints the first few UNAVAILABLE answers
 BUDGET_OVERTIME = 2.0            # a trial's longest run, in its seconds, waiting for a cap
 
@@ -1534,7 +1534,10 @@ class BudgetBooks:
 
 def check_budget_books(db: str, ledger_path: str) -> BudgetBooks:
     """The windows, and the ledger against the executions: nothing reached the server that
-    no counted execution started."""
+    no counted execution started. The ledger is read first: a payment in it had its start
+    committed before its request left, so the events read after it hold that start (read
+    the other way round, during a trial, a payment made in between is one never started)."""
+    paid = ledger_keys(ledger_path)
     rows = read_db(db)
     executions = budget_executions(rows["events"], rows["approvals"])
     books = BudgetBooks(len(executions), sum(1 for e in executions if e[2]))
@@ -1545,7 +1548,6 @@ def check_budget_books(db: str, ledger_path: str) -> BudgetBooks:
         if typ == "step.tool_started" and json.loads(payload).get("tool") == "bank_pay":
             key = canon(json.loads(payload)["args"])
             started[key] = started.get(key, 0) + 1
-    paid = ledger_keys(ledger_path)
     books.payments = len(paid)
     for key in set(paid):
         if paid.count(key) > started.get(key, 0):

@@ -104,8 +104,6 @@ if __name__ == "__main__" and globals().get("__spec__") is not None and \
         not getattr(sys.flags, "safe_path", False):
     sys.exit(SAFE_MODULE_RUN)
 
-import argparse
-import base64
 import contextlib
 import dataclasses
 import datetime as _dt
@@ -121,10 +119,17 @@ import stat
 import subprocess
 import threading
 import time
-import urllib.parse
 import unicodedata
 from decimal import Context, Decimal
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
+
+# Every annotation is a string (the __future__ import), so typing is for type checkers only;
+# argparse is imported by build_parser, which the command line every host configuration
+# gives (-config FILE) never needs (_serve_args). Neither is then imported before serve
+# spawns its servers.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 # What serving needs and starting its servers does not comes last: asyncio (with what it
 # loads, about a quarter of the start), sqlite3 and a few more. Run as the program, serve
@@ -135,9 +140,10 @@ RUN_AS_PROGRAM = __name__ == "__main__"
 
 def _import_late() -> None:
     """Import what serving needs beyond starting its servers (again: a no-op)."""
-    global asyncio, copy, ipaddress, queue, secrets, select, socket, sqlite3, tempfile
-    global _TIMEOUT, SOCKET_TIMEOUTS
+    global asyncio, base64, copy, ipaddress, queue, secrets, select, socket, sqlite3, tempfile
+    global urllib, _TIMEOUT, SOCKET_TIMEOUTS
     import asyncio
+    import base64
     import copy
     import ipaddress
     import queue
@@ -146,6 +152,7 @@ def _import_late() -> None:
     import socket
     import sqlite3
     import tempfile
+    import urllib.parse
     _TIMEOUT = getattr(asyncio, "timeout", None)       # Python 3.11 and later
     SOCKET_TIMEOUTS = (TimeoutError, socket.timeout)   # one class from Python 3.10
 
@@ -2032,7 +2039,10 @@ class Schema:
         if not ref.startswith("#"):
             raise SchemaError(f"$ref {_quote(ref)} is outside the schema; "
                               "only references within the schema are resolved")
-        frag = urllib.parse.unquote(ref[1:])
+        frag = ref[1:]
+        if "%" in frag:                 # unquote changes nothing else (and is imported late)
+            import urllib.parse
+            frag = urllib.parse.unquote(frag)
         if frag and not frag.startswith("/"):
             raise SchemaError(f"$ref {_quote(ref)} is not a JSON pointer")
         node, at = self.root, ()
@@ -2430,7 +2440,7 @@ def compile_schema(raw: bytes) -> Schema:
 # shows one (what it prints goes through its own encoder or sanitize), and each
 # generated method is compiled when the module loads, at every start.
 
-Clock = Callable[[], float]          # seconds since the epoch
+Clock = "Callable[[], float]"        # seconds since the epoch
 NANOS = 1_000_000_000                # a tool spec's timeout is hashed in integer nanoseconds
 _DURATION = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m(?!s))?(?:([0-9]+(?:\.[0-9]+)?)s)?"
                        r"(?:([0-9]+)ms)?")
@@ -5041,7 +5051,7 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
 # operator's decision (decide_approval), and the rules across calls (last_attempt). Stricter
 # than the reference, which leaves such an approval pending and approvable.
 
-Query = Callable[[str, tuple], list]       # Store._read, or Tx.rows inside a transaction
+Query = "Callable[[str, tuple], list]"     # Store._read, or Tx.rows inside a transaction
 
 
 def attempt_in(capability: bytes) -> dict | None:
@@ -7520,6 +7530,9 @@ def _reach_candidates(arg: str) -> list[str]:
     if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
         found.append(arg[2:])
     for cand in list(found):
+        if ":" not in cand:             # no scheme: urllib.parse (imported late) not needed
+            continue
+        import urllib.parse
         url = urllib.parse.urlsplit(cand)
         if url.scheme.lower() == "file":
             found.append(urllib.parse.unquote(url.path))
@@ -8622,7 +8635,7 @@ def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
     return to_units(at), ""
 
 
-UseOf = Callable[[str, Limit], int]
+UseOf = "Callable[[str, Limit], int]"
 
 
 def first_condition(tool: "UpstreamTool", value: Any, args: bytes,
@@ -12231,13 +12244,6 @@ stderr. The database is the -db file, else the 'database' of the -config file, e
 $AGENTRT_DB. Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."""
 
 
-class _Parser_(argparse.ArgumentParser):
-    """argparse that reports a usage error instead of exiting."""
-
-    def error(self, message: str):
-        raise UsageError(message)
-
-
 def _flags(parser: argparse.ArgumentParser, *specs: tuple) -> None:
     """Add flags spelled with one dash or two (-limit and --limit)."""
     for name, kwargs in specs:
@@ -12245,6 +12251,14 @@ def _flags(parser: argparse.ArgumentParser, *specs: tuple) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
+
+    class _Parser_(argparse.ArgumentParser):
+        """argparse that reports a usage error instead of exiting."""
+
+        def error(self, message: str):
+            raise UsageError(message)
+
     top = _Parser_(prog="agentrt_proxy.py", add_help=False, allow_abbrev=False)
     _flags(top, ("db", {}), ("config", {}), ("json", {"action": "store_true"}))
     sub = top.add_subparsers(dest="command", parser_class=_Parser_)
@@ -12295,6 +12309,25 @@ def build_parser() -> argparse.ArgumentParser:
         if parser.prog.split()[-1] not in _PROXY_COMMANDS:
             _flags(parser, ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
     return top
+
+
+class _ServeArgs:
+    """The arguments build_parser gives serve (and main's default command): config alone."""
+
+    def __init__(self, config: str):
+        self.command, self.config, self.db, self.json = "serve", config, None, False
+
+
+def _serve_args(argv: list[str]) -> _ServeArgs | None:
+    """``-config FILE`` or ``serve -config FILE`` (either with ``--config``), read without
+    argparse, which takes about 12 ms to import and build before serve could spawn its
+    servers; None for every other command line, which build_parser reads. FILE is taken
+    only where argparse would take it: a value that is not empty and is no flag."""
+    rest = argv[1:] if argv[:1] == ["serve"] else argv
+    if len(rest) == 2 and rest[0] in ("-config", "--config") and rest[1] and \
+            not rest[1].startswith("-"):
+        return _ServeArgs(rest[1])
+    return None
 
 
 class Out:
@@ -14084,7 +14117,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
         return 0
     args = None
     try:
-        args = build_parser().parse_args(argv)
+        args = _serve_args(argv) or build_parser().parse_args(argv)
         if not args.command and args.config and not args.db:
             args.command = "serve"
         if not args.command:

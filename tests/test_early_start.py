@@ -20,7 +20,7 @@ import time
 import pytest
 
 import agentrt_proxy as ap
-from process_helpers import ProcessDir, proxy_command
+from process_helpers import PROXY, ProcessDir, proxy_command
 
 
 @pytest.fixture
@@ -283,3 +283,103 @@ def _children(pid: int) -> list[int]:
                 out.append(int(entry))
     return out
 
+
+
+# -- the command line every host configuration gives, read without argparse --
+
+SERVE_LINES = [["-config", "proxy.json"], ["--config", "proxy.json"],
+               ["serve", "-config", "proxy.json"], ["serve", "--config", "p.json"],
+               ["-config", "serve"]]
+OTHER_LINES = [["-config", "-db"], ["-config", ""], ["-config=proxy.json"],
+               ["-config", "p.json", "-json"], ["pin", "-config", "p.json"],
+               ["serve", "-config"], ["-db", "runs.db", "runs"], ["serve"], [],
+               ["-json", "-config", "p.json"], ["serve", "serve", "-config", "p.json"],
+               ["--config", "p.json", "serve"]]
+
+
+@pytest.mark.parametrize("argv", SERVE_LINES, ids=" ".join)
+def test_the_serve_line_is_read_as_argparse_reads_it(argv):
+    fast = ap._serve_args(argv)
+    full = ap.build_parser().parse_args(argv)
+    if not full.command and full.config and not full.db:
+        full.command = "serve"                  # main's default command
+    assert fast is not None
+    assert vars(fast) == vars(full)
+
+
+@pytest.mark.parametrize("argv", OTHER_LINES, ids=lambda a: " ".join(a) or "(none)")
+def test_every_other_line_is_left_to_argparse(argv):
+    assert ap._serve_args(argv) is None
+
+
+def test_serve_spawns_before_argparse_or_typing_is_imported(tmp_path):
+    """The real module run, its imports traced: the server starts before either."""
+    d = ProcessDir(tmp_path)
+    command, env = proxy_command()
+    env = dict(os.environ if env is None else env, PYTHONPROFILEIMPORTTIME="1")
+    done = subprocess.run([*command, "-config", d.config],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=60, cwd=d.tmp, env=env)
+    assert done.returncode == 0, done.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")]
+    # asyncio is imported after the spawn (EarlyStart); argparse never, and typing, if at
+    # all, inside asyncio's import (listed among its modules, which come before it)
+    assert "argparse" not in imported and "asyncio" in imported
+    first_late = next(i for i, name in enumerate(imported) if name.startswith("asyncio"))
+    assert "typing" not in imported[:first_late], imported[:first_late]
+
+
+TRACE = '''
+import os, runpy, sys
+seen, done = {}, []
+def watch(frame, event, arg):
+    if event == "call" and not done:
+        if frame.f_code.co_name == "_import_late":
+            done.append(1)
+        elif frame.f_code.co_filename.endswith("agentrt_proxy.py"):
+            seen[frame.f_code.co_name, frame.f_code.co_firstlineno] = frame.f_code
+sys.setprofile(watch)
+sys.argv = [os.environ["PROXY"], *sys.argv[1:]]
+try:
+    runpy.run_path(os.environ["PROXY"], run_name="__main__")
+except SystemExit:
+    pass
+sys.setprofile(None)
+late = set(os.environ["LATE_NAMES"].split(","))
+for (name, line), code in seen.items():
+    used = (set(code.co_names) & late) - set(code.co_varnames)
+    if used:
+        print(f"{name}:{line}:{','.join(sorted(used))}")
+'''
+# Names bound only by _import_late (or only for type checkers), and the functions that use
+# one right after calling it.
+LATE_NAMES = ("asyncio base64 copy ipaddress queue secrets select socket sqlite3 tempfile "
+              "urllib _TIMEOUT SOCKET_TIMEOUTS argparse Any AsyncIterator Awaitable Callable "
+              "Iterable").split()
+CALLS_IT_FIRST = {"<module>", "run_proxy_command", "_serve"}
+
+
+def test_nothing_run_before_the_late_imports_uses_them(tmp_path):
+    """The real program's start, every function of the module traced until _import_late:
+    none of them names what it imports. The configuration reaches the branches that import
+    on their own (a $ref with an escape, a file: URL among a server's arguments)."""
+    d = ProcessDir(tmp_path, allow_pay=True)
+
+    def change(server):
+        server["rules"]["pay"]["when"] = [{
+            "if": {"$defs": {"big": {"minimum": 8}},
+                   "properties": {"amount": {"$ref": "#/$defs/bi%67"}}, "required": ["amount"]},
+            "outcome": "require_approval", "why": "a large payment"}]
+        server["command"] += ["file:///nonexistent/data", "--name=host:1"]
+    edit(d, change)
+    script = tmp_path / "trace.py"
+    script.write_text(TRACE)
+    env = dict(os.environ, LATE_NAMES=",".join(LATE_NAMES), PROXY=PROXY)
+    done = subprocess.run([sys.executable, "-S", str(script), "-config", d.config],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=60, cwd=d.tmp, env=env)
+    assert "serving session" in done.stderr, done.stderr
+    found = [line for line in done.stdout.splitlines()
+             if line.split(":")[0] not in CALLS_IT_FIRST]
+    assert found == [], found

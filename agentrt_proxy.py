@@ -3006,9 +3006,9 @@ class Tx:
                        (to, reason, detail, finished_at, result, *lease, run_id))
         # The row as the statement left it: the one read under this transaction's lock, with
         # the columns it wrote.
-        run = self._runs[run_id] = dataclasses.replace(
-            run, status=to, reason=reason, reason_detail=detail, finished_at=finished_at,
-            result_json=result, lease_owner=lease[0], lease_expires_at=lease[1])
+        run = self._runs[run_id] = Run(run.id, run.goal, to, reason, detail, run.limits,
+                                       run.step_count, run.created_at, finished_at, result,
+                                       *lease)
         return run
 
     def add_run(self, run: Run, limits_json: str, started_at: str) -> None:
@@ -3035,7 +3035,10 @@ class Tx:
         if cur.rowcount != 1:
             return False
         if known is not None and known.step_count == step_count:
-            self._runs[run_id] = dataclasses.replace(known, step_count=step_count + 1)
+            k = known
+            self._runs[run_id] = Run(k.id, k.goal, k.status, k.reason, k.reason_detail,
+                                     k.limits, step_count + 1, k.created_at, k.finished_at,
+                                     k.result_json, k.lease_owner, k.lease_expires_at)
         return True
 
     def take_lease(self, run_id: str, owner: str, until: str) -> None:

@@ -6037,9 +6037,30 @@ def spawn_server(argv: list[str], env: dict[str, str], cwd: str | None) -> subpr
         raise UpstreamError(f"cannot start {_quote(argv[0])}: {exc}") from None
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+_WAITID = getattr(os, "waitid", None) if hasattr(os, "WNOWAIT") else None
+
+
+def _has_exited(proc: subprocess.Popen) -> bool:
+    """Whether the process has exited, leaving it unreaped where the system can (waitid
+    with WNOWAIT): until it is reaped its pid, and so its process group's id, cannot be
+    given to another process. Elsewhere poll(), which reaps."""
+    if proc.returncode is not None:
+        return True
+    if _WAITID is None:
+        return proc.poll() is not None
+    try:
+        return _WAITID(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:           # reaped already
+        return True
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the process's group, then reap the process. The group is
+    signalled only while the process is unreaped, when its id cannot be another group's."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.poll()
 
 
 class StdioUpstream(Upstream):
@@ -6118,8 +6139,11 @@ class StdioUpstream(Upstream):
                 if not fut.done():
                     fut.set_exception(UpstreamError(reason))
             self._pending.clear()
-            if self.proc is not None:       # reaped once it exits, not only at close()
-                await _exited(self.proc, CLOSE_WAIT)
+            proc = self.proc
+            if proc is not None and _WAITID is not None:    # ended once it exits, not
+                await _exited(proc, CLOSE_WAIT)            # only at close()
+                if _has_exited(proc):
+                    _end_group(proc)
 
     async def _dispatch(self, msg: Message) -> None:
         if msg.method is None:
@@ -6174,13 +6198,13 @@ class StdioUpstream(Upstream):
             else:                           # its pipes were never connected
                 proc.stdin.close()
             for sig in (None, signal.SIGTERM, signal.SIGKILL):
-                if proc.poll() is not None:
+                if _has_exited(proc):
                     break
-                if sig is not None:
+                if sig is not None:         # os.kill: send_signal would reap it first
                     with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(sig)
+                        os.kill(proc.pid, sig)
                 await _exited(proc, CLOSE_WAIT)
-            _kill_group(proc)
+            _end_group(proc)
             for task in self._tasks:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(task, STDERR_WAIT)
@@ -6196,9 +6220,10 @@ class StdioUpstream(Upstream):
 
 
 async def _exited(proc: subprocess.Popen, timeout: float) -> None:
-    """Wait for the process itself to exit (not for its pipes: a descendant may hold them)."""
+    """Wait for the process itself to exit (not for its pipes: a descendant may hold them),
+    leaving it unreaped (_has_exited)."""
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
+    while not _has_exited(proc) and time.monotonic() < deadline:
         await asyncio.sleep(EXIT_POLL)
 
 
@@ -10861,19 +10886,24 @@ class EarlyStart:
 
     def close_rest(self) -> None:
         """End the servers spawned here that loading never took as StdioUpstream.close ends
-        one (close stdin, wait, SIGTERM, wait, SIGKILL, then the process group), and reap
-        them."""
-        while self.spawned:
-            _, proc = self.spawned.popitem()
+        one (close stdin, wait, SIGTERM, wait, SIGKILL, then the process group, then reap),
+        all of them at once, as loaded servers are closed."""
+        procs = list(self.spawned.values())
+        self.spawned.clear()
+        for proc in procs:
             proc.stdin.close()
-            for sig in (None, signal.SIGTERM, signal.SIGKILL):
-                if sig is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(CLOSE_WAIT)
-                    break
-            _kill_group(proc)
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            live = [proc for proc in procs if not _has_exited(proc)]
+            if not live:
+                break
+            for proc in live if sig is not None else ():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)          # unreaped: the pid is still its own
+            deadline = time.monotonic() + CLOSE_WAIT
+            while time.monotonic() < deadline and not all(_has_exited(p) for p in live):
+                time.sleep(EXIT_POLL)
+        for proc in procs:
+            _end_group(proc)
             proc.stdout.close()
             proc.stderr.close()
 

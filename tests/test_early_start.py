@@ -270,6 +270,79 @@ def test_a_server_that_exits_while_connected_is_reaped_before_close(tmp_path):
     assert asyncio.run(scenario()) is False      # no zombie left while still connected
 
 
+LEAVES_A_CHILD = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+open(sys.argv[1], "w").write(str(child.pid))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "waitid"), reason="no waitid: reaped at close only")
+def test_a_server_that_exits_has_its_group_ended_while_its_id_is_its_own(tmp_path,
+                                                                        monkeypatch):
+    """A server that exits while connected: what it left in its process group is killed at
+    once, before it is reaped (its pid, the group's id, could be another's after that), and
+    close() signals nothing afterwards."""
+    import asyncio
+    signalled = []
+    real_killpg = os.killpg
+
+    def killpg(pgid, sig):
+        signalled.append((pgid, upstream.proc.returncode if upstream.proc else "closed"))
+        real_killpg(pgid, sig)
+    monkeypatch.setattr(os, "killpg", killpg)
+    marker = tmp_path / "child.pid"
+    upstream = ap.StdioUpstream("leaves", [sys.executable, "-c", LEAVES_A_CHILD, str(marker)],
+                                {})
+
+    async def scenario():
+        await upstream.start()
+        pid = upstream.proc.pid
+        deadline = time.monotonic() + 10
+        while upstream.proc.returncode is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        child = int(marker.read_text())
+        while _alive(child) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = _alive(child)
+        await upstream.close()
+        return pid, left
+    ap._import_late()
+    pid, left = asyncio.run(scenario())
+    assert not left                               # the child was killed, before close()
+    assert signalled == [(pid, None)]             # once, while unreaped; none at close
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+IGNORES_EOF = "import signal, time\nwhile True:\n    time.sleep(1)\n"
+
+
+def test_servers_loading_never_took_are_ended_all_at_once(tmp_path, monkeypatch):
+    """Four servers that go on after their input closes: each waits CLOSE_WAIT for it, then
+    takes SIGTERM; together, not one after another."""
+    monkeypatch.setattr(ap, "CLOSE_WAIT", 1.0)
+    early = ap.EarlyStart()
+    for i in range(4):
+        early.spawned[f"s{i}"] = ap.spawn_server([sys.executable, "-c", IGNORES_EOF],
+                                                 dict(os.environ), None)
+    procs = list(early.spawned.values())
+    began = time.monotonic()
+    early.close_rest()
+    took = time.monotonic() - began
+    assert [p.returncode for p in procs] == [-signal.SIGTERM] * 4
+    assert took < 2.5, f"{took:.1f} s: one after another would take 4"
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):

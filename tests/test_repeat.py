@@ -5,6 +5,8 @@ DUPLICATE; approving runs it once more, rejecting answers REJECTED with the note
 the real host-facing server, the real store and the fake payment server.
 """
 
+from __future__ import annotations
+
 import json
 
 import pytest

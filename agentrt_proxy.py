@@ -841,14 +841,18 @@ def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH,
     if parsed:
         text = raw.decode("utf-8")
         p = _Parser(raw, text, strict=False)
-        spans = _spans(p, p.skip_ws(0))
-    else:                               # one pass: parsed, the members' spans recorded
-        text = _decoded(raw, max_depth)
-        p, doc = _parse_text(raw, text, False, span_depth=1)
-        if not isinstance(doc, dict):
-            raise JSONError("not valid JSON: expected an object", raw, 0)
-        spans = p.spans[id(doc)]
-    return {k: text[a:b].encode("utf-8") for k, (a, b) in spans.items()}
+        return {k: text[a:b].encode("utf-8") for k, (a, b) in _spans(p, p.skip_ws(0)).items()}
+    return read_members(raw, max_depth)[1]
+
+
+def read_members(raw: bytes, max_depth: int = RECORD_DEPTH) -> tuple[dict, dict[str, bytes]]:
+    """read_own of an object (number literals kept), and member_spans of it, from one
+    parse: its members' spans are recorded as it is parsed."""
+    text = _decoded(raw, max_depth)
+    p, doc = _parse_text(raw, text, False, span_depth=1)
+    if not isinstance(doc, dict):
+        raise JSONError("not valid JSON: expected an object", raw, 0)
+    return doc, {k: text[a:b].encode("utf-8") for k, (a, b) in p.spans[id(doc)].items()}
 
 
 def _spans(p: _Parser, pos: int) -> dict[str, tuple[int, int]]:
@@ -3085,9 +3089,8 @@ def _step_from_row(row: tuple) -> Step:
     args = b""
     try:
         if row[4]:
-            raw = row[4].encode()
-            decision = loads_own(raw)
-            args = member_spans(raw).get("args", b"")
+            record, members = read_members(row[4].encode())
+            decision, args = to_plain(record), members.get("args", b"")
         if row[5]:
             policy = loads_own(row[5])
         if row[6]:

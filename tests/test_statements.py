@@ -250,3 +250,32 @@ def test_only_a_frame_parse_records_spans():
     parser = ap._Parser(b'{"a":{"b":1}}', '{"a":{"b":1}}', strict=False)
     parser.value(0)
     assert parser.spans == {}
+
+
+RECORDS = [
+    b'{"kind":"tool_call","tool":"bank_pay","args":{"to":"bob","amount":1.50},"origin":"model"}',
+    b'{"kind":"tool_call","tool":"t","args":{"a":{"b":[1,{"c":"\\u00e9\\n"}]},"z":1e400},'
+    b'"origin":"model"}',
+    b'{"kind":"complete","result":"done","args":{}}',
+    b'{"kind":"fail","message":"x"}',
+    b' { "kind" : "tool_call" , "args" : [ 1 , 2 ] } ',
+]
+
+
+@pytest.mark.parametrize("raw", RECORDS, ids=range(len(RECORDS)))
+def test_a_records_members_come_from_the_one_parse_that_reads_it(raw):
+    doc, members = ap.read_members(raw)
+    assert ap.encode_canonical(doc) == ap.encode_canonical(ap.read_own(raw))
+    assert members == ap.member_spans(raw, parsed=True)        # the walk of the text
+    row = ("step", "run", 0, "done", raw.decode(), "", "", "", "", "", "", "")
+    step = ap._step_from_row(row)
+    assert step.decision == ap.loads_own(raw)
+    assert step.args == members.get("args", b"")
+
+
+def test_a_record_that_is_not_an_object_is_unreadable():
+    with pytest.raises(ap.JSONError, match="expected an object"):
+        ap.read_members(b'["kind"]')
+    row = ("step", "run", 0, "done", '["kind"]', "", "", "", "", "", "", "")
+    with pytest.raises(ap.StoreError, match="cannot be read"):
+        ap._step_from_row(row)

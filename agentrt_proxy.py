@@ -4297,8 +4297,8 @@ class Session:
             return self._over(run)
         if not self.gate.leases.ok(self.run_id):
             raise self._lose()
-        # A run with no step counted has none: each is counted in the transaction that
-        # inserts it (below), and the index is unique to it.
+        # A run with no step counted has none: a step is counted in the transaction that
+        # inserts it (below).
         steps = self.store.list_steps(self.run_id) if run.step_count else []
         hit = _limit_hit(run, steps)
         if hit:

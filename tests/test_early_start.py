@@ -286,18 +286,20 @@ def test_a_server_that_exits_has_its_group_ended_while_its_id_is_its_own(tmp_pat
     once, before it is reaped (its pid, the group's id, could be another's after that), and
     close() signals nothing afterwards."""
     import asyncio
-    signalled = []
+    signalled, made = [], []
     real_killpg = os.killpg
 
     def killpg(pgid, sig):
-        signalled.append((pgid, upstream.proc.returncode if upstream.proc else "closed"))
+        proc = made[0].proc
+        signalled.append((pgid, proc.returncode if proc else "closed"))
         real_killpg(pgid, sig)
     monkeypatch.setattr(os, "killpg", killpg)
     marker = tmp_path / "child.pid"
-    upstream = ap.StdioUpstream("leaves", [sys.executable, "-c", LEAVES_A_CHILD, str(marker)],
-                                {})
 
-    async def scenario():
+    async def scenario():                        # made in the loop (Python 3.9's locks)
+        upstream = ap.StdioUpstream("leaves", [sys.executable, "-c", LEAVES_A_CHILD,
+                                               str(marker)], {})
+        made.append(upstream)
         await upstream.start()
         pid = upstream.proc.pid
         deadline = time.monotonic() + 10

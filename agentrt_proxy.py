@@ -2575,8 +2575,7 @@ class ToolRequest:
 
     @classmethod
     def from_record(cls, text: str) -> "ToolRequest":
-        raw = text.encode("utf-8")
-        doc, spans = read_own(raw), member_spans(raw)
+        doc, spans = read_members(text.encode("utf-8"))
         return cls(doc["run_id"], doc["step_id"], ToolSpec.from_json(spans["spec"]), spans["args"])
 
 
@@ -2922,6 +2921,7 @@ _HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name=
 _WRITES = re.compile(r"(?:UPDATE|(?:INSERT|REPLACE)(?: OR [A-Z]+)? INTO|DELETE FROM) "
                      r"([a-z_]+)[ (]")
 _KEEPS_RUNS: dict[str, bool] = {}
+KEEPS_RUNS_CACHE = 512                  # statement texts judged by _keeps_runs, kept
 
 
 def _keeps_runs(sql: str) -> bool:
@@ -2933,7 +2933,7 @@ def _keeps_runs(sql: str) -> bool:
     if found is None:
         target = _WRITES.match(sql)
         found = sql.startswith("SELECT ") or (target is not None and target[1] != "runs")
-        if len(_KEEPS_RUNS) < 512:
+        if len(_KEEPS_RUNS) < KEEPS_RUNS_CACHE:
             _KEEPS_RUNS[sql] = found
     return found
 
@@ -3031,15 +3031,14 @@ class Tx:
     def count_step(self, run_id: str, step_count: int, owner: str) -> bool:
         """Add one to a RUNNING run's step count, if it still has ``step_count`` steps and
         is leased to ``owner``; False (nothing written) otherwise."""
-        known = self._runs.get(run_id)
+        k = self._runs.get(run_id)          # the run as this transaction knows it, if read
         self._runs.clear()
         cur = self.c.execute("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? "
                              "AND step_count=? AND lease_owner=?",
                              (run_id, RUNNING, step_count, owner))
         if cur.rowcount != 1:
             return False
-        if known is not None and known.step_count == step_count:
-            k = known
+        if k is not None and k.step_count == step_count:
             self._runs[run_id] = Run(k.id, k.goal, k.status, k.reason, k.reason_detail,
                                      k.limits, step_count + 1, k.created_at, k.finished_at,
                                      k.result_json, k.lease_owner, k.lease_expires_at)
@@ -3243,9 +3242,13 @@ class Store:
         whole batch (_Within), so nothing of a half-done batch is ever committed."""
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only")
-        if self._batch is not None and self._batch_thread == threading.get_ident():
+        if self._own_batch():
             return _Within(self)            # this thread's batch, whose lock it holds
         return self._tx()
+
+    def _own_batch(self) -> bool:
+        """Whether a batch is open on this thread (whose lock it then holds)."""
+        return self._batch is not None and self._batch_thread == threading.get_ident()
 
     @contextlib.contextmanager
     def _tx(self):
@@ -3482,7 +3485,7 @@ class Store:
 
     def get_run(self, run_id: str) -> Run:
         with self._lock:
-            if self._batch is not None and self._batch_thread == threading.get_ident():
+            if self._own_batch():
                 return self._batch.run(run_id)      # this thread's batch: as it left the run
         rows = self._read(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,))
         if not rows:
@@ -5131,12 +5134,11 @@ def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> Late
     if not isinstance(payload, str):
         return None
     try:
-        raw = payload.encode("utf-8")
-        doc = read_own(raw)
-        obs_raw = member_spans(raw).get("observation") if isinstance(doc, dict) else None
+        doc, spans = read_members(payload.encode("utf-8"))    # not an object: JSONError
+        obs_raw = spans.get("observation")
     except (JSONError, UnicodeError):
         return None
-    if not isinstance(doc, dict) or doc.get("late") is not True or obs_raw is None:
+    if doc.get("late") is not True or obs_raw is None:
         return None
     obs, flag, start = doc.get("observation"), doc.get("known"), doc.get("started_at")
     if not isinstance(obs, dict):
@@ -5173,8 +5175,7 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
 
 def _settled_obs(late: LateRecord) -> tuple[dict, str, str]:
     """The late observation as the step it settles records it, naming where it came from."""
-    raw = late.observation.encode("utf-8")
-    doc, spans = read_own(raw), member_spans(raw)
+    doc, spans = read_members(late.observation.encode("utf-8"))
     doc["content"] = Raw(spans.get("content", b"{}"))
     doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
     text = dump_json(doc)

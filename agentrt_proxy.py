@@ -10947,11 +10947,13 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
     except BaseException:
         host.refuse(START_FAILED)
         reader.cancel()
+        lines.close()
         await asyncio.to_thread(writer.drain, WRITE_DRAIN)
         raise
     if started is None:                  # a signal while connecting: nothing to finish
         host.refuse(STOPPED_LOADING)
         reader.cancel()
+        lines.close()
         await asyncio.to_thread(writer.drain, WRITE_DRAIN)
         out.log("stopped before serving")
         return 0
@@ -10966,6 +10968,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
     finally:
         await drift.close()
         reader.cancel()
+        lines.close()
         await close_tools(tools)
         proxy.close()
         store.close()
@@ -11048,18 +11051,34 @@ async def _first_of(*events: asyncio.Event) -> None:
 
 
 class LineWriter:
-    """Messages to the host, written on a daemon thread so that a host that stops reading
-    never blocks the event loop (nor, with it, the handling of a signal). A write that fails
-    means the host is gone: ``gone`` is called and later messages are dropped."""
+    """Messages to the host. A message is written from the event loop itself when that
+    cannot block: the host's output is a pipe or a socket that poll finds writable, the
+    message is at most PIPE_BUF bytes (so written whole, at once), and nothing written
+    earlier is still queued. Every other message goes to a daemon thread, so that a host
+    that stops reading never blocks the event loop (nor, with it, the handling of a signal).
+    A write that fails means the host is gone: ``gone`` is called and later messages are
+    dropped."""
 
     def __init__(self, stream, gone: Callable[[], None]):
         self.stream, self.gone = stream, gone
         self.queue: queue.Queue = queue.Queue()
         self.broken = False
+        self._lock = threading.Lock()     # a direct write against a queued one
+        self._fd, self._poll = _direct_output(stream)
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdout").start()
 
     def write(self, data: bytes) -> None:
-        self.queue.put(data)
+        with self._lock:
+            if self._poll is None or len(data) > select.PIPE_BUF or \
+                    self.queue.unfinished_tasks or self.broken or not self._poll.poll(0):
+                self.queue.put(data)
+                return
+            try:
+                while data:
+                    data = data[os.write(self._fd, data):]
+            except OSError:
+                self.broken = True
+                self.gone()
 
     def _run(self) -> None:
         while True:
@@ -11082,27 +11101,129 @@ class LineWriter:
         return not self.queue.unfinished_tasks
 
 
+def _direct_output(stream) -> tuple[int, Any]:
+    """The descriptor under ``stream`` and a poll of it for room, when a short write to it
+    cannot block once poll finds room: a pipe (room for PIPE_BUF bytes) or a socket. (-1,
+    None) for anything else: a terminal, a file, a stream with no descriptor."""
+    try:
+        fd = stream.fileno()
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)) or not hasattr(select, "poll"):
+            return -1, None
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return -1, None
+    return fd, poll
+
+
+class _LineCutter:
+    """The host's bytes cut into lines. Only each new chunk is searched for line ends, and a
+    long line is joined once, so that cutting costs the same per byte however long the
+    host's lines are. A line longer than MAX_FRAME is passed on cut (it then fails to parse
+    and is answered so); the rest of it is skipped."""
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+        self.size, self.skipping = 0, False
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        lines = []
+        start, end = 0, chunk.find(b"\n")
+        while end != -1:
+            if not self.skipping:
+                lines.append(b"".join(self.parts) + chunk[start:end + 1])
+            self.parts, self.size, self.skipping = [], 0, False
+            start = end + 1
+            end = chunk.find(b"\n", start)
+        if start < len(chunk) and not self.skipping:
+            self.parts.append(chunk[start:])
+            self.size += len(chunk) - start
+            if self.size > MAX_FRAME:
+                lines.append(b"".join(self.parts)[:MAX_FRAME + 1])
+                self.parts, self.size, self.skipping = [], 0, True
+        return lines
+
+    def rest(self) -> list[bytes]:
+        """At the end of the input: a last line without its line end."""
+        rest = [b"".join(self.parts)] if self.parts and not self.skipping else []
+        self.parts, self.size = [], 0
+        return rest
+
+
 class LineReader:
-    """Lines of the host's input, read on a daemon thread so that a signal can end serving
-    while a read is blocked. The descriptor is read directly: a thread blocked inside a
-    buffered reader would hold its lock when the interpreter shuts down. A line longer than
-    MAX_FRAME is passed on cut (it then fails to parse and is answered so); the rest of it is
-    skipped."""
+    """Lines of the host's input. Where the event loop can watch its descriptor (a pipe, a
+    socket, a terminal), the loop reads it when it is readable, which never blocks; otherwise
+    (a file, a stream with no descriptor) a daemon thread reads it, so that a signal can end
+    serving while a read is blocked. The descriptor is read directly: a thread blocked inside
+    a buffered reader would hold its lock when the interpreter shuts down.
+
+    Lines read but not yet taken are bounded: past READ_AHEAD_BYTES no more is read, so a
+    host that writes faster than the proxy serves waits, instead of the proxy holding its
+    input without bound."""
 
     def __init__(self, stream, loop: asyncio.AbstractEventLoop):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stream, self.loop = stream, loop
-        # Lines read but not yet taken: past READ_AHEAD_BYTES the thread stops reading, so
-        # a host that writes faster than the proxy serves waits, instead of the proxy
-        # holding its input without bound.
         self._ahead = 0
+        self._lines = _LineCutter()
+        self._fd = -1                    # watched by the loop, while >= 0
+        self._watching = False
         self._room = threading.Condition()
-        threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
+        with contextlib.suppress(AttributeError, OSError, ValueError,
+                                 io.UnsupportedOperation):
+            fd = stream.fileno()
+            try:
+                loop.add_reader(fd, self._readable)
+                self._fd, self._watching = fd, True
+            except (NotImplementedError, PermissionError, ValueError, OSError):
+                pass                     # a file, or a loop that cannot watch it
+        if self._fd < 0:
+            threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
+
+    # -- read by the loop --
+
+    def _readable(self) -> None:
+        try:
+            chunk = os.read(self._fd, READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return                       # nothing after all: wait for the next readiness
+        except (OSError, ValueError):
+            chunk = b""
+        if not chunk:
+            self._unwatch()
+            for line in self._lines.rest():
+                self._enqueue(line)
+            self._fd = -2                # ended: never watched again
+            self.queue.put_nowait(None)
+            return
+        for line in self._lines.feed(chunk):
+            self._enqueue(line)
+        if self._ahead > READ_AHEAD_BYTES:
+            self._unwatch()
+
+    def _enqueue(self, line: bytes) -> None:
+        self._ahead += len(line)
+        self.queue.put_nowait(line)
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            self.loop.remove_reader(self._fd)
+
+    def close(self) -> None:
+        """Stop reading (the loop's watch; a reading thread is a daemon and ends with the
+        process)."""
+        if self._fd >= 0:
+            self._unwatch()
+            self._fd = -2
+
+    # -- read by a thread --
 
     def _chunks(self) -> Iterable[bytes]:
         try:
             fd = self.stream.fileno()
-        except (AttributeError, OSError, ValueError):
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
             fd = None
         while True:
             chunk = os.read(fd, READ_CHUNK) if fd is not None else \
@@ -11112,27 +11233,12 @@ class LineReader:
             yield chunk
 
     def _run(self) -> None:
-        # Only each new chunk is searched for line ends, and a long line is joined once, so
-        # reading costs the same per byte however long the host's lines are.
-        parts: list[bytes] = []
-        size, skipping = 0, False
         try:
             for chunk in self._chunks():
-                start, end = 0, chunk.find(b"\n")
-                while end != -1:
-                    if not skipping:
-                        self._put(b"".join(parts) + chunk[start:end + 1])
-                    parts, size, skipping = [], 0, False
-                    start = end + 1
-                    end = chunk.find(b"\n", start)
-                if start < len(chunk) and not skipping:
-                    parts.append(chunk[start:])
-                    size += len(chunk) - start
-                    if size > MAX_FRAME:
-                        self._put(b"".join(parts)[:MAX_FRAME + 1])
-                        parts, size, skipping = [], 0, True
-            if parts and not skipping:
-                self._put(b"".join(parts))
+                for line in self._lines.feed(chunk):
+                    self._put(line)
+            for line in self._lines.rest():
+                self._put(line)
         except (OSError, ValueError):
             pass
         self._put(None)
@@ -11147,10 +11253,17 @@ class LineReader:
 
     async def next(self) -> bytes | None:
         item = await self.queue.get()
-        if item is not None:
+        if item is None:
+            return None
+        if self._fd == -1:               # a thread reads
             with self._room:
                 self._ahead -= len(item)
                 self._room.notify()
+        else:
+            self._ahead -= len(item)
+            if self._fd >= 0 and not self._watching and self._ahead <= READ_AHEAD_BYTES:
+                self._watching = True
+                self.loop.add_reader(self._fd, self._readable)
         return item
 
 

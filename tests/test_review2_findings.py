@@ -14,6 +14,7 @@ against the real module: a test here fails while its fault is present.
 3. The host's input does not wait: HostServer.room holds back the dispatching, but the
    LineReader thread goes on reading the host's lines into an unbounded queue, so a host
    that floods the proxy while it is busy makes it hold what it sent without bound.
+   (Tested in tests/test_host_io.py, for the loop's reading and the thread's.)
 4. ToolSpec.hash is not safe on two threads: the cache it fills may be emptied by another
    thread before it reads it back (KeyError).
 """
@@ -149,50 +150,7 @@ def test_a_large_answer_that_arrived_in_time_is_not_a_timeout(tmp_path):
         "timeout: it was still being parsed on a worker thread when the timeout ran out"
 
 
-# ==== 3. the host's input waits ===============================================================
-
-LINE_BYTES = 16 * 1024
-FLOOD_BYTES = 64 * 1024 * 1024    # four times MAX_FRAME, sent while nothing is dispatched
-STALL = 1.0                       # no progress for this long: the reader is holding back
-
-
-def test_the_reader_does_not_read_the_host_ahead_without_bound(tmp_path):
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    line = b'{"jsonrpc":"2.0","method":"notifications/x","params":{"p":"' + \
-        b"a" * (LINE_BYTES - 64) + b'"}}\n'
-
-    def flood() -> int:
-        sent, view, last = 0, memoryview(line), time.monotonic()
-        pos = 0
-        while sent < FLOOD_BYTES and time.monotonic() - last < STALL:
-            try:
-                n = os.write(w, view[pos:])
-            except BlockingIOError:
-                time.sleep(0.005)
-                continue
-            sent, pos, last = sent + n, (pos + n) % len(line), time.monotonic()
-        return sent
-
-    async def body():
-        stream = os.fdopen(r, "rb", buffering=0)
-        reader = ap.LineReader(stream, asyncio.get_running_loop())
-        try:
-            sent = await asyncio.to_thread(flood)
-            queued = reader.queue.qsize()
-        finally:
-            os.close(w)
-        while await asyncio.wait_for(reader.next(), WAIT) is not None:
-            pass                                  # read to its end: the thread is done
-        stream.close()
-        return sent, queued
-    loop = asyncio.new_event_loop()
-    try:
-        sent, queued = loop.run_until_complete(asyncio.wait_for(body(), 60))
-    finally:
-        loop.close()
-    assert sent < FLOOD_BYTES, f"the reader took all {sent} bytes ({queued} lines queued) " \
-        "while nothing was dispatched: the host's input never waits"
+# ==== 3. the host's input waits: tests/test_host_io.py, read by the loop and by a thread ====
 
 
 # ==== 4. a tool spec's hash, asked on two threads ==============================================

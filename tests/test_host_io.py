@@ -1,0 +1,236 @@
+"""The host's pipes: read by the event loop where it can watch them, written from it where a
+write cannot block, and through a thread otherwise, with the same lines and the same order
+either way.
+
+- LineReader on a pipe reads in the loop (no reading thread), on a stream without a
+  descriptor through its thread; both cut the same lines: a long line cut at MAX_FRAME and
+  the rest of it skipped, a last line without its line end, and EOF.
+- Either way the host's input is read ahead by a bounded amount while nothing is taken.
+- LineWriter writes a short message to a pipe with room at once, from the caller; a message
+  past PIPE_BUF, one written while the pipe is full, and every one after a queued one go
+  through the thread, in the order written.
+- A write to a host that is gone calls ``gone`` and drops what follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import agentrt_proxy as ap  # noqa: E402
+
+WAIT = 10.0
+LINE_BYTES = 16 * 1024
+FLOOD_BYTES = 64 * 1024 * 1024      # four times MAX_FRAME, sent while nothing is taken
+STALL = 1.0                         # no progress for this long: the reader holds back
+
+
+class NoDescriptor:
+    """A stream the loop cannot watch: only readline, as a file object without fileno."""
+
+    def __init__(self, fd: int):
+        self.file = os.fdopen(fd, "rb")
+
+    def readline(self, size: int) -> bytes:
+        return self.file.readline(size)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _stdin_threads() -> int:
+    return sum(t.name == "agentrt-proxy-stdin" for t in threading.enumerate())
+
+
+def _read_all(stream_of, data: bytes) -> tuple[list, int]:
+    """Every line a LineReader gives for ``data`` written to a pipe, and how many reading
+    threads it started."""
+    r, w = os.pipe()
+
+    def feed() -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(w, view[:65536]):]
+        os.close(w)
+
+    async def body():
+        before = _stdin_threads()
+        stream = stream_of(r)
+        reader = ap.LineReader(stream, asyncio.get_running_loop())
+        started = _stdin_threads() - before
+        writer = threading.Thread(target=feed)
+        writer.start()
+        lines = []
+        while True:
+            line = await asyncio.wait_for(reader.next(), WAIT)
+            lines.append(line)
+            if line is None:
+                break
+        writer.join(WAIT)
+        reader.close()
+        stream.close()
+        return lines, started
+    return asyncio.run(body())
+
+
+STREAMS = {"pipe": lambda fd: os.fdopen(fd, "rb", buffering=0), "no descriptor": NoDescriptor}
+
+
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_the_reader_cuts_the_same_lines_either_way(kind):
+    # Longer than MAX_FRAME by more than a read: it is passed on cut at MAX_FRAME + 1 bytes
+    # (and then refused unparsed), the rest of it skipped up to its line end.
+    long_line = b"x" * (ap.MAX_FRAME + 3 * ap.READ_CHUNK) + b"\n"
+    data = b'{"a":1}\n\n' + long_line + b'{"b":2}\n' + b'{"c":3}'
+    lines, started = _read_all(STREAMS[kind], data)
+    assert lines[0] == b'{"a":1}\n'
+    assert lines[1] == b"\n"
+    assert len(lines[2]) == ap.MAX_FRAME + 1 and lines[2] == b"x" * (ap.MAX_FRAME + 1)
+    assert lines[3:] == [b'{"b":2}\n', b'{"c":3}', None]
+    assert started == (0 if kind == "pipe" else 1)
+
+
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_the_reader_reads_ahead_a_bounded_amount_either_way(kind):
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    line = b'{"jsonrpc":"2.0","method":"notifications/x","params":{"p":"' + \
+        b"a" * (LINE_BYTES - 64) + b'"}}\n'
+
+    def flood() -> int:
+        sent, view, pos, last = 0, memoryview(line), 0, time.monotonic()
+        while sent < FLOOD_BYTES and time.monotonic() - last < STALL:
+            try:
+                n = os.write(w, view[pos:])
+            except BlockingIOError:
+                time.sleep(0.005)
+                continue
+            sent, pos, last = sent + n, (pos + n) % len(line), time.monotonic()
+        return sent
+
+    async def body():
+        stream = STREAMS[kind](r)
+        reader = ap.LineReader(stream, asyncio.get_running_loop())
+        try:
+            sent = await asyncio.to_thread(flood)
+        finally:
+            os.close(w)
+        taken = 0
+        while (got := await asyncio.wait_for(reader.next(), WAIT)) is not None:
+            taken += len(got)             # read to its end: taking more reads more
+        reader.close()
+        stream.close()
+        return sent, taken
+    sent, taken = asyncio.run(asyncio.wait_for(body(), 60))
+    assert sent < FLOOD_BYTES, f"the reader took all {sent} bytes while nothing was taken"
+    assert taken == sent
+
+
+def _writer(fd: int, gone=lambda: None) -> ap.LineWriter:
+    return ap.LineWriter(os.fdopen(fd, "wb"), gone)
+
+
+def _blocks(write) -> bool:
+    """Whether ``write`` is still blocked after WAIT, run on a daemon thread so that a test
+    of a write that blocks fails instead of hanging."""
+    writing = threading.Thread(target=write, daemon=True)
+    writing.start()
+    writing.join(WAIT)
+    return writing.is_alive()
+
+
+def _read_pipe(fd: int, want: int) -> bytes:
+    got = b""
+    deadline = time.monotonic() + WAIT
+    while len(got) < want and time.monotonic() < deadline:
+        got += os.read(fd, 1 << 20)
+    return got
+
+
+def test_a_short_message_to_a_pipe_with_room_is_written_at_once():
+    r, w = os.pipe()
+    writer = _writer(w)
+    writer.write(b'{"id":1}\n')
+    # Written before write() returned: nothing was queued for the thread.
+    assert writer.queue.unfinished_tasks == 0
+    assert os.read(r, 100) == b'{"id":1}\n'
+    os.close(r)
+
+
+def test_what_cannot_be_written_at_once_goes_through_the_thread_in_order():
+    r, w = os.pipe()
+    writer = _writer(w)
+    size = 64 * 1024                      # more than the pipe holds: the thread blocks
+    big = b"B" * (size - 1) + b"\n"
+    small = [b'{"id":%d}\n' % i for i in range(50)]
+    queued = []
+
+    def write() -> None:
+        writer.write(b"first\n")          # at once
+        writer.write(big)                 # past PIPE_BUF: the thread
+        for msg in small:                 # queued behind it, never ahead
+            writer.write(msg)
+        queued.append(writer.queue.unfinished_tasks)
+    blocked = _blocks(write)
+    want = b"first\n" + big + b"".join(small)
+    got = _read_pipe(r, len(want))
+    assert not blocked, "a write while the thread was writing blocked its caller"
+    assert queued[0] > 0
+    assert got == want
+    assert writer.drain(WAIT)
+    os.close(r)
+
+
+def test_a_message_written_while_the_pipe_is_full_waits_for_the_thread():
+    r, w = os.pipe()
+    writer = _writer(w)
+    filler = b"f" * (ap.select.PIPE_BUF - 1) + b"\n"
+    sent = []
+
+    def fill() -> None:
+        # Short messages written at once until the pipe has no room; then they queue.
+        while writer.queue.unfinished_tasks == 0 and len(sent) < 10_000:
+            writer.write(filler)
+            sent.append(filler)
+        writer.write(b"last\n")
+    blocked = _blocks(fill)
+    want = b"".join(sent) + b"last\n"
+    got = _read_pipe(r, len(want))
+    assert not blocked, "a write to a full pipe blocked its caller"
+    assert writer.queue.unfinished_tasks > 0 or len(sent) < 10_000
+    assert got == want
+    assert writer.drain(WAIT)
+    os.close(r)
+
+
+def test_a_write_to_a_host_that_is_gone_calls_gone_once_and_drops_the_rest():
+    r, w = os.pipe()
+    os.close(r)
+    calls = []
+    writer = _writer(w, lambda: calls.append(1))
+    writer.write(b"one\n")
+    writer.write(b"two\n")
+    assert writer.drain(WAIT)
+    assert calls == [1] and writer.broken
+
+
+def test_a_writer_on_a_stream_without_a_descriptor_uses_its_thread():
+    import io
+
+    class Sink(io.BytesIO):
+        def fileno(self):
+            raise io.UnsupportedOperation("no descriptor")
+    sink = Sink()
+    writer = ap.LineWriter(sink, lambda: None)
+    for i in range(20):
+        writer.write(b"%d\n" % i)
+    assert writer.drain(WAIT)
+    assert sink.getvalue() == b"".join(b"%d\n" % i for i in range(20))

@@ -4939,15 +4939,25 @@ async def in_time(aw: Awaitable, seconds: float) -> Any:
     that changes something, an outcome not known: an operator is asked before it runs
     again)."""
     if isinstance(aw, asyncio.Future):
+        # Awaited directly, so that an answer wakes the caller in one turn of the loop. The
+        # deadline is judged a turn after its timer fires: whatever was handled in that
+        # turn (an upstream's answer read and parsed by its reading task) is set first.
+        loop = asyncio.get_running_loop()
+        late = []
+
+        def judge() -> None:
+            if not aw.done():
+                late.append(True)
+                aw.cancel()
+        timer = loop.call_later(seconds, loop.call_soon, judge)
         try:
-            await asyncio.wait((aw,), timeout=seconds)
+            return await aw              # an outside cancel cancels aw too
         except asyncio.CancelledError:
-            aw.cancel()
+            if late:
+                raise asyncio.TimeoutError() from None
             raise
-        if aw.done():
-            return aw.result()
-        aw.cancel()
-        raise asyncio.TimeoutError()
+        finally:
+            timer.cancel()
     if _TIMEOUT is None:
         return await asyncio.wait_for(aw, seconds)
     async with _TIMEOUT(seconds):

@@ -23,6 +23,7 @@
 """
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -106,6 +107,39 @@ def test_an_answer_set_in_the_turn_its_deadline_falls_due_is_taken():
         loop.call_soon(time.sleep, deadline + 0.02)     # the loop busy past both
         return await ap.in_time(fut, deadline)
     assert asyncio.run(trial()) == "answer"
+
+
+def test_an_answer_read_in_the_turn_its_deadline_falls_due_is_taken():
+    """As an upstream's answer comes: read from a pipe by a reading task that sets the
+    future. The pipe turns readable in the same turn as the deadline's timer is due; the
+    reading task runs the turn after, and its answer is still taken."""
+    async def trial():
+        loop = asyncio.get_running_loop()
+        r, w = os.pipe()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(r, "rb", 0))
+        fut = loop.create_future()
+
+        async def read():
+            line = await reader.readuntil(b"\n")
+            if not fut.done():
+                fut.set_result(line)
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0)
+        deadline = 0.05
+
+        def answer_then_stall():
+            os.write(w, b"answer\n")
+            time.sleep(deadline + 0.02)           # the loop busy past the deadline
+        loop.call_soon(answer_then_stall)
+        try:
+            return await ap.in_time(fut, deadline)
+        finally:
+            task.cancel()
+            transport.close()
+            os.close(w)
+    assert asyncio.run(trial()) == b"answer\n"
 
 
 def test_an_outside_cancel_cancels_the_answer_awaited():

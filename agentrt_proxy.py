@@ -206,6 +206,13 @@ BUSY_TIMEOUT_MS = 5000               # SQLite busy_timeout on every connection
 REFUSAL_WAIT_MS = 50                 # ... and for counting a refusal, which may be skipped
 WAL_SWITCH_SECONDS = 5.0             # how long to retry switching to WAL while busy
 WAL_SWITCH_STEP = 0.005
+# Serving, the WAL is copied into the database by a thread of its own (Store.checkpoint_aside)
+# every CHECKPOINT_COMMITS commits, about SQLite's default of 1,000 pages at the 15 or so a
+# commit writes; the writing connection's own checkpoint stays as a backstop, at
+# CHECKPOINT_BACKSTOP_PAGES, should that thread fall behind.
+CHECKPOINT_COMMITS = 64
+CHECKPOINT_BACKSTOP_PAGES = 4000
+CHECKPOINT_CLOSE_WAIT = 5.0          # seconds close() waits for a checkpoint under way
 DEFAULT_LEASE_TTL = 30.0             # seconds a run's lease lasts without renewal
 TOOL_TIMEOUT_SLACK = 2.0             # the gate's bound on a tool call, past its own timeout
 LEASE_RENEW_FRACTION = 3             # the heartbeat renews every ttl / this
@@ -3149,6 +3156,8 @@ class Store:
         self._wal_fd: int | None = None
         self._unsyncable = ""
         self.calls_in_flight = 0      # kept by the proxy: with one call or none, sync inline
+        self._commits = 0
+        self._aside: _Checkpointer | None = None
         exists = check_database_file(path, writer=not readonly)
         if not exists:
             if not create:
@@ -3281,6 +3290,32 @@ class Store:
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"{self.path}: write failed: {exc}") from None
             raise
+        self._commits += 1
+        if self._aside is not None and self._commits % CHECKPOINT_COMMITS == 0:
+            self._aside.wake.set()
+
+    def checkpoint_aside(self) -> None:
+        """Copy the WAL into the database on a thread of its own, with a connection of its
+        own, instead of inside the commit that crosses SQLite's threshold: that copy and its
+        sync of the database file (milliseconds) no longer fall on a call. The checkpoint is
+        PASSIVE (it never waits for, nor blocks, a writer or a reader), so it changes nothing
+        a transaction sees; this connection's own checkpoint remains, at a higher threshold,
+        should the thread fall behind. Nothing of durability moves: each commit is on disk
+        as before (SQLite's FULL commit, or durable()), and a checkpoint syncs the WAL before
+        it copies from it."""
+        if self.readonly or self._aside is not None:
+            return
+        with self._lock:
+            try:
+                aside = _Checkpointer(self.path)
+            except (sqlite3.Error, RuntimeError):
+                return                   # the connection's own checkpoint, as before
+            try:
+                self.conn.execute(f"PRAGMA wal_autocheckpoint={CHECKPOINT_BACKSTOP_PAGES}")
+            except sqlite3.Error:
+                aside.close()
+                return
+            self._aside, self._commits = aside, 0
 
     # ---- group commit ----
     # A batch begun with synced=GROUPED commits under synchronous=NORMAL: its frames are in
@@ -3607,12 +3642,61 @@ class Store:
         return report
 
     def close(self) -> None:
+        aside, self._aside = self._aside, None
+        if aside is not None:
+            aside.close()
         with self._lock:
             self.conn.close()
         with self._sync_lock:
             if self._wal_fd is not None:
                 os.close(self._wal_fd)
                 self._wal_fd = None
+
+
+class _Checkpointer:
+    """Store.checkpoint_aside's thread: a PASSIVE checkpoint each time it is woken, on a
+    connection of its own (busy_timeout 0: a checkpoint another connection runs is left to
+    it). A checkpoint that fails is tried again at the next wake; the writing connection's
+    own checkpoint bounds the WAL meanwhile."""
+
+    def __init__(self, path: str):
+        self.conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None,
+                                    check_same_thread=False)
+        try:
+            self.conn.execute("PRAGMA busy_timeout=0")
+            self.conn.execute("PRAGMA trusted_schema=OFF")
+        except sqlite3.Error:
+            self.conn.close()
+            raise
+        self.wake = threading.Event()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name="agentrt-proxy-checkpoint")
+        try:
+            self.thread.start()
+        except RuntimeError:             # no thread to be had: the connection's own, then
+            self.conn.close()
+            raise
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self.wake.wait()
+                self.wake.clear()
+                if self.stopping:
+                    return
+                with contextlib.suppress(sqlite3.Error):
+                    self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.close()
+
+    def close(self) -> None:
+        """Stop after the checkpoint under way, waiting for it at most CHECKPOINT_CLOSE_WAIT
+        (a daemon thread: the process does not wait for it past that)."""
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(CHECKPOINT_CLOSE_WAIT)
 
 
 @dataclasses.dataclass(repr=False)
@@ -11022,6 +11106,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
     try:
         check_database_owner(cfg.database)
         proxy = Proxy(cfg, store, tools, out.log)
+        store.checkpoint_aside()
     except BaseException:
         await close_tools(tools)
         store.close()

@@ -30,6 +30,10 @@ direct p50):
     allowed mutating call      pay with distinct arguments per call (so no rule refuses it),
                                its attempt's commit synced before the request leaves; with
                                FastMCP measured, met when the overhead is at most FastMCP's
+    bare Python relay          tests/bare_relay.py in front of the echo server, in the read
+                               row's rounds: lines passed both ways on one event loop,
+                               nothing parsed, checked or recorded; the plumbing any Python
+                               proxy on stdio pays, added to the records below as a floor
     records alone              the floor under the two rows above: the SQLite statements
                                of 1,000 allowed reads and 1,000 allowed pays (-quick: 200),
                                captured with their parameters in-process (profile_call.py's
@@ -105,6 +109,7 @@ ROOT = os.path.dirname(HERE)
 PROXY = os.path.join(ROOT, "agentrt_proxy.py")
 FAKE_SERVER = os.path.join(ROOT, "fake_payment_server.py")
 ECHO_SERVER = os.path.join(HERE, "echo_server.py")
+BARE_RELAY = os.path.join(HERE, "bare_relay.py")
 PYTHON = sys.executable or "python3"
 MODULE_RUN = sys.version_info >= (3, 11)     # python3 -P -m agentrt_proxy needs -P
 
@@ -498,6 +503,11 @@ class Lab:
         env = dict(os.environ, FAKE_PAYMENTS_LEDGER=ledger) if ledger else None
         return self._start(Client(name, [PYTHON, server], self.root, env), start)
 
+    def relay(self, name: str, server: str, start: bool = True) -> Client:
+        """tests/bare_relay.py in front of ``server``: lines passed through, nothing read."""
+        return self._start(Client(name, [PYTHON, BARE_RELAY, PYTHON, server], self.root),
+                           start)
+
     def fastmcp(self, name: str, server: str, ledger: str = "", start: bool = True) -> Client:
         env = {"FAKE_PAYMENTS_LEDGER": ledger} if ledger else {}
         argv = [self.fastmcp_python, self.fastmcp_script, json.dumps([PYTHON, server]),
@@ -650,6 +660,13 @@ def read_row(arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
                          f"overhead <= {READ_OVERHEAD_MS} ms", READ_VS_FASTMCP))
     rep.ratios.append(p50_ratios("allowed read-only call", got))
     rep.figures["read"] = {k: stats(v) for k, v in got.items()}
+    if "relay" in got:
+        d, r = stats(got["direct"]), stats(got["relay"])
+        rep.add(Row("bare Python relay, read-only call", fmt_stats(d), fmt_stats(r),
+                    f"{r['p50'] - d['p50']:+.2f}", target="(the floor)",
+                    note="tests/bare_relay.py: the same lines passed both ways on one event "
+                         "loop, nothing parsed, checked or recorded: the plumbing any Python "
+                         "proxy on stdio pays"))
 
 
 def mutating_rows(arms: dict, ledgers: dict, plan: Plan, rep: Report) -> None:
@@ -970,6 +987,10 @@ def records_row(rep: Report, root: str, calls: int) -> None:
         if f_over and f_over > 0:
             note += (f": {ms / f_over:.2f}x FastMCP's overhead ({f_over:.2f} ms), where the "
                      f"{row} row's target allows {factor:g}x ({factor * f_over:.2f} ms)")
+            if "relay" in got:
+                both = ms + got["relay"]["p50"] - got["direct"]["p50"]
+                note += (f"; with the bare relay's plumbing, {both:.2f} ms: "
+                         f"{both / f_over:.2f}x, before any of the proxy's own Python")
         rep.add(Row(f"records alone, {row}", proxy=f"{ms:.2f}", overhead=f"{ms:+.2f}",
                     fastmcp=f"{f_over:+.2f}" if f_over else "skipped", target="(the floor)",
                     note=note))
@@ -1108,12 +1129,13 @@ def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
               "bank": lab.direct("direct-bank", FAKE_SERVER,
                                  os.path.join(lab.root, "direct.ledger"), start=False)}
     proxy = lab.proxy("proxy", main_dir, start=False)
+    relay = lab.relay("relay-echo", ECHO_SERVER, start=False)
     fm = {}
     if with_fastmcp:
         fm = {"echo": lab.fastmcp("fastmcp-echo", ECHO_SERVER, start=False),
               "bank": lab.fastmcp("fastmcp-bank", FAKE_SERVER,
                                   os.path.join(lab.root, "fastmcp.ledger"), start=False)}
-    for client in [*direct.values(), proxy, *fm.values()]:     # spawned side by side
+    for client in [*direct.values(), proxy, relay, *fm.values()]:     # side by side
         client.start()
     reads = {"direct": direct["echo"], "proxy": proxy, **({"fastmcp": fm["echo"]} if fm else {})}
     read_tools = {"direct": "echo", "proxy": "echo_echo", "fastmcp": "echo"}
@@ -1121,7 +1143,8 @@ def measure(lab: Lab, plan: Plan, with_fastmcp: bool, rep: Report) -> None:
     ledgers = {"direct": os.path.join(lab.root, "direct.ledger"), "proxy": main_dir.ledger,
                **({"fastmcp": os.path.join(lab.root, "fastmcp.ledger")} if fm else {})}
     steps = [
-        ("read", lambda: read_row(reads, read_tools, plan, rep)),
+        ("read", lambda: read_row({**reads, "relay": relay}, {**read_tools, "relay": "echo"},
+                                  plan, rep)),
         ("mutating", lambda: mutating_rows(pays, ledgers, plan, rep)),
         ("records alone", lambda: records_row(rep, lab.root, plan.records_calls)),
         ("in flight", lambda: flight_row(reads, read_tools, plan, rep)),

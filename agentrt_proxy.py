@@ -5010,9 +5010,14 @@ def _require_live_lease(tx: Tx, run_id: str, owner: str, wall: float) -> None:
         raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
 
 
+class _PastDeadline(Exception):
+    """in_time's end of an awaited future whose deadline came first."""
+
+
 async def in_time(aw: Awaitable, seconds: float) -> Any:
-    """``await aw`` under a deadline, raising asyncio.TimeoutError (cancelling it) past
-    the deadline, as asyncio.wait_for does, with two differences. A future (an upstream's
+    """``await aw`` under a deadline, raising asyncio.TimeoutError past the deadline and
+    ending what it waited for (a coroutine cancelled, a future set done, so that nothing
+    sets it later), as asyncio.wait_for does, with two differences. A future (an upstream's
     answer) that is done when the deadline is judged is taken, never lost: its result
     may have been set in the very turn of the loop in which the deadline fell due, and a
     call that was answered in time must not be recorded as timed out. A coroutine (a tool
@@ -5026,20 +5031,19 @@ async def in_time(aw: Awaitable, seconds: float) -> Any:
         # Awaited directly, so that an answer wakes the caller in one turn of the loop. The
         # deadline is judged a turn after its timer fires: whatever was handled in that
         # turn (an upstream's answer read and parsed by its reading task) is set first.
+        # The deadline ends the future with an exception of its own, never a cancel, so
+        # that a cancel of the caller in that same turn is not taken for the deadline: it
+        # reaches the caller as a cancel whatever ended the future.
         loop = asyncio.get_running_loop()
-        late = []
 
         def judge() -> None:
             if not aw.done():
-                late.append(True)
-                aw.cancel()
+                aw.set_exception(_PastDeadline())
         timer = loop.call_later(seconds, loop.call_soon, judge)
         try:
             return await aw              # an outside cancel cancels aw too
-        except asyncio.CancelledError:
-            if late:
-                raise asyncio.TimeoutError() from None
-            raise
+        except _PastDeadline:
+            raise asyncio.TimeoutError() from None
         finally:
             timer.cancel()
     if _TIMEOUT is None:
@@ -11934,9 +11938,19 @@ class DriftWatch:
         self.tasks = [asyncio.create_task(w.run()) for w in self.watches]
 
     async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        """Cancel the watches and wait for them, at most CLOSE_WAIT: a watch that took a
+        cancel for something else (wait_for before Python 3.12 can) is cancelled again, and
+        closing never waits on it without bound."""
+        deadline = time.monotonic() + CLOSE_WAIT
+        pending = {t for t in self.tasks if not t.done()}
+        while pending and time.monotonic() < deadline:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=min(
+                EXIT_POLL * 5, max(0.0, deadline - time.monotonic())))
+        for task in self.tasks:          # what ended them is theirs: retrieved, not raised
+            if task.done() and not task.cancelled():
+                task.exception()
 
 
 class ServerWatch:

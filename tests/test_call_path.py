@@ -92,7 +92,7 @@ def test_a_deadline_past_raises_timeout_and_cancels_what_it_waited_for():
         fut = asyncio.get_running_loop().create_future()
         with pytest.raises(asyncio.TimeoutError):
             await ap.in_time(fut, 0.05)
-        assert fut.cancelled()
+        assert fut.done()                 # ended: an answer after it is dropped
         assert await ap.in_time(asyncio.sleep(0, "done"), 5) == "done"
     asyncio.run(main())
     assert cancelled == [True]
@@ -140,6 +140,34 @@ def test_an_answer_read_in_the_turn_its_deadline_falls_due_is_taken():
             transport.close()
             os.close(w)
     assert asyncio.run(trial()) == b"answer\n"
+
+
+def test_a_cancel_in_the_turn_the_deadline_is_judged_is_a_cancel():
+    """Another part of the proxy cancels the waiting task (closing, say) in the very turn
+    in which the deadline ends the future: the task is cancelled, never handed a timeout it
+    would take for the deadline and go on from."""
+    async def trial():
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        went_on = []
+
+        async def waiter():
+            try:
+                return await ap.in_time(fut, 0.05)
+            except asyncio.TimeoutError:
+                went_on.append(True)
+                await asyncio.sleep(0.01)
+                return "went on"
+        task = asyncio.create_task(waiter())
+        await asyncio.sleep(0)
+        loop.call_later(0.05, loop.call_soon, task.cancel)
+        time.sleep(0.1)                           # the loop busy past both timers
+        try:
+            await task
+        except asyncio.CancelledError:
+            return went_on
+        return ["returned"] + went_on
+    assert asyncio.run(trial()) == []
 
 
 def test_an_outside_cancel_cancels_the_answer_awaited():

@@ -305,3 +305,44 @@ def test_a_host_subscription_is_acknowledged_told_and_bounded():
     host.tools_changed()
     told = [json.loads(line)["params"]["_meta"][SUBSCRIPTION] for line in out]
     assert sorted(told) == [i for i in range(ap.MAX_HOST_LISTENS) if i != 3]
+
+
+def test_closing_the_watches_is_bounded_when_one_takes_its_cancel_for_something_else(
+        monkeypatch):
+    """A watch that catches a cancel and goes on (as one did when its wait read the cancel
+    as a timeout): close() cancels it again, and returns within CLOSE_WAIT either way."""
+    import asyncio
+    monkeypatch.setattr(ap, "CLOSE_WAIT", 0.5)
+
+    stop = []
+
+    async def stubborn():
+        while not stop:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass                            # taken for something else: goes on
+
+    async def once():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)           # the first cancel swallowed, then it ends
+            raise RuntimeError("ended")
+
+    async def trial():
+        watch = ap.DriftWatch.__new__(ap.DriftWatch)
+        watch.tasks = [asyncio.create_task(stubborn()), asyncio.create_task(once())]
+        await asyncio.sleep(0)
+        began = time.monotonic()
+        closing = asyncio.create_task(watch.close())
+        await asyncio.wait({closing}, timeout=3.0)      # a close that hangs fails here
+        took = time.monotonic() - began if closing.done() else float("inf")
+        ended = watch.tasks[1].done()
+        stop.append(True)
+        watch.tasks[0].cancel()
+        await asyncio.wait([*watch.tasks, closing], timeout=5)
+        return took, ended
+    took, ended = asyncio.run(trial())
+    assert took < 0.5 + 1.0, f"close() took {took:.2f} s"
+    assert ended

@@ -3307,8 +3307,8 @@ class Store:
             return
         with self._lock:
             try:
-                aside = _Checkpointer(self.path)
-            except (sqlite3.Error, RuntimeError):
+                aside = _Checkpointer(self.path, self._wal, self._may_checkpoint)
+            except (sqlite3.Error, RuntimeError, StoreError):
                 return                   # the connection's own checkpoint, as before
             try:
                 self.conn.execute(f"PRAGMA wal_autocheckpoint={CHECKPOINT_BACKSTOP_PAGES}")
@@ -3316,6 +3316,13 @@ class Store:
                 aside.close()
                 return
             self._aside, self._commits = aside, 0
+
+    def _may_checkpoint(self) -> bool:
+        """Whether the checkpoint thread may go on: not once a sync has failed (the WAL may
+        hold pages the kernel dropped), nor once the WAL file is not the one this store
+        opened. Either stops it for good."""
+        return not self._unsyncable and self._wal is not None and \
+            _file_identity(self.path + "-wal") == self._wal
 
     # ---- group commit ----
     # A batch begun with synced=GROUPED commits under synchronous=NORMAL: its frames are in
@@ -3657,15 +3664,29 @@ class _Checkpointer:
     """Store.checkpoint_aside's thread: a PASSIVE checkpoint each time it is woken, on a
     connection of its own (busy_timeout 0: a checkpoint another connection runs is left to
     it). A checkpoint that fails is tried again at the next wake; the writing connection's
-    own checkpoint bounds the WAL meanwhile."""
+    own checkpoint bounds the WAL meanwhile.
 
-    def __init__(self, path: str):
+    Its connection opens the WAL here, and only if it is the file the store opened
+    (``wal``): SQLite keeps that descriptor, so that a checkpoint copies from the WAL the
+    store wrote, never from a file put in its place, and a write error the kernel reports
+    later is reported to it too. ``allowed`` is asked before each checkpoint: once it says
+    no (a failed sync, a WAL replaced), the thread stops."""
+
+    def __init__(self, path: str, wal: tuple[int, int] | None,
+                 allowed: Callable[[], bool]):
+        self.allowed = allowed
         self.conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None,
                                     check_same_thread=False)
         try:
-            self.conn.execute("PRAGMA busy_timeout=0")
+            self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             self.conn.execute("PRAGMA trusted_schema=OFF")
-        except sqlite3.Error:
+            if wal is None or _file_identity(path + "-wal") != wal:
+                raise StoreError("the WAL file is not the one the store opened")
+            self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # opens it
+            if _file_identity(path + "-wal") != wal:
+                raise StoreError("the WAL file is not the one the store opened")
+            self.conn.execute("PRAGMA busy_timeout=0")
+        except BaseException:
             self.conn.close()
             raise
         self.wake = threading.Event()
@@ -3683,7 +3704,7 @@ class _Checkpointer:
             while True:
                 self.wake.wait()
                 self.wake.clear()
-                if self.stopping:
+                if self.stopping or not self.allowed():
                     return
                 with contextlib.suppress(sqlite3.Error):
                     self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()

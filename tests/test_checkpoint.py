@@ -114,3 +114,92 @@ def test_close_ends_the_thread_and_sqlite_removes_the_wal(tmp_path):
                              ).fetchone()[0] == 2 * ap.CHECKPOINT_COMMITS + 5
     finally:
         check.close()
+
+
+def _held(store: ap.Store):
+    """The thread's wake, held until the test lets it go (threading.Event.set(wake))."""
+    wake = store._aside.wake
+    wake.set = lambda: None
+    return wake
+
+
+def test_a_wal_put_in_place_of_the_stores_is_never_copied(tmp_path):
+    """The WAL renamed over by another file between a wake and the checkpoint: the thread
+    copies nothing from it (it stops), and what the database keeps is what was committed."""
+    import shutil
+    path = str(tmp_path / "runs.db")
+    store = ap.Store.open(path)
+    store.checkpoint_aside()
+    wake = _held(store)
+    for n in range(ap.CHECKPOINT_COMMITS):
+        _commit(store, n)
+    forged = path + "-wal.new"
+    shutil.copyfile(path + "-wal", forged)
+    with open(forged, "r+b") as f:
+        data = f.read().replace(FILLER.encode(), b"Z" * len(FILLER))
+        f.seek(0)
+        f.write(data)
+    os.rename(forged, path + "-wal")
+    threading.Event.set(wake)
+    store._aside.thread.join(WAIT)
+    assert not store._aside.thread.is_alive(), "the thread went on past a replaced WAL"
+    try:
+        with store.tx():
+            pass
+    except ap.StoreError:
+        pass                                    # the store refuses, as it did before
+    store.close()
+    check = sqlite3.connect(path)
+    try:
+        rows = check.execute("SELECT DISTINCT substr(spec_json, 1, 1) FROM tool_specs "
+                             "WHERE hash LIKE 'h%'").fetchall()
+    finally:
+        check.close()
+    assert rows == [("x",)], rows
+
+
+def test_after_a_failed_sync_the_thread_copies_nothing(tmp_path, monkeypatch):
+    """A failed sync is final: the WAL may hold pages the kernel dropped, so nothing more
+    is copied from it into the database."""
+    import errno
+    path = str(tmp_path / "runs.db")
+    store = ap.Store.open(path)
+    try:
+        store.checkpoint_aside()
+        wake = _held(store)
+        for n in range(ap.CHECKPOINT_COMMITS - 1):
+            _commit(store, n)
+
+        def eio(fd):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(ap, "sync_wal_fd", eio)
+        with store.batch(synced=ap.GROUPED), store.tx() as tx:
+            tx.exec("INSERT INTO tool_specs (hash, spec_json) VALUES (?, ?)", ("last", FILLER))
+        try:
+            store.sync_owed()
+        except ap.StoreError:
+            pass
+        assert store._unsyncable
+        size = os.path.getsize(path)
+        threading.Event.set(wake)
+        store._aside.thread.join(WAIT)
+        assert not store._aside.thread.is_alive(), "the thread went on after a failed sync"
+        assert os.path.getsize(path) == size, "pages were copied after a failed sync"
+    finally:
+        monkeypatch.undo()
+        store.close()
+
+
+def test_the_thread_is_not_started_on_a_wal_that_is_not_the_stores(tmp_path):
+    import shutil
+    path = str(tmp_path / "runs.db")
+    store = ap.Store.open(path)
+    try:
+        shutil.copyfile(path + "-wal", path + "-wal.new")
+        os.rename(path + "-wal.new", path + "-wal")
+        before = _checkpointers()
+        store.checkpoint_aside()
+        assert store._aside is None and _checkpointers() == before
+        assert store.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+    finally:
+        store.close()

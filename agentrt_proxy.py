@@ -10348,6 +10348,7 @@ def result_text(obs: dict) -> str:
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
 MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input waits
 READ_AHEAD_BYTES = 2 * MAX_FRAME       # the host's input read ahead of what is served
+READ_AHEAD_LINE_COST = 64              # ... counting what each line held costs beyond it
 MAX_OUTPUT_BACKLOG = 4096              # answers queued for the host before its input waits
 BACKPRESSURE_POLL = 0.01
 NEEDS_TOOLS = ("tools/list", "tools/call")
@@ -11088,6 +11089,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
         await drift.close()
         reader.cancel()
         lines.close()
+        writer.close()
         await close_tools(tools)
         proxy.close()
         store.close()
@@ -11170,43 +11172,114 @@ async def _first_of(*events: asyncio.Event) -> None:
             w.cancel()
 
 
+class _Private:
+    """A non-blocking handle of the host's own on one of the proxy's standard streams, that
+    changes nothing for any other holder of the stream: a pipe or a terminal opened again
+    through /proc/self/fd (a file description of its own, O_NONBLOCK on it alone), a socket
+    read and written with MSG_DONTWAIT on a duplicate. None where neither can be had (a
+    file, a system without /proc, a stream with no descriptor): the caller keeps a thread
+    that may block instead. A read or a write that would block raises BlockingIOError."""
+
+    def __init__(self, fd: int, sock: "socket.socket | None"):
+        self.fd, self.sock = fd, sock
+
+    @classmethod
+    def open(cls, stream, writing: bool) -> "_Private | None":
+        try:
+            fd = stream.fileno()
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISSOCK(mode) and hasattr(socket, "MSG_DONTWAIT"):
+                sock = socket.socket(fileno=os.dup(fd))
+                return cls(sock.fileno(), sock)
+            if stat.S_ISFIFO(mode) or (stat.S_ISCHR(mode) and not writing):
+                flags = (os.O_WRONLY if writing else os.O_RDONLY) | os.O_NONBLOCK | \
+                    getattr(os, "O_NOCTTY", 0)
+                own = os.open(f"/proc/self/fd/{fd}", flags)
+                if (os.fstat(own).st_dev, os.fstat(own).st_ino) != \
+                        (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                    os.close(own)        # not the same stream after all
+                    return None
+                return cls(own, None)
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            pass
+        return None
+
+    def read(self, size: int) -> bytes:
+        if self.sock is not None:
+            return self.sock.recv(size, socket.MSG_DONTWAIT)
+        return os.read(self.fd, size)
+
+    def write(self, data: bytes) -> int:
+        if self.sock is not None:
+            return self.sock.send(data, socket.MSG_DONTWAIT)
+        return os.write(self.fd, data)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.sock is not None:
+                self.sock.close()
+            else:
+                os.close(self.fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data``, waiting for room (this thread may wait): the descriptor may
+    be non-blocking, set so by the host or another holder of it."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except (BlockingIOError, InterruptedError):
+            select.select([], [fd], [], EXIT_POLL * 50)
+
+
 class LineWriter:
-    """Messages to the host. A message is written from the event loop itself when that
-    cannot block: the host's output is a pipe or a socket that poll finds writable, the
-    message is at most PIPE_BUF bytes (so written whole, at once), and nothing written
-    earlier is still queued. Every other message goes to a daemon thread, so that a host
-    that stops reading never blocks the event loop (nor, with it, the handling of a signal).
-    A write that fails means the host is gone: ``gone`` is called and later messages are
-    dropped."""
+    """Messages to the host. Written from the caller, without blocking, through a private
+    non-blocking handle (_Private) while nothing written earlier is still queued: what the
+    host's pipe or socket has no room for right now is queued, in order, for a daemon
+    thread, which writes it through the stream itself; so is everything where no such
+    handle can be had. A host that stops reading never blocks the event loop (nor, with
+    it, the handling of a signal). A write that fails means the host is gone: ``gone`` is
+    called and later messages are dropped."""
 
     def __init__(self, stream, gone: Callable[[], None]):
         self.stream, self.gone = stream, gone
         self.queue: queue.Queue = queue.Queue()
         self.broken = False
         self._lock = threading.Lock()     # a direct write against a queued one
-        self._fd, self._poll = _direct_output(stream)
+        self._own = _Private.open(stream, writing=True)
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdout").start()
 
     def write(self, data: bytes) -> None:
         with self._lock:
-            if self._poll is None or len(data) > select.PIPE_BUF or \
-                    self.queue.unfinished_tasks or self.broken or not self._poll.poll(0):
-                self.queue.put(data)
-                return
-            try:
-                while data:
-                    data = data[os.write(self._fd, data):]
-            except OSError:
-                self.broken = True
-                self.gone()
+            if self._own is not None and not self.queue.unfinished_tasks and not self.broken:
+                try:
+                    data = data[self._own.write(data):]
+                except (BlockingIOError, InterruptedError):
+                    pass                 # no room now: the thread waits for it
+                except OSError:
+                    self.broken = True
+                    self.gone()
+                    return
+                if not data:
+                    return
+            self.queue.put(data)         # the rest of a line, in order, before any other
 
     def _run(self) -> None:
+        try:
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            fd = -1
         while True:
             data = self.queue.get()
             try:
-                if not self.broken:
+                if self.broken:
+                    pass
+                elif fd < 0:
                     self.stream.write(data)
                     self.stream.flush()
+                else:
+                    _write_all(fd, data)
             except (OSError, ValueError):
                 self.broken = True
                 self.gone()
@@ -11220,21 +11293,12 @@ class LineWriter:
             time.sleep(EXIT_POLL)
         return not self.queue.unfinished_tasks
 
-
-def _direct_output(stream) -> tuple[int, Any]:
-    """The descriptor under ``stream`` and a poll of it for room, when a short write to it
-    cannot block once poll finds room: a pipe (room for PIPE_BUF bytes) or a socket. (-1,
-    None) for anything else: a terminal, a file, a stream with no descriptor."""
-    try:
-        fd = stream.fileno()
-        mode = os.fstat(fd).st_mode
-        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)) or not hasattr(select, "poll"):
-            return -1, None
-        poll = select.poll()
-        poll.register(fd, select.POLLOUT)
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return -1, None
-    return fd, poll
+    def close(self) -> None:
+        """Stop writing from the caller (the private handle closed); the thread goes on."""
+        with self._lock:
+            own, self._own = self._own, None
+            if own is not None:
+                own.close()
 
 
 class _LineCutter:
@@ -11272,49 +11336,50 @@ class _LineCutter:
 
 
 class LineReader:
-    """Lines of the host's input. Where the event loop can watch its descriptor (a pipe, a
-    socket, a terminal), the loop reads it when it is readable, which never blocks; otherwise
-    (a file, a stream with no descriptor) a daemon thread reads it, so that a signal can end
-    serving while a read is blocked. The descriptor is read directly: a thread blocked inside
-    a buffered reader would hold its lock when the interpreter shuts down.
+    """Lines of the host's input. Where a private non-blocking handle on it can be had (a
+    pipe, a socket, a terminal: _Private), the event loop reads it when it is readable, and
+    a read never blocks, even when another holder of the stream took what made it
+    readable; otherwise (a file, a stream with no descriptor) a daemon thread reads it, so
+    that a signal can end serving while a read is blocked. The descriptor is read
+    directly: a thread blocked inside a buffered reader would hold its lock when the
+    interpreter shuts down.
 
     Lines read but not yet taken are bounded: past READ_AHEAD_BYTES no more is read, so a
     host that writes faster than the proxy serves waits, instead of the proxy holding its
-    input without bound."""
+    input without bound. Each line counts READ_AHEAD_LINE_COST beyond its bytes, what
+    holding it costs, so that a flood of empty lines is bounded as a long one is."""
 
     def __init__(self, stream, loop: asyncio.AbstractEventLoop):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stream, self.loop = stream, loop
         self._ahead = 0
         self._lines = _LineCutter()
-        self._fd = -1                    # watched by the loop, while >= 0
-        self._watching = False
+        self._own = _Private.open(stream, writing=False)   # None: a thread reads
+        self._watching = self._ended = False
         self._room = threading.Condition()
-        with contextlib.suppress(AttributeError, OSError, ValueError,
-                                 io.UnsupportedOperation):
-            fd = stream.fileno()
+        if self._own is not None:
             try:
-                loop.add_reader(fd, self._readable)
-                self._fd, self._watching = fd, True
-            except (NotImplementedError, PermissionError, ValueError, OSError):
-                pass                     # a file, or a loop that cannot watch it
-        if self._fd < 0:
+                loop.add_reader(self._own.fd, self._readable)
+                self._watching = True
+            except (NotImplementedError, ValueError, OSError):
+                self._own.close()        # a loop that cannot watch it
+                self._own = None
+        if self._own is None:
             threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
     # -- read by the loop --
 
     def _readable(self) -> None:
         try:
-            chunk = os.read(self._fd, READ_CHUNK)
+            chunk = self._own.read(READ_CHUNK)
         except (BlockingIOError, InterruptedError):
-            return                       # nothing after all: wait for the next readiness
+            return                       # taken by another holder: wait for the next
         except (OSError, ValueError):
             chunk = b""
         if not chunk:
-            self._unwatch()
+            self.close()
             for line in self._lines.rest():
                 self._enqueue(line)
-            self._fd = -2                # ended: never watched again
             self.queue.put_nowait(None)
             return
         for line in self._lines.feed(chunk):
@@ -11323,20 +11388,21 @@ class LineReader:
             self._unwatch()
 
     def _enqueue(self, line: bytes) -> None:
-        self._ahead += len(line)
+        self._ahead += len(line) + READ_AHEAD_LINE_COST
         self.queue.put_nowait(line)
 
     def _unwatch(self) -> None:
         if self._watching:
             self._watching = False
-            self.loop.remove_reader(self._fd)
+            self.loop.remove_reader(self._own.fd)
 
     def close(self) -> None:
-        """Stop reading (the loop's watch; a reading thread is a daemon and ends with the
-        process)."""
-        if self._fd >= 0:
+        """Stop reading: the loop's watch ended and the private handle closed (a reading
+        thread is a daemon, and ends with the process)."""
+        if self._own is not None and not self._ended:
             self._unwatch()
-            self._fd = -2
+            self._ended = True
+            self._own.close()
 
     # -- read by a thread --
 
@@ -11368,22 +11434,23 @@ class LineReader:
             with self._room:
                 while self._ahead > READ_AHEAD_BYTES:
                     self._room.wait()
-                self._ahead += len(item)
+                self._ahead += len(item) + READ_AHEAD_LINE_COST
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self) -> bytes | None:
         item = await self.queue.get()
         if item is None:
             return None
-        if self._fd == -1:               # a thread reads
+        cost = len(item) + READ_AHEAD_LINE_COST
+        if self._own is None:            # a thread reads
             with self._room:
-                self._ahead -= len(item)
+                self._ahead -= cost
                 self._room.notify()
         else:
-            self._ahead -= len(item)
-            if self._fd >= 0 and not self._watching and self._ahead <= READ_AHEAD_BYTES:
+            self._ahead -= cost
+            if not self._ended and not self._watching and self._ahead <= READ_AHEAD_BYTES:
                 self._watching = True
-                self.loop.add_reader(self._fd, self._readable)
+                self.loop.add_reader(self._own.fd, self._readable)
         return item
 
 

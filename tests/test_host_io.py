@@ -10,11 +10,17 @@ either way.
   past PIPE_BUF, one written while the pipe is full, and every one after a queued one go
   through the thread, in the order written.
 - A write to a host that is gone calls ``gone`` and drops what follows.
+- Another holder of the host's input that takes what made it readable does not block the
+  loop; a pipe filled by another writer, or a socket whose send buffer has no room for an
+  answer, does not block it either, and the answer still arrives whole and in order.
+- A flood of empty lines is read ahead by a bounded amount too (each line counts
+  READ_AHEAD_LINE_COST beyond its bytes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -99,11 +105,16 @@ def test_the_reader_cuts_the_same_lines_either_way(kind):
 
 
 @pytest.mark.parametrize("kind", list(STREAMS))
-def test_the_reader_reads_ahead_a_bounded_amount_either_way(kind):
+@pytest.mark.parametrize("size", ["long lines", "empty lines"])
+def test_the_reader_reads_ahead_a_bounded_amount_either_way(kind, size):
     r, w = os.pipe()
     os.set_blocking(w, False)
     line = b'{"jsonrpc":"2.0","method":"notifications/x","params":{"p":"' + \
-        b"a" * (LINE_BYTES - 64) + b'"}}\n'
+        b"a" * (LINE_BYTES - 64) + b'"}}\n' if size == "long lines" else b"\n" * 4096
+    # What the reader may hold: READ_AHEAD_BYTES counted with each line's cost, a read
+    # past it, and the pipe's own buffer.
+    bound = (FLOOD_BYTES if size == "long lines" else
+             4 * ap.READ_AHEAD_BYTES // ap.READ_AHEAD_LINE_COST)
 
     def flood() -> int:
         sent, view, pos, last = 0, memoryview(line), 0, time.monotonic()
@@ -124,13 +135,13 @@ def test_the_reader_reads_ahead_a_bounded_amount_either_way(kind):
         finally:
             os.close(w)
         taken = 0
-        while (got := await asyncio.wait_for(reader.next(), WAIT)) is not None:
+        while (got := await reader.next()) is not None:     # body() has a deadline
             taken += len(got)             # read to its end: taking more reads more
         reader.close()
         stream.close()
         return sent, taken
-    sent, taken = asyncio.run(asyncio.wait_for(body(), 60))
-    assert sent < FLOOD_BYTES, f"the reader took all {sent} bytes while nothing was taken"
+    sent, taken = asyncio.run(asyncio.wait_for(body(), 120))
+    assert sent < bound, f"the reader took {sent} bytes while nothing was taken"
     assert taken == sent
 
 
@@ -234,3 +245,127 @@ def test_a_writer_on_a_stream_without_a_descriptor_uses_its_thread():
         writer.write(b"%d\n" % i)
     assert writer.drain(WAIT)
     assert sink.getvalue() == b"".join(b"%d\n" % i for i in range(20))
+
+
+def _stall_of(loop_work) -> tuple:
+    """Run ``loop_work(loop)`` (a coroutine function) beside a 10 ms heartbeat; the
+    longest gap between beats, and what it returned."""
+    async def body():
+        loop = asyncio.get_running_loop()
+        gaps, last, stop = [], [time.monotonic()], []
+
+        async def beat():
+            while not stop:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last[0])
+                last[0] = now
+        beating = asyncio.create_task(beat())
+        try:
+            got = await asyncio.wait_for(loop_work(loop), 30)
+        finally:
+            stop.append(True)
+            await beating
+        return max(gaps), got
+    return asyncio.run(body())
+
+
+def test_input_taken_by_another_holder_does_not_block_the_loop():
+    """The pipe turns readable, another reader of it takes the bytes first (here in the same
+    turn, before the reader's callback): the reader finds nothing, and the loop goes on."""
+    r, w = os.pipe()
+
+    async def work(loop):
+        reader = ap.LineReader(os.fdopen(r, "rb", buffering=0), loop)
+        await asyncio.sleep(0.05)
+        os.write(w, b'{"id":1}\n')
+        loop.call_soon(os.read, r, 65536)          # the other holder wins the race
+        threading.Timer(0.5, os.write, (w, b'{"id":2}\n')).start()
+        line = await reader.next()
+        reader.close()
+        return line
+    stall, line = _stall_of(work)
+    os.close(w)
+    assert line == b'{"id":2}\n'
+    assert stall < 0.3, f"the event loop stalled {stall:.2f} s on a read"
+
+
+def test_a_pipe_filled_by_another_writer_does_not_block_the_loop():
+    r, w = os.pipe()
+    # Another process's hold on the pipe, filling it (a description of its own, so that
+    # O_NONBLOCK is on it alone).
+    other = os.open(f"/proc/self/fd/{w}", os.O_WRONLY | os.O_NONBLOCK)
+    filled = 0
+    try:
+        while True:
+            filled += os.write(other, b"o" * 4096)
+    except BlockingIOError:
+        pass
+    writer = _writer(w)
+    message = b'{"id":1,"result":{}}\n'
+    began = time.monotonic()
+    blocked = _blocks(lambda: writer.write(message))
+    took = time.monotonic() - began
+    got = _read_pipe(r, filled + len(message))
+    assert not blocked and took < 1.0
+    assert got == b"o" * filled + message
+    assert writer.drain(WAIT)
+    os.close(other)
+    os.close(r)
+
+
+def test_a_socket_with_no_room_for_an_answer_does_not_block_nor_tear_it():
+    """The host's socket with the smallest send buffer, nearly full: an answer of 4 KiB
+    has no room. write() returns at once; the answer arrives whole, in order, once the
+    host reads, and the host is not taken for gone."""
+    import socket
+    proxy_end, host_end = socket.socketpair()
+    proxy_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)   # the kernel's minimum
+    backlog = b""
+    try:
+        while True:
+            sent = proxy_end.send(b"x" * 63 + b"\n", socket.MSG_DONTWAIT)
+            backlog += (b"x" * 63 + b"\n")[:sent]
+    except BlockingIOError:
+        pass
+    gone = []
+    writer = ap.LineWriter(os.fdopen(os.dup(proxy_end.fileno()), "wb"),
+                           lambda: gone.append(True))
+    answers = [b'{"id":%d,"result":"' % i + b"y" * 4000 + b'"}\n' for i in range(3)]
+    blocked = _blocks(lambda: [writer.write(a) for a in answers])
+    host_end.settimeout(WAIT)
+    want = backlog + b"".join(answers)
+    got = b""
+    while len(got) < len(want):
+        chunk = host_end.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    assert not blocked, "a write to a socket with no room blocked its caller"
+    assert got == want and not gone and not writer.broken
+    assert writer.drain(WAIT)
+    proxy_end.close()
+    host_end.close()
+
+
+def test_an_output_made_non_blocking_by_its_holder_gets_every_answer_whole():
+    """The host (or another holder of the pipe) set O_NONBLOCK on the output's description:
+    what the writer's thread writes waits for room, never counting the host as gone."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    gone = []
+    writer = _writer(w, lambda: gone.append(True))
+    answers = [b'{"id":%d,"result":"' % i + b"z" * 50_000 + b'"}\n' for i in range(4)]
+    for answer in answers:
+        writer.write(answer)
+    want = b"".join(answers)
+    got = b""
+    os.set_blocking(r, False)
+    deadline = time.monotonic() + WAIT
+    while len(got) < len(want) and time.monotonic() < deadline:
+        time.sleep(0.01)                          # a slow host
+        with contextlib.suppress(BlockingIOError):
+            got += os.read(r, 8192)
+    assert got == want and not gone and not writer.broken
+    assert writer.drain(WAIT)
+    os.close(r)

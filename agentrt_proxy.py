@@ -3307,7 +3307,7 @@ class Store:
             return
         with self._lock:
             try:
-                aside = _Checkpointer(self.path, self._wal, self._may_checkpoint)
+                aside = _Checkpointer(self.path, self._may_checkpoint)
             except (sqlite3.Error, RuntimeError, StoreError):
                 return                   # the connection's own checkpoint, as before
             try:
@@ -3666,25 +3666,25 @@ class _Checkpointer:
     it). A checkpoint that fails is tried again at the next wake; the writing connection's
     own checkpoint bounds the WAL meanwhile.
 
-    Its connection opens the WAL here, and only if it is the file the store opened
-    (``wal``): SQLite keeps that descriptor, so that a checkpoint copies from the WAL the
-    store wrote, never from a file put in its place, and a write error the kernel reports
-    later is reported to it too. ``allowed`` is asked before each checkpoint: once it says
-    no (a failed sync, a WAL replaced), the thread stops."""
+    ``allowed`` (Store._may_checkpoint) is asked before each checkpoint: once it says no
+    (a failed sync, a WAL replaced), the thread stops. It is asked too on either side of
+    the connection's opening the WAL, here: SQLite keeps that descriptor, so that a
+    checkpoint copies from the WAL the store wrote, never from a file put in its place, and
+    a write error the kernel reports later is reported to it too."""
 
-    def __init__(self, path: str, wal: tuple[int, int] | None,
-                 allowed: Callable[[], bool]):
+    def __init__(self, path: str, allowed: Callable[[], bool]):
         self.allowed = allowed
         self.conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None,
                                     check_same_thread=False)
         try:
             self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             self.conn.execute("PRAGMA trusted_schema=OFF")
-            if wal is None or _file_identity(path + "-wal") != wal:
-                raise StoreError("the WAL file is not the one the store opened")
+            refused = "the WAL file is not the store's, or the store can no longer sync it"
+            if not allowed():
+                raise StoreError(refused)
             self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # opens it
-            if _file_identity(path + "-wal") != wal:
-                raise StoreError("the WAL file is not the one the store opened")
+            if not allowed():
+                raise StoreError(refused)
             self.conn.execute("PRAGMA busy_timeout=0")
         except BaseException:
             self.conn.close()
@@ -10349,6 +10349,7 @@ SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
 MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input waits
 READ_AHEAD_BYTES = 2 * MAX_FRAME       # the host's input read ahead of what is served
 READ_AHEAD_LINE_COST = 64              # ... counting what each line held costs beyond it
+WRITE_ROOM_POLL = 1.0                  # the writer thread's wait for room, between looks
 MAX_OUTPUT_BACKLOG = 4096              # answers queued for the host before its input waits
 BACKPRESSURE_POLL = 0.01
 NEEDS_TOOLS = ("tools/list", "tools/call")
@@ -11195,8 +11196,7 @@ class _Private:
                 flags = (os.O_WRONLY if writing else os.O_RDONLY) | os.O_NONBLOCK | \
                     getattr(os, "O_NOCTTY", 0)
                 own = os.open(f"/proc/self/fd/{fd}", flags)
-                if (os.fstat(own).st_dev, os.fstat(own).st_ino) != \
-                        (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                if not os.path.samestat(os.fstat(own), os.fstat(fd)):
                     os.close(own)        # not the same stream after all
                     return None
                 return cls(own, None)
@@ -11230,7 +11230,7 @@ def _write_all(fd: int, data: bytes) -> None:
         try:
             view = view[os.write(fd, view):]
         except (BlockingIOError, InterruptedError):
-            select.select([], [fd], [], EXIT_POLL * 50)
+            select.select([], [fd], [], WRITE_ROOM_POLL)
 
 
 class LineWriter:
@@ -11335,6 +11335,11 @@ class _LineCutter:
         return rest
 
 
+def _held(line: bytes) -> int:
+    """What a line read ahead counts against READ_AHEAD_BYTES."""
+    return len(line) + READ_AHEAD_LINE_COST
+
+
 class LineReader:
     """Lines of the host's input. Where a private non-blocking handle on it can be had (a
     pipe, a socket, a terminal: _Private), the event loop reads it when it is readable, and
@@ -11388,7 +11393,7 @@ class LineReader:
             self._unwatch()
 
     def _enqueue(self, line: bytes) -> None:
-        self._ahead += len(line) + READ_AHEAD_LINE_COST
+        self._ahead += _held(line)
         self.queue.put_nowait(line)
 
     def _unwatch(self) -> None:
@@ -11434,14 +11439,14 @@ class LineReader:
             with self._room:
                 while self._ahead > READ_AHEAD_BYTES:
                     self._room.wait()
-                self._ahead += len(item) + READ_AHEAD_LINE_COST
+                self._ahead += _held(item)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self) -> bytes | None:
         item = await self.queue.get()
         if item is None:
             return None
-        cost = len(item) + READ_AHEAD_LINE_COST
+        cost = _held(item)
         if self._own is None:            # a thread reads
             with self._room:
                 self._ahead -= cost
@@ -11936,6 +11941,7 @@ def _print_host_entry(host: str, config_path: str, out: Out) -> None:
 DRIFT_RELIST_INTERVAL = 1.0     # at least this long between two listings of one server
 DRIFT_MANIFEST_POLL = 1.0       # how often a server's manifest file is looked at
 DRIFT_RETRY = 30.0              # a listing that failed is tried again after this
+DRIFT_CANCEL_AGAIN = 0.1        # closing: a watch still running is cancelled again after this
 DRIFT_SHOWN = 50                # changed tools named in one notice; the rest are counted
 DRIFT_NAME_BYTES = 128          # of a tool name a server chose, in a notice
 DRIFT_NEW = "a new tool, not in the manifest"
@@ -12035,7 +12041,7 @@ class DriftWatch:
             for task in pending:
                 task.cancel()
             _, pending = await asyncio.wait(pending, timeout=min(
-                EXIT_POLL * 5, max(0.0, deadline - time.monotonic())))
+                DRIFT_CANCEL_AGAIN, max(0.0, deadline - time.monotonic())))
         for task in self.tasks:          # what ended them is theirs: retrieved, not raised
             if task.done() and not task.cancelled():
                 task.exception()

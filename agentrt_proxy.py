@@ -8896,6 +8896,19 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
 
 # -- counting --
 
+def configured_tools(cfg: Config) -> dict[str, "UpstreamTool"]:
+    """A tool per rule, by the name the configuration gives it, whether or not a server
+    offers it now: what a limit covers (Budgets), and what re-check hands the requests the
+    runs recorded (with the specs they recorded). No connection: nothing calls these."""
+    tools = {}
+    for server in cfg.servers:
+        for remote, rule in server.rules:
+            name = rule.rename or f"{server.name}_{remote}"
+            spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
+            tools[name] = UpstreamTool(spec, server.name, remote, rule, None)
+    return tools
+
+
 class Budgets:
     """The limits of a proxy's tools, counted in proxy_limit_uses.
 
@@ -8909,11 +8922,16 @@ class Budgets:
     it adds is committed with the start. The evaluation before it, outside the transaction,
     is a forecast: when admit finds the call over a limit the forecast did not ask about,
     it raises BudgetMoved, the whole transaction is rolled back (nothing started, nothing
-    sent), and the call is decided again on the count that moved."""
+    sent), and the call is decided again on the count that moved.
 
-    def __init__(self, store: Store, tools: dict[str, "UpstreamTool"], clock: Clock):
+    What a limit covers is the configuration's (configured_tools: server, upstream tool,
+    registered name), never what happened to load: a tool withheld at start and offered
+    later by drift, or listed only after connecting, is counted from its first call, and
+    every limit is caught up at start and listed whether its tool loaded or not."""
+
+    def __init__(self, store: Store, cfg: Config, clock: Clock):
         self.store, self.clock = store, clock
-        self.tools = {name: t for name, t in tools.items() if t.rule.limits}
+        self.tools = {name: t for name, t in configured_tools(cfg).items() if t.rule.limits}
 
     def counts(self, name: str) -> bool:
         return name in self.tools
@@ -9414,7 +9432,7 @@ class Proxy:
         self.reruns: dict[str, dict] = {}      # run id -> the attempt its proposal re-runs
         self.repeats: dict[str, dict] = {}     # run id -> the execution its proposal repeats
         self.refusals = RefusalLog(store)
-        self.budgets = Budgets(store, self.tools, clock)
+        self.budgets = Budgets(store, cfg, clock)
         self.policy = ProxyPolicy(cfg.policy_map, self.tools, self, cfg.policy_id())
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
@@ -12336,17 +12354,6 @@ class _RecordedPolicy(ProxyPolicy):
         return earlier
 
 
-def recorded_tools(cfg: Config) -> dict[str, "UpstreamTool"]:
-    """A tool per rule, for re-checking with the specs the runs recorded."""
-    tools = {}
-    for server in cfg.servers:
-        for remote, rule in server.rules:
-            name = rule.rename or f"{server.name}_{remote}"
-            spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
-            tools[name] = UpstreamTool(spec, server.name, remote, rule, None)
-    return tools
-
-
 def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
                 current: dict[str, ToolSpec] | None) -> RecheckReport:
     run = store.get_run(run_id)
@@ -12499,7 +12506,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
             check_reach(cfg)
             tools, _ = await load_tools(cfg, out.log)
             current = {t.spec.name: t.spec for t in tools}
-        by_name = {t.spec.name: t for t in tools} if tools else recorded_tools(cfg)
+        by_name = {t.spec.name: t for t in tools} if tools else configured_tools(cfg)
         policy = _RecordedPolicy(cfg, by_name, cfg.policy_id(), store)
         session = args.session or cfg.session
         if args.run:

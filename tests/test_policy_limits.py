@@ -536,7 +536,7 @@ def test_recheck_evaluates_conditions_and_limits_as_they_stood(make):
 
     def recheck(rules_now):
         cfg = ap.load_config(_config_in(h, rules_now))
-        policy = ap._RecordedPolicy(cfg, ap.recorded_tools(cfg), cfg.policy_id(), h.store)
+        policy = ap._RecordedPolicy(cfg, ap.configured_tools(cfg), cfg.policy_id(), h.store)
         out = {}
         for run in h.runs():
             report = ap.recheck_run(h.store, run.id, policy, None)

@@ -9700,14 +9700,12 @@ class Proxy:
 
     def refusal(self, tool, key: str, recent: list[CallRow], now: float,
                 ended: RunState | None = None):
-        """Rules 4 and 5, decided by the newest of the request's finished runs. No older run
-        can decide otherwise: when that newest run was begun, these rules found nothing to
-        refuse in the older ones within the same window, and a window ending now reaches
-        less of the past than one ending then. Where the rule asks about a repeat, a run is
-        begun within the window of an execution, and may end without executing (denied, or
-        refused by a limit): then the newest execution within the window is the earlier one
-        the repeat names, found among the key's rows that hold an attempt. ``ended``: the
-        open row's run, already read and ended: the decision reads each run once."""
+        """Rules 4 and 5. Rule 4 by the newest of the request's finished runs: the
+        operator's last word on this request (no older run can say otherwise: when that run
+        was begun, rule 4 found nothing to refuse in the older ones within the same window,
+        and a window ending now reaches less of the past). Rule 5 by executed_within, for a
+        rule that refuses and for one that asks alike. ``ended``: the open row's run,
+        already read and ended: the decision reads each run once."""
         window = self.window(tool)
         if window <= 0:
             return None
@@ -9716,70 +9714,66 @@ class Proxy:
                 self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
-            action = self.refused_by(tool, row, state, now, window)
-            if action is None and self.asks_repeat(tool):
-                return self.executed_within(tool, key, now, window)
-            return action
-        return None
-
-    def executed_within(self, tool, key: str, now: float, window: float):
-        """What the newest of the key's runs with an attempt, finished within the window,
-        decides: the Repeat of its execution, or its refusal; None when none did, or when
-        its outcome is unknown (rule 6's)."""
-        for row in self.index.attempts(key):
-            if row.closed_at and row.closed_at < now - window:
-                return None                  # rows close in the order they were opened
-            state = self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            action = self.refused_by(tool, row, state, now, window)
-            if action is not None or last_attempt(self, state)[0] != NO_ATTEMPT:
+            action = self.refused_again(row, state, now, window)
+            if action is not None:
                 return action
-        return None
+            break
+        if tool.spec.side_effect == "read_only":
+            return None
+        return self.executed_within(tool, key, now, window)
 
-    def refused_by(self, tool, row: CallRow, state: RunState, now: float, window: float):
+    def refused_again(self, row: CallRow, state: RunState, now: float, window: float):
+        """Rule 4: the request was rejected, expired or cancelled within the window. Not when
+        the store knows, late, that the attempt it asked about took effect: then it executed
+        (rule 5), and the model is told that, never "not executed"."""
         outcome, _ = last_attempt(self, state)
         self.settle(row, outcome)
         end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
-        if not end or end < now - window:
+        reason, latest = state.run.reason, state.latest()
+        if not end or end < now - window or reason not in (
+                "approval_rejected", "approval_expired", "operator_cancelled"):
             return None
-        until, latest = end + window, state.latest()
-        reason = state.run.reason
-        late = late_of(self, state) if outcome == KNOWN and reason in (
-            "approval_rejected", "approval_expired", "operator_cancelled") else None
-        if late is not None:
-            # The run says the re-run was refused; the store also knows that the attempt
-            # it asked about took effect. The model is told that, never "not executed".
-            return self.repeat_or_duplicate(tool, row, late.run_id, late.at, end, window,
-                                            late_known_outcome(late))
+        if outcome == KNOWN and late_of(self, state) is not None:
+            return None
+        until = end + window
         if reason == "approval_rejected" and latest is not None:
             return self.refused(row.run_id, row.key, rejected(latest.id, latest.note, until))
-        if reason == "approval_expired":
-            if outcome == UNKNOWN:
-                return None                  # an expiry resolves nothing: rule 6 asks
-            if latest is not None:
-                return self.refused(row.run_id, row.key, expired(latest.id, until))
+        if reason == "approval_expired" and outcome != UNKNOWN and latest is not None:
+            return self.refused(row.run_id, row.key, expired(latest.id, until))
         if reason == "operator_cancelled":
             return self.refused(row.run_id, row.key,
                                 cancelled_answer(state.run.reason_detail, until))
-        if tool.spec.side_effect == "read_only":
-            return None
-        step = next((s for s in reversed(state.steps)
-                     if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)), None)
-        if outcome == KNOWN and step is not None:
-            return self.repeat_or_duplicate(tool, row, row.run_id, state.run.finished_at, end,
-                                            window, known_outcome(step))
-        return None                          # nothing ran, or its outcome is rule 6's
+        return None                          # an expiry resolves nothing: rule 6 asks
 
-    def repeat_or_duplicate(self, tool, row: CallRow, run_id: str, at: str, end: float,
-                            window: float, outcome: str):
-        """DUPLICATE, or, where the rule asks about a repeat, the earlier execution to name
-        in the approval the call goes on to ask (its result quoted to REPEAT_QUOTE_BYTES:
-        the approval names the run, which `show` gives whole)."""
-        if self.asks_repeat(tool):
-            return Repeat({"run_id": run_id, "at": at,
-                           "outcome": truncate(outcome, REPEAT_QUOTE_BYTES)})
-        return self.refused(row.run_id, row.key, duplicate(end, window, outcome))
+    def executed_within(self, tool, key: str, now: float, window: float):
+        """Rule 5, the one answer to "did this request execute within the window, and with
+        what outcome, late outcomes included": the newest of the key's runs with an attempt
+        decides. Its outcome known, on time or late, within the window (which runs from the
+        later of the run's end and the recording of its outcome): DUPLICATE, or the Repeat
+        to ask about where the rule asks. Unknown: None (rule 6 asks). A run that made no
+        attempt (denied, refused by a limit, or a re-run that ran nothing) is passed over,
+        so it never hides an execution behind it. Rows close in the order they were opened,
+        so the walk stops at the first closed before the window."""
+        since = now - window
+        for row in self.index.attempts(key):
+            if row.closed_at and row.closed_at < since:
+                return None
+            state = self.inspect(row.run_id)
+            if state is None or not state.terminal:
+                continue
+            outcome, _ = last_attempt(self, state)
+            self.settle(row, outcome)
+            if outcome == NO_ATTEMPT:
+                continue
+            found = execution_of(self, state) if outcome == KNOWN else None
+            if found is None or found[2] < since:
+                return None
+            run_id, at, moment, said = found
+            if self.asks_repeat(tool):
+                return Repeat({"run_id": run_id, "at": at,
+                               "outcome": truncate(said, REPEAT_QUOTE_BYTES)})
+            return self.refused(row.run_id, row.key, duplicate(moment, window, said))
+        return None
 
     def asks_repeat(self, tool) -> bool:
         """Whether an identical call within the window asks (section 10), not DUPLICATE."""
@@ -10279,6 +10273,26 @@ def late_of(proxy: Proxy, state: RunState) -> LateRecord | None:
     cancelled while the cut-off call was still out)."""
     outcome, at = _last_attempt(proxy, state)
     return late_record(proxy.store._read, at, known=True) if outcome == UNKNOWN else None
+
+
+def execution_of(proxy: Proxy, state: RunState) -> tuple[str, str, float, str] | None:
+    """A finished run's known execution: the run that executed it, when (as recorded), the
+    moment its window runs from (the later of the run's end and the recording of its
+    outcome), and its outcome as a DUPLICATE quotes it. None when the run records no known
+    outcome of an attempt."""
+    end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
+    late = late_of(proxy, state)
+    if late is not None:
+        try:
+            recorded = parse_time(late.at)
+        except (ValueError, TypeError, OverflowError):
+            recorded = end               # an edited time: verify reports it
+        return late.run_id, late.at, max(end, recorded), late_known_outcome(late)
+    step = next((s for s in reversed(state.steps) if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)),
+                None)
+    if step is None or not end:
+        return None
+    return state.run.id, state.run.finished_at, end, known_outcome(step)
 
 
 def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:

@@ -234,6 +234,9 @@ INTERRUPTED_KIND = "interrupted_side_effect"
 REPEAT_KIND = "repeat"                 # an identical call the operator allows (section 10)
 REPEAT_QUOTE_BYTES = 2000              # of the earlier execution's result, in its approval
 INTERRUPTED_REASON = "interrupted while executing; outcome unknown"
+DENIED_RERUN_NOTICE = ("A condition or limit of the policy denies this call now (its figures "
+                       "are shown): if it still does when the model calls again, approving "
+                       "runs nothing, and this question is resolved as a rejection resolves it.")
 REPEAT_REASON = "an identical call already executed within the window"
 INTERRUPTED_NOTICE = (
     "This tool call started, and the process running it stopped before its outcome was "
@@ -7780,6 +7783,9 @@ TOOL_NAME_SHOWN, ARGS_SHOWN, ID_SHOWN, RUN_REASON_SHOWN = 64, 200, 100, 64
 PIN_NAME_WIDTH, PIN_HINTS_WIDTH, PIN_DESCRIPTION_BYTES = 28, 26, 72
 CLOSE_TOOL_ERROR = "this run held one call; the tool call returned an error"
 CLOSE_DENIED = "this run held one call; the request was denied"
+CLOSE_DENIED_RERUN = ("this run held one call; an operator approved running an attempt of "
+                      "unknown outcome again, and the policy then denied it: nothing ran, and "
+                      "the unknown outcome is resolved as a rejection resolves it")
 CLOSE_INVALID = "this run held one call; the request was invalid"
 CLOSE_UNRECORDED = "this run held one call; it executed and its result could not be recorded"
 CLOSE_TAKEN_OVER = ("this run held one call; it was taken over after an interruption with "
@@ -7856,9 +7862,14 @@ class ProxyPolicy:
         if tool.rule.when or tool.rule.limits:          # section 20
             judged = judge(tool, request.args, outcome, reason, self.use_of(), self.seen)
             outcome, reason = judged.outcome, judged.reason
-        if outcome == "deny":
+        # Seed rule 6: a re-run of an unknown outcome is asked about whatever the policy
+        # says short of a deny by the class or the rule. A condition's or a limit's deny
+        # does not stop the question (the operator must learn the call may have taken
+        # effect); it is shown, and at collection, still denying, it runs nothing.
+        through = judged is not None and bool(judged.denied_by)
+        attempt = self.rerun_of(request, view) if outcome != "deny" or through else None
+        if outcome == "deny" and (attempt is None or _granted(request, view)):
             return PolicyDecision(outcome, reason)
-        attempt = self.rerun_of(request, view)
         if attempt is not None:
             decision = self.interruption(tool, request.args, attempt, judged)
             return covered(decision, request, view) if judged else decision
@@ -7885,15 +7896,20 @@ class ProxyPolicy:
         """How a limit's use is read: from the proxy's index of executions."""
         return self.proxy.budgets.use_of if self.proxy is not None else None
 
-    def outcome_of(self, tool: "UpstreamTool", args: bytes) -> str:
-        """What the policy makes of this call to ``tool``, short of an approval's kind."""
+    def outcome_of(self, tool: "UpstreamTool", args: bytes, unknown: bool = False) -> str:
+        """What the policy makes of this call to ``tool``, short of an approval's kind. For
+        the re-run of an unknown outcome (``unknown``) a condition's or a limit's deny asks
+        instead, as evaluate decides it."""
         outcome, reason = self.decide(tool)
         if not (tool.rule.when or tool.rule.limits):
             return outcome
         try:
-            return judge(tool, args, outcome, reason, self.use_of(), self.seen).outcome
+            judged = judge(tool, args, outcome, reason, self.use_of(), self.seen)
         except (ProxyError, ValueError):
             return "require_approval"
+        if unknown and judged.outcome == "deny" and judged.denied_by:
+            return "require_approval"
+        return judged.outcome
 
     def never_runs(self, tool: "UpstreamTool") -> bool:
         """Whether every call to ``tool`` is denied, whatever its arguments."""
@@ -7965,6 +7981,9 @@ class ProxyPolicy:
         shown = {"question": question, **cap, "reason": reason, "notice": notice}
         if asked:
             shown["figures"] = judged.figures
+        if judged is not None and judged.outcome == "deny":     # asked through it (rule 6)
+            shown["figures"] = [judged.reason]
+            shown["notice"] = f"{notice} {DENIED_RERUN_NOTICE}"
         return need_approval(kind, reason, cap, shown)
 
     @staticmethod
@@ -8038,6 +8057,13 @@ def in_progress() -> dict:
 def denied_answer(reason: str) -> dict:
     return prose("DENIED", f"the policy does not allow this request: "
                            f"{clean(reason, REASON_BYTES)}. Nothing was executed.", True)
+
+
+def denied_rerun_answer(reason: str) -> dict:
+    return prose("DENIED", "an operator approved running this request again, but the policy "
+                 f"denies it now: {clean(reason, REASON_BYTES)}. So nothing was run. Whether "
+                 "the earlier attempt took effect is still unknown; the operator knows of it. "
+                 "Tell the user.", True)
 
 
 def invalid_answer(reason: str) -> dict:
@@ -8743,6 +8769,7 @@ class Judgement:
     reason: str
     asked: list[str]                 # what asks: when[N], and each limit over it that asks
     figures: list[str]               # what the operator reads of them
+    denied_by: str = ""              # a deny's condition or limit; "" for the rule's or class's
 
 
 def server_value(tool: "UpstreamTool", args: bytes) -> Any:
@@ -8831,7 +8858,7 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     cond = first_condition(tool, value, args, seen) if rule.when else None
     if isinstance(cond, str):
         return Judgement("deny", f"{cond} of {name} could not be evaluated within "
-                         f"{MAX_SCHEMA_EVALUATIONS} evaluations", [], [])
+                         f"{MAX_SCHEMA_EVALUATIONS} evaluations", [], [], cond)
     if cond is not None:
         outcome = cond.outcome
         reason = f"{cond.label} of {name}" + (f": {cond.why}" if cond.why else " matched")
@@ -8839,20 +8866,23 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
             asked.append(cond.label)
             figures.append(reason)
     if outcome == "deny" or use_of is None:
-        return Judgement(outcome, reason, asked, figures)
+        by = cond.label if cond is not None and outcome == "deny" else ""
+        return Judgement(outcome, reason, asked, figures, by)
     base = "" if asked else reason      # the rule's or the class's reason to ask, if it asks
     for limit in rule.limits:
         adds, problem = counted_value(limit, value)
         if problem:
             return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
-                             f"{problem}; the value must be a number of at least 0", [], [])
+                             f"{problem}; the value must be a number of at least 0", [], [],
+                             limit.ref)
         use = Use(limit, limit.key(tool.server, tool.remote), 0, adds)
         use.used = use_of(use.key, limit)
         if not use.over:
             continue
         if limit.over == "deny":
             return Judgement("deny", f"{use.figures(name)}, over its max of "
-                             f"{limit.shown(limit.most())} ({limit.what()})", [], [])
+                             f"{limit.shown(limit.most())} ({limit.what()})", [], [],
+                             limit.ref)
         if outcome == "allow":
             outcome, base = "require_approval", ""
         asked.append(limit.ref)
@@ -8860,6 +8890,12 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     if outcome == "require_approval" and figures:
         reason = "; ".join(([base] if base else []) + figures)
     return Judgement(outcome, reason, asked, figures)
+
+
+def _granted(request: ToolRequest, view: RunView) -> bool:
+    """Whether the request's step is being collected: its latest approval is approved."""
+    mine = [a for a in view.approvals if a.step_id == request.step_id]
+    return bool(mine) and mine[-1].status == APPROVED
 
 
 def asked_by(capability: bytes) -> list[str]:
@@ -9417,6 +9453,14 @@ class Retry:
     """A race was lost: decide again."""
 
 
+def resolved_by_operator(run: Run) -> bool:
+    """Whether an operator resolved the unknown outcome a finished run asked about, so that
+    other calls to its tool are free: they rejected the re-run or cancelled the run, or
+    approved a re-run the policy then denied (it ran nothing)."""
+    return run.reason in ("approval_rejected", "operator_cancelled") or \
+        run.reason_detail == CLOSE_DENIED_RERUN
+
+
 def _attempt(run_id: str, step: Step, ended: str) -> dict:
     return {"run_id": run_id, "step_id": step.id, "started_at": step.started_at, "ended": ended}
 
@@ -9597,7 +9641,8 @@ class Proxy:
             return action
         prior = self.unresolved(key) if tool.spec.side_effect != "read_only" else None
         asks = prior is not None or repeat is not None  # an approval, whatever the policy
-        action = self.session_rules(tool, key, asks, args)         # BLOCKED, max_pending
+        # BLOCKED, max_pending
+        action = self.session_rules(tool, key, asks, args, prior is not None)
         if action is not None:
             return action
         return self.begin(tool, key, args, open_row, reuse, prior,     # rule 7 (and rule 6)
@@ -9655,7 +9700,9 @@ class Proxy:
             self.hint(row.run_id, verdict.approval)
             return Pending(verdict.approval)
         if verdict.kind == "denied":
-            return Answer(self.denied(session, verdict.observation))
+            latest = state.latest()
+            rerun = latest is not None and latest.kind == INTERRUPTED_KIND
+            return Answer(self.denied(session, verdict.observation, rerun))
         if verdict.kind == "ended":
             return None
         if verdict.kind == "settled":        # the attempt it re-runs has a recorded outcome
@@ -9807,8 +9854,9 @@ class Proxy:
 
     # the rules over the session: BLOCKED while an unknown outcome waits, max_pending
 
-    def session_rules(self, tool, key: str, rerun: bool, args: bytes = b"{}"):
-        outcome = self.policy.outcome_of(tool, args)
+    def session_rules(self, tool, key: str, rerun: bool, args: bytes = b"{}",
+                      unknown: bool = False):
+        outcome = self.policy.outcome_of(tool, args, unknown)
         needs_approval = outcome == "require_approval" or (rerun and outcome != "deny")
         mutating = tool.spec.side_effect != "read_only"
         if not mutating and not needs_approval:
@@ -9867,8 +9915,7 @@ class Proxy:
                 continue
             outcome, at = last_attempt(self, state)
             self.settle(row, outcome)
-            if outcome != UNKNOWN or state.run.reason in ("approval_rejected",
-                                                          "operator_cancelled"):
+            if outcome != UNKNOWN or resolved_by_operator(state.run):
                 continue
             approval = self.reopen(tool, row.key, _last_args(state), at)
             if approval is None:
@@ -9957,13 +10004,19 @@ class Proxy:
 
     # after the proposal
 
-    def denied(self, session: Session, obs: dict) -> dict:
+    def denied(self, session: Session, obs: dict, rerun: bool = False) -> dict:
+        """End a denied run. ``rerun``: an approved re-run of an unknown outcome, denied at
+        collection: it ran nothing, and it resolves the unknown outcome as a rejection
+        would (resolved_by_operator), so the tool is free again."""
         content = obs.get("content") or {}
         invalid = obs.get("kind") == INVALID_DECISION
-        self.finish(session, CLOSE_INVALID if invalid else CLOSE_DENIED)
+        self.finish(session, CLOSE_INVALID if invalid else
+                    CLOSE_DENIED_RERUN if rerun else CLOSE_DENIED)
         self.settle_run(session.run_id)
         if invalid:
             return invalid_answer(str(content.get("error", "")))
+        if rerun:
+            return denied_rerun_answer(str(content.get("reason", "")))
         return denied_answer(str(content.get("reason", "")))
 
     def finish(self, session: Session, why: str) -> None:
@@ -12779,6 +12832,7 @@ def _run_summary(store: Store, run: Run) -> dict:
 
 
 _CLOSED_WHY = {CLOSE_DENIED: "denied by policy", CLOSE_INVALID: "refused: invalid arguments",
+               CLOSE_DENIED_RERUN: "approved to run again, then denied by policy: nothing ran",
                CLOSE_TOOL_ERROR: "the tool answered an error",
                CLOSE_UNRECORDED: "executed; its result could not be recorded",
                CLOSE_TAKEN_OVER: "taken over after an interruption"}

@@ -300,10 +300,11 @@ def test_policy_unknown_outcome_counts(make):
     assert h.prefix(r) == "UNKNOWN_OUTCOME", h.text(r)
     use = h.proxy.budgets.lines()
     assert use == ["bank_pay: 1 of 1 (calls) in the last 1h"], use
-    # Another call is over the limit too: denied by it, not answered about the other one.
+    # The limit denies a re-run, yet the operator is asked at once (seed rule 6: a
+    # limit's deny does not stop the question), and the tool is BLOCKED meanwhile.
+    assert [a.kind for a in h.pending()] == ["interrupted_side_effect"]
     r = h.call(PAY, {"to": "carol", "amount": 1})
-    assert h.prefix(r) == "DENIED" and "1 of 1 calls" in h.text(r), h.text(r)
-    # Once the window lets the re-run in, the operator is asked, and the tool is BLOCKED.
+    assert h.prefix(r) == "BLOCKED", h.text(r)
     h.clock.skew += 3700
     r = h.call(PAY, {"to": "carol", "amount": 1})
     assert h.prefix(r) == "BLOCKED", h.text(r)

@@ -2154,6 +2154,15 @@ class Schema:
             found = self._keys[id(value)] = self._interned.setdefault(shape, len(self._interned))
         return found
 
+    def located(self) -> list[tuple[tuple, Any]]:
+        """Every subschema compiled (each schema object or boolean that checking may
+        evaluate, and $defs no $ref names), by location, the root first."""
+        return list(self._schemas.items())
+
+    def referenced(self, at: tuple) -> bool:
+        """Whether a $ref names the subschema at ``at``."""
+        return at in self._refs.values()
+
     def _sub_ok(self, node: Any, value: Any, path: list) -> bool:
         errs = _Failures()
         self._validate(node, value, path, errs)
@@ -8454,6 +8463,22 @@ MAX_CALLS_DIGITS = 12                # calls is at most 999,999,999,999
 _WHEN_FIELDS = ("if", "outcome", "why")
 _LIMIT_FIELDS = ("calls", "sum", "max", "per", "over", "name")
 _STRICTER = {"allow": 0, "require_approval": 1, "deny": 2}
+# The validator's keywords (section 7) that constrain values of one JSON type: a value of any
+# other type passes them. A condition gives `type` with each (DESIGN section 9), or
+# {"maximum": 5} lets "500" through. (unevaluatedItems and unevaluatedProperties are not
+# here: the validator refuses them.)
+_ONE_TYPE_KEYWORDS = {
+    "number": _NUMERIC,
+    "string": frozenset({"pattern", "minLength", "maxLength"}),
+    "array": frozenset({"items", "prefixItems", "additionalItems", "contains", "minItems",
+                        "maxItems", "uniqueItems", "minContains", "maxContains"}),
+    "object": frozenset({"properties", "patternProperties", "additionalProperties",
+                         "required", "minProperties", "maxProperties", "propertyNames",
+                         "dependentRequired", "dependentSchemas", "dependencies"}),
+}
+_KEYWORD_TYPE = {key: kind for kind, keys in _ONE_TYPE_KEYWORDS.items() for key in keys}
+_TYPES_CONSTRAINED = {"number": {"number", "integer"}, "string": {"string"},
+                      "array": {"array"}, "object": {"object"}}
 _MAX_TEXT = re.compile(r"(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 _LIMIT_SQL = (
     """CREATE TABLE proxy_limit_uses (
@@ -8599,8 +8624,44 @@ def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
             schema = compile_schema(raw)
         except (SchemaError, JSONError) as exc:
             raise ConfigError(f"{at}: if: {exc}") from None
+        _check_typed(schema, f"{at}: if")
         out.append(Condition(i, raw, outcome, why, schema))
     return tuple(out)
+
+
+def _check_typed(schema: Schema, at: str) -> None:
+    """Each schema object of a condition that uses a keyword of one type gives a type that
+    holds only types the keyword constrains, and none uses format: a condition must never
+    match a value it does not check. Every subschema the validator compiled is looked at.
+    The root is exempt, as it checks the arguments, always an object; not when a $ref names
+    it, since it then checks a nested value too."""
+    for where, node in schema.located():
+        if not isinstance(node, dict):
+            continue
+        shown = "#" + _pointer(where)
+        if "format" in node:
+            raise ConfigError(f'{at}: the schema at {shown} uses "format", which constrains '
+                              "nothing: the validator treats it as an annotation, so every "
+                              "value passes it; remove it (to check the form of a string, "
+                              'give "type": "string" and a pattern)')
+        if not where and not schema.referenced(where):
+            continue
+        named = node.get("type", [])
+        given = set(named if isinstance(named, list) else [named])
+        for key in node:
+            kind = _KEYWORD_TYPE.get(key)
+            if kind is None:
+                continue
+            uses = (f"{at}: the schema at {shown} uses {_quote(key)}, which constrains "
+                    f"only {kind}s")
+            if not given:
+                raise ConfigError(f"{uses}, and has no type: a value of any other type passes "
+                                  f'it unchecked; add "type": "{kind}"')
+            others = sorted(given - _TYPES_CONSTRAINED[kind])
+            if others:
+                raise ConfigError(f"{uses}, but its type {_show(named)} lets a value of "
+                                  f"type {' or '.join(others)} pass it unchecked; make it "
+                                  f'"type": "{kind}"')
 
 
 def _check_why(why: str, at: str) -> None:

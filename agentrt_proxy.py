@@ -12626,36 +12626,96 @@ INBOX_ANSWERS = {"a": "approve", "approve": "approve", "r": "reject", "reject": 
                  "s": "skip", "skip": "skip", "q": "quit", "quit": "quit"}
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
-USAGE = """usage:
+# Each command's entry in the help (its lines, each ending in a line break), by the command:
+# the general help lists them all, and `X --help` prints X's alone (help_text).
+_USAGES = {
+    "serve": """\
   python agentrt_proxy.py -config proxy.json          serve the host over stdin and stdout
+""",
+    "pin": """\
   python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
+""",
+    "check": """\
   python agentrt_proxy.py check -config proxy.json [-strict]
                                   what is offered, refused, unclassified (-strict: a refused
                                   tool exits 1)
+""",
+    "wrap": """\
   python agentrt_proxy.py wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json
                                   [-write [-rules suggested]]   a new configuration from
                                   the host's servers (without -write: what it would write)
+""",
+    "recheck": """\
   python agentrt_proxy.py recheck -config proxy.json [-run ID | -session NAME] [-limit N]
                                   [-current-tools] [-json]   what today's policy decides otherwise
+""",
+    "runs": """\
   python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
-  python agentrt_proxy.py -db DATABASE [-json] show RUN
+""",
+    "show": """\
+  python agentrt_proxy.py -db DATABASE [-json] show RUN [-limit N] [-offset N]
+""",
+    "events": """\
   python agentrt_proxy.py -db DATABASE [-json] events RUN [-limit N] [-offset N]
+""",
+    "approve": """\
   python agentrt_proxy.py -db DATABASE approve [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
+""",
+    "reject": """\
   python agentrt_proxy.py -db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
+""",
+    "cancel": """\
   python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
+""",
+    "verify": """\
   python agentrt_proxy.py -db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]
+""",
+    "pending": """\
   python agentrt_proxy.py -db DATABASE [-json] pending     what waits, and the command that decides it
+""",
+    "inbox": """\
   python agentrt_proxy.py -db DATABASE inbox [-once] [-by WHO] [-tty-not-required]
                                   decide from a terminal; -tty-not-required reads a pipe
+""",
+    "webhook": """\
   python agentrt_proxy.py -db DATABASE webhook -listen 127.0.0.1:PORT -secret-file FILE [-public]
+""",
+    "sign": """\
   python agentrt_proxy.py [-json] sign -secret-file FILE -method GET|POST -path PATH
                                   [-body TEXT | -body-file FILE]   headers for one webhook request
-
+""",
+}
+_USAGE_DATABASE = ("The database is the -db file, else the 'database' of the -config file, "
+                   "else\n$AGENTRT_DB.")
+_USAGE_FLAGS = "Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."
+USAGE = "usage:\n" + "".join(_USAGES.values()) + """
 A host starts the proxy as one stdio MCP server, with absolute paths:
   {"command": "python3", "args": ["/path/to/agentrt_proxy.py", "-config", "/path/to/proxy.json"]}
 stdout carries only the protocol; everything else, including the operator's hints, goes to
-stderr. The database is the -db file, else the 'database' of the -config file, else
-$AGENTRT_DB. Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."""
+stderr. """ + _USAGE_DATABASE + " " + _USAGE_FLAGS
+# The flags given before a command that take a value: the word after one is no command.
+_TOP_VALUED = ("-db", "--db", "-config", "--config")
+
+
+def help_text(argv: list[str]) -> str | None:
+    """What a command line asking for help prints, or None when it asks for none. It asks
+    with -h or --help anywhere (argparse takes neither as a flag's value), or with help
+    first. The help is the named command's own (help X, or the first word past the global
+    flags and their values), else the general help, the scope statement first."""
+    if argv[:1] == ["help"]:
+        named = argv[1:2]
+    elif "-h" in argv or "--help" in argv:
+        i = 0
+        while i < len(argv) and argv[i] not in _USAGES:
+            i += 2 if argv[i] in _TOP_VALUED else 1
+        named = argv[i:i + 1]
+    else:
+        return None
+    entry = _USAGES.get(named[0]) if named else None
+    if entry is None:
+        return HELP_SCOPE + "\n\n" + USAGE
+    notes = ([_USAGE_DATABASE] if "-db DATABASE" in entry else []) + [_USAGE_FLAGS]
+    return "usage:\n" + entry + "\n" + " ".join(notes)
 
 
 def _flags(parser: argparse.ArgumentParser, *specs: tuple) -> None:
@@ -14526,8 +14586,9 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else argv
     out = Out(stdout or sys.stdout, stderr or sys.stderr, stdin or sys.stdin)
-    if any(a in ("-h", "--help", "help") for a in argv[:1]) or argv[-1:] in (["-h"], ["--help"]):
-        out.line(HELP_SCOPE + "\n\n" + USAGE)
+    shown = help_text(argv)
+    if shown is not None:
+        out.line(shown)
         return 0
     args = None
     try:

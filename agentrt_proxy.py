@@ -2157,6 +2157,15 @@ class Schema:
             found = self._keys[id(value)] = self._interned.setdefault(shape, len(self._interned))
         return found
 
+    def located(self) -> list[tuple[tuple, Any]]:
+        """Every subschema compiled (each schema object or boolean that checking may
+        evaluate, and $defs no $ref names), by location, the root first."""
+        return list(self._schemas.items())
+
+    def referenced(self, at: tuple) -> bool:
+        """Whether a $ref names the subschema at ``at``."""
+        return at in self._refs.values()
+
     def _sub_ok(self, node: Any, value: Any, path: list) -> bool:
         errs = _Failures()
         self._validate(node, value, path, errs)
@@ -8480,6 +8489,22 @@ MAX_CALLS_DIGITS = 12                # calls is at most 999,999,999,999
 _WHEN_FIELDS = ("if", "outcome", "why")
 _LIMIT_FIELDS = ("calls", "sum", "max", "per", "over", "name")
 _STRICTER = {"allow": 0, "require_approval": 1, "deny": 2}
+# The validator's keywords (section 7) that constrain values of one JSON type: a value of any
+# other type passes them. A condition gives `type` with each (DESIGN section 9), or
+# {"maximum": 5} lets "500" through. (unevaluatedItems and unevaluatedProperties are not
+# here: the validator refuses them.)
+_ONE_TYPE_KEYWORDS = {
+    "number": _NUMERIC,
+    "string": frozenset({"pattern", "minLength", "maxLength"}),
+    "array": frozenset({"items", "prefixItems", "additionalItems", "contains", "minItems",
+                        "maxItems", "uniqueItems", "minContains", "maxContains"}),
+    "object": frozenset({"properties", "patternProperties", "additionalProperties",
+                         "required", "minProperties", "maxProperties", "propertyNames",
+                         "dependentRequired", "dependentSchemas", "dependencies"}),
+}
+_KEYWORD_TYPE = {key: kind for kind, keys in _ONE_TYPE_KEYWORDS.items() for key in keys}
+_TYPES_CONSTRAINED = {"number": {"number", "integer"}, "string": {"string"},
+                      "array": {"array"}, "object": {"object"}}
 _MAX_TEXT = re.compile(r"(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 _LIMIT_SQL = (
     """CREATE TABLE proxy_limit_uses (
@@ -8625,8 +8650,44 @@ def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
             schema = compile_schema(raw)
         except (SchemaError, JSONError) as exc:
             raise ConfigError(f"{at}: if: {exc}") from None
+        _check_typed(schema, f"{at}: if")
         out.append(Condition(i, raw, outcome, why, schema))
     return tuple(out)
+
+
+def _check_typed(schema: Schema, at: str) -> None:
+    """Each schema object of a condition that uses a keyword of one type gives a type that
+    holds only types the keyword constrains, and none uses format: a condition must never
+    match a value it does not check. Every subschema the validator compiled is looked at.
+    The root is exempt, as it checks the arguments, always an object; not when a $ref names
+    it, since it then checks a nested value too."""
+    for where, node in schema.located():
+        if not isinstance(node, dict):
+            continue
+        shown = "#" + _pointer(where)
+        if "format" in node:
+            raise ConfigError(f'{at}: the schema at {shown} uses "format", which constrains '
+                              "nothing: the validator treats it as an annotation, so every "
+                              "value passes it; remove it (to check the form of a string, "
+                              'give "type": "string" and a pattern)')
+        if not where and not schema.referenced(where):
+            continue
+        named = node.get("type", [])
+        given = set(named if isinstance(named, list) else [named])
+        for key in node:
+            kind = _KEYWORD_TYPE.get(key)
+            if kind is None:
+                continue
+            uses = (f"{at}: the schema at {shown} uses {_quote(key)}, which constrains "
+                    f"only {kind}s")
+            if not given:
+                raise ConfigError(f"{uses}, and has no type: a value of any other type passes "
+                                  f'it unchecked; add "type": "{kind}"')
+            others = sorted(given - _TYPES_CONSTRAINED[kind])
+            if others:
+                raise ConfigError(f"{uses}, but its type {_show(named)} lets a value of "
+                                  f"type {' or '.join(others)} pass it unchecked; make it "
+                                  f'"type": "{kind}"')
 
 
 def _check_why(why: str, at: str) -> None:
@@ -12639,36 +12700,96 @@ INBOX_ANSWERS = {"a": "approve", "approve": "approve", "r": "reject", "reject": 
                  "s": "skip", "skip": "skip", "q": "quit", "quit": "quit"}
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
-USAGE = """usage:
+# Each command's entry in the help (its lines, each ending in a line break), by the command:
+# the general help lists them all, and `X --help` prints X's alone (help_text).
+_USAGES = {
+    "serve": """\
   python agentrt_proxy.py -config proxy.json          serve the host over stdin and stdout
+""",
+    "pin": """\
   python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
+""",
+    "check": """\
   python agentrt_proxy.py check -config proxy.json [-strict]
                                   what is offered, refused, unclassified (-strict: a refused
                                   tool exits 1)
+""",
+    "wrap": """\
   python agentrt_proxy.py wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json
                                   [-write [-rules suggested]]   a new configuration from
                                   the host's servers (without -write: what it would write)
+""",
+    "recheck": """\
   python agentrt_proxy.py recheck -config proxy.json [-run ID | -session NAME] [-limit N]
                                   [-current-tools] [-json]   what today's policy decides otherwise
+""",
+    "runs": """\
   python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
-  python agentrt_proxy.py -db DATABASE [-json] show RUN
+""",
+    "show": """\
+  python agentrt_proxy.py -db DATABASE [-json] show RUN [-limit N] [-offset N]
+""",
+    "events": """\
   python agentrt_proxy.py -db DATABASE [-json] events RUN [-limit N] [-offset N]
+""",
+    "approve": """\
   python agentrt_proxy.py -db DATABASE approve [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
+""",
+    "reject": """\
   python agentrt_proxy.py -db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
+""",
+    "cancel": """\
   python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
+""",
+    "verify": """\
   python agentrt_proxy.py -db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]
+""",
+    "pending": """\
   python agentrt_proxy.py -db DATABASE [-json] pending     what waits, and the command that decides it
+""",
+    "inbox": """\
   python agentrt_proxy.py -db DATABASE inbox [-once] [-by WHO] [-tty-not-required]
                                   decide from a terminal; -tty-not-required reads a pipe
+""",
+    "webhook": """\
   python agentrt_proxy.py -db DATABASE webhook -listen 127.0.0.1:PORT -secret-file FILE [-public]
+""",
+    "sign": """\
   python agentrt_proxy.py [-json] sign -secret-file FILE -method GET|POST -path PATH
                                   [-body TEXT | -body-file FILE]   headers for one webhook request
-
+""",
+}
+_USAGE_DATABASE = ("The database is the -db file, else the 'database' of the -config file, "
+                   "else\n$AGENTRT_DB.")
+_USAGE_FLAGS = "Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."
+USAGE = "usage:\n" + "".join(_USAGES.values()) + """
 A host starts the proxy as one stdio MCP server, with absolute paths:
   {"command": "python3", "args": ["/path/to/agentrt_proxy.py", "-config", "/path/to/proxy.json"]}
 stdout carries only the protocol; everything else, including the operator's hints, goes to
-stderr. The database is the -db file, else the 'database' of the -config file, else
-$AGENTRT_DB. Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."""
+stderr. """ + _USAGE_DATABASE + " " + _USAGE_FLAGS
+# The flags given before a command that take a value: the word after one is no command.
+_TOP_VALUED = ("-db", "--db", "-config", "--config")
+
+
+def help_text(argv: list[str]) -> str | None:
+    """What a command line asking for help prints, or None when it asks for none. It asks
+    with -h or --help anywhere (argparse takes neither as a flag's value), or with help
+    first. The help is the named command's own (help X, or the first word past the global
+    flags and their values), else the general help, the scope statement first."""
+    if argv[:1] == ["help"]:
+        named = argv[1:2]
+    elif "-h" in argv or "--help" in argv:
+        i = 0
+        while i < len(argv) and argv[i] not in _USAGES:
+            i += 2 if argv[i] in _TOP_VALUED else 1
+        named = argv[i:i + 1]
+    else:
+        return None
+    entry = _USAGES.get(named[0]) if named else None
+    if entry is None:
+        return HELP_SCOPE + "\n\n" + USAGE
+    notes = ([_USAGE_DATABASE] if "-db DATABASE" in entry else []) + [_USAGE_FLAGS]
+    return "usage:\n" + entry + "\n" + " ".join(notes)
 
 
 def _flags(parser: argparse.ArgumentParser, *specs: tuple) -> None:
@@ -14540,8 +14661,9 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else argv
     out = Out(stdout or sys.stdout, stderr or sys.stderr, stdin or sys.stdin)
-    if any(a in ("-h", "--help", "help") for a in argv[:1]) or argv[-1:] in (["-h"], ["--help"]):
-        out.line(HELP_SCOPE + "\n\n" + USAGE)
+    shown = help_text(argv)
+    if shown is not None:
+        out.line(shown)
         return 0
     args = None
     try:

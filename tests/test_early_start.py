@@ -443,7 +443,7 @@ def test_nothing_run_before_the_late_imports_uses_them(tmp_path):
 
     def change(server):
         server["rules"]["pay"]["when"] = [{
-            "if": {"$defs": {"big": {"minimum": 8}},
+            "if": {"$defs": {"big": {"type": "number", "minimum": 8}},
                    "properties": {"amount": {"$ref": "#/$defs/bi%67"}}, "required": ["amount"]},
             "outcome": "require_approval", "why": "a large payment"}]
         server["command"] += ["file:///nonexistent/data", "--name=host:1"]

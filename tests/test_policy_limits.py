@@ -17,9 +17,11 @@ BASE = {
     "balance": {"side_effect": "read_only", "timeout": "10s"},
     "refund": {"side_effect": "destructive", "timeout": "10s"},
 }
-SMALL = {"if": {"properties": {"amount": {"maximum": 10}}, "required": ["amount"]},
+SMALL = {"if": {"properties": {"amount": {"type": "number", "maximum": 10}},
+                 "required": ["amount"]},
          "outcome": "allow", "why": "small payment"}
-HUGE = {"if": {"properties": {"amount": {"exclusiveMinimum": 1000}}, "required": ["amount"]},
+HUGE = {"if": {"properties": {"amount": {"type": "number", "exclusiveMinimum": 1000}},
+                "required": ["amount"]},
         "outcome": "deny", "why": "far too large"}
 BLOCKED = {"if": {"properties": {"to": {"enum": ["mallory"]}}, "required": ["to"]},
            "outcome": "deny", "why": "blocked payee"}
@@ -247,8 +249,8 @@ def test_policy_no_longer_over_at_collection_is_allowed(make):
 
 
 def test_policy_condition_grant_does_not_cover_a_limit_crossed_since(make):
-    large = {"if": {"properties": {"amount": {"exclusiveMinimum": 10}}}, "outcome":
-             "require_approval", "why": "large payment"}
+    large = {"if": {"properties": {"amount": {"type": "number", "exclusiveMinimum": 10}}},
+             "outcome": "require_approval", "why": "large payment"}
     h = make(rules=pay_rule(outcome="allow", when=[large], limits=[DAILY]))
     r = h.call(PAY, {"to": "bob", "amount": 30})
     [a] = h.pending()
@@ -492,7 +494,8 @@ def test_readme_recipe_path_prefix(make, tmp_path):
 def test_check_prints_conditions_limits_and_warnings(tmp_path):
     from process_helpers import ProcessDir
     # amount is required by pay's input schema; currency is not.
-    loose = {"if": {"properties": {"amount": {"maximum": 10}, "currency": {"enum": ["EUR"]}}},
+    loose = {"if": {"properties": {"amount": {"type": "number", "maximum": 10},
+                                   "currency": {"enum": ["EUR"]}}},
              "outcome": "allow"}
     rules = pay_rule(when=[BLOCKED, loose], limits=[DAILY])
     d = ProcessDir(tmp_path, rules=rules)
@@ -573,7 +576,7 @@ def _config_in(h, rules):
 def test_policy_check_at_start_of_a_collected_grant(make, monkeypatch):
     """A grant asked by a condition, collected while the forecast misses a limit the count
     crossed: the start refuses, and the call asks again, naming the limit too."""
-    large = {"if": {"properties": {"amount": {"exclusiveMinimum": 10}}},
+    large = {"if": {"properties": {"amount": {"type": "number", "exclusiveMinimum": 10}}},
              "outcome": "require_approval", "why": "large payment"}
     h = make(rules=pay_rule(outcome="allow", when=[large],
                             limits=[{"sum": "/amount", "max": 40, "per": "1h", "name": "cap"}]))
@@ -601,7 +604,8 @@ def test_policy_conditions_share_one_checks_budget():
     """32 conditions, each affordable alone on a 60,000-item array, cost together more than
     one check may spend: the call is denied, naming the condition where the budget ran out,
     never checked 32 times over."""
-    cond = {"if": {"properties": {"x": {"items": {"minimum": 0, "maximum": 10}}},
+    cond = {"if": {"properties": {"x": {"type": "array", "items": {
+                "type": "number", "minimum": 0, "maximum": 10}}},
                    "required": ["y"]}, "outcome": "allow"}
     when = ap.parse_conditions(ap.parse_json(json.dumps([cond] * 32).encode()), "t")
     alone, _ = when[0].schema.test(ap.parse_json(json.dumps({"x": [1] * 60000}).encode()),
@@ -724,7 +728,8 @@ def test_policy_a_memoised_pattern_step_is_charged():
     rx = ap.Pattern("^(a|aa)*b$")
     s = "a" * 100_000
     assert rx.search_costed(s, 10 ** 9)[1] >= len(s)
-    cond = {"if": {"properties": {"to": {"pattern": "^(a|aa)*b$"}}}, "outcome": "allow"}
+    cond = {"if": {"properties": {"to": {"type": "string", "pattern": "^(a|aa)*b$"}}},
+            "outcome": "allow"}
     when = ap.parse_conditions(ap.parse_json(json.dumps([cond] * 32).encode()), "t")
     rule = ap.Rule(side_effect="remote_mutation", when=when)
     spec = ap.ToolSpec("bank_pay", "", b"{}", "remote_mutation", 1.0)

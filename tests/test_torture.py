@@ -1463,7 +1463,8 @@ class BudgetDir(ProcessDir):
 
     def write_config(self, rules, **top) -> None:
         pay = {"side_effect": "remote_mutation", "outcome": "allow", "timeout": "5s",
-               "when": [{"if": {"properties": {"amount": {"minimum": BUDGET_LARGE}},
+               "when": [{"if": {"properties": {"amount": {"type": "number",
+                                                          "minimum": BUDGET_LARGE}},
                                 "required": ["amount"]},
                          "outcome": "require_approval", "why": "a large payment"}],
                "limits": [{"name": "cap", "sum": "/amount", "max": str(BUDGET_CAP),

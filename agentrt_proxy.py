@@ -7869,7 +7869,8 @@ class ProxyPolicy:
         outcome, reason = self.decide(tool)
         judged = None
         if tool.rule.when or tool.rule.limits:          # section 20
-            judged = judge(tool, request.args, outcome, reason, self.use_of(), self.seen)
+            judged = judge(tool, request.args, outcome, reason, self.use_of(), self.seen,
+                           self.proxy.budgets.frees_at if self.proxy is not None else None)
             outcome, reason = judged.outcome, judged.reason
         # Seed rule 6: a re-run of an unknown outcome is asked about whatever the policy
         # says short of a deny by the class or the rule. A condition's or a limit's deny
@@ -8904,10 +8905,12 @@ def first_condition(tool: "UpstreamTool", value: Any, args: bytes,
 
 
 def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
-          use_of: UseOf | None, seen: dict | None = None) -> Judgement:
+          use_of: UseOf | None, seen: dict | None = None,
+          frees: "Callable[[str, Limit, int], float | None] | None" = None) -> Judgement:
     """The rule's conditions, then its limits, on one call. ``outcome`` and ``reason`` are
     what the rule or the class says; ``use_of`` reads a limit's use (None: limits are not
-    counted, as for check); ``seen`` is first_condition's memo."""
+    counted, as for check); ``seen`` is first_condition's memo; ``frees`` (Budgets.frees_at)
+    tells a deny when the window has room for the call."""
     name, rule = tool.spec.name, tool.rule
     given = parse_json(args.strip(JSON_WS) or b"{}")
     refused = tool.refused_param(given) if isinstance(given, dict) else ""
@@ -8942,8 +8945,8 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
             continue
         if limit.over == "deny":
             return Judgement("deny", f"{use.figures(name)}, over its max of "
-                             f"{limit.shown(limit.most())} ({limit.what()})", [], [],
-                             limit.ref)
+                             f"{limit.shown(limit.most())} ({limit.what()})"
+                             f"{_room(use, frees)}", [], [], limit.ref)
         if outcome == "allow":
             outcome, base = "require_approval", ""
         asked.append(limit.ref)
@@ -8957,6 +8960,16 @@ def _granted(request: ToolRequest, view: RunView) -> bool:
     """Whether the request's step is being collected: its latest approval is approved."""
     mine = [a for a in view.approvals if a.step_id == request.step_id]
     return bool(mine) and mine[-1].status == APPROVED
+
+
+def _room(use: Use, frees: "Callable[[str, Limit, int], float | None] | None") -> str:
+    """When a limit's window has room for a call it denies, as the model reads it."""
+    if use.adds > use.limit.most():
+        return "; this call alone is over its max, so no window ever has room for it"
+    at = frees(use.key, use.limit, use.adds) if frees is not None else None
+    if at is None:
+        return ""
+    return f"; room for this call frees at {fmt_time_s(int(at) + (1 if at % 1 else 0))}"
 
 
 def asked_by(capability: bytes) -> list[str]:
@@ -9083,6 +9096,26 @@ class Budgets:
     def use_of(self, key: str, limit: Limit) -> int:
         return _use(self.store._read, key, limit, self.clock())[1]
 
+    def frees_at(self, key: str, limit: Limit, adds: int) -> float | None:
+        """When the window has room for a call that adds ``adds``: the moment enough of
+        the executions it counts have left it (a row leaves at its time plus ``per``).
+        Running totals never decrease (a call adds 1 to a calls limit's), so the row that
+        must leave is found by a binary search of the window's rows: a few lookups by
+        primary key, however many the window holds. None when there is room now."""
+        read, now = self.store._read, self.clock()
+        top, first, floor = 0, 1, 0
+        for which, n, total, _ in read(_USE_SQL, (key, now - limit.per)):
+            if which == 0:
+                top = n
+            else:
+                first, floor = n + 1, int(total)
+        used = _use(read, key, limit, now)[1]
+        excess = used + adds - limit.most()
+        if excess <= 0 or first > top:
+            return None
+        found = _row(read, key, _first_row(read, key, first, top, floor + excess))
+        return found[1] + limit.per if found else None
+
     def admit(self, tx: Tx, request: ToolRequest, decision: PolicyDecision, at: str) -> None:
         tool = self.tools.get(request.spec.name)
         if tool is None:
@@ -9182,6 +9215,25 @@ def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
 def _required(doc: Any) -> list[str]:
     found = doc.get("required") if isinstance(doc, dict) else None
     return [r for r in found if isinstance(r, str)] if isinstance(found, list) else []
+
+
+def _row(read: Callable[[str, tuple], list], key: str, n: int) -> tuple[str, float] | None:
+    """A limit's row ``n``: its running total and its time."""
+    found = read("SELECT total, at FROM proxy_limit_uses WHERE key=? AND n=?", (key, n))
+    return (found[0][0], found[0][1]) if found else None
+
+
+def _first_row(read: Callable[[str, tuple], list], key: str, low: int, high: int,
+               total: int) -> int:
+    """The first row from ``low`` to ``high`` whose running total reaches ``total``."""
+    while low < high:
+        mid = (low + high) // 2
+        row = _row(read, key, mid)
+        if row is not None and int(row[0]) >= total:
+            high = mid
+        else:
+            low = mid + 1
+    return low
 
 
 def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,

@@ -11486,6 +11486,7 @@ _HOST_VARIABLE = re.compile(r"\$\{([^}]*)\}")
 _WRAP_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _MCP_HINTS = (("readOnlyHint", False), ("destructiveHint", True), ("idempotentHint", False),
               ("openWorldHint", True))      # each hint with MCP's default when it is missing
+WRAP_NO_WINDOW = "0s"                  # the repeat_window suggested for an idempotent tool
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -11692,18 +11693,40 @@ def suggests_repeat(name: str, description: Any) -> bool:
                for text in said)
 
 
+def suggests_no_window(ann: Any) -> str:
+    """Why a tool's rule is suggested `"repeat_window": "0s"`, or '' when it is not: a
+    local_mutation whose server claims idempotentHint true (MCP's default: false) and
+    destructiveHint false (default: true). Such a call repeated changes nothing more, yet the
+    duplicate rule refuses it: an edit, add and commit loop's second git_add was DUPLICATE
+    and staged nothing. The window also holds the seed's rule 4, so the text says that goes
+    too; both rest on hints, which the operator reads as claims."""
+    hints = _read_hints(ann)
+    if suggest_class(ann)[0] != "local_mutation" or not hints["idempotentHint"] or \
+            hints["destructiveHint"]:
+        return ""
+    return (f'repeat_window "{WRAP_NO_WINDOW}": idempotentHint is true and destructiveHint '
+            "is false, so an identical call runs again instead of answering DUPLICATE; this "
+            "also turns off, for this tool, the refusal of an identical request rejected or "
+            "expired within the window. Both hints are the server's claims: read them")
+
+
 def suggested_rules(tools: dict, server: str = "",
                     others: Iterable[str] = ()) -> dict[str, dict]:
-    """One suggested rule per tool: the class its hints suggest, `"repeat": "ask"` where
-    suggests_repeat says so, and a `rename` that drops a doubled prefix (server `git`'s
-    `git_commit` would register as `git_git_commit`) when no tool registers under that name:
-    none of this server's, and none of ``others`` (the names the other servers' tools may
-    register under). Each is the server's claim, never applied unasked."""
+    """One suggested rule per tool: the class its hints suggest, `"repeat_window": "0s"`
+    where suggests_no_window says so, else `"repeat": "ask"` where suggests_repeat says so
+    (with no window there is no repeat to ask about), and a `rename` that drops a doubled
+    prefix (server `git`'s `git_commit` would register as `git_git_commit`) when no tool
+    registers under that name: none of this server's, and none of ``others`` (the names the
+    other servers' tools may register under). Each is the server's claim, never applied
+    unasked."""
     taken = {f"{server}_{name}" for name in tools} | set(others)
     out: dict[str, dict] = {}
     for name, t in tools.items():
         rule: dict[str, Any] = {"side_effect": suggest_class(t.get("annotations"))[0]}
-        if rule["side_effect"] != "read_only" and suggests_repeat(name, t.get("description")):
+        if suggests_no_window(t.get("annotations")):
+            rule["repeat_window"] = WRAP_NO_WINDOW
+        elif rule["side_effect"] != "read_only" and \
+                suggests_repeat(name, t.get("description")):
             rule["repeat"] = "ask"
         if server and name.startswith(server + "_") and name not in taken:
             rule["rename"] = name
@@ -11728,7 +11751,9 @@ def hints_table(tools: dict) -> list[str]:
     for name, t in tools.items():
         ann = t.get("annotations")
         cls, why = suggest_class(ann)
-        rows.append([name, cls, *(_hint_cell(ann, h) for h, _ in _MCP_HINTS), why])
+        window = suggests_no_window(ann)
+        rows.append([name, cls, *(_hint_cell(ann, h) for h, _ in _MCP_HINTS),
+                     why + ("; " + window if window else "")])
     return ["  " + line for line in _table(rows)]
 
 

@@ -10895,9 +10895,10 @@ def _diff_lines(old: list[str], new: list[str]) -> list[str]:
 
 
 async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
-    """What each server offers and what the policy makes of it, ending with a summary that
-    names every tool a rule classifies but that is refused, and every tool no call to which
-    can run. With ``strict`` a refused tool fails the check."""
+    """What each server offers and what the policy makes of it, with a line for each tool no
+    call to which can run saying how to stop offering it, ending with a summary that names
+    every tool a rule classifies but that is refused, and every tool no call to which can
+    run. With ``strict`` a refused tool fails the check; one that never runs does not."""
     check_database_owner(cfg.database)
     check_reach(cfg)
     tools, reports = await load_tools(cfg, out.line)
@@ -10912,6 +10913,9 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
             out.line(line)
         policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
         for tool in tools:
+            if policy.never_runs(tool):       # offered, yet every call the model makes is lost
+                out.line(f"{sanitize(tool.spec.name)}: denied on every call: remove its rule "
+                         "to stop offering it")
             for line in rule_lines(tool, policy.decide(tool)[0]):
                 out.line(line)
         out.line(f"status tool: {sanitize(cfg.status_tool)}")
@@ -11466,7 +11470,9 @@ class LineReader:
 # never half translated. The proxy configuration is written new (0600), checked for reach
 # before anything is written or started, then every server is pinned. Nothing is classified:
 # the rules are printed as suggestions read from the server's own hints, which are claims,
-# for the operator to paste. The host's file is rewritten only with -write, after a backup,
+# for the operator to paste. A tool the policy would deny on every call is suggested no rule,
+# since one would only offer the model a tool it cannot use; it is listed as left out, with
+# the rule that offers it. The host's file is rewritten only with -write, after a backup,
 # and only while its bytes are still those that were read (an editor saving in between would
 # otherwise lose its change, or the proxy would overwrite servers it never saw).
 
@@ -11487,6 +11493,7 @@ _WRAP_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _MCP_HINTS = (("readOnlyHint", False), ("destructiveHint", True), ("idempotentHint", False),
               ("openWorldHint", True))      # each hint with MCP's default when it is missing
 WRAP_NO_WINDOW = "0s"                  # the repeat_window suggested for an idempotent tool
+WRAP_OFFER_OUTCOME = "require_approval"  # in the rule that offers a tool wrap left out
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -11710,15 +11717,15 @@ def suggests_no_window(ann: Any) -> str:
             "expired within the window. Both hints are the server's claims: read them")
 
 
-def suggested_rules(tools: dict, server: str = "",
-                    others: Iterable[str] = ()) -> dict[str, dict]:
+def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
+                    policy: "ProxyPolicy | None" = None) -> dict[str, dict]:
     """One suggested rule per tool: the class its hints suggest, `"repeat_window": "0s"`
     where suggests_no_window says so, else `"repeat": "ask"` where suggests_repeat says so
     (with no window there is no repeat to ask about), and a `rename` that drops a doubled
     prefix (server `git`'s `git_commit` would register as `git_git_commit`) when no tool
     registers under that name: none of this server's, and none of ``others`` (the names the
     other servers' tools may register under). Each is the server's claim, never applied
-    unasked."""
+    unasked. With ``policy``, a tool it denies on every call gets no rule (left_out)."""
     taken = {f"{server}_{name}" for name in tools} | set(others)
     out: dict[str, dict] = {}
     for name, t in tools.items():
@@ -11731,19 +11738,58 @@ def suggested_rules(tools: dict, server: str = "",
         if server and name.startswith(server + "_") and name not in taken:
             rule["rename"] = name
         out[name] = rule
+    if policy is None:
+        return out
+    dropped = left_out(out, server, policy)
+    return {name: rule for name, rule in out.items() if name not in dropped}
+
+
+def rule_tool(server: str, remote: str, rule: Rule) -> UpstreamTool:
+    """A tool as its rule alone describes it, with no server behind it: enough for the
+    policy's judgement of it (ProxyPolicy.decide, never_runs), never for a call."""
+    name = rule.rename or f"{server}_{remote}"
+    spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
+    return UpstreamTool(spec, server, remote, rule, None)
+
+
+def left_out(rules: dict[str, dict], server: str, policy: "ProxyPolicy") -> dict[str, dict]:
+    """The suggested rules whose tool ``policy`` denies on every call (ProxyPolicy.never_runs),
+    each as the rule that offers it with every call asking. Written as suggested, such a rule
+    would offer the model a tool it can never use, and it would waste its calls on it."""
+    out = {}
+    for name, rule in rules.items():
+        if policy.never_runs(rule_tool(server, name, _parse_rule(rule, f"rules.{name}"))):
+            out[name] = {**rule, "outcome": WRAP_OFFER_OUTCOME}
     return out
 
 
-def rules_block(tools: dict, server: str = "", others: Iterable[str] = ()) -> list[str]:
+def _rule_line(name: str, rule: dict) -> str:
+    """One rule as a member of "rules", on one line, written inert: a tool name cannot drive
+    the terminal that prints it."""
+    members = ", ".join(f"{dump_json(k)}: {dump_json(v)}" for k, v in rule.items())
+    return _JSON_INERT.sub(_json_escape, f"{dump_json(name)}: {{{members}}}")
+
+
+def rules_block(tools: dict, server: str = "", others: Iterable[str] = (),
+                policy: "ProxyPolicy | None" = None) -> list[str]:
     """suggested_rules as the "rules" member to paste into a server's entry, one rule a
-    line. Each line is JSON written inert: a tool name cannot drive the terminal that
-    prints it."""
-    def one(rule: dict) -> str:
-        return "{" + ", ".join(f"{dump_json(k)}: {dump_json(v)}" for k, v in rule.items()) + "}"
-    items = [f"    {dump_json(name)}: {one(rule)}"
-             for name, rule in suggested_rules(tools, server, others).items()]
+    line."""
+    items = [f"    {_rule_line(name, rule)}"
+             for name, rule in suggested_rules(tools, server, others, policy).items()]
     body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
-    return [_JSON_INERT.sub(_json_escape, line) for line in ['  "rules": {', *body, "  }"]]
+    return ['  "rules": {', *body, "  }"]
+
+
+def left_out_block(tools: dict, server: str, others: Iterable[str],
+                   policy: "ProxyPolicy") -> list[str]:
+    """The tools rules_block leaves out, under a heading that says why, each with the rule
+    that offers it."""
+    dropped = left_out(suggested_rules(tools, server, others), server, policy)
+    if not dropped:
+        return []
+    return ["  left out, so not offered: the policy denies each of these on every call; to "
+            "offer one, each call asking you, add its line to the server's rules:",
+            *(f"    {_rule_line(name, rule)}" for name, rule in dropped.items())]
 
 
 def hints_table(tools: dict) -> list[str]:
@@ -11844,7 +11890,8 @@ async def cmd_wrap(args, out: Out) -> int:
         if f.server is None:
             out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still "
                      "starts it directly, outside the gate")
-    pins = await _wrap_pin(cfg, out)
+    policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
+    pins = await _wrap_pin(cfg, out, policy)
     notify = suggested_on_pending(cfg.database)
     if notify:
         out.line("a notification for this machine when an approval waits" +
@@ -11856,7 +11903,7 @@ async def cmd_wrap(args, out: Out) -> int:
             if server["name"] in pins:
                 server["rules"] = suggested_rules(pins[server["name"]]["tools"],
                                                   server["name"],
-                                                  names_elsewhere(pins, server["name"]))
+                                                  names_elsewhere(pins, server["name"]), policy)
         if notify:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
@@ -11911,9 +11958,10 @@ def suggested_on_pending(database: str) -> list[str]:
     return []
 
 
-async def _wrap_pin(cfg: Config, out: Out) -> dict[str, dict]:
-    """Pin every server (nothing written), then print each one's suggested rules; the
-    manifest of each server pinned, by name."""
+async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, dict]:
+    """Pin every server (nothing written), then print each one's suggested rules, without
+    those ``policy`` denies on every call (listed as left out); the manifest of each server
+    pinned, by name."""
     pins: dict[str, dict] = {}
     for server in cfg.servers:
         try:
@@ -11928,8 +11976,9 @@ async def _wrap_pin(cfg: Config, out: Out) -> dict[str, dict]:
         out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
                  "(claims, not facts: check each):")
-        for line in rules_block(tools, server.name, names_elsewhere(pins, server.name)) + \
-                hints_table(tools):
+        others = names_elsewhere(pins, server.name)
+        for line in rules_block(tools, server.name, others, policy) + hints_table(tools) + \
+                left_out_block(tools, server.name, others, policy):
             out.line(line)
     return pins
 
@@ -12366,9 +12415,8 @@ def recorded_tools(cfg: Config) -> dict[str, "UpstreamTool"]:
     tools = {}
     for server in cfg.servers:
         for remote, rule in server.rules:
-            name = rule.rename or f"{server.name}_{remote}"
-            spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
-            tools[name] = UpstreamTool(spec, server.name, remote, rule, None)
+            tool = rule_tool(server.name, remote, rule)
+            tools[tool.spec.name] = tool
     return tools
 
 

@@ -2,6 +2,10 @@
 server calls idempotent and not destructive (git_add twice in ten minutes was DUPLICATE and
 staged nothing), printed with why and written with -write -rules suggested; and the README's
 git recipe, as written, lets the edit, add and commit loop stage twice.
+
+A tool the policy denies on every call is not suggested a rule, so it is not offered: wrap
+lists it as left out with the rule that offers it, and check marks a classified one with how
+to stop offering it.
 """
 
 import json
@@ -163,3 +167,103 @@ def test_readme_recipe_git_add_commit_loop(harnesses, tmp_path):
     assert staged(ledger) == 2
     r = h.call("git_git_commit", {"repo_path": "/r", "message": "fix typo"})
     assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+
+
+# ---- 2. a tool denied on every call is not offered ----
+
+DENIED_TOOLS = GIT_TOOLS + [
+    # destructive by MCP's default (destructiveHint missing), though it claims idempotence
+    {"name": "git_reset", "description": "Resets the current HEAD.",
+     "annotations": {"openWorldHint": False, "idempotentHint": True},
+     "inputSchema": schema("repo_path")},
+    {"name": "clean", "description": "Removes untracked files.",       # no hints at all
+     "inputSchema": schema("repo_path")},
+]
+LEFT_OUT = {"git_reset": {"side_effect": "destructive", "rename": "git_reset",
+                          "outcome": "require_approval"},
+            "clean": {"side_effect": "destructive", "outcome": "require_approval"}}
+
+
+def left_out_lines(out: str) -> dict:
+    """The rules wrap lists as left out, one JSON member a line under its heading."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  left out"))
+    found = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        found.update(json.loads("{" + line + "}"))
+    return found
+
+
+def checked(cli, config) -> tuple[str, dict]:
+    code, out, err = cli("check", "-config", config)
+    assert code == 0, err
+    return out, {line.split()[0]: line for line in out.splitlines() if line.startswith("git_")}
+
+
+def test_wrap_leaves_out_a_tool_the_policy_denies_on_every_call(tmp_path, cli):
+    host, _ = write_host(tmp_path, DENIED_TOOLS)
+    config = str(tmp_path / "gate" / "proxy.json")
+    os.makedirs(os.path.dirname(config))
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config)
+    assert code == 0, err
+    rules = printed_rules(out)
+    assert set(rules) == {"git_status", "git_add", "git_checkout", "git_commit"}, rules
+    assert hints_row(out, "git_reset").split()[1] == "destructive"    # still explained
+    assert hints_row(out, "clean").split()[1] == "destructive"
+    head = next(line for line in out.splitlines() if line.startswith("  left out"))
+    assert "denies" in head and "on every call" in head and "not offered" in head, head
+    assert left_out_lines(out) == LEFT_OUT, out
+    # Written: exactly the printed rules, so neither is offered, and check counts them
+    # unclassified, none denied on every call.
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,
+                         "-write", "-rules", "suggested")
+    assert code == 0, err
+    with open(config) as f:
+        doc = json.load(f)
+    assert doc["servers"][0]["rules"] == rules
+    text, lines = checked(cli, config)
+    assert "summary: 4 tool(s) offered (0 of them denied on every call), 0 classified by a " \
+           "rule but refused, 2 unclassified (no rule)" in text, text
+    assert "git_reset" not in lines and "git_git_reset" not in lines, lines
+    # The rule listed with it offers it, each call asking.
+    doc["servers"][0]["rules"]["git_reset"] = LEFT_OUT["git_reset"]
+    with open(config, "w") as f:
+        json.dump(doc, f)
+    text, lines = checked(cli, config)
+    assert re.fullmatch(r"git_reset\s+destructive\s+-> require_approval\s+by its rule",
+                        lines["git_reset"]), lines
+    assert "(0 of them denied on every call)" in text, text
+
+
+def test_suggested_rules_leave_out_what_the_given_policy_denies():
+    tools = {t["name"]: t for t in DENIED_TOOLS}
+    policy = ap.ProxyPolicy({**ap.DEFAULT_POLICY, "local_mutation": "deny"}, {})
+    kept = ap.suggested_rules(tools, "git", (), policy)
+    assert set(kept) == {"git_status"}, kept
+    everything = ap.suggested_rules(tools, "git")
+    assert set(everything) == set(tools)
+    dropped = ap.left_out(everything, "git", policy)
+    assert set(dropped) == set(tools) - {"git_status"}
+    assert dropped["git_add"] == {**everything["git_add"], "outcome": "require_approval"}
+    # A policy that denies nothing leaves nothing out.
+    allow = ap.ProxyPolicy({c: "allow" for c in ap.DEFAULT_POLICY}, {})
+    assert ap.suggested_rules(tools, "git", (), allow) == everything
+
+
+MARK = "denied on every call: remove its rule to stop offering it"
+
+
+def test_check_marks_a_tool_denied_on_every_call_with_how_to_stop_offering_it(harnesses, cli):
+    allowed_sometimes = {"if": {"properties": {"amount": {"type": "number", "maximum": 5}},
+                                "required": ["amount"]}, "outcome": "allow"}
+    h = harnesses(rules={
+        "balance": {"side_effect": "read_only", "timeout": "10s"},
+        "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "deny",
+                "when": [allowed_sometimes]},                  # a condition may allow it
+        "refund": {"side_effect": "destructive", "timeout": "10s"}})
+    code, out, err = cli("check", "-config", h.config_path, "-strict")
+    assert code == 0, err                         # -strict fails on a refusal only
+    marked = [line for line in out.splitlines() if MARK in line]
+    assert marked == [f"bank_refund: {MARK}"], out

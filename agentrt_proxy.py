@@ -9006,6 +9006,14 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
 
 # -- counting --
 
+def rule_tool(server: str, remote: str, rule: Rule) -> "UpstreamTool":
+    """A tool as its rule alone describes it, with no server behind it: enough for the
+    policy's judgement of it (ProxyPolicy.decide, never_runs), never for a call."""
+    name = rule.rename or f"{server}_{remote}"
+    spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
+    return UpstreamTool(spec, server, remote, rule, None)
+
+
 def configured_tools(cfg: Config) -> dict[str, "UpstreamTool"]:
     """A tool per rule, by the name the configuration gives it, whether or not a server
     offers it now: what a limit covers (Budgets), and what re-check hands the requests the
@@ -9013,9 +9021,8 @@ def configured_tools(cfg: Config) -> dict[str, "UpstreamTool"]:
     tools = {}
     for server in cfg.servers:
         for remote, rule in server.rules:
-            name = rule.rename or f"{server.name}_{remote}"
-            spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
-            tools[name] = UpstreamTool(spec, server.name, remote, rule, None)
+            tool = rule_tool(server.name, remote, rule)
+            tools[tool.spec.name] = tool
     return tools
 
 
@@ -11093,9 +11100,10 @@ def _diff_lines(old: list[str], new: list[str]) -> list[str]:
 
 
 async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
-    """What each server offers and what the policy makes of it, ending with a summary that
-    names every tool a rule classifies but that is refused, and every tool no call to which
-    can run. With ``strict`` a refused tool fails the check."""
+    """What each server offers and what the policy makes of it, with a line for each tool no
+    call to which can run saying how to stop offering it, ending with a summary that names
+    every tool a rule classifies but that is refused, and every tool no call to which can
+    run. With ``strict`` a refused tool fails the check; one that never runs does not."""
     check_database_owner(cfg.database)
     check_reach(cfg)
     tools, reports = await load_tools(cfg, out.line)
@@ -11110,6 +11118,9 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
             out.line(line)
         policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
         for tool in tools:
+            if policy.never_runs(tool):       # offered, yet every call the model makes is lost
+                out.line(f"{sanitize(tool.spec.name)}: denied on every call: remove its rule "
+                         "to stop offering it")
             for line in rule_lines(tool, policy.decide(tool)[0]):
                 out.line(line)
         out.line(f"status tool: {sanitize(cfg.status_tool)}")
@@ -11664,7 +11675,9 @@ class LineReader:
 # never half translated. The proxy configuration is written new (0600), checked for reach
 # before anything is written or started, then every server is pinned. Nothing is classified:
 # the rules are printed as suggestions read from the server's own hints, which are claims,
-# for the operator to paste. The host's file is rewritten only with -write, after a backup,
+# for the operator to paste. A tool the policy would deny on every call is suggested no rule,
+# since one would only offer the model a tool it cannot use; it is listed as left out, with
+# the rule that offers it. The host's file is rewritten only with -write, after a backup,
 # and only while its bytes are still those that were read (an editor saving in between would
 # otherwise lose its change, or the proxy would overwrite servers it never saw).
 
@@ -11684,6 +11697,8 @@ _HOST_VARIABLE = re.compile(r"\$\{([^}]*)\}")
 _WRAP_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _MCP_HINTS = (("readOnlyHint", False), ("destructiveHint", True), ("idempotentHint", False),
               ("openWorldHint", True))      # each hint with MCP's default when it is missing
+WRAP_NO_WINDOW = "0s"                  # the repeat_window suggested for an idempotent tool
+WRAP_OFFER_OUTCOME = "require_approval"  # in the rule that offers a tool wrap left out
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -11890,35 +11905,88 @@ def suggests_repeat(name: str, description: Any) -> bool:
                for text in said)
 
 
-def suggested_rules(tools: dict, server: str = "",
-                    others: Iterable[str] = ()) -> dict[str, dict]:
-    """One suggested rule per tool: the class its hints suggest, `"repeat": "ask"` where
-    suggests_repeat says so, and a `rename` that drops a doubled prefix (server `git`'s
-    `git_commit` would register as `git_git_commit`) when no tool registers under that name:
-    none of this server's, and none of ``others`` (the names the other servers' tools may
-    register under). Each is the server's claim, never applied unasked."""
+def suggests_no_window(ann: Any) -> str:
+    """Why a tool's rule is suggested `"repeat_window": "0s"`, or '' when it is not: a
+    local_mutation whose server claims idempotentHint true (MCP's default: false) and
+    destructiveHint false (default: true). Such a call repeated changes nothing more, yet the
+    duplicate rule refuses it: an edit, add and commit loop's second git_add was DUPLICATE
+    and staged nothing. The window also holds the seed's rule 4, so the text says that goes
+    too; both rest on hints, which the operator reads as claims."""
+    hints = _read_hints(ann)
+    if suggest_class(ann)[0] != "local_mutation" or not hints["idempotentHint"] or \
+            hints["destructiveHint"]:
+        return ""
+    return (f'repeat_window "{WRAP_NO_WINDOW}": idempotentHint is true and destructiveHint '
+            "is false, so an identical call runs again instead of answering DUPLICATE; this "
+            "also turns off, for this tool, the refusal of an identical request rejected or "
+            "expired within the window. Both hints are the server's claims: read them")
+
+
+def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
+                    policy: "ProxyPolicy | None" = None) -> dict[str, dict]:
+    """One suggested rule per tool: the class its hints suggest, `"repeat_window": "0s"`
+    where suggests_no_window says so, else `"repeat": "ask"` where suggests_repeat says so
+    (with no window there is no repeat to ask about), and a `rename` that drops a doubled
+    prefix (server `git`'s `git_commit` would register as `git_git_commit`) when no tool
+    registers under that name: none of this server's, and none of ``others`` (the names the
+    other servers' tools may register under). Each is the server's claim, never applied
+    unasked. With ``policy``, a tool it denies on every call gets no rule (left_out)."""
     taken = {f"{server}_{name}" for name in tools} | set(others)
     out: dict[str, dict] = {}
     for name, t in tools.items():
         rule: dict[str, Any] = {"side_effect": suggest_class(t.get("annotations"))[0]}
-        if rule["side_effect"] != "read_only" and suggests_repeat(name, t.get("description")):
+        if suggests_no_window(t.get("annotations")):
+            rule["repeat_window"] = WRAP_NO_WINDOW
+        elif rule["side_effect"] != "read_only" and \
+                suggests_repeat(name, t.get("description")):
             rule["repeat"] = "ask"
         if server and name.startswith(server + "_") and name not in taken:
             rule["rename"] = name
         out[name] = rule
+    if policy is None:
+        return out
+    dropped = left_out(out, server, policy)
+    return {name: rule for name, rule in out.items() if name not in dropped}
+
+
+def left_out(rules: dict[str, dict], server: str, policy: "ProxyPolicy") -> dict[str, dict]:
+    """The suggested rules whose tool ``policy`` denies on every call (ProxyPolicy.never_runs),
+    each as the rule that offers it with every call asking. Written as suggested, such a rule
+    would offer the model a tool it can never use, and it would waste its calls on it."""
+    out = {}
+    for name, rule in rules.items():
+        if policy.never_runs(rule_tool(server, name, _parse_rule(rule, f"rules.{name}"))):
+            out[name] = {**rule, "outcome": WRAP_OFFER_OUTCOME}
     return out
 
 
-def rules_block(tools: dict, server: str = "", others: Iterable[str] = ()) -> list[str]:
+def _rule_line(name: str, rule: dict) -> str:
+    """One rule as a member of "rules", on one line, written inert: a tool name cannot drive
+    the terminal that prints it."""
+    members = ", ".join(f"{dump_json(k)}: {dump_json(v)}" for k, v in rule.items())
+    return _JSON_INERT.sub(_json_escape, f"{dump_json(name)}: {{{members}}}")
+
+
+def rules_block(tools: dict, server: str = "", others: Iterable[str] = (),
+                policy: "ProxyPolicy | None" = None) -> list[str]:
     """suggested_rules as the "rules" member to paste into a server's entry, one rule a
-    line. Each line is JSON written inert: a tool name cannot drive the terminal that
-    prints it."""
-    def one(rule: dict) -> str:
-        return "{" + ", ".join(f"{dump_json(k)}: {dump_json(v)}" for k, v in rule.items()) + "}"
-    items = [f"    {dump_json(name)}: {one(rule)}"
-             for name, rule in suggested_rules(tools, server, others).items()]
+    line."""
+    items = [f"    {_rule_line(name, rule)}"
+             for name, rule in suggested_rules(tools, server, others, policy).items()]
     body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
-    return [_JSON_INERT.sub(_json_escape, line) for line in ['  "rules": {', *body, "  }"]]
+    return ['  "rules": {', *body, "  }"]
+
+
+def left_out_block(tools: dict, server: str, others: Iterable[str],
+                   policy: "ProxyPolicy") -> list[str]:
+    """The tools rules_block leaves out, under a heading that says why, each with the rule
+    that offers it."""
+    dropped = left_out(suggested_rules(tools, server, others), server, policy)
+    if not dropped:
+        return []
+    return ["  left out, so not offered: the policy denies each of these on every call; to "
+            "offer one, each call asking you, add its line to the server's rules:",
+            *(f"    {_rule_line(name, rule)}" for name, rule in dropped.items())]
 
 
 def hints_table(tools: dict) -> list[str]:
@@ -11926,7 +11994,9 @@ def hints_table(tools: dict) -> list[str]:
     for name, t in tools.items():
         ann = t.get("annotations")
         cls, why = suggest_class(ann)
-        rows.append([name, cls, *(_hint_cell(ann, h) for h, _ in _MCP_HINTS), why])
+        window = suggests_no_window(ann)
+        rows.append([name, cls, *(_hint_cell(ann, h) for h, _ in _MCP_HINTS),
+                     why + ("; " + window if window else "")])
     return ["  " + line for line in _table(rows)]
 
 
@@ -12017,7 +12087,8 @@ async def cmd_wrap(args, out: Out) -> int:
         if f.server is None:
             out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still "
                      "starts it directly, outside the gate")
-    pins = await _wrap_pin(cfg, out)
+    policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
+    pins = await _wrap_pin(cfg, out, policy)
     notify = suggested_on_pending(cfg.database)
     if notify:
         out.line("a notification for this machine when an approval waits" +
@@ -12029,7 +12100,7 @@ async def cmd_wrap(args, out: Out) -> int:
             if server["name"] in pins:
                 server["rules"] = suggested_rules(pins[server["name"]]["tools"],
                                                   server["name"],
-                                                  names_elsewhere(pins, server["name"]))
+                                                  names_elsewhere(pins, server["name"]), policy)
         if notify:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
@@ -12084,9 +12155,10 @@ def suggested_on_pending(database: str) -> list[str]:
     return []
 
 
-async def _wrap_pin(cfg: Config, out: Out) -> dict[str, dict]:
-    """Pin every server (nothing written), then print each one's suggested rules; the
-    manifest of each server pinned, by name."""
+async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, dict]:
+    """Pin every server (nothing written), then print each one's suggested rules, without
+    those ``policy`` denies on every call (listed as left out); the manifest of each server
+    pinned, by name."""
     pins: dict[str, dict] = {}
     for server in cfg.servers:
         try:
@@ -12101,8 +12173,9 @@ async def _wrap_pin(cfg: Config, out: Out) -> dict[str, dict]:
         out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
                  "(claims, not facts: check each):")
-        for line in rules_block(tools, server.name, names_elsewhere(pins, server.name)) + \
-                hints_table(tools):
+        others = names_elsewhere(pins, server.name)
+        for line in rules_block(tools, server.name, others, policy) + hints_table(tools) + \
+                left_out_block(tools, server.name, others, policy):
             out.line(line)
     return pins
 

@@ -10,7 +10,9 @@ by STANDIN_LEDGER before it answers, so that a test counts what reached the serv
     write_file  {path, content}          no annotations
 
 With STANDIN_KIND=filesystem, memory, git or everything it offers instead the tools (names
-and hints) of that server, for the first-week story (test_first_week.py).
+and hints) of that server, for the first-week story (test_first_week.py). With STANDIN_TOOLS
+(a JSON array of tools, as tools/list gives them) it offers exactly those, for a test that
+needs hints of its own (test_wrap_suggestions.py).
 
 It speaks the legacy handshake only, answering each request in order as soon as it is read.
 Not a test module: pytest collects nothing here.
@@ -67,6 +69,8 @@ KINDS = {
          "inputSchema": strings("a", "b")}],
 }
 TOOLS = KINDS.get(os.environ.get("STANDIN_KIND", ""), TOOLS)
+if "STANDIN_TOOLS" in os.environ:
+    TOOLS = json.loads(os.environ["STANDIN_TOOLS"])
 
 
 def answer(method: str, params: dict) -> dict:

@@ -232,12 +232,13 @@ def test_first_week_five_servers_wrap_check_serve_ask_approve_repeat_audit(tmp_p
         rules = {s["name"]: s["rules"] for s in json.load(f)["servers"]}
     assert rules["git"]["git_commit"] == {"side_effect": "local_mutation", "repeat": "ask",
                                           "rename": "git_commit"}
-    assert rules["bank"]["refund"] == {"side_effect": "destructive"}
-    # check: every tool named, the refund denied on every call, nothing refused.
+    assert "refund" not in rules["bank"]         # denied on every call: left out
+    assert '"refund": {"side_effect": "destructive", "outcome": "require_approval"}' in out
+    # check: every tool named, nothing refused, none offered only to be denied.
     code, out, err = cli("check", "-config", config, "-strict")
     assert code == 0, err
     assert "0 classified by a rule but refused" in out, out
-    assert "DENIED ON EVERY CALL bank_refund" in out, out
+    assert "(0 of them denied on every call)" in out, out
 
     class Dir:                                   # what ProxyProcess needs of a directory
         tmp, procs = str(gate), []
@@ -248,6 +249,7 @@ def test_first_week_five_servers_wrap_check_serve_ask_approve_repeat_audit(tmp_p
         listed = {t["name"] for t in p.request("tools/list", {})["result"]["tools"]}
         assert {"filesystem_read_file", "git_commit", "git_status", "memory_read_graph",
                 "everything_echo", "bank_pay", "gate_status"} <= listed, listed
+        assert "bank_refund" not in listed
         # read
         assert text(p.call("filesystem_read_file", {"path": "/notes.txt"})) == \
             "read_file done"
@@ -276,8 +278,7 @@ def test_first_week_five_servers_wrap_check_serve_ask_approve_repeat_audit(tmp_p
         with open(ledger) as f:
             commits = [json.loads(line) for line in f if '"git_commit"' in line]
         assert len(commits) == 2
-        # a refund is denied; a rejected repeat is refused again, and the trail keeps both
-        assert prefix(p.call("bank_refund", {"payment": "p-1"})) == "DENIED"
+        # a rejected repeat is refused again, and the trail keeps it
         r = p.call("git_commit", commit)
         (aid,) = re.findall(r"approval ([0-9a-f]{32})", text(r))
         code, out, err = cli("-db", str(gate / "proxy.db"), "reject", "-approval", aid,
@@ -291,7 +292,6 @@ def test_first_week_five_servers_wrap_check_serve_ask_approve_repeat_audit(tmp_p
         p.kill()
     code, out, err = cli("-db", str(gate / "proxy.db"), "-json", "runs")
     whys = [(r["goal"], r["why"]) for r in json.loads(out)["runs"]]
-    assert ("call bank_refund", "denied by policy") in whys, whys
     assert ("call git_commit", "rejected by pat") in whys, whys
     rejected = next(r["id"] for r in json.loads(out)["runs"] if r["why"] == "rejected by pat")
     code, out, err = cli("-db", str(gate / "proxy.db"), "show", rejected)

@@ -155,8 +155,9 @@ def test_wrap_claude_desktop_config_becomes_one_check_accepts(tmp_path, cli):
         assert os.path.exists(proxy_dir / f"{name}.manifest.json"), name
     checked = wrapped_and_checked(cli, config, out)
     for tool, cls in (("bank_balance", "read_only"), ("bank-modern_pay", "remote_mutation"),
-                      ("echo_tools_echo", "read_only"), ("bank_refund", "destructive")):
+                      ("echo_tools_echo", "read_only")):
         assert re.search(rf"{tool}\s+{cls}", checked), (tool, checked)
+    assert "bank_refund" not in checked      # destructive, denied on every call: left out
 
 
 def test_wrap_write_keeps_a_backup_and_the_gated_entry_serves(tmp_path, cli):

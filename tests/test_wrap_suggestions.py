@@ -1,0 +1,269 @@
+"""wrap's suggestions beyond a tool's class: a repeat_window of 0s for a local mutation its
+server calls idempotent and not destructive (git_add twice in ten minutes was DUPLICATE and
+staged nothing), printed with why and written with -write -rules suggested; and the README's
+git recipe, as written, lets the edit, add and commit loop stage twice.
+
+A tool the policy denies on every call is not suggested a rule, so it is not offered: wrap
+lists it as left out with the rule that offers it, and check marks a classified one with how
+to stop offering it.
+"""
+
+import json
+import os
+import re
+import sys
+
+from conftest import ROOT, ap
+
+PYTHON = sys.executable
+STANDIN = os.path.join(ROOT, "tests", "standin_server.py")
+README = os.path.join(ROOT, "README.md")
+
+
+def schema(*names):
+    return {"type": "object", "properties": {n: {"type": "string"} for n in names},
+            "required": list(names), "additionalProperties": False}
+
+
+LOCAL = {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": False}
+# A git server's tools, each with the hints a test needs (tests/standin_server.py offers them).
+GIT_TOOLS = [
+    {"name": "git_status", "description": "Shows the working tree status.",
+     "annotations": {"readOnlyHint": True}, "inputSchema": schema("repo_path")},
+    {"name": "git_add", "description": "Stages files.",
+     "annotations": {**LOCAL, "idempotentHint": True}, "inputSchema": schema("repo_path", "files")},
+    {"name": "git_checkout", "description": "Switches branches.", "annotations": LOCAL,
+     "inputSchema": schema("repo_path", "branch")},
+    {"name": "git_commit", "description": "Records the staged changes with a message.",
+     "annotations": LOCAL, "inputSchema": schema("repo_path", "message")},
+]
+
+
+def write_host(tmp_path, tools) -> tuple[str, str]:
+    """A Claude Desktop file starting the stand-in git server with ``tools``; its ledger."""
+    ledger = str(tmp_path / "git.ledger")
+    host = tmp_path / "claude_desktop_config.json"
+    host.write_text(json.dumps({"mcpServers": {"git": {
+        "command": PYTHON, "args": [STANDIN],
+        "env": {"STANDIN_TOOLS": json.dumps(tools), "STANDIN_LEDGER": ledger}}}}))
+    os.chmod(host, 0o600)
+    return str(host), ledger
+
+
+def printed_rules(out: str) -> dict:
+    """The "rules" member wrap printed for the one server, as the operator would paste it."""
+    start = out.index('  "rules": {\n')
+    return json.loads("{" + out[start:out.index("\n  }\n", start) + 4] + "}")["rules"]
+
+
+def hints_row(out: str, tool: str) -> str:
+    return next(line for line in out.splitlines() if re.match(rf"  {tool}\s+[a-z_]+\s", line))
+
+
+def staged(ledger: str) -> int:
+    with open(ledger) as f:
+        return sum(json.loads(line)["tool"] == "git_add" for line in f)
+
+
+# ---- 1. repeat_window 0s for an idempotent local mutation ----
+
+# Each hint read with MCP's defaults (destructiveHint true, idempotentHint false when missing).
+WINDOW_CASES = [
+    ({**LOCAL, "idempotentHint": True}, True),
+    ({"destructiveHint": False, "openWorldHint": False, "idempotentHint": True}, True),
+    (LOCAL, False),                                               # idempotentHint: false
+    ({**LOCAL, "idempotentHint": "yes"}, False),                  # not a boolean: false
+    ({"openWorldHint": False, "idempotentHint": True}, False),    # destructive by default
+    ({**LOCAL, "destructiveHint": True, "idempotentHint": True}, False),
+    ({"destructiveHint": False, "idempotentHint": True}, False),  # remote_mutation
+    ({"readOnlyHint": True, "idempotentHint": True}, False),      # read_only: no window
+    (None, False),
+]
+
+
+def test_wrap_suggests_no_window_for_an_idempotent_local_mutation():
+    for ann, window in WINDOW_CASES:
+        tools = {"stage": {"annotations": ann, "description": "Stages files."}}
+        rule = ap.suggested_rules(tools)["stage"]
+        table = " ".join(ap.hints_table(tools))
+        if window:
+            assert rule == {"side_effect": "local_mutation", "repeat_window": "0s"}, ann
+            assert "idempotentHint is true" in table and "destructiveHint is false" in table
+        else:
+            assert "repeat_window" not in rule and "repeat_window" not in table, ann
+
+
+def test_wrap_prints_the_window_with_why_and_that_it_turns_off_rule_4(tmp_path, cli):
+    host, _ = write_host(tmp_path, GIT_TOOLS)
+    config = str(tmp_path / "gate" / "proxy.json")
+    os.makedirs(os.path.dirname(config))
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config)
+    assert code == 0, err
+    rules = printed_rules(out)
+    assert rules["git_add"] == {"side_effect": "local_mutation", "repeat_window": "0s",
+                                "rename": "git_add"}, rules
+    assert "repeat_window" not in rules["git_checkout"] and \
+        "repeat_window" not in rules["git_commit"], rules
+    assert rules["git_commit"]["repeat"] == "ask"
+    # beside the rule, in its row of the hints table: why, what else it turns off, and whose
+    # claim it rests on
+    row = hints_row(out, "git_add")
+    assert 'repeat_window "0s"' in row, row
+    assert "idempotentHint is true and destructiveHint is false" in row, row
+    assert "DUPLICATE" in row and "rejected or expired" in row, row
+    assert "the server's claims" in row, row
+    assert "repeat_window" not in hints_row(out, "git_checkout")
+
+
+def test_wrap_write_rules_suggested_writes_the_window_and_add_stages_twice(tmp_path, cli,
+                                                                          harnesses):
+    host, ledger = write_host(tmp_path, GIT_TOOLS)
+    config = str(tmp_path / "gate" / "proxy.json")
+    os.makedirs(os.path.dirname(config))
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,
+                         "-write", "-rules", "suggested")
+    assert code == 0, err
+    with open(config) as f:
+        (server,) = json.load(f)["servers"]
+    assert server["rules"]["git_add"]["repeat_window"] == "0s", server["rules"]
+    assert server["rules"] == printed_rules(out)
+    # Served with the rules as written: the second identical git_add stages again, while an
+    # identical git_checkout keeps the duplicate rule.
+    h = harnesses(rules=server["rules"], names=("git",), command=[PYTHON, STANDIN],
+                  server_env=[f"STANDIN_TOOLS={json.dumps(GIT_TOOLS)}",
+                              f"STANDIN_LEDGER={ledger}"])
+    add = {"repo_path": "/r", "files": "notes.txt"}
+    for _ in range(2):
+        r = h.call("git_add", add)
+        assert not h.is_error(r), h.text(r)
+    assert staged(ledger) == 2
+    checkout = {"repo_path": "/r", "branch": "main"}
+    assert not h.is_error(h.call("git_checkout", checkout))
+    assert h.prefix(h.call("git_checkout", checkout)) == "DUPLICATE"
+
+
+def recipe(name):
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    marker = f"<!-- recipe: {name} -->\n```json\n"
+    assert text.count(marker) == 1, name
+    return json.loads(text.split(marker, 1)[1].split("```", 1)[0])
+
+
+def test_readme_recipe_git_add_commit_loop(harnesses, tmp_path):
+    """The README's git recipe as written: git_add runs each time the loop stages, and
+    git_commit, gated by the policy, asks."""
+    doc = recipe("git-add-commit-loop")
+    (server,) = doc["servers"]
+    assert server["rules"]["git_add"]["repeat_window"] == "0s"
+    ledger = str(tmp_path / "git.ledger")
+    h = harnesses(rules=server["rules"], names=(server["name"],), command=[PYTHON, STANDIN],
+                  server_env=["STANDIN_KIND=git", f"STANDIN_LEDGER={ledger}"],
+                  policy=doc["policy"])
+    add = {"repo_path": "/r", "files": "notes.txt"}
+    for _ in range(2):
+        r = h.call("git_git_add", add)
+        assert not h.is_error(r), h.text(r)
+    assert staged(ledger) == 2
+    r = h.call("git_git_commit", {"repo_path": "/r", "message": "fix typo"})
+    assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+
+
+# ---- 2. a tool denied on every call is not offered ----
+
+DENIED_TOOLS = GIT_TOOLS + [
+    # destructive by MCP's default (destructiveHint missing), though it claims idempotence
+    {"name": "git_reset", "description": "Resets the current HEAD.",
+     "annotations": {"openWorldHint": False, "idempotentHint": True},
+     "inputSchema": schema("repo_path")},
+    {"name": "clean", "description": "Removes untracked files.",       # no hints at all
+     "inputSchema": schema("repo_path")},
+]
+LEFT_OUT = {"git_reset": {"side_effect": "destructive", "rename": "git_reset",
+                          "outcome": "require_approval"},
+            "clean": {"side_effect": "destructive", "outcome": "require_approval"}}
+
+
+def left_out_lines(out: str) -> dict:
+    """The rules wrap lists as left out, one JSON member a line under its heading."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  left out"))
+    found = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        found.update(json.loads("{" + line + "}"))
+    return found
+
+
+def checked(cli, config) -> tuple[str, dict]:
+    code, out, err = cli("check", "-config", config)
+    assert code == 0, err
+    return out, {line.split()[0]: line for line in out.splitlines() if line.startswith("git_")}
+
+
+def test_wrap_leaves_out_a_tool_the_policy_denies_on_every_call(tmp_path, cli):
+    host, _ = write_host(tmp_path, DENIED_TOOLS)
+    config = str(tmp_path / "gate" / "proxy.json")
+    os.makedirs(os.path.dirname(config))
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config)
+    assert code == 0, err
+    rules = printed_rules(out)
+    assert set(rules) == {"git_status", "git_add", "git_checkout", "git_commit"}, rules
+    assert hints_row(out, "git_reset").split()[1] == "destructive"    # still explained
+    assert hints_row(out, "clean").split()[1] == "destructive"
+    head = next(line for line in out.splitlines() if line.startswith("  left out"))
+    assert "denies" in head and "on every call" in head and "not offered" in head, head
+    assert left_out_lines(out) == LEFT_OUT, out
+    # Written: exactly the printed rules, so neither is offered, and check counts them
+    # unclassified, none denied on every call.
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", host, "-config", config,
+                         "-write", "-rules", "suggested")
+    assert code == 0, err
+    with open(config) as f:
+        doc = json.load(f)
+    assert doc["servers"][0]["rules"] == rules
+    text, lines = checked(cli, config)
+    assert "summary: 4 tool(s) offered (0 of them denied on every call), 0 classified by a " \
+           "rule but refused, 2 unclassified (no rule)" in text, text
+    assert "git_reset" not in lines and "git_git_reset" not in lines, lines
+    # The rule listed with it offers it, each call asking.
+    doc["servers"][0]["rules"]["git_reset"] = LEFT_OUT["git_reset"]
+    with open(config, "w") as f:
+        json.dump(doc, f)
+    text, lines = checked(cli, config)
+    assert re.fullmatch(r"git_reset\s+destructive\s+-> require_approval\s+by its rule",
+                        lines["git_reset"]), lines
+    assert "(0 of them denied on every call)" in text, text
+
+
+def test_suggested_rules_leave_out_what_the_given_policy_denies():
+    tools = {t["name"]: t for t in DENIED_TOOLS}
+    policy = ap.ProxyPolicy({**ap.DEFAULT_POLICY, "local_mutation": "deny"}, {})
+    kept = ap.suggested_rules(tools, "git", (), policy)
+    assert set(kept) == {"git_status"}, kept
+    everything = ap.suggested_rules(tools, "git")
+    assert set(everything) == set(tools)
+    dropped = ap.left_out(everything, "git", policy)
+    assert set(dropped) == set(tools) - {"git_status"}
+    assert dropped["git_add"] == {**everything["git_add"], "outcome": "require_approval"}
+    # A policy that denies nothing leaves nothing out.
+    allow = ap.ProxyPolicy({c: "allow" for c in ap.DEFAULT_POLICY}, {})
+    assert ap.suggested_rules(tools, "git", (), allow) == everything
+
+
+MARK = "denied on every call: remove its rule to stop offering it"
+
+
+def test_check_marks_a_tool_denied_on_every_call_with_how_to_stop_offering_it(harnesses, cli):
+    allowed_sometimes = {"if": {"properties": {"amount": {"type": "number", "maximum": 5}},
+                                "required": ["amount"]}, "outcome": "allow"}
+    h = harnesses(rules={
+        "balance": {"side_effect": "read_only", "timeout": "10s"},
+        "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "deny",
+                "when": [allowed_sometimes]},                  # a condition may allow it
+        "refund": {"side_effect": "destructive", "timeout": "10s"}})
+    code, out, err = cli("check", "-config", h.config_path, "-strict")
+    assert code == 0, err                         # -strict fails on a refusal only
+    marked = [line for line in out.splitlines() if MARK in line]
+    assert marked == [f"bank_refund: {MARK}"], out

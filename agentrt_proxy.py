@@ -7873,13 +7873,13 @@ class ProxyPolicy:
         cap = self.capability(tool, request.args)
         question = f"May the model call {tool.remote} on server {tool.server} with these " \
                    "arguments?"
+        shown = {"question": question, **cap, "reason": reason,
+                 **limits_shown(tool, request.args)}         # what views read the use by
         if not judged or not judged.asked:
-            return need_approval(tool.spec.side_effect, reason, cap,
-                                 {"question": question, **cap, "reason": reason})
+            return need_approval(tool.spec.side_effect, reason, cap, shown)
         cap["asked_by"] = judged.asked
         return covered(need_approval(tool.spec.side_effect, reason, cap,
-                                     {"question": question, **cap, "reason": reason,
-                                      "figures": judged.figures}), request, view)
+                                     {**shown, "figures": judged.figures}), request, view)
 
     def use_of(self) -> "UseOf | None":
         """How a limit's use is read: from the proxy's index of executions."""
@@ -7962,7 +7962,8 @@ class ProxyPolicy:
         asked = judged.asked if judged is not None else []
         if asked:
             cap["asked_by"] = asked
-        shown = {"question": question, **cap, "reason": reason, "notice": notice}
+        shown = {"question": question, **cap, "reason": reason, "notice": notice,
+                 **limits_shown(tool, args)}
         if asked:
             shown["figures"] = judged.figures
         return need_approval(kind, reason, cap, shown)
@@ -9029,6 +9030,107 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
                if any(lim.key(t.server, t.remote) == key for lim in t.rule.limits)}
     return sum(adds for _, _, _, adds in _executions(store._read, counted, limit, 0,
                                                       before_seq - 1, fmt_time(now - limit.per)))
+
+
+# -- what an approval shows of them --
+# Every view of an approval shows each limit of its tool as it stands when it is shown, and
+# what the call adds, so that an operator does not approve a payment the limits will refuse
+# at collection without knowing it. The operator's commands may run with the database alone,
+# without the configuration, so the approval carries what they need: its presentation records
+# each limit as the proxy counts it (limits_shown), and a view reads the limit's use from
+# proxy_limit_uses, the index every serving proxy keeps current, with _use (limits_now).
+#
+# The record is a function of the configuration and the call alone, never of the running
+# figures. The approval's hash binds the presentation, and at collection the policy builds
+# the presentation again and compares hashes: a figure in it would let any payment made in
+# between void the operator's answer. The figures are read at each showing and are part of
+# nothing a decision is bound to (neither the hash nor ApprovalView.bound); the collection
+# judges the limits again. A limit written differently since the approval asks again, as a
+# changed reason does. An approval recorded without the record shows no figures.
+
+SHOWN_LIMIT_FIELDS = ("key", "index", "limit", "adds")
+_UNITS_TEXT = re.compile(r"[0-9]{1,%d}" % len(str(_CAP)))
+
+
+def limits_shown(tool: "UpstreamTool", args: bytes) -> dict:
+    """The presentation's record of the tool's limits ({} for a tool without any): for each,
+    its key in proxy_limit_uses, its place among the rule's limits, its written form
+    (Limit.written), and what this call adds, in the index's units."""
+    if not tool.rule.limits:
+        return {}
+    value = server_value(tool, args)
+    out = []
+    for limit in tool.rule.limits:
+        adds, problem = counted_value(limit, value)
+        if problem:                  # judge denies such a call: it never asks
+            continue
+        out.append({"key": limit.key(tool.server, tool.remote), "index": limit.index,
+                    "limit": limit.written(), "adds": str(adds)})
+    return {"limits": out}
+
+
+def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
+    """Each limit an approval's presentation records, with its use in the window ending
+    ``now`` read from proxy_limit_uses, and what collecting the call then would meet: denied
+    (over a limit whose `over` is deny) or asked again (over a limit that did not ask for
+    this approval, which its grant therefore does not cover: covered). Every string is
+    sanitised; an entry that does not read as limits_shown writes it is left out. An approval
+    that no call can collect any more (decided otherwise, expired, its run no longer
+    waiting) has nothing to weigh: none."""
+    rows = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
+    if approval.status not in (PENDING, APPROVED) or not rows or rows[0][0] != WAITING:
+        return []
+    try:
+        pres = read_own(approval.presentation)
+        tool = approval.request().spec.name
+    except (ProxyError, KeyError, ValueError, TypeError):
+        return []
+    found = pres.get("limits") if isinstance(pres, dict) else None
+    if not isinstance(found, list):
+        return []
+    asked, out = set(asked_by(approval.capability)), []
+    for entry in found[:MAX_LIMITS]:
+        use = _recorded_use(entry)
+        if use is None:
+            continue
+        use.used = _use(read, use.key, use.limit, now)[1]
+        out.append(_standing(use, tool, asked))
+    return out
+
+
+def _recorded_use(entry: Any) -> Use | None:
+    """An entry of limits_shown read back, strictly (the row may have been edited): its
+    limit parsed again as a configuration's limit is, at its recorded place."""
+    if not isinstance(entry, dict) or sorted(entry) != sorted(SHOWN_LIMIT_FIELDS):
+        return None
+    key, index, adds = entry["key"], entry["index"], entry["adds"]
+    if not (isinstance(key, str) and isinstance(adds, str) and _UNITS_TEXT.fullmatch(adds)
+            and isinstance(index, Num) and re.fullmatch("[0-9]", index.text)
+            and int(index.text) < MAX_LIMITS):
+        return None
+    try:
+        limit = parse_limits([entry["limit"]], "a recorded limit")[0]
+    except ConfigError:
+        return None
+    return Use(dataclasses.replace(limit, index=int(index.text)), key, 0,
+               min(int(adds), _CAP))
+
+
+def _standing(use: Use, tool: str, asked: set[str]) -> dict:
+    """One limit as a view shows it, in JSON and as a line."""
+    lim = use.limit
+    deny = use.over and lim.over == "deny"
+    again = use.over and not deny and lim.ref not in asked
+    text = use.figures(tool)
+    if deny:
+        text += ": over its max, so collecting it will be DENIED unless room frees first"
+    elif again:
+        text += (": over its max, so collecting it will ask an operator again unless room "
+                 "frees first")
+    return {"limit": sanitize(lim.ref), "what": sanitize(lim.what()),
+            "used": lim.shown(use.used), "max": lim.shown(lim.most()),
+            "adds": lim.shown(use.adds), "per": fmt_duration(lim.per), "over": lim.over,
+            "would_deny": deny, "asks_again": again, "text": sanitize(text)}
 
 
 # -- what check prints of them --

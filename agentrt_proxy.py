@@ -5384,7 +5384,9 @@ class ApprovalView:
     reason, the grant's lapse. Every channel (approve and reject, pending, the inbox, the
     webhook, on_pending, show, the status tool) shows what it shows from this, and a
     decision is bound to its digest: if anything in it changed between showing and
-    deciding, nothing is decided. The approval row's own hash, which binds the exact request,
+    deciding, nothing is decided. Beside it the channels show the tool's limits as they
+    stand (limits_now, section 20): read at each showing and deliberately not part of it,
+    since any payment would move them and void every answer. The approval row's own hash, which binds the exact request,
     is part of it and stays in the record as the seed defines it."""
     approval: Approval
     run: Run | None
@@ -9584,9 +9586,10 @@ class Proxy:
                  f"run {run_id}")
         self.log(f"  decide with: {decide_command(self.store.path, run_id, approval.id)}"
                  "   (or reject)")
-        path, store = self.store.path, self.store
-        self.notifier.notify(approval.id,
-                             lambda: waiting_doc(approval, path, view_of(store, approval)))
+        path, store, clock = self.store.path, self.store, self.clock
+        self.notifier.notify(approval.id, lambda: waiting_doc(
+            approval, path, view_of(store, approval), limits_now(store._read, approval,
+                                                                 clock())))
 
     # -- a call --
 
@@ -12951,7 +12954,8 @@ def _fields(raw: bytes) -> list[str]:
 def approval_block(store: Store, approval: Approval, db_path: str,
                    view: ApprovalView | None = None) -> list[str]:
     """Everything an operator must read before deciding, as printed by show, approve, reject,
-    the inbox and the webhook's text, from the approval's view (section 13)."""
+    the inbox and the webhook's text, from the approval's view (section 13), and its tool's
+    limits as they stand now (limits_now)."""
     view = view or view_of(store, approval)
     approval = view.approval
     state = "WAITING" if approval.status == PENDING else sanitize(str(approval.status)).upper()
@@ -12974,6 +12978,11 @@ def approval_block(store: Store, approval: Approval, db_path: str,
     if asked:                                   # a condition or limit asked (section 20)
         lines.append(f"asked by      {', '.join(sanitize(a) for a in asked)}")
         lines += [f"  {line}" for line in _figures(approval)]
+    limits = limits_now(store._read, approval, time.time())
+    if limits:                                  # read as shown; bound to nothing (section 20)
+        lines.append("limits now    each limit of the tool as it stands as this is shown; "
+                     "collecting the call judges them again")
+        lines += [f"  {entry['text']}" for entry in limits]
     if approval.expires_at:
         lines.append(f"expires       {_stamp(approval.expires_at)}")
     lines.append("arguments: the tool call the model made, one field per line "
@@ -13306,11 +13315,13 @@ def _args_cut(fields: list[dict], more: int) -> bool:
     return bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes") for f in fields)
 
 
-def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None) -> dict:
+def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None,
+                limits: list[dict] | None = None) -> dict:
     """What the operator is told of a waiting approval: on_pending's stdin, and the core of
     an entry of `pending -json`. Every string is sanitised, since the model's arguments and
     a server's names reach a terminal or a notification through it. ``view`` adds what the
-    store knows beyond the row (a late outcome of the attempt it asks about)."""
+    store knows beyond the row (a late outcome of the attempt it asks about), and ``limits``
+    the tool's limits as they stand now (limits_now)."""
     cap: Any = {}
     tool = side = ""
     fields, more = [], 0
@@ -13336,6 +13347,7 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
             "arguments_cut": _args_cut(fields, more),
             "asked_by": [sanitize(a) for a in asked_by(approval.capability)],
             "figures": _figures(approval),
+            "limits": limits or [],
             "repeat_of": _repeated(approval),
             "late_outcome": sanitize(late.text()) if late is not None else "",
             "late_outcome_known": bool(late is not None and late.known),
@@ -13396,7 +13408,8 @@ def _since(stamp: str, now: float) -> int:
 
 
 def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dict:
-    doc = waiting_doc(approval, store.path, view_of(store, approval))
+    doc = waiting_doc(approval, store.path, view_of(store, approval),
+                      limits_now(store._read, approval, now))
     doc.update(status=sanitize(approval.status), age_seconds=_since(approval.created_at, now),
                blocks_tool=approval.kind == INTERRUPTED_KIND)
     if approval.status == APPROVED:      # decided; it waits for the identical call
@@ -13427,6 +13440,9 @@ def _pending_lines(e: dict) -> list[str]:
     if e["asked_by"]:
         lines.append(f"  asked by {', '.join(e['asked_by'])}")
         lines += [f"    {line}" for line in e["figures"]]
+    if e["limits"]:
+        lines.append("  limits now (collecting the call judges them again):")
+        lines += [f"    {entry['text']}" for entry in e["limits"]]
     if e["repeat_of"]:
         lines.append(f"  REPEAT: this exact request already executed, {e['repeat_of']}")
     if e["late_outcome"]:
@@ -13520,6 +13536,8 @@ def cmd_decide(store: Store, args, out: Out) -> int:
         if args.json or not _is_terminal(out.stdin):
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
                              "terminal to confirm at; pass -approval <id> or -yes")
+        for line in collection_warnings(store, approval):
+            out.text(line)
         out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
         out.stdout.flush()
         answer = out.stdin.readline()
@@ -13544,6 +13562,15 @@ def cmd_decide(store: Store, args, out: Out) -> int:
                  "the tool again with exactly the same arguments, and the proxy then executes "
                  "the recorded request once")
     return 0
+
+
+def collection_warnings(store: Store, approval: Approval) -> list[str]:
+    """What a limit will make of collecting the call, as the block says it, said again right
+    before the operator answers (the block may have scrolled past): read again, as it stands
+    at the question."""
+    return [f"WARNING: {entry['text']}" for entry in
+            limits_now(store._read, approval, time.time())
+            if entry["would_deny"] or entry["asks_again"]]
 
 
 def cmd_cancel(store: Store, args, out: Out) -> int:
@@ -13665,6 +13692,8 @@ class Inbox:
         """Show one approval in full and act on the answer; False when the operator quits."""
         view = view_of(self.store, approval)          # read first, as cmd_decide does
         for line in approval_block(self.store, approval, self.store.path):
+            self.out.text(line)
+        for line in collection_warnings(self.store, approval):
             self.out.text(line)
         if self.once:
             self.passed.add(approval.id)
@@ -14285,6 +14314,7 @@ def _hook_approval(store: Store, a: Approval) -> dict:
         _hook_record(a.presentation)
     doc["asked_by"] = [sanitize(x) for x in asked_by(a.capability)]
     doc["figures"] = _figures(a)
+    doc["limits"] = limits_now(store._read, a, time.time())
     doc["repeat_of"] = _repeated(a)
     return doc
 

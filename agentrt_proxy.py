@@ -5384,10 +5384,11 @@ class ApprovalView:
     reason, the grant's lapse. Every channel (approve and reject, pending, the inbox, the
     webhook, on_pending, show, the status tool) shows what it shows from this, and a
     decision is bound to its digest: if anything in it changed between showing and
-    deciding, nothing is decided. Beside it the channels show the tool's limits as they
-    stand (limits_now, section 20): read at each showing and deliberately not part of it,
-    since any payment would move them and void every answer. The approval row's own hash, which binds the exact request,
-    is part of it and stays in the record as the seed defines it."""
+    deciding, nothing is decided. The approval row's own hash, which binds the exact
+    request, is part of it and stays in the record as the seed defines it. Beside it the
+    channels show the tool's limits as they stand (limits_now, section 20): read at each
+    showing and deliberately not part of it, since any payment would move them and void
+    every answer."""
     approval: Approval
     run: Run | None
     attempt: dict | None

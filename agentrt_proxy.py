@@ -5396,8 +5396,11 @@ class ApprovalView:
     reason, the grant's lapse. Every channel (approve and reject, pending, the inbox, the
     webhook, on_pending, show, the status tool) shows what it shows from this, and a
     decision is bound to its digest: if anything in it changed between showing and
-    deciding, nothing is decided. The approval row's own hash, which binds the exact request,
-    is part of it and stays in the record as the seed defines it."""
+    deciding, nothing is decided. The approval row's own hash, which binds the exact
+    request, is part of it and stays in the record as the seed defines it. Beside it the
+    channels show the tool's limits as they stand (limits_now, section 20): read at each
+    showing and deliberately not part of it, since any payment would move them and void
+    every answer."""
     approval: Approval
     run: Run | None
     attempt: dict | None
@@ -7894,13 +7897,13 @@ class ProxyPolicy:
         cap = self.capability(tool, request.args)
         question = f"May the model call {tool.remote} on server {tool.server} with these " \
                    "arguments?"
+        shown = {"question": question, **cap, "reason": reason,
+                 **limits_shown(tool, request.args)}         # what views read the use by
         if not judged or not judged.asked:
-            return need_approval(tool.spec.side_effect, reason, cap,
-                                 {"question": question, **cap, "reason": reason})
+            return need_approval(tool.spec.side_effect, reason, cap, shown)
         cap["asked_by"] = judged.asked
         return covered(need_approval(tool.spec.side_effect, reason, cap,
-                                     {"question": question, **cap, "reason": reason,
-                                      "figures": judged.figures}), request, view)
+                                     {**shown, "figures": judged.figures}), request, view)
 
     def use_of(self) -> "UseOf | None":
         """How a limit's use is read: from the proxy's index of executions."""
@@ -7988,7 +7991,8 @@ class ProxyPolicy:
         asked = judged.asked if judged is not None else []
         if asked:
             cap["asked_by"] = asked
-        shown = {"question": question, **cap, "reason": reason, "notice": notice}
+        shown = {"question": question, **cap, "reason": reason, "notice": notice,
+                 **limits_shown(tool, args)}
         if asked:
             shown["figures"] = judged.figures
         if judged is not None and judged.outcome == "deny":     # asked through it (rule 6)
@@ -9186,6 +9190,107 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
                                                       before_seq - 1, fmt_time(now - limit.per)))
 
 
+# -- what an approval shows of them --
+# Every view of an approval shows each limit of its tool as it stands when it is shown, and
+# what the call adds, so that an operator does not approve a payment the limits will refuse
+# at collection without knowing it. The operator's commands may run with the database alone,
+# without the configuration, so the approval carries what they need: its presentation records
+# each limit as the proxy counts it (limits_shown), and a view reads the limit's use from
+# proxy_limit_uses, the index every serving proxy keeps current, with _use (limits_now).
+#
+# The record is a function of the configuration and the call alone, never of the running
+# figures. The approval's hash binds the presentation, and at collection the policy builds
+# the presentation again and compares hashes: a figure in it would let any payment made in
+# between void the operator's answer. The figures are read at each showing and are part of
+# nothing a decision is bound to (neither the hash nor ApprovalView.bound); the collection
+# judges the limits again. A limit written differently since the approval asks again, as a
+# changed reason does. An approval recorded without the record shows no figures.
+
+SHOWN_LIMIT_FIELDS = ("key", "index", "limit", "adds")
+_UNITS_TEXT = re.compile(r"[0-9]{1,%d}" % len(str(_CAP)))
+
+
+def limits_shown(tool: "UpstreamTool", args: bytes) -> dict:
+    """The presentation's record of the tool's limits ({} for a tool without any): for each,
+    its key in proxy_limit_uses, its place among the rule's limits, its written form
+    (Limit.written), and what this call adds, in the index's units."""
+    if not tool.rule.limits:
+        return {}
+    value = server_value(tool, args)
+    out = []
+    for limit in tool.rule.limits:
+        adds, problem = counted_value(limit, value)
+        if problem:                  # judge denies such a call: it never asks
+            continue
+        out.append({"key": limit.key(tool.server, tool.remote), "index": limit.index,
+                    "limit": limit.written(), "adds": str(adds)})
+    return {"limits": out}
+
+
+def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
+    """Each limit an approval's presentation records, with its use in the window ending
+    ``now`` read from proxy_limit_uses, and what collecting the call then would meet: denied
+    (over a limit whose `over` is deny) or asked again (over a limit that did not ask for
+    this approval, which its grant therefore does not cover: covered). Every string is
+    sanitised; an entry that does not read as limits_shown writes it is left out. An approval
+    that no call can collect any more (decided otherwise, expired, its run no longer
+    waiting) has nothing to weigh: none."""
+    rows = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
+    if approval.status not in (PENDING, APPROVED) or not rows or rows[0][0] != WAITING:
+        return []
+    try:
+        pres = read_own(approval.presentation)
+        tool = approval.request().spec.name
+    except (ProxyError, KeyError, ValueError, TypeError):
+        return []
+    found = pres.get("limits") if isinstance(pres, dict) else None
+    if not isinstance(found, list):
+        return []
+    asked, out = set(asked_by(approval.capability)), []
+    for entry in found[:MAX_LIMITS]:
+        use = _recorded_use(entry)
+        if use is None:
+            continue
+        use.used = _use(read, use.key, use.limit, now)[1]
+        out.append(_standing(use, tool, asked))
+    return out
+
+
+def _recorded_use(entry: Any) -> Use | None:
+    """An entry of limits_shown read back, strictly (the row may have been edited): its
+    limit parsed again as a configuration's limit is, at its recorded place."""
+    if not isinstance(entry, dict) or sorted(entry) != sorted(SHOWN_LIMIT_FIELDS):
+        return None
+    key, index, adds = entry["key"], entry["index"], entry["adds"]
+    if not (isinstance(key, str) and isinstance(adds, str) and _UNITS_TEXT.fullmatch(adds)
+            and isinstance(index, Num) and re.fullmatch("[0-9]", index.text)
+            and int(index.text) < MAX_LIMITS):
+        return None
+    try:
+        limit = parse_limits([entry["limit"]], "a recorded limit")[0]
+    except ConfigError:
+        return None
+    return Use(dataclasses.replace(limit, index=int(index.text)), key, 0,
+               min(int(adds), _CAP))
+
+
+def _standing(use: Use, tool: str, asked: set[str]) -> dict:
+    """One limit as a view shows it, in JSON and as a line."""
+    lim = use.limit
+    deny = use.over and lim.over == "deny"
+    again = use.over and not deny and lim.ref not in asked
+    text = use.figures(tool)
+    if deny:
+        text += ": over its max, so collecting it will be DENIED unless room frees first"
+    elif again:
+        text += (": over its max, so collecting it will ask an operator again unless room "
+                 "frees first")
+    return {"limit": sanitize(lim.ref), "what": sanitize(lim.what()),
+            "used": lim.shown(use.used), "max": lim.shown(lim.most()),
+            "adds": lim.shown(use.adds), "per": fmt_duration(lim.per), "over": lim.over,
+            "would_deny": deny, "asks_again": again, "text": sanitize(text)}
+
+
 # -- what check prints of them --
 
 def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
@@ -9664,9 +9769,10 @@ class Proxy:
                  f"run {run_id}")
         self.log(f"  decide with: {decide_command(self.store.path, run_id, approval.id)}"
                  "   (or reject)")
-        path, store = self.store.path, self.store
-        self.notifier.notify(approval.id,
-                             lambda: waiting_doc(approval, path, view_of(store, approval)))
+        path, store, clock = self.store.path, self.store, self.clock
+        self.notifier.notify(approval.id, lambda: waiting_doc(
+            approval, path, view_of(store, approval), limits_now(store._read, approval,
+                                                                 clock())))
 
     # -- a call --
 
@@ -13170,7 +13276,8 @@ def _fields(raw: bytes) -> list[str]:
 def approval_block(store: Store, approval: Approval, db_path: str,
                    view: ApprovalView | None = None) -> list[str]:
     """Everything an operator must read before deciding, as printed by show, approve, reject,
-    the inbox and the webhook's text, from the approval's view (section 13)."""
+    the inbox and the webhook's text, from the approval's view (section 13), and its tool's
+    limits as they stand now (limits_now)."""
     view = view or view_of(store, approval)
     approval = view.approval
     state = "WAITING" if approval.status == PENDING else sanitize(str(approval.status)).upper()
@@ -13193,6 +13300,11 @@ def approval_block(store: Store, approval: Approval, db_path: str,
     if asked:                                   # a condition or limit asked (section 20)
         lines.append(f"asked by      {', '.join(sanitize(a) for a in asked)}")
         lines += [f"  {line}" for line in _figures(approval)]
+    limits = limits_now(store._read, approval, time.time())
+    if limits:                                  # read as shown; bound to nothing (section 20)
+        lines.append("limits now    each limit of the tool as it stands as this is shown; "
+                     "collecting the call judges them again")
+        lines += [f"  {entry['text']}" for entry in limits]
     if approval.expires_at:
         lines.append(f"expires       {_stamp(approval.expires_at)}")
     lines.append("arguments: the tool call the model made, one field per line "
@@ -13525,11 +13637,13 @@ def _args_cut(fields: list[dict], more: int) -> bool:
     return bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes") for f in fields)
 
 
-def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None) -> dict:
+def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None,
+                limits: list[dict] | None = None) -> dict:
     """What the operator is told of a waiting approval: on_pending's stdin, and the core of
     an entry of `pending -json`. Every string is sanitised, since the model's arguments and
     a server's names reach a terminal or a notification through it. ``view`` adds what the
-    store knows beyond the row (a late outcome of the attempt it asks about)."""
+    store knows beyond the row (a late outcome of the attempt it asks about), and ``limits``
+    the tool's limits as they stand now (limits_now)."""
     cap: Any = {}
     tool = side = ""
     fields, more = [], 0
@@ -13555,6 +13669,7 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
             "arguments_cut": _args_cut(fields, more),
             "asked_by": [sanitize(a) for a in asked_by(approval.capability)],
             "figures": _figures(approval),
+            "limits": limits or [],
             "repeat_of": _repeated(approval),
             "late_outcome": sanitize(late.text()) if late is not None else "",
             "late_outcome_known": bool(late is not None and late.known),
@@ -13615,7 +13730,8 @@ def _since(stamp: str, now: float) -> int:
 
 
 def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dict:
-    doc = waiting_doc(approval, store.path, view_of(store, approval))
+    doc = waiting_doc(approval, store.path, view_of(store, approval),
+                      limits_now(store._read, approval, now))
     doc.update(status=sanitize(approval.status), age_seconds=_since(approval.created_at, now),
                blocks_tool=approval.kind == INTERRUPTED_KIND)
     if approval.status == APPROVED:      # decided; it waits for the identical call
@@ -13646,6 +13762,9 @@ def _pending_lines(e: dict) -> list[str]:
     if e["asked_by"]:
         lines.append(f"  asked by {', '.join(e['asked_by'])}")
         lines += [f"    {line}" for line in e["figures"]]
+    if e["limits"]:
+        lines.append("  limits now (collecting the call judges them again):")
+        lines += [f"    {entry['text']}" for entry in e["limits"]]
     if e["repeat_of"]:
         lines.append(f"  REPEAT: this exact request already executed, {e['repeat_of']}")
     if e["late_outcome"]:
@@ -13739,6 +13858,8 @@ def cmd_decide(store: Store, args, out: Out) -> int:
         if args.json or not _is_terminal(out.stdin):
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
                              "terminal to confirm at; pass -approval <id> or -yes")
+        for line in collection_warnings(store, approval):
+            out.text(line)
         out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
         out.stdout.flush()
         answer = out.stdin.readline()
@@ -13763,6 +13884,15 @@ def cmd_decide(store: Store, args, out: Out) -> int:
                  "the tool again with exactly the same arguments, and the proxy then executes "
                  "the recorded request once")
     return 0
+
+
+def collection_warnings(store: Store, approval: Approval) -> list[str]:
+    """What a limit will make of collecting the call, as the block says it, said again right
+    before the operator answers (the block may have scrolled past): read again, as it stands
+    at the question."""
+    return [f"WARNING: {entry['text']}" for entry in
+            limits_now(store._read, approval, time.time())
+            if entry["would_deny"] or entry["asks_again"]]
 
 
 def cmd_cancel(store: Store, args, out: Out) -> int:
@@ -13884,6 +14014,8 @@ class Inbox:
         """Show one approval in full and act on the answer; False when the operator quits."""
         view = view_of(self.store, approval)          # read first, as cmd_decide does
         for line in approval_block(self.store, approval, self.store.path):
+            self.out.text(line)
+        for line in collection_warnings(self.store, approval):
             self.out.text(line)
         if self.once:
             self.passed.add(approval.id)
@@ -14504,6 +14636,7 @@ def _hook_approval(store: Store, a: Approval) -> dict:
         _hook_record(a.presentation)
     doc["asked_by"] = [sanitize(x) for x in asked_by(a.capability)]
     doc["figures"] = _figures(a)
+    doc["limits"] = limits_now(store._read, a, time.time())
     doc["repeat_of"] = _repeated(a)
     return doc
 

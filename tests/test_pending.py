@@ -223,9 +223,11 @@ def test_on_pending_receives_the_json_of_a_waiting_approval(tmp_path, procs):
     asked = d.pending()[0]
     assert set(doc) == {"approval_id", "run_id", "kind", "tool", "server", "upstream_tool",
                         "side_effect", "arguments", "argument_fields", "fields_not_shown",
-                        "arguments_cut", "asked_by", "figures", "repeat_of", "late_outcome",
-                        "late_outcome_known", "created_at", "expires_at", "read", "decide"}
+                        "arguments_cut", "asked_by", "figures", "limits", "repeat_of",
+                        "late_outcome", "late_outcome_known", "created_at", "expires_at",
+                        "read", "decide"}
     assert (doc["asked_by"], doc["figures"]) == ([], [])     # asked by the class alone
+    assert doc["limits"] == []                               # the tool has none
     assert doc["argument_fields"] == [{"name": "amount", "value": "3", "omitted_bytes": 0},
                                       {"name": "to", "value": '"fay"', "omitted_bytes": 0}]
     assert (doc["fields_not_shown"], doc["arguments_cut"], doc["late_outcome"]) == (0, False, "")

@@ -4067,7 +4067,8 @@ class Holder:
         if self.fd < 0:
             return
         with contextlib.suppress(OSError):
-            os.unlink(self.path)
+            if os.path.samestat(os.lstat(self.path), os.fstat(self.fd)):
+                os.unlink(self.path)
         os.close(self.fd)
         self.fd = -1
         _HELD.discard(self.name)

@@ -20,6 +20,7 @@ import signal
 import sqlite3
 import stat
 import sys
+import time
 
 from process_helpers import ProcessDir, eventually, is_error, prefix, text
 
@@ -81,6 +82,7 @@ def paying(d: ProcessDir, args: dict, victim=None):
     run_id = [r for r in d.runs() if r["status"] == "RUNNING"][0]["id"]
     status, owner, until = d.lease(run_id)
     assert status == "RUNNING" and owner, (status, owner)
+    assert until > time.time() + 600, "the lease is the test's hour: nothing here outlives it"
     held = holder_of(d, run_id)
     st = os.lstat(held)
     assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)

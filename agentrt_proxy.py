@@ -32,7 +32,9 @@ Trust boundaries
   terminal or the model's prose answers.
 - The database, the configuration and the manifests are trusted only while no one else can
   write them: the store refuses files others can write, symbolic links, and schemas holding
-  triggers or views.
+  triggers or views. A serving proxy's holder file beside the database (section 11) says
+  that its proxy died only when it is a regular 0600 file of this user whose lock can be
+  taken; anything else leaves a crashed proxy's lease to decide, as the seed does.
 - The operator decides approvals outside the host, from a shell; a decision is bound to the
   hash of exactly what the operator was shown, and to the view it was shown in: everything
   the store holds that bears on it, a late outcome of the attempt it asks about included.
@@ -121,6 +123,15 @@ import threading
 import time
 import unicodedata
 from decimal import Context, Decimal
+
+# flock, for a serving proxy's holder file (section 11), exists on every POSIX system. Where
+# it does not (Windows), a proxy holds no such file and its leases name none: a crashed
+# proxy's runs are taken over when their leases run out, the seed's rule, as everywhere for
+# a holder that cannot be checked.
+try:
+    import fcntl
+except ImportError:
+    fcntl = None
 
 # Every annotation is a string (the __future__ import), so typing is for type checkers only;
 # argparse is imported by build_parser, which the command line every host configuration
@@ -216,6 +227,7 @@ CHECKPOINT_CLOSE_WAIT = 5.0          # seconds close() waits for a checkpoint un
 DEFAULT_LEASE_TTL = 30.0             # seconds a run's lease lasts without renewal
 TOOL_TIMEOUT_SLACK = 2.0             # the gate's bound on a tool call, past its own timeout
 LEASE_RENEW_FRACTION = 3             # the heartbeat renews every ttl / this
+HOLDER_CREATE_TRIES = 8              # fresh names tried for a holder file (section 11)
 DEFAULT_APPROVAL_TTL = 24 * 3600.0
 DEFAULT_GRANT_TTL = 24 * 3600.0
 
@@ -3808,7 +3820,8 @@ def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:
 # ==== 11. The gate ====
 # Record, validate, evaluate, pause, execute, record. A run is begun under a caller-chosen id
 # and leased to one executor at a time; the lease is renewed on its own thread so a crashed
-# executor's run can be taken over once its lease runs out. Nothing is executed that was not
+# executor's run can be taken over once its lease runs out, or at once when the lease names a
+# holder file that its executor no longer locks (Holder). Nothing is executed that was not
 # recorded first, and what executes after an approval is the recorded request, never new
 # bytes. The gate holds a transaction only around its own state, never across a tool call.
 
@@ -4004,6 +4017,124 @@ def _lease_connection(path: str) -> sqlite3.Connection:
     return conn
 
 
+# A serving proxy's holder file (DESIGN.md section 11). The proxy holds an exclusive flock on
+# a file of its own beside the database, <database>.holder-<32 hex>, created exclusively,
+# 0600, for as long as it serves, and its leases name the file (HOLDER_IN_OWNER). The lock
+# is the proof of life: the operating system lets go of it when the process dies, whatever
+# killed it, and keeps it while the process is stopped. flock and not lockf: a POSIX record
+# lock belongs to the process, so a proxy checking a holder it held itself would take the
+# lock, and closing that descriptor would let go of its own; a flock belongs to the open
+# file description. That description is close-on-exec (os.open's default) and every child is
+# started with close_fds, so no server or on_pending command keeps it past the proxy (the
+# servers are started before the file exists in any case: EarlyStart, loading).
+#
+# A checker takes a shared lock, so that two proxies checking one dead holder at once both
+# see it gone; only the holder's exclusive lock refuses it. A holder it cannot check keeps
+# the seed's rule, the lease decides: a lock held, a missing file, a symbolic link (never
+# followed), anything but a regular 0600 file of this user, an owner naming no file (an older
+# build, or a system without flock). Nothing is created while checking. The file is removed
+# only under a lock: by the holder at a normal exit, and by the proxy that took a gone
+# holder's run over, once the same transaction let every other lease of that holder run out
+# (Gate._take_over_claimed). Names are random and created exclusively, so a name once used
+# never names another holder.
+HOLDER_IN_OWNER = re.compile(r";(holder-[0-9a-f]{32})\Z")
+_HELD: set[str] = set()         # holder names this process locks: alive, never opened again
+
+
+class Holder:
+    """This serving proxy's holder file, exclusively locked until close()."""
+
+    def __init__(self, path: str, fd: int):
+        self.path, self.fd = path, fd
+        self.name = path.rsplit(".", 1)[1]          # holder-<hex>, as the leases name it
+
+    @classmethod
+    def take(cls, database: str) -> "Holder | None":
+        """Create and lock a new holder file beside the database; None where the system has
+        no flock (the leases then name no file). OSError when it cannot be made."""
+        if fcntl is None:
+            return None
+        for _ in range(HOLDER_CREATE_TRIES):
+            path = f"{database}.holder-{new_hex_id()}"
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                continue                # never a name in use: another holder's, however old
+            try:
+                os.fchmod(fd, 0o600)    # whatever the umask took: checkers want exactly 0600
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+            holder = cls(path, fd)
+            _HELD.add(holder.name)
+            return holder
+        raise OSError(f"no fresh name for a holder file beside {database}")
+
+    def close(self) -> None:
+        """At a normal exit: the file is removed while still locked, then let go, so that
+        no checker can read this proxy as gone from a file it finds unlocked."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.lstat(self.path), os.fstat(self.fd)):
+                os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = -1
+        _HELD.discard(self.name)
+
+
+def _locked_holder(database: str, owner: str) -> tuple[int, str] | None:
+    """The holder file a lease owner names, opened and under a shared lock, when its holder
+    is gone: (descriptor, path), the caller closes it. None whenever it cannot be checked."""
+    named = HOLDER_IN_OWNER.search(owner)
+    if named is None or fcntl is None or named.group(1) in _HELD:
+        return None
+    path = f"{database}.{named.group(1)}"
+    try:                                # O_NONBLOCK: a FIFO put in its place does not hang us
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                     getattr(os, "O_NOCTTY", 0))
+    except OSError:
+        return None                     # missing, a symbolic link, not ours to read
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and \
+                stat.S_IMODE(st.st_mode) == 0o600:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd, path
+    except OSError:
+        pass                            # held: its proxy runs, or is stopped
+    os.close(fd)
+    return None
+
+
+def holder_gone(database: str, owner: str) -> bool:
+    """Whether the lease owner names a holder file beside the database whose lock can be
+    taken: the proxy that held it is gone. The one judgment of a holder's death: every
+    "is this lease live" goes through _lease_live, which asks this."""
+    found = _locked_holder(database, owner)
+    if found is None:
+        return False
+    os.close(found[0])
+    return True
+
+
+def remove_holder(database: str, owner: str) -> None:
+    """Remove a gone holder's file, under its lock, and only the file that was locked."""
+    found = _locked_holder(database, owner)
+    if found is None:
+        return
+    fd, path = found
+    try:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.lstat(path), os.fstat(fd)):
+                os.unlink(path)
+    finally:
+        os.close(fd)
+
+
 class Leases:
     """Renews this process's leases every ttl/3 on a connection and thread of its own, so a
     busy event loop or a long transaction elsewhere cannot starve the renewals."""
@@ -4083,7 +4214,7 @@ class Gate:
     def __init__(self, store: Store, tools: Iterable[Tool], policy: Any, *,
                  now: Clock = time.time, wall: Clock = time.time,
                  new_id: Callable[[], str] = new_hex_id, lease_owner: str = "",
-                 lease_ttl: float = DEFAULT_LEASE_TTL,
+                 holder: "Holder | None" = None, lease_ttl: float = DEFAULT_LEASE_TTL,
                  reconcile: Callable[[RunView], Reconciliation] | None = None,
                  known: Callable[[str, dict], bool] | None = None,
                  on_settled: Callable[[Tx, list[str]], None] | None = None,
@@ -4105,6 +4236,8 @@ class Gate:
         self.lease_ttl = lease_ttl if lease_ttl > 0 else DEFAULT_LEASE_TTL
         suffix = new_id()
         self.owner = f"{lease_owner}/{suffix[:OWNER_SUFFIX]}" if lease_owner else suffix
+        if holder is not None:          # its leases name the file that proves it alive
+            self.owner += f";{holder.name}"
         self.policy_id = check_policy_id(getattr(policy, "policy_id", "") or "")
         self.leases = Leases(store.path, self.owner, self.lease_ttl, wall)
         self._claimed: set[str] = set()
@@ -4282,7 +4415,7 @@ class Gate:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
         interrupted; a non-read-only tool cut off while executing waits for an operator."""
         wall = self.wall()
-        if _lease_live(run, wall):
+        if _lease_live(run, self.store.path, wall):
             raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
         self._claim(run.id)
         try:
@@ -4302,8 +4435,15 @@ class Gate:
             executing = steps[-1]
         with self.store.tx() as tx:
             current = tx.require(run.id, (RUNNING,))
-            if _lease_live(current, wall):
+            if _lease_live(current, self.store.path, wall):
                 raise RunLeased(run.id, current.lease_owner, current.lease_expires_at)
+            # A holder that is gone (section 11) holds none of its leases: they all run out
+            # now, in this transaction, so that every reader finds them so once its file,
+            # removed below, can no longer say it.
+            gone = holder_gone(self.store.path, current.lease_owner)
+            if gone:
+                tx.exec("UPDATE runs SET lease_expires_at=? WHERE status=? AND lease_owner=? "
+                        "AND id<>?", (fmt_time(wall), RUNNING, current.lease_owner, run.id))
             tx.take_lease(run.id, self.owner, fmt_time(until))
             if current.lease_owner:
                 tx.event(run.id, "", now, "lease.taken_over",
@@ -4316,6 +4456,8 @@ class Gate:
                                observation_json=text, observation_hash=digest)
                 tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
         self.leases.hold(run.id, until)
+        if gone:
+            remove_holder(self.store.path, current.lease_owner)
         session = Session(self, run.id)
         try:
             steps = self.store.list_steps(run.id)
@@ -4710,7 +4852,8 @@ class Session:
                              {"approval_id": granted.id})
                     started = {"approval_id": granted.id, **started}
                 else:
-                    _require_live_lease(tx, self.run_id, gate.owner, gate.wall())
+                    _require_live_lease(tx, self.run_id, gate.owner, gate.store.path,
+                                        gate.wall())
                 cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
                         "policy_id": gate.policy_id}
                 if granted:
@@ -5008,10 +5151,15 @@ def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
     return ttl > 0 and bool(approval.decided_at) and now > parse_time(approval.decided_at) + ttl
 
 
-def _lease_live(run: Run, wall: float | None = None) -> bool:
-    """Someone holds the run's lease: judged on the wall clock only, never the proxy's."""
-    return bool(run.lease_owner) and bool(run.lease_expires_at) and \
-        parse_time(run.lease_expires_at) > (time.time() if wall is None else wall)
+def _lease_live(run: Run, database: str, wall: float | None = None) -> bool:
+    """Someone holds the run's lease: unexpired, judged on the wall clock only, never the
+    proxy's, and its holder (section 11) not gone. Every reader asks this one function (the
+    rules across calls, the gate's take-over inside its transaction, the start of a side
+    effect), so that none can find a lease live that another finds gone."""
+    if not run.lease_owner or not run.lease_expires_at or \
+            parse_time(run.lease_expires_at) <= (time.time() if wall is None else wall):
+        return False
+    return not holder_gone(database, run.lease_owner)
 
 
 def _expired(approval: Approval, now: float) -> bool:
@@ -5036,10 +5184,10 @@ def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
         raise RunStateError(f"approval {granted.id} is no longer the step's grant")
 
 
-def _require_live_lease(tx: Tx, run_id: str, owner: str, wall: float) -> None:
+def _require_live_lease(tx: Tx, run_id: str, owner: str, database: str, wall: float) -> None:
     """Starting a side effect needs the lease unexpired, checked inside the transaction."""
     run = tx.require(run_id, (RUNNING,), owner)
-    if not _lease_live(run, wall):
+    if not _lease_live(run, database, wall):
         raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
 
 
@@ -9706,10 +9854,17 @@ class Proxy:
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
         self.budgets.catch_up()
-        self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy, now=clock,
-                         lease_owner=f"agentrt-proxy:{cfg.session}", lease_ttl=cfg.lease_ttl,
-                         reconcile=self.reconcile, known=self.known,
-                         on_settled=self._settled, budget=self.budgets)
+        self.holder = self._hold(store, log)
+        try:
+            self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy,
+                             now=clock, lease_owner=f"agentrt-proxy:{cfg.session}",
+                             holder=self.holder, lease_ttl=cfg.lease_ttl,
+                             reconcile=self.reconcile, known=self.known,
+                             on_settled=self._settled, budget=self.budgets)
+        except BaseException:
+            if self.holder is not None:
+                self.holder.close()
+            raise
         self.limits = Limits(CALL_MAX_STEPS, CALL_MAX_FAILURES, CALL_LOOP_THRESHOLD,
                              cfg.approval_ttl, cfg.grant_ttl)
         self.stopping = asyncio.Event()
@@ -9718,9 +9873,21 @@ class Proxy:
         self.withheld: dict[str, tuple[str, str]] = {}    # name -> (server, why); drift
         self.order = list(self.tools)                     # the listing's order
 
+    @staticmethod
+    def _hold(store: Store, log: Callable[[str], None]) -> Holder | None:
+        """This proxy's holder file (section 11), locked for as long as it serves."""
+        try:
+            return Holder.take(store.path)
+        except OSError as exc:
+            log(f"error: no holder file beside the database ({exc}): if this "
+                "proxy dies, its calls are taken over only when their leases run out")
+            return None
+
     def close(self) -> None:
         self.notifier.close()
         self.gate.close()
+        if self.holder is not None:     # last: nothing of this proxy writes a lease after it
+            self.holder.close()
 
     def window(self, tool: "UpstreamTool") -> float:
         w = tool.rule.repeat_window
@@ -9878,7 +10045,7 @@ class Proxy:
 
     def unfinished(self, tool, row: CallRow, state: RunState):
         if state.run.status == RUNNING:
-            if _lease_live(state.run):
+            if _lease_live(state.run, self.store.path):
                 return Answer(in_progress())                     # rule 2
             return self.recover(tool, row)                        # rule 3
         latest = state.latest()                                   # rule 1
@@ -10114,7 +10281,7 @@ class Proxy:
                 elif live and latest.status == PENDING:
                     pending += 1
                     oldest = oldest or row.run_id
-            elif same_tool and not _lease_live(state.run):
+            elif same_tool and not _lease_live(state.run, self.store.path):
                 action = self.recover(tool, row)
                 if isinstance(action, Pending):
                     return self.refused(row.run_id, key, blocked_interrupted(

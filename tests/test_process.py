@@ -201,13 +201,9 @@ def test_process_crash_then_approve_runs_it_again_once(tmp_path, procs):
     d = procs(tmp_path, allow_pay=True, lease_ttl=LEASE)
     args = {"to": "rob", "amount": 5, "mode": "block"}
     p, run_id = crash_mid_payment(d, args)
-
-    status, owner, until = d.lease(run_id)
-    assert status == "RUNNING" and owner
-    assert until - time.time() >= 1.0, f"only {until - time.time():.2f} s of lease left"
-    want(p.call("bank_pay", args), "IN_PROGRESS", False)
-    assert d.payments() == 1
-
+    # The seed's IN_PROGRESS until the lease runs out no longer holds for a proxy killed
+    # outright: its holder file tells at once that it is gone (DESIGN.md section 11,
+    # tests/test_crashed_holder.py). Past its lease, the take-over is the seed's.
     wait_out_the_lease(d, run_id)
     a = interrupted(d, p, args, run_id)
 

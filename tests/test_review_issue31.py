@@ -1,0 +1,152 @@
+"""Sequences that break the repeat rules (executed_within), the question about an unknown
+outcome asked through a condition's or a limit's deny (seed rule 6, DESIGN section 9), and a
+limit's "room frees at" (Budgets.frees_at). Each test states what the seed or DESIGN
+requires; in-process, through the real host-facing server, store and fake payment server."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sqlite3
+
+import pytest
+
+from proxy_harness import ProxyHarness, ap
+
+PAY = "bank_pay"
+EIGHT = {"to": "bob", "amount": 8, "mode": "block"}
+ARGS = {"to": "rob", "amount": 8, "mode": "block"}
+LIMIT_PER = 120                  # the limit's window, seconds of the proxies' clock
+WINDOW = 600                     # the repeat window
+
+
+@pytest.fixture
+def make(harnesses):
+    return harnesses
+
+
+def pay_rule(**extra):
+    return {"pay": {"side_effect": "remote_mutation", "timeout": "1s", "outcome": "allow",
+                    **extra}}
+
+
+def timed_out(h, args=None) -> ap.Approval:
+    """A payment inside the server past its timeout: its outcome is unknown, and an
+    interruption approval asks about it."""
+    r = h.call(PAY, args or EIGHT)
+    h.release()
+    assert h.prefix(r) == "UNKNOWN_OUTCOME", h.text(r)
+    (asked,) = h.pending()
+    assert asked.kind == ap.INTERRUPTED_KIND
+    return asked
+
+
+# ---- a cancelled question asked again in a fresh run ----
+
+def reasked_then_cancelled(h) -> str:
+    """A payment timed out; its question expired unanswered; the identical call asks again in
+    a fresh run; the operator cancels that run (seed: a cancel resolves the unknown
+    outcome). Returns the cancelled run's id."""
+    timed_out(h)
+    h.clock.skew += 61                               # approval_ttl 60s: it expires
+    r = h.call(PAY, EIGHT)
+    assert h.prefix(r) in ("INTERRUPTED", "UNKNOWN_OUTCOME"), h.text(r)
+    (asked,) = h.pending()
+    ap.cancel_run(h.store, asked.run_id, "operator", "leave it", ap.time.time())
+    return asked.run_id
+
+
+def test_cancelling_the_reasked_question_resolves_the_unknown_outcome(make):
+    """Seed, "The rules across calls": an unknown outcome is resolved, and the tool
+    unblocked, when an operator rejects the re-run or cancels its run. The operator cancelled
+    the run that asks; every other payment is free. Here the next payment is BLOCKED on a
+    new question about the same attempt: the cancelled fresh run records no attempt
+    (_last_attempt skips its cut-off step before looking at its interruption approval), so
+    the expired run behind it decides (unknown_for_tool, resolved_by_operator), and an expiry
+    resolves nothing. A cancel of the first question, in the run holding the attempt, does
+    resolve it."""
+    h = make(rules=pay_rule(), approval_ttl="60s")
+    reasked_then_cancelled(h)
+    for to in ("carol", "dave"):
+        r = h.call(PAY, {"to": to, "amount": 1})
+        assert not h.is_error(r) and h.text(r) == f"paid 1.00 to {to}", (to, h.text(r))
+    assert h.pending() == []
+
+
+class Pair:
+    """A stalled proxy and a survivor on one database (as tests/test_executed_within.py): the
+    first's payment is inside the server when its loop stops; its lease runs out; the
+    survivor takes the run over. The first wakes later and records the success late."""
+
+    def __init__(self, tmp):
+        top = dict(rules={"pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                                  "outcome": "allow",
+                                  "limits": [{"name": "one-pay", "calls": 1,
+                                              "per": f"{LIMIT_PER}s", "over": "deny"}]}},
+                   lease_ttl="3s", approval_ttl="60s", repeat_window=f"{WINDOW}s")
+        self.stalled = ProxyHarness(tmp, **top)
+        self.survivor = ProxyHarness(tmp, pin=False, **top)
+        self.ident = None
+
+    def pay_inside_the_server(self) -> None:
+        s = self.stalled
+        self.ident = s.request("tools/call", {"name": PAY, "arguments": ARGS}, wait=False)
+
+        async def inside():
+            while s.payments() < 1:
+                await asyncio.sleep(0.01)
+        s.run(inside(), 30)
+        (run,) = s.runs()
+        conn = sqlite3.connect(s.cfg.database)
+        with conn:
+            conn.execute("UPDATE runs SET lease_expires_at=? WHERE id=?",
+                         (ap.fmt_time(ap.time.time() - 1), run.id))
+        conn.close()
+
+    def wake(self) -> None:
+        self.stalled.clock.skew = self.survivor.clock.skew     # recorded "now"
+        self.stalled.release()
+        msg = self.stalled.answer(self.ident, 30)
+        assert self.stalled.text(msg["result"]) == "paid 8.00 to rob", msg
+
+    def close(self):
+        for h in (self.stalled, self.survivor):
+            try:
+                h.close()
+            except Exception:
+                pass
+
+
+@pytest.fixture
+def pair(tmp_path):
+    p = Pair(tmp_path)
+    yield p
+    p.close()
+
+
+def test_a_late_success_behind_a_cancelled_reasked_question_is_not_paid_again(pair):
+    """The walk's stop (executed_within: "rows close in the order they were opened, so the
+    walk stops at the first closed before the window") reached by ordinary steps: the
+    question expires, the identical call asks again in a fresh run (closing the first run's
+    row), the operator cancels it, and more than the repeat window later the stalled proxy
+    records the first attempt's success. The cancelled run records no attempt and is passed
+    over; the first run's row closed before the window, so the walk stops there, though its
+    outcome was recorded just now. The identical call then runs under allow alone: the
+    server is paid twice with no operator approving a second payment. By the seed's rule 5
+    (and ab25f33's window, from the recording of the late outcome) it is DUPLICATE."""
+    p = pair
+    h = p.survivor
+    p.pay_inside_the_server()
+    assert h.prefix(h.call(PAY, ARGS)) == "INTERRUPTED"
+    h.clock.skew += 61                               # the question expires unanswered
+    r = h.call(PAY, ARGS)                            # asked again, in a fresh run
+    assert h.prefix(r) in ("INTERRUPTED", "UNKNOWN_OUTCOME"), h.text(r)
+    (asked,) = h.pending()
+    ap.cancel_run(h.store, asked.run_id, "operator", "leave it", ap.time.time())
+    h.clock.skew += WINDOW + 30
+    p.wake()                                         # the first attempt paid: recorded now
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "DUPLICATE" and "paid 8.00 to rob" in h.text(r), h.text(r)
+    assert h.payments() == 1

@@ -150,3 +150,37 @@ def test_a_late_success_behind_a_cancelled_reasked_question_is_not_paid_again(pa
     r = h.call(PAY, ARGS)
     assert h.prefix(r) == "DUPLICATE" and "paid 8.00 to rob" in h.text(r), h.text(r)
     assert h.payments() == 1
+
+
+# ---- re-check of a question asked through a limit's deny ----
+
+DAILY = {"name": "daily", "sum": "/amount", "max": "10", "per": "24h", "over": "deny"}
+
+
+def recheck_json(config: str) -> tuple[int, list]:
+    out, err = io.StringIO(), io.StringIO()
+    code = ap.main(["recheck", "-config", config, "-json"], stdin=io.StringIO(""), stdout=out,
+                   stderr=err)
+    return code, json.loads(out.getvalue())
+
+
+def test_recheck_of_a_question_asked_through_a_limit_is_the_same(tmp_path):
+    """Seed, "Re-checking recorded calls": the same configuration re-checks a re-run of an
+    unknown outcome the same (TestRecheck_ReRunOfAnUnknownOutcomeIsTheSame); DESIGN section
+    9: recheck re-evaluates conditions and limits. The interruption approval asked through
+    the limit's deny (dadeca6) shows the deny's reason, and that reason now ends with "room
+    for this call frees at ..." (eb29c13), read from the live clock and rows; re-check's
+    policy has no Budgets (frees None), so its presentation, and so its approval hash,
+    differ: recheck reports "asks for another approval" under the unchanged configuration
+    and exits 1."""
+    h = ProxyHarness(tmp_path, rules=pay_rule(limits=[DAILY]))
+    try:
+        asked = timed_out(h)
+        shown = json.loads(asked.presentation)
+        assert "frees at" in " ".join(shown.get("figures", [])), shown
+    finally:
+        h.close()
+    code, reports = recheck_json(h.config_path)
+    found = [(e["tool"], e["result"], e.get("detail", "")) for r in reports
+             for e in r["evaluations"] if e["result"] == "different"]
+    assert found == [] and code == 0, found

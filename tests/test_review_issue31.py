@@ -231,3 +231,36 @@ def test_a_limit_row_far_in_the_future_still_denies_by_the_limit(make):
     r = h.call(PAY, {"to": "b", "amount": 1})
     assert h.prefix(r) == "DENIED" and "limits[0] of bank_pay: 1 of 1 calls" in h.text(r), \
         h.text(r)
+
+
+# ---- an unknown outcome under a rule that now denies, with a condition that allows ----
+
+def test_an_unknown_outcome_under_a_denying_rule_leaves_something_to_act_on(make, tmp_path):
+    """A payment of 8 timed out and its question expired unanswered (an expiry resolves
+    nothing). The operator then makes the rule deny, with a condition allowing payments of at
+    most 5. A payment of 1 is allowed by the policy, but the unknown outcome blocks it;
+    unknown_block asks again in a fresh run of the payment of 8 (reopen), whose re-run the
+    rule's deny denies outright ("a deny by the class or the rule's outcome still denies"),
+    so no question opens: the payment of 1 is answered UNAVAILABLE, and so is every later
+    payment, with nothing pending. Seed: "The tool is never blocked with nothing for an
+    operator to act on." Either the payment of 1 runs, or it is BLOCKED naming an approval
+    that waits."""
+    (tmp_path / "h").mkdir()
+    first = ProxyHarness(tmp_path / "h", rules=pay_rule(), approval_ttl="60s")
+    try:
+        asked = timed_out(first)
+        first.clock.skew += 61
+        first.proxy._attach_and_close(asked.run_id)      # the expiry is recorded
+        assert first.pending() == []
+    finally:
+        first.close()
+    small = {"if": {"properties": {"amount": {"type": "number", "maximum": 5}},
+                    "required": ["amount"]}, "outcome": "allow", "why": "small"}
+    h = make("h", rules={"pay": dict(pay_rule()["pay"], outcome="deny", when=[small])},
+             pin=False, approval_ttl="60s")
+    for _ in range(2):
+        r = h.call(PAY, {"to": "carol", "amount": 1})
+        waiting = [a.id for a in h.pending()]
+        ok = not h.is_error(r) and h.text(r) == "paid 1.00 to carol"
+        asks = h.prefix(r) == "BLOCKED" and any(a in h.text(r) for a in waiting)
+        assert ok or asks, (h.text(r), waiting)

@@ -264,3 +264,27 @@ def test_an_unknown_outcome_under_a_denying_rule_leaves_something_to_act_on(make
         ok = not h.is_error(r) and h.text(r) == "paid 1.00 to carol"
         asks = h.prefix(r) == "BLOCKED" and any(a in h.text(r) for a in waiting)
         assert ok or asks, (h.text(r), waiting)
+
+
+def test_a_late_success_of_an_attempt_an_approved_rerun_followed_is_not_paid_again(pair):
+    """The same run holds two attempts: the first cut off (its proxy stalled), the second an
+    approved re-run that paid. More than the repeat window after the re-run, the stalled
+    proxy records the first attempt's success. execution_of reads only the run's last
+    attempt, so the window runs from the re-run's end, long past, and the identical call
+    pays a third time with no operator. ab25f33: the window runs from the later of the
+    run's end and the recording of a late outcome; the first attempt's success was recorded
+    just now, so the call is DUPLICATE."""
+    p = pair
+    h = p.survivor
+    p.pay_inside_the_server()
+    assert h.prefix(h.call(PAY, ARGS)) == "INTERRUPTED"
+    h.decide(h.pending()[0], approve=True)
+    h.clock.skew += LIMIT_PER + 5                    # the limit has room for the re-run
+    h.release()
+    r = h.call(PAY, ARGS)
+    assert h.text(r) == "paid 8.00 to rob" and h.payments() == 2, h.text(r)
+    h.clock.skew += WINDOW + 30
+    p.wake()                                         # the first attempt: recorded now
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "DUPLICATE", h.text(r)
+    assert h.payments() == 2

@@ -10757,9 +10757,15 @@ def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
         if step.obs_kind == TOOL_RESULT:
             return KNOWN, None
         if step.obs_kind == INTERRUPTED_OBS and "by" in step.obs_content:
-            # An operator cancelled the run at this step: an attempt only if its tool started.
+            # An operator cancelled the run at this step: an attempt only if its tool started;
+            # else, when it waited on a question about an unknown outcome, that outcome is
+            # what the run is about (its cancel resolves it, as a rejection would).
             if not _tool_started(proxy.store, state.run.id, step.id):
-                continue
+                approval = by_step.get(step.id)
+                if approval is None or approval.kind != INTERRUPTED_KIND:
+                    continue
+                return UNKNOWN, _interrupted_attempt(approval) or \
+                    _attempt(state.run.id, step, "cut_off")
             return UNKNOWN, _attempt(state.run.id, step, "cut_off")
         if step.obs_kind == INTERRUPTED_OBS:
             return UNKNOWN, _attempt(state.run.id, step, "cut_off")

@@ -8144,7 +8144,7 @@ class ProxyPolicy:
         if asked:
             shown["figures"] = judged.figures
         if judged is not None and judged.outcome == "deny":     # asked through it (rule 6)
-            shown["figures"] = [judged.reason]
+            shown["figures"] = [judged.shown or judged.reason]
             shown["notice"] = f"{notice} {DENIED_RERUN_NOTICE}"
         return need_approval(kind, reason, cap, shown)
 
@@ -8984,6 +8984,7 @@ class Judgement:
     asked: list[str]                 # what asks: when[N], and each limit over it that asks
     figures: list[str]               # what the operator reads of them
     denied_by: str = ""              # a deny's condition or limit; "" for the rule's or class's
+    shown: str = ""                  # a limit's deny as the operator reads it: no clock in it
 
 
 def server_value(tool: "UpstreamTool", args: bytes) -> Any:
@@ -9096,9 +9097,10 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
         if not use.over:
             continue
         if limit.over == "deny":
-            return Judgement("deny", f"{use.figures(name)}, over its max of "
-                             f"{limit.shown(limit.most())} ({limit.what()})"
-                             f"{_room(use, frees)}", [], [], limit.ref)
+            shown = f"{use.figures(name)}, over its max of {limit.shown(limit.most())} " \
+                f"({limit.what()})"
+            return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref,
+                             shown)
         if outcome == "allow":
             outcome, base = "require_approval", ""
         asked.append(limit.ref)
@@ -9114,14 +9116,25 @@ def _granted(request: ToolRequest, view: RunView) -> bool:
     return bool(mine) and mine[-1].status == APPROVED
 
 
-def _room(use: Use, frees: "Callable[[str, Limit, int], float | None] | None") -> str:
-    """When a limit's window has room for a call it denies, as the model reads it."""
-    if use.adds > use.limit.most():
-        return "; this call alone is over its max, so no window ever has room for it"
-    at = frees(use.key, use.limit, use.adds) if frees is not None else None
-    if at is None:
+def _room(tool: "UpstreamTool", value: Any,
+          frees: "Callable[[str, Limit, int], float | None] | None") -> str:
+    """When the windows have room for a call a deny limit refuses, as the model reads it:
+    the latest of the times every deny limit it is over frees room (one that frees earlier
+    would deny it still); or that one of them never will. '' when no time can be told."""
+    latest = 0.0
+    for limit in tool.rule.limits:
+        adds, problem = counted_value(limit, value)
+        if limit.over != "deny" or problem:
+            continue
+        if adds > limit.most():
+            return "; this call alone is over its max, so no window ever has room for it"
+        at = frees(limit.key(tool.server, tool.remote), limit, adds) if frees else None
+        latest = max(latest, at) if isinstance(at, float) else latest
+    try:
+        return f"; room for this call frees at {fmt_time_s(-int(-latest // 1))}" \
+            if latest else ""
+    except (ValueError, OverflowError, OSError):      # a time past any calendar: no time
         return ""
-    return f"; room for this call frees at {fmt_time_s(int(at) + (1 if at % 1 else 0))}"
 
 
 def asked_by(capability: bytes) -> list[str]:
@@ -9273,7 +9286,8 @@ class Budgets:
         if excess <= 0 or first > top:
             return None
         found = _row(read, key, _first_row(read, key, first, top, floor + excess))
-        return found[1] + limit.per if found else None
+        return float(found[1]) + limit.per if found and isinstance(found[1], (int, float)) \
+            else None
 
     def admit(self, tx: Tx, request: ToolRequest, decision: PolicyDecision, at: str) -> None:
         tool = self.tools.get(request.spec.name)

@@ -175,8 +175,9 @@ def test_recheck_of_a_question_asked_through_a_limit_is_the_same(tmp_path):
     h = ProxyHarness(tmp_path, rules=pay_rule(limits=[DAILY]))
     try:
         asked = timed_out(h)
-        shown = json.loads(asked.presentation)
-        assert "frees at" in " ".join(shown.get("figures", [])), shown
+        shown = json.loads(asked.presentation)         # the figures, and no clock in them
+        assert "8 of 10" in " ".join(shown.get("figures", [])), shown
+        assert "frees at" not in json.dumps(shown), shown
     finally:
         h.close()
     code, reports = recheck_json(h.config_path)

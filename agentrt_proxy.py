@@ -10324,7 +10324,16 @@ class Proxy:
             self.settle(row, outcome)
             if outcome != UNKNOWN or resolved_by_operator(state.run):
                 continue
-            approval = self.reopen(tool, row.key, _last_args(state), at)
+            args = _last_args(state)
+            if self.policy.outcome_of(tool, args, unknown=True) == "deny":
+                # The class or the rule denies running it again (seed rule 6: short of
+                # deny), so no question can be asked: blocking the tool would leave it
+                # blocked with nothing for an operator to act on. The operator is told.
+                self.log(f"run {row.run_id}: the outcome of this call to {tool.spec.name} is "
+                         "unknown, and the policy denies running it again, so no operator "
+                         "is asked about it; other calls to the tool are not held back")
+                continue
+            approval = self.reopen(tool, row.key, args, at)
             if approval is None:
                 return Answer(unavailable("ask an operator about an earlier call to this tool "
                                           "whose outcome is unknown"))

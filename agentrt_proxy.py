@@ -5011,6 +5011,8 @@ class Session:
         at = gate.now()
         with self.store.tx() as tx:
             seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
+            if known and gate.on_settled is not None:     # the run's index row, with it:
+                gate.on_settled(tx, [self.run_id])        # one row's update by its run id
         # Settled in a transaction of its own, so that nothing in it can cost the late event
         # itself. Should it fail, nothing is lost: whatever would act on the attempt as
         # unknown looks for the event first (section 13), and settles it then.
@@ -9701,6 +9703,23 @@ class CallIndex:
     def unsettled(self) -> list[CallRow]:
         return self._rows("session=? AND settled_at=0 ORDER BY id", (self.session,))
 
+    def executions(self, key: str, since: float) -> Iterable[CallRow]:
+        """The key's rows whose outcome may be known within a window starting ``since``,
+        newest first: those that may hold an attempt and closed since then (or are open),
+        and then those a late outcome settled since then (known_in). Rows close in the
+        order they were opened, so the first part stops at the first row closed before the
+        window. The second part reads the key's known rows: at most one a window, unless an
+        operator approved a repeat or a re-run."""
+        seen = set()
+        for row in self.attempts(key):
+            if row.closed_at and row.closed_at < since:
+                break
+            seen.add(row.id)
+            yield row
+        yield from (row for row in self._rows(
+            "session=? AND request_key=? AND outcome=? AND settled_at>=? ORDER BY id DESC",
+            (self.session, key, KNOWN, since)) if row.id not in seen)
+
     def attempts(self, key: str) -> Iterable[CallRow]:
         """The key's rows that may hold an attempt, newest first, read a page at a time: the
         caller stops at the first it can judge, which is almost always the first."""
@@ -9771,10 +9790,13 @@ class CallIndex:
             tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE run_id=? AND "
                     "outcome=?", (now, outcome, run_id, UNSEEN))
 
-    def settle_in(self, tx: Tx, run_id: str, outcome: int, now: float) -> None:
-        """settle_run inside the caller's transaction (a late outcome's, section 13)."""
-        tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE run_id=? AND outcome=?",
-                (now, outcome, run_id, UNSEEN))
+    def known_in(self, tx: Tx, run_id: str, now: float) -> None:
+        """A known outcome of the run recorded now, late (section 13), inside the caller's
+        transaction: its row is KNOWN, whatever it was, and settled no earlier than now, so
+        that the duplicate rule finds it within the window that runs from the recording
+        (executions), however long ago the row closed."""
+        tx.exec("UPDATE proxy_calls SET outcome=?, settled_at=MAX(settled_at, ?) WHERE "
+                "run_id=?", (KNOWN, now, run_id))
 
     def settle_empty(self, row: CallRow, now: float) -> None:
         """A row whose run never began: nothing started (checked in the same statement)."""
@@ -9932,9 +9954,10 @@ class Proxy:
             unknown_ending(tool, obs) is None
 
     def _settled(self, tx: Tx, run_ids: list[str]) -> None:
-        """Runs a late outcome ended: their index rows are known, in the same transaction."""
+        """Runs a late outcome settled, or ended: their index rows are known, in the same
+        transaction."""
         for run_id in run_ids:
-            self.index.settle_in(tx, run_id, KNOWN, self.clock())
+            self.index.known_in(tx, run_id, self.clock())
 
     def inspect(self, run_id: str) -> RunState | None:
         run = self.store.find_run(run_id)
@@ -10201,27 +10224,25 @@ class Proxy:
 
     def executed_within(self, tool, key: str, now: float, window: float):
         """Rule 5, the one answer to "did this request execute within the window, and with
-        what outcome, late outcomes included": the newest of the key's runs with an attempt
-        decides. Its outcome known, on time or late, within the window (which runs from the
-        later of the run's end and the recording of its outcome): DUPLICATE, or the Repeat
-        to ask about where the rule asks. Unknown: None (rule 6 asks). A run that made no
-        attempt (denied, refused by a limit, or a re-run that ran nothing) is passed over,
-        so it never hides an execution behind it. Rows close in the order they were opened,
-        so the walk stops at the first closed before the window."""
+        what outcome, late outcomes included". Its outcome known, on time or late, within
+        the window (which runs from the later of the run's end and the recording of its
+        outcome, execution_of): DUPLICATE, or the Repeat to ask about where the rule asks.
+        The rows read are the index's executions: the newest of them with an unknown
+        outcome ends the search (rule 6 asks about it), and a run that made no attempt (a
+        denied re-run, one denied at collection) is passed over, so it never hides an
+        execution behind it."""
         since = now - window
-        for row in self.index.attempts(key):
-            if row.closed_at and row.closed_at < since:
-                return None
+        for row in self.index.executions(key, since):
             state = self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
             outcome, _ = last_attempt(self, state)
             self.settle(row, outcome)
-            if outcome == NO_ATTEMPT:
-                continue
+            if outcome == UNKNOWN:
+                return None
             found = execution_of(self, state) if outcome == KNOWN else None
             if found is None or found[2] < since:
-                return None
+                continue
             run_id, at, moment, said = found
             if self.asks_repeat(tool):
                 return Repeat({"run_id": run_id, "at": at,
@@ -10746,22 +10767,40 @@ def late_of(proxy: Proxy, state: RunState) -> LateRecord | None:
 
 def execution_of(proxy: Proxy, state: RunState) -> tuple[str, str, float, str] | None:
     """A finished run's known execution: the run that executed it, when (as recorded), the
-    moment its window runs from (the later of the run's end and the recording of its
-    outcome), and its outcome as a DUPLICATE quotes it. None when the run records no known
-    outcome of an attempt."""
+    moment its window runs from, and its outcome as a DUPLICATE quotes it. The moment is the
+    later of the run's end and the recording of any late outcome it knows of: its last
+    attempt's (which another run may hold, section 13), and any of its own attempts' (one
+    cut off before a re-run in the same run). None when the run knows no known outcome."""
     end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
-    late = late_of(proxy, state)
-    if late is not None:
-        try:
-            recorded = parse_time(late.at)
-        except (ValueError, TypeError, OverflowError):
-            recorded = end               # an edited time: verify reports it
-        return late.run_id, late.at, max(end, recorded), late_known_outcome(late)
+    last, own = late_of(proxy, state), newest_late(proxy.store._read, state.run.id)
+    moment = max([end] + [_recorded(x, end) for x in (last, own) if x is not None])
+    if last is not None:
+        return last.run_id, last.at, moment, late_known_outcome(last)
     step = next((s for s in reversed(state.steps) if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)),
                 None)
-    if step is None or not end:
-        return None
-    return state.run.id, state.run.finished_at, end, known_outcome(step)
+    if step is not None and end:
+        return state.run.id, state.run.finished_at, moment, known_outcome(step)
+    if own is not None:
+        return own.run_id, own.at, moment, late_known_outcome(own)
+    return None
+
+
+def newest_late(q: Query, run_id: str) -> LateRecord | None:
+    """The newest known late outcome recorded on the run's own steps."""
+    for seq, step_id, at, payload in q(
+            "SELECT seq, step_id, at, payload_json FROM events WHERE run_id=? AND "
+            "type='step.tool_finished' ORDER BY seq DESC", (run_id,)):
+        late = _late_of(seq, run_id, step_id, at, payload)
+        if late is not None and late.known:
+            return late
+    return None
+
+
+def _recorded(late: LateRecord, default: float) -> float:
+    try:
+        return parse_time(late.at)
+    except (ValueError, TypeError, OverflowError):
+        return default                   # an edited time: verify reports it
 
 
 def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:

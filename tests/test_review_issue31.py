@@ -284,6 +284,7 @@ def test_a_late_success_of_an_attempt_an_approved_rerun_followed_is_not_paid_aga
     r = h.call(PAY, ARGS)
     assert h.text(r) == "paid 8.00 to rob" and h.payments() == 2, h.text(r)
     h.clock.skew += WINDOW + 30
+    p.stalled.clock.skew = h.clock.skew              # one machine: one clock
     p.wake()                                         # the first attempt: recorded now
     r = h.call(PAY, ARGS)
     assert h.prefix(r) == "DUPLICATE", h.text(r)

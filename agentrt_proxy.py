@@ -13432,16 +13432,27 @@ def cmd_decide(store: Store, args, out: Out) -> int:
         raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
                          "run the command again and read it before deciding") from None
     if args.json:
-        out.json({"run": _run_summary(store, run), "approval": _approval_row(decided)})
+        out.json({"run": _run_summary(store, run), "approval": _approval_row(decided),
+                  "next": decision_said(decided, run)})
         return 0
     out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
-    out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
-    if run.status == WAITING:
-        out.text("if the proxy still holds the call (hold), it executes the recorded request "
-                 "now and answers that call; otherwise the run waits until the model calls "
-                 "the tool again with exactly the same arguments, and the proxy then executes "
-                 "the recorded request once")
+    out.text(f"run {run.id}: {decision_said(decided, run)}")
     return 0
+
+
+def decision_said(approval: Approval, run: Run) -> str:
+    """What a decision did and what comes of it, in the words every channel says it in (the
+    command, the inbox, the webhook). An approved run stays WAITING_FOR_APPROVAL until the
+    identical call collects it: its status alone reads as if nothing happened."""
+    if approval.status == APPROVED:
+        again = " again" if approval.kind == INTERRUPTED_KIND else ""
+        return (f"approved; the next identical call runs it{again}, once; a call the proxy "
+                "still holds runs it now")
+    if approval.status == REJECTED:
+        told = "your note" if approval.note else "that it was rejected"
+        return f"rejected; nothing runs, the model is told {told}"
+    why = f" ({run.reason})" if run.reason else ""
+    return sanitize(f"{approval.status}; the run is {run.status}{why}")
 
 
 def cmd_cancel(store: Store, args, out: Out) -> int:
@@ -13616,7 +13627,7 @@ class Inbox:
                           f"not be read ({type(exc).__name__})")
             return
         self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
-        self.out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+        self.out.text(f"run {run.id}: {decision_said(decided, run)}")
 
 
 def cmd_inbox(store: Store, args, out: Out) -> int:
@@ -14346,10 +14357,10 @@ class Webhook:
         approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
                                         doc.get("note", ""), doc["hash"], self.clock(),
                                         doc.get("view", ""))
-        self.log(f"webhook: approval {approval.id} of run {run.id}: {approval.status} by "
-                 f"{doc['by']}")
-        return _hook_json(202 if approve else 200,
-                          {"approval": _hook_row(approval), "run": _hook_run(run)})
+        said = decision_said(approval, run)
+        self.log(f"webhook: approval {approval.id} of run {run.id} by {doc['by']}: {said}")
+        return _hook_json(202 if approve else 200, {"approval": _hook_row(approval),
+                                                    "run": _hook_run(run), "next": said})
 
     _do_reject = _do_approve
 

@@ -156,7 +156,7 @@ class Demo:
             args += ["-note", note]
         print(f"  operator runs: python agentrt_proxy.py -db runs.db {shlex.join(args)}")
         out = self.cli(*args)
-        print("  operator sees: " + out.strip().splitlines()[-2 if verb == "approve" else -1])
+        print("  operator sees: " + out.strip().splitlines()[-1])
 
     def cli(self, *args: str) -> str:
         done = subprocess.run([sys.executable, PROXY, "-db", self.db, *args],

@@ -240,10 +240,10 @@ def test_approve_prints_the_approval_in_full_before_deciding(harness, monkeypatc
     seen = {}
     real = ap.decide_approval
 
-    def spy(store, run_id, approval_id, approve, by, note, shown_hash, now):
+    def spy(store, run_id, approval_id, approve, by, note, shown_hash, now, **rest):
         seen["status"] = status_of(harness.path, approval_id)
         seen["hash"] = shown_hash
-        return real(store, run_id, approval_id, approve, by, note, shown_hash, now)
+        return real(store, run_id, approval_id, approve, by, note, shown_hash, now, **rest)
 
     monkeypatch.setattr(ap, "decide_approval", spy)
     out = io.StringIO()

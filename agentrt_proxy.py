@@ -274,6 +274,12 @@ CANCELLED_APPROVAL = "cancelled"
 # the store knows has taken effect. Nothing can decide a settled approval.
 SETTLED_APPROVAL = "settled"
 SETTLED_BY = "the late outcome"      # decided_by of a settled approval: the record, not a person
+# What the operator says came of a cut-off attempt when rejecting the interruption approval
+# that asks about it (reject -outcome). The proxy keeps it in a table of its own, never in the
+# runtime's columns; an attempt said not to have executed stops counting toward limits.
+OUTCOME_EXECUTED, OUTCOME_NOT_EXECUTED, OUTCOME_UNKNOWN = "executed", "not-executed", "unknown"
+OPERATOR_OUTCOMES = (OUTCOME_EXECUTED, OUTCOME_NOT_EXECUTED, OUTCOME_UNKNOWN)
+OUTCOME_EVENT = "approval.outcome"
 
 LOG_PREFIX = "agentrt-proxy: "
 
@@ -5665,18 +5671,41 @@ class Shown(str):
         return shown
 
 
+def operator_word(approval: Approval, approve: bool, given: str | None) -> str:
+    """What a decision records of the attempt it is about: for the rejection of an
+    interruption approval, the outcome the operator gives (unknown unless given); for any
+    other decision, nothing, and an outcome given to one is refused (UsageError) before
+    anything is decided: only an interruption approval asks about an attempt."""
+    if given and given not in OPERATOR_OUTCOMES:
+        raise UsageError(f"outcome {sanitize(given)!r} is not one of "
+                         f"{', '.join(OPERATOR_OUTCOMES)}; nothing was decided")
+    asks = approval.kind == INTERRUPTED_KIND and not approve
+    if given and not asks:
+        what = "an approval" if approve else f"a rejection of a {sanitize(approval.kind)} approval"
+        raise UsageError(f"approval {approval.id}: an outcome says what came of a cut-off "
+                         f"attempt, and only the rejection of an {INTERRUPTED_KIND} approval "
+                         f"records one, not {what}; nothing was decided")
+    return (given or OUTCOME_UNKNOWN) if asks else ""
+
+
 def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, by: str,
                     note: str, shown_hash: str, now: float,
-                    view: "ApprovalView | str" = "") -> tuple[Approval, Run]:
+                    view: "ApprovalView | str" = "", outcome: str = "") -> tuple[Approval, Run]:
     """Approve or reject the approval the operator was shown: bound to its hash (the exact
     request, as the seed binds it) and, when ``view`` is given, to the view it was shown from
     (an ApprovalView, or its digest; a Shown hash carries one): if anything in it changed,
     nothing is decided and the refusal says what. An interruption approval whose attempt has
     a known late outcome is never approved: it is settled, and the refusal names the outcome
-    (AttemptSettled)."""
+    (AttemptSettled). Its rejection records ``outcome``, the operator's word on the attempt
+    (operator_word), with the decision: in the proxy's own table, which a rejection first
+    brings to this build's version, as a proxy's start does (a newer one is refused, and
+    nothing is decided)."""
     view = view or getattr(shown_hash, "view", None) or ""
     run = store.get_run(run_id)
     approval = store.find_approval(approval_id)
+    word = operator_word(approval, approve, outcome) if approval is not None else ""
+    if word:
+        CallIndex(store, "").migrate(now)
     if approval is not None and approval.run_id == run_id and \
             approval.status == SETTLED_APPROVAL:
         _check_shown(approval, shown_hash)          # names the late outcome that settled it
@@ -5704,6 +5733,8 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
         else:
             _check_view(tx, current, view)
             _decide_in(tx, current, approve, status, by, note, at)
+            if word:
+                record_outcome(tx, current, asked_attempt(current, tx.rows), word, by, at)
     if late is not None:
         raise AttemptSettled(f"approval {approval_id} is settled, and nothing runs: the "
                              f"attempt it asks about {late.text()}")
@@ -8626,8 +8657,10 @@ class Notifier:
 # no arguments make them cost more than checking the arguments may. A limit is counted from
 # proxy_limit_uses, the index of executions: one row per execution and limit, written in the
 # transaction that records the attempt's start, holding its limit's running count and sum.
-# The use within a window is the difference between two of those rows, each found by one
-# search of an index, so a call costs the same whatever the history holds.
+# The use within a window is the difference between two of those rows' sums (a calls limit's
+# sum is its count), each found by one search of an index, so a call costs the same whatever
+# the history holds. An attempt an operator says did not execute leaves every sum from its
+# row onward (uncount_attempt).
 #
 # Sums are exact integers in units of 10**-LIMIT_PLACES. A value is rounded up to a unit
 # (exact for any value with at most LIMIT_PLACES decimal places, otherwise counted as a
@@ -9248,11 +9281,17 @@ class Budgets:
                 return                       # another proxy caught it up meanwhile
             now_top = tx.rows("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
             ran += _executions(tx.rows, tools, limit, top, now_top, since)
+            # An attempt the operator said did not execute is neither an execution to count
+            # nor a row that counted one (uncount_attempt zeroed it): read here, under the
+            # write lock, so that a word given while the events were walked is seen.
+            words = not_executed(tx.rows, MAX_ROW_ID)
+            ran = [r for r in ran if not _said_not_executed(words, r[1], r[2], r[0])]
             held: dict[tuple[str, str], int] = {}
-            for run_id, step_id in tx.rows(
-                    "SELECT run_id, step_id FROM proxy_limit_uses WHERE key=? AND n>? AND "
+            for run_id, step_id, at in tx.rows(
+                    "SELECT run_id, step_id, at FROM proxy_limit_uses WHERE key=? AND n>? AND "
                     "at>?", (key, mark[1], parse_time(since))):
-                held[(run_id, step_id)] = held.get((run_id, step_id), 0) + 1
+                if not _said_not_executed(words, run_id, step_id, at):
+                    held[(run_id, step_id)] = held.get((run_id, step_id), 0) + 1
             newest = tx.rows("SELECT n, total, at FROM proxy_limit_uses WHERE key=? ORDER BY "
                              "n DESC LIMIT 1", (key,))
             n, total, last = (newest[0][0], int(newest[0][1]), newest[0][2]) if newest \
@@ -9347,11 +9386,86 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
                  before_seq: int, now: float) -> int:
     """A limit's use as the events show it, for recheck: the executions of its tools
     (step.tool_started) recorded before event ``before_seq`` that started within the window
-    ending ``now``. A walk through the window's events: recheck's cost, never a call's."""
+    ending ``now``, less those an operator had said by then did not execute. A walk through
+    the window's events: recheck's cost, never a call's."""
     counted = {name: t for name, t in tools.items()
                if any(lim.key(t.server, t.remote) == key for lim in t.rule.limits)}
-    return sum(adds for _, _, _, adds in _executions(store._read, counted, limit, 0,
-                                                      before_seq - 1, fmt_time(now - limit.per)))
+    words = not_executed(store._read, before_seq)
+    return sum(adds for at, run_id, step_id, adds in _executions(
+        store._read, counted, limit, 0, before_seq - 1, fmt_time(now - limit.per))
+        if not _said_not_executed(words, run_id, step_id, at))
+
+
+# -- an attempt the operator said did not execute --
+# reject -outcome not-executed (section 13) says a cut-off attempt never took effect. It
+# stops counting in the rejection's transaction (uncount_attempt), and whatever counts from
+# the events (Budgets.catch_up, recorded_use) leaves it out (not_executed). An attempt is
+# named by its run, its step and its start; its start event, and its row, are the step's
+# first at or after that start: a later attempt of the same step would be a re-run, and
+# nothing re-runs a step whose interruption approval was rejected (its run ends), nor one of
+# an earlier run a fresh run asks about (that run has ended).
+
+def not_executed(read: Callable[[str, tuple], list],
+                 before_seq: int) -> dict[tuple[str, str], float]:
+    """The attempts an operator said did not execute, in words recorded before event
+    ``before_seq``: (run id, step id) -> the attempt's start. Few: each is an operator's
+    explicit word. Empty where the proxy's table is not there yet (a database the proxy of
+    an older build last opened, read by recheck)."""
+    try:
+        rows = read("SELECT attempt_run_id, attempt_step_id, attempt_started_at FROM "
+                    "proxy_operator_outcomes WHERE outcome=? AND seq<?",
+                    (OUTCOME_NOT_EXECUTED, before_seq))
+    except StoreError:
+        return {}
+    words = {}
+    for run_id, step_id, started in rows:
+        with contextlib.suppress(ValueError, TypeError, OverflowError):
+            words[(run_id, step_id)] = parse_time(started)
+    return words
+
+
+def _said_not_executed(words: dict, run_id: str, step_id: str, at: float) -> bool:
+    start = words.get((run_id, step_id))
+    return start is not None and at >= start
+
+
+def uncount_attempt(tx: Tx, attempt: dict) -> None:
+    """Stop counting a cut-off attempt the operator said did not execute, in every limit
+    that counted it, inside the transaction that records the word.
+
+    A limit's rows hold running totals (row n: the sum of the adds of rows 1..n), and its use
+    in a window is total(newest) - total(b), b its last row at or before the window's start.
+    The attempt's row r added a = total(r) - total(r-1); every row from r onward loses a.
+    No row's time or number changes, so every window finds the same b as before, and:
+      - b before r (r inside the window, or no b): the use is a less, the attempt's share;
+      - b at or after r (r at or before the window's start): both totals lose a, and the
+        use is unchanged, as r was not in it.
+    So every window counts exactly the rows in it other than r, as if the attempt had never
+    been counted: never less. A row appended now with -a would undercount: once r leaves a
+    window that the new row is still inside, it subtracts a from rows that do count, and
+    more than the max could be spent. The row itself stays, with a of 0, so that catching up
+    still finds the attempt counted at its start (and the word leaves it out besides). A
+    calls limit counts its total too (each row adds 1), not n. Run again, it subtracts
+    nothing: r then adds 0. It costs one write per row since the attempt: an operator's
+    decision, never a call's; the write lock held from the read makes it one step with
+    respect to every admit."""
+    try:
+        start = parse_time(attempt.get("started_at"))
+    except (ValueError, TypeError, OverflowError):
+        return                       # no start to find its row by: it goes on counting
+    for key, n in tx.rows("SELECT key, MIN(n) FROM proxy_limit_uses WHERE run_id=? AND "
+                          "step_id=? AND at>=? GROUP BY key",
+                          (attempt.get("run_id"), attempt.get("step_id"), start)):
+        before = tx.rows("SELECT total FROM proxy_limit_uses WHERE key=? AND n<? ORDER BY n "
+                         "DESC LIMIT 1", (key, n))
+        rows = tx.rows("SELECT n, total FROM proxy_limit_uses WHERE key=? AND n>=? ORDER BY n",
+                       (key, n))
+        adds = int(rows[0][1]) - (int(before[0][0]) if before else 0)
+        if adds <= 0:
+            continue
+        for m, total in rows:
+            tx.exec("UPDATE proxy_limit_uses SET total=? WHERE key=? AND n=?",
+                    (str(int(total) - adds), key, m))
 
 
 # -- what an approval shows of them --
@@ -9516,16 +9630,16 @@ def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,
          now: float) -> tuple[tuple[int, int, float], int]:
     """A limit's newest row (n, total, at), and its use in the window ending ``now``: the
     executions whose rows are later than the window's start. A row's time is never earlier
-    than the one before it (admit), so the rows after the start are the newest ones."""
-    newest, before = (0, 0, 0.0), (0, 0)
+    than the one before it (admit), so the rows after the start are the newest ones. A calls
+    limit counts its running total too (each row adds 1), which stops counting an attempt the
+    operator said did not execute (uncount_attempt), where n would not."""
+    newest, before = (0, 0, 0.0), 0
     for which, n, total, at in read(_USE_SQL, (key, now - limit.per)):
         if which == 0:
             newest = (n, int(total), at)
         else:
-            before = (n, int(total))
-    if limit.calls:
-        return newest, newest[0] - before[0]
-    return newest, newest[1] - before[1]
+            before = int(total)
+    return newest, newest[1] - before
 
 
 # ==== 21. The rules across calls: the call index ====
@@ -9539,7 +9653,7 @@ def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,
 # happen outside that. Across processes the unique open-row index and
 # IMMEDIATE transactions let exactly one call begin a row's run; the loser retries.
 
-PROXY_SCHEMA_VERSION = 5
+PROXY_SCHEMA_VERSION = 6
 APPROVAL_POLL = 0.2                    # how often a held call looks at its approval
 PROGRESS_EVERY = 1.0                   # seconds between progress notifications while held
 MAX_RETRIES = 5                        # lost races before a call answers IN_PROGRESS
@@ -9604,6 +9718,52 @@ class RefusalLog:
                  "request_key": k} for a, n, f, t, k in rows]
 
 
+# The operator's word on a cut-off attempt (reject -outcome, section 13): one row per
+# rejection of an interruption approval, written in the rejection's transaction beside its
+# event in the chain, which the row names (seq). The runtime's rows keep their meaning (the
+# run CANCELLED, approval_rejected); what the operator said came of the attempt is the
+# proxy's: runs and show read it, and the limits leave out an attempt said not to have
+# executed (section 20). The index on proxy_limit_uses finds an attempt's rows.
+_OUTCOMES_SQL = (
+    """CREATE TABLE proxy_operator_outcomes (
+        approval_id TEXT PRIMARY KEY, run_id TEXT NOT NULL, attempt_run_id TEXT NOT NULL,
+        attempt_step_id TEXT NOT NULL, attempt_started_at TEXT NOT NULL,
+        outcome TEXT NOT NULL, decided_by TEXT NOT NULL, at REAL NOT NULL,
+        seq INTEGER NOT NULL) WITHOUT ROWID""",
+    "CREATE INDEX proxy_operator_outcomes_run ON proxy_operator_outcomes(run_id)",
+    "CREATE INDEX proxy_operator_outcomes_word ON proxy_operator_outcomes(outcome, seq)",
+    "CREATE INDEX proxy_limit_uses_step ON proxy_limit_uses(run_id, step_id)",
+)
+
+
+def record_outcome(tx: Tx, approval: Approval, attempt: dict | None, outcome: str, by: str,
+                   at: str) -> None:
+    """Record the operator's word on the attempt ``approval`` asks about: an event in the
+    chain and a row of the proxy's table, in the rejection's transaction; an attempt said not
+    to have executed stops counting toward limits in the same transaction."""
+    named = {k: str((attempt or {}).get(k, "")) for k in ("run_id", "step_id", "started_at")}
+    seq = tx.event(approval.run_id, approval.step_id, at, OUTCOME_EVENT,
+                   {"approval_id": approval.id, "attempt": named, "by": by,
+                    "outcome": outcome})
+    tx.exec("INSERT INTO proxy_operator_outcomes VALUES (?,?,?,?,?,?,?,?,?)",
+            (approval.id, approval.run_id, named["run_id"], named["step_id"],
+             named["started_at"], outcome, by, parse_time(at), seq))
+    if outcome == OUTCOME_NOT_EXECUTED:
+        uncount_attempt(tx, named)
+
+
+def outcomes_of_run(store: Store, run_id: str) -> dict[str, dict]:
+    """The words recorded on the rejections of a run's interruption approvals, by approval
+    id; {} where the table is not there yet (a database this build's proxy never opened)."""
+    try:
+        rows = store._read("SELECT approval_id, outcome, decided_by, attempt_run_id, "
+                           "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?",
+                           (run_id,))
+    except StoreError:
+        return {}
+    return {a: {"outcome": o, "by": b, "run_id": r, "step_id": s} for a, o, b, r, s in rows}
+
+
 def refusal_lines(refusals: list[dict]) -> list[str]:
     return [f"refused {r['count']} time(s) as {sanitize(r['answer'])}, first "
             f"{_stamp(r['first_at'])}, last {_stamp(r['last_at'])}" for r in refusals]
@@ -9615,6 +9775,7 @@ _INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
     4: ("CREATE TABLE proxy_limit_marks (key TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
         "n INTEGER NOT NULL) WITHOUT ROWID",),          # how far each limit was caught up
     5: (_REFUSALS_SQL,),                                 # the refusals of each run (RefusalLog)
+    6: _OUTCOMES_SQL,                   # the operator's word on a cut-off attempt
 }
 _ROW_COLS = "id, session, request_key, tool, side_effect, run_id, created_at, open, closed_at, " \
             "settled_at, outcome"
@@ -13144,12 +13305,15 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
 
 # ==== 27. Operator commands: the command line and its output ====
 # runs, show, events, approve, reject, cancel, verify, pending, inbox. Arguments are checked
-# before the database is touched; the database is opened as it is (never created, never migrated),
-# read-only except for deciding and cancelling. approve and reject print the approval in full
-# first and bind the decision to the hash of what they printed. Text that a model, a server
-# or an operator chose is sanitised before it reaches the terminal; so is every field read
-# from the database, which verify exists to distrust: a row edited behind the proxy's back
-# must not drive the terminal that reads it. -json output is JSON, its controls escaped.
+# before the database is touched; the database is opened as it is (never created, never
+# migrated), read-only except for deciding and cancelling. The one exception: rejecting an
+# interruption approval brings the proxy's own tables to this build's version first, as a
+# proxy's start does, since the operator's word on the attempt is kept there (decide_approval).
+# approve and reject print the approval in full first and bind the decision to the hash of what
+# they printed. Text that a model, a server or an operator chose is sanitised before it reaches
+# the terminal; so is every field read from the database, which verify exists to distrust: a row
+# edited behind the proxy's back must not drive the terminal that reads it. -json output is
+# JSON, its controls escaped.
 
 CLI_BAD_TIME_WIDTH = 40              # characters of a stored time that does not parse
 _SHELL_SAFE = re.compile(r"[A-Za-z0-9._:@%+=,/-]+")    # an id printed as a shell word unquoted
@@ -13164,6 +13328,17 @@ INBOX_POLL = 1.0                     # seconds between the inbox's looks for new
 INBOX_LINE_BYTES = 4096              # one answer typed at the inbox (a note included)
 INBOX_ANSWERS = {"a": "approve", "approve": "approve", "r": "reject", "reject": "reject",
                  "s": "skip", "skip": "skip", "q": "quit", "quit": "quit"}
+# What came of a cut-off attempt, asked when an interruption approval is rejected; Enter
+# alone answers unknown, reject -outcome's default.
+INBOX_OUTCOMES = {"e": OUTCOME_EXECUTED, "executed": OUTCOME_EXECUTED,
+                  "n": OUTCOME_NOT_EXECUTED, "not-executed": OUTCOME_NOT_EXECUTED,
+                  "u": OUTCOME_UNKNOWN, "unknown": OUTCOME_UNKNOWN, "": OUTCOME_UNKNOWN}
+# What the operator's word on a cut-off attempt comes to, as a decision and `show` say it.
+OUTCOME_SAID = {
+    OUTCOME_EXECUTED: "it took effect; it still counts toward the tool's limits",
+    OUTCOME_NOT_EXECUTED: "it did not take effect; it no longer counts toward the tool's limits",
+    OUTCOME_UNKNOWN: "whether it took effect is not known; it still counts toward the tool's "
+                     "limits"}
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
 # Each command's entry in the help (its lines, each ending in a line break), by the command:
@@ -13203,6 +13378,9 @@ _USAGES = {
 """,
     "reject": """\
   python agentrt_proxy.py -db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
+                                  [-outcome executed|not-executed|unknown]   for an interrupted
+                                  attempt: what came of it (default unknown); not-executed
+                                  stops counting it toward limits
 """,
     "cancel": """\
   python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
@@ -13289,6 +13467,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run", nargs="?")
         _flags(p, ("approval", {}), ("by", {}), ("note", {"default": ""}),
                ("yes", {"action": "store_true"}))
+        if verb == "reject":            # what came of an interrupted attempt (section 13)
+            _flags(p, ("outcome", {"choices": OPERATOR_OUTCOMES}))
     recheck = sub.add_parser("recheck", add_help=False, allow_abbrev=False)
     _flags(recheck, ("config", {"default": argparse.SUPPRESS}), ("run", {}), ("session", {}),
            ("limit", {"type": int, "default": RECHECK_LIMIT}),
@@ -13412,10 +13592,21 @@ def _pending_id(store: Store, run: Run) -> str:
 # hides no field: what it cannot show in a line it points to (`show`) in full.
 
 def _run_summary(store: Store, run: Run) -> dict:
+    word = _run_word(store, run)
     return {"id": run.id, "goal": run.goal, "status": run.status, "reason": run.reason,
             "reason_detail": run.reason_detail, "why": ended_why(store, run),
             "steps": run.step_count, "created_at": run.created_at,
-            "finished_at": run.finished_at, "pending_approval_id": _pending_id(store, run)}
+            "finished_at": run.finished_at, "pending_approval_id": _pending_id(store, run),
+            "operator_outcome": word["outcome"] if word else None}
+
+
+def _run_word(store: Store, run: Run) -> dict | None:
+    """The operator's word on the cut-off attempt whose rejection ended ``run``, if any
+    (only a rejection records one, and a rejection ends its run)."""
+    if run.reason != "approval_rejected":
+        return None
+    words = outcomes_of_run(store, run.id)
+    return next(iter(words.values()), None) if words else None
 
 
 _CLOSED_WHY = {CLOSE_DENIED: "denied by policy", CLOSE_INVALID: "refused: invalid arguments",
@@ -13439,7 +13630,9 @@ def ended_why(store: Store, run: Run) -> str:
                 with contextlib.suppress(ProxyError, AttributeError):
                     by = str(loads_own(payload).get("by") or by)
         verb = "rejected" if run.reason == "approval_rejected" else "cancelled"
-        return f"{verb} by {by}" if by else f"{verb} by an operator"
+        word = _run_word(store, run)
+        said = f"; attempt {word['outcome']}" if word else ""
+        return (f"{verb} by {by}" if by else f"{verb} by an operator") + said
     if run.reason == "approval_expired":
         return "its approval expired"
     return _CLOSED_WHY.get(run.reason_detail) or run.reason_detail or run.reason
@@ -13632,9 +13825,11 @@ def cmd_show(store: Store, args, out: Out) -> int:
     limit = CLI_SHOW_LIMIT if args.limit is None else args.limit
     page = steps[args.offset:args.offset + limit] if limit > 0 else steps[args.offset:]
     refusals = RefusalLog.of_run(store, run.id)
+    words = outcomes_of_run(store, run.id)
     if args.json:
         out.json({"run": _run_summary(store, run), "steps": [_step_row(s) for s in page],
-                  "approvals": [_approval_row(a, view_of(store, a)) for a in approvals],
+                  "approvals": [dict(_approval_row(a, view_of(store, a)), operator_outcome=(
+                      words[a.id]["outcome"] if a.id in words else None)) for a in approvals],
                   "refusals": refusals})
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
@@ -13647,6 +13842,10 @@ def cmd_show(store: Store, args, out: Out) -> int:
              (f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""))
     if run.status in TERMINAL:
         out.text(f"ended   {ended_why(store, run)}")
+    for word in words.values():
+        said = OUTCOME_SAID.get(word["outcome"], "")
+        out.text(f"outcome {word['outcome']}: {word['by']} said the attempt cut off in run "
+                 f"{word['run_id']}, step {word['step_id']}: {said}")
     for line in refusal_lines(refusals):
         out.text(f"calls   {line}")
     for a in approvals:
@@ -14081,6 +14280,7 @@ def cmd_decide(store: Store, args, out: Out) -> int:
     verb, by = args.command, args.by
     approval = _choose_approval(store, args.run, args.approval)
     args.run = approval.run_id
+    word = operator_word(approval, verb == "approve", getattr(args, "outcome", None))
     # The view is read before the block is printed from the store: anything the block shows
     # that the view does not (a late outcome landing in between) is still in the store at the
     # decision, which is then refused, since what the store records only accumulates.
@@ -14104,20 +14304,17 @@ def cmd_decide(store: Store, args, out: Out) -> int:
             raise ProxyError(f"{verb}: declined at the prompt")
     try:
         decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
-                                       args.note, Shown(approval.hash, view), time.time())
+                                       args.note, Shown(approval.hash, view), time.time(),
+                                       outcome=word)
     except ApprovalChanged as exc:
         raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
                          "run the command again and read it before deciding") from None
     if args.json:
-        out.json({"run": _run_summary(store, run), "approval": _approval_row(decided)})
+        out.json({"run": _run_summary(store, run), "approval": _approval_row(decided),
+                  "next": decision_said(decided, run, word)})
         return 0
     out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
-    out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
-    if run.status == WAITING:
-        out.text("if the proxy still holds the call (hold), it executes the recorded request "
-                 "now and answers that call; otherwise the run waits until the model calls "
-                 "the tool again with exactly the same arguments, and the proxy then executes "
-                 "the recorded request once")
+    out.text(f"run {run.id}: {decision_said(decided, run, word)}")
     return 0
 
 
@@ -14128,6 +14325,25 @@ def collection_warnings(store: Store, approval: Approval) -> list[str]:
     return [f"WARNING: {entry['text']}" for entry in
             limits_now(store._read, approval, time.time())
             if entry["would_deny"] or entry["asks_again"]]
+
+
+def decision_said(approval: Approval, run: Run, word: str = "") -> str:
+    """What a decision did and what comes of it, in the words every channel says it in (the
+    command, the inbox, the webhook), with the operator's word on a cut-off attempt when the
+    decision recorded one (operator_word). An approved run stays WAITING_FOR_APPROVAL until
+    the identical call collects it: its status alone reads as if nothing happened."""
+    if approval.status == APPROVED:
+        again = " again" if approval.kind == INTERRUPTED_KIND else ""
+        return (f"approved; the next identical call runs it{again}, once; a call the proxy "
+                "still holds runs it now")
+    if approval.status == REJECTED:
+        told = "your note" if approval.note else "that it was rejected"
+        said = f"rejected; nothing runs, the model is told {told}"
+        if word in OUTCOME_SAID:
+            said += f"; the cut-off attempt is recorded as {word}: {OUTCOME_SAID[word]}"
+        return said
+    why = f" ({run.reason})" if run.reason else ""
+    return sanitize(f"{approval.status}; the run is {run.status}{why}")
 
 
 def cmd_cancel(store: Store, args, out: Out) -> int:
@@ -14270,9 +14486,24 @@ class Inbox:
                 note = self.ask("note for the rejection (the model reads it; Enter for none): ")
                 if note is None:
                     return False
-                self.decide(view, False, note.strip())
+                word = self.ask_outcome() if approval.kind == INTERRUPTED_KIND else ""
+                if word is None:
+                    return False
+                self.decide(view, False, note.strip(), word)
                 return True
             self.out.text("answer a, r, s or q, then Enter")
+
+    def ask_outcome(self) -> str | None:
+        """What came of the cut-off attempt, as reject -outcome takes it; None at EOF."""
+        while True:
+            answer = self.ask("did the cut-off attempt take effect? e executed, n not executed, "
+                              "u unknown (Enter: unknown): ")
+            if answer is None:
+                return None
+            word = INBOX_OUTCOMES.get(answer.strip().lower())
+            if word is not None:
+                return word
+            self.out.text("answer e, n or u, then Enter")
 
     def ask(self, prompt: str) -> str | None:
         self.out.stdout.write(sanitize(prompt))
@@ -14282,7 +14513,7 @@ class Inbox:
             self.out.line()
         return line
 
-    def decide(self, view: ApprovalView, approve: bool, note: str) -> None:
+    def decide(self, view: ApprovalView, approve: bool, note: str, word: str = "") -> None:
         """Decide the approval as it was shown (its view); a refusal is said and the loop
         goes on: the approval changed, was settled by a late outcome, was decided elsewhere,
         expired, or the run moved."""
@@ -14290,7 +14521,7 @@ class Inbox:
         try:
             decided, run = decide_approval(self.store, approval.run_id, approval.id, approve,
                                            self.by, note, Shown(approval.hash, view),
-                                           time.time())
+                                           time.time(), outcome=word)
         except ApprovalChanged as exc:
             self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
                           f"decided ({exc})")
@@ -14304,7 +14535,7 @@ class Inbox:
                           f"not be read ({type(exc).__name__})")
             return
         self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
-        self.out.text(f"run {run.id}: {run.status}" + (f" ({run.reason})" if run.reason else ""))
+        self.out.text(f"run {run.id}: {decision_said(decided, run, word)}")
 
 
 def cmd_inbox(store: Store, args, out: Out) -> int:
@@ -14515,7 +14746,7 @@ _HOOK_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthori
                  429: "Too Many Requests", 500: "Internal Server Error",
                  503: "Service Unavailable"}
 _HOOK_JSON, _HOOK_TEXT = "application/json", "text/plain; charset=utf-8"
-_DECISION_FIELDS = ("run_id", "approval_id", "hash", "by", "note", "view")
+_DECISION_FIELDS = ("run_id", "approval_id", "hash", "by", "note", "view", "outcome")
 _CANCEL_FIELDS = ("run_id", "by", "note")
 
 
@@ -14799,7 +15030,7 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
     unknown = sorted(set(doc) - set(fields))
     if unknown:
         raise _bad(f"the body has a field {sanitize(unknown[0])!r} that no decision has")
-    missing = [f for f in fields if f not in ("note", "view") and not doc.get(f)]
+    missing = [f for f in fields if f not in ("note", "view", "outcome") and not doc.get(f)]
     if missing:
         raise _bad(f"the body lacks {missing[0]}")
     if doc["run_id"] != route.run or doc.get("approval_id", route.approval) != route.approval:
@@ -14811,7 +15042,8 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
 _HOOK_OUTCOMES = ((NotFound, 404, "not_found"), (ApprovalExpired, 410, "expired"),
                   (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"), (ApprovalChanged, 409, "approval_changed"),
                   (ApprovalHashMismatch, 409, "approval_hash"),
-                  (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"))
+                  (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"),
+                  (UsageError, 400, "bad_request"))
 
 
 def _hook_refusal(exc: ProxyError, route: HookRoute) -> WebhookRefusal:
@@ -15032,13 +15264,16 @@ class Webhook:
     def _do_approve(self, store: Store, route: HookRoute, req: HookRequest):
         doc = _hook_body(req.body, route, _DECISION_FIELDS)
         approve = route.action == "approve"
+        # The operator's word on a cut-off attempt, as reject -outcome takes it (unknown
+        # unless given); an outcome on any other decision is refused before it is made.
+        word = operator_word(_approval_under(store, route), approve, doc.get("outcome"))
         approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
                                         doc.get("note", ""), doc["hash"], self.clock(),
-                                        doc.get("view", ""))
-        self.log(f"webhook: approval {approval.id} of run {run.id}: {approval.status} by "
-                 f"{doc['by']}")
-        return _hook_json(202 if approve else 200,
-                          {"approval": _hook_row(approval), "run": _hook_run(run)})
+                                        doc.get("view", ""), word)
+        said = decision_said(approval, run, word)
+        self.log(f"webhook: approval {approval.id} of run {run.id} by {doc['by']}: {said}")
+        return _hook_json(202 if approve else 200, {"approval": _hook_row(approval),
+                                                    "run": _hook_run(run), "next": said})
 
     _do_reject = _do_approve
 

@@ -142,7 +142,7 @@ class Demo:
     def proxy(self) -> Host:
         return Host([sys.executable, PROXY, "-config", self.config])
 
-    def operator(self, verb: str, note: str = "") -> None:
+    def operator(self, verb: str, note: str = "", *more: str) -> None:
         """A second process decides the one waiting approval, as the operator would: it
         lists what waits, then decides by the approval id (the one the model was shown)."""
         waiting = [a for a in json.loads(self.cli("-json", "pending"))["approvals"]
@@ -155,9 +155,10 @@ class Demo:
         args = [verb, "-approval", waiting[0]["approval_id"], "-by", "demo-operator"]
         if note:
             args += ["-note", note]
+        args += more
         print(f"  operator runs: python agentrt_proxy.py -db runs.db {shlex.join(args)}")
         out = self.cli(*args)
-        print("  operator sees: " + out.strip().splitlines()[-2 if verb == "approve" else -1])
+        print("  operator sees: " + out.strip().splitlines()[-1])
 
     def cli(self, *args: str) -> str:
         done = subprocess.run([sys.executable, PROXY, "-db", self.db, *args],
@@ -234,7 +235,7 @@ class Demo:
         text, _ = host.call("bank_pay", pay)
         expect(text, "INTERRUPTED")
         host.call("gate_status", {})
-        self.operator("reject", "the bank shows it went through")
+        self.operator("reject", "the bank shows it went through", "-outcome", "executed")
         text, _ = host.call("bank_pay", pay)
         expect(text, "REJECTED")
         print(f"  payments the server has made: {self.payments()} (the cut-off one ran once; "

@@ -240,10 +240,10 @@ def test_approve_prints_the_approval_in_full_before_deciding(harness, monkeypatc
     seen = {}
     real = ap.decide_approval
 
-    def spy(store, run_id, approval_id, approve, by, note, shown_hash, now):
+    def spy(store, run_id, approval_id, approve, by, note, shown_hash, now, **rest):
         seen["status"] = status_of(harness.path, approval_id)
         seen["hash"] = shown_hash
-        return real(store, run_id, approval_id, approve, by, note, shown_hash, now)
+        return real(store, run_id, approval_id, approve, by, note, shown_hash, now, **rest)
 
     monkeypatch.setattr(ap, "decide_approval", spy)
     out = io.StringIO()
@@ -262,7 +262,7 @@ def test_approve_prints_the_approval_in_full_before_deciding(harness, monkeypatc
         assert needle in block, needle
     assert "[y/N]" not in text                           # -approval is consent: no prompt
     assert status_of(harness.path, approval.id) == "approved"
-    assert "run run-1: WAITING_FOR_APPROVAL" in text     # approve does not resume
+    assert "run run-1: approved; the next identical call runs it" in text   # not resumed
 
 
 def test_approve_with_approval_id_needs_no_prompt(harness, cli):
@@ -499,7 +499,7 @@ def test_reject_with_note_cancels_the_run(harness, cli):
     assert code == 0
     assert f"APPROVAL WAITING  {approval.id}" in out
     assert f"approval {approval.id}: rejected by operator" in out
-    assert "run run-1: CANCELLED (approval_rejected)" in out
+    assert "run run-1: rejected; nothing runs, the model is told your note" in out
     run = harness.store.get_run("run-1")
     assert (run.status, run.reason, run.reason_detail) == \
         (ap.CANCELLED, "approval_rejected", "not today")

@@ -60,7 +60,7 @@ def test_approve_with_the_approval_id_alone_completes_the_held_call(pdir):
     code, out, err = operator(pdir, "approve", "-approval", approval["id"], "-by", "ann")
     assert code == 0, err
     assert f"approval {approval['id']}: approved by ann" in out
-    assert "still holds the call" in out and "executes the recorded request now" in out
+    assert "the next identical call runs it" in out and "still holds runs it now" in out
     result = p.result(ident, timeout=30)
     assert not result.get("isError"), result
     assert text_of(result) == "paid 5.00 to bob"

@@ -220,7 +220,8 @@ def test_webhook_approval_round_trip_executes_the_identical_call_once(tmp_path, 
         assert prefix(r) == "DUPLICATE" and is_error(r), text(r)
         assert d.payments() == 1
         assert [x["status"] for x in d.runs()][0] == "COMPLETED"
-        assert any("approved by pat" in line for line in hook.log), hook.log
+        assert any("by pat: approved; the next identical call runs it" in line
+                   for line in hook.log), hook.log
 
         # The serving proxy listens on nothing; the webhook does (so the check can see one).
         listening = listening_inodes()

@@ -8261,6 +8261,13 @@ def denied_rerun_answer(reason: str) -> dict:
                  "Tell the user.", True)
 
 
+def denied_rerun_again(until: float) -> dict:
+    return prose("DENIED", "an operator approved running this exact request again, but the "
+                 "policy denied it when it was called, so it was not run. An identical request "
+                 f"is refused until {fmt_time_s(until)}. Do not ask for it again; tell the user.",
+                 True)
+
+
 def invalid_answer(reason: str) -> dict:
     reason = reason.removeprefix("arguments do not match schema: ")
     reason = clean(_RUNTIME_URL.sub("", reason), SCHEMA_ERROR_BYTES)
@@ -10361,15 +10368,17 @@ class Proxy:
         return self.executed_within(tool, key, now, window)
 
     def refused_again(self, row: CallRow, state: RunState, now: float, window: float):
-        """Rule 4: the request was rejected, expired or cancelled within the window. Not when
-        the store knows, late, that the attempt it asked about took effect: then it executed
-        (rule 5), and the model is told that, never "not executed"."""
+        """Rule 4: the request was rejected, expired or cancelled within the window, or its
+        approved re-run was denied at collection (which resolves it as a rejection does).
+        Not when the store knows, late, that the attempt it asked about took effect: then it
+        executed (rule 5), and the model is told that, never "not executed"."""
         outcome, _ = last_attempt(self, state)
         self.settle(row, outcome)
         end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
         reason, latest = state.run.reason, state.latest()
-        if not end or end < now - window or reason not in (
-                "approval_rejected", "approval_expired", "operator_cancelled"):
+        if not end or end < now - window or not (reason in (
+                "approval_rejected", "approval_expired", "operator_cancelled") or
+                state.run.reason_detail == CLOSE_DENIED_RERUN):
             return None
         if outcome == KNOWN and late_of(self, state) is not None:
             return None
@@ -10381,6 +10390,8 @@ class Proxy:
         if reason == "operator_cancelled":
             return self.refused(row.run_id, row.key,
                                 cancelled_answer(state.run.reason_detail, until))
+        if state.run.reason_detail == CLOSE_DENIED_RERUN:
+            return self.refused(row.run_id, row.key, denied_rerun_again(until))
         return None                          # an expiry resolves nothing: rule 6 asks
 
     def executed_within(self, tool, key: str, now: float, window: float):

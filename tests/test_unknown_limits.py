@@ -81,7 +81,12 @@ def test_an_approved_rerun_a_limit_denies_at_collection_runs_nothing_and_frees_t
     # Resolved as a rejection resolves it: the tool is free for another payment ...
     r = h.call(PAY, {"to": "carol", "amount": 1})
     assert not h.is_error(r) and h.text(r) == "paid 1.00 to carol", h.text(r)
-    # ... and the identical call asks again, never running on allow alone.
+    # ... the identical call is refused within the window, as a rejected one is ...
+    r = h.call(PAY, EIGHT)
+    assert h.prefix(r) == "DENIED" and "refused until" in h.text(r), h.text(r)
+    assert h.pending() == []
+    # ... and after it asks again, never running on allow alone.
+    h.clock.skew += 600 + 5
     r = h.call(PAY, EIGHT)
     assert h.prefix(r) in ("UNKNOWN_OUTCOME", "INTERRUPTED"), h.text(r)
     assert [a.kind for a in h.pending()] == [ap.INTERRUPTED_KIND]

@@ -8325,7 +8325,8 @@ def blocked_interrupted(tool: str, approval_id: str, approved: bool = False) -> 
                      f"outcome is unknown; an operator approved running it again (approval "
                      f"{approval_id}), so no other call to {tool} that changes anything runs "
                      "until that earlier call is made again with exactly the same arguments, "
-                     "which runs it once. Nothing was executed. Tell the user.", True)
+                     "which runs it once if the policy still allows it then. Nothing was executed. "
+                     "Tell the user.", True)
     return prose("BLOCKED", f"an earlier call to {tool} may have taken effect and its outcome "
                  f"is unknown (approval {approval_id}), so no other call to {tool} that "
                  "changes anything runs until an operator decides it. Nothing was executed. "

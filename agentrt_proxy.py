@@ -10309,6 +10309,23 @@ class Proxy:
         session.close()
         return Retry()
 
+    def take_over_gone(self) -> None:
+        """At start: each run of this session left running by a proxy that is gone (its
+        holder's lock free, section 11, or its lease run out) is taken over now, as the next
+        identical call would take it over (rule 3), so that the operator is asked about a
+        call cut off while executing before the model calls anything. A run of a proxy
+        that is alive, stopped included, keeps its lease."""
+        for row in self.index.unsettled():
+            try:
+                state = self.inspect(row.run_id)
+                tool = self.tools.get(row.tool)
+                if state is None or state.run.status != RUNNING or tool is None or \
+                        _lease_live(state.run, self.store.path):
+                    continue
+                self.recover(tool, row)
+            except ProxyError as exc:        # the next identical call takes it over instead
+                self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
+
     def recover(self, tool, row: CallRow):
         """A run left running by a call that is gone: take it over. A mutating step cut off
         while executing waits for an operator; otherwise nothing is left to execute."""
@@ -11858,6 +11875,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
         check_database_owner(cfg.database)
         proxy = Proxy(cfg, store, tools, out.log)
         store.checkpoint_aside()
+        proxy.take_over_gone()
     except BaseException:
         await close_tools(tools)
         store.close()

@@ -332,3 +332,37 @@ def test_two_proxies_take_over_one_dead_holder_once(tmp_path, procs):
     one.stop()
     two.stop()
     assert holder_files(d) == []
+
+
+def test_a_restarted_proxy_asks_about_a_dead_holders_payment_before_any_call(tmp_path, procs):
+    """The story of issue 31: the host restarts its proxy at once after the kill. The
+    operator's `pending` shows the question and stderr names it before the model calls
+    anything: the restarted proxy takes the dead holder's runs over as it starts."""
+    d = procs(tmp_path, allow_pay=True, lease_ttl=LEASE)
+    victim, _, run_id, held = paying(d, {"to": "rob", "amount": 5, "mode": "block"})
+    victim.crash()
+    p = d.start("restarted")
+    a = eventually(lambda: d.pending() and the_interruption(d, run_id), 15,
+                   "the question asked as the proxy starts")
+    assert f"approval {a['id']}" in p.stderr() and "decide with:" in p.stderr()
+    assert d.show(run_id)["run"]["status"] == "WAITING_FOR_APPROVAL"
+    assert not os.path.lexists(held)
+    d.release()
+    p.stop()
+    assert d.payments() == 1
+
+
+def test_a_restarted_proxy_leaves_a_stopped_holders_payment_alone(tmp_path, procs):
+    d = procs(tmp_path, allow_pay=True, lease_ttl=LEASE)
+    victim, _, run_id, held = paying(d, {"to": "rob", "amount": 5, "mode": "block"})
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        p = d.start("restarted")
+        r = p.call("bank_balance", {"account": "A-1"})        # it has started and serves
+        assert not is_error(r), text(r)
+        assert d.pending() == [] and d.show(run_id)["run"]["status"] == "RUNNING"
+        assert os.path.lexists(held)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    d.release()
+    p.stop()

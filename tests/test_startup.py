@@ -301,6 +301,16 @@ class _FakeStore:
         self.closed = True
 
 
+class _FakeProxy:
+    """The Proxy a start builds: the store it was given, and its start-up take-over."""
+
+    def __init__(self, store):
+        self.store, self.took_over = store, 0
+
+    def take_over_gone(self) -> None:
+        self.took_over += 1
+
+
 class _Start:
     """_start_serving with load_tools, Store.open, close_tools and Proxy replaced: what
     each was asked, on which thread, and in what order."""
@@ -334,7 +344,7 @@ class _Start:
         monkeypatch.setattr(ap.Store, "open", staticmethod(store_open))
         monkeypatch.setattr(ap, "load_tools", load or default_load)
         monkeypatch.setattr(ap, "close_tools", close_tools)
-        monkeypatch.setattr(ap, "Proxy", lambda cfg, store, tools, log: ("proxy", store))
+        monkeypatch.setattr(ap, "Proxy", lambda cfg, store, tools, log: _FakeProxy(store))
         monkeypatch.setattr(ap, "check_database_owner", lambda path: None)
         self.cfg = type("Cfg", (), {"database": self.database})()
         self.out = type("Out", (), {"log": staticmethod(lambda line: None)})()
@@ -362,7 +372,8 @@ def test_an_existing_database_is_opened_on_a_worker_while_the_servers_load(monke
     tools, store, proxy = s.run()
     assert s.loaded_after_open is True, "the store was opened only after the servers loaded"
     assert s.open_threads != [threading.get_ident()]
-    assert tools == ["tool"] and store is s.stores[0] and proxy == ("proxy", store)
+    assert tools == ["tool"] and store is s.stores[0] and proxy.store is store
+    assert proxy.took_over == 1
     assert not store.closed and s.closed_tools == []
     assert store.aside, "the store serving checkpoints on a thread of its own"
 

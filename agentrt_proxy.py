@@ -8280,11 +8280,16 @@ def _note(note: str) -> str:
     return f' The operator\'s note: "{clean(note, NOTE_BYTES)}".' if note else ""
 
 
-def rejected(approval_id: str, note: str, until: float) -> dict:
-    return prose("REJECTED", f"an operator rejected this exact request (approval "
-                 f"{approval_id}).{_note(note)} It was not executed. An identical request is "
-                 f"refused until {fmt_time_s(until)}. Do not ask for it again; tell the user.",
-                 True)
+def rejected(approval_id: str, note: str, until: float, rerun: bool = False) -> dict:
+    """REJECTED. For a question about an earlier attempt (``rerun``), what the operator
+    refused is running it again: that attempt may have taken effect, so the model is never
+    told it "was not executed"."""
+    what = ("running this exact request again", "Nothing further was executed; whether the "
+            "earlier attempt took effect is the operator's to say.") if rerun else \
+        ("this exact request", "It was not executed.")
+    return prose("REJECTED", f"an operator rejected {what[0]} (approval {approval_id})."
+                 f"{_note(note)} {what[1]} An identical request is refused until "
+                 f"{fmt_time_s(until)}. Do not ask for it again; tell the user.", True)
 
 
 def cancelled_answer(note: str, until: float) -> dict:
@@ -10402,7 +10407,8 @@ class Proxy:
             return None
         until = end + window
         if reason == "approval_rejected" and latest is not None:
-            return self.refused(row.run_id, row.key, rejected(latest.id, latest.note, until))
+            return self.refused(row.run_id, row.key, rejected(
+                latest.id, latest.note, until, latest.kind == INTERRUPTED_KIND))
         if reason == "approval_expired" and outcome != UNKNOWN and latest is not None:
             return self.refused(row.run_id, row.key, expired(latest.id, until))
         if reason == "operator_cancelled":

@@ -129,3 +129,18 @@ def test_a_deny_by_the_rule_still_denies_the_rerun(make, tmp_path):
              repeat_window="0s")
     r = g.call(PAY, EIGHT)
     assert g.prefix(r) == "DENIED" and g.pending() == [], g.text(r)
+
+
+def test_a_rejected_question_about_an_attempt_never_says_it_was_not_executed(make):
+    """The operator rejected running it again; the attempt itself may have taken effect
+    (the operator may even have recorded that it did): the model is not told otherwise."""
+    h = make(rules=pay_rule())
+    r = h.call(PAY, EIGHT)
+    h.release()
+    assert h.prefix(r) == "UNKNOWN_OUTCOME", h.text(r)
+    (asked,) = h.pending()
+    h.decide(asked, approve=False, note="it went through")
+    r = h.call(PAY, EIGHT)
+    assert h.prefix(r) == "REJECTED" and "it went through" in h.text(r), h.text(r)
+    assert "running this exact request again" in h.text(r), h.text(r)
+    assert "not executed" not in h.text(r), h.text(r)

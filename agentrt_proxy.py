@@ -4043,7 +4043,15 @@ def _lease_connection(path: str) -> sqlite3.Connection:
 # holder's run over, once the same transaction let every other lease of that holder run out
 # (Gate._take_over_claimed). Names are random and created exclusively, so a name once used
 # never names another holder.
-HOLDER_IN_OWNER = re.compile(r";(holder-[0-9a-f]{32})\Z")
+#
+# The lease names the file by its name and by its device and inode too, and a checker
+# judges only that very file: a copy put in its place under the same name (cp -p, a restore,
+# a save by rename), which the holder never locked, is not the holder's file, and the lease
+# decides. While the holder lives it keeps the file open, so no other file has its inode.
+# And a proxy on a file system where flock locks nothing (some network and virtual file
+# systems) names no file: Holder.take finds that a second open description of its own
+# file can take the lock it holds, and gives the file up; the lease decides there too.
+HOLDER_IN_OWNER = re.compile(r";(holder-[0-9a-f]{32}):([0-9]{1,20}):([0-9]{1,20})\Z")
 _HELD: set[str] = set()         # holder names this process locks: alive, never opened again
 
 
@@ -4052,7 +4060,9 @@ class Holder:
 
     def __init__(self, path: str, fd: int):
         self.path, self.fd = path, fd
-        self.name = path.rsplit(".", 1)[1]          # holder-<hex>, as the leases name it
+        self.name = path.rsplit(".", 1)[1]          # holder-<hex>
+        st = os.fstat(fd)
+        self.ident = f"{self.name}:{st.st_dev}:{st.st_ino}"     # as the leases name it
 
     @classmethod
     def take(cls, database: str) -> "Holder | None":
@@ -4069,6 +4079,8 @@ class Holder:
             try:
                 os.fchmod(fd, 0o600)    # whatever the umask took: checkers want exactly 0600
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _lock_also_taken(path):
+                    raise OSError(f"flock locks nothing on the file system of {path}")
             except OSError:
                 os.close(fd)
                 with contextlib.suppress(OSError):
@@ -4092,6 +4104,20 @@ class Holder:
         _HELD.discard(self.name)
 
 
+def _lock_also_taken(path: str) -> bool:
+    """Whether another open description of ``path`` can take a shared lock while this
+    process holds the exclusive one: flock does not lock there (or is emulated with the
+    process's record locks, which a second description of the same process shares)."""
+    probe = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(probe)
+
+
 def _locked_holder(database: str, owner: str) -> tuple[int, str] | None:
     """The holder file a lease owner names, opened and under a shared lock, when its holder
     is gone: (descriptor, path), the caller closes it. None whenever it cannot be checked."""
@@ -4107,7 +4133,8 @@ def _locked_holder(database: str, owner: str) -> tuple[int, str] | None:
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and \
-                stat.S_IMODE(st.st_mode) == 0o600:
+                stat.S_IMODE(st.st_mode) == 0o600 and \
+                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3):
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return fd, path
     except OSError:
@@ -4243,7 +4270,7 @@ class Gate:
         suffix = new_id()
         self.owner = f"{lease_owner}/{suffix[:OWNER_SUFFIX]}" if lease_owner else suffix
         if holder is not None:          # its leases name the file that proves it alive
-            self.owner += f";{holder.name}"
+            self.owner += f";{holder.ident}"
         self.policy_id = check_policy_id(getattr(policy, "policy_id", "") or "")
         self.leases = Leases(store.path, self.owner, self.lease_ttl, wall)
         self._claimed: set[str] = set()

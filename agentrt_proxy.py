@@ -9240,8 +9240,21 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
     had.pop("asked_by", None)
     if encode_canonical(had) != encode_canonical(now) or not set(now_asked) <= set(had_asked):
         return fresh
+    had_limits = _limits_record(grant.presentation)
+    if had_limits is None or had_limits != _limits_record(fresh.presentation):
+        return fresh                 # a limit written differently since: nobody saw it
     return dataclasses.replace(fresh, capability=grant.capability,
                                presentation=grant.presentation)
+
+
+def _limits_record(presentation: bytes) -> bytes | None:
+    """A presentation's record of its tool's limits as written (limits_shown), canonical;
+    None where it is unreadable (then no grant covers anything)."""
+    try:
+        shown = read_own(presentation)
+    except ProxyError:
+        return None
+    return encode_canonical(shown.get("limits", [])) if isinstance(shown, dict) else None
 
 
 # -- counting --

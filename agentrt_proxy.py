@@ -9460,18 +9460,26 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
 
 def not_executed(read: Callable[[str, tuple], list],
                  before_seq: int) -> dict[tuple[str, str], float]:
-    """The attempts an operator said did not execute, in words recorded before event
-    ``before_seq``: (run id, step id) -> the attempt's start. Few: each is an operator's
-    explicit word. Empty where the proxy's table is not there yet (a database the proxy of
-    an older build last opened, read by recheck)."""
+    """The attempts that do not count, as the words and events recorded before event
+    ``before_seq`` stand: (run id, step id) -> the attempt's start. An attempt does not
+    count when an operator's latest word on it says it did not execute, and the store knows
+    of no known late outcome of it (a late success proves it executed, whatever was said).
+    Few: each is an operator's explicit word. Empty where the proxy's table is not there
+    yet (a database the proxy of an older build last opened, read by recheck)."""
     try:
-        rows = read("SELECT attempt_run_id, attempt_step_id, attempt_started_at FROM "
-                    "proxy_operator_outcomes WHERE outcome=? AND seq<?",
-                    (OUTCOME_NOT_EXECUTED, before_seq))
+        rows = read("SELECT attempt_run_id, attempt_step_id, attempt_started_at, outcome FROM "
+                    "proxy_operator_outcomes WHERE seq<? ORDER BY seq", (before_seq,))
     except StoreError:
         return {}
+    latest = {(run_id, step_id): (started, word) for run_id, step_id, started, word in rows}
     words = {}
-    for run_id, step_id, started in rows:
+    for (run_id, step_id), (started, word) in latest.items():
+        if word != OUTCOME_NOT_EXECUTED:
+            continue
+        attempt = {"run_id": run_id, "step_id": step_id, "started_at": started}
+        late = late_record(read, attempt, known=True)
+        if late is not None and late.seq < before_seq:
+            continue
         with contextlib.suppress(ValueError, TypeError, OverflowError):
             words[(run_id, step_id)] = parse_time(started)
     return words
@@ -9498,27 +9506,54 @@ def uncount_attempt(tx: Tx, attempt: dict) -> None:
     window that the new row is still inside, it subtracts a from rows that do count, and
     more than the max could be spent. The row itself stays, with a of 0, so that catching up
     still finds the attempt counted at its start (and the word leaves it out besides). A
-    calls limit counts its total too (each row adds 1), not n. Run again, it subtracts
-    nothing: r then adds 0. It costs one write per row since the attempt: an operator's
-    decision, never a call's; the write lock held from the read makes it one step with
-    respect to every admit."""
+    calls limit counts its total too (each row adds 1), not n. What it subtracted is kept in
+    proxy_uncounted, so that a later word that it executed, or a known late outcome of it,
+    counts it again (recount_attempt: the same rows gain a back). Run again, it subtracts
+    nothing more. Not at all when the store already knows of a known late outcome of the
+    attempt: it executed, whatever was said. It costs one write per row since the attempt:
+    an operator's decision, never a call's; the write lock held from the read makes it one
+    step with respect to every admit."""
     try:
         start = parse_time(attempt.get("started_at"))
     except (ValueError, TypeError, OverflowError):
         return                       # no start to find its row by: it goes on counting
+    if late_record(tx.rows, attempt, known=True) is not None:
+        return
+    run_id, step_id = attempt.get("run_id"), attempt.get("step_id")
     for key, n in tx.rows("SELECT key, MIN(n) FROM proxy_limit_uses WHERE run_id=? AND "
-                          "step_id=? AND at>=? GROUP BY key",
-                          (attempt.get("run_id"), attempt.get("step_id"), start)):
+                          "step_id=? AND at>=? GROUP BY key", (run_id, step_id, start)):
+        if tx.rows("SELECT 1 FROM proxy_uncounted WHERE key=? AND n=?", (key, n)):
+            continue                 # uncounted already
         before = tx.rows("SELECT total FROM proxy_limit_uses WHERE key=? AND n<? ORDER BY n "
                          "DESC LIMIT 1", (key, n))
-        rows = tx.rows("SELECT n, total FROM proxy_limit_uses WHERE key=? AND n>=? ORDER BY n",
-                       (key, n))
-        adds = int(rows[0][1]) - (int(before[0][0]) if before else 0)
-        if adds <= 0:
+        first = tx.rows("SELECT total FROM proxy_limit_uses WHERE key=? AND n=?", (key, n))
+        adds = int(first[0][0]) - (int(before[0][0]) if before else 0)
+        if adds > 0:
+            _shift_totals(tx, key, n, -adds)
+            tx.exec("INSERT INTO proxy_uncounted (key, n, adds, run_id, step_id) VALUES "
+                    "(?,?,?,?,?)", (key, n, str(adds), run_id, step_id))
+
+
+def recount_attempt(tx: Tx, run_id: str, step_id: str | None = None) -> None:
+    """Count again what uncount_attempt stopped counting of a run's attempts (of one step,
+    when named): a later word that it executed, or a known late outcome of it. Every row
+    from the attempt's regains what it lost, so every window counts it again as at its
+    start."""
+    found = tx.rows("SELECT key, n, adds, step_id FROM proxy_uncounted WHERE run_id=?",
+                    (run_id,))
+    for key, n, adds, step in found:
+        if step_id is not None and step != step_id:
             continue
-        for m, total in rows:
-            tx.exec("UPDATE proxy_limit_uses SET total=? WHERE key=? AND n=?",
-                    (str(int(total) - adds), key, m))
+        _shift_totals(tx, key, n, int(adds))
+        tx.exec("DELETE FROM proxy_uncounted WHERE key=? AND n=?", (key, n))
+
+
+def _shift_totals(tx: Tx, key: str, n: int, by: int) -> None:
+    """Add ``by`` to the running total of the limit's row ``n`` and every row after it."""
+    for m, total in tx.rows("SELECT n, total FROM proxy_limit_uses WHERE key=? AND n>=? "
+                            "ORDER BY n", (key, n)):
+        tx.exec("UPDATE proxy_limit_uses SET total=? WHERE key=? AND n=?",
+                (str(int(total) + by), key, m))
 
 
 # -- what an approval shows of them --
@@ -9786,6 +9821,11 @@ _OUTCOMES_SQL = (
     "CREATE INDEX proxy_operator_outcomes_run ON proxy_operator_outcomes(run_id)",
     "CREATE INDEX proxy_operator_outcomes_word ON proxy_operator_outcomes(outcome, seq)",
     "CREATE INDEX proxy_limit_uses_step ON proxy_limit_uses(run_id, step_id)",
+    # What uncount_attempt subtracted from each limit's rows, until counted again.
+    """CREATE TABLE proxy_uncounted (
+        key TEXT NOT NULL, n INTEGER NOT NULL, adds TEXT NOT NULL, run_id TEXT NOT NULL,
+        step_id TEXT NOT NULL, PRIMARY KEY (key, n)) WITHOUT ROWID""",
+    "CREATE INDEX proxy_uncounted_run ON proxy_uncounted(run_id)",
 )
 
 
@@ -9803,6 +9843,8 @@ def record_outcome(tx: Tx, approval: Approval, attempt: dict | None, outcome: st
              named["started_at"], outcome, by, parse_time(at), seq))
     if outcome == OUTCOME_NOT_EXECUTED:
         uncount_attempt(tx, named)
+    else:                            # a later word that it executed, or may have
+        recount_attempt(tx, named["run_id"], named["step_id"])
 
 
 def outcomes_of_run(store: Store, run_id: str) -> dict[str, dict]:
@@ -10172,6 +10214,7 @@ class Proxy:
         transaction."""
         for run_id in run_ids:
             self.index.known_in(tx, run_id, self.clock())
+            recount_attempt(tx, run_id)  # a late success proves it executed, whatever was said
 
     def inspect(self, run_id: str) -> RunState | None:
         run = self.store.find_run(run_id)

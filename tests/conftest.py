@@ -77,6 +77,31 @@ def harness(tmp_path):
 
 
 @pytest.fixture
+def exact_numbers(monkeypatch):
+    """Every exact conversion of a JSON number while the test runs: Num.exact (a fraction;
+    1.7e-9999 has 20,000 digits of denominator, 1e20000000 twenty million) and an integer
+    of more than INT_TEXT_DIGITS digits. Each is listed (its literal, cut) and refused with
+    an error, so that code which makes one fails the test at once, never after minutes.
+    Counted, not timed: a busy machine judges the cost as an idle one does."""
+    made: list[str] = []
+
+    def exact(num):
+        made.append(num.text[:40])
+        raise AssertionError(f"an exact conversion of {num.text[:40]}")
+
+    int_text = ap._int_text
+
+    def long_int(digits: str) -> int:
+        if len(digits) > ap.INT_TEXT_DIGITS:
+            made.append(digits[:40])
+            raise AssertionError(f"an integer of {len(digits)} digits")
+        return int_text(digits)
+    monkeypatch.setattr(ap.Num, "exact", exact)
+    monkeypatch.setattr(ap, "_int_text", long_int)
+    return made
+
+
+@pytest.fixture
 def cli():
     """Run the operator command in-process: cli(*argv, stdin=text) -> (code, stdout, stderr).
     stdin is a StringIO, never a terminal."""

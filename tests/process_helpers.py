@@ -56,6 +56,16 @@ def proxy_command(program: str = PROXY, env: dict | None = None
     env.update(PYTHONPATH=ROOT, PYTHONPYCACHEPREFIX=_COMPILED)
     return [PYTHON, "-S", "-P", "-m", "agentrt_proxy"], env
 
+
+def patched_command(constants: dict, env: dict | None = None
+                    ) -> tuple[list[str], dict | None]:
+    """proxy_command's, with module constants set before main() runs (numbers, by name):
+    a test that must tell one deadline from another gives the other far longer than any of
+    its own waits, and judges an outcome instead of a time."""
+    code = ("import sys; sys.path.insert(0, sys.argv.pop(1)); import agentrt_proxy as ap; "
+            f"[setattr(ap, k, v) for k, v in {dict(constants)!r}.items()]; sys.exit(ap.main())")
+    return [PYTHON, "-c", code, ROOT], env
+
 # The CLI harness's rules (reference/proxy.md §17.1).
 RULES = {
     "balance": {"side_effect": "read_only", "timeout": "5s"},

@@ -329,20 +329,54 @@ def _alive(pid: int) -> bool:
 IGNORES_EOF = "import signal, time\nwhile True:\n    time.sleep(1)\n"
 
 
+class RecordedInput:
+    """A server's stdin whose close() is recorded in ``events``."""
+
+    def __init__(self, stream, events: list, index: int):
+        self.stream, self.events, self.index = stream, events, index
+
+    def close(self) -> None:
+        self.events.append(("eof", self.index))
+        self.stream.close()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def test_servers_loading_never_took_are_ended_all_at_once(tmp_path, monkeypatch):
     """Four servers that go on after their input closes: each waits CLOSE_WAIT for it, then
-    takes SIGTERM; together, not one after another."""
+    takes SIGTERM; together, not one after another. Judged by the order of what close_rest
+    does, never by its time: the four inputs closed, then the waits, then the four SIGTERMs,
+    with no wait between two closes nor between two signals."""
     monkeypatch.setattr(ap, "CLOSE_WAIT", 1.0)
     early = ap.EarlyStart()
     for i in range(4):
         early.spawned[f"s{i}"] = ap.spawn_server([sys.executable, "-c", IGNORES_EOF],
                                                  dict(os.environ), None)
     procs = list(early.spawned.values())
-    began = time.monotonic()
+    events: list = []
+    for i, p in enumerate(procs):
+        p.stdin = RecordedInput(p.stdin, events, i)
+    pids = {p.pid: i for i, p in enumerate(procs)}
+    kill, sleep = os.kill, time.sleep
+
+    def recorded_kill(pid, sig):
+        if pid in pids:
+            events.append((signal.Signals(sig).name, pids[pid]))
+        kill(pid, sig)
+
+    def recorded_sleep(seconds):
+        if not events or events[-1] != ("wait",):
+            events.append(("wait",))
+        sleep(seconds)
+    monkeypatch.setattr(os, "kill", recorded_kill)
+    monkeypatch.setattr(time, "sleep", recorded_sleep)
     early.close_rest()
-    took = time.monotonic() - began
+    monkeypatch.undo()
     assert [p.returncode for p in procs] == [-signal.SIGTERM] * 4
-    assert took < 2.5, f"{took:.1f} s: one after another would take 4"
+    together = [("eof", i) for i in range(4)] + [("wait",)] + \
+        [("SIGTERM", i) for i in range(4)]
+    assert events[:len(together)] == together, events
 
 
 def _children(pid: int) -> list[int]:

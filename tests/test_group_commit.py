@@ -26,6 +26,7 @@ RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
          "refund": {"side_effect": "destructive", "timeout": "10s"}}
 HELD = 0.5                 # seconds the WAL's sync is held up
 BOUND = 10.0               # no wait in these tests is longer
+POLL = 0.005               # how often a held sync looks whether it may be let go
 
 
 class Hold:
@@ -59,6 +60,22 @@ class WalSyncs:
         timer = threading.Timer(seconds, release)
         timer.daemon = True
         timer.start()
+        return hold
+
+    def hold_until(self, done) -> "Hold":
+        """Hold the syncs up until done() is true (looked at from a thread of its own), or
+        BOUND at most: what a test orders against the held sync happens while it is held,
+        however slow the machine, unless it waits for the sync (then BOUND lets it go)."""
+        hold = Hold()
+        self.release.clear()
+
+        def release():
+            deadline = time.monotonic() + BOUND
+            while not done() and time.monotonic() < deadline:
+                time.sleep(POLL)
+            hold.at = time.monotonic()
+            self.release.set()
+        threading.Thread(target=release, daemon=True).start()
         return hold
 
     def __call__(self, fd):
@@ -259,7 +276,7 @@ def test_group_commit_synced_write_when_full_cannot_be_set_writes_nothing(groupe
 
 def test_group_commit_lease_lost_while_the_start_syncs_sends_nothing(grouped):
     h, proxy, upstream, syncs = grouped
-    syncs.hold_for(HELD)
+    syncs.hold_until(lambda: proxy.gate.leases._lost)          # held till the lease is lost
 
     async def lose_it():
         deadline = time.monotonic() + BOUND
@@ -299,8 +316,8 @@ def test_group_commit_read_request_waits_for_no_other_calls_sync(grouped):
     held = []
 
     async def hold_the_outcome(remote, a, timeout):
-        if not held:
-            held.append(syncs.hold_for(HELD))    # the payment's outcome sync is held up
+        if not held:            # the payment's outcome sync is held up till the read's
+            held.append(syncs.hold_until(lambda: len(upstream.arrived) == 2))   # request
         return await real_call(remote, a, timeout)
     upstream.call_tool = hold_the_outcome
 

@@ -5,11 +5,13 @@ HTTP with JSON or SSE answers; what each call does is chosen by its ``mode`` arg
 ``bank`` (fake_payment_server.py). For every misbehaviour the test asserts the outcome the
 seed prescribes ("Timeouts, crashes, and restarts", "Outcome prefixes"), counts what the
 hostile server executed from its log, and then checks that the proxy still answers a bank
-balance call and exits within 5 s of its stdin closing.
+balance call and exits once its stdin closes.
 
 The hostile tools are ``hostile_read`` (read_only) and ``hostile_pay`` (remote_mutation,
 allowed by its rule, so that it executes), each with a 2 s timeout: the slow cases are bounded
-by it. Every wait has a deadline; every process started here is killed by its pid.
+by it. Every wait has a deadline, generous for a busy machine and never what is judged: an
+answer, a ping's answer before the call's, an exit; every process started here is killed by
+its pid.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTILE = os.path.join(HERE, "hostile_server.py")
 
 TOOL_TIMEOUT = 2.0                  # the hostile tools' rule timeout
-ANSWER_BOUND = TOOL_TIMEOUT + 8.0   # an answer owed by a timed-out call comes within this
-PING_BOUND = 1.0                    # a ping answered while the upstream misbehaves
-EXIT_BOUND = 5.0                    # stdin closed -> the proxy has exited
+# An answer owed by a timed-out call comes within this: a wait, ten times the rule's timeout
+# and short of DEFAULT_TOOL_TIMEOUT (30 s), so that only the rule's deadline ends it.
+ANSWER_BOUND = 20.0
+PING_WAIT = 30.0                    # for a ping's answer while the upstream misbehaves
+EXIT_BOUND = 30.0                   # stdin closed -> the proxy has exited
 FLOOD_BOUND = 90.0                  # 10,000 notifications of 1 KiB, then the answer
 MAX_RESULT = 64 * 1024
 HTTP_START = 10.0
@@ -151,7 +155,7 @@ def bench(tmp_path_factory):
 # -- what every case ends with ----------------------------------------------------------------------
 
 def healthy_then_exit(p: ProxyProcess) -> None:
-    """The bank still answers through the proxy, and closing stdin ends the proxy in 5 s."""
+    """The bank still answers through the proxy, and closing stdin ends the proxy."""
     r = p.call("bank_balance", {"account": "main"}, timeout=15)
     assert not is_error(r) and "holds 120.00 EUR" in text(r), f"bank balance: {r}"
     exits_soon(p)
@@ -168,11 +172,8 @@ def exits_soon(p: ProxyProcess) -> None:
 
 
 def timed_call(p: ProxyProcess, name: str, args: dict, bound: float = ANSWER_BOUND) -> dict:
-    began = time.monotonic()
-    r = p.call(name, args, timeout=bound)
-    took = time.monotonic() - began
-    assert took < bound, f"{name} {args} took {took:.1f} s"
-    return r
+    """The call's result; none within ``bound`` fails the test."""
+    return p.call(name, args, timeout=bound)
 
 
 def want(r: dict, pfx: str, error: bool) -> str:
@@ -182,18 +183,19 @@ def want(r: dict, pfx: str, error: bool) -> str:
     return t
 
 
-def pings_while(p: ProxyProcess, ident: int, bound: float) -> dict:
-    """Ping the proxy until the answer to request ``ident`` arrives; each ping must be
-    answered within PING_BOUND. The call's result."""
+def pings_while(p: ProxyProcess, ident: int, bound: float) -> tuple[dict, int]:
+    """Ping the proxy until the answer to request ``ident`` arrives; every ping is answered.
+    The call's result, and how many pings were answered before it (the answers come in the
+    order the proxy wrote them: a proxy busy with the upstream answers none before)."""
     key = json.dumps(ident)
     deadline = time.monotonic() + bound
+    before = 0
     while key not in p.answers:
         assert time.monotonic() < deadline, f"no answer to call {ident} within {bound} s"
-        began = time.monotonic()
-        msg = p.answer(p.send("ping"), timeout=PING_BOUND)
-        assert time.monotonic() - began < PING_BOUND
+        msg = p.answer(p.send("ping"), timeout=PING_WAIT)
         assert msg.get("result") == {}, f"ping: {msg}"
-    return p.result(ident, timeout=0.1)
+        before += key not in p.answers
+    return p.result(ident, timeout=0.1), before
 
 
 def nesting(value) -> int:
@@ -371,8 +373,9 @@ def test_notification_flood_leaves_the_proxy_responsive(bench, transport):
     ident = p.send_call("hostile_read", {"mode": "notify_flood"})
     eventually(lambda: any(e.get("what") == "flood start" for e in d.events()), 10,
                "the flood to start")
-    r = pings_while(p, ident, FLOOD_BOUND)
+    r, before = pings_while(p, ident, FLOOD_BOUND)
     assert not is_error(r) and text(r) == "read done", text(r)
+    assert before >= 1, "no ping was answered while the flood came in"
     healthy_then_exit(p)
 
 
@@ -384,7 +387,10 @@ def test_exponent_bomb_id_then_nothing(bench, transport):
     p = d.start()
     ident = p.send_call("hostile_pay", {"mode": "expbomb_id", "amount": 5})
     eventually(lambda: d.executions("pay"), 10, "the call to reach the server")
-    want(pings_while(p, ident, ANSWER_BOUND), "UNKNOWN_OUTCOME", False)
+    r, before = pings_while(p, ident, ANSWER_BOUND)
+    want(r, "UNKNOWN_OUTCOME", False)
+    if transport != "json":         # a JSON body is the whole answer: nothing to wait for
+        assert before >= 1, "no ping was answered while the call waited for its answer"
     assert d.executions("pay") == 1
     healthy_then_exit(p)
 
@@ -395,7 +401,7 @@ def test_exponent_bomb_id_then_the_answer(bench, transport):
     p = d.start()
     ident = p.send_call("hostile_pay", {"mode": "expbomb_id_answer", "amount": 5})
     eventually(lambda: d.executions("pay"), 10, "the call to reach the server")
-    r = pings_while(p, ident, ANSWER_BOUND)
+    r, _ = pings_while(p, ident, ANSWER_BOUND)
     if prefix(r) != "UNKNOWN_OUTCOME":
         assert not is_error(r) and text(r) == "pay done", text(r)
     assert d.executions("pay") == 1

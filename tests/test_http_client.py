@@ -21,11 +21,13 @@ import pytest
 from conftest import ap
 
 DRIP_INTERVAL = 0.1       # seconds between the bytes a trickling server sends
-TRICKLE_CAP = 8.0         # a trickling connection ends after this, so old code cannot hang
+# A trickling connection never ends while a test runs (each test's loop has a deadline of
+# its own, so old code fails rather than hangs): a call that returned was ended by its own
+# deadline or by close(), however slow the machine.
+TRICKLE_CAP = 600.0
 POLL = 0.05               # how often server threads look at their stop flag
-DEADLINE_SLACK = 0.5      # a timeout may come this late past its deadline, no later
-LOOP_STALL = 0.5          # the longest the event loop may go without running a task
 WAIT = 5.0                # bound on waiting for a server to see a request
+NEVER = 600.0             # a call's timeout that no test waits for
 # The default executor's size on this machine: the number of trickling calls that filled
 # it, and starved every other server, before each server had workers of its own.
 DEFAULT_WORKERS = min(32, (os.cpu_count() or 1) + 4)
@@ -54,14 +56,14 @@ async def until(predicate, timeout=WAIT):
         await asyncio.sleep(0.01)
 
 
-async def timed(coro):
-    """(the exception or result, seconds it took)."""
-    start = time.monotonic()
+async def outcome_of(coro, conn=None):
+    """(the exception or result, and, for an HttpUpstream conn, how many cancellations it
+    was still sending to the server at that moment)."""
     try:
         out = await coro
     except Exception as exc:          # the outcome under test
         out = exc
-    return out, time.monotonic() - start
+    return out, len(conn._notices) if conn is not None else 0
 
 
 def call(conn, timeout):
@@ -219,41 +221,27 @@ for line in sys.stdin:
 '''
 
 
-async def _watch_loop(gaps: list):
-    """Record the longest time the loop went without running this task."""
-    last = time.monotonic()
-    while True:
-        await asyncio.sleep(0.01)
-        now = time.monotonic()
-        gaps.append(now - last)
-        last = now
-
-
-def test_upstream_exponent_bomb_id_is_no_match(tmp_path):
+def test_upstream_exponent_bomb_id_is_no_match(tmp_path, exact_numbers):
+    """No number of the envelope is converted exactly (1e20000000 as an integer freezes the
+    event loop for minutes): exact_numbers counts every such conversion, and fails it."""
     script = tmp_path / "bomb_server.py"
     script.write_text(STDIO_SERVER)
 
     async def body():
         conn = ap.StdioUpstream("bomb", [sys.executable, str(script)], ap.child_env((), ()))
         await conn.start()
-        gaps = []
-        watch = asyncio.create_task(_watch_loop(gaps))
         try:
-            start = time.monotonic()
             reply = await conn.request("tools/list", {}, 5.0)
             codes = {}
             for method in ("code/bomb", "code/long", "code/fraction", "code/plain"):
                 with pytest.raises(ap.ProtocolError) as info:
                     await conn.request(method, {}, 5.0)
                 codes[method] = info.value.code
-            elapsed = time.monotonic() - start
         finally:
-            watch.cancel()
             await conn.close()
-        return elapsed, max(gaps), json.loads(reply.raw("result")), codes
-    elapsed, stall, result, codes = arun(body(), timeout=300.0)
-    assert stall < LOOP_STALL, f"the event loop stalled for {stall:.2f}s"
-    assert elapsed < 2.0
+        return json.loads(reply.raw("result")), codes
+    result, codes = arun(body())
+    assert exact_numbers == []
     assert result == {"which": "right"}      # 1e20000000, 1.0, 1e0, "1", -1: none is id 1
     assert codes == {"code/bomb": ap.INTERNAL_ERROR, "code/long": ap.INTERNAL_ERROR,
                      "code/fraction": ap.INTERNAL_ERROR, "code/plain": -32001}
@@ -268,7 +256,7 @@ def test_http_trickle_does_not_starve_other_servers():
             slow_conn = ap.HttpUpstream("slow", slow.url)
             ok_conn = ap.HttpUpstream("ok", ok.url)
             try:
-                stuck = [asyncio.create_task(timed(call(slow_conn, deadline)))
+                stuck = [asyncio.create_task(outcome_of(call(slow_conn, deadline)))
                          for _ in range(DEFAULT_WORKERS)]
                 await until(lambda: slow.requests >= min(DEFAULT_WORKERS, ap.HTTP_CONCURRENCY))
                 for _ in range(3):
@@ -281,26 +269,31 @@ def test_http_trickle_does_not_starve_other_servers():
         outcomes = arun(body())
     sent = [o for o, _ in outcomes if not isinstance(o, ap.NotSent)]
     assert len(sent) == min(DEFAULT_WORKERS, ap.HTTP_CONCURRENCY)
-    for outcome, took in outcomes:
+    for outcome, _ in outcomes:
         # Sent: timed out, outcome unknown. Still queued for a worker: never sent.
         assert isinstance(outcome, (asyncio.TimeoutError, ap.NotSent)), outcome
-        assert took < deadline + DEADLINE_SLACK, f"timed out after {took:.2f}s"
     assert all(isinstance(o, asyncio.TimeoutError) for o in sent)
 
 
 @pytest.mark.parametrize("where", sorted(NEVER_ENDING))
 def test_http_deadline_inside_a_line(where):
+    """The line never ends: the call ends at its own deadline, never early, and the
+    caller has its timeout before the server is told (the cancellation is still being sent:
+    a legacy server's slow answer to it does not hold the caller)."""
     deadline = 1.0
     with TrickleServer(*NEVER_ENDING[where]) as slow:
         async def body():
             conn = ap.HttpUpstream("slow", slow.url)
             try:
-                return await timed(call(conn, deadline))
+                began = time.monotonic()
+                outcome, cancelling = await outcome_of(call(conn, deadline), conn)
+                return outcome, time.monotonic() - began, cancelling
             finally:
                 await conn.close()
-        outcome, took = arun(body())
+        outcome, took, cancelling = arun(body())
     assert isinstance(outcome, asyncio.TimeoutError), outcome
-    assert deadline - DRIP_INTERVAL <= took < deadline + DEADLINE_SLACK, took
+    assert took >= deadline - DRIP_INTERVAL, took          # a deadline never comes early
+    assert cancelling == 1, "the caller's timeout waited for the server to be told"
 
 
 def test_http_queued_request_is_not_sent():
@@ -308,18 +301,18 @@ def test_http_queued_request_is_not_sent():
         async def body():
             conn = ap.HttpUpstream("slow", slow.url)
             try:
-                busy = [asyncio.create_task(timed(call(conn, 5.0)))
+                busy = [asyncio.create_task(outcome_of(call(conn, NEVER)))
                         for _ in range(ap.HTTP_CONCURRENCY)]
                 await until(lambda: slow.requests == ap.HTTP_CONCURRENCY)
-                extra = await timed(call(conn, 0.5))
-                seen = slow.requests
+                extra, _ = await outcome_of(call(conn, 0.5))
+                seen, freed = slow.requests, sum(b.done() for b in busy)
             finally:
                 await conn.close()
             await asyncio.gather(*busy)
-            return extra, seen
-        (outcome, took), seen = arun(body())
+            return extra, seen, freed
+        outcome, seen, freed = arun(body())
     assert isinstance(outcome, ap.NotSent), outcome
-    assert took < 0.5 + DEADLINE_SLACK
+    assert freed == 0                   # at its own deadline: no worker had been freed for it
     assert seen == ap.HTTP_CONCURRENCY          # the extra request never reached the server
 
 
@@ -328,18 +321,15 @@ def test_http_close_is_bounded():
         async def body():
             conn = ap.HttpUpstream("slow", slow.url)
             conn.session_id = "s-1"        # a legacy session: close() also sends DELETE
-            calls = [asyncio.create_task(timed(call(conn, 30.0)))
+            calls = [asyncio.create_task(outcome_of(call(conn, NEVER)))
                      for _ in range(ap.HTTP_CONCURRENCY + 2)]
             await until(lambda: slow.requests >= ap.HTTP_CONCURRENCY)
-            start = time.monotonic()
-            await conn.close()
-            closing = time.monotonic() - start
-            _, pending = await asyncio.wait(calls, timeout=3.0)
-            after = await timed(call(conn, 5.0))
-            return closing, pending, [c.result() for c in calls if c.done()], after
-        closing, pending, outcomes, after = arun(body())
-    assert closing < ap.HTTP_CLOSE_WAIT + DEADLINE_SLACK, closing
-    assert not pending, f"{len(pending)} calls still running 3s after close()"
+            await conn.close()          # its DELETE trickles too: the loop's deadline bounds it
+            _, pending = await asyncio.wait(calls, timeout=WAIT)
+            after = await outcome_of(call(conn, 5.0))
+            return pending, [c.result() for c in calls if c.done()], after
+        pending, outcomes, after = arun(body())
+    assert not pending, f"{len(pending)} calls still running {WAIT} s after close()"
     kinds = sorted(type(o).__name__ for o, _ in outcomes)
     # In flight: sent, so their outcome is unknown. Still queued: never sent.
     assert kinds == ["NotSent"] * 2 + ["UpstreamError"] * ap.HTTP_CONCURRENCY, kinds
@@ -367,7 +357,7 @@ def test_http_answer_id_must_match(case):
         async def body():
             conn = ap.HttpUpstream("srv", srv.url)
             try:
-                return await timed(call(conn, 2.0))
+                return await outcome_of(call(conn, 2.0))
             finally:
                 await conn.close()
         outcome, _ = arun(body())

@@ -34,6 +34,8 @@ from mcp_http_server import MCPHTTPServer
 from process_helpers import eventually_async
 
 MIB16 = 16 * 1024 * 1024
+CANCEL_WAIT = 10.0      # for a server to see a cancellation: a wait, never what is judged
+NEVER = 600.0           # a step of a close no test waits out
 MARKER = "\n[truncated]"
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -293,6 +295,19 @@ def tool_entry(name, schema=None, description="", annotations=None, **extra):
 def arun(coro, timeout=30.0):
     """Run one coroutine on a fresh loop, under a deadline."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def deadlines(conn) -> list:
+    """(method, timeout) of each request ``conn`` sends from now on: which deadline a
+    request was given, read instead of timed."""
+    seen: list = []
+    exchange = conn._exchange
+
+    async def recorded(msg_id, method, payload, timeout, *rest):
+        seen.append((method, timeout))
+        return await exchange(msg_id, method, payload, timeout, *rest)
+    conn._exchange = recorded
+    return seen
 
 
 async def pin(server: ap.ServerConfig) -> dict:
@@ -942,12 +957,12 @@ def test_call_timeout_is_honoured(script, tmp_path):
     async def body():
         pinned = await pin(s.server())
         async with loaded(s.server(rules), pinned) as (tools, _):
-            start = time.monotonic()
+            given = deadlines(tools["fs_read_file"].conn)
             with pytest.raises(asyncio.TimeoutError):
                 await tools["fs_read_file"].call(b'{"path":"p"}')
-            assert time.monotonic() - start < 1.0
+            assert given == [("tools/call", 0.05)]          # the rule's, never a default
             # The server is told the proxy stopped waiting.
-            end = time.monotonic() + 2
+            end = time.monotonic() + CANCEL_WAIT
             while time.monotonic() < end:
                 cancels = [m for m in s.received()
                            if m.get("method") == "notifications/cancelled"]
@@ -1053,12 +1068,10 @@ def test_stdio_listing_past_64_kib_works(script, tmp_path):
 
 def test_stdio_frame_past_16_mib_fails(script, tmp_path):
     s = Scripted(script, tmp_path, list="huge", huge=MIB16 + 4096)
-    start = time.monotonic()
     with pytest.raises(ap.MCPError) as info:
         arun(pin(s.server()))
     assert "list tools" in str(info.value)
     assert str(MIB16) in str(info.value)
-    assert time.monotonic() - start < 20
 
 
 def http_server(**kw):
@@ -1274,10 +1287,8 @@ def test_connect_offers_the_newest_legacy_version_and_refuses_an_unknown_answer(
 
 def test_connect_falls_back_to_initialize_when_discover_never_answers(script, tmp_path):
     s = Scripted(script, tmp_path, tools=[tool_entry("a")], discover="never")
-    start = time.monotonic()
-    pinned = arun(pin(s.server(connect_timeout=2.0)))
+    pinned = arun(pin(s.server(connect_timeout=2.0)))    # within its connect timeout
     assert list(pinned) == ["a"]
-    assert time.monotonic() - start < 2.5
     assert "initialize" in s.methods()
 
 
@@ -1309,10 +1320,8 @@ def test_upstream_garbage_line_ends_the_connection(script, tmp_path):
         pinned = await pin(s.server())
         async with loaded(s.server(rules), pinned) as (tools, _):
             for name in ("fs_bad", "fs_read_file"):
-                start = time.monotonic()
-                with pytest.raises(ap.ToolFailure) as info:
+                with pytest.raises(ap.ToolFailure) as info:     # not the rule's timeout
                     await tools[name].call(b'{"path":"p"}')
-                assert time.monotonic() - start < 1.0
                 assert '"fs"' in str(info.value)
     arun(body())
 
@@ -1328,11 +1337,9 @@ def test_upstream_http_session_gone_is_a_dropped_connection(tmp_path):
                 with srv.lock:
                     srv.sessions.clear()          # the server forgets the session
                 for _ in range(2):
-                    start = time.monotonic()
-                    with pytest.raises(ap.ToolFailure) as info:
+                    with pytest.raises(ap.ToolFailure) as info:     # not the rule's timeout
                         await tools["bank_balance"].call(b'{"account":"A-1"}')
                     assert '"bank"' in str(info.value)
-                    assert time.monotonic() - start < 2.0
                 assert tools["bank_balance"].conn.closed
             return len(srv.requests)
         before_close = arun(body())
@@ -1349,10 +1356,9 @@ def test_upstream_http_legacy_timeout_sends_cancelled(tmp_path):
         async def body():
             conn = await ap.open_upstream(server, time.monotonic() + 5)
             try:
-                start = time.monotonic()
+                # block: the server answers only once the call is cancelled
                 with pytest.raises(asyncio.TimeoutError):
-                    await conn.call_tool("pay", b'{"to":"a","amount":1,"mode":"slow"}', 0.3)
-                assert time.monotonic() - start < 1.5
+                    await conn.call_tool("pay", b'{"to":"a","amount":1,"mode":"block"}', 0.3)
                 await eventually_async(lambda: any(
                     r.rpc_method == "notifications/cancelled" for r in list(srv.requests)),
                     5, "notifications/cancelled at the server")
@@ -1372,12 +1378,11 @@ def test_upstream_http_modern_timeout_closes_the_stream(tmp_path):
         async def body():
             conn = await ap.open_upstream(server, time.monotonic() + 5)
             try:
-                start = time.monotonic()
+                # block: the server's call ends only when it is cancelled
                 with pytest.raises(asyncio.TimeoutError):
-                    await conn.call_tool("pay", b'{"to":"a","amount":1,"mode":"slow"}', 0.3)
-                assert time.monotonic() - start < 1.5
-                # Closing the stream is the cancellation: the slow call ends early.
-                end = time.monotonic() + 1.5
+                    await conn.call_tool("pay", b'{"to":"a","amount":1,"mode":"block"}', 0.3)
+                # Closing the stream is the cancellation: the blocked call ends.
+                end = time.monotonic() + CANCEL_WAIT
                 while srv.inflight and time.monotonic() < end:
                     await asyncio.sleep(0.02)
                 assert not srv.inflight
@@ -1589,12 +1594,10 @@ def test_load_the_checks_fall_inside_the_connect_timeout(two_tools, monkeypatch)
         return original(*args, **kwargs)
     monkeypatch.setattr(ap, "_build", slow_build)
     rules = {"read_file": RO, "write_file": {"side_effect": "local_mutation", "timeout": "1s"}}
-    start = time.monotonic()
     with pytest.raises(ap.MCPError) as info:
         arun(ap.load_server(s.server(rules, connect_timeout=1.0), pinned))
     assert str(info.value) == 'mcp: server "fs": load: timed out after 1s'
     assert info.value.report is None
-    assert time.monotonic() - start < 5
 
 
 def test_report_string_escapes_what_the_server_chose(script, tmp_path):
@@ -1654,10 +1657,8 @@ def test_call_dead_session_fails_fast_naming_the_server(two_tools):
             conn = tools["fs_read_file"].conn
             await eventually_async(lambda: conn.closed, 5, "the connection to see the server die")
             for _ in range(2):
-                start = time.monotonic()
-                with pytest.raises(ap.ToolFailure) as info:
+                with pytest.raises(ap.ToolFailure) as info:     # not the rule's timeout
                     await tools["fs_read_file"].call(b'{"path":"p"}')
-                assert time.monotonic() - start < 1.0
                 assert '"fs"' in str(info.value)
     arun(body())
 
@@ -1682,10 +1683,10 @@ def test_call_returns_when_the_rule_timeout_passes_even_if_the_server_never_answ
     async def body():
         rules = {"slow": {"side_effect": "read_only", "timeout": "100ms"}}
         async with loaded(s.server(rules), pinned) as (tools, _):
-            start = time.monotonic()
+            given = deadlines(tools["fs_slow"].conn)
             with pytest.raises(asyncio.TimeoutError):
                 await tools["fs_slow"].call(b"{}")
-            assert time.monotonic() - start < 2.0
+            assert given == [("tools/call", 0.1)]           # the rule's, never a default
     arun(body())
 
 
@@ -1700,12 +1701,10 @@ def test_connection_close_is_safe_twice_and_concurrent_with_a_call(script, tmp_p
         call = asyncio.create_task(tools[0].call(b'{"path":"p"}'))
         await eventually_async(lambda: "tools/call" in s.methods(), 5,
                                "the call to reach the server")
-        start = time.monotonic()
         await asyncio.gather(conn.close(), conn.close())
         await conn.close()
         with pytest.raises((ap.ToolFailure, asyncio.TimeoutError)):
             await asyncio.wait_for(call, 5)
-        assert time.monotonic() - start < 10
         assert conn.closed
     arun(body())
     assert wait_gone(s.pid())
@@ -1715,12 +1714,10 @@ def test_connection_close_is_safe_twice_and_concurrent_with_a_call(script, tmp_p
 
 def test_server_connect_timeout_bounds_an_initialize_that_never_answers(script, tmp_path):
     s = Scripted(script, tmp_path, initialize="never")
-    start = time.monotonic()
     with pytest.raises(ap.MCPError) as info:
         arun(pin(s.server(connect_timeout=0.05)))
     msg = str(info.value)
     assert msg.startswith('mcp: server "fs": connect: timed out after 50ms'), msg
-    assert time.monotonic() - start < 2.0
 
 
 def test_server_connect_timeout_bounds_a_listing_that_never_answers(script, tmp_path):
@@ -1728,7 +1725,6 @@ def test_server_connect_timeout_bounds_a_listing_that_never_answers(script, tmp_
     pinned = arun(pin(s.server()))
     s.change(list_behaviour="never")
     for action in ("pin", "load"):
-        start = time.monotonic()
         with pytest.raises(ap.MCPError) as info:
             if action == "pin":
                 arun(pin(s.server(connect_timeout=1.0)))
@@ -1737,7 +1733,6 @@ def test_server_connect_timeout_bounds_a_listing_that_never_answers(script, tmp_
         assert str(info.value).startswith(
             'mcp: server "fs": list tools: timed out after 1s'), str(info.value)
         assert info.value.report is None
-        assert time.monotonic() - start < 3.0
         assert wait_gone(s.pid())
 
 
@@ -1804,7 +1799,10 @@ def test_stdio_close_kills_the_servers_descendants(script, tmp_path):
 
 
 
-def test_stdio_close_is_prompt_when_the_server_exits_on_eof(script, tmp_path):
+def test_stdio_close_is_prompt_when_the_server_exits_on_eof(script, tmp_path, monkeypatch):
+    """Close waits for the server's exit on EOF, never for a step to run out: each step is
+    given far longer than the test's own deadline (arun's)."""
+    monkeypatch.setattr(ap, "CLOSE_WAIT", NEVER)
     gc = str(tmp_path / "grandchild.pid")
     s = Scripted(script, tmp_path, tools=[tool_entry("a")])
     pinned = arun(pin(s.server()))
@@ -1814,13 +1812,11 @@ def test_stdio_close_is_prompt_when_the_server_exits_on_eof(script, tmp_path):
         tools, _ = await ap.load_server(s.server({"a": RO}), pinned)
         with open(gc) as f:
             pid = int(f.read())
-        start = time.monotonic()
         await tools[0].conn.close()
-        return pid, time.monotonic() - start
+        return pid
     try:
-        pid, took = arun(body())
-        assert wait_gone(pid, 1.0)
-        assert took < 2.0, f"close took {took:.1f} s"
+        pid = arun(body())
+        assert wait_gone(pid)
     finally:
         with contextlib.suppress(Exception):
             with open(gc) as f:
@@ -2067,13 +2063,13 @@ def bad(script, tmp_path):
 
 def test_proxy_survives_an_upstream_that_never_answers(bad):
     h, _ = bad
-    start = time.monotonic()
     r = h.call("fs_never", {}, timeout=10)
-    assert time.monotonic() - start < 3
     assert h.is_error(r)
     run = h.runs()[-1]
     assert run.status in ap.TERMINAL
-    assert any(st.obs_content.get("failure") == "timeout" for st in h.steps(run))
+    # The rule's deadline, recorded with the failure: never a default's.
+    assert {"failure": "timeout", "error": "no answer within 300ms"}.items() <= \
+        h.steps(run)[0].obs_content.items(), h.steps(run)[0].obs_content
     r = h.call("fs_fine", {"x": 1})
     assert not h.is_error(r) and json.loads(h.text(r)) == {"x": 1}
 
@@ -2107,17 +2103,18 @@ def test_call_invalid_utf8_in_a_result_becomes_replacement_characters(script, tm
 
 def test_proxy_survives_an_upstream_that_exits_mid_call(bad):
     h, s = bad
-    start = time.monotonic()
     r = h.call("fs_crash", {"n": 1}, timeout=15)
-    assert time.monotonic() - start < 3        # not the rule's 5 s: EOF fails the call
     # A mutating call whose server vanished: its outcome is unknown, never "failed".
     assert h.text(r).startswith("UNKNOWN_OUTCOME:"), h.text(r)
+    # EOF failed the call, not the rule's 5 s: the recorded failure says so.
+    failed = h.steps(h.runs()[-1])[0].obs_content
+    assert failed.get("failure") == "error" and "closed its output" in failed["error"], failed
     assert wait_gone(s.pid())
-    # The session is gone: later calls are answered at once, naming the server's failure.
-    start = time.monotonic()
+    # The session is gone: later calls are answered at once (nothing is sent, so nothing
+    # waits for an answer), naming the server's failure.
     r = h.call("fs_fine", {"z": 3}, timeout=10)
-    assert time.monotonic() - start < 2
     assert h.is_error(r) and '"fs"' in h.text(r)
+    assert "nothing was sent" in h.text(r), h.text(r)
     assert len(h.runs()) == 2
     statuses = [run.status for run in h.runs()]
     assert statuses[1] in ap.TERMINAL and statuses[0] in (ap.WAITING, *ap.TERMINAL)
@@ -2141,11 +2138,9 @@ def test_proxy_refuses_to_start_on_a_listing_that_never_ends(script, tmp_path):
     h.close()
     s.change(list="endless")
     cfg = ap.load_config(h.config_path)
-    start = time.monotonic()
     with pytest.raises(ap.MCPError) as info:
         arun(ap.load_tools(cfg))
     assert "more than 100 pages" in str(info.value) and '"fs"' in str(info.value)
-    assert time.monotonic() - start < 15
     assert wait_gone(s.pid())
 
 

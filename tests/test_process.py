@@ -20,6 +20,7 @@ from process_helpers import (EVENTS_ALLOWED, EVENTS_CRASH_INTERRUPTED_APPROVED, 
                              eventually, is_error, prefix, text)
 
 LEASE = "3s"
+LIVE_LEASE = "8s"       # outlasts the calls a test makes while it is live, on a busy machine
 
 
 
@@ -144,14 +145,15 @@ def test_process_two_proxies_on_one_session(tmp_path, procs):
     assert is_error(other) is (prefix(other) == "DUPLICATE")
     assert d.payments() == 1
 
-    began = time.monotonic()
-    i1 = p1.send_call("bank_pay", {"to": "pia", "amount": 4, "mode": "slow"})
-    i2 = p2.send_call("bank_pay", {"to": "quin", "amount": 6, "mode": "slow"})
+    # Two calls with different arguments run at once: both are inside the server (each
+    # waits there until released) before either is answered.
+    i1 = p1.send_call("bank_pay", {"to": "pia", "amount": 4, "mode": "block"})
+    i2 = p2.send_call("bank_pay", {"to": "quin", "amount": 6, "mode": "block"})
+    eventually(lambda: d.payments() == 3, 30, "both calls inside the server at once")
+    d.release()
     r1, r2 = p1.result(i1, 30), p2.result(i2, 30)
-    took = time.monotonic() - began
     assert text(r1) == "paid 4.00 to pia" and not is_error(r1), text(r1)
     assert text(r2) == "paid 6.00 to quin" and not is_error(r2), text(r2)
-    assert took < 3.9, f"two slow calls with different arguments took {took:.1f} s: not parallel"
     assert d.payments() == 3
 
     p1.stop()
@@ -198,7 +200,7 @@ def interrupted(d: ProcessDir, p, args: dict, run_id: str) -> dict:
 
 
 def test_process_crash_then_approve_runs_it_again_once(tmp_path, procs):
-    d = procs(tmp_path, allow_pay=True, lease_ttl=LEASE)
+    d = procs(tmp_path, allow_pay=True, lease_ttl=LIVE_LEASE)
     args = {"to": "rob", "amount": 5, "mode": "block"}
     p, run_id = crash_mid_payment(d, args)
     # The seed's IN_PROGRESS until the lease runs out no longer holds for a proxy killed

@@ -13,7 +13,6 @@ import re
 import sqlite3
 import subprocess
 import sys
-import time
 import types
 
 import pytest
@@ -483,10 +482,8 @@ def test_recheck_writes_nothing(rec, monkeypatch):
     holder = sqlite3.connect(rec.db, timeout=1, isolation_level=None)
     try:
         holder.execute("BEGIN IMMEDIATE")
-        started = time.monotonic()
-        code, out, err = recheck("-config", rec.config)
+        code, out, err = recheck("-config", rec.config)      # a writer would wait, then fail
         assert code == 0, err
-        assert time.monotonic() - started < 4
     finally:
         holder.execute("ROLLBACK")
         holder.close()

@@ -37,6 +37,10 @@ from process_helpers import (PROXY, PYTHON, ProcessDir, child_pids, _cmdline, ev
 from proxy_harness import DEFAULT_RULES, ProxyHarness, harness_loop, write_config
 from mcp_http_server import MCPHTTPServer
 
+GONE_WAIT = 30.0        # for a stream the proxy gave up on to be closed: generous, never timed
+NEVER = 600.0           # a step of a close no test waits out
+PIN_WAIT = 30.0         # a pin, its close included
+
 
 # -- small helpers -------------------------------------------------------------------------------
 
@@ -202,30 +206,12 @@ def test_grant_collected_after_another_gate_asked_again_does_not_execute(harness
 SLOW_PATTERN = "a[ab]{30}c"
 
 
-def _slow_subject() -> tuple[str, float]:
-    """A string that SLOW_PATTERN takes at least 0.4 s to refuse. Patterns are matched in
-    linear time, so slowness takes a long string whose prefixes leave many distinct sets of
-    live threads: a fixed pseudo-random mix of 'a' and 'b'."""
-    state, chars = 1, []
-    for n in (20_000, 40_000, 80_000, 160_000):
-        while len(chars) < n:
-            state = (state * 1103515245 + 12345) % 2 ** 31
-            chars.append("ab"[state >> 16 & 1])
-        text = "".join(chars)
-        t = time.monotonic()
-        ap.Pattern(SLOW_PATTERN).search(text)
-        took = time.monotonic() - t
-        if took >= 0.4:
-            break
-    return text, took
-
-
-def test_slow_schema_pattern_does_not_hold_the_write_lock(harness):
+def test_slow_schema_pattern_does_not_hold_the_write_lock(harness, monkeypatch):
     """Review 1, finding t7: Gate.start validated the arguments (and evaluated the policy)
     inside its write transaction, so a schema pattern with catastrophic backtracking held the
     database's write lock, and every other writer (another proxy, the operator) waited for
-    it. Proposals are judged first, outside the transaction."""
-    text, took = _slow_subject()
+    it. Proposals are judged first, outside the transaction: every match of the pattern is
+    made while the store's connection holds no transaction, however long it takes."""
     spec = ap.ToolSpec("note", "notes", b'{"type":"object","properties":{"s":{"type":'
                        b'"string","pattern":"' + SLOW_PATTERN.encode() + b'"}}}',
                        "read_only", 5.0, True)
@@ -234,37 +220,21 @@ def test_slow_schema_pattern_does_not_hold_the_write_lock(harness):
         return ap.ToolResult(b"{}", "ok")
 
     gate = ap.Gate(harness.store, [ap.Tool(spec, note)], ap.SideEffectPolicy())
-    waits: list[float] = []
-    done = threading.Event()
+    matched: list[bool] = []            # per match: whether a transaction was open
+    search_costed = ap.Pattern.search_costed
 
-    def writer():
-        conn = sqlite3.connect(harness.path, isolation_level=None, timeout=30)
-        try:
-            while not done.is_set():
-                t = time.monotonic()
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute("COMMIT")
-                waits.append(time.monotonic() - t)
-                time.sleep(0.005)      # paces the probe: it measures, it does not wait
-        finally:
-            conn.close()
-
-    probe = threading.Thread(target=writer, daemon=True)
-    probe.start()
+    def watched(self, text, limit):
+        matched.append(harness.store.conn.in_transaction)
+        return search_costed(self, text, limit)
+    monkeypatch.setattr(ap.Pattern, "search_costed", watched)
     try:
-        eventually(lambda: waits, 10, "the writer's first probe")
-        args = b'{"s":"' + text.encode() + b'"}'
-        t = time.monotonic()
+        args = b'{"s":"' + b"ab" * 1000 + b'"}'
         asyncio.run(gate.call("r-slow", "note", LIMITS,
                               ap.Decision("tool_call", "note", args, origin="model")))
-        call_took = time.monotonic() - t
     finally:
-        done.set()
-        probe.join(35)
         gate.close()
-    assert call_took >= took * 0.5, "the pattern was not slow in this run"
-    assert waits and max(waits) < took * 0.5, \
-        f"another writer waited {max(waits):.2f} s while a {took:.2f} s pattern was judged"
+    assert matched and not any(matched), \
+        f"{sum(matched)} of {len(matched)} matches made inside the write transaction"
 
 
 def test_events_json_keeps_number_literals(harness, cli):
@@ -645,9 +615,8 @@ def test_sse_stream_that_trickles_keepalives_is_bounded(tmp_path):
     try:
         hp = HttpProxy(tmp_path, f"http://127.0.0.1:{srv.port}/mcp",
                        {"pay": {"side_effect": "local_mutation", "timeout": "1s"}})
-        text, took = hp.call("h_pay", b'{"to":"bob"}')
-        assert took < 5, f"the call took {took:.1f} s"
-        assert srv.gone.wait(4), "the proxy still reads the trickling stream"
+        text, _ = hp.call("h_pay", b'{"to":"bob"}')       # the call's own deadline bounds it
+        assert srv.gone.wait(GONE_WAIT), "the proxy still reads the trickling stream"
         assert srv.paid == [b'{"to": "bob"}']
     finally:
         srv.stop()                          # ends the stream, so a stuck reader ends too
@@ -977,10 +946,12 @@ for line in sys.stdin:
 '''
 
 
-def test_closing_a_stdio_server_does_not_wait_on_a_descendants_pipes(tmp_path):
+def test_closing_a_stdio_server_does_not_wait_on_a_descendants_pipes(tmp_path, monkeypatch):
     """93356a0: closing a stdio server waited for its pipes to close, not for the process to
     exit, so a server whose child kept stdout open made every close (pin, shutdown) wait
-    out each step's 5 s. Close waits for the server process itself."""
+    out each step's 5 s. Close waits for the server process itself. Each step is given far
+    longer than the pin's own deadline here: a close that waits a step out fails it."""
+    monkeypatch.setattr(ap, "CLOSE_WAIT", NEVER)
     script, pidfile = tmp_path / "server.py", str(tmp_path / "grandchild.pid")
     script.write_text(GRANDCHILD_SERVER)
     doc = {"database": "runs.db", "session": "t", "hold": "0s",
@@ -992,10 +963,7 @@ def test_closing_a_stdio_server_does_not_wait_on_a_descendants_pipes(tmp_path):
     os.chmod(path, 0o600)
     cfg = ap.load_config(str(path))
     try:
-        t = time.monotonic()
-        asyncio.run(asyncio.wait_for(ap.pin_server(cfg.servers[0], time.time()), 30))
-        took = time.monotonic() - t
-        assert took < 3, f"pin took {took:.1f} s to close a server whose child holds its pipes"
+        asyncio.run(asyncio.wait_for(ap.pin_server(cfg.servers[0], time.time()), PIN_WAIT))
     finally:
         with contextlib.suppress(OSError, ValueError):
             with open(pidfile) as f:

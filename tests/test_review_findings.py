@@ -12,6 +12,10 @@ against the real module: a test here fails while its fault is present.
    answer costs the same way.
 4. At exit the stdio servers are closed one after another, each given 2 * CLOSE_WAIT when
    it ignores EOF and SIGTERM: the exit waits for the sum.
+
+Each is judged by a count or an order, never by a time, so that a busy machine judges it as
+an idle one does: the instruction visits the patterns were allowed, the answers written
+before a ping's, the strict parses of an answer, the closes under way at once.
 """
 
 from __future__ import annotations
@@ -34,9 +38,6 @@ import agentrt_proxy as ap  # noqa: E402
 from proxy_harness import ProxyHarness  # noqa: E402
 
 NEWLINE_SERVER = os.path.join(HERE, "newline_server.py")
-# What the fixed code may take for a check that is refused for its cost; the faulty code
-# takes several seconds (about 8 s on an idle core).
-CHECK_BOUND = 1.5
 
 
 def _nested_args(depth: int) -> bytes:
@@ -49,20 +50,31 @@ def _nested_args(depth: int) -> bytes:
 
 # ---- 1. pattern work is outside the call's budget -------------------------------------------
 
-def test_pattern_work_is_bounded_per_call_not_only_per_string():
+def test_pattern_work_is_bounded_per_call_not_only_per_string(monkeypatch):
     # A 27-character pattern, a pinned schema of 120 bytes, 40 KB of arguments. Unanchored,
     # {1,1000} keeps up to a thousand threads alive; the states are too big for the memo to
-    # keep, so every string pays again. The check must be refused (or answered) quickly.
+    # keep, so every string pays again. The whole check may spend what the call's budget
+    # allows, in instruction visits: the faulty code let each string spend MAX_PATTERN_WORK
+    # (about 8 s for the call on an idle core).
     schema = {"type": "object", "properties": {"s": {"type": "array", "items": {
         "type": "string", "pattern": "[a-z]{1,1000}$"}}}}
     compiled = ap.compile_schema(json.dumps(schema).encode())
     args = json.dumps({"s": ["a" * 1000 + "!"] * 40}).encode()
     assert len(args) < 50_000
-    start = time.perf_counter()
+    allowed = []                    # per string: the visits it spent, or all it was allowed
+    search_costed = ap.Pattern.search_costed
+
+    def counted(self, text, limit):
+        allowed.append(limit)
+        found, work = search_costed(self, text, limit)
+        allowed[-1] = work
+        return found, work
+    monkeypatch.setattr(ap.Pattern, "search_costed", counted)
     with pytest.raises(ap.SchemaError):
         compiled.check(args)
-    took = time.perf_counter() - start
-    assert took < CHECK_BOUND, f"one call's check kept the loop busy for {took:.1f} s"
+    budget = ap.MAX_SCHEMA_EVALUATIONS * ap.PATTERN_VISITS_PER_EVALUATION
+    assert allowed and sum(allowed) <= budget, f"{sum(allowed)} visits over {len(allowed)} " \
+        f"strings, the call's budget {budget}"
 
 
 # ---- 2. operator output of deep records -----------------------------------------------------
@@ -98,12 +110,23 @@ def test_events_json_prints_arguments_nested_to_the_bound(erase_harness, depth):
 # ---- 3. a large host message keeps the event loop busy --------------------------------------
 
 # Under 1 MB of arguments: an array of 450,000 zeros. The proxy parses the arguments about
-# seven times on the event loop (parse_message and its spans, host_arguments, request_key,
-# the gate's check, the decision record), at a few microseconds a value each, before it can
-# answer anything else. The faulty code takes 4 to 9 s here; the bound leaves room for a
-# loaded machine.
-PASSES_BOUND = 1.8          # strict parses of an answer that reading and mapping it may cost
-LOOP_BOUND = 3.0           # seconds; the faulty code takes 5 to 9 s (a loaded 2-core machine: about 2)
+# seven times (parse_message and its spans, host_arguments, request_key, the gate's check,
+# the decision record), at a few microseconds a value each: the faulty code did it on the
+# event loop, before it could answer anything else (4 to 9 s here). A ping sent after the
+# call is answered before it.
+
+
+def _parses(monkeypatch, at_least: int) -> list[int]:
+    """The lengths of the texts of at least ``at_least`` characters parsed from now on."""
+    found: list[int] = []
+    init = ap._Parser.__init__
+
+    def counted(self, raw, text, strict):
+        if len(text) >= at_least:
+            found.append(len(text))
+        init(self, raw, text, strict)
+    monkeypatch.setattr(ap._Parser, "__init__", counted)
+    return found
 
 
 def test_a_large_call_does_not_stop_the_proxy_answering(tmp_path):
@@ -111,18 +134,17 @@ def test_a_large_call_does_not_stop_the_proxy_answering(tmp_path):
     try:
         args = b'{"account":"A","x":[' + b",".join([b"0"] * 450_000) + b"]}"
         assert len(args) < 1_000_000
-        start = time.perf_counter()
         ident = h.request("tools/call", raw_params=b'{"name":"bank_balance","arguments":' +
                           args + b"}", wait=False)
         h.request("ping", timeout=120)
-        took = time.perf_counter() - start
+        before = [json.loads(raw).get("id") for raw in h.out]
         assert h.prefix(h.answer(ident, timeout=120)["result"]) == "INVALID"
-        assert took < LOOP_BOUND, f"a ping waited {took:.1f} s behind one call"
+        assert ident not in before, "the ping was answered only after the call"
     finally:
         h.close()
 
 
-def test_a_large_server_answer_is_read_in_bounded_time():
+def test_a_large_server_answer_is_read_in_bounded_time(monkeypatch):
     # The same cost from the other side: a server's answer with 600,000 zeros in its
     # structuredContent (1.2 MB; a frame may hold 16 MiB). It is read (parse_message, its
     # spans), mapped (map_result parses the result, its spans, then the structured content
@@ -135,19 +157,14 @@ def test_a_large_server_answer_is_read_in_bounded_time():
     assert len(line) < ap.MAX_FRAME
     spec = ap.ToolSpec("bank_pay", "pays", b'{"type":"object"}', "remote_mutation", 5.0, True)
     tool = ap.UpstreamTool(spec, "bank", "pay", ap.Rule(side_effect="remote_mutation"), None)
-    # Judged against one strict parse of the same line on this machine: the fixed code
-    # reads the answer in one pass and maps it in a small fraction of another; the faulty
-    # code parsed it, or its structured content, three times or more.
-    start = time.perf_counter()
-    ap.parse_json(line, strict=False)
-    one_pass = time.perf_counter() - start
-    start = time.perf_counter()
+    # Counted in parses of it or of its structured content: the fixed code reads the
+    # answer in one pass; the faulty code parsed it, or its structured content, three times
+    # or more.
+    parses = _parses(monkeypatch, len(structured))
     msg = ap.parse_message(line, ap.UPSTREAM_DEPTH)
     obs = ap._observe("bank_pay", 5.0, ap.map_result(tool, msg))
-    took = time.perf_counter() - start
     assert obs[0]["kind"] == ap.TOOL_RESULT
-    assert took < PASSES_BOUND * one_pass, \
-        f"reading one answer took {took:.1f} s, {took / one_pass:.1f} parses of it"
+    assert len(parses) == 1, f"the answer or its structured content parsed {len(parses)} times"
 
 
 # ---- 4. closing stubborn servers one after another ------------------------------------------
@@ -157,14 +174,30 @@ STUBBORN = ("import signal, sys, time\n"
             "open(sys.argv[1], 'w').close()\n"
             "time.sleep(120)\n")
 READY_WAIT = 10.0
+CLOSE_STEP = 0.5            # CLOSE_WAIT here: what is judged is how many close at once
 
 
-def test_closing_servers_that_ignore_eof_and_sigterm_is_bounded_overall(tmp_path):
+def test_closing_servers_that_ignore_eof_and_sigterm_is_bounded_overall(tmp_path,
+                                                                         monkeypatch):
     # Each stdio server gets CLOSE_WAIT after its stdin closes and CLOSE_WAIT after SIGTERM
-    # before SIGKILL; close_tools closes the servers one after another, so at exit the
-    # proxy waits 2 * CLOSE_WAIT for each server that ignores both (three: 30 s), where a
-    # host may already have given up on it. Closed together, the wait is that of one.
-    async def scenario() -> float:
+    # before SIGKILL; close_tools closed the servers one after another, so at exit the
+    # proxy waited 2 * CLOSE_WAIT for each server that ignores both (three: 30 s), where a
+    # host may already have given up on it. Closed together, the wait is that of one: all
+    # three closes are under way at once.
+    monkeypatch.setattr(ap, "CLOSE_WAIT", CLOSE_STEP)
+    under_way, most = [0], [0]
+    close = ap.StdioUpstream.close
+
+    async def counted(self):
+        under_way[0] += 1
+        most[0] = max(most[0], under_way[0])
+        try:
+            await close(self)
+        finally:
+            under_way[0] -= 1
+    monkeypatch.setattr(ap.StdioUpstream, "close", counted)
+
+    async def scenario() -> None:
         conns = []
         for i in range(3):
             ready = str(tmp_path / f"ready{i}")
@@ -177,13 +210,9 @@ def test_closing_servers_that_ignore_eof_and_sigterm_is_bounded_overall(tmp_path
             assert time.monotonic() < deadline, "the servers did not start"
             await asyncio.sleep(ap.EXIT_POLL)
         holders = [types.SimpleNamespace(conn=c) for c in conns]
-        start = time.monotonic()
         await ap.close_tools(holders)
-        took = time.monotonic() - start
         for conn in conns:
             assert conn.proc is None
-        return took
 
-    took = asyncio.run(scenario())
-    bound = 2 * ap.CLOSE_WAIT + 3.0
-    assert took < bound, f"closing three stubborn servers took {took:.1f} s"
+    asyncio.run(scenario())
+    assert most[0] == 3, f"at most {most[0]} of the three closes were under way at once"

@@ -32,7 +32,9 @@ if ROOT not in sys.path:
 
 import agentrt_proxy as ap  # noqa: E402
 
-SLOW = 2.0                       # seconds a slow server sleeps before answering initialize
+# A held server answers initialize only once the test releases it (<name>.release), so that
+# what is judged is an order, never a time.
+HOLD = "hold"
 
 SERVER = r'''
 import json, os, sys, time
@@ -43,11 +45,12 @@ def note(what):
         f.write(repr(time.time()))
 
 note("started")
-delay, fail = 0.0, False
+delay, fail, hold = 0.0, False, False
 if os.path.exists(os.path.join(here, name + ".mode")):
     with open(os.path.join(here, name + ".mode")) as f:
         words = f.read().split()
-    delay, fail = float(words[0]), "fail" in words
+    hold = words[0] == "hold"
+    delay, fail = 0.0 if hold else float(words[0]), "fail" in words
 for line in sys.stdin:
     msg = json.loads(line)
     if "id" not in msg:
@@ -55,6 +58,8 @@ for line in sys.stdin:
     method, answer = msg.get("method"), {"jsonrpc": "2.0", "id": msg["id"]}
     if method == "initialize":
         time.sleep(delay)
+        while hold and not os.path.exists(os.path.join(here, name + ".release")):
+            time.sleep(0.02)
         if fail:
             sys.stderr.write(name + " cannot start\n")
             sys.exit(1)
@@ -106,6 +111,10 @@ class StartupDir:
         with open(os.path.join(self.tmp, f"{name}.mode"), "w") as f:
             f.write(text)
 
+    def release(self, name: str) -> None:
+        """Let a held server answer initialize."""
+        open(os.path.join(self.tmp, f"{name}.release"), "w").close()
+
     def noted(self, name: str, what: str) -> float | None:
         try:
             with open(os.path.join(self.tmp, f"{name}.{what}")) as f:
@@ -140,7 +149,7 @@ def tool_names(answer: dict) -> list[str]:
 
 def test_initialize_is_answered_before_the_server_has_started(boot):
     d = boot("slow")
-    d.mode("slow", f"{SLOW}")
+    d.mode("slow", HOLD)
     p = d.start()
     init = p.request("initialize", INITIALIZE, timeout=30)
     got_init = time.time()
@@ -149,8 +158,9 @@ def test_initialize_is_answered_before_the_server_has_started(boot):
     # The server has not yet answered its own initialize when the host has the proxy's.
     eventually(lambda: d.noted("slow", "started"), 30, "the server to start")
     assert d.noted("slow", "answered") is None, "the proxy answered only after its server"
-    assert "result" in p.request("ping", timeout=5)
+    assert "result" in p.request("ping", timeout=30)
     p.notify("notifications/initialized")
+    d.release("slow")
     listed = p.request("tools/list", timeout=30)
     assert tool_names(listed) == ["gate_status", "slow_echo"]
     answered = d.noted("slow", "answered")
@@ -162,7 +172,7 @@ def test_a_tools_list_sent_while_loading_is_answered_after_loading_with_the_tool
     """Sent at once, with a call behind it, and stdin closed: both are answered once the
     server is loaded, and the proxy then exits 0 as after any EOF."""
     d = boot("slow")
-    d.mode("slow", f"{SLOW}")
+    d.mode("slow", HOLD)
     p = d.start()
     p.send("initialize", INITIALIZE, ident=1)
     p.send("tools/list", ident=2)
@@ -171,6 +181,7 @@ def test_a_tools_list_sent_while_loading_is_answered_after_loading_with_the_tool
     assert "result" in p.answer(1, timeout=30)
     eventually(lambda: d.noted("slow", "started"), 30, "the server to start")
     assert d.noted("slow", "answered") is None, "the proxy answered only after its server"
+    d.release("slow")
     listed = p.answer(2, timeout=30)
     assert tool_names(listed) == ["gate_status", "slow_echo"]
     assert d.noted("slow", "answered") is not None
@@ -182,18 +193,18 @@ def test_a_tools_list_sent_while_loading_is_answered_after_loading_with_the_tool
 
 def test_two_slow_servers_connect_at_once(boot):
     d = boot("a", "b")
-    d.mode("a", f"{SLOW}")
-    d.mode("b", f"{SLOW}")
+    d.mode("a", HOLD)
+    d.mode("b", HOLD)
     p = d.start()
-    started = time.monotonic()
     assert "result" in p.request("initialize", INITIALIZE, timeout=30)
+    eventually(lambda: d.noted("a", "started") and d.noted("b", "started"), 30,
+               "both servers to start while a is held")
+    d.release("a")
+    d.release("b")
     listed = p.request("tools/list", timeout=30)
-    took = time.monotonic() - started
     assert tool_names(listed) == ["a_echo", "b_echo", "gate_status"]
-    # One after the other, b would start only once a had answered; and the two sleeps
-    # alone would take 2 * SLOW.
+    # One after the other, b would start only once a had answered.
     assert d.noted("b", "started") < d.noted("a", "answered")
-    assert took < 2 * SLOW, f"start-up took {took:.2f} s, the sum of the two servers"
     p.stop()
 
 
@@ -216,7 +227,7 @@ def test_a_failing_server_fails_start_up_with_its_reason(boot):
 
 def test_a_signal_while_loading_answers_what_waited_and_exits_0(boot):
     d = boot("slow")
-    d.mode("slow", f"{SLOW * 5}")
+    d.mode("slow", HOLD)
     p = d.start()
     assert "result" in p.request("initialize", INITIALIZE, timeout=30)
     ident = p.send("tools/list")

@@ -51,17 +51,21 @@ was started under.
 The budget trial: two proxies on one database pay through one tool under two sum limits of
 one 2 s window, `cap` (over it: deny) and `soft` (over it: an approval), and a condition
 that asks about large amounts. Each host keeps 16 calls in flight; a killer sends SIGKILL to
-a random proxy every 1 to 3 s; the operator approves most of what waits and rejects the
-rest. The books, from the events: in every window that ends at an execution, the executions
-sum to at most `cap`, and to at most `soft` plus those an operator approved over it; and
-the ledger holds nothing that no execution started. A planted mutant, checking the limits
-only before the start's transaction, must fail the same books.
+a random proxy after every 100 to 300 answers; the operator approves most of what waits and
+rejects the rest. The books, from the events: in every window that ends at an execution,
+the executions sum to at most `cap`, and to at most `soft` plus those an operator approved
+over it; and the ledger holds nothing that no execution started. A planted mutant, checking
+the limits only before the start's transaction, must fail the same books.
 
-    python3 -m pytest -q -s tests/test_torture.py -k budget                  # CI: 20 s
+    python3 -m pytest -q -s tests/test_torture.py -k budget     # CI: 1,500 answers, 6 kills
 
-(A trial goes on past its seconds, up to twice as long, until the cap has refused a
-call at least once: on a slow machine 20 s may hold no window that reaches the cap.)
-    TORTURE_BUDGET_SECONDS=600 python3 -m pytest -q -s tests/test_torture.py -k budget
+The trial is counted in answers, never in seconds, so that a slow machine runs the same
+trial, only longer (about 20 s on an idle 2-core machine, 30 s beside two busy loops). Past
+its answers it goes on without kills until the books hold a refusal by the cap and a run
+approved over soft (the kills may leave no window that reaches the cap), at most twice its
+answers more. The mutant's trial stops once a window is over, at most 6,000 answers. Only a
+trial that gets no answer at all for 120 s fails for time: it is stuck.
+    TORTURE_BUDGET_ANSWERS=90000 python3 -m pytest -q -s tests/test_torture.py -k budget
 """
 
 from __future__ import annotations
@@ -1432,24 +1436,28 @@ def test_replay_cancel_of_a_waiting_run_cancels_its_approval(tmp_path):
 # -- the budget trial -----------------------------------------------------------------------
 # Two proxies on one database pay through one tool under two sum limits of one window: `cap`
 # (over it: deny) and `soft` (over it: an approval). Each host keeps BUDGET_IN_FLIGHT calls
-# in flight; a killer sends SIGKILL to a random proxy now and then and starts it again; an
-# operator approves most of what waits (an approval over `soft` among them) and rejects the
+# in flight; a killer sends SIGKILL to a random proxy now and then (after numbers of
+# answers) and starts it again; an operator approves most of what waits (an approval over `soft` among them) and rejects the
 # rest. The books, from the events alone: for every window that ends at an execution, the
 # executions in it sum to at most `cap`, and to at most `soft` plus the executions in it
 # that an operator approved over `soft`.
 
-BUDGET_SECONDS = float(os.environ.get("TORTURE_BUDGET_SECONDS", "20"))
+BUDGET_ANSWERS = int(os.environ.get("TORTURE_BUDGET_ANSWERS", "1500"))  # while it kills
 BUDGET_PER, BUDGET_PER_SECONDS = "2s", 2.0
 BUDGET_CAP, BUDGET_SOFT = decimal.Decimal("40"), decimal.Decimal("20")
 BUDGET_LARGE = 8                    # an amount at least this asks (a condition), limits aside
 BUDGET_IN_FLIGHT = 16
-BUDGET_KILL_GAP = (1.0, 3.0)
+BUDGET_KILL_GAP = (100, 300)        # answers to the hosts between two kills
 BUDGET_OPERATOR_GAP = (0.05, 0.4)
 BUDGET_THINK = (0.0, 0.02)          # a host's pause before each call it sends
 BUDGET_RETRY = 0.3                  # of a host's calls, this share retries an open request
-BUDGET_MUTANT_SECONDS = 120.0    # at most: it stops once a window is over
+BUDGET_MUTANT_ANSWERS = 6000    # at most: it stops once a window is over
 UNAVAILABLE_SHOWN = 10           # the budget trial prints the first few UNAVAILABLE answers
-BUDGET_OVERTIME = 2.0            # a trial's longest run, in its seconds, waiting for a cap
+BUDGET_OVERTIME = 2              # then, without kills, at most this many times its answers
+                                 # more, until the books hold a cap's refusal and a run
+                                 # approved over soft
+BUDGET_LOOK = 1.0                # seconds between two looks at the answers and the books
+BUDGET_QUIET = 120.0             # seconds without a single answer: stuck, a failure
 
 
 class BudgetDir(ProcessDir):
@@ -1621,17 +1629,27 @@ class BudgetHost(threading.Thread):
 
 
 class BudgetTrial:
-    def __init__(self, tmp, seed: int, seconds: float, program: str = PROXY,
+    """Its length is counted in answers, never in seconds: a slow machine runs the same
+    trial, only longer. The kills come after numbers of answers drawn from the seed."""
+
+    def __init__(self, tmp, seed: int, answers: int, program: str = PROXY,
                  kills: bool = True, until_found: bool = False):
-        self.seed, self.seconds, self.kills_on = seed, seconds, kills
+        self.seed, self.answers = seed, answers
         self.until_found = until_found      # stop once the books find a window over
         self.rng = random.Random(seed)
+        self.schedule: list[int] = []       # the answers counted when each kill comes
+        while kills:
+            at = (self.schedule[-1] if self.schedule else 0) + self.rng.randint(*BUDGET_KILL_GAP)
+            if at > answers:
+                break
+            self.schedule.append(at)
         self.d = BudgetDir(tmp, program)
         self.log = Timeline()
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.last: dict[str, tuple[dict, str]] = {}    # request -> (arguments, last prefix)
         self.said: dict[str, int] = {}                  # answers by prefix
+        self.count = 0                                  # answers, all prefixes
         self.cap_denials = 0
         self.ran = 0.0                                  # seconds the trial ran
         self.kills = 0
@@ -1661,12 +1679,16 @@ class BudgetTrial:
         with self.lock:
             self.last[canon(args)] = (args, pfx)
             self.said[pfx] = self.said.get(pfx, 0) + 1
+            self.count += 1
             self.cap_denials += pfx == "DENIED" and 'limit "cap"' in said
         self.log.add(f"pid {p.pid} bank_pay {canon(args)} -> {pfx}: {said[:140]}")
 
     def killer(self, slots: list[Slot]) -> None:
         rng = random.Random(self.seed * 7 + 3)
-        while self.kills_on and not self.stop.wait(rng.uniform(*BUDGET_KILL_GAP)):
+        for at in self.schedule:
+            while self.count < at:
+                if self.stop.wait(BUDGET_LOOK / 10):
+                    return
             slot = slots[rng.randrange(2)]
             if slot.kill():
                 self.kills += 1
@@ -1704,20 +1726,19 @@ class BudgetTrial:
         for a in actors + [killer]:
             a.start()
         began = time.monotonic()
-        ends = began + self.seconds
-        while not self.stop.wait(min(1.0, max(0.0, ends - time.monotonic()))) and \
-                time.monotonic() < ends:
-            if self.until_found and check_budget_books(self.d.db, self.d.ledger).problems:
-                break
-        # A short trial on a slow machine may end before the cap refused anything (each
-        # kill leaves an unknown outcome that blocks the tool until an operator approves
-        # it, so half the answers may be BLOCKED): it goes on without kills, at most
-        # BUDGET_OVERTIME times as long, until the cap has refused (the books need both).
-        longest = began + self.seconds * BUDGET_OVERTIME
-        self.kills_on = False
-        while not self.until_found and self.cap_denials == 0 and \
-                time.monotonic() < longest and not self.stop.wait(0.5):
-            pass
+        if self.until_found:
+            self.go_on(lambda: bool(check_budget_books(self.d.db, self.d.ledger).problems),
+                       self.answers)
+        else:
+            self.go_on(lambda: not killer.is_alive() and self.count >= self.answers,
+                       self.answers)
+            # The kills may leave no window that reaches the cap (each leaves an unknown
+            # outcome that blocks the tool until an operator approves it, so half the
+            # answers may be BLOCKED): it goes on without them until the books hold both a
+            # refusal by the cap and a run approved over soft, at most BUDGET_OVERTIME
+            # times its answers more.
+            self.go_on(lambda: self.cap_denials > 0 and self.approved_over_soft(),
+                       self.count + self.answers * BUDGET_OVERTIME)
         self.ran = time.monotonic() - began
         self.stop.set()
         killer.join(STOP_WAIT + 60)
@@ -1733,6 +1754,25 @@ class BudgetTrial:
                     self.fail(f"pid {s.proc.pid} exited {code} on stdin close")
         return check_budget_books(self.d.db, self.d.ledger)
 
+    def go_on(self, done, most: int) -> None:
+        """Until done() or most answers, looking every BUDGET_LOOK; a failure when no
+        answer at all came for BUDGET_QUIET (the trial is stuck, however slow the machine)."""
+        seen, since = self.count, time.monotonic()
+        while not done() and self.count < most and not self.stop.wait(BUDGET_LOOK):
+            if self.count != seen:
+                seen, since = self.count, time.monotonic()
+            elif time.monotonic() - since > BUDGET_QUIET:
+                self.fail(f"no answer in {BUDGET_QUIET:.0f} s, after {self.count}")
+                return
+
+    def approved_over_soft(self) -> bool:
+        """Whether a run an operator approved over `soft` has started."""
+        try:
+            rows = read_db(self.d.db)
+        except sqlite3.Error:
+            return False                           # busy: asked again at the next look
+        return any(e[2] for e in budget_executions(rows["events"], rows["approvals"]))
+
     def report(self, books: BudgetBooks) -> str:
         parts = [f"budget trial seed {self.seed}", "problems:", *books.problems,
                  *self.failures, "timeline:", *self.log.lines]
@@ -1741,9 +1781,9 @@ class BudgetTrial:
         return "\n".join(parts)
 
 
-def budget_trial(tmp, seed: int, seconds: float, program: str = PROXY, kills: bool = True,
+def budget_trial(tmp, seed: int, answers: int, program: str = PROXY, kills: bool = True,
                  until_found: bool = False):
-    trial = BudgetTrial(tmp, seed, seconds, program, kills, until_found)
+    trial = BudgetTrial(tmp, seed, answers, program, kills, until_found)
     try:
         return trial, trial.run()
     finally:
@@ -1767,9 +1807,10 @@ def test_budget_books_catch_a_window_over_its_max():
 
 
 def test_torture_budget_holds_across_two_proxies_and_kills(tmp_path, capsys):
-    trial, books = budget_trial(tmp_path / "budget", SEED, BUDGET_SECONDS)
-    summary = (f"torture budget: seed {SEED}: {trial.ran:.0f} s, {trial.kills} kills, "
-               f"{sum(trial.said.values())} answers {dict(sorted(trial.said.items()))}, "
+    trial, books = budget_trial(tmp_path / "budget", SEED, BUDGET_ANSWERS)
+    summary = (f"torture budget: seed {SEED}: {trial.ran:.0f} s, {trial.kills} kills of "
+               f"{len(trial.schedule)}, {trial.count} answers "
+               f"{dict(sorted(trial.said.items()))}, "
                f"{books.executions} executions ({books.approved_over_soft} approved over "
                f"soft), {books.payments} payments, {trial.cap_denials} denied by cap, "
                f"operator {trial.decided}, {len(books.problems)} windows over")
@@ -1780,7 +1821,7 @@ def test_torture_budget_holds_across_two_proxies_and_kills(tmp_path, capsys):
         if books.problems or trial.failures:
             print(trial.report(books))
     assert not books.problems and not trial.failures, summary
-    assert trial.kills >= BUDGET_SECONDS / BUDGET_KILL_GAP[1] / 2, summary
+    assert trial.kills == len(trial.schedule) > 0, summary
     assert books.executions and trial.cap_denials and books.approved_over_soft, summary
 
 
@@ -1788,7 +1829,8 @@ def test_torture_budget_catches_a_check_outside_the_transaction(tmp_path, capsys
     """A planted mutant: the limits are checked only by the evaluation before the start's
     transaction (its check inside it never refuses), and a call waits a little between the
     two. The same trial, without kills (a kill's unknown outcome blocks the tool for a
-    while), must find a window over its max; it stops when it does."""
+    while), must find a window over its max; it stops when it does, or after
+    BUDGET_MUTANT_ANSWERS answers without one (it fails then)."""
     with open(PROXY) as f:
         source = f.read()
     for old, new in [
@@ -1801,9 +1843,10 @@ def test_torture_budget_catches_a_check_outside_the_transaction(tmp_path, capsys
         source = source.replace(old, new)
     mutant = tmp_path / "agentrt_proxy.py"
     mutant.write_text(source)
-    trial, books = budget_trial(tmp_path / "budget", SEED, BUDGET_MUTANT_SECONDS, str(mutant),
+    trial, books = budget_trial(tmp_path / "budget", SEED, BUDGET_MUTANT_ANSWERS, str(mutant),
                                 kills=False, until_found=True)
     with capsys.disabled():
-        print(f"\ntorture budget mutant: seed {SEED}: {books.executions} executions, "
+        print(f"\ntorture budget mutant: seed {SEED}: {trial.ran:.0f} s, {trial.count} "
+              f"answers, {books.executions} executions, "
               f"{len(books.problems)} windows over; first: {books.problems[:1]}")
     assert books.problems, trial.report(books)

@@ -60,11 +60,11 @@ the limits only before the start's transaction, must fail the same books.
     python3 -m pytest -q -s tests/test_torture.py -k budget     # CI: 1,500 answers, 6 kills
 
 The trial is counted in answers, never in seconds, so that a slow machine runs the same
-trial, only longer (about 20 s on an idle 2-core machine, 30 s beside two busy loops). Past
-its answers it goes on without kills until the books hold a refusal by the cap and a run
-approved over soft (the kills may leave no window that reaches the cap), at most twice its
-answers more. The mutant's trial stops once a window is over, at most 6,000 answers. Only a
-trial that gets no answer at all for 120 s fails for time: it is stuck.
+trial, only longer (10 to 30 s on a 2-core machine, busy or not). Past its answers it goes
+on without kills until the books hold a refusal by the cap and a run approved over soft
+(the kills may leave no window that reaches the cap), at most twice its answers more. The
+mutant's trial stops once a window is over, at most 6,000 answers. Only a trial that gets
+no answer at all for 120 s fails for time: it is stuck.
     TORTURE_BUDGET_ANSWERS=90000 python3 -m pytest -q -s tests/test_torture.py -k budget
 """
 

@@ -10468,10 +10468,11 @@ class Proxy:
             action = self.refused_again(row, state, now, window)
             if action is not None:
                 return action
+            ended = state                    # read once: rule 5 may judge it too
             break
         if tool.spec.side_effect == "read_only":
             return None
-        return self.executed_within(tool, key, now, window)
+        return self.executed_within(tool, key, now, window, ended)
 
     def refused_again(self, row: CallRow, state: RunState, now: float, window: float):
         """Rule 4: the request was rejected, expired or cancelled within the window, or its
@@ -10501,7 +10502,8 @@ class Proxy:
             return self.refused(row.run_id, row.key, denied_rerun_again(until))
         return None                          # an expiry resolves nothing: rule 6 asks
 
-    def executed_within(self, tool, key: str, now: float, window: float):
+    def executed_within(self, tool, key: str, now: float, window: float,
+                        read: RunState | None = None):
         """Rule 5, the one answer to "did this request execute within the window, and with
         what outcome, late outcomes included". Its outcome known, on time or late, within
         the window (which runs from the later of the run's end and the recording of its
@@ -10509,10 +10511,11 @@ class Proxy:
         The rows read are the index's executions: the newest of them with an unknown
         outcome ends the search (rule 6 asks about it), and a run that made no attempt (a
         denied re-run, one denied at collection) is passed over, so it never hides an
-        execution behind it."""
+        execution behind it. ``read``: a run the caller read already."""
         since = now - window
         for row in self.index.executions(key, since):
-            state = self.inspect(row.run_id)
+            state = read if read is not None and read.run.id == row.run_id else \
+                self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
             outcome, _ = last_attempt(self, state)

@@ -289,3 +289,31 @@ def test_a_late_success_of_an_attempt_an_approved_rerun_followed_is_not_paid_aga
     r = h.call(PAY, ARGS)
     assert h.prefix(r) == "DUPLICATE", h.text(r)
     assert h.payments() == 2
+
+
+def test_a_late_success_of_an_attempt_a_newer_run_ran_again_is_not_paid_again(pair):
+    """As above, but the approved re-run is in a newer run: the first attempt's question
+    expired, the identical call asked again in a fresh run (closing the first run's row), and
+    that re-run paid. More than the window later the first attempt's success is recorded:
+    the first run's row closed long before the window, so only the known rows settled
+    within it (CallIndex.executions' second part) find it, and the call is DUPLICATE."""
+    p = pair
+    h = p.survivor
+    p.pay_inside_the_server()
+    assert h.prefix(h.call(PAY, ARGS)) == "INTERRUPTED"
+    h.clock.skew += LIMIT_PER + 5                    # the question expires; the limit has room
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) in ("INTERRUPTED", "UNKNOWN_OUTCOME"), h.text(r)
+    (asked,) = h.pending()
+    first = p.stalled.runs()[0].id
+    assert asked.run_id != first, "asked again in a fresh run"
+    h.decide(asked, approve=True)
+    h.release()
+    r = h.call(PAY, ARGS)
+    assert h.text(r) == "paid 8.00 to rob" and h.payments() == 2, h.text(r)
+    h.clock.skew += WINDOW + 30
+    p.stalled.clock.skew = h.clock.skew              # one machine: one clock
+    p.wake()                                         # the first attempt: recorded now
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "DUPLICATE", h.text(r)
+    assert h.payments() == 2

@@ -9369,14 +9369,9 @@ class Budgets:
         must leave is found by a binary search of the window's rows: a few lookups by
         primary key, however many the window holds. None when there is room now."""
         read, now = self.store._read, self.clock()
-        top, first, floor = 0, 1, 0
-        for which, n, total, _ in read(_USE_SQL, (key, now - limit.per)):
-            if which == 0:
-                top = n
-            else:
-                first, floor = n + 1, int(total)
-        used = _use(read, key, limit, now)[1]
-        excess = used + adds - limit.most()
+        (top, total, _), (before, floor) = _window_rows(read, key, limit, now)
+        first = before + 1
+        excess = total - floor + adds - limit.most()
         if excess <= 0 or first > top:
             return None
         found = _row(read, key, _first_row(read, key, first, top, floor + excess))
@@ -9721,13 +9716,21 @@ def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,
     than the one before it (admit), so the rows after the start are the newest ones. A calls
     limit counts its running total too (each row adds 1), which stops counting an attempt the
     operator said did not execute (uncount_attempt), where n would not."""
-    newest, before = (0, 0, 0.0), 0
+    newest, before = _window_rows(read, key, limit, now)
+    return newest, newest[1] - before[1]
+
+
+def _window_rows(read: Callable[[str, tuple], list], key: str, limit: Limit,
+                 now: float) -> tuple[tuple[int, int, float], tuple[int, int]]:
+    """A limit's newest row (n, total, at) and its last row at or before the start of the
+    window ending ``now`` (n, total); (0, 0) where there is none."""
+    newest, before = (0, 0, 0.0), (0, 0)
     for which, n, total, at in read(_USE_SQL, (key, now - limit.per)):
         if which == 0:
             newest = (n, int(total), at)
         else:
-            before = int(total)
-    return newest, newest[1] - before
+            before = (n, int(total))
+    return newest, before
 
 
 # ==== 21. The rules across calls: the call index ====
@@ -9964,7 +9967,8 @@ class CallIndex:
         newest first: those that may hold an attempt and closed since then (or are open),
         and then those a late outcome settled since then (known_in). Rows close in the
         order they were opened, so the first part stops at the first row closed before the
-        window. The second part reads the key's known rows: at most one a window, unless an
+        window. The second part, read only when the first stopped there (else the first
+        held every known row), reads the key's known rows: at most one a window, unless an
         operator approved a repeat or a re-run."""
         seen = set()
         for row in self.attempts(key):
@@ -9972,6 +9976,8 @@ class CallIndex:
                 break
             seen.add(row.id)
             yield row
+        else:
+            return
         yield from (row for row in self._rows(
             "session=? AND request_key=? AND outcome=? AND settled_at>=? ORDER BY id DESC",
             (self.session, key, KNOWN, since)) if row.id not in seen)

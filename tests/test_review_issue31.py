@@ -5,7 +5,6 @@ requires; in-process, through the real host-facing server, store and fake paymen
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import sqlite3
@@ -13,12 +12,11 @@ import sqlite3
 import pytest
 
 from proxy_harness import ProxyHarness, ap
+from test_executed_within import LIMIT_PER, WINDOW, Pair as SharedPair
 
 PAY = "bank_pay"
 EIGHT = {"to": "bob", "amount": 8, "mode": "block"}
 ARGS = {"to": "rob", "amount": 8, "mode": "block"}
-LIMIT_PER = 120                  # the limit's window, seconds of the proxies' clock
-WINDOW = 600                     # the repeat window
 
 
 @pytest.fixture
@@ -74,48 +72,18 @@ def test_cancelling_the_reasked_question_resolves_the_unknown_outcome(make):
     assert h.pending() == []
 
 
-class Pair:
-    """A stalled proxy and a survivor on one database (as tests/test_executed_within.py): the
+class Pair(SharedPair):
+    """A stalled proxy and a survivor on one database (tests/test_executed_within.py): the
     first's payment is inside the server when its loop stops; its lease runs out; the
-    survivor takes the run over. The first wakes later and records the success late."""
+    survivor takes the run over. The first wakes later and records the success late, at
+    the survivor's time (one machine: one clock)."""
 
     def __init__(self, tmp):
-        top = dict(rules={"pay": {"side_effect": "remote_mutation", "timeout": "10s",
-                                  "outcome": "allow",
-                                  "limits": [{"name": "one-pay", "calls": 1,
-                                              "per": f"{LIMIT_PER}s", "over": "deny"}]}},
-                   lease_ttl="3s", approval_ttl="60s", repeat_window=f"{WINDOW}s")
-        self.stalled = ProxyHarness(tmp, **top)
-        self.survivor = ProxyHarness(tmp, pin=False, **top)
-        self.ident = None
+        super().__init__(tmp, "refuse")
 
-    def pay_inside_the_server(self) -> None:
-        s = self.stalled
-        self.ident = s.request("tools/call", {"name": PAY, "arguments": ARGS}, wait=False)
-
-        async def inside():
-            while s.payments() < 1:
-                await asyncio.sleep(0.01)
-        s.run(inside(), 30)
-        (run,) = s.runs()
-        conn = sqlite3.connect(s.cfg.database)
-        with conn:
-            conn.execute("UPDATE runs SET lease_expires_at=? WHERE id=?",
-                         (ap.fmt_time(ap.time.time() - 1), run.id))
-        conn.close()
-
-    def wake(self) -> None:
-        self.stalled.clock.skew = self.survivor.clock.skew     # recorded "now"
-        self.stalled.release()
-        msg = self.stalled.answer(self.ident, 30)
-        assert self.stalled.text(msg["result"]) == "paid 8.00 to rob", msg
-
-    def close(self):
-        for h in (self.stalled, self.survivor):
-            try:
-                h.close()
-            except Exception:
-                pass
+    def wake(self) -> dict:
+        self.stalled.clock.skew = self.survivor.clock.skew
+        return super().wake()
 
 
 @pytest.fixture

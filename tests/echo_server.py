@@ -25,24 +25,35 @@ TOOL = {
 }
 
 
-def answer(method: str, params: dict) -> dict:
+def echo(name: str, args: dict) -> dict:
+    if name != "echo" or not isinstance(args.get("text"), str):
+        raise LookupError(INVALID_PARAMS, "unknown tool or no text")
+    return {"content": [{"type": "text", "text": args["text"]}], "isError": False}
+
+
+def answer(method: str, params: dict, tools: tuple = (TOOL,), call=echo,
+           info: dict = SERVER_INFO) -> dict:
+    """A request's result; ``call(name, arguments)`` answers tools/call, and raises
+    LookupError(code, message) for an error answer."""
     if method == "initialize":
         asked = params.get("protocolVersion")
         return {"protocolVersion": asked if asked in VERSIONS else VERSIONS[0],
-                "capabilities": {"tools": {"listChanged": False}}, "serverInfo": SERVER_INFO}
+                "capabilities": {"tools": {"listChanged": False}}, "serverInfo": info}
     if method == "ping":
         return {}
     if method == "tools/list":
-        return {"tools": [TOOL]}
+        return {"tools": list(tools)}
     if method == "tools/call":
-        args = params.get("arguments") or {}
-        if params.get("name") != "echo" or not isinstance(args.get("text"), str):
-            raise LookupError(INVALID_PARAMS, "unknown tool or no text")
-        return {"content": [{"type": "text", "text": args["text"]}], "isError": False}
+        return call(params.get("name"), params.get("arguments") or {})
     raise LookupError(METHOD_NOT_FOUND, f"method {method} not found")
 
 
-def serve(inp, out) -> None:
+def frame(reply: dict) -> bytes:
+    """One answer as this server writes it: json.dumps's default form, one line."""
+    return json.dumps(reply).encode() + b"\n"
+
+
+def serve(inp, out, answer=answer) -> None:
     for line in iter(inp.readline, b""):
         try:
             msg = json.loads(line)
@@ -58,7 +69,7 @@ def serve(inp, out) -> None:
             except LookupError as exc:
                 reply = {"jsonrpc": "2.0", "id": msg["id"],
                          "error": {"code": exc.args[0], "message": exc.args[1]}}
-        out.write(json.dumps(reply).encode() + b"\n")
+        out.write(frame(reply))
         out.flush()
 
 

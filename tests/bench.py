@@ -58,7 +58,8 @@ direct p50):
                                met within 1.2x
     16 in flight               read-only calls with distinct arguments, 16 requests kept
                                outstanding on one connection; calls per second over the
-                               rounds; met at 1.5x FastMCP's rate
+                               rounds; met at 1.5x FastMCP's rate (without FastMCP, at
+                               1,500 calls a second)
     large payloads             tests/files_server.py direct, behind the proxy and behind
                                FastMCP: write_file with a 1 MB argument (met at 3x FastMCP's
                                overhead); read_file of 100 KB, 1 MB and 4 MB files of plain
@@ -145,7 +146,7 @@ SAME_REQUEST_RATIO = 1.10
 FULL_DATABASE_RATIO = 1.20
 LIMIT_EXTRA_MS = 0.3          # what a sum limit may add to an allowed mutating call
 LIMIT_ROWS_FULL, LIMIT_ROWS_QUICK = 1_000_000, 100_000
-INFLIGHT_MIN_RATE = 1500.0
+INFLIGHT_MIN_RATE = 1500.0    # used when FastMCP is not measured; else the ratio below
 INFLIGHT_VS_FASTMCP = 1.5
 STARTUP_BEYOND_MS = 300.0     # started as wrap writes it into a host's configuration
 HELD_RSS_MB = 60.0
@@ -1094,11 +1095,13 @@ def flight_row(arms: dict, tools: dict, plan: Plan, rep: Report) -> None:
     rate = {name: len(samples[name]) / walls[name] for name in arms}
     cell = {name: f"{rate[name]:,.0f}/s; {fmt_stats(stats(samples[name]))}" for name in arms}
     vs = rate["proxy"] / rate["fastmcp"] if "fastmcp" in rate else None
-    met = rate["proxy"] >= INFLIGHT_MIN_RATE and (vs is None or vs >= INFLIGHT_VS_FASTMCP)
+    met = rate["proxy"] >= INFLIGHT_MIN_RATE if vs is None else vs >= INFLIGHT_VS_FASTMCP
     rep.add(Row(f"{IN_FLIGHT} in flight, read-only", cell["direct"], cell["proxy"],
                 f"{rate['proxy'] / rate['direct']:.3g}x direct", cell.get("fastmcp", "skipped"),
-                f">= {INFLIGHT_MIN_RATE:,.0f}/s, >= {INFLIGHT_VS_FASTMCP:g}x FastMCP", met,
-                "" if vs is not None else "FastMCP not measured: only the rate was checked"))
+                f">= {INFLIGHT_MIN_RATE:,.0f}/s" if vs is None else
+                f">= {INFLIGHT_VS_FASTMCP:g}x FastMCP's rate", met,
+                f"{vs:.2f}x FastMCP's rate" if vs is not None else
+                "FastMCP not measured: judged against the rate target"))
     rep.ratios.append(f"{IN_FLIGHT} in flight, calls/s: proxy / direct "
                       f"{rate['proxy'] / rate['direct']:.3g}x"
                       + (f", proxy / FastMCP {vs:.2f}x" if vs is not None else ""))

@@ -144,3 +144,22 @@ def harnesses(tmp_path):
         d.mkdir(exist_ok=True)
         return ProxyHarness(d, **kw)
     yield from _made(build, lambda h: h.close())
+
+
+@pytest.fixture(scope="session")
+def script(tmp_path_factory):
+    """The scripted stdio MCP server (tests/scripted_server.py's SCRIPT), written once to a
+    directory of its own."""
+    from scripted_server import SCRIPT
+    path = tmp_path_factory.mktemp("scripted") / "scripted_server.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+@pytest.fixture
+def two_tools(script, tmp_path):
+    """`fs` with read_file (readOnlyHint) and write_file (no annotations)."""
+    from scripted_server import READ_SCHEMA, WRITE_SCHEMA, Scripted, tool_entry
+    return Scripted(script, tmp_path, tools=[
+        tool_entry("read_file", READ_SCHEMA, "Read a file.", {"readOnlyHint": True}),
+        tool_entry("write_file", WRITE_SCHEMA, "Write a file.")])

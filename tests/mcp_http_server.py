@@ -33,6 +33,7 @@ body)`` in ``srv.requests`` (headers with lower-case names). ``post()`` and ``ss
 are small client helpers.
 """
 
+import contextlib
 import http.client
 import http.server
 import importlib.util
@@ -43,6 +44,7 @@ import select
 import socket
 import sys
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -472,3 +474,103 @@ def modern_meta(version: str = "2026-07-28") -> dict:
     """A request's ``_meta`` in the 2026-07-28 era."""
     return {fps.META_VERSION: version, fps.META_CAPABILITIES: {},
             fps.META_CLIENT: {"name": "tests", "version": "1"}}
+
+
+class TinyMCP:
+    """A legacy streamable-HTTP MCP server in a thread, with one tool, ``pay``.
+
+    ``delay``: seconds tools/call takes before answering; ``trickle``: tools/call answers an
+    event stream that sends a keep-alive comment every 0.1 s and never the answer (``gone``
+    is set when the client has closed it); ``idle``: seconds a kept-alive connection may sit
+    idle before the server closes it. ``paid`` lists the arguments of every tools/call
+    received. ``listing``: the raw bytes of the tools/list result, when given."""
+
+    def __init__(self, delay=0.0, trickle=False, idle=None, listing=None):
+        self.delay, self.trickle, self.listing = delay, trickle, listing
+        self.paid: list[bytes] = []
+        self.gone = threading.Event()
+        self.stop_event = threading.Event()
+        self.connections: list = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = idle
+
+            def log_message(self, *args):
+                pass
+
+            def setup(self):
+                super().setup()
+                owner.connections.append(self.connection)
+
+            def send_json(self, doc):
+                out = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def do_POST(self):
+                msg = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                method, ident = msg.get("method"), msg.get("id")
+                if ident is None:
+                    self.send_response(202)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if method == "initialize":
+                    result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+                              "serverInfo": {"name": "tiny", "version": "1"}}
+                elif method == "tools/list" and owner.listing is not None:
+                    self.send_json(b'{"jsonrpc":"2.0","id":%s,"result":%s}' % (
+                        json.dumps(ident).encode(), owner.listing))
+                    return
+                elif method == "tools/list":
+                    result = {"tools": [{"name": "pay", "description": "pays",
+                                         "inputSchema": {"type": "object"}}]}
+                elif method == "tools/call":
+                    owner.paid.append(json.dumps(msg["params"].get("arguments")).encode())
+                    if owner.trickle:
+                        self.stream()
+                        return
+                    owner.stop_event.wait(owner.delay)
+                    result = {"content": [{"type": "text", "text": "paid"}]}
+                else:
+                    self.send_json({"jsonrpc": "2.0", "id": ident,
+                                    "error": {"code": -32601, "message": "no such method"}})
+                    return
+                self.send_json({"jsonrpc": "2.0", "id": ident, "result": result})
+
+            def stream(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.close_connection = True
+                try:
+                    while not owner.stop_event.is_set():
+                        self.wfile.write(b": keepalive\n\n")
+                        self.wfile.flush()
+                        time.sleep(0.1)
+                except OSError:
+                    owner.gone.set()
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever,
+                                       kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        """Stop listening and close every connection, kept-alive ones included."""
+        if self.httpd is not None:
+            self.stop_event.set()
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.thread.join(5)
+            self.httpd = None
+        for conn in self.connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)

@@ -19,9 +19,12 @@ Not a test module: pytest collects nothing here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -202,3 +205,129 @@ class ProxyHarness:
             self.store.close()
             self.loop.close()
             asyncio.set_event_loop(None)
+
+
+# -- an in-process proxy over one server of any transport ---------------------------------
+
+def one_server_config(tmp, endpoint, rules, connect_timeout="5s", server=None):
+    """The configuration (written 0600, then loaded) of one server named ``h``: at the HTTP
+    ``endpoint``, or the ``server`` entry given."""
+    server = server or {"endpoint": endpoint, "connect_timeout": connect_timeout}
+    doc = {"database": "runs.db", "session": "t", "hold": "0s",
+           "servers": [{"name": "h", "manifest": "h.manifest.json", "rules": rules, **server}]}
+    path = os.path.join(str(tmp), "proxy.json")
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    os.chmod(path, 0o600)
+    return ap.load_config(path)
+
+
+class HttpProxy:
+    """An in-process proxy over one server named ``h`` (HTTP unless ``server`` is given):
+    pinned, loaded, ready."""
+
+    def __init__(self, tmp, endpoint, rules, connect_timeout="5s", server=None):
+        self.loop = harness_loop()
+        self.log: list[str] = []
+        self.tools, self.store, self.proxy = [], None, None
+        self.cfg = one_server_config(tmp, endpoint, rules, connect_timeout, server)
+        server = self.cfg.servers[0]
+        ap.write_manifest(server.manifest, self.run(ap.pin_server(server, time.time())))
+        self.tools, _ = self.run(ap.load_tools(self.cfg))
+        self.store = ap.Store.open(self.cfg.database)
+        self.proxy = ap.Proxy(self.cfg, self.store, self.tools, self.log.append)
+
+    def run(self, coro, timeout=30):
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def call(self, name, args: bytes, timeout=30) -> tuple[str, float]:
+        """The answer's text and how long it took."""
+        t = time.monotonic()
+        r = self.run(self.proxy.call(name, args), timeout)
+        return "".join(b.get("text", "") for b in r["content"]), time.monotonic() - t
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.run(ap.close_tools(self.tools), 10)
+        if self.proxy is not None:
+            self.proxy.close()
+        if self.store is not None:
+            self.store.close()
+        self.loop.close()
+        asyncio.set_event_loop(None)
+
+
+# -- the newline server (tests/newline_server.py): what a server that reads with
+# universal newlines received, and the frames the proxy wrote to the host -------------
+
+NEWLINE_SERVER = [sys.executable, os.path.join(ROOT, "tests", "newline_server.py")]
+NEWLINE_RULES = {"look": {"side_effect": "read_only", "timeout": "5s"},
+                 "erase": {"side_effect": "destructive", "timeout": "5s"}}
+# Payments allowed outright, the repeat window off: every call reaches the server.
+ALLOW_PAY = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow",
+                     "repeat_window": "0s"},
+             "refund": {"side_effect": "destructive", "timeout": "10s"}}
+
+
+def newline_harness(tmp_path, rules=None, **top) -> ProxyHarness:
+    return ProxyHarness(tmp_path, rules=rules or NEWLINE_RULES, command=NEWLINE_SERVER,
+                        names=("nl",), server_env=[f"NEWLINE_LOG={tmp_path}/received"], **top)
+
+
+def received(tmp_path) -> list[dict]:
+    """What the newline server read, message by message."""
+    try:
+        with open(os.path.join(str(tmp_path), "received"), encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+    except FileNotFoundError:
+        return []
+
+
+def calls(tmp_path) -> list[str]:
+    return [m["name"] for m in received(tmp_path) if m["method"] == "tools/call"]
+
+
+def compact_outside_strings(frame: bytes) -> bool:
+    """No whitespace byte outside strings, and no raw line end of any reader anywhere."""
+    if any(brk in frame for brk in (b"\r", b"\n", "\u2028".encode(), "\u2029".encode(),
+                                    "\u0085".encode())):
+        return False
+    in_string = escaped = False
+    for byte in frame:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (byte == 0x5C, byte != 0x22)
+        elif byte == 0x22:
+            in_string = True
+        elif byte in b" \t":
+            return False
+    return True
+
+
+def host_frames_are_own_encoding(h: ProxyHarness) -> None:
+    for frame in h.out:
+        assert frame.endswith(b"\n") and compact_outside_strings(frame[:-1]), frame[:200]
+        assert isinstance(json.loads(frame), dict)
+
+
+# -- operator commands in-process, and what the limits tests pay -------------------------
+
+def operator(h, *argv, stdin=""):
+    """Run an operator command on the harness's database in-process:
+    (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = ap.main(["-db", h.cfg.database, *argv], stdin=io.StringIO(stdin), stdout=out,
+                   stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def limit_rules(*limits, timeout="300ms"):
+    """balance read-only, and pay allowed outright under these limits."""
+    return {"balance": {"side_effect": "read_only", "timeout": "10s"},
+            "pay": {"side_effect": "remote_mutation", "timeout": timeout, "outcome": "allow",
+                    "limits": list(limits)}}
+
+
+def paid(h, to, amount):
+    r = h.call("bank_pay", {"to": to, "amount": amount})
+    return "paid" if not h.is_error(r) else h.prefix(r)

@@ -246,3 +246,36 @@ def pending_json_all(h):
     code, out, err = operator(h, "-json", "pending")
     assert code == 0, err
     return json.loads(out)["approvals"]
+
+
+# ---- What an approval binds, faults found in review ------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+from proxy_harness import ProxyHarness, limit_rules, paid  # noqa: E402
+
+
+def test_a_limit_written_differently_since_the_approval_asks_again(harnesses, tmp_path):
+    """A limit asks for a payment of 15 at 40 of 50; the presentation records the limit as
+    written (max 50) and the hash binds it. The configuration is then changed to max 20 and
+    the proxy restarted; every view still shows the limit of 50, and the operator approves.
+    The identical call must ask again (section 20: a limit written differently since the
+    approval asks again), never pay under a max of 20 that no one was shown."""
+    (tmp_path / "h").mkdir()
+    first = ProxyHarness(tmp_path / "h", rules=limit_rules(DAILY, timeout="10s"))
+    try:
+        for i in range(4):
+            assert paid(first, f"p{i}", 10) == "paid"
+        r = first.call(PAY, {"to": "bob", "amount": 15})
+        assert first.prefix(r) == "PENDING_APPROVAL", first.text(r)
+    finally:
+        first.close()
+    h = harnesses("h", rules=limit_rules(dict(DAILY, max="20"), timeout="10s"), pin=False)
+    [a] = h.pending()
+    assert json.loads(a.presentation)["limits"][0]["limit"]["max"] == "50"
+    code, out, err = operator(h, "pending")
+    assert code == 0 and 'limit "daily-spend" of bank_pay: 40 of 50' in out, out
+    code, out, err = operator(h, "approve", "-approval", a.id)
+    assert code == 0, err
+    r = h.call(PAY, {"to": "bob", "amount": 15})
+    assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+    assert h.payments() == 4

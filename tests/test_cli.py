@@ -1209,3 +1209,133 @@ def test_cli_verify_reports_a_changed_event(harness, cli, column):
         assert _verify(cli, harness.path, "-from", str(seq + 2))[0] == 0
     else:
         assert code == 0 and f"intact: {len(chain) - seq} event(s)" in out
+
+
+# ---- Faults found in review ------------------------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+import re  # noqa: E402
+
+from proxy_harness import ALLOW_PAY, NEWLINE_SERVER, ProxyHarness, operator  # noqa: E402
+
+
+def test_events_json_keeps_number_literals(harness, cli):
+    """Review 1, finding t8: `events -json` re-serialised payloads through Python floats, so
+    the recorded 1250.50 was shown as 1250.5 (a different request to the runtime's hash).
+    The stored literals are printed as written."""
+    harness.waiting("r-lit", args=b'{"amount": 1250.50, "n": 12345678901234567890123}')
+    code, out, err = cli("-db", harness.path, "-json", "events", "r-lit")
+    assert code == 0, err
+    json.loads(out)
+    decided = out.split('"step.decided"', 1)[1]
+    assert re.search(r'"amount":\s*1250\.50\b', decided), decided[:400]
+    assert re.search(r'"n":\s*12345678901234567890123\b', decided)
+
+
+@pytest.fixture
+def erase_harness(tmp_path):
+    h = ProxyHarness(tmp_path, command=NEWLINE_SERVER, rules={
+        "erase": {"side_effect": "remote_mutation", "timeout": "5s",
+                  "allow_hint_mismatch": True},
+        "look": {"side_effect": "read_only", "timeout": "5s"}})
+    yield h
+    h.close()
+
+
+def _nested_args(depth: int) -> bytes:
+    """An arguments object nesting ``depth`` containers in all (the object counts)."""
+    inner = "1"
+    for _ in range(depth - 1):
+        inner = "[" + inner + "]"
+    return ('{"x":%s}' % inner).encode()
+
+
+@pytest.mark.parametrize("depth", [254, 255])
+def test_events_json_prints_arguments_nested_to_the_bound(erase_harness, depth):
+    """The hardened proxy's review, finding 2: `events -json` cannot print a run whose arguments
+    nest 254 or 255 levels: Out.json reads its own output back with the gate's MAX_DEPTH, not
+    the record allowance."""
+    h = erase_harness
+    r = h.call("bank_erase", raw_args=_nested_args(depth))
+    assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+    run = h.runs()[-1]
+    code, out, err = operator(h, "-json", "events", run.id)
+    assert code == 0, f"events -json failed at depth {depth}: {err[:300]}"
+    assert json.loads(out)["events"], out[:300]
+
+
+def test_an_edited_approval_hash_that_is_not_ascii_is_refused_not_fatal(tmp_path, cli):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    edited rows: a hash that is not ASCII. An approval whose hash was edited to one that is not
+    ASCII is refused by approve, never fatal, and nothing of it reaches the terminal raw."""
+    import sqlite3
+    rules = dict(ALLOW_PAY, pay={"side_effect": "remote_mutation", "timeout": "10s"})
+    h = ProxyHarness(tmp_path, rules=rules)
+    try:
+        assert h.prefix(h.call("bank_pay", {"to": "bob", "amount": 3})) == "PENDING_APPROVAL"
+        [approval] = h.pending()
+        conn = sqlite3.connect(h.cfg.database)
+        conn.execute("UPDATE approvals SET hash=? WHERE id=?",
+                     ("\u202e" + approval.hash[1:], approval.id))
+        conn.commit()
+        conn.close()
+        code, out, err = cli("-db", h.cfg.database, "approve", approval.run_id,
+                             "-approval", approval.id, "-by", "op")
+        assert code == 1 and "Traceback" not in err and "\u202e" not in out + err, out + err
+        assert h.store.get_approval(approval.id).status == ap.PENDING
+    finally:
+        h.close()
+
+
+def test_verify_reports_an_event_whose_fields_are_not_text(tmp_path, cli):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    edited rows: a value that is not text. verify reports an event whose fields are not text
+    (bytes, a number), never fatal, and nothing of it reaches the terminal raw."""
+    import sqlite3
+    h = ProxyHarness(tmp_path)
+    try:
+        assert not h.is_error(h.call("bank_balance", {"account": "A-1"}))
+    finally:
+        h.close()
+    conn = sqlite3.connect(h.cfg.database)
+    conn.execute("UPDATE events SET payload_json=? WHERE seq=2", (b"\x1b[31m{}",))
+    conn.execute("UPDATE events SET hash=? WHERE seq=3", (12345,))
+    conn.commit()
+    conn.close()
+    code, out, err = cli("-db", h.cfg.database, "verify")
+    assert code == 1 and "Traceback" not in err, out + err
+    assert "\x1b" not in out + err
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="giving a file to another user needs root")
+def test_operator_commands_and_the_webhook_refuse_a_database_another_user_owns(tmp_path):
+    """The third review, finding 3: operator commands and the webhook opened a database another
+    user owns. Now every opener applies serving's owner check."""
+    from test_webhook import write_secret
+
+    h = ProxyHarness(tmp_path)
+    try:
+        assert h.prefix(h.call("bank_pay", {"to": "bob", "amount": 1})) == "PENDING_APPROVAL"
+        approval = h.pending()[0]
+    finally:
+        h.close()
+    db = h.cfg.database
+    for name in (db, db + "-wal", db + "-shm"):
+        if os.path.exists(name):
+            os.chown(name, 65534, 65534)
+    for argv in (["verify"], ["pending"], ["runs"], ["show", approval.run_id],
+                 ["approve", approval.run_id, "-approval", approval.id, "-by", "root"]):
+        code, out, err = operator(h, *argv)
+        assert code == 1 and "owned by uid 65534" in err, (argv, code, out, err)
+    secret = write_secret(tmp_path)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "agentrt_proxy.py"), "-db", db,
+                        "webhook", "-listen", "127.0.0.1:0", "-secret-file", secret],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and "owned by uid 65534" in p.stderr, p.stderr
+    for name in (db, db + "-wal", db + "-shm"):
+        if os.path.exists(name):
+            os.chown(name, 0, 0)
+    assert operator(h, "verify")[0] == 0
+    assert "approval.decided" not in [e[4] for e in ap.Store.open_existing(
+        db, readonly=True).list_events(approval.run_id)]

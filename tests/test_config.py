@@ -872,3 +872,87 @@ def test_config_errors_are_sanitized(tmp_path):
         assert "\x1b" not in msg and "\u202e" not in msg, msg
         code, out, err = run_main("check", "-config", path)
         assert code == 1 and "\x1b" not in err and "\u202e" not in err
+
+
+# ---- Configuration, faults found in review ---------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+from proxy_harness import DEFAULT_RULES, ProxyHarness, write_config  # noqa: E402
+
+
+def test_duration_with_non_ascii_digits_is_refused(tmp_path):
+    """0a2b80f: durations were matched with \\d, which takes any Unicode digit, so a rule's
+    timeout of "\\uff11\\uff10s" (full-width digits) was read as 10 s. Durations take ASCII
+    digits only."""
+    for text in ("\uff11\uff10s", "\u0661\u0660s", "1\u0660m"):
+        with pytest.raises(ValueError):
+            ap.parse_duration(text)
+    path = write_config(str(tmp_path), {"balance": {"side_effect": "read_only",
+                                                    "timeout": "\uff11\uff10s"}})
+    with pytest.raises(ap.ConfigError):
+        ap.load_config(path)
+
+
+def _command(*argv) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = ap.main(list(argv), stdin=io.StringIO(""), stdout=out, stderr=err)
+    return code, err.getvalue()
+
+
+def test_stdio_server_whose_arguments_reach_the_database_is_refused(tmp_path):
+    """d891c0c (reach check): a stdio server started with an argument naming the directory
+    that holds the configuration, the manifest and the database could rewrite the policy
+    or forge an approval; serving and checking refuse such a configuration (proxy-seed.md,
+    "What it is and is not")."""
+    path = write_config(str(tmp_path))
+    assert _command("pin", "-config", path)[0] == 0
+    assert _command("check", "-config", path)[0] == 0
+    with open(path) as f:
+        doc = json.load(f)
+    doc["servers"][0]["command"].append(f"--root={tmp_path}")
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    os.chmod(path, 0o600)
+    code, err = _command("check", "-config", path)
+    assert code != 0 and "reaches" in err, (code, err)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the database to another user")
+def test_database_owned_by_another_user_is_refused(tmp_path):
+    """d891c0c (database owner check): a database another user owns (who could forge
+    approvals in it) was served from; check and serve refuse it."""
+    path = write_config(str(tmp_path))
+    assert _command("pin", "-config", path)[0] == 0
+    assert _command("check", "-config", path)[0] == 0
+    os.chown(tmp_path / "runs.db", 65534, 65534)
+    code, err = _command("check", "-config", path)
+    assert code != 0 and "owned by uid 65534" in err, (code, err)
+
+
+def test_policy_decisions_record_the_configurations_policy_identity(tmp_path):
+    """d891c0c (policy identity): the proxy's decisions recorded no identity of the policy
+    that made them. Each records agentrt-proxy/sha256:<hex> of what the policy decides from
+    (proxy-seed.md, "The policy's identity"): a rule's timeout leaves it unchanged, a rule's
+    side effect changes it."""
+    h = ProxyHarness(tmp_path)
+    try:
+        h.call("bank_balance", {"account": "A-1"})
+        run = h.runs()[-1]
+        policy = [json.loads(e[5]) for e in h.store.list_events(run.id)
+                  if e[4] == "step.policy"]
+    finally:
+        h.close()
+    assert policy and all(re.fullmatch(r"agentrt-proxy/sha256:[0-9a-f]{64}",
+                                       p.get("policy_id", "")) for p in policy), policy
+    recorded = policy[0]["policy_id"]
+
+    def identity(change):
+        rules = json.loads(json.dumps(DEFAULT_RULES))
+        change(rules)
+        sub = tmp_path / f"v{len(os.listdir(tmp_path))}"
+        sub.mkdir()
+        return ap.load_config(write_config(str(sub), rules)).policy_id()
+
+    assert identity(lambda r: None) == recorded
+    assert identity(lambda r: r["pay"].update(timeout="99s")) == recorded
+    assert identity(lambda r: r["pay"].update(side_effect="destructive")) != recorded

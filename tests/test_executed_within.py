@@ -184,3 +184,106 @@ def test_the_window_runs_from_the_recording_of_a_late_outcome(pair):
     h.clock.skew += WINDOW + 30                          # past the end's window, not the record's
     r = p.call()
     assert h.prefix(r) == "DUPLICATE" and h.payments() == 1, h.text(r)
+
+
+# ---- Sequences that broke the repeat rules, found in review ----------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+class WakingPair(Pair):
+    """A stalled proxy and a survivor on one database (tests/test_executed_within.py): the
+    first's payment is inside the server when its loop stops; its lease runs out; the
+    survivor takes the run over. The first wakes later and records the success late, at
+    the survivor's time (one machine: one clock)."""
+
+    def __init__(self, tmp):
+        super().__init__(tmp, "refuse")
+
+    def wake(self) -> dict:
+        self.stalled.clock.skew = self.survivor.clock.skew
+        return super().wake()
+
+
+@pytest.fixture
+def waking_pair(tmp_path):
+    p = WakingPair(tmp_path)
+    yield p
+    p.close()
+
+
+def test_a_late_success_behind_a_cancelled_reasked_question_is_not_paid_again(waking_pair):
+    """The walk's stop (executed_within: "rows close in the order they were opened, so the
+    walk stops at the first closed before the window") reached by ordinary steps: the
+    question expires, the identical call asks again in a fresh run (closing the first run's
+    row), the operator cancels it, and more than the repeat window later the stalled proxy
+    records the first attempt's success. The cancelled run records no attempt and is passed
+    over; the first run's row closed before the window, so the walk stops there, though its
+    outcome was recorded just now. The identical call then runs under allow alone: the
+    server is paid twice with no operator approving a second payment. By the seed's rule 5
+    (and ab25f33's window, from the recording of the late outcome) it is DUPLICATE."""
+    p = waking_pair
+    h = p.survivor
+    p.pay_inside_the_server()
+    assert h.prefix(h.call(PAY, ARGS)) == "INTERRUPTED"
+    h.clock.skew += 61                               # the question expires unanswered
+    r = h.call(PAY, ARGS)                            # asked again, in a fresh run
+    assert h.prefix(r) in ("INTERRUPTED", "UNKNOWN_OUTCOME"), h.text(r)
+    (asked,) = h.pending()
+    ap.cancel_run(h.store, asked.run_id, "operator", "leave it", ap.time.time())
+    h.clock.skew += WINDOW + 30
+    p.wake()                                         # the first attempt paid: recorded now
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "DUPLICATE" and "paid 8.00 to rob" in h.text(r), h.text(r)
+    assert h.payments() == 1
+
+
+def test_a_late_success_of_an_attempt_an_approved_rerun_followed_is_not_paid_again(waking_pair):
+    """The same run holds two attempts: the first cut off (its proxy stalled), the second an
+    approved re-run that paid. More than the repeat window after the re-run, the stalled
+    proxy records the first attempt's success. execution_of reads only the run's last
+    attempt, so the window runs from the re-run's end, long past, and the identical call
+    pays a third time with no operator. ab25f33: the window runs from the later of the
+    run's end and the recording of a late outcome; the first attempt's success was recorded
+    just now, so the call is DUPLICATE."""
+    p = waking_pair
+    h = p.survivor
+    p.pay_inside_the_server()
+    assert h.prefix(h.call(PAY, ARGS)) == "INTERRUPTED"
+    h.decide(h.pending()[0], approve=True)
+    h.clock.skew += LIMIT_PER + 5                    # the limit has room for the re-run
+    h.release()
+    r = h.call(PAY, ARGS)
+    assert h.text(r) == "paid 8.00 to rob" and h.payments() == 2, h.text(r)
+    h.clock.skew += WINDOW + 30
+    p.stalled.clock.skew = h.clock.skew              # one machine: one clock
+    p.wake()                                         # the first attempt: recorded now
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "DUPLICATE", h.text(r)
+    assert h.payments() == 2
+
+
+def test_a_late_success_of_an_attempt_a_newer_run_ran_again_is_not_paid_again(waking_pair):
+    """As above, but the approved re-run is in a newer run: the first attempt's question
+    expired, the identical call asked again in a fresh run (closing the first run's row), and
+    that re-run paid. More than the window later the first attempt's success is recorded:
+    the first run's row closed long before the window, so only the known rows settled
+    within it (CallIndex.executions' second part) find it, and the call is DUPLICATE."""
+    p = waking_pair
+    h = p.survivor
+    p.pay_inside_the_server()
+    assert h.prefix(h.call(PAY, ARGS)) == "INTERRUPTED"
+    h.clock.skew += LIMIT_PER + 5                    # the question expires; the limit has room
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) in ("INTERRUPTED", "UNKNOWN_OUTCOME"), h.text(r)
+    (asked,) = h.pending()
+    first = p.stalled.runs()[0].id
+    assert asked.run_id != first, "asked again in a fresh run"
+    h.decide(asked, approve=True)
+    h.release()
+    r = h.call(PAY, ARGS)
+    assert h.text(r) == "paid 8.00 to rob" and h.payments() == 2, h.text(r)
+    h.clock.skew += WINDOW + 30
+    p.stalled.clock.skew = h.clock.skew              # one machine: one clock
+    p.wake()                                         # the first attempt: recorded now
+    r = h.call(PAY, ARGS)
+    assert h.prefix(r) == "DUPLICATE", h.text(r)
+    assert h.payments() == 2

@@ -749,3 +749,321 @@ def test_approval_hash_matches_the_reference_golden_value():
     got = ap.approval_hash("remote_mutation", b'{"tool":"push","args":{"n":7}}',
                            b'{"title":"Publish <PR> & tag","lines":1.0}', request)
     assert got == "175bcfc7a7e3cdab6b98d7b50caf9f2a8e59d5208211b97de39a4b027c7fa0b2"
+
+
+# ---- Faults found in review ------------------------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+import contextlib  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from conftest import BALANCE, PAY  # noqa: E402
+
+
+def _recording_tools(calls: list, pay_impl=None, pay_effect="remote_mutation"):
+    """pay (terminal) and balance (read_only), recording the arguments each call ran with."""
+    async def pay(args: bytes):
+        calls.append(("pay", args))
+        if pay_impl is not None:
+            return await pay_impl(args)
+        return ap.ToolResult(b'{"paid":true}', "paid")
+
+    async def balance(args: bytes):
+        calls.append(("balance", args))
+        return ap.ToolResult(b'{"balance":10}', "balance 10")
+
+    spec = ap.ToolSpec(PAY.name, PAY.description, PAY.input_schema, pay_effect, PAY.timeout,
+                       PAY.terminal)
+    return [ap.Tool(spec, pay), ap.Tool(BALANCE, balance)]
+
+
+class _Policy:
+    """A policy that asks for approval with whatever capability the test sets."""
+    policy_id = ""
+
+    def __init__(self, capability: bytes = b"{}", fixed: str = ""):
+        self.capability, self.fixed = capability, fixed
+
+    def evaluate(self, request, view):
+        if self.fixed:
+            return ap.need_approval("remote_mutation", "ask",
+                                    {"fixed": self.fixed, "args": ap.Raw(request.args)}, None)
+        return ap.PolicyDecision("require_approval", "ask", "remote_mutation", self.capability,
+                                 b"")
+
+
+def _event_types(store, run_id):
+    return [e[4] for e in store.list_events(run_id)]
+
+
+def test_vertical_tab_around_arguments_is_invalid_not_stripped(harness):
+    """Review 1, finding t1: arguments b'\\x0c{"b":1}\\x0b' were stripped with bytes.strip()
+    (which takes form feed and vertical tab) and executed; JSON has only four whitespace
+    bytes, so the request is INVALID and nothing runs."""
+    calls: list = []
+    gate = ap.Gate(harness.store, _recording_tools(calls), ap.SideEffectPolicy())
+    try:
+        s = gate.begin("r-ws", "read", LIMITS)
+        s.step()
+        v = s.propose(ap.Decision("tool_call", "balance", b'\x0c{"b":1}\x0b', origin="model"))
+        assert v.kind != "allowed", "arguments wrapped in \\f and \\v were accepted"
+        assert v.observation["kind"] == ap.INVALID_DECISION
+        assert calls == []
+        assert "step.tool_started" not in _event_types(harness.store, "r-ws")
+    finally:
+        gate.close()
+
+
+def test_outcome_that_cannot_be_recorded_lets_go_of_the_lease(harness):
+    """Review 1, findings t3/t4/t9: when the tool ran and its outcome could not be written
+    (the database refused the write), the heartbeat went on renewing the run's lease for as
+    long as the process lived, so the run stayed IN_PROGRESS forever. The lease must be let
+    go, so that the next executor takes the run over as cut off while executing."""
+    calls: list = []
+    tools = _recording_tools(calls, pay_effect="local_mutation")
+    gate = ap.Gate(harness.store, tools, ap.SideEffectPolicy())
+    other = ap.Gate(harness.store, tools, ap.SideEffectPolicy())
+    store = harness.store
+    real_tx = store.tx
+    try:
+        s = gate.begin("r-lease", "pay", LIMITS)
+        s.step()
+        v = s.propose(ap.Decision("tool_call", "pay", b'{"amount":1}', origin="model"))
+        assert v.kind == "allowed"
+        s.start()                                   # the tool's start is committed
+
+        failed = []
+
+        def refusing_tx():                          # the next write fails once, as a
+            if not failed:                          # locked or full database does
+                failed.append(1)
+                raise ap.StoreError(f"{store.path}: write failed: database is locked")
+            return real_tx()
+
+        store.tx = refusing_tx
+        with pytest.raises(ap.ProxyError):
+            asyncio.run(s.run_started())
+        store.tx = real_tx
+        assert failed and calls == [("pay", b'{"amount":1}')]
+        assert not gate.leases.holds("r-lease"), "the heartbeat still renews the lease"
+        run = store.get_run("r-lease")
+        assert run.status == ap.RUNNING and run.lease_owner == "", \
+            f"the run is still leased to {run.lease_owner} until {run.lease_expires_at}"
+        # Another executor takes it over at once: a mutation cut off while executing waits
+        # for an operator, it is not run again.
+        session, verdict = other.attach("r-lease")
+        assert verdict.kind == "pending"
+        assert verdict.approval.kind == ap.INTERRUPTED_KIND
+        assert len(calls) == 1
+    finally:
+        store.tx = real_tx
+        gate.close()
+        other.close()
+
+
+def test_whitespace_capability_is_collected_after_approval(harness):
+    """Review 1, finding t5: a policy that answered require_approval with a capability of
+    b" " was stored as {} but, when the approval was collected, the blank capability was not
+    judged as "no value", so attach raised JSONError and the approved run could never
+    execute."""
+    calls: list = []
+    tools = _recording_tools(calls)
+    gate = ap.Gate(harness.store, tools, _Policy(capability=b" "))
+    collector = ap.Gate(harness.store, tools, _Policy(capability=b" "))
+    try:
+        s = gate.begin("r-cap", "pay", LIMITS)
+        s.step()
+        v = s.propose(ap.Decision("tool_call", "pay", b'{"amount":1}', origin="model"))
+        assert v.kind == "pending" and v.approval.capability == b"{}"
+        ap.decide_approval(harness.store, "r-cap", v.approval.id, True, "op", "",
+                           v.approval.hash, time.time())
+        session, verdict = collector.attach("r-cap")
+        assert verdict.kind == "allowed"
+        asyncio.run(session.execute())
+        assert calls == [("pay", b'{"amount":1}')]
+        assert harness.store.get_run("r-cap").status == ap.COMPLETED
+    finally:
+        gate.close()
+        collector.close()
+
+
+def test_grant_collected_after_another_gate_asked_again_does_not_execute(harness):
+    """Review 1, finding t6: gate A collected an approved grant; gate B (its configuration
+    changed, so its policy asked for a new approval on the same step) then paused the run on
+    a new approval; A executed its stale grant anyway. Only the step's latest approval is a
+    grant: A must not execute."""
+    calls: list = []
+    tools = _recording_tools(calls)
+    gate_a = ap.Gate(harness.store, tools, _Policy(fixed="acct-1"))
+    gate_b = ap.Gate(harness.store, tools, _Policy(fixed="acct-2"))
+    try:
+        s = gate_a.begin("r-grant", "pay", LIMITS)
+        s.step()
+        v = s.propose(ap.Decision("tool_call", "pay", b'{"amount":1}', origin="model"))
+        ap.decide_approval(harness.store, "r-grant", v.approval.id, True, "op", "",
+                           v.approval.hash, time.time())
+        session_a, verdict_a = gate_a.attach("r-grant")
+        assert verdict_a.kind == "allowed"
+        session_b, verdict_b = gate_b.attach("r-grant")
+        assert verdict_b.kind == "pending" and verdict_b.approval.id != v.approval.id
+        with contextlib.suppress(ap.ProxyError):
+            asyncio.run(session_a.execute())
+        assert calls == [], "a grant superseded by a new approval executed"
+        latest = harness.store.list_approvals("r-grant")[-1]
+        assert latest.id == verdict_b.approval.id and latest.status == ap.PENDING
+        assert harness.store.get_run("r-grant").status == ap.WAITING
+    finally:
+        gate_a.close()
+        gate_b.close()
+
+
+SLOW_PATTERN = "a[ab]{30}c"
+
+
+def test_slow_schema_pattern_does_not_hold_the_write_lock(harness, monkeypatch):
+    """Review 1, finding t7: Gate.start validated the arguments (and evaluated the policy)
+    inside its write transaction, so a schema pattern with catastrophic backtracking held the
+    database's write lock, and every other writer (another proxy, the operator) waited for
+    it. Proposals are judged first, outside the transaction: every match of the pattern is
+    made while the store's connection holds no transaction, however long it takes."""
+    spec = ap.ToolSpec("note", "notes", b'{"type":"object","properties":{"s":{"type":'
+                       b'"string","pattern":"' + SLOW_PATTERN.encode() + b'"}}}',
+                       "read_only", 5.0, True)
+
+    async def note(args):
+        return ap.ToolResult(b"{}", "ok")
+
+    gate = ap.Gate(harness.store, [ap.Tool(spec, note)], ap.SideEffectPolicy())
+    matched: list[bool] = []            # per match: whether a transaction was open
+    search_costed = ap.Pattern.search_costed
+
+    def watched(self, text, limit):
+        matched.append(harness.store.conn.in_transaction)
+        return search_costed(self, text, limit)
+    monkeypatch.setattr(ap.Pattern, "search_costed", watched)
+    try:
+        args = b'{"s":"' + b"ab" * 1000 + b'"}'
+        asyncio.run(gate.call("r-slow", "note", LIMITS,
+                              ap.Decision("tool_call", "note", args, origin="model")))
+    finally:
+        gate.close()
+    assert matched and not any(matched), \
+        f"{sum(matched)} of {len(matched)} matches made inside the write transaction"
+
+
+def test_gate_tool_schema_may_hold_a_number_past_a_float(harness):
+    """6f3edf6: after 93356a0 the validator refused, as "not JSON", a tool's input schema
+    holding a number beyond a 64-bit float (maximum 1e400), so a gate with such a tool could
+    not be built. Float range is judged only for servers' pinned schemas and structured
+    content; the validator compares numbers exactly."""
+    schema = b'{"type":"object","properties":{"n":{"type":"number","maximum":1e400}}}'
+    ap.compile_schema(schema).check(b'{"n":5}')
+    calls: list = []
+
+    async def look(args):
+        calls.append(args)
+        return ap.ToolResult(b"{}", "ok")
+
+    gate = ap.Gate(harness.store, [ap.Tool(ap.ToolSpec("look", "reads", schema, "read_only",
+                                                       5.0, True), look)],
+                   ap.SideEffectPolicy())
+    try:
+        session, verdict, obs = asyncio.run(gate.call(
+            "r-float", "look", LIMITS, ap.Decision("tool_call", "look", b'{"n":5}',
+                                                   origin="model")))
+        assert verdict.kind == "allowed" and calls == [b'{"n":5}']
+    finally:
+        gate.close()
+
+
+def test_tool_that_returns_no_tool_result_is_recorded_as_its_failure(harness):
+    """Review 1, t2 (d891c0c): an adapter bug, a tool returning a dict instead of a
+    ToolResult, raised out of the recording with the step left executing and the lease
+    renewed forever. It is recorded as the tool's failure, and the run is let go."""
+    calls: list = []
+
+    async def bad(args):
+        return {"paid": True}
+
+    gate = ap.Gate(harness.store, _recording_tools(calls, pay_impl=bad,
+                                                    pay_effect="local_mutation"),
+                   ap.SideEffectPolicy())
+    try:
+        s = gate.begin("r-bad", "pay", LIMITS)
+        s.step()
+        assert s.propose(ap.Decision("tool_call", "pay", b'{"amount":1}',
+                                     origin="model")).kind == "allowed"
+        obs = asyncio.run(s.execute())
+        assert obs["kind"] == ap.TOOL_ERROR
+        step = harness.store.list_steps("r-bad")[0]
+        assert step.status == "failed"
+        assert len(calls) == 1
+    finally:
+        gate.close()
+
+
+def test_approval_hash_takes_the_spec_timeout_in_integer_nanoseconds():
+    """96a5ce2: the approval hash encoded the tool spec's timeout as a duration string
+    ("30s"), so it never matched the reference's golden value (core.md 7.2), which hashes
+    the timeout in integer nanoseconds."""
+    spec = ap.ToolSpec("push", "push <main> & tag", b'{"type":"object"}', "remote_mutation",
+                       30.0)
+    request = ap.ToolRequest("r1", "s1", spec, b'{"n":7,"ref":"refs/heads/main"}')
+    got = ap.approval_hash("remote_mutation", b'{"tool":"push","args":{"n":7}}',
+                           b'{"title":"Publish <PR> & tag","lines":1.0}', request)
+    assert got == "175bcfc7a7e3cdab6b98d7b50caf9f2a8e59d5208211b97de39a4b027c7fa0b2"
+    # A fractional timeout too: 1.5 s is 1500000000 ns in the hashed request.
+    spec = ap.ToolSpec("pay", "pays", b'{"type":"object"}', "remote_mutation", 1.5)
+    request = ap.ToolRequest("r2", "s2", spec, b'{"n":1}')
+    doc = {"capability": {}, "kind": "remote_mutation", "presentation": {},
+           "request": {"args": {"n": 1}, "run_id": "r2", "step_id": "s2",
+                       "spec": {"description": "pays", "input_schema": {"type": "object"},
+                                "name": "pay", "side_effect": "remote_mutation",
+                                "timeout": 1500000000}}}
+    want = hashlib.sha256(
+        json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert ap.approval_hash("remote_mutation", b"{}", b"{}", request) == want
+
+
+HASH_PASSES = 50          # passes over the specs on each thread (about 2 s on a busy
+                          # 2-core machine); the fault shows within a few
+HASH_WAIT = 600.0         # for them: a guard against a hang, never reached
+
+
+def test_a_spec_hash_asked_on_two_threads_never_fails():
+    """The review of moving parsing and deciding onto worker threads, finding 4: ToolSpec.hash
+    is not safe on two threads: the cache it fills may be emptied by another thread before it
+    reads it back (KeyError).
+
+    ToolSpec.hash fills the cache, then reads it again: another thread that empties the
+    full cache in between (SPEC_CACHE_SIZE specs) makes the read a KeyError. Deciding runs on
+    worker threads now, and a run's begin hashes every tool's spec."""
+    specs = [ap.ToolSpec(f"t{i}", "d", b'{"type":"object"}', "read_only", 1.0)
+             for i in range(3 * ap.SPEC_CACHE_SIZE)]
+    failures: list[BaseException] = []
+
+    def hash_all(offset: int) -> None:
+        try:
+            for _ in range(HASH_PASSES):
+                if failures:
+                    return
+                for spec in specs[offset::2]:
+                    spec.hash()
+        except Exception as exc:            # the fault: a KeyError out of hash()
+            failures.append(exc)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hash_all, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(HASH_WAIT)
+    finally:
+        sys.setswitchinterval(interval)
+        ap._SPEC_FORMS.clear()
+    assert not any(t.is_alive() for t in threads), f"{HASH_PASSES} passes took {HASH_WAIT} s"
+    assert not failures, f"ToolSpec.hash failed: {failures[0]!r}"[:200]

@@ -1430,3 +1430,365 @@ def test_whitespace_is_executed_once_in_compact_form(tmp_path, ws):
     v = Verdict()
     judge(cases, out, v, SEED, 0)
     assert not v.failures, summary(v, SEED)
+
+
+# ---- A hostile model and a hostile host, faults found in review ------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import signal  # noqa: E402
+
+from process_helpers import ProcessDir, _cmdline, child_pids  # noqa: E402
+from proxy_harness import (ALLOW_PAY, NEWLINE_SERVER, ProxyHarness, ap, calls,  # noqa: E402
+                           compact_outside_strings, host_frames_are_own_encoding,
+                           newline_harness, received)
+
+
+SMUGGLED = (b'{"jsonrpc":"2.0","id":99,"method":"tools/call",'
+            b'"params":{"name":"erase","arguments":{}}}')
+
+
+# JSON's whitespace, and the other characters some reader takes for a line end.
+WHITESPACE = [b" ", b"\t", b"\r", b"\n"]
+LINE_ENDS_IN_STRINGS = ["\u2028", "\u2029", "\u0085"]
+
+
+def ledger(tmp_path) -> list[bytes]:
+    try:
+        with open(os.path.join(str(tmp_path), "ledger"), "rb") as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def nested_args(depth: int, key: str = "x") -> bytes:
+    """An arguments object nested ``depth`` levels (the object itself is the first)."""
+    return b'{"%s":' % key.encode() + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+@pytest.mark.parametrize("sep", [b"\r", b"\r\n", b"\n"])
+def test_carriage_return_in_arguments_smuggles_no_second_call(tmp_path, sep):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    request smuggling. A CR between two tokens of a host's arguments reached a server that reads
+    with universal newlines, which read two messages from one frame and ran a tool the policy
+    denies."""
+    h = newline_harness(tmp_path)
+    try:
+        args = b'{"x":' + sep + SMUGGLED + sep + b"}"
+        r = h.call("nl_look", raw_args=args, timeout=20)
+        assert not h.is_error(r), h.text(r)
+        assert calls(tmp_path) == ["look"], received(tmp_path)
+        step = [s for run in h.runs() for s in h.store.list_steps(run.id)][0]
+        sent = [m["raw"] for m in received(tmp_path) if m["method"] == "tools/call"][0]
+        sent_args = json.dumps(json.loads(sent)["params"]["arguments"],
+                               separators=(",", ":")).encode()
+        assert sent_args == step.args, (sent, step.args)
+        assert b"\r" not in step.args and b"\n" not in step.args
+        assert ap.canonical_json(step.args) == ap.canonical_json(args)
+        host_frames_are_own_encoding(h)
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("ws", WHITESPACE, ids=["space", "tab", "cr", "lf"])
+def test_arguments_sent_are_the_recorded_request_for_every_whitespace_byte(tmp_path, ws):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would): every
+    frame the proxy writes is its own compact encoding, and the bytes sent are exactly the
+    recorded request, for every JSON whitespace byte."""
+    h = ProxyHarness(tmp_path, rules=ALLOW_PAY)
+    try:
+        args = (b"{" + ws + b'"to"' + ws + b":" + ws + b'"b o\\tb"' + ws + b"," + ws +
+                b'"amount"' + ws + b":" + ws + b"25.50" + ws + b"}")
+        r = h.call("bank_pay", raw_args=args)
+        assert not h.is_error(r), h.text(r)
+        [paid] = ledger(tmp_path)
+        step = [s for run in h.runs() for s in h.store.list_steps(run.id)][0]
+        assert paid == step.args                    # byte for byte what was recorded
+        assert paid == b'{"to":"b o\\tb","amount":25.50}'
+        assert compact_outside_strings(paid)
+        assert ap.canonical_json(paid) == ap.canonical_json(args)
+        host_frames_are_own_encoding(h)
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("char", LINE_ENDS_IN_STRINGS, ids=["u2028", "u2029", "u0085"])
+def test_line_end_characters_in_argument_strings_are_escaped_as_recorded(tmp_path, char):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would): the
+    bytes sent are exactly the recorded request for U+2028/U+2029 (and U+0085) in argument
+    strings: escaped, as recorded."""
+    h = ProxyHarness(tmp_path, rules=ALLOW_PAY)
+    try:
+        args = ('{"to":"bo' + char + 'b","amount":5}').encode()
+        r = h.call("bank_pay", raw_args=args)
+        assert not h.is_error(r), h.text(r)
+        [paid] = ledger(tmp_path)
+        step = [s for run in h.runs() for s in h.store.list_steps(run.id)][0]
+        assert paid == step.args
+        assert paid == b'{"to":"bo\\u%04xb","amount":5}' % ord(char)
+        assert ap.canonical_json(paid) == ap.canonical_json(args)
+        assert ap.request_key("bank_pay", paid) == ap.request_key("bank_pay", args)
+    finally:
+        h.close()
+
+
+def test_approved_request_is_sent_as_the_approval_recorded_it(tmp_path):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would): the
+    bytes sent are exactly the recorded request: arguments with CR and tab between their tokens
+    are sent, once approved, as the approval recorded them."""
+    rules = dict(ALLOW_PAY, pay={"side_effect": "remote_mutation", "timeout": "10s"})
+    h = ProxyHarness(tmp_path, rules=rules)
+    try:
+        args = b'{\r"to":\t"bob",\r"amount":\r7}'
+        assert h.prefix(h.call("bank_pay", raw_args=args)) == "PENDING_APPROVAL"
+        [approval] = h.pending()
+        shown = approval.request().args
+        assert shown == b'{"to":"bob","amount":7}'
+        h.decide(approval)
+        r = h.call("bank_pay", raw_args=args)
+        assert not h.is_error(r), h.text(r)
+        assert ledger(tmp_path) == [shown]
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("depth", [255, 256])
+def test_arguments_nested_to_the_bound_execute_and_are_recorded(tmp_path, depth):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    findings 2 and 8: arguments nested 255 or 256 levels are executed and recorded."""
+    h = newline_harness(tmp_path)
+    try:
+        r = h.call("nl_look", raw_args=nested_args(depth))
+        assert not h.is_error(r) and h.prefix(r) != "UNAVAILABLE", h.text(r)
+        assert calls(tmp_path) == ["look"]
+        [run] = h.runs()
+        assert run.status == ap.COMPLETED
+        step = h.store.list_steps(run.id)[0]
+        assert step.args == nested_args(depth) and step.obs_kind == ap.TOOL_RESULT
+    finally:
+        h.close()
+
+
+def test_arguments_nested_past_the_bound_are_invalid_and_not_sent(tmp_path):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    findings 2 and 8: 257 levels are INVALID, and nothing is sent."""
+    h = newline_harness(tmp_path)
+    try:
+        r = h.call("nl_look", raw_args=nested_args(257))
+        assert h.prefix(r) == "INVALID" and h.is_error(r), h.text(r)
+        assert calls(tmp_path) == []
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("depth", [255, 256])
+def test_deep_arguments_waiting_for_approval_poison_nothing(tmp_path, depth, cli):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    findings 2 and 8: arguments nested 255 or 256 levels leave every command and the rules
+    working (their records wrap them deeper)."""
+    rules = {"look": {"side_effect": "read_only", "timeout": "5s"},
+             "erase": {"side_effect": "destructive", "timeout": "5s",
+                       "outcome": "require_approval"}}
+    h = newline_harness(tmp_path, rules=rules, max_pending=10)
+    db = h.cfg.database
+    try:
+        deep = nested_args(depth)
+        assert h.prefix(h.call("nl_erase", raw_args=deep)) == "PENDING_APPROVAL"
+        [approval] = h.pending()
+        status = h.call("gate_status", {})
+        assert h.prefix(status) == "GATE_STATUS" and approval.id in h.text(status)
+        code, out, err = cli("-db", db, "show", approval.run_id)
+        assert code == 0, err
+        code, out, err = cli("-db", db, "-json", "show", approval.run_id)
+        assert code == 0 and json.loads(out)["approvals"][0]["id"] == approval.id, err
+        # Another mutating request still asks, and the rules still read every run.
+        assert h.prefix(h.call("nl_erase", {"other": 1})) == "PENDING_APPROVAL"
+        code, out, err = cli("-db", db, "approve", approval.run_id, "-approval", approval.id,
+                             "-by", "op")
+        assert code == 0, out + err
+        r = h.call("nl_erase", raw_args=deep)
+        assert not h.is_error(r), h.text(r)
+        assert calls(tmp_path) == ["erase"]
+        assert h.prefix(h.call("nl_erase", raw_args=deep)) == "DUPLICATE"
+    finally:
+        h.close()
+    again = ProxyHarness(tmp_path, rules=rules, command=NEWLINE_SERVER, names=("nl",),
+                         server_env=[f"NEWLINE_LOG={tmp_path}/received"], pin=False,
+                         max_pending=10)
+    try:                                            # a restart reads the records too
+        assert again.prefix(again.call("gate_status", {})) == "GATE_STATUS"
+        assert again.prefix(again.call("nl_erase", raw_args=deep)) == "DUPLICATE"
+        [other] = again.pending()
+        code, out, err = cli("-db", db, "reject", other.run_id, "-approval", other.id,
+                             "-by", "op",
+                             "-note", "no")
+        assert code == 0, out + err
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("depth", [255, 256])
+def test_the_approval_view_shows_arguments_nested_to_the_bound(tmp_path, depth):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    findings 2 and 8: the approval view shows arguments nested to the bound, never an unread
+    placeholder."""
+    rules = {"look": {"side_effect": "read_only", "timeout": "5s"},
+             "erase": {"side_effect": "destructive", "timeout": "5s",
+                       "outcome": "require_approval"}}
+    h = newline_harness(tmp_path, rules=rules)
+    try:
+        assert h.prefix(h.call("nl_erase", raw_args=nested_args(depth))) == "PENDING_APPROVAL"
+        [approval] = h.pending()
+        block = ap.approval_block(h.store, approval, h.cfg.database)
+        assert not any(line.startswith("unread") for line in block), block[:4]
+        assert any(line.strip().startswith("x (") for line in block), block
+    finally:
+        h.close()
+
+
+def test_arguments_nested_300_deep_are_recorded_invalid(tmp_path):
+    """Review 2, a_deep.py: arguments nested past the envelope's depth (300 levels) were
+    refused as a parse error (-32700) with nothing recorded; they are arguments the runtime
+    refuses, so the gate records the call as INVALID."""
+    h = ProxyHarness(tmp_path)
+    try:
+        deep = b"[" * 300 + b"]" * 300
+        h.send(b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"bank_pay",'
+               b'"arguments":{"to":"bob","amount":1,"x":' + deep + b"}}}")
+
+        async def answered():
+            while not h.out:
+                await asyncio.sleep(0.005)
+        h.run(answered(), timeout=30)
+        msg = json.loads(h.out[-1])
+        assert "result" in msg, f"refused as a message, nothing recorded: {msg}"
+        r = msg["result"]
+        assert msg["id"] == 7 and h.prefix(r) == "INVALID" and h.is_error(r), h.text(r)
+        runs = h.runs()
+        assert len(runs) == 1 and runs[0].status == ap.FAILED
+        assert h.payments() == 0
+    finally:
+        h.close()
+
+
+def test_a_line_past_the_frame_limit_is_answered_and_serving_goes_on(tmp_path):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would): the
+    host's input: nothing in a line stops serving. A line past the frame limit is answered with
+    a parse error, and serving goes on."""
+    from process_helpers import ProcessDir, text
+    d = ProcessDir(tmp_path)
+    try:
+        p = d.start()
+        p.send_line(b'{"jsonrpc":"2.0","id":7,"method":"ping","params":{"pad":"' +
+                    b"x" * (20 * 1024 * 1024) + b'"}}\n')
+        r = p.call("bank_balance", {"account": "A-1"}, timeout=60)
+        assert text(r) == "account A-1 holds 120.00 EUR", text(r)
+        errors = [json.loads(line) for line in p.raw_lines if b'"id":null' in line]
+        assert errors and errors[0]["error"]["code"] == -32700, p.raw_lines
+        p.stop()
+    finally:
+        d.cleanup()
+
+
+def _read_line(stream, timeout: float) -> bytes:
+    """One line from a pipe, or b'' at the deadline."""
+    box: list = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return box[0] if box else b""
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End a proxy this test started, and the fake server it started, by their pids."""
+    if proc.poll() is None:
+        servers = [c for c in child_pids(proc.pid) if b"fake_payment_server" in _cmdline(c)]
+        for pid in [proc.pid] + servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+    for f in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError, ValueError):
+            if f is not None:
+                f.close()
+
+
+INITIALIZE = (b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":'
+              b'"2025-06-18","capabilities":{},"clientInfo":{"name":"host","version":"1"}}}\n')
+
+
+def test_host_that_stops_reading_does_not_hang_the_proxy_after_stdin_eof(tmp_path):
+    """Review 2, b_pipe.py: a host that closed its end of the proxy's stdout (stopped
+    reading) and then closed stdin left the proxy running forever. A closed host pipe ends
+    serving: the proxy exits once stdin is closed."""
+    d = ProcessDir(tmp_path)
+    with open(os.path.join(d.tmp, "proxy.stderr"), "wb") as err:
+        proc = subprocess.Popen([PYTHON, PROXY, "-config", d.config], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, cwd=d.tmp)
+    try:
+        proc.stdin.write(INITIALIZE)
+        proc.stdin.flush()
+        assert b'"result"' in _read_line(proc.stdout, 30)
+        proc.stdout.close()                          # the host stops reading
+        proc.stdin.write(b'{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{}}\n')
+        proc.stdin.flush()
+        # Its answer meets the closed pipe; the proxy may end there (a host that is gone).
+        # Nothing else shows that it tried, so wait, bounded, for that exit, then close.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(2)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()                       # and ends the session
+        try:
+            code = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code is not None, "the proxy still runs 10 s after stdin closed"
+    finally:
+        _end(proc)
+
+
+class ReadCounted:
+    """A compiled pattern of the parser whose match() counts the characters it read: up to
+    the end of its match, or, when it fails, to the end of the text (all it may have read)."""
+
+    def __init__(self, pattern, read: list):
+        self.pattern, self.read = pattern, read
+
+    def match(self, text, pos=0, *rest):
+        m = self.pattern.match(text, pos, *rest)
+        self.read[0] += m.end() - pos + 1 if m else len(text) - pos
+        return m
+
+    def __getattr__(self, name):
+        return getattr(self.pattern, name)
+
+
+STRING_PATTERNS = ("_PLAIN_STRING", "_PLAIN_KEY", "_ESCAPED_STRING", "_STRING_CHUNK",
+                   "_SCALAR_THEN")
+# A failed parse is read again, piece by piece, to report exactly what is wrong; a message's
+# spans are read too: parse_message reads an unterminated string about five times.
+READS_PER_CHARACTER = 8
+UNTERMINATED = [b"A" * 26, b"A" * 100_000, b"a\\n" * 50_000, b"\\u0041" * 20_000]
+
+
+@pytest.mark.parametrize("body", UNTERMINATED,
+                         ids=["26 A", "100,000 A", "50,000 escapes", "20,000 u-escapes"])
+def test_an_unterminated_string_is_refused_in_linear_time(body, monkeypatch):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would): the
+    parser: a string that never ends fails at once.
+
+    Counted in the characters the parser's patterns read, never timed: at most
+    READS_PER_CHARACTER times the document, however many pieces the string is read in."""
+    read = [0]
+    for name in STRING_PATTERNS:
+        monkeypatch.setattr(ap, name, ReadCounted(getattr(ap, name), read))
+    for parse, doc in ((ap.parse_json, b'{"s":"' + body),
+                       (ap.parse_message, b'{"jsonrpc":"2.0","id":1,"method":"ping",'
+                                          b'"params":{"s":"' + body)):
+        read[0] = 0
+        with pytest.raises(ap.JSONError):
+            parse(doc)
+        assert read[0] <= READS_PER_CHARACTER * len(doc), \
+            f"{parse.__name__}: {read[0]} characters read for {len(doc)}"

@@ -481,3 +481,229 @@ def test_tool_changed_after_the_pin_is_refused_and_the_rest_serve(bench, change,
     assert d.executions("pay") == 0
     healthy_then_exit(p)
 
+
+# ---- Bad input from a server, in-process (reference/mcp.md 11.7) ----------------------------
+
+import sys  # noqa: E402
+
+from proxy_harness import (ProxyHarness, ap, calls, harness_loop,  # noqa: E402
+                           host_frames_are_own_encoding, newline_harness)
+from scripted_server import (BAD_CALLS, MARKER, RO, Scripted, arun,  # noqa: E402
+                             tool_entry, wait_gone)
+
+
+class ScriptHarness(ProxyHarness):
+    """ProxyHarness over a scripted server `fs` instead of the fake payment server."""
+
+    def __init__(self, tmp, scripted: Scripted, rules: dict, **top):
+        self.tmp = str(tmp)
+        doc = {"database": "runs.db", "session": "test", "hold": "0s", "servers": [{
+            "name": scripted.name, "command": [sys.executable, scripted.script,
+                                               scripted.spec_path],
+            "manifest": scripted.manifest, "rules": rules, "skip_path_check": True}]}
+        doc.update(top)
+        self.config_path = os.path.join(self.tmp, "proxy.json")
+        with open(self.config_path, "w") as f:
+            json.dump(doc, f)
+        os.chmod(self.config_path, 0o600)
+        self.loop = harness_loop()
+        from proxy_harness import SkewClock
+        self.clock = SkewClock()
+        self.log_lines, self.out = [], []
+        self.cfg = ap.load_config(self.config_path)
+        self.pin()
+        self.tools, self.reports = self.run(ap.load_tools(self.cfg))
+        self.store = ap.Store.open(self.cfg.database)
+        self.proxy = ap.Proxy(self.cfg, self.store, self.tools, self.log_lines.append,
+                              clock=self.clock, poll=0.02)
+        self.host = ap.HostServer(self.proxy, self.out.append)
+        self.next_id = 0
+
+    def steps(self, run) -> list:
+        return self.store.list_steps(run.id)
+
+
+@pytest.fixture
+def bad(script, tmp_path):
+    s = Scripted(script, tmp_path, tools=[tool_entry(n, {"type": "object"}) for n in BAD_CALLS],
+                 calls={k: v for k, v in BAD_CALLS.items() if k != "fine"})
+    rules = {n: {"side_effect": "read_only", "timeout": "300ms" if n == "never" else "5s"}
+             for n in BAD_CALLS}
+    rules["crash"] = {"side_effect": "remote_mutation", "timeout": "5s", "outcome": "allow"}
+    h = ScriptHarness(tmp_path, s, rules)
+    yield h, s
+    h.close()
+
+
+def test_proxy_survives_an_upstream_that_never_answers(bad):
+    h, _ = bad
+    r = h.call("fs_never", {}, timeout=10)
+    assert h.is_error(r)
+    run = h.runs()[-1]
+    assert run.status in ap.TERMINAL
+    # The rule's deadline, recorded with the failure: never a default's.
+    assert {"failure": "timeout", "error": "no answer within 300ms"}.items() <= \
+        h.steps(run)[0].obs_content.items(), h.steps(run)[0].obs_content
+    r = h.call("fs_fine", {"x": 1})
+    assert not h.is_error(r) and json.loads(h.text(r)) == {"x": 1}
+
+
+def test_proxy_caps_a_5_mb_answer(bad):
+    h, _ = bad
+    r = h.call("fs_huge", {})
+    assert not h.is_error(r)
+    text = h.text(r)
+    assert text.endswith(MARKER) and set(text[:-len(MARKER)]) == {"x"}
+    assert len(json.dumps(text, ensure_ascii=False).encode()) <= ap.MAX_CONTENT_BYTES
+    run = h.runs()[-1]
+    assert run.status == ap.COMPLETED
+    assert "truncated" in json.dumps(h.steps(run)[0].observation)
+
+
+def test_proxy_survives_invalid_utf8_from_upstream(bad):
+    h, _ = bad
+    r = h.call("fs_badutf8", {})
+    assert h.text(r)                      # answered, whatever it made of the bytes
+    assert h.runs()[-1].status in ap.TERMINAL
+    r = h.call("fs_fine", {"y": 2})
+    assert json.loads(h.text(r)) == {"y": 2}
+
+
+def test_proxy_survives_an_upstream_that_exits_mid_call(bad):
+    h, s = bad
+    r = h.call("fs_crash", {"n": 1}, timeout=15)
+    # A mutating call whose server vanished: its outcome is unknown, never "failed".
+    assert h.text(r).startswith("UNKNOWN_OUTCOME:"), h.text(r)
+    # EOF failed the call, not the rule's 5 s: the recorded failure says so.
+    failed = h.steps(h.runs()[-1])[0].obs_content
+    assert failed.get("failure") == "error" and "closed its output" in failed["error"], failed
+    assert wait_gone(s.pid())
+    # The session is gone: later calls are answered at once (nothing is sent, so nothing
+    # waits for an answer), naming the server's failure.
+    r = h.call("fs_fine", {"z": 3}, timeout=10)
+    assert h.is_error(r) and '"fs"' in h.text(r)
+    assert "nothing was sent" in h.text(r), h.text(r)
+    assert len(h.runs()) == 2
+    statuses = [run.status for run in h.runs()]
+    assert statuses[1] in ap.TERMINAL and statuses[0] in (ap.WAITING, *ap.TERMINAL)
+    assert h.request("ping")["result"] == {}
+
+
+def test_proxy_records_each_call_of_a_misbehaving_upstream(bad):
+    h, _ = bad
+    answers = [h.call(n, {}, timeout=15) for n in ("fs_never", "fs_huge", "fs_badutf8",
+                                                    "fs_fine")]
+    assert [h.is_error(a) for i, a in enumerate(answers) if i != 2] == [True, False, False]
+    runs = h.runs()
+    assert len(runs) == 4 and all(run.status in ap.TERMINAL for run in runs)
+    assert [h.steps(run)[0].decision["tool"] for run in runs] == [
+        "fs_never", "fs_huge", "fs_badutf8", "fs_fine"]
+
+
+def test_proxy_refuses_to_start_on_a_listing_that_never_ends(script, tmp_path):
+    s = Scripted(script, tmp_path, tools=[tool_entry("a")])
+    h = ScriptHarness(tmp_path, s, {"a": RO})
+    h.close()
+    s.change(list="endless")
+    cfg = ap.load_config(h.config_path)
+    with pytest.raises(ap.MCPError) as info:
+        arun(ap.load_tools(cfg))
+    assert "more than 100 pages" in str(info.value) and '"fs"' in str(info.value)
+    assert wait_gone(s.pid())
+
+
+# ---- A hostile server, faults found in review ------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+def test_server_answer_with_cr_between_tokens_forges_no_frame_to_the_host(tmp_path):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would): a
+    server's answer with CR between its tokens cannot forge a frame to the host."""
+    h = newline_harness(tmp_path)
+    try:
+        r = h.call("nl_look", {"crafted": "cr"}, timeout=20)
+        assert not h.is_error(r), h.text(r)
+        assert h.text(r).startswith("ok\r\n")
+        host_frames_are_own_encoding(h)
+        answers = [json.loads(f) for f in h.out]
+        assert [a.get("id") for a in answers] == [h.next_id]      # one answer, ours
+        assert not any("method" in a for a in answers)
+    finally:
+        h.close()
+
+
+ERASE_ALLOWED = {"look": {"side_effect": "read_only", "timeout": "5s"},
+                 "erase": {"side_effect": "destructive", "timeout": "5s", "outcome": "allow"}}
+
+
+def test_structured_content_nested_256_levels_is_recorded_and_returned(tmp_path):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    finding 3: structured content nested 256 levels is recorded (and returned)."""
+    h = newline_harness(tmp_path, rules=ERASE_ALLOWED)
+    try:
+        r = h.call("nl_erase", {"structured_depth": 256})
+        assert not h.is_error(r), h.text(r)
+        assert "structuredContent" in r
+        [run] = h.runs()
+        assert run.status == ap.COMPLETED
+        assert h.prefix(h.call("nl_erase", {"structured_depth": 256})) == "DUPLICATE"
+        assert calls(tmp_path) == ["erase"]
+    finally:
+        h.close()
+
+
+def test_structured_content_past_the_bound_is_unrecorded_and_counts(tmp_path):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    finding 3: any failure after the tool returned is UNRECORDED and counts as executed:
+    structured content nested past the bound."""
+    h = newline_harness(tmp_path, rules=ERASE_ALLOWED)
+    try:
+        r = h.call("nl_erase", {"structured_depth": 257})
+        assert h.prefix(r) == "UNRECORDED", h.text(r)
+        assert h.prefix(h.call("nl_erase", {"structured_depth": 257})) == "DUPLICATE"
+        assert calls(tmp_path) == ["erase"]
+    finally:
+        h.close()
+
+
+def test_failure_after_the_tool_returned_is_unrecorded_not_unexecuted(tmp_path, monkeypatch):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    finding 3: any failure after the tool returned is UNRECORDED and counts as executed, never
+    "Nothing was executed"."""
+    h = newline_harness(tmp_path, rules=ERASE_ALLOWED)
+    real = ap._obs
+
+    def broken(kind, content, summary):
+        if kind == ap.TOOL_RESULT:
+            raise ValueError("the observation would not encode")
+        return real(kind, content, summary)
+    try:
+        monkeypatch.setattr(ap, "_obs", broken)
+        r = h.call("nl_erase", {"n": 1})
+        monkeypatch.setattr(ap, "_obs", real)
+        assert h.prefix(r) == "UNRECORDED", h.text(r)
+        assert "Nothing was executed" not in h.text(r)
+        r = h.call("nl_erase", {"n": 1})
+        assert h.prefix(r) == "DUPLICATE", h.text(r)
+        assert calls(tmp_path) == ["erase"]
+    finally:
+        h.close()
+
+
+def test_deep_answer_from_a_server_is_unrecorded_and_keeps_the_connection(tmp_path):
+    """c17ac7a: a server's answer whose structuredContent was nested 300 deep was not JSON-RPC
+    the proxy could read, so it broke the connection to the server: the payment's outcome
+    was lost and every later call failed. The server answered: the call is recorded as
+    content the gate refused (UNRECORDED), and the connection keeps serving."""
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
+    h = ProxyHarness(tmp_path, rules=rules)
+    try:
+        r = h.call("bank_pay", {"to": "bob", "amount": 3, "mode": "deep"})
+        assert h.prefix(r) == "UNRECORDED", h.text(r)
+        assert h.payments() == 1
+        r = h.call("bank_balance", {"account": "A-1"})
+        assert h.text(r) == "account A-1 holds 120.00 EUR", h.text(r)
+        r = h.call("bank_pay", {"to": "carol", "amount": 4})
+        assert h.text(r) == "paid 4.00 to carol", h.text(r)
+    finally:
+        h.close()

@@ -72,3 +72,54 @@ def test_a_call_over_the_max_alone_is_told_it_never_fits(make):
     assert h.prefix(r) == "DENIED" and "alone is over its max" in h.text(r), h.text(r)
     assert "frees at" not in h.text(r)
     assert h.payments() == 0
+
+
+# ---- Room frees at, faults found in review ---------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+import sqlite3  # noqa: E402
+
+
+def test_room_frees_at_is_no_earlier_than_every_deny_limit_allows(make):
+    """Two limits that deny: at most 2 calls per hour, and a sum of 10 per 24h. The call is
+    over both; judge stops at the first, and the model is told "room for this call frees
+    at" the hour limit's time. At that time the call is DENIED by the daily sum: the model
+    was told to retry too early (eb29c13: the answer says when the window has room for the
+    call). Whatever it names, a call made at the time it names must not be DENIED by a
+    limit that was already over when it was named."""
+    rules = {"pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow",
+                     "limits": [{"calls": 2, "per": "1h", "over": "deny"},
+                                {"name": "daily", "sum": "/amount", "max": "10", "per": "24h",
+                                 "over": "deny"}]}}
+    h = make(rules=rules)
+    for to in ("a", "b"):
+        r = h.call(PAY, {"to": to, "amount": 5})
+        assert not h.is_error(r), h.text(r)
+    r = h.call(PAY, {"to": "c", "amount": 1})
+    text = h.text(r)
+    assert h.prefix(r) == "DENIED" and "frees at " in text, text
+    named = text.split("frees at ", 1)[1][:20]
+    h.clock.skew = ap.parse_time(named) - ap.time.time() + 1         # a second after it
+    r = h.call(PAY, {"to": "c", "amount": 1})
+    assert not h.is_error(r), h.text(r)
+
+
+def test_a_limit_row_far_in_the_future_still_denies_by_the_limit(make):
+    """A row of proxy_limit_uses whose time is far ahead (an edited database, or a clock
+    that once jumped): _use counts it and the limit denies, but frees_at's time does not
+    convert (fmt_time_s: "year 318857 is out of range"), the policy fails, and the model is
+    told Python's exception instead of the limit (DESIGN section 9: a deny by a limit names
+    the limit, with its use and its max). On the re-run of an unknown outcome the same
+    failure means the operator is never asked (nothing pending, every payment DENIED)."""
+    rules = {"pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow",
+                     "limits": [{"calls": 1, "per": "1h", "over": "deny"}]}}
+    h = make(rules=rules)
+    r = h.call(PAY, {"to": "a", "amount": 1})
+    assert not h.is_error(r), h.text(r)
+    conn = sqlite3.connect(h.cfg.database)
+    with conn:
+        conn.execute("UPDATE proxy_limit_uses SET at=at+1e13")
+    conn.close()
+    r = h.call(PAY, {"to": "b", "amount": 1})
+    assert h.prefix(r) == "DENIED" and "limits[0] of bank_pay: 1 of 1 calls" in h.text(r), \
+        h.text(r)

@@ -295,3 +295,77 @@ def test_every_row_since_the_attempt_stops_counting_it(make):
     assert h.call("bank2_pay", {"to": "dave", "amount": 40}).get("isError") is not True
     r = h.call("bank2_pay", {"to": "eve", "amount": 1})
     assert h.prefix(r) == "DENIED", h.text(r)
+
+
+# ---- The operator's word and the limits, faults found in review ------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+import asyncio  # noqa: E402
+import time  # noqa: E402
+
+from proxy_harness import limit_rules  # noqa: E402
+
+
+LEASE_WAIT = 200                     # looks, 0.1 s apart, for a 3 s lease to run out
+
+
+@pytest.mark.parametrize("word", ["executed", "unknown"])
+def test_a_later_word_that_the_attempt_executed_counts_it_again(harnesses, word):
+    """The operator first says a cut-off payment of 30 did not execute; the identical call,
+    past the repeat window, asks about the same attempt again, and the operator now says it
+    executed (or that it is unknown). Both words print "it still counts toward the tool's
+    limits", and the attempt must count again: a payment of 40 in the same hour would make
+    70 of a max of 60, which no operator approved."""
+    h = harnesses(rules=limit_rules(SPEND))
+    args = {"to": "bob", "amount": 30, "mode": "block"}
+    assert h.prefix(h.call(PAY, args)) == "UNKNOWN_OUTCOME"
+    [first] = h.pending()
+    reject(h, first, "not-executed")
+    h.clock.skew = 11 * 60                       # past the 10m repeat window, in the hour
+    assert h.prefix(h.call(PAY, args)) == "UNKNOWN_OUTCOME"
+    [again] = h.pending()
+    assert ap.attempt_in(again.capability)["step_id"] == \
+        ap.attempt_in(first.capability)["step_id"]              # the same attempt
+    assert "still counts toward the tool's limits" in reject(h, again, word)
+    assert paid(h, "carol", 40) == "DENIED"
+    assert h.payments() == 1
+    assert h.proxy.budgets.lines() == [f"{PAY}: 30 of 60 (sum of /amount) in the last 1h"]
+
+
+def test_a_late_success_after_a_not_executed_word_counts_the_payment(harnesses):
+    """Two proxies on one database. The first's payment of 30 is inside the server when it
+    stops renewing its lease (as a stopped process does); the second takes the run over and
+    asks; the operator says the attempt did not execute. Then the first wakes and records the
+    payment's success: the store now knows it executed (gate_status says "it did take
+    effect"), and the limit must count it again, here and in a proxy started afterwards; a
+    payment of 40 in the same hour must be DENIED."""
+    rl = limit_rules(SPEND, timeout="20s")
+    stalled = harnesses("h", rules=rl, lease_ttl="3s")
+    args = {"to": "bob", "amount": 30, "mode": "block"}
+    params = json.dumps({"name": PAY, "arguments": args}).encode()
+    ident = stalled.request("tools/call", raw_params=params, wait=False)
+
+    async def in_the_server():
+        while stalled.payments() < 1:
+            await asyncio.sleep(0.01)
+    stalled.run(in_the_server())
+    stalled.proxy.gate.leases.renew = lambda conn: None        # it stops, its lease runs out
+    survivor = harnesses("h", rules=rl, lease_ttl="3s", pin=False)
+    for _ in range(LEASE_WAIT):
+        r = survivor.call(PAY, args)
+        if survivor.prefix(r) != "IN_PROGRESS":
+            break
+        time.sleep(0.1)
+    assert survivor.prefix(r) == "INTERRUPTED", survivor.text(r)
+    [asked] = survivor.pending()
+    reject(survivor, asked, "not-executed")
+    stalled.release()
+    assert stalled.text(stalled.answer(ident)["result"]) == "paid 30.00 to bob"
+    status = survivor.text(survivor.call("gate_status", {"approval_id": asked.id}))
+    assert "did take effect" in status, status
+    assert survivor.proxy.budgets.lines() == [
+        f"{PAY}: 30 of 60 (sum of /amount) in the last 1h"]
+    restarted = harnesses("h", rules=rl, lease_ttl="3s", pin=False)   # catches up
+    assert restarted.proxy.budgets.lines() == survivor.proxy.budgets.lines()
+    assert paid(survivor, "carol", 40) == "DENIED"
+    assert survivor.payments() == 1

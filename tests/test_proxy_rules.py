@@ -998,3 +998,200 @@ def test_model_visible_text_names_no_operator_path(make, tmp_path):
         assert "agentrt" not in text.lower(), text
         for word in forbidden:
             assert word not in text, (word, text)
+
+
+# ---- The rules across calls, faults found in review ------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+from scripted_server import BANK_RULES  # noqa: E402
+
+
+def test_store_error_while_asking_about_an_unknown_outcome_keeps_the_tool_blocked(tmp_path):
+    """Review 2, f_rerun_err.py: a payment timed out (its outcome unknown); asking an operator
+    about it then hit a store error. The run was left leased to this process and the tool
+    unblocked: a respelled payment executed, and the identical call answered IN_PROGRESS for
+    as long as the process lived. The run must be let go of, so the tool stays BLOCKED and
+    the identical call asks an operator."""
+    rules = {"balance": {"side_effect": "read_only", "timeout": "5s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "1s", "outcome": "allow"},
+             "refund": {"side_effect": "destructive", "timeout": "5s"}}
+    h = ProxyHarness(tmp_path, rules=rules, lease_ttl="3s")
+    try:
+        real_rerun, real_steps = h.proxy.rerun, h.store.list_steps
+        armed = []
+
+        def rerun(*a, **k):
+            armed.append(1)
+            return real_rerun(*a, **k)
+
+        def list_steps(run_id):
+            if armed:
+                armed.clear()
+                raise ap.StoreError("database is locked (simulated SQLITE_BUSY)")
+            return real_steps(run_id)
+
+        h.proxy.rerun, h.store.list_steps = rerun, list_steps
+        h.call("bank_pay", {"to": "bob", "amount": 1, "mode": "block"})
+        h.proxy.rerun, h.store.list_steps = real_rerun, real_steps
+        h.release()
+        run = h.runs()[-1]
+        assert run.lease_owner == "", f"the run is still leased to {run.lease_owner}"
+        r = h.call("bank_pay", raw_args=b'{"to":"bob","amount":1.0}')
+        assert h.prefix(r) == "BLOCKED", h.text(r)
+        r = h.call("bank_pay", {"to": "bob", "amount": 1, "mode": "block"})
+        assert h.prefix(r) in ("UNKNOWN_OUTCOME", "INTERRUPTED"), h.text(r)
+        assert h.payments() == 1
+    finally:
+        h.release()
+        h.close()
+
+
+def test_operator_cancelled_pending_request_is_not_an_attempt(tmp_path):
+    """Review 2, g_cancel.py: a payment waiting for approval that an operator cancelled was
+    counted as an attempt cut off with an unknown outcome, so after the repeat window the
+    identical request was asked about as interrupted_side_effect. Nothing ever ran: it asks
+    for an ordinary approval."""
+    h = ProxyHarness(tmp_path)
+    try:
+        args = {"to": "bob", "amount": 5}
+        assert h.prefix(h.call("bank_pay", args)) == "PENDING_APPROVAL"
+        ap.cancel_run(h.store, h.runs()[-1].id, "op", "not now", time.time())
+        assert h.prefix(h.call("bank_pay", args)) == "REJECTED"
+        h.clock.skew += 700                          # past the 600 s repeat window
+        r = h.call("bank_pay", args)
+        assert h.prefix(r) == "PENDING_APPROVAL", h.text(r)
+        assert h.pending()[-1].kind != ap.INTERRUPTED_KIND
+        assert h.payments() == 0
+    finally:
+        h.close()
+
+
+def test_status_counts_a_payment_cancelled_while_it_executed_as_executed(tmp_path):
+    """The last review's finding, shown by its reproduction before the fix: a status answer that
+    called an executed payment "not executed". The operator cancels the run of an approved
+    payment while it executes; gate_status must say it was approved and executed."""
+    h = ProxyHarness(tmp_path)
+    try:
+        args = {"to": "bob", "amount": 5, "mode": "block"}
+        assert h.prefix(h.call("bank_pay", args)) == "PENDING_APPROVAL"
+        approval = h.pending()[0]
+        h.decide(approval, approve=True)
+        ident = h.request("tools/call", {"name": "bank_pay", "arguments": args}, wait=False)
+
+        async def until_paid():
+            while h.payments() < 1:
+                await asyncio.sleep(0.02)
+        h.run(until_paid(), 20)
+        ap.cancel_run(h.store, approval.run_id, "operator", "stop", time.time())
+        h.release()
+        h.answer(ident, 30)
+        text = h.text(h.call("gate_status", {"approval_id": approval.id}))
+        assert "APPROVED and executed" in text and "may have taken effect" in text
+        assert "not executed" not in text
+        assert h.payments() == 1
+    finally:
+        h.close()
+
+
+WAIT = 10.0               # the deadline of every wait that should succeed
+
+
+def _params(name: str, args: dict) -> bytes:
+    return json.dumps({"name": name, "arguments": args}).encode()
+
+
+def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_path):
+    """The review of moving parsing and deciding onto worker threads, finding 1: a call whose
+    arguments are past OFFLOAD_BYTES decides on a worker thread under the deciding lock. Another
+    call's unknown outcome (its tool timed out) is recorded on the event loop meanwhile, and its
+    re-run, which asks the operator, waits for that lock. The call deciding sees the timed-out
+    run as RUNNING under a live lease, nothing waiting, and runs a second mutating call to the
+    tool while the first one's outcome is unknown: it should be BLOCKED.
+
+    No call decides between an unknown outcome being recorded and the operator being
+    asked about it: a mutating call deciding there would find the outcome recorded and
+    nothing yet asking, and run past it. A large call decides slowly on a worker thread
+    while the first call's tool times out; the first call's record must wait for it, and
+    then be followed by the question with no decision in between."""
+    h = ProxyHarness(tmp_path, rules=TIMEOUT_PAY)
+    timeline: list[str] = []
+    real_record, real_decide, real_rerun = ap.Session._record, h.proxy.decide, h.proxy.rerun
+
+    def record(self, obs, began):
+        timeline.append("record")
+        return real_record(self, obs, began)
+
+    def decide(tool, key, args):
+        timeline.append("decide")
+        if len(args) > ap.OFFLOAD_BYTES:
+            time.sleep(0.8)             # a slow decision: past the first call's timeout
+        try:
+            return real_decide(tool, key, args)
+        finally:
+            timeline.append("decided")
+
+    def rerun(*args):
+        timeline.append("asked")
+        return real_rerun(*args)
+
+    ap.Session._record = record
+    h.proxy.decide, h.proxy.rerun = decide, rerun
+    try:
+        first = h.request("tools/call", raw_params=_params(
+            PAY, {"to": "amy", "amount": 1, "mode": "slow"}), wait=False)
+
+        async def until_paid():
+            while h.payments() < 1:
+                await asyncio.sleep(0.01)
+        h.run(until_paid(), WAIT)                 # the first call's tool is running
+        big = h.request("tools/call", raw_params=_params(
+            PAY, {"to": "b" * (ap.OFFLOAD_BYTES + 1), "amount": 2}), wait=False)
+        first_text = h.text(h.answer(first, WAIT)["result"])
+        h.answer(big, WAIT)
+        assert first_text.startswith("UNKNOWN_OUTCOME"), first_text
+        at = timeline.index("record")
+        assert timeline[at:at + 2] == ["record", "asked"], timeline
+    finally:
+        ap.Session._record = real_record
+        h.close()
+
+
+# -- rows 1, 2 and 14 of reference/proxy.md 17.2 again, as the MCP tests wrote them ------------
+
+def test_proxy_lists_only_classified_tools_and_the_status_tool(make):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s",
+                         "description": "The operator's own words."},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                     "fixed": {"currency": "EUR"}}}
+    h = make(rules=rules)
+    tools = h.request("tools/list", {})["result"]["tools"]
+    assert [t["name"] for t in tools] == ["bank_balance", "bank_pay", "gate_status"]
+    assert all("outputSchema" not in t for t in tools)
+    assert tools[0]["description"] == "The operator's own words."
+    pay = tools[1]["inputSchema"]
+    assert "amount" in pay["properties"] and "currency" not in pay["properties"]
+    assert "currency" not in pay.get("required", [])
+    assert h.reports[0].unclassified == ["refund"]
+
+
+def test_proxy_allowed_read_returns_content(make):
+    h = make()
+    r = h.call("bank_balance", {"account": "A-1"})
+    assert not h.is_error(r)
+    assert h.text(r) == "account A-1 holds 120.00 EUR"
+    assert h.runs() and all(run.status in ap.TERMINAL for run in h.runs())
+
+
+def test_proxy_upstream_error_and_structured_result(make):
+    rules = {**json.loads(json.dumps(BANK_RULES)),
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
+    h = make(rules=rules)
+    r = h.call("bank_pay", {"to": "jo", "amount": 1, "mode": "error"})
+    assert h.is_error(r) and "card declined for jo" in h.text(r)
+    r = h.call("bank_pay", {"to": "jo", "amount": 2, "mode": "structured"})
+    assert not h.is_error(r)
+    assert r["structuredContent"] == {"paid": 2, "to": "jo"}
+    r = h.call("bank_pay", {"to": "jo", "amount": 1, "mode": "error"})
+    assert h.text(r).startswith("DUPLICATE:") and "card declined" in h.text(r)
+    assert h.payments() == 2
+    assert all(run.status in ap.TERMINAL for run in h.runs())

@@ -575,3 +575,22 @@ def test_recheck_of_a_decision_without_identity_says_so(tmp_path):
     assert code == 0, err
     assert "policy identity unknown" in out and "policy unchanged" not in out
     check_counts(summary(out), 1, 1, 0, 0)
+
+
+# ---- recheck, faults found in review ---------------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+def test_recheck_does_not_change_the_database_mode(tmp_path):
+    """0a2b80f: recheck, which only reads, checked the database as a writer does and
+    tightened a 0644 database to 0600. It opens the database without touching its mode."""
+    h = ProxyHarness(tmp_path)
+    try:
+        h.call("bank_balance", {"account": "A-1"})
+    finally:
+        h.close()
+    os.chmod(h.cfg.database, 0o644)
+    out, err = io.StringIO(), io.StringIO()
+    code = ap.main(["recheck", "-config", h.config_path], stdin=io.StringIO(""), stdout=out,
+                   stderr=err)
+    assert code == 0, err.getvalue()
+    assert oct(os.stat(h.cfg.database).st_mode & 0o777) == "0o644"

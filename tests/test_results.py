@@ -153,3 +153,267 @@ def test_the_cap_holds_for_the_text_as_written_not_only_as_read():
         frame = ap.dump_json(ap.result_of(obs[0]))
         assert len(frame.encode()) <= 4096 + 200, (repr(ch), len(frame))
         assert "truncated" in result.summary
+
+
+# ---- Mapping an upstream answer to a result (reference/mcp.md 11.2) -------------------------
+
+import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+from proxy_harness import ALLOW_PAY  # noqa: E402
+from scripted_server import (BAD_CALLS, MARKER, RO, arun, call_mapped, loaded,  # noqa: E402
+                             pin, results_server)
+
+
+def test_call_structured_and_text_results(script, tmp_path):
+    s = results_server(script, tmp_path, {
+        "structured": {"result": {"content": [{"type": "text", "text": "2 lines"}],
+                                  "structuredContent": {"ok": True, "lines": 2}}},
+        "mixed": {"result": {"content": [
+            {"type": "text", "text": "first"},
+            {"type": "image", "data": "aGk=", "mimeType": "image/png"},
+            {"type": "text", "text": "last"}]}},
+        "others": {"result": {"content": [
+            {"type": "audio", "data": "aGk=", "mimeType": "audio/wav"},
+            {"type": "resource_link", "uri": "file:///x", "name": "x"},
+            {"type": "resource", "resource": {"uri": "file:///x", "text": "t"}}]}},
+        "nothing": {"result": {"content": []}}})
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server({n: RO for n in pinned}), pinned) as (tools, _):
+            r = await tools["fs_structured"].call(b'{"path":"p"}')
+            assert r.content == b'{"lines":2,"ok":true}'
+            assert r.summary == "fs/structured: 21 bytes"
+            r = await tools["fs_mixed"].call(b'{"path":"p"}')
+            assert json.loads(r.content) == "first\n[image omitted]\nlast"
+            r = await tools["fs_others"].call(b'{"path":"p"}')
+            assert json.loads(r.content) == ("[audio omitted]\n[resource link omitted]\n"
+                                             "[embedded resource omitted]")
+            r = await tools["fs_nothing"].call(b'{"path":"p"}')
+            assert r.content == b'""'
+    arun(body())
+
+
+def test_call_is_error_becomes_an_error(script, tmp_path):
+    s = results_server(script, tmp_path, {"read_file": {"result": {
+        "content": [{"type": "text", "text": "no such file"}], "isError": True}}})
+    with pytest.raises(ap.ToolFailure) as info:
+        arun(call_mapped(s, "read_file"))
+    assert str(info.value) == "fs/read_file: 14 bytes, error: no such file"
+
+
+def test_call_oversized_content_is_truncated(script, tmp_path):
+    s = results_server(script, tmp_path, {"read_file": {"text_size": 500}})
+    r = arun(call_mapped(s, "read_file", cap=64))
+    assert len(r.content) == 64
+    assert json.loads(r.content) == "x" * 49 + MARKER
+    assert r.summary == "fs/read_file: 64 bytes, truncated"
+
+
+def test_call_cap_counts_encoded_bytes():
+    content, cut = ap.cap_text("\x01" * 16, 100)
+    assert (len(content), cut) == (98, False)
+    assert json.loads(content) == "\x01" * 16
+    for text in ("\x01" * 40, "世" * 60, "é\x02" * 30, "a" * 99 + "世"):
+        content, cut = ap.cap_text(text, 100)
+        assert cut and len(content) <= 100, (text, content)
+        decoded = json.loads(content)            # valid JSON: no split character
+        assert decoded.endswith(MARKER)
+        assert text.startswith(decoded[:-len(MARKER)])
+    content, cut = ap.cap_text("x" * 500, 64)
+    assert len(content) == 64 and cut
+
+
+def test_cap_text_never_exceeds_the_cap():
+    inputs = ["x" * 300, "\x01" * 300, "世" * 300, "\"\\" * 150, "\u2028a" * 150,
+              "🙂b" * 150, "a\nb\tc\x7f<>&" * 30]
+    for text in inputs:
+        for cap in range(200):
+            content, cut = ap.cap_text(text, cap)
+            assert len(content) <= max(cap, 15), (text[:10], cap, content)
+            decoded = json.loads(content)
+            assert cut and decoded.endswith(MARKER)
+            prefix = decoded[:-len(MARKER)]
+            assert text.startswith(prefix)
+            # The cap holds as written (frames and records escape U+2028 and C1 controls).
+            assert ap._wire_len(decoded) <= max(cap, 15), (text[:10], cap, content)
+            # The longest prefix that fits as written: one more character would not.
+            longer = ap._wire_len(text[:len(prefix) + 1] + MARKER)
+            assert longer > max(cap, 15), (text[:10], cap, prefix)
+
+
+def test_call_oversized_structured_content_falls_back_to_text(script, tmp_path):
+    big = {"items": ["v" * 20] * 8}
+    big_len = len(json.dumps(big, separators=(",", ":")))
+    s = results_server(script, tmp_path, {
+        "with_text": {"result": {"content": [{"type": "text", "text": "see the items"}],
+                                 "structuredContent": big}},
+        "alone": {"result": {"content": [], "structuredContent": big}},
+        "small": {"result": {"content": [{"type": "text", "text": "{\"k\": 1}"}],
+                             "structuredContent": {"k": 1}}}})
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server({n: RO for n in pinned}), pinned) as (tools, _):
+            tools = {k: dataclasses.replace(t, max_content=64) for k, t in tools.items()}
+            r = await tools["fs_with_text"].call(b'{"path":"p"}')
+            assert r.content == b'"see the items"'
+            assert r.summary == (f"fs/with_text: 15 bytes, truncated, structured content of "
+                                 f"{big_len} bytes dropped for the text")
+            r = await tools["fs_alone"].call(b'{"path":"p"}')
+            assert json.loads(r.content) == "[structured content dropped: too large]"
+            assert "truncated" in r.summary and "dropped" in r.summary
+            r = await tools["fs_small"].call(b'{"path":"p"}')
+            assert r.content == b'{"k":1}' and r.summary == "fs/small: 7 bytes"
+    arun(body())
+
+
+def test_call_structured_content_that_cannot_be_encoded_is_ignored(script, tmp_path):
+    s = results_server(script, tmp_path, {"read_file": {"raw": (
+        '{"content":[{"type":"text","text":"fallback"}],"structuredContent":{"v":1e400}}')}})
+    r = arun(call_mapped(s, "read_file"))
+    assert r.content == b'"fallback"'
+    assert r.summary == "fs/read_file: 10 bytes"
+
+
+def test_call_input_required_is_refused(script, tmp_path):
+    s = results_server(script, tmp_path, {"read_file": {"result": {
+        "resultType": "input_required", "inputRequests": {}}}})
+    with pytest.raises(ap.ToolFailure, match="asked for more input") as info:
+        arun(call_mapped(s, "read_file"))
+    assert str(info.value).startswith("fs_read_file: the server asked for more input")
+
+
+def test_call_structured_content_keeps_its_numbers(script, tmp_path):
+    s = results_server(script, tmp_path, {"read_file": {"raw": (
+        '{"content":[],"structuredContent":{"id":123456789012345678901234567890,'
+        '"n":9007199254740993,"f":0.1,"s":"<b>"}}')}})
+    r = arun(call_mapped(s, "read_file"))
+    # Keys sorted, no HTML escaping in recorded content, every digit kept (the reference
+    # writes the 30-digit id as 1.2345678901234567890123456789e+29; its literal is the same
+    # number).
+    assert re.fullmatch(rb'\{"f":0\.1,"id":(123456789012345678901234567890|'
+                        rb'1\.2345678901234567890123456789e\+29),"n":9007199254740993,'
+                        rb'"s":"<b>"\}', r.content), r.content
+
+
+def test_call_invalid_utf8_in_a_result_becomes_replacement_characters(script, tmp_path):
+    s = results_server(script, tmp_path, {"read_file": BAD_CALLS["badutf8"]})
+    r = arun(call_mapped(s, "read_file"))
+    assert json.loads(r.content) == "ok \ufffd\ufffd bytes \ufffd"
+
+
+# ---- Results, faults found in review ---------------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+def test_is_error_answer_with_deep_structured_content_is_a_known_failure():
+    """Review 2, j_maperr.py: an isError answer whose structuredContent is nested past 256
+    levels made map_result raise JSONError, recorded as a panic: an unknown outcome
+    (no_answer) that blocks the tool. The server answered that it failed: a known failure."""
+    spec = ap.ToolSpec("bank_pay", "", b'{"type":"object"}', "remote_mutation", 5.0, True)
+    tool = ap.UpstreamTool(spec, "bank", "pay", ap.Rule(side_effect="remote_mutation"), None)
+    deep = b"[" * 300 + b"1" + b"]" * 300
+    line = (b'{"jsonrpc":"2.0","id":1,"result":{"isError":true,"content":[{"type":"text",'
+            b'"text":"declined"}],"structuredContent":{"x":' + deep + b"}}}")
+    msg = ap.parse_message(line, ap.UPSTREAM_DEPTH)
+
+    async def answer(args):
+        return ap.map_result(tool, msg)
+
+    obs = asyncio.run(ap._call_tool(ap.Tool(spec, answer), b"{}"))[0]
+    assert obs["kind"] == ap.TOOL_ERROR
+    assert "panic" not in json.dumps(obs["content"]), obs["content"]
+    assert ap.unknown_ending(tool, obs) is None
+
+
+def _mapped(result: bytes) -> dict:
+    """The observation the gate records for an upstream answer with this result."""
+    spec = ap.ToolSpec("bank_pay", "", b'{"type":"object"}', "remote_mutation", 5.0, True)
+    tool = ap.UpstreamTool(spec, "bank", "pay", ap.Rule(side_effect="remote_mutation"), None)
+    msg = ap.parse_message(b'{"jsonrpc":"2.0","id":1,"result":' + result + b"}",
+                           ap.UPSTREAM_DEPTH)
+
+    async def answer(args):
+        return ap.map_result(tool, msg)
+
+    return asyncio.run(ap._call_tool(ap.Tool(spec, answer), b"{}"))[0]
+
+
+def test_structured_content_past_a_float_is_ignored_for_the_text():
+    """93356a0: structuredContent holding a number beyond a 64-bit float was handed on, so the
+    gate refused it as content it cannot record and the payment was UNRECORDED. mcp.md 8.4:
+    structured content that will not encode is ignored and the text stands."""
+    obs = _mapped(b'{"content":[{"type":"text","text":"paid"}],"structuredContent":'
+                  b'{"x":1e400}}')
+    assert obs["kind"] == ap.TOOL_RESULT, obs
+    assert obs["content"] == "paid"
+
+
+def test_bad_bytes_in_a_result_read_as_replacement_characters():
+    """93356a0: a byte that is not UTF-8 inside a server's result made the whole result
+    "not JSON", a failure without an answer (an unknown outcome). The server answered: the
+    bad byte reads as U+FFFD."""
+    obs = _mapped(b'{"content":[{"type":"text","text":"paid \xff to bob"}]}')
+    assert obs["kind"] == ap.TOOL_RESULT, obs
+    assert obs["content"] == "paid \ufffd to bob"
+
+
+def test_structured_result_with_fractional_numbers_is_passed_on_as_recorded(tmp_path):
+    """The hostile review (the proxy tried as a hostile model and a hostile server would):
+    structured content is recorded, and what the host gets is what was recorded: a structured
+    result with fractional numbers (25.50) is passed on as recorded, and the identical call is
+    answered again."""
+    h = ProxyHarness(tmp_path, rules=ALLOW_PAY)
+    try:
+        r = h.call("bank_pay", raw_args=b'{"to":"bob","amount":25.50,"mode":"structured"}')
+        assert not h.is_error(r), h.text(r)
+        raw = [f for f in h.out if b"structuredContent" in f][0]
+        assert b'"paid":25.5' in raw
+        again = h.call("bank_pay", raw_args=b'{"to":"bob","amount":25.50,"mode":"structured"}')
+        assert not h.is_error(again), h.text(again)
+    finally:
+        h.close()
+
+
+def _parses(monkeypatch, at_least: int) -> list[int]:
+    """The lengths of the texts of at least ``at_least`` characters parsed from now on."""
+    found: list[int] = []
+    init = ap._Parser.__init__
+
+    def counted(self, raw, text, strict):
+        if len(text) >= at_least:
+            found.append(len(text))
+        init(self, raw, text, strict)
+    monkeypatch.setattr(ap._Parser, "__init__", counted)
+    return found
+
+
+def test_a_large_server_answer_is_read_in_bounded_time(monkeypatch):
+    # The same cost from the other side: a server's answer with 600,000 zeros in its
+    # structuredContent (1.2 MB; a frame may hold 16 MiB). It is read (parse_message, its
+    # spans), mapped (map_result parses the result, its spans, then the structured content
+    # again and encodes it, to drop it for being past the 64 KiB cap) and observed, all on
+    # the event loop. The faulty code spends about six parses of it (5.7 measured), the
+    # fixed one about one; a 16 MiB answer cost the faulty code a minute or more.
+    """The hardened proxy's review, finding 3: one host message of under 1 MB keeps the event
+    loop busy for seconds: the arguments are parsed about seven times, at microseconds a value.
+    A server's answer costs the same way. Judged by a count, never by a time: the strict parses
+    of an answer."""
+    structured = b'{"v":[' + b",".join([b"0"] * 600_000) + b"]}"
+    line = (b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"paid"}],'
+            b'"structuredContent":' + structured + b"}}\n")
+    assert len(line) < ap.MAX_FRAME
+    spec = ap.ToolSpec("bank_pay", "pays", b'{"type":"object"}', "remote_mutation", 5.0, True)
+    tool = ap.UpstreamTool(spec, "bank", "pay", ap.Rule(side_effect="remote_mutation"), None)
+    # Counted in parses of it or of its structured content: the fixed code reads the
+    # answer in one pass; the faulty code parsed it, or its structured content, three times
+    # or more.
+    parses = _parses(monkeypatch, len(structured))
+    msg = ap.parse_message(line, ap.UPSTREAM_DEPTH)
+    obs = ap._observe("bank_pay", 5.0, ap.map_result(tool, msg))
+    assert obs[0]["kind"] == ap.TOOL_RESULT
+    assert len(parses) == 1, f"the answer or its structured content parsed {len(parses)} times"

@@ -241,3 +241,21 @@ def test_clean_bounds_random_text():
         kept = out[:-1]
         assert out.endswith(ELLIPSIS) and full.startswith(kept), (text, n, out)
         assert len(kept.encode()) <= n < len(full[:len(kept) + 1].encode()), (text, n, out)
+
+
+# ---- The log, faults found in review ---------------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+import io  # noqa: E402
+
+import agentrt_proxy as ap  # noqa: E402
+
+
+def test_log_lines_are_sanitised():
+    """6e5e37a: text in the proxy's log lines (server names, errors a server wrote) reached
+    the operator's terminal raw, escape sequences and line breaks included (mcp.md 9.5)."""
+    out, err = io.StringIO(), io.StringIO()
+    ap.Out(out, err).log('server "x\x1b]0;pwned\x07": error: a\nagentrt-proxy: forged line')
+    text = err.getvalue()
+    assert "\x1b" not in text and "\x07" not in text
+    assert text.count("\n") == 1 and text.endswith("\n"), repr(text)

@@ -352,3 +352,39 @@ def test_schema_multiple_of_with_too_many_digits_is_refused_at_load():
         compile_schema(f'{{"multipleOf":{digits}}}'.encode())
     # trailing and leading zeros are not significant
     compile_schema(f'{{"multipleOf":0.000{digits[1:]}000e10}}'.encode())
+
+
+# ---- Pattern work, faults found in review ----------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+def test_pattern_work_is_bounded_per_call_not_only_per_string(monkeypatch):
+    # A 27-character pattern, a pinned schema of 120 bytes, 40 KB of arguments. Unanchored,
+    # {1,1000} keeps up to a thousand threads alive; the states are too big for the memo to
+    # keep, so every string pays again. The whole check may spend what the call's budget
+    # allows, in instruction visits: the faulty code let each string spend MAX_PATTERN_WORK
+    # (about 8 s for the call on an idle core).
+    """The hardened proxy's review, finding 1: matching a schema pattern is not charged to the
+    call's evaluation budget. Each string may spend MAX_PATTERN_WORK instruction visits
+    (seconds), and the per-pattern memo empties after PATTERN_MEMO_STATES held instructions, so
+    an array of short strings against one small pinned pattern keeps the event loop busy for
+    many seconds. Judged by a count, never by a time: the instruction visits the patterns were
+    allowed."""
+    schema = {"type": "object", "properties": {"s": {"type": "array", "items": {
+        "type": "string", "pattern": "[a-z]{1,1000}$"}}}}
+    compiled = ap.compile_schema(json.dumps(schema).encode())
+    args = json.dumps({"s": ["a" * 1000 + "!"] * 40}).encode()
+    assert len(args) < 50_000
+    allowed = []                    # per string: the visits it spent, or all it was allowed
+    search_costed = ap.Pattern.search_costed
+
+    def counted(self, text, limit):
+        allowed.append(limit)
+        found, work = search_costed(self, text, limit)
+        allowed[-1] = work
+        return found, work
+    monkeypatch.setattr(ap.Pattern, "search_costed", counted)
+    with pytest.raises(ap.SchemaError):
+        compiled.check(args)
+    budget = ap.MAX_SCHEMA_EVALUATIONS * ap.PATTERN_VISITS_PER_EVALUATION
+    assert allowed and sum(allowed) <= budget, f"{sum(allowed)} visits over {len(allowed)} " \
+        f"strings, the call's budget {budget}"

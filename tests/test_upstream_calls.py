@@ -1,0 +1,240 @@
+"""Calling a loaded upstream tool (reference/mcp.md 11.2 and 11.7): a rule's deny and fixed,
+taken out of the schema the host is offered and enforced at the call; the arguments sent; the
+rule's timeout, never a default, with the server told the proxy stopped waiting; a session
+that died; a connection closed under a call. Against the scripted stdio server
+(tests/scripted_server.py); every wait has a deadline.
+"""
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from process_helpers import eventually_async
+from proxy_harness import ap
+from scripted_server import (CANCEL_WAIT, RO, WRITE_SCHEMA, Scripted, arun, loaded, pin,
+                             results_server, tool_entry, wait_gone)
+
+
+ROOT_SCHEMA = {"type": "object", "required": ["path", "root"],
+               "properties": {"path": {"type": "string"}, "root": {"type": "string"}}}
+
+
+def deadlines(conn) -> list:
+    """(method, timeout) of each request ``conn`` sends from now on: which deadline a
+    request was given, read instead of timed."""
+    seen: list = []
+    exchange = conn._exchange
+
+    async def recorded(msg_id, method, payload, timeout, *rest):
+        seen.append((method, timeout))
+        return await exchange(msg_id, method, payload, timeout, *rest)
+    conn._exchange = recorded
+    return seen
+
+
+# ==== 11.2 Deny, fixed and calls =============================================================
+
+def test_deny_removed_from_the_schema_and_refused_at_call(script, tmp_path):
+    s = Scripted(script, tmp_path, tools=[tool_entry("write_file", WRITE_SCHEMA)])
+    rules = {"write_file": {"side_effect": "local_mutation", "timeout": "2s",
+                            "deny": ["force"]}}
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server(rules), pinned) as (tools, _):
+            wr = tools["fs_write_file"]
+            offered = json.loads(wr.spec.input_schema)
+            assert "force" not in offered["properties"]
+            assert offered["required"] == ["path", "text"]
+            r = await wr.call(b'{"path":"a","text":"b"}')
+            assert json.loads(json.loads(r.content)) == {"path": "a", "text": "b"}
+            before = len(s.received())
+            with pytest.raises(ap.ToolFailure, match='"force" is denied'):
+                await wr.call(b'{"path":"a","text":"b","force":true}')
+            assert len(s.received()) == before, "a denied call reached the server"
+    arun(body())
+
+
+def test_fixed_removed_from_the_schema_and_injected_at_call(script, tmp_path):
+    schema = {"type": "object", "required": ["path", "root"],
+              "properties": {"path": {"type": "string"}, "root": {"type": "string"},
+                             "n": {"type": "number"}}}
+    s = Scripted(script, tmp_path, tools=[tool_entry("read_file", schema)])
+    rules = {"read_file": {**RO, "fixed": {"root": "/srv/sandbox"}}}
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server(rules), pinned) as (tools, _):
+            rd = tools["fs_read_file"]
+            assert rd.spec.input_schema == (b'{"properties":{"n":{"type":"number"},"path":'
+                                            b'{"type":"string"}},"required":["path"],'
+                                            b'"type":"object"}')
+            await rd.call(b'{"path": "a", "n": 0.1000000000000000000001}')
+            call = s.received()[-1]
+            assert call["method"] == "tools/call"
+            assert call["params"]["name"] == "read_file"
+            assert call["params"]["arguments"]["root"] == "/srv/sandbox"
+            assert call["params"]["arguments"]["path"] == "a"
+            # The model's number literal is sent as written, not through a float.
+            assert b"0.1000000000000000000001" in s.received_raw()[-1]
+    arun(body())
+
+
+def test_fixed_a_call_that_sets_a_fixed_parameter_fails(script, tmp_path):
+    s = Scripted(script, tmp_path, tools=[tool_entry("read_file", ROOT_SCHEMA)])
+    rules = {"read_file": {**RO, "fixed": {"root": "/srv/sandbox"}}}
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server(rules), pinned) as (tools, _):
+            before = len(s.received())
+            for root in ('"/srv/sandbox"', '"/"'):
+                with pytest.raises(ap.ToolFailure, match='"root" is fixed'):
+                    await tools["fs_read_file"].call(b'{"path":"a","root":%s}' % root.encode())
+            assert len(s.received()) == before
+    arun(body())
+
+
+def test_call_arguments_empty_null_and_not_an_object(script, tmp_path):
+    s = Scripted(script, tmp_path, tools=[tool_entry("echo")])
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server({"echo": RO}), pinned) as (tools, _):
+            echo = tools["fs_echo"]
+            for args in (b"", b"  "):
+                r = await echo.call(args)
+                assert json.loads(json.loads(r.content)) == {}
+                assert s.received()[-1]["params"]["arguments"] == {}
+            before = len(s.received())
+            for args in (b"[1]", b'"x"', b"{"):
+                with pytest.raises(ap.ToolFailure,
+                                   match="^fs_echo: arguments are not a JSON object"):
+                    await echo.call(args)
+            assert len(s.received()) == before
+    arun(body())
+
+
+def test_call_null_arguments_are_sent_as_an_empty_object(script, tmp_path):
+    s = Scripted(script, tmp_path, tools=[tool_entry("echo")])
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server({"echo": RO}), pinned) as (tools, _):
+            await tools["fs_echo"].call(b"null")
+            assert s.received()[-1]["params"]["arguments"] == {}
+    arun(body())
+
+
+def test_call_timeout_is_honoured(script, tmp_path):
+    s = results_server(script, tmp_path, {"read_file": "never"})
+    rules = {"read_file": {"side_effect": "read_only", "timeout": "50ms"}}
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server(rules), pinned) as (tools, _):
+            given = deadlines(tools["fs_read_file"].conn)
+            with pytest.raises(asyncio.TimeoutError):
+                await tools["fs_read_file"].call(b'{"path":"p"}')
+            assert given == [("tools/call", 0.05)]          # the rule's, never a default
+            # The server is told the proxy stopped waiting.
+            end = time.monotonic() + CANCEL_WAIT
+            while time.monotonic() < end:
+                cancels = [m for m in s.received()
+                           if m.get("method") == "notifications/cancelled"]
+                if cancels:
+                    break
+                await asyncio.sleep(0.02)
+            call_id = [m for m in s.received() if m.get("method") == "tools/call"][-1]["id"]
+            assert cancels and cancels[0]["params"]["requestId"] == call_id
+    arun(body())
+
+
+# ==== 11.7 Call robustness =====================================================================
+
+def test_call_dead_session_fails_fast_naming_the_server(two_tools):
+    s = two_tools
+    rules = {"read_file": {"side_effect": "read_only", "timeout": "5s"}}
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server(rules), pinned) as (tools, _):
+            os.kill(s.pid(), signal.SIGKILL)
+            conn = tools["fs_read_file"].conn
+            await eventually_async(lambda: conn.closed, 5, "the connection to see the server die")
+            for _ in range(2):
+                with pytest.raises(ap.ToolFailure) as info:     # not the rule's timeout
+                    await tools["fs_read_file"].call(b'{"path":"p"}')
+                assert '"fs"' in str(info.value)
+    arun(body())
+
+
+def test_call_returns_when_the_rule_timeout_passes_even_if_the_server_never_answers(
+        script, tmp_path):
+    raw_schema = b'{ "type": "object", "properties": { "path": { "type": "string" } } }'
+    s = Scripted(script, tmp_path, list="pages", calls={"slow": "never"}, pages=[
+        '{"tools":[{"name":"slow","description":"Never answers.","inputSchema":%s}]}'
+        % raw_schema.decode()])
+    canonical = ap.canonical_schema(raw_schema)
+    manifest = {"server": "fs", "pinned_at": "2026-01-01T00:00:00Z", "tools": {"slow": {
+        "name": "slow", "description": "Never answers.",
+        "input_schema": json.loads(canonical),
+        "schema_hash": hashlib.sha256(canonical).hexdigest(),
+        "description_hash": ap.hash_string("Never answers.")}}}
+    with open(s.manifest, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.chmod(s.manifest, 0o600)
+    pinned = ap.read_manifest(s.manifest, "fs")
+
+    async def body():
+        rules = {"slow": {"side_effect": "read_only", "timeout": "100ms"}}
+        async with loaded(s.server(rules), pinned) as (tools, _):
+            given = deadlines(tools["fs_slow"].conn)
+            with pytest.raises(asyncio.TimeoutError):
+                await tools["fs_slow"].call(b"{}")
+            assert given == [("tools/call", 0.1)]           # the rule's, never a default
+    arun(body())
+
+
+def test_connection_close_is_safe_twice_and_concurrent_with_a_call(script, tmp_path):
+    s = results_server(script, tmp_path, {"read_file": "never"})
+
+    async def body():
+        pinned = await pin(s.server())
+        tools, _ = await ap.load_server(s.server({"read_file": {"side_effect": "read_only",
+                                                                  "timeout": "20s"}}), pinned)
+        conn = tools[0].conn
+        call = asyncio.create_task(tools[0].call(b'{"path":"p"}'))
+        await eventually_async(lambda: "tools/call" in s.methods(), 5,
+                               "the call to reach the server")
+        await asyncio.gather(conn.close(), conn.close())
+        await conn.close()
+        with pytest.raises((ap.ToolFailure, asyncio.TimeoutError)):
+            await asyncio.wait_for(call, 5)
+        assert conn.closed
+    arun(body())
+    assert wait_gone(s.pid())
+
+
+# ---- Calls, faults found in review -----------------------------------------------------------
+# Each test's docstring names the finding it guards, in the finding's words.
+
+def test_null_arguments_are_sent_as_an_empty_object():
+    """93356a0: arguments given as JSON null were taken as {} for the checks but sent to the
+    server as null; mcp.md 8.1 has null sent as {}."""
+    sent: list[bytes] = []
+
+    class Conn:
+        async def call_tool(self, remote, args, timeout):
+            sent.append(bytes(args))
+            return ap.parse_message(b'{"jsonrpc":"2.0","id":1,"result":{"content":[]}}')
+
+    spec = ap.ToolSpec("h_look", "", b'{"type":"object"}', "read_only", 5.0)
+    tool = ap.UpstreamTool(spec, "h", "look", ap.Rule(side_effect="read_only"), Conn())
+    asyncio.run(tool.call(b"null"))
+    assert sent == [b"{}"]

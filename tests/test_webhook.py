@@ -8,6 +8,8 @@ a database with waiting runs written through the gate (tests/conftest.py). Every
 deadline; every process a test starts is stopped by its pid in a finally.
 """
 
+from __future__ import annotations
+
 import hashlib
 import hmac
 import http.client

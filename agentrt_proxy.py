@@ -938,10 +938,10 @@ def _value_end(text: str, pos: int) -> int:
 # strings escaped one fixed way, number literals verbatim. Hashes and request keys are taken
 # over this form, so key order and escape spelling never matter and literals always do.
 
-_HTML_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",
-                            "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
+# Each replaced by the runtime's replace, one pass a character: a translation table would
+# cost a lookup for every character of a long string that holds one of these.
+_HTML_SAFE = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
+              ("\u2029", "\\u2029"))
 _HTML_CHARS = re.compile("[<>&\u2028\u2029]")
 
 
@@ -949,7 +949,10 @@ def _canon_str(text: str) -> str:
     """A string in canonical form: the stdlib's escaping of '"', '\\' and C0 controls
     (named escapes, else \\u00xx in lower case), then <, >, &, U+2028, U+2029 escaped."""
     out = _json_str(text)
-    return out.translate(_HTML_SAFE) if _HTML_CHARS.search(out) else out
+    if _HTML_CHARS.search(out):
+        for char, escape in _HTML_SAFE:
+            out = out.replace(char, escape)
+    return out
 
 
 def _policy_str(text: str) -> str:
@@ -7332,19 +7335,22 @@ def _joined_text(blocks: Any) -> str:
 def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
     """``text`` as a JSON string of at most ``limit`` bytes (at least the marker's size):
     the longest prefix that fits, with the marker, when it must be cut."""
-    text = _SURROGATES.sub("\ufffd", text)
-    whole = _policy_str(text).encode("utf-8")
-    if _wire_len(text) <= limit:
-        return whole, False
-    limit = max(limit, _wire_len(TRUNCATION_MARKER))
-    lo, hi = 0, len(text)
-    while lo < hi:                               # the longest prefix that fits, as written
-        mid = (lo + hi + 1) // 2
-        if _wire_len(text[:mid] + TRUNCATION_MARKER) <= limit:
-            lo = mid
-        else:
-            hi = mid - 1
-    return _policy_str(text[:lo] + TRUNCATION_MARKER).encode("utf-8"), True
+    # A character takes a byte or more: what lies past ``limit`` characters is never written.
+    text = _SURROGATES.sub("\ufffd", text[:limit + 1])
+    if len(text) <= limit and _wire_len(text) <= limit:
+        return _policy_str(text).encode("utf-8"), False
+    room = max(limit, _wire_len(TRUNCATION_MARKER)) - _wire_len(TRUNCATION_MARKER)
+    # The cut, in one pass: the prefix of at most ``room`` characters as written, cut at
+    # ``room`` bytes, less a character or an escape the cut split, read back as text.
+    written = _wire_str(text[:room])[1:-1].encode("utf-8")[:room].decode("utf-8", "ignore")
+    escape = written.rfind("\\", max(0, len(written) - SURROGATE_ESCAPE_LEN + 1))
+    if escape >= 0:
+        run = escape - len(written[:escape].rstrip("\\"))    # backslashes before it
+        whole = SURROGATE_ESCAPE_LEN if written[escape + 1:escape + 2] == "u" else 2
+        if run % 2 == 0 and len(written) - escape < whole:
+            written = written[:escape]
+    prefix = json.loads('"' + written + '"')
+    return _policy_str(prefix + TRUNCATION_MARKER).encode("utf-8"), True
 
 
 _SURROGATES = re.compile("[\ud800-\udfff]")

@@ -112,6 +112,7 @@ import datetime as _dt
 import hashlib
 import hmac
 import io
+import itertools
 import json
 import os
 import re
@@ -402,39 +403,36 @@ class UsageError(ProxyError):
 
 
 # ==== 3. Strict JSON ====
-# A parser over bytes that refuses everything Python's json lets through: repeated keys,
-# unpaired surrogate escapes, NaN and Infinity, leading zeros, "\u+123", raw control
-# characters, trailing commas. It keeps each number's literal text, because 10, 10.0 and 1e1
-# are different requests. Checks run in a fixed order and the first failing one is reported:
-# depth, UTF-8, syntax, surrogates, repeated keys, number bounds.
+# The runtime's C scanner (json's _json) is the engine, under strictness the proxy writes
+# itself. The nesting bound and strict UTF-8 are checked first, on the bytes. The scanner
+# refuses raw control characters, "\u+123", leading zeros, trailing commas and comments (its
+# pure-Python fallback would take "\u+123": it is never used). Its hooks see the rest: a
+# repeated key (object_pairs_hook), NaN and Infinity (parse_constant), and each number
+# literal as written (parse_int, parse_float), kept as a Num because 10, 10.0 and 1e1 are
+# different requests, and checked against our bounds. Unpaired surrogate escapes, which the
+# scanner lets through, are found in the text. A refused document is walked again, exactly,
+# to report the first failing check in a fixed order: depth, UTF-8, syntax, surrogates,
+# repeated keys, number bounds.
 
+_SCANNER = json.scanner.c_make_scanner
+_SCAN_STRING = json.decoder.c_scanstring
+if _SCANNER is None or _SCAN_STRING is None:
+    raise ImportError("agentrt_proxy needs the json module's C scanner (_json)")
 _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_STRING_CHUNK = re.compile(r'[^"\\\x00-\x1f]*')
-_PLAIN_STRING = re.compile(r'"([^"\\\x00-\x1f]*)"')           # no escapes: most strings
-_PLAIN_KEY = re.compile(r'"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*')
-_SEPARATOR = re.compile(r'[ \t\n\r]*([,\]}])[ \t\n\r]*')
-# A member value that is a plain string, a number or a literal, with the separator after it,
-# in one match: most values in real arguments. Anything else takes the slow path, which
-# reports exact errors.
-_SCALAR_THEN = re.compile(
-    r'(?:"([^"\\\x00-\x1f]*)"|(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)'
-    r'|(true|false|null))[ \t\n\r]*([,\]}])[ \t\n\r]*')
-_LITERAL_VALUES = {"true": True, "false": False, "null": None}
-# A whole string whose escapes are all well formed, and one escape (a surrogate pair first).
-# Written as "plain* (escape plain*)*": each repetition must begin with a backslash, so there
-# is one way to match any prefix, and an unterminated string fails in linear time. (A
-# repetition of "plain+ or escape" can split a run of plain characters in exponentially
-# many ways, and backtracks through all of them before it fails.)
-_ESCAPED_STRING = re.compile(r'"([^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})'
-                             r'[^"\\\x00-\x1f]*)*)"')
-_ONE_ESCAPE = re.compile(r'\\(?:u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})'
-                         r'|u([0-9a-fA-F]{4})|(.))')
-_HEX4 = re.compile(r"[0-9a-fA-F]{4}")
-_BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"?|[\[{]|[\]}]', re.DOTALL)
-_SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f",
-                   "n": "\n", "r": "\r", "t": "\t"}
 _LITERALS = (("true", True), ("false", False), ("null", None))
+# A surrogate escape: a high one with the low one after it, or either alone.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                               r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+SURROGATE_ESCAPE_LEN = 6                 # a \uXXXX escape, and its U+FFFD stand-in \ufffd
+# The nesting pre-check reads the bytes with escaped backslashes and quotes masked by two
+# spaces (the same length: offsets hold), so that a string runs from one quote to the next,
+# matched by a single-character repeat: no stack grows with a string's length.
+_STRING_BYTES = re.compile(rb'"[^"]*"?')
+_DEPTH_TOKENS = re.compile(rb'"[^"]*"?|[\[{\]}]')
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'"[]{}')
+_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+DEPTH_CHUNK = 1 << 16                   # brackets summed at a time by the nesting pre-check
 
 
 class Num:
@@ -505,23 +503,79 @@ def _int_text(digits: str) -> int:
     return int(digits) if len(digits) <= INT_TEXT_DIGITS else int(Decimal(digits))
 
 
-class _Parser:
-    """One parse of one document. Refusals found during the walk that are not syntax errors
-    are remembered (first of each kind) and raised afterwards in the fixed order."""
+class _Hooks:
+    """What the C scanner is built from, as it is from a json.JSONDecoder: the proxy's
+    strictness, as the scanner's hooks. NaN, Infinity and -Infinity are not JSON: the
+    constant hook fails the scan, as a syntax error does. The other hooks note that the
+    document holds a fault, and the exact walk (_Walk) finds which one and where, once the
+    scan is over. ``repeated`` refuses repeated keys, ``bounds`` numbers past our bounds and
+    ``float_range`` a number beyond a 64-bit float inside a container."""
+    strict = True                   # the scanner's own sense: raw control characters refused
+    object_hook = None
 
-    def __init__(self, raw: bytes, text: str, strict: bool):
-        self.raw, self.src, self.strict = raw, text, strict
-        self.depth = 0
-        self.surrogate: tuple[str, int] | None = None
+    def __init__(self, repeated: bool = False, bounds: bool = False, float_range: bool = False):
+        self.object_pairs_hook = self.members if repeated else None
+        self.parse_int = self.parse_float = self.number if bounds or float_range else Num
+        self.parse_constant = self.constant
+        self.bounds, self.float_range = bounds, float_range
+        self.fault = self.overflow = False
+        self.scan = _SCANNER(self)
+
+    def members(self, pairs: list[tuple[str, Any]]) -> dict:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            self.fault = True
+        return out
+
+    def number(self, lit: str) -> Num:
+        # Only long literals or ones with an exponent can be past a bound.
+        if len(lit) > NUMBER_SHOWN or "e" in lit or "E" in lit:
+            if self.bounds and _number_problem(lit):
+                self.fault = True
+            if self.float_range and abs(float(lit)) == float("inf"):
+                self.overflow = True        # a fault inside a container only (_parse_text)
+        return Num(lit)
+
+    def constant(self, name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+
+def _parse_text(raw: bytes, text: str, strict: bool = True, bounds: bool = True,
+                float_range: bool = False) -> Any:
+    """The one value ``text`` (``raw`` decoded) holds, read by the C scanner, or the
+    refusal the exact walk finds. Strict: every check. Else a repeated key keeps its last
+    value, an unpaired surrogate escape reads as U+FFFD, and with ``bounds`` numbers past
+    our bounds (and with ``float_range`` a float overflow in a container) are refused."""
+    lone = _lone_surrogates(text)
+    if lone and not strict:
+        text = _without_surrogates(text, lone)
+    bounds = strict or bounds
+    hooks = _Hooks(strict, bounds, strict or (bounds and float_range))
+    value, end = None, -1
+    try:
+        value, end = hooks.scan(text, _WS.match(text).end())
+        end = _WS.match(text, end).end()
+    except (ValueError, StopIteration):     # a JSONDecodeError, or no value at all
+        pass
+    overflow = hooks.overflow and type(value) is not Num    # a number alone may be large
+    if end == len(text) and not hooks.fault and not overflow and not (strict and lone):
+        return value
+    raise _Walk(raw, text, strict, bounds, float_range).refusal(lone if strict else [])
+
+
+class _Walk:
+    """The exact pass over a document the scan refused. It builds no value: it raises the
+    first syntax error where it is, else returns the first fault of each kind in the fixed
+    order. Strings are read by the scanner's own string reader, so the two agree on them."""
+
+    def __init__(self, raw: bytes, text: str, strict: bool, bounds: bool, float_range: bool):
+        self.raw, self.src = raw, text
+        self.strict, self.bounds, self.float_range = strict, bounds, float_range
         # A repeated key, or a number inside a container beyond a 64-bit float: the
         # runtime's decoder refuses both in one pass, so the first of them is reported.
         self.decode_fault: tuple[str, int] | None = None
-        self.overflow: tuple[str, int] | None = None     # refused even when lenient
+        self.overflow: tuple[str, int] | None = None
         self.number: tuple[str, int] | None = None
-        # Objects nested at most this deep have their members' spans (character offsets of
-        # each value) recorded as they are parsed, by id of the dict: parse_message's.
-        self.span_depth = 0
-        self.spans: dict[int, dict[str, tuple[int, int]]] = {}
 
     def fail(self, reason: str, pos: int) -> JSONError:
         """The error for a fault at character ``pos`` of the decoded text."""
@@ -530,189 +584,100 @@ class _Parser:
     def syntax(self, reason: str, pos: int) -> JSONError:
         return self.fail("not valid JSON: " + reason, pos)
 
-    def skip_ws(self, pos: int) -> int:
-        return _WS.match(self.src, pos).end()
-
-    def value(self, pos: int) -> tuple[int, Any]:
+    def refusal(self, lone: list[int]) -> JSONError:
         src = self.src
+        pos = _WS.match(src).end()
         if pos >= len(src):
-            raise self.syntax("unexpected end of input", pos)
-        ch = src[pos]
-        if ch in "{[":
-            self.depth += 1
-            pos, val = self.obj(pos + 1) if ch == "{" else self.array(pos + 1)
-            self.depth -= 1
-            return pos, val
+            raise self.syntax("no value", pos)
+        end = _WS.match(src, self.value(pos, False)).end()
+        if end != len(src):
+            raise self.syntax("data after the value", end)
+        surrogate = (f"unpaired surrogate {src[lone[0]:lone[0] + SURROGATE_ESCAPE_LEN]}",
+                     lone[0]) if lone else None
+        checks = (surrogate, self.decode_fault, self.number) if self.strict else \
+            (self.overflow if self.float_range else None, self.number) if self.bounds else ()
+        for found in checks:
+            if found:
+                return self.fail(*found)
+        return self.syntax("refused by the runtime's scanner", 0)   # the two agree: unreached
+
+    def value(self, pos: int, inside: bool) -> int:
+        """Where the value at ``pos`` ends; ``inside`` a container."""
+        src = self.src
+        ch = src[pos:pos + 1]
+        if ch == "{":
+            return self.obj(_WS.match(src, pos + 1).end())
+        if ch == "[":
+            return self.array(_WS.match(src, pos + 1).end())
         if ch == '"':
-            m = _PLAIN_STRING.match(src, pos)
-            return (m.end(), m.group(1)) if m else self.string(pos + 1)
+            return self.string(pos)[1]
         if ch == "-" or "0" <= ch <= "9":
-            return self.num(pos)
-        for word, val in _LITERALS:
+            return self.num(pos, inside)
+        for word, _ in _LITERALS:
             if src.startswith(word, pos):
-                return pos + len(word), val
-        raise self.syntax(f"unexpected character {_show_char(ch)}", pos)
+                return pos + len(word)
+        raise self.syntax(f"unexpected character {_show_char(ch)}" if ch else
+                          "unexpected end of input", pos)
 
-    def obj(self, pos: int) -> tuple[int, dict]:
-        src, out = self.src, {}
-        spans = None
-        if self.depth <= self.span_depth:
-            spans = self.spans[id(out)] = {}
-        pos = self.skip_ws(pos)
+    def obj(self, pos: int) -> int:
+        src, keys = self.src, set()
         if src.startswith("}", pos):
-            return pos + 1, out
+            return pos + 1
         while True:
+            ch = src[pos:pos + 1]
+            if ch != '"':
+                raise self.syntax("trailing comma" if ch == "}" and keys else
+                                  f"expected a string key, found {_show_char(ch)}" if ch else
+                                  "unexpected end of input", pos)
             key_at = pos
-            m = _PLAIN_KEY.match(src, pos)          # the common case, in one match
-            if m:
-                key, pos = m.group(1), m.end()
-            else:
-                pos, key = self.key(pos, bool(out))
-            m = _SCALAR_THEN.match(src, pos)
-            if m:
-                val, sep = self.scalar(m), m.group(4)
-                if spans is not None:       # a string's closing quote is not in group 1
-                    g = 1 if m.start(1) >= 0 else 2 if m.start(2) >= 0 else 3
-                    spans[key] = (pos, m.end(g) + (g == 1))
-            else:
-                start = pos
-                pos, val = self.value(pos)
-                if spans is not None:
-                    spans[key] = (start, pos)
-                m = _SEPARATOR.match(src, pos)
-                sep = m.group(1) if m else ""
-            if key in out and self.decode_fault is None:
+            key, pos = self.string(pos)
+            pos = _WS.match(src, pos).end()
+            if not src.startswith(":", pos):
+                raise self.syntax("expected ':' after an object key", pos)
+            pos = _WS.match(src, self.value(_WS.match(src, pos + 1).end(), True)).end()
+            if key in keys and self.decode_fault is None:
                 self.decode_fault = (f"duplicate key {_quote(key)}", key_at)
-            out[key] = val
-            if sep == ",":
-                pos = m.end()
-            elif sep == "}":
-                return m.start(m.lastindex) + 1, out
+            keys.add(key)
+            if src.startswith(",", pos):
+                pos = _WS.match(src, pos + 1).end()
+            elif src.startswith("}", pos):
+                return pos + 1
             else:
-                raise self.syntax("expected ',' or '}' in an object", self.skip_ws(pos))
+                raise self.syntax("expected ',' or '}' in an object", pos)
 
-    def key(self, pos: int, after_member: bool) -> tuple[int, str]:
-        """A key and its colon, the slow way: escapes, or an error to report exactly."""
+    def array(self, pos: int) -> int:
         src = self.src
-        if pos >= len(src):
-            raise self.syntax("unexpected end of input", pos)
-        if src[pos] != '"':
-            reason = "trailing comma" if src[pos] == "}" and after_member else \
-                f"expected a string key, found {_show_char(src[pos])}"
-            raise self.syntax(reason, pos)
-        pos, key = self.string(pos + 1)
-        pos = self.skip_ws(pos)
-        if pos >= len(src) or src[pos] != ":":
-            raise self.syntax("expected ':' after an object key", pos)
-        return self.skip_ws(pos + 1), key
-
-    def array(self, pos: int) -> tuple[int, list]:
-        src, out = self.src, []
-        pos = self.skip_ws(pos)
         if src.startswith("]", pos):
-            return pos + 1, out
+            return pos + 1
         while True:
             if src.startswith("]", pos):
                 raise self.syntax("trailing comma", pos)
-            m = _SCALAR_THEN.match(src, pos)
-            if m:
-                out.append(self.scalar(m))
-                sep = m.group(4)
+            pos = _WS.match(src, self.value(pos, True)).end()
+            if src.startswith(",", pos):
+                pos = _WS.match(src, pos + 1).end()
+            elif src.startswith("]", pos):
+                return pos + 1
             else:
-                pos, val = self.value(pos)
-                out.append(val)
-                m = _SEPARATOR.match(src, pos)
-                sep = m.group(1) if m else ""
-            if sep == ",":
-                pos = m.end()
-            elif sep == "]":
-                return m.start(m.lastindex) + 1, out
-            else:
-                raise self.syntax("expected ',' or ']' in an array", self.skip_ws(pos))
+                raise self.syntax("expected ',' or ']' in an array", pos)
 
-    def string(self, pos: int) -> tuple[int, str]:
-        """Parse from just after the opening quote to just after the closing one."""
-        m = _ESCAPED_STRING.match(self.src, pos - 1)
-        if m:
-            body_at = m.start(1)
-            return m.end(), _ONE_ESCAPE.sub(lambda e: self.unescape(e, body_at), m.group(1))
-        return self.string_exactly(pos)
-
-    def unescape(self, m: re.Match, body_at: int) -> str:
-        high, low, code, simple = m.group(1, 2, 3, 4)
-        if high:
-            return chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + (int(low, 16) - 0xDC00))
-        if simple:
-            return _SIMPLE_ESCAPES[simple]
-        value = int(code, 16)
-        if 0xD800 <= value <= 0xDFFF:
-            if self.surrogate is None:
-                self.surrogate = (f"unpaired surrogate {m.group()}", body_at + m.start())
-            return "\ufffd"
-        return chr(value)
-
-    def string_exactly(self, pos: int) -> tuple[int, str]:
-        """The same, one piece at a time, to find and report exactly what is wrong."""
-        src, parts = self.src, []
-        while True:
-            end = _STRING_CHUNK.match(src, pos).end()
-            parts.append(src[pos:end])
-            pos = end
-            if pos >= len(src):
-                raise self.syntax("unterminated string", pos)
-            ch = src[pos]
-            if ch == '"':
-                return pos + 1, "".join(parts)
-            if ch != "\\":
-                raise self.syntax(f"control character U+{ord(ch):04X} in a string", pos)
-            pos, piece = self.escape(pos)
-            parts.append(piece)
-
-    def escape(self, pos: int) -> tuple[int, str]:
-        """Decode the escape at ``pos`` (a backslash); surrogate pairs combine."""
+    def string(self, pos: int) -> tuple[str, int]:
+        """The string whose opening quote is at ``pos``, and where it ends."""
         src = self.src
-        kind = src[pos + 1:pos + 2]
-        if kind in _SIMPLE_ESCAPES:
-            return pos + 2, _SIMPLE_ESCAPES[kind]
-        if kind != "u" or not _HEX4.fullmatch(src, pos + 2, pos + 6):
-            raise self.syntax("invalid escape", pos)
-        code = int(src[pos + 2:pos + 6], 16)
-        if 0xD800 <= code <= 0xDBFF and src[pos + 6:pos + 8] == "\\u" \
-                and _HEX4.fullmatch(src, pos + 8, pos + 12):
-            low = int(src[pos + 8:pos + 12], 16)
-            if 0xDC00 <= low <= 0xDFFF:
-                return pos + 12, chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00))
-        if 0xD800 <= code <= 0xDFFF:
-            if self.surrogate is None:
-                self.surrogate = (f"unpaired surrogate {src[pos:pos + 6]}", pos)
-            return pos + 6, "\ufffd"
-        return pos + 6, chr(code)
+        try:
+            return _SCAN_STRING(src, pos + 1, True)
+        except ValueError as exc:           # the reasons, told by the messages' first words
+            at = exc.pos                    # json 3.9 to 3.13 spell them alike
+            if exc.msg.startswith("Invalid control"):
+                raise self.syntax(f"control character U+{ord(src[at]):04X} in a string",
+                                  at) from None
+            if exc.msg.startswith("Unterminated"):
+                tail = len(src) - len(src.rstrip("\\"))     # a backslash escaping nothing
+                if tail % 2 == 0:
+                    raise self.syntax("unterminated string", len(src)) from None
+                at = len(src) - 1
+            raise self.syntax("invalid escape", src.rfind("\\", 0, at + 1)) from None
 
-    def scalar(self, m: re.Match) -> Any:
-        """The value of a _SCALAR_THEN match."""
-        text, lit, word = m.group(1, 2, 3)
-        if text is not None:
-            return text
-        if lit is not None:
-            self.check_number(lit, m.start(2))
-            return Num(lit)
-        return _LITERAL_VALUES[word]
-
-    def check_number(self, lit: str, pos: int) -> None:
-        """Remember the first number past our bounds; only long literals or ones with an
-        exponent can be, so the common case costs two string tests."""
-        if len(lit) <= NUMBER_SHOWN and "e" not in lit and "E" not in lit:
-            return
-        if self.depth and self.overflow is None and abs(float(lit)) == float("inf"):
-            self.overflow = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
-                             "64-bit float", pos)
-            self.decode_fault = self.decode_fault or self.overflow
-        if self.number is None:
-            problem = _number_problem(lit)
-            if problem:
-                self.number = (problem, pos)
-
-    def num(self, pos: int) -> tuple[int, Num]:
+    def num(self, pos: int, inside: bool) -> int:
         m = _NUMBER.match(self.src, pos)
         end = m.end() if m else pos
         nxt = self.src[end:end + 1]
@@ -720,8 +685,48 @@ class _Parser:
             zero = m and m.group().lstrip("-") == "0" and nxt.isdigit()
             raise self.syntax("leading zero in a number" if zero else "malformed number", pos)
         lit = m.group()
-        self.check_number(lit, pos)
-        return end, Num(lit)
+        if len(lit) <= NUMBER_SHOWN and "e" not in lit and "E" not in lit:
+            return end
+        if inside and self.overflow is None and abs(float(lit)) == float("inf"):
+            self.overflow = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
+                             "64-bit float", pos)
+            self.decode_fault = self.decode_fault or self.overflow
+        problem = self.number is None and _number_problem(lit)
+        if problem:
+            self.number = (problem, pos)
+        return end
+
+
+def _lone_surrogates(text: str) -> list[int]:
+    """Where each unpaired surrogate escape of ``text`` begins. A backslash that is itself
+    escaped (an odd run of backslashes ends just before it) begins no escape. Exact in a
+    document the scanner accepts, where every backslash is inside a string; one search of
+    the runtime's when there is no surrogate escape at all."""
+    found: list[int] = []
+    pos = 0
+    while True:
+        m = _SURROGATE_ESCAPE.search(text, pos)
+        if m is None:
+            return found
+        at = run = m.start()
+        while run and text[run - 1] == "\\":
+            run -= 1
+        if (at - run) % 2:
+            pos = at + 1
+            continue
+        if m.end() - at == SURROGATE_ESCAPE_LEN:
+            found.append(at)
+        pos = m.end()
+
+
+def _without_surrogates(text: str, lone: list[int]) -> str:
+    """``text`` with each unpaired surrogate escape written \\ufffd: the same length."""
+    parts, last = [], 0
+    for at in lone:
+        parts += (text[last:at], "\\ufffd")
+        last = at + SURROGATE_ESCAPE_LEN
+    parts.append(text[last:])
+    return "".join(parts)
 
 
 def _number_problem(lit: str) -> str | None:
@@ -749,11 +754,27 @@ def _quote(s: str) -> str:
 
 def _depth_exceeds(raw: bytes, limit: int) -> int | None:
     """Byte offset where nesting first passes ``limit``, counting brackets outside strings.
-    Needs no validity: this check runs first, so absurd nesting is refused cheaply."""
+    Needs no validity: this check runs first, so absurd nesting is refused cheaply. It costs
+    a few of the runtime's passes over the bytes and one addition per bracket outside a
+    string; only a refusal walks the brackets one at a time, to find the offset."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return None
+    masked = raw.replace(b"\\\\", b"  ").replace(b'\\"', b"  ")
+    # Quotes and brackets alone; two quotes in a row can go, as they leave whether each
+    # bracket is inside a string (an odd number of quotes before it) as it was.
+    structure = masked.translate(None, _NOT_STRUCTURE).replace(b'""', b"")
+    brackets = _STRING_BYTES.sub(b"", structure)
     depth = 0
-    for m in _BRACKETS.finditer(raw):
+    for at in range(0, len(brackets), DEPTH_CHUNK):
+        levels = list(itertools.accumulate(
+            map(_BRACKET_STEP.__getitem__, brackets[at:at + DEPTH_CHUNK]), initial=depth))
+        if max(levels) > limit:
+            break
+        depth = levels[-1]
+    else:
+        return None
+    depth = 0
+    for m in _DEPTH_TOKENS.finditer(masked):
         tok = m.group()
         if tok in (b"[", b"{"):
             depth += 1
@@ -762,23 +783,6 @@ def _depth_exceeds(raw: bytes, limit: int) -> int | None:
         elif tok in (b"]", b"}"):
             depth -= 1
     return None
-
-
-def _parse_text(raw: bytes, text: str, strict: bool,
-                span_depth: int = 0) -> tuple[_Parser, Any]:
-    """The one value ``text`` (``raw`` decoded) holds, and the parser that read it, whose
-    refusals the caller judges; objects up to ``span_depth`` deep have their members'
-    spans recorded (_Parser.spans)."""
-    p = _Parser(raw, text, strict)
-    p.span_depth = span_depth
-    pos = p.skip_ws(0)
-    if pos >= len(text):
-        raise p.syntax("no value", pos)
-    end, value = p.value(pos)
-    end = p.skip_ws(end)
-    if end != len(text):
-        raise p.syntax("data after the value", end)
-    return p, value
 
 
 def _decoded(raw: bytes, max_depth: int) -> str:
@@ -805,13 +809,7 @@ def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH,
     """
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogatepass")
-    p, value = _parse_text(raw, _decoded(raw, max_depth), strict)
-    checks = (p.surrogate, p.decode_fault, p.number) if strict else \
-        (p.overflow if float_range else None, p.number) if bounds else ()
-    for found in checks:
-        if found:
-            raise p.fail(*found)
-    return value
+    return _parse_text(raw, _decoded(raw, max_depth), strict, bounds, bool(float_range))
 
 
 def check_json(raw: bytes) -> None:
@@ -861,15 +859,9 @@ def _keep(raw: bytes, value: Any) -> None:
         _STRICT_KEPT[raw] = value
 
 
-def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH,
-                 parsed: bool = False) -> dict[str, bytes]:
+def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH) -> dict[str, bytes]:
     """The exact bytes of each member value of a top-level object, so that a record can hand
-    back what was written into it byte for byte, never a re-serialisation. ``parsed``: the
-    caller has just parsed ``raw`` as an object, so it is not parsed again."""
-    if parsed:
-        text = raw.decode("utf-8")
-        p = _Parser(raw, text, strict=False)
-        return {k: text[a:b].encode("utf-8") for k, (a, b) in _spans(p, p.skip_ws(0)).items()}
+    back what was written into it byte for byte, never a re-serialisation."""
     return read_members(raw, max_depth)[1]
 
 
@@ -877,52 +869,68 @@ def read_members(raw: bytes, max_depth: int = RECORD_DEPTH) -> tuple[dict, dict[
     """read_own of an object (number literals kept), and member_spans of it, from one
     parse: its members' spans are recorded as it is parsed."""
     text = _decoded(raw, max_depth)
-    p, doc = _parse_text(raw, text, False, span_depth=1)
+    doc, spans, _ = _read_object(raw, text, 1)
     if not isinstance(doc, dict):
         raise JSONError("not valid JSON: expected an object", raw, 0)
-    return doc, {k: text[a:b].encode("utf-8") for k, (a, b) in p.spans[id(doc)].items()}
+    return doc, {k: text[a:b].encode("utf-8") for k, (a, b) in spans.items()}
 
 
-def _spans(p: _Parser, pos: int) -> dict[str, tuple[int, int]]:
-    """Character spans of the member values of the (already parsed) object at ``pos``."""
-    text, spans = p.src, {}
-    pos = p.skip_ws(pos + 1)
-    while text[pos] != "}":
-        pos, key = p.string(pos + 1)
-        start = p.skip_ws(p.skip_ws(pos) + 1)
-        pos = _value_end(text, start)
+def _read_object(raw: bytes, text: str, levels: int) -> tuple[Any, dict, dict]:
+    """The value ``text`` (``raw`` decoded) holds, read leniently and without bounds, and
+    when it is an object the spans of its members (_members). Anything else, valid or not,
+    is left to _parse_text, which returns it or raises its exact refusal."""
+    lone = _lone_surrogates(text)
+    text = _without_surrogates(text, lone) if lone else text
+    pos = _WS.match(text).end()
+    if text.startswith("{", pos):
+        try:
+            end, doc, spans, inner = _members(_Hooks().scan, text, pos, levels)
+            if _WS.match(text, end).end() == len(text):
+                return doc, spans, inner
+        except (ValueError, StopIteration):
+            pass
+    return _parse_text(raw, text, False, False), {}, {}
+
+
+def _members(scan: Callable, text: str, pos: int, levels: int,
+             ) -> tuple[int, dict, dict[str, tuple[int, int]], dict[str, dict]]:
+    """The object whose '{' is at ``pos``, member by member, each value read by ``scan``:
+    where it ends, its value, each member value's span (character offsets), and with
+    ``levels`` above 1 the spans of the members of each member that is an object. A
+    repeated key keeps its last value. Anything but an object raises ValueError."""
+    doc: dict = {}
+    spans: dict[str, tuple[int, int]] = {}
+    inner: dict[str, dict] = {}
+    pos = _WS.match(text, pos + 1).end()
+    if text.startswith("}", pos):
+        return pos + 1, doc, spans, inner
+    while True:
+        if not text.startswith('"', pos):
+            raise ValueError("expected a key")
+        key, pos = _SCAN_STRING(text, pos + 1, True)
+        pos = _WS.match(text, pos).end()
+        if not text.startswith(":", pos):
+            raise ValueError("expected ':'")
+        start = _WS.match(text, pos + 1).end()
+        inner.pop(key, None)
+        if levels > 1 and text.startswith("{", start):
+            pos, doc[key], inner[key], _ = _members(scan, text, start, levels - 1)
+        else:
+            doc[key], pos = scan(text, start)
         spans[key] = (start, pos)
-        pos = p.skip_ws(pos)
-        if text[pos] == ",":
-            pos = p.skip_ws(pos + 1)
-    return spans
-
-
-# Finding where a value already parsed ends, without parsing it again: strings (whose
-# brackets do not count) and brackets, by regular expressions that cannot backtrack.
-_STRING_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_BRACKET_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{\]}]', re.DOTALL)
-_SCALAR_TOKEN = re.compile(r"[^\s,\]}]*")
+        pos = _WS.match(text, pos).end()
+        if text.startswith(",", pos):
+            pos = _WS.match(text, pos + 1).end()
+        elif text.startswith("}", pos):
+            return pos + 1, doc, spans, inner
+        else:
+            raise ValueError("expected ',' or '}'")
 
 
 def _value_end(text: str, pos: int) -> int:
     """Where the value at ``pos`` of a document the parser accepted ends."""
-    ch = text[pos]
-    if ch == '"':
-        return _STRING_TOKEN.match(text, pos).end()
-    if ch not in "[{":
-        return _SCALAR_TOKEN.match(text, pos).end()
-    depth = 0
-    for m in _BRACKET_TOKENS.finditer(text, pos):
-        tok = m.group()
-        if tok in ("[", "{"):
-            depth += 1
-        elif tok in ("]", "}"):
-            depth -= 1
-            if depth == 0:
-                return m.end()
-    raise JSONError("not valid JSON: unterminated value", text.encode("utf-8", "surrogatepass"),
-                    len(text))
+    return _Hooks().scan(text, pos)[1]
+
 
 
 # ==== 4. Canonical JSON and request keys ====
@@ -930,10 +938,10 @@ def _value_end(text: str, pos: int) -> int:
 # strings escaped one fixed way, number literals verbatim. Hashes and request keys are taken
 # over this form, so key order and escape spelling never matter and literals always do.
 
-_HTML_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",
-                            "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
+# Each replaced by the runtime's replace, one pass a character: a translation table would
+# cost a lookup for every character of a long string that holds one of these.
+_HTML_SAFE = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
+              ("\u2029", "\\u2029"))
 _HTML_CHARS = re.compile("[<>&\u2028\u2029]")
 
 
@@ -941,7 +949,10 @@ def _canon_str(text: str) -> str:
     """A string in canonical form: the stdlib's escaping of '"', '\\' and C0 controls
     (named escapes, else \\u00xx in lower case), then <, >, &, U+2028, U+2029 escaped."""
     out = _json_str(text)
-    return out.translate(_HTML_SAFE) if _HTML_CHARS.search(out) else out
+    if _HTML_CHARS.search(out):
+        for char, escape in _HTML_SAFE:
+            out = out.replace(char, escape)
+    return out
 
 
 def _policy_str(text: str) -> str:
@@ -1045,16 +1056,17 @@ def content_hash(raw: bytes) -> str:
     if kept is not _STRICT_KEPT:
         return sha256_hex(encode_canonical(kept))
     text = _decode_lossy(raw)
-    p = _Parser(raw, text, strict=False)
-    pos = p.skip_ws(0)
+    pos = _WS.match(text).end()
     if pos >= len(text):
         return sha256_hex(b"null")
     if _depth_exceeds(raw, MAX_DEPTH) is not None:
         return sha256_hex(raw)
+    lone = _lone_surrogates(text)
     try:
-        return sha256_hex(encode_canonical(p.value(pos)[1]))
-    except JSONError:
+        value = _Hooks().scan(_without_surrogates(text, lone) if lone else text, pos)[0]
+    except (ValueError, StopIteration):
         return sha256_hex(raw)
+    return sha256_hex(encode_canonical(value))
 
 
 def request_key(tool: str, raw_args: bytes) -> str | None:
@@ -5948,11 +5960,10 @@ def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
         raise JSONError(f"nested deeper than {max_depth} levels", line, at)
     text = line.decode("utf-8", "surrogateescape")
     # the message's members' spans, and those of each of its objects
-    p, doc = _parse_text(line, text, False, span_depth=2)
+    doc, spans, inner = _read_object(line, text, 2)
     if not isinstance(doc, dict):
         raise ProtocolError("not a JSON-RPC message: expected an object", INVALID_REQUEST)
-    inner = {k: p.spans[id(v)] for k, v in doc.items() if type(v) is dict}
-    return Message(doc, text, p.spans[id(doc)], inner.get("params", {}), inner)
+    return Message(doc, text, spans, inner.get("params", {}), inner)
 
 
 def rpc_request(msg_id: int, method: str, params: Any) -> bytes:
@@ -6316,14 +6327,13 @@ def _page_tools(result_raw: bytes) -> list[LiveTool]:
 def _array_items(raw: bytes) -> list[bytes]:
     """The exact bytes of each item of a JSON array."""
     text = raw.decode("utf-8")
-    p = _Parser(raw, text, strict=False)
-    pos, items = p.skip_ws(p.skip_ws(0) + 1), []
+    pos, items = _WS.match(text, _WS.match(text).end() + 1).end(), []
     while pos < len(text) and text[pos] != "]":
         end = _value_end(text, pos)
         items.append(text[pos:end].encode("utf-8"))
-        pos = p.skip_ws(end)
+        pos = _WS.match(text, end).end()
         if text[pos] == ",":
-            pos = p.skip_ws(pos + 1)
+            pos = _WS.match(text, pos + 1).end()
     return items
 
 
@@ -7325,19 +7335,22 @@ def _joined_text(blocks: Any) -> str:
 def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
     """``text`` as a JSON string of at most ``limit`` bytes (at least the marker's size):
     the longest prefix that fits, with the marker, when it must be cut."""
-    text = _SURROGATES.sub("\ufffd", text)
-    whole = _policy_str(text).encode("utf-8")
-    if _wire_len(text) <= limit:
-        return whole, False
-    limit = max(limit, _wire_len(TRUNCATION_MARKER))
-    lo, hi = 0, len(text)
-    while lo < hi:                               # the longest prefix that fits, as written
-        mid = (lo + hi + 1) // 2
-        if _wire_len(text[:mid] + TRUNCATION_MARKER) <= limit:
-            lo = mid
-        else:
-            hi = mid - 1
-    return _policy_str(text[:lo] + TRUNCATION_MARKER).encode("utf-8"), True
+    # A character takes a byte or more: what lies past ``limit`` characters is never written.
+    text = _SURROGATES.sub("\ufffd", text[:limit + 1])
+    if len(text) <= limit and _wire_len(text) <= limit:
+        return _policy_str(text).encode("utf-8"), False
+    room = max(limit, _wire_len(TRUNCATION_MARKER)) - _wire_len(TRUNCATION_MARKER)
+    # The cut, in one pass: the prefix of at most ``room`` characters as written, cut at
+    # ``room`` bytes, less a character or an escape the cut split, read back as text.
+    written = _wire_str(text[:room])[1:-1].encode("utf-8")[:room].decode("utf-8", "ignore")
+    escape = written.rfind("\\", max(0, len(written) - SURROGATE_ESCAPE_LEN + 1))
+    if escape >= 0:
+        run = escape - len(written[:escape].rstrip("\\"))    # backslashes before it
+        whole = SURROGATE_ESCAPE_LEN if written[escape + 1:escape + 2] == "u" else 2
+        if run % 2 == 0 and len(written) - escape < whole:
+            written = written[:escape]
+    prefix = json.loads('"' + written + '"')
+    return _policy_str(prefix + TRUNCATION_MARKER).encode("utf-8"), True
 
 
 _SURROGATES = re.compile("[\ud800-\udfff]")

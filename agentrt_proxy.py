@@ -5686,18 +5686,6 @@ def expire_approval(store: Store, approval: Approval, now: str) -> Run:
     return run
 
 
-class Shown(str):
-    """The approval hash an operator was shown, carrying the view it was shown in: equal to
-    the hash as a string, so whatever compares or records the hash sees just the hash, while
-    decide_approval binds the decision to the whole view."""
-    view: "ApprovalView | None" = None
-
-    def __new__(cls, digest: str, view: "ApprovalView"):
-        shown = super().__new__(cls, digest)
-        shown.view = view
-        return shown
-
-
 def operator_word(approval: Approval, approve: bool, given: str | None) -> str:
     """What a decision records of the attempt it is about: for the rejection of an
     interruption approval, the outcome the operator gives (unknown unless given); for any
@@ -5717,17 +5705,17 @@ def operator_word(approval: Approval, approve: bool, given: str | None) -> str:
 
 def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, by: str,
                     note: str, shown_hash: str, now: float,
-                    view: "ApprovalView | str" = "", outcome: str = "") -> tuple[Approval, Run]:
+                    view: "ApprovalView | str", outcome: str = "") -> tuple[Approval, Run]:
     """Approve or reject the approval the operator was shown: bound to its hash (the exact
-    request, as the seed binds it) and, when ``view`` is given, to the view it was shown from
-    (an ApprovalView, or its digest; a Shown hash carries one): if anything in it changed,
-    nothing is decided and the refusal says what. An interruption approval whose attempt has
-    a known late outcome is never approved: it is settled, and the refusal names the outcome
-    (AttemptSettled). Its rejection records ``outcome``, the operator's word on the attempt
-    (operator_word), with the decision: in the proxy's own table, which a rejection first
-    brings to this build's version, as a proxy's start does (a newer one is refused, and
-    nothing is decided)."""
-    view = view or getattr(shown_hash, "view", None) or ""
+    request, as the seed binds it) and to ``view``, the view it was shown from (an
+    ApprovalView, or its digest): if anything in it changed, nothing is decided and the
+    refusal says what. Every caller names the view it showed; '' is its word that it showed
+    the hash alone (a webhook decision sent without the GET's view). An interruption approval
+    whose attempt has a known late outcome is never approved: it is settled, and the refusal
+    names the outcome (AttemptSettled). Its rejection records ``outcome``, the operator's
+    word on the attempt (operator_word), with the decision: in the proxy's own table, which
+    a rejection first brings to this build's version, as a proxy's start does (a newer one
+    is refused, and nothing is decided)."""
     run = store.get_run(run_id)
     approval = store.find_approval(approval_id)
     word = operator_word(approval, approve, outcome) if approval is not None else ""
@@ -14432,7 +14420,7 @@ def cmd_decide(store: Store, args, out: Out) -> int:
             raise ProxyError(f"{verb}: declined at the prompt")
     try:
         decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
-                                       args.note, Shown(approval.hash, view), time.time(),
+                                       args.note, approval.hash, time.time(), view=view,
                                        outcome=word)
     except ApprovalChanged as exc:
         raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
@@ -14648,8 +14636,8 @@ class Inbox:
         verb, approval = "approve" if approve else "reject", view.approval
         try:
             decided, run = decide_approval(self.store, approval.run_id, approval.id, approve,
-                                           self.by, note, Shown(approval.hash, view),
-                                           time.time(), outcome=word)
+                                           self.by, note, approval.hash, time.time(),
+                                           view=view, outcome=word)
         except ApprovalChanged as exc:
             self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
                           f"decided ({exc})")
@@ -15397,7 +15385,7 @@ class Webhook:
         word = operator_word(_approval_under(store, route), approve, doc.get("outcome"))
         approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
                                         doc.get("note", ""), doc["hash"], self.clock(),
-                                        doc.get("view", ""), word)
+                                        view=doc.get("view", ""), outcome=word)
         said = decision_said(approval, run, word)
         self.log(f"webhook: approval {approval.id} of run {run.id} by {doc['by']}: {said}")
         return _hook_json(202 if approve else 200, {"approval": _hook_row(approval),

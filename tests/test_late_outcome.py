@@ -94,7 +94,7 @@ def test_late_outcome_settles_the_interruption_it_answers(h):
     for verb in (True, False):
         with pytest.raises(ap.AttemptSettled, match="it succeeded"):
             ap.decide_approval(h.store, "run-1", approval.id, verb, "op", "", approval.hash,
-                               h.clock.t)
+                               h.clock.t, view="")
     with pytest.raises(ap.RunStateError):
         h.gate(wall=lambda: T0 + 62).attach("run-1")
     assert h.calls["pay"] == [PAID]
@@ -165,12 +165,12 @@ def test_a_late_unknown_outcome_leaves_the_question_open_and_changes_the_view(h)
     assert "no answer within 5s" in after.late_text() and after.digest != before.digest
     with pytest.raises(ap.ApprovalChanged, match="no answer within 5s"):
         ap.decide_approval(h.store, "run-1", v.approval.id, True, "op", "",
-                           ap.Shown(v.approval.hash, before), h.clock.t)
+                           v.approval.hash, h.clock.t, view=before)
     assert h.store.get_approval(v.approval.id).status == "pending"
     block = "\n".join(ap.approval_block(h.store, v.approval, h.path))
     assert "LATE OUTCOME" in block and "still unknown" in block
     ap.decide_approval(h.store, "run-1", v.approval.id, True, "op", "",
-                       ap.Shown(v.approval.hash, after), h.clock.t)
+                       v.approval.hash, h.clock.t, view=after)
     assert h.store.get_approval(v.approval.id).status == "approved"
 
 

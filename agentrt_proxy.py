@@ -106,6 +106,7 @@ if __name__ == "__main__" and globals().get("__spec__") is not None and \
         not getattr(sys.flags, "safe_path", False):
     sys.exit(SAFE_MODULE_RUN)
 
+import collections
 import contextlib
 import dataclasses
 import datetime as _dt
@@ -3941,14 +3942,16 @@ def new_hex_id() -> str:
     return secrets.token_hex(ID_BYTES)
 
 
-class Obs(tuple):
-    """An observation as _obs makes it: (the dict, its stored JSON, its content hash), and
-    as ``content`` the exact bytes of its content member in that JSON, so that what is built
-    is never parsed again to find them (_content_bytes)."""
-    content: bytes
+class Observation(collections.namedtuple("Observation", "doc json_text content_hash content",
+                                          defaults=(None,))):
+    """An observation as a step records it: the dict, its stored JSON (observation_json) and
+    its content hash (observation_hash); and, when _obs built it, the exact bytes of its
+    content member in that JSON, so that what is built is never parsed again to find them
+    (_content_bytes). One read back from a record has none."""
+    __slots__ = ()
 
 
-def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Obs:
+def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Observation:
     """An observation: the dict, its stored JSON, and its content hash. Text that will not
     encode (a lone surrogate) is replaced, never allowed to stop the recording. ``text`` is
     a result's text beside its structured content (ToolResult.text)."""
@@ -3963,9 +3966,7 @@ def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Obs:
     if text is not None:
         doc["text"] = _SURROGATES.sub("\ufffd", text)
     text = dump_json(doc)
-    obs = Obs((read_own(text), text, digest))
-    obs.content = embedded
-    return obs
+    return Observation(read_own(text), text, digest, embedded)
 
 
 def _decision_record(d: Decision) -> str:
@@ -4484,9 +4485,10 @@ class Gate:
                           "previous_owner": current.lease_owner})
             for s in in_flight:
                 content = {"previous_status": s.status}
-                _, text, digest = _obs(INTERRUPTED_OBS, content, f"step interrupted while {s.status}")
+                obs = _obs(INTERRUPTED_OBS, content, f"step interrupted while {s.status}")
                 tx.update_step(s.id, (s.status,), status="interrupted", finished_at=now,
-                               observation_json=text, observation_hash=digest)
+                               observation_json=obs.json_text,
+                               observation_hash=obs.content_hash)
                 tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
         self.leases.hold(run.id, until)
         if gone:
@@ -4734,7 +4736,7 @@ class Session:
         if granted:
             self.gate.leases.hold(self.run_id, until)
         self.current = None
-        return Verdict("denied", observation=obs[0])
+        return Verdict("denied", observation=obs.doc)
 
     def _pause(self, request, step, from_steps, origin, decision, extra, policy_at) -> Verdict:
         """Wait on a new approval bound by hash to exactly this request."""
@@ -4807,7 +4809,7 @@ class Session:
                 self._end_step(tx, step, ("awaiting_approval",), "failed", obs, now)
             self.gate.leases.hold(self.run_id, until)
             self.current = None
-            return Verdict("denied", observation=obs[0])
+            return Verdict("denied", observation=obs.doc)
         run = self.store.get_run(self.run_id)
         prior = [s for s in steps if s.idx < step.idx]
         return self._apply(request, step, RunView(run, prior, approvals), granted, resumed_at)
@@ -4934,7 +4936,7 @@ class Session:
         await self.store.durable()
         return obs
 
-    async def call_started(self) -> tuple[tuple, float]:
+    async def call_started(self) -> tuple[Observation, float]:
         """Call the tool whose start was committed; its observation, not yet recorded (a
         caller records it with record_outcome, when nothing may come in between). A call
         cancelled meanwhile is recorded at once, as cut off."""
@@ -4962,12 +4964,12 @@ class Session:
             raise
         return obs, began
 
-    def record_outcome(self, called: tuple[tuple, float]) -> dict:
+    def record_outcome(self, called: tuple[Observation, float]) -> dict:
         """Record what call_started observed; the observation, as recorded. The commit is
         owed to disk: await the store's durable() before acting on what it says."""
         return self._record_or_let_go(*called)
 
-    def _record_or_let_go(self, obs: tuple, began: float) -> dict:
+    def _record_or_let_go(self, obs: Observation, began: float) -> dict:
         try:
             return self._record(obs, began)
         except (LeaseLost, RunStateError):
@@ -4997,15 +4999,15 @@ class Session:
         self._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
         return True
 
-    def _record(self, obs: tuple[dict, str, str], began: float) -> dict:
+    def _record(self, obs: Observation, began: float) -> dict:
         """Record a finished tool call. Needs only that this gate still owns the lease, not
         that it is unexpired; a run taken over meanwhile keeps what its new owner wrote."""
-        doc, step = obs[0], self.current
+        doc, step = obs.doc, self.current
         spec = self.gate.tools[step.decision["tool"]].spec
         elapsed = int((time.monotonic() - began) * 1000)
         ok = doc["kind"] == TOOL_RESULT
         finished = {"duration_ms": elapsed, "tool": spec.name}
-        finished.update({"content_hash": obs[2], "summary": doc["summary"]} if ok
+        finished.update({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
                         else {"error": doc["summary"]})
         try:
             # The outcome, and the caller's own write with it, owed to disk: the caller
@@ -5028,7 +5030,7 @@ class Session:
             self._late(doc, obs, finished)
         return doc
 
-    def _late(self, doc: dict, obs: tuple, finished: dict) -> None:
+    def _late(self, doc: dict, obs: Observation, finished: dict) -> None:
         """The run was cancelled or taken over while the tool ran. What came of the call is
         recorded all the same, as a late event on its step (an event needs no lease), naming
         the attempt's start and whether the outcome is known: a known outcome is never
@@ -5037,10 +5039,10 @@ class Session:
         step, gate = self.current, self.gate
         known = bool(gate.known(finished["tool"], doc))
         late = {"duration_ms": finished["duration_ms"], "known": known, "late": True,
-                "observation": Raw(obs[1].encode()), "started_at": step.started_at,
+                "observation": Raw(obs.json_text.encode()), "started_at": step.started_at,
                 "tool": finished["tool"]}
         if doc["kind"] == TOOL_RESULT:
-            late.update(content_hash=obs[2], summary=doc["summary"])
+            late.update(content_hash=obs.content_hash, summary=doc["summary"])
         at = gate.now()
         with self.store.tx() as tx:
             seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
@@ -5051,7 +5053,7 @@ class Session:
         # unknown looks for the event first (section 13), and settles it then.
         if known:
             record = LateRecord(seq, self.run_id, step.id, step.started_at, at, True,
-                                obs[1], doc)
+                                obs.json_text, doc)
             with contextlib.suppress(StoreError, RunStateError, NotPending):
                 with self.store.tx() as tx:
                     ended = settle_attempt(tx, record, at)
@@ -5068,17 +5070,17 @@ class Session:
     # -- ending steps and runs --
 
     def _end_step(self, tx: Tx, step: Step, from_steps: tuple, status: str,
-                  obs: tuple | None, now: str, *, finished_event: dict | None = None,
+                  obs: Observation | None, now: str, *, finished_event: dict | None = None,
                   detail: str = "", **cols: Any) -> None:
         if obs is not None:
-            cols.update(observation_json=obs[1], observation_hash=obs[2])
+            cols.update(observation_json=obs.json_text, observation_hash=obs.content_hash)
         tx.update_step(step.id, from_steps, status=status, finished_at=now, **cols)
         if finished_event is not None:
             tx.event(self.run_id, step.id, now, "step.tool_finished", finished_event)
         if status == "failed":
-            payload: dict[str, Any] = {"detail": detail or (obs[0]["summary"] if obs else "")}
+            payload: dict[str, Any] = {"detail": detail or (obs.doc["summary"] if obs else "")}
             if obs is not None:
-                payload.update(content_hash=obs[2], observation=obs[0]["kind"])
+                payload.update(content_hash=obs.content_hash, observation=obs.doc["kind"])
             tx.event(self.run_id, step.id, now, "step.failed", payload)
 
     def _end_invalid(self, step: Step, problem: str, label: str) -> Verdict:
@@ -5088,10 +5090,11 @@ class Session:
             tx.require(self.run_id, (RUNNING,), self.gate.owner)
             self._end_step(tx, step, ("deciding",), "failed", obs, now, detail=problem)
         self.current = None
-        return Verdict("denied", observation=obs[0])
+        return Verdict("denied", observation=obs.doc)
 
     def _settle(self, step: Step | None, from_steps: tuple, step_status: str,
-                obs: tuple | None, status: str, reason: str, detail: str, result: str = "", *,
+                obs: Observation | None, status: str, reason: str, detail: str,
+                result: str = "", *,
                 origin: str = RUNNING, pre: list | None = None, step_detail: str = "",
                 finished_event: dict | None = None, **cols: Any) -> Run:
         """End the run (and its open step) in one transaction."""
@@ -5172,12 +5175,12 @@ class Session:
             self._finish("closed", self.final)
 
 
-def _content_bytes(obs: tuple) -> bytes:
+def _content_bytes(obs: Observation) -> bytes:
     """The exact bytes of an observation's content member: kept by _obs, else read from
     its stored JSON (an observation read back from a record)."""
-    if isinstance(obs, Obs):
+    if obs.content is not None:
         return obs.content
-    return member_spans(obs[1].encode()).get("content", b"{}")
+    return member_spans(obs.json_text.encode()).get("content", b"{}")
 
 
 def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
@@ -5268,7 +5271,7 @@ async def in_time(aw: Awaitable, seconds: float) -> Any:
         return await aw
 
 
-async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
+async def _call_tool(tool: Tool, args: bytes) -> Observation:
     """Call the tool under its timeout and turn every outcome into an observation. Once the
     call has returned, whatever fails in making its observation is an answer that could not
     be recorded: the call executed, and counts as executed (UNRECORDED), never as nothing."""
@@ -5290,7 +5293,7 @@ async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
                     f"{name} answered, and its answer could not be recorded")
 
 
-def _observe(name: str, timeout: float, result: Any) -> tuple[dict, str, str]:
+def _observe(name: str, timeout: float, result: Any) -> Observation:
     """The observation of what a tool call came to: its result, or the exception it raised."""
     if isinstance(result, asyncio.TimeoutError):
         err = f"no answer within {fmt_duration(timeout)}"
@@ -5487,13 +5490,13 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
     return None
 
 
-def _settled_obs(late: LateRecord) -> tuple[dict, str, str]:
+def _settled_obs(late: LateRecord) -> Observation:
     """The late observation as the step it settles records it, naming where it came from."""
     doc, spans = read_members(late.observation.encode("utf-8"))
     doc["content"] = Raw(spans.get("content", b"{}"))
     doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
     text = dump_json(doc)
-    return read_own(text), text, str(doc.get("content_hash", ""))
+    return Observation(read_own(text), text, str(doc.get("content_hash", "")))
 
 
 def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps: tuple,
@@ -5502,13 +5505,14 @@ def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps
     outcome: the step records that outcome, and the run ends with it, as it would have had
     the outcome come in time (a terminal tool's result completes its run)."""
     obs = _settled_obs(late)
-    ok = obs[0].get("kind") == TOOL_RESULT
+    ok = obs.doc.get("kind") == TOOL_RESULT
     tx.update_step(step_id, from_steps, status="done" if ok else "failed", finished_at=at,
-                   observation_json=obs[1], observation_hash=obs[2])
+                   observation_json=obs.json_text, observation_hash=obs.content_hash)
     detail = f"the attempt in run {late.run_id}, step {late.step_id}, {late.text()}"
     if not ok:
         tx.event(run_id, step_id, at, "step.failed",
-                 {"content_hash": obs[2], "detail": detail, "observation": obs[0].get("kind")})
+                 {"content_hash": obs.content_hash, "detail": detail,
+                  "observation": obs.doc.get("kind")})
     status, reason = (COMPLETED, "goal_completed") if ok and terminal else (FAILED, "goal_failed")
     run = tx.transition(run_id, from_run, status, owner=owner, reason=reason, detail=detail,
                         finished_at=at,
@@ -5783,7 +5787,7 @@ def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, 
         obs = _obs(POLICY_DENIED, {"approval_id": approval.id, "note": note},
                    f"approval rejected: {note}")
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
-                "finished_at=? WHERE id=?", (obs[1], obs[2], at, approval.step_id))
+                "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, approval.step_id))
         run = tx.transition(run_id, (WAITING,), CANCELLED, reason="approval_rejected",
                             detail=note, finished_at=at)
         tx.event(run_id, "", at, "run.finished",
@@ -5833,7 +5837,7 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
         for step_id, in tx.exec("SELECT id FROM steps WHERE run_id=? AND status IN "
                                 "('deciding','awaiting_approval','executing')", (run_id,)).fetchall():
             tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
-                    "finished_at=? WHERE id=?", (obs[1], obs[2], at, step_id))
+                    "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, step_id))
         run = tx.transition(run_id, (RUNNING, WAITING), CANCELLED, reason="operator_cancelled",
                             detail=note, finished_at=at)
         _cancel_approvals(tx, run_id, by, note, at)

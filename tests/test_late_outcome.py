@@ -39,10 +39,10 @@ def write_late(h, run_id, step, obs_doc, known=True):
     """The late event exactly as Session._late writes it, for a step cut off while executing,
     but without what _late settles with it: as an older build, or a race a test arranges,
     would leave the store."""
-    _, text, digest = ap._obs(obs_doc["kind"], obs_doc["content"], obs_doc["summary"])
+    obs = ap._obs(obs_doc["kind"], obs_doc["content"], obs_doc["summary"])
     payload = {"duration_ms": 5, "known": known, "late": True,
-               "observation": ap.Raw(text.encode()), "started_at": step.started_at,
-               "tool": "pay", "content_hash": digest, "summary": obs_doc["summary"]}
+               "observation": ap.Raw(obs.json_text.encode()), "started_at": step.started_at,
+               "tool": "pay", "content_hash": obs.content_hash, "summary": obs_doc["summary"]}
     with h.store.tx() as tx:
         tx.event(run_id, step.id, ap.fmt_time(h.clock.t), "step.tool_finished", payload)
 

@@ -1094,14 +1094,14 @@ def _wire_str(text: str) -> str:
 
 def dump_json(value: Any) -> str:
     """The proxy's own compact JSON text of a value built by this module (dicts keep their
-    order; ``Raw`` fragments, already in this encoding, are embedded as they are)."""
+    order; ``RawJSON`` fragments, already in this encoding, are embedded as they are)."""
     out: list[str] = []
     _dump(value, out)
     return "".join(out)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Raw:
+class RawJSON:
     """JSON bytes in the proxy's own encoding, embedded as they are when a record or frame
     is written. Bytes holding a line break of any reader are written again by the encoder
     instead: a guard, so that no fragment can ever split a frame."""
@@ -1120,7 +1120,7 @@ def _dump(value: Any, out: list[str]) -> None:
         out.append(_wire_str(value))
     elif kind is Num:
         out.append(value.text)
-    elif kind is Raw:
+    elif kind is RawJSON:
         out.append(_raw_text(value.data))
     elif kind is dict:
         out.append("{")
@@ -1653,7 +1653,7 @@ class Pattern:
         self._words = any(op[0] == _ASSERT and op[1] in "bB" for op in prog)
         self._memo: dict[tuple, frozenset] = {}
         self._states: dict[frozenset, frozenset] = {}
-        self._held = 0
+        self._memo_states = 0
 
     def search(self, s: str) -> bool:
         """Whether the pattern matches somewhere in ``s``. A string that would take more
@@ -1691,12 +1691,12 @@ class Pattern:
         cp, prog = ord(ch), self._prog
         moved = [pc + 1 for pc in state if pc != self._match and _in_ranges(prog[pc][1], cp)]
         nxt = self._closure(moved, ctx, work)
-        if len(self._memo) >= PATTERN_MEMO_STEPS or self._held >= PATTERN_MEMO_STATES:
+        if len(self._memo) >= PATTERN_MEMO_STEPS or self._memo_states >= PATTERN_MEMO_STATES:
             self._memo.clear()
             self._states.clear()
-            self._held = 0
+            self._memo_states = 0
         nxt = self._states.setdefault(nxt, nxt)   # one copy of each state set is kept
-        self._held += len(nxt)
+        self._memo_states += len(nxt)
         self._memo[(state, ch, ctx)] = nxt
         return nxt
 
@@ -2607,9 +2607,9 @@ class ToolRequest:
     def record(self) -> str:
         """The request as stored with an approval: the arguments byte for byte."""
         spec = self.spec.as_value()
-        spec["input_schema"] = Raw(encode_canonical(spec["input_schema"]))
+        spec["input_schema"] = RawJSON(encode_canonical(spec["input_schema"]))
         return dump_json({"run_id": self.run_id, "step_id": self.step_id, "spec": spec,
-                          "args": Raw(self.args)})
+                          "args": RawJSON(self.args)})
 
     @classmethod
     def from_record(cls, text: str) -> "ToolRequest":
@@ -3893,7 +3893,7 @@ class Reconciliation:
 
 
 @dataclasses.dataclass(repr=False)
-class _Judged:
+class _ProposalCheck:
     """A proposal's validation and policy decision, worked out before its transaction."""
     problem: str
     decision: "PolicyDecision | None" = None
@@ -3902,7 +3902,7 @@ class _Judged:
 
 
 @dataclasses.dataclass(repr=False)
-class _Allowed:
+class _AllowedRequest:
     """An allowed request waiting for execute: nothing about it is written yet."""
     request: ToolRequest
     decision: PolicyDecision
@@ -3923,7 +3923,7 @@ def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
     return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
 
 
-def _start_sync(gate: "Gate", tool: "Tool | None", decision: Decision, judged: _Judged
+def _start_sync(gate: "Gate", tool: "Tool | None", decision: Decision, judged: _ProposalCheck
                 ) -> bool | str:
     """How a call's start commits (Store.batch). A call the policy allows outright is
     about to execute, and Session.call_started awaits the store's durable() before its
@@ -3962,7 +3962,7 @@ def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Obse
     raw = content if isinstance(content, bytes) else dump_json(content).encode()
     digest = content_hash(raw)
     embedded = _raw_text(raw).encode()      # as the record will hold it, byte for byte
-    doc = {"kind": kind, "content": Raw(embedded), "summary": summary, "content_hash": digest}
+    doc = {"kind": kind, "content": RawJSON(embedded), "summary": summary, "content_hash": digest}
     if text is not None:
         doc["text"] = _SURROGATES.sub("\ufffd", text)
     text = dump_json(doc)
@@ -3981,7 +3981,7 @@ def _decision_record(d: Decision) -> str:
             continue
         try:
             check_json(raw)
-            doc[name] = Raw(raw)
+            doc[name] = RawJSON(raw)
         except JSONError:
             bad[name] = raw
     if d.message:
@@ -4008,7 +4008,7 @@ def _policy_record(p: PolicyDecision, extra: dict | None = None) -> str:
     for name in ("capability", "presentation"):
         raw = getattr(p, name).strip(JSON_WS)
         if raw:
-            doc[name] = Raw(raw)
+            doc[name] = RawJSON(raw)
     doc.update({k: v for k, v in (extra or {}).items() if v})
     return dump_json(doc)
 
@@ -4245,14 +4245,15 @@ class Leases:
 class Gate:
     """The gate over one store and one set of tools. Clock and ids are injected."""
 
-    def __init__(self, store: Store, tools: Iterable[Tool], policy: Any, *,
+    def __init__(self, store: Store, tools: Iterable[Tool],
+                 policy: "SideEffectPolicy | ProxyPolicy", *,
                  now: Clock = time.time, wall: Clock = time.time,
                  new_id: Callable[[], str] = new_hex_id, lease_owner: str = "",
                  holder: "Holder | None" = None, lease_ttl: float = DEFAULT_LEASE_TTL,
                  reconcile: Callable[[RunView], Reconciliation] | None = None,
                  known: Callable[[str, dict], bool] | None = None,
                  on_settled: Callable[[Tx, list[str]], None] | None = None,
-                 budget: Any = None):
+                 budget: "Budgets | None" = None):
         self.store, self.policy, self.reconcile = store, policy, reconcile
         # A caller's limits (section 20): budget.admit(tx, request, decision, at) is called
         # inside the transaction that starts an attempt, and may refuse it by raising.
@@ -4302,7 +4303,7 @@ class Gate:
                                "", "", self.owner, fmt_time(until)), record, now)
                 hashes = [tx.save_spec(t.spec) for t in self.tools.values()]
                 tx.event(run_id, "", now, "run.created",
-                         {"goal": goal, "limits": Raw(record.encode()), "tools": hashes})
+                         {"goal": goal, "limits": RawJSON(record.encode()), "tools": hashes})
                 tx.event(run_id, "", now, "run.started", {})
         except BaseException:
             self._release_claim(run_id)
@@ -4344,20 +4345,20 @@ class Gate:
         return session, verdict
 
     def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
-                  decision: Decision) -> "_Judged":
+                  decision: Decision) -> "_ProposalCheck":
         """What propose would find for this decision as the first step of a new run."""
         tool = tool_of(self, decision)
         problem = self.invalid_reason(decision, tool)
         if problem or tool is None:
-            return _Judged(problem)
+            return _ProposalCheck(problem)
         run = Run(run_id, goal, RUNNING, "", "", limits, 1, self.now(), "", "", self.owner, "")
         request = ToolRequest(run_id, step_id, tool.spec,
                               decision.args.strip(JSON_WS) or b"{}")
         try:
             view = RunView(run, [], [])
-            return _Judged("", self.evaluate(request, view), view=view)
+            return _ProposalCheck("", self.evaluate(request, view), view=view)
         except Exception as exc:          # a policy's failure ends the run, never allows
-            return _Judged("", error=exc)
+            return _ProposalCheck("", error=exc)
 
     def invalid_reason(self, d: Decision, tool: "Tool | None") -> str:
         """Why a decision cannot be acted on, or ''."""
@@ -4571,7 +4572,7 @@ class Session:
     def __init__(self, gate: Gate, run_id: str, step: Step | None = None):
         self.gate, self.store, self.run_id = gate, gate.store, run_id
         self.current: Step | None = step
-        self._allowed: _Allowed | None = None
+        self._allowed: _AllowedRequest | None = None
         self._started: ToolRequest | None = None
         self.state = "open"            # open, paused, ended, lost, closed
         self.final: Run | None = None
@@ -4612,7 +4613,7 @@ class Session:
                             None, "", now, "", "", "")
         return self.current
 
-    def propose(self, decision: Decision, judged: "_Judged | None" = None) -> Verdict:
+    def propose(self, decision: Decision, judged: "_ProposalCheck | None" = None) -> Verdict:
         """Record the decision, validate it, and (for a tool call) evaluate the policy;
         ``judged`` carries both worked out already (Gate.start)."""
         self._usable()
@@ -4651,7 +4652,7 @@ class Session:
 
     def _apply(self, request: ToolRequest, step: Step, view: RunView,
                granted: Approval | None, resumed_at: str | None,
-               judged: "_Judged | None" = None) -> Verdict:
+               judged: "_ProposalCheck | None" = None) -> Verdict:
         """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
         origin = WAITING if granted else RUNNING
         on_resume = " on resume" if granted else ""
@@ -4690,7 +4691,7 @@ class Session:
             return self._policy_failure(step, from_steps, origin, f"the approval will not "
                                         f"encode: {exc}", decision, extra, policy_at)
         if allowed:
-            self._allowed = _Allowed(request, decision, policy_at, view_doc, granted)
+            self._allowed = _AllowedRequest(request, decision, policy_at, view_doc, granted)
             return Verdict("allowed", approval=granted)
         if decision.outcome == "deny":
             summary = f"denied{on_resume}: {decision.reason}"
@@ -4788,9 +4789,9 @@ class Session:
                  approval.request_json, approval.hash, PENDING, approval.created_at,
                  "", "", "", approval.expires_at))
         tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
-                 {"approval_id": approval.id, "capability": Raw(approval.capability),
+                 {"approval_id": approval.id, "capability": RawJSON(approval.capability),
                   "hash": approval.hash, "kind": approval.kind,
-                  "presentation": Raw(approval.presentation), "reason": decision.reason})
+                  "presentation": RawJSON(approval.presentation), "reason": decision.reason})
 
     def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
         """An approved step: check the recorded arguments against today's schema, then
@@ -4830,7 +4831,7 @@ class Session:
             return None
         else:
             args = step.args or b"{}"
-            cap = {"args": Raw(args), "tool": (step.decision or {}).get("tool", "")}
+            cap = {"args": RawJSON(args), "tool": (step.decision or {}).get("tool", "")}
             pres = dict(cap, notice=INTERRUPTED_NOTICE,
                         side_effect=tool.spec.side_effect if tool else "")
             decision = need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON,
@@ -4876,7 +4877,7 @@ class Session:
         start_at = gate.now() if granted else allowed.policy_at
         until = gate.wall() + gate.lease_ttl
         spec, request = allowed.request.spec, allowed.request
-        started = {"args": Raw(request.args), "tool": spec.name}
+        started = {"args": RawJSON(request.args), "tool": spec.name}
         with self.store.tx() as tx:
             settled = self._settled_at_start(tx, granted, start_at, spec) if granted else None
             if settled is None:
@@ -5039,7 +5040,7 @@ class Session:
         step, gate = self.current, self.gate
         known = bool(gate.known(finished["tool"], doc))
         late = {"duration_ms": finished["duration_ms"], "known": known, "late": True,
-                "observation": Raw(obs.json_text.encode()), "started_at": step.started_at,
+                "observation": RawJSON(obs.json_text.encode()), "started_at": step.started_at,
                 "tool": finished["tool"]}
         if doc["kind"] == TOOL_RESULT:
             late.update(content_hash=obs.content_hash, summary=doc["summary"])
@@ -5493,7 +5494,7 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
 def _settled_obs(late: LateRecord) -> Observation:
     """The late observation as the step it settles records it, naming where it came from."""
     doc, spans = read_members(late.observation.encode("utf-8"))
-    doc["content"] = Raw(spans.get("content", b"{}"))
+    doc["content"] = RawJSON(spans.get("content", b"{}"))
     doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
     text = dump_json(doc)
     return Observation(read_own(text), text, str(doc.get("content_hash", "")))
@@ -6198,7 +6199,7 @@ class Upstream:
 
     async def call_tool(self, remote: str, args: bytes, timeout: float) -> Message:
         """One tools/call; the arguments go as the given bytes."""
-        return await self.request("tools/call", {"name": remote, "arguments": Raw(args)},
+        return await self.request("tools/call", {"name": remote, "arguments": RawJSON(args)},
                                   timeout, tool=remote)
 
     def _route(self, msg: Message) -> bytes | None:
@@ -7079,7 +7080,7 @@ async def pin_server(server: ServerConfig, now: float) -> dict:
     for tool in sorted(tools, key=lambda t: t.name):
         entry: dict[str, Any] = {
             "name": tool.name, "description": tool.description,
-            "input_schema": Raw(tool.schema), "schema_hash": sha256_hex(tool.schema),
+            "input_schema": RawJSON(tool.schema), "schema_hash": sha256_hex(tool.schema),
             "description_hash": hash_string(tool.description)}
         if tool.annotations is not None:
             entry["annotations"] = tool.annotations
@@ -7297,7 +7298,7 @@ def _wire_len(value: "bytes | str") -> int:
     holds for what is written, not only for the value."""
     if isinstance(value, str):
         return len(_wire_str(value).encode("utf-8"))
-    return len(dump_json(Raw(value)).encode("utf-8"))
+    return len(dump_json(RawJSON(value)).encode("utf-8"))
 
 
 def _joined_text(blocks: Any) -> str:
@@ -7603,7 +7604,7 @@ class Config:
                 if rule.outcome:
                     entry["outcome"] = rule.outcome
                 if rule.fixed:
-                    entry["fixed"] = {k: Raw(v) for k, v in rule.fixed}
+                    entry["fixed"] = {k: RawJSON(v) for k, v in rule.fixed}
                 if rule.rename:
                     entry["rename"] = rule.rename
                 if rule.when:
@@ -7650,7 +7651,7 @@ def read_owned(path: str) -> bytes:
         os.close(fd)
 
 
-class _Fields:
+class _ConfigObject:
     """Strict reading of one JSON object: each field once, of its type, none unknown."""
 
     def __init__(self, doc: Any, where: str, known: Iterable[str]):
@@ -7727,7 +7728,7 @@ def parse_config(raw: bytes, path: str) -> Config:
         doc = parse_json(raw)
     except JSONError as exc:
         raise ConfigError(f"not usable JSON: {exc}") from None
-    top = _Fields(doc, "configuration", _TOP_FIELDS)
+    top = _ConfigObject(doc, "configuration", _TOP_FIELDS)
     base = os.path.dirname(path)
     database = top.text("database")
     if not database:
@@ -7780,7 +7781,7 @@ def parse_config(raw: bytes, path: str) -> Config:
 
 # -- on_pending: the command the proxy starts when an approval starts to wait --
 
-def _parse_on_pending(top: _Fields) -> tuple[str, ...]:
+def _parse_on_pending(top: _ConfigObject) -> tuple[str, ...]:
     """An argv, never a shell line: a non-empty array of strings whose program is an absolute
     path to an executable file or a name found on PATH now. A name is resolved here, once,
     so that the program that runs is the one the configuration named when it was read."""
@@ -7913,7 +7914,7 @@ def _reach_candidates(arg: str) -> list[str]:
 
 
 def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
-    f = _Fields(entry, f"servers[{i}]", _SERVER_FIELDS)
+    f = _ConfigObject(entry, f"servers[{i}]", _SERVER_FIELDS)
     name = f.text("name")
     if not name:
         raise ConfigError(f"servers[{i}]: name is required")
@@ -7952,7 +7953,7 @@ def _default_manifest(name: str, where: str) -> str:
     return name + MANIFEST_SUFFIX
 
 
-def _parse_repeat(f: _Fields) -> str:
+def _parse_repeat(f: _ConfigObject) -> str:
     repeat = f.doc.get("repeat", "")
     if repeat != "" and not (isinstance(repeat, str) and repeat in REPEATS):
         raise ConfigError(f'{f.where}: repeat must be "refuse" or "ask"')
@@ -7960,7 +7961,7 @@ def _parse_repeat(f: _Fields) -> str:
 
 
 def _parse_rule(doc: Any, where: str) -> Rule:
-    f = _Fields(doc, where, _RULE_FIELDS)
+    f = _ConfigObject(doc, where, _RULE_FIELDS)
     outcome = f.text("outcome")
     if outcome and outcome not in CONFIG_OUTCOMES:
         raise ConfigError(f"{where}: outcome {_quote(outcome)} is not allow, "
@@ -8204,9 +8205,9 @@ class ProxyPolicy:
     def capability(tool: "UpstreamTool", args: bytes) -> dict:
         cap: dict[str, Any] = {"server": tool.server, "tool": tool.remote,
                                "name": tool.spec.name, "side_effect": tool.spec.side_effect,
-                               "args": Raw(args)}
+                               "args": RawJSON(args)}
         if tool.rule.fixed:
-            cap["fixed"] = {k: Raw(v) for k, v in tool.rule.fixed}
+            cap["fixed"] = {k: RawJSON(v) for k, v in tool.rule.fixed}
         return cap
 
 
@@ -8759,7 +8760,7 @@ class Condition:
         return f"when[{self.index}]"
 
     def written(self) -> dict:
-        doc: dict[str, Any] = {"if": Raw(self.schema_json), "outcome": self.outcome}
+        doc: dict[str, Any] = {"if": RawJSON(self.schema_json), "outcome": self.outcome}
         if self.why:
             doc["why"] = self.why
         return doc
@@ -8852,7 +8853,7 @@ def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
     out = []
     for i, entry in enumerate(doc):
         at = f"{where}: when[{i}]"
-        f = _Fields(entry, at, _WHEN_FIELDS)
+        f = _ConfigObject(entry, at, _WHEN_FIELDS)
         if "if" not in f.doc:
             raise ConfigError(f"{at}: if is required: the JSON Schema the arguments match")
         outcome = f.text("outcome")
@@ -8929,7 +8930,7 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
     out: list[Limit] = []
     for i, entry in enumerate(doc):
         at = f"{where}: limits[{i}]"
-        f = _Fields(entry, at, _LIMIT_FIELDS)
+        f = _ConfigObject(entry, at, _LIMIT_FIELDS)
         if "per" not in f.doc:
             raise ConfigError(f'{at}: per is required: the window, such as "1h" or "24h"')
         per = _parse_per(f, at)
@@ -8965,7 +8966,7 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
     return tuple(out)
 
 
-def _parse_per(f: _Fields, at: str) -> float:
+def _parse_per(f: _ConfigObject, at: str) -> float:
     """A window: a duration, or whole days such as "7d"."""
     text = f.doc["per"]
     if isinstance(text, str) and re.fullmatch(r"[1-9][0-9]{0,2}d", text):
@@ -9024,7 +9025,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
 # -- judging one call --
 
 @dataclasses.dataclass(repr=False)
-class Use:
+class LimitUse:
     """One limit as one call finds it: its use in the window, and what the call adds."""
     limit: Limit
     key: str
@@ -9159,7 +9160,7 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
             return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
                              f"{problem}; the value must be a number of at least 0", [], [],
                              limit.ref)
-        use = Use(limit, limit.key(tool.server, tool.remote), 0, adds)
+        use = LimitUse(limit, limit.key(tool.server, tool.remote), 0, adds)
         use.used = use_of(use.key, limit)
         if not use.over:
             continue
@@ -9609,7 +9610,7 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     return out
 
 
-def _recorded_use(entry: Any) -> Use | None:
+def _recorded_use(entry: Any) -> LimitUse | None:
     """An entry of limits_shown read back, strictly (the row may have been edited): its
     limit parsed again as a configuration's limit is, at its recorded place."""
     if not isinstance(entry, dict) or sorted(entry) != sorted(SHOWN_LIMIT_FIELDS):
@@ -9623,11 +9624,11 @@ def _recorded_use(entry: Any) -> Use | None:
         limit = parse_limits([entry["limit"]], "a recorded limit")[0]
     except ConfigError:
         return None
-    return Use(dataclasses.replace(limit, index=int(index.text)), key, 0,
-               min(int(adds), _CAP))
+    return LimitUse(dataclasses.replace(limit, index=int(index.text)), key, 0,
+                    min(int(adds), _CAP))
 
 
-def _standing(use: Use, tool: str, asked: set[str]) -> dict:
+def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
     """One limit as a view shows it, in JSON and as a line."""
     lim = use.limit
     deny = use.over and lim.over == "deny"
@@ -10189,7 +10190,7 @@ class Proxy:
         host that prompts before a destructive tool, or trusts a read-only one, is told the
         class that the gate enforces."""
         out = [{"name": t.spec.name, "description": t.spec.description,
-                "inputSchema": Raw(t.spec.input_schema),
+                "inputSchema": RawJSON(t.spec.input_schema),
                 "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
                for t in self.tools.values()]
         out.append(status_tool_entry(self.cfg.status_tool))
@@ -12166,7 +12167,7 @@ class _LineCutter:
         return rest
 
 
-def _held(line: bytes) -> int:
+def _read_ahead_cost(line: bytes) -> int:
     """What a line read ahead counts against READ_AHEAD_BYTES."""
     return len(line) + READ_AHEAD_LINE_COST
 
@@ -12224,7 +12225,7 @@ class LineReader:
             self._unwatch()
 
     def _enqueue(self, line: bytes) -> None:
-        self._ahead += _held(line)
+        self._ahead += _read_ahead_cost(line)
         self.queue.put_nowait(line)
 
     def _unwatch(self) -> None:
@@ -12270,14 +12271,14 @@ class LineReader:
             with self._room:
                 while self._ahead > READ_AHEAD_BYTES:
                     self._room.wait()
-                self._ahead += _held(item)
+                self._ahead += _read_ahead_cost(item)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self) -> bytes | None:
         item = await self.queue.get()
         if item is None:
             return None
-        cost = _held(item)
+        cost = _read_ahead_cost(item)
         if self._own is None:            # a thread reads
             with self._room:
                 self._ahead -= cost
@@ -13565,15 +13566,15 @@ def _flags(parser: argparse.ArgumentParser, *specs: tuple) -> None:
 def build_parser() -> argparse.ArgumentParser:
     import argparse
 
-    class _Parser_(argparse.ArgumentParser):
+    class _CommandLine(argparse.ArgumentParser):
         """argparse that reports a usage error instead of exiting."""
 
         def error(self, message: str):
             raise UsageError(message)
 
-    top = _Parser_(prog="agentrt_proxy.py", add_help=False, allow_abbrev=False)
+    top = _CommandLine(prog="agentrt_proxy.py", add_help=False, allow_abbrev=False)
     _flags(top, ("db", {}), ("config", {}), ("json", {"action": "store_true"}))
-    sub = top.add_subparsers(dest="command", parser_class=_Parser_)
+    sub = top.add_subparsers(dest="command", parser_class=_CommandLine)
     page = (("limit", {"type": int}), ("offset", {"type": int, "default": 0}))
     _flags(sub.add_parser("runs", add_help=False, allow_abbrev=False), *page)
     show = sub.add_parser("show", add_help=False, allow_abbrev=False)
@@ -14017,7 +14018,7 @@ def _raw_or_text(text: str) -> Any:
     """A stored JSON payload embedded as written; anything else as a string."""
     try:
         parse_json(text.encode(), max_depth=RECORD_DEPTH)     # a record wraps its data
-        return Raw(text.encode())
+        return RawJSON(text.encode())
     except JSONError:
         return text
 
@@ -14483,7 +14484,7 @@ def cmd_cancel(store: Store, args, out: Out) -> int:
 # INBOX_POLL seconds and reads `q` meanwhile. Each look is a read of its own: a proxy that
 # restarts, or holds the write lock a moment, is waited out rather than fatal.
 
-class _Lines:
+class _TypedLines:
     """Lines typed at the inbox. Read from the descriptor itself, so that waiting for one can
     end after a timeout (select) while the inbox looks for new approvals; a stream without
     one (a StringIO) is read a line at a time. A line is at most INBOX_LINE_BYTES."""
@@ -14535,7 +14536,7 @@ class _Lines:
 class Inbox:
     """The operator's loop over one database: show, ask, decide, look again."""
 
-    def __init__(self, store: Store, out: Out, by: str, lines: _Lines, once: bool,
+    def __init__(self, store: Store, out: Out, by: str, lines: _TypedLines, once: bool,
                  poll: float = INBOX_POLL):
         self.store, self.out, self.by, self.lines = store, out, by, lines
         self.once, self.poll = once, poll
@@ -14662,7 +14663,7 @@ def cmd_inbox(store: Store, args, out: Out) -> int:
     if not args.tty_not_required and not _is_terminal(out.stdin):
         raise UsageError("inbox: stdin is not a terminal; pass -tty-not-required to read the "
                          "answers from it anyway")
-    return Inbox(store, out, args.by, _Lines(out.stdin), args.once).run()
+    return Inbox(store, out, args.by, _TypedLines(out.stdin), args.once).run()
 
 
 # ==== 31. Running a command ====

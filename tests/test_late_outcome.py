@@ -41,8 +41,9 @@ def write_late(h, run_id, step, obs_doc, known=True):
     would leave the store."""
     obs = ap._obs(obs_doc["kind"], obs_doc["content"], obs_doc["summary"])
     payload = {"duration_ms": 5, "known": known, "late": True,
-               "observation": ap.Raw(obs.json_text.encode()), "started_at": step.started_at,
-               "tool": "pay", "content_hash": obs.content_hash, "summary": obs_doc["summary"]}
+               "observation": ap.RawJSON(obs.json_text.encode()),
+               "started_at": step.started_at, "tool": "pay", "content_hash": obs.content_hash,
+               "summary": obs_doc["summary"]}
     with h.store.tx() as tx:
         tx.event(run_id, step.id, ap.fmt_time(h.clock.t), "step.tool_finished", payload)
 
@@ -109,7 +110,7 @@ def test_no_interruption_approval_is_asked_once_the_late_outcome_is_recorded(h):
     def reconcile(view):
         step = next(s for s in view.steps if s.status == "interrupted")
         write_late(h, "run-1", step, SUCCESS)          # the stalled executor wakes now
-        cap = {"args": ap.Raw(PAID), "tool": "pay"}
+        cap = {"args": ap.RawJSON(PAID), "tool": "pay"}
         return ap.Reconciliation("waiting", ap.need_approval(
             ap.INTERRUPTED_KIND, ap.INTERRUPTED_REASON, cap, cap))
     s, v = h.gate(wall=lambda: T0 + 31, reconcile=reconcile).attach("run-1")

@@ -106,6 +106,7 @@ if __name__ == "__main__" and globals().get("__spec__") is not None and \
         not getattr(sys.flags, "safe_path", False):
     sys.exit(SAFE_MODULE_RUN)
 
+import collections
 import contextlib
 import dataclasses
 import datetime as _dt
@@ -1105,14 +1106,14 @@ def _wire_str(text: str) -> str:
 
 def dump_json(value: Any) -> str:
     """The proxy's own compact JSON text of a value built by this module (dicts keep their
-    order; ``Raw`` fragments, already in this encoding, are embedded as they are)."""
+    order; ``RawJSON`` fragments, already in this encoding, are embedded as they are)."""
     out: list[str] = []
     _dump(value, out)
     return "".join(out)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Raw:
+class RawJSON:
     """JSON bytes in the proxy's own encoding, embedded as they are when a record or frame
     is written. Bytes holding a line break of any reader are written again by the encoder
     instead: a guard, so that no fragment can ever split a frame."""
@@ -1131,7 +1132,7 @@ def _dump(value: Any, out: list[str]) -> None:
         out.append(_wire_str(value))
     elif kind is Num:
         out.append(value.text)
-    elif kind is Raw:
+    elif kind is RawJSON:
         out.append(_raw_text(value.data))
     elif kind is dict:
         out.append("{")
@@ -1664,7 +1665,7 @@ class Pattern:
         self._words = any(op[0] == _ASSERT and op[1] in "bB" for op in prog)
         self._memo: dict[tuple, frozenset] = {}
         self._states: dict[frozenset, frozenset] = {}
-        self._held = 0
+        self._memo_states = 0
 
     def search(self, s: str) -> bool:
         """Whether the pattern matches somewhere in ``s``. A string that would take more
@@ -1702,12 +1703,12 @@ class Pattern:
         cp, prog = ord(ch), self._prog
         moved = [pc + 1 for pc in state if pc != self._match and _in_ranges(prog[pc][1], cp)]
         nxt = self._closure(moved, ctx, work)
-        if len(self._memo) >= PATTERN_MEMO_STEPS or self._held >= PATTERN_MEMO_STATES:
+        if len(self._memo) >= PATTERN_MEMO_STEPS or self._memo_states >= PATTERN_MEMO_STATES:
             self._memo.clear()
             self._states.clear()
-            self._held = 0
+            self._memo_states = 0
         nxt = self._states.setdefault(nxt, nxt)   # one copy of each state set is kept
-        self._held += len(nxt)
+        self._memo_states += len(nxt)
         self._memo[(state, ch, ctx)] = nxt
         return nxt
 
@@ -2618,9 +2619,9 @@ class ToolRequest:
     def record(self) -> str:
         """The request as stored with an approval: the arguments byte for byte."""
         spec = self.spec.as_value()
-        spec["input_schema"] = Raw(encode_canonical(spec["input_schema"]))
+        spec["input_schema"] = RawJSON(encode_canonical(spec["input_schema"]))
         return dump_json({"run_id": self.run_id, "step_id": self.step_id, "spec": spec,
-                          "args": Raw(self.args)})
+                          "args": RawJSON(self.args)})
 
     @classmethod
     def from_record(cls, text: str) -> "ToolRequest":
@@ -3904,7 +3905,7 @@ class Reconciliation:
 
 
 @dataclasses.dataclass(repr=False)
-class _Judged:
+class _ProposalCheck:
     """A proposal's validation and policy decision, worked out before its transaction."""
     problem: str
     decision: "PolicyDecision | None" = None
@@ -3913,7 +3914,7 @@ class _Judged:
 
 
 @dataclasses.dataclass(repr=False)
-class _Allowed:
+class _AllowedRequest:
     """An allowed request waiting for execute: nothing about it is written yet."""
     request: ToolRequest
     decision: PolicyDecision
@@ -3934,7 +3935,7 @@ def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
     return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
 
 
-def _start_sync(gate: "Gate", tool: "Tool | None", decision: Decision, judged: _Judged
+def _start_sync(gate: "Gate", tool: "Tool | None", decision: Decision, judged: _ProposalCheck
                 ) -> bool | str:
     """How a call's start commits (Store.batch). A call the policy allows outright is
     about to execute, and Session.call_started awaits the store's durable() before its
@@ -3953,14 +3954,16 @@ def new_hex_id() -> str:
     return secrets.token_hex(ID_BYTES)
 
 
-class Obs(tuple):
-    """An observation as _obs makes it: (the dict, its stored JSON, its content hash), and
-    as ``content`` the exact bytes of its content member in that JSON, so that what is built
-    is never parsed again to find them (_content_bytes)."""
-    content: bytes
+class Observation(collections.namedtuple("Observation", "doc json_text content_hash content",
+                                          defaults=(None,))):
+    """An observation as a step records it: the dict, its stored JSON (observation_json) and
+    its content hash (observation_hash); and, when _obs built it, the exact bytes of its
+    content member in that JSON, so that what is built is never parsed again to find them
+    (_content_bytes). One read back from a record has none."""
+    __slots__ = ()
 
 
-def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Obs:
+def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Observation:
     """An observation: the dict, its stored JSON, and its content hash. Text that will not
     encode (a lone surrogate) is replaced, never allowed to stop the recording. ``text`` is
     a result's text beside its structured content (ToolResult.text)."""
@@ -3971,13 +3974,11 @@ def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Obs:
     raw = content if isinstance(content, bytes) else dump_json(content).encode()
     digest = content_hash(raw)
     embedded = _raw_text(raw).encode()      # as the record will hold it, byte for byte
-    doc = {"kind": kind, "content": Raw(embedded), "summary": summary, "content_hash": digest}
+    doc = {"kind": kind, "content": RawJSON(embedded), "summary": summary, "content_hash": digest}
     if text is not None:
         doc["text"] = _SURROGATES.sub("\ufffd", text)
     text = dump_json(doc)
-    obs = Obs((read_own(text), text, digest))
-    obs.content = embedded
-    return obs
+    return Observation(read_own(text), text, digest, embedded)
 
 
 def _decision_record(d: Decision) -> str:
@@ -3992,7 +3993,7 @@ def _decision_record(d: Decision) -> str:
             continue
         try:
             check_json(raw)
-            doc[name] = Raw(raw)
+            doc[name] = RawJSON(raw)
         except JSONError:
             bad[name] = raw
     if d.message:
@@ -4019,7 +4020,7 @@ def _policy_record(p: PolicyDecision, extra: dict | None = None) -> str:
     for name in ("capability", "presentation"):
         raw = getattr(p, name).strip(JSON_WS)
         if raw:
-            doc[name] = Raw(raw)
+            doc[name] = RawJSON(raw)
     doc.update({k: v for k, v in (extra or {}).items() if v})
     return dump_json(doc)
 
@@ -4256,14 +4257,15 @@ class Leases:
 class Gate:
     """The gate over one store and one set of tools. Clock and ids are injected."""
 
-    def __init__(self, store: Store, tools: Iterable[Tool], policy: Any, *,
+    def __init__(self, store: Store, tools: Iterable[Tool],
+                 policy: "SideEffectPolicy | ProxyPolicy", *,
                  now: Clock = time.time, wall: Clock = time.time,
                  new_id: Callable[[], str] = new_hex_id, lease_owner: str = "",
                  holder: "Holder | None" = None, lease_ttl: float = DEFAULT_LEASE_TTL,
                  reconcile: Callable[[RunView], Reconciliation] | None = None,
                  known: Callable[[str, dict], bool] | None = None,
                  on_settled: Callable[[Tx, list[str]], None] | None = None,
-                 budget: Any = None):
+                 budget: "Budgets | None" = None):
         self.store, self.policy, self.reconcile = store, policy, reconcile
         # A caller's limits (section 20): budget.admit(tx, request, decision, at) is called
         # inside the transaction that starts an attempt, and may refuse it by raising.
@@ -4313,7 +4315,7 @@ class Gate:
                                "", "", self.owner, fmt_time(until)), record, now)
                 hashes = [tx.save_spec(t.spec) for t in self.tools.values()]
                 tx.event(run_id, "", now, "run.created",
-                         {"goal": goal, "limits": Raw(record.encode()), "tools": hashes})
+                         {"goal": goal, "limits": RawJSON(record.encode()), "tools": hashes})
                 tx.event(run_id, "", now, "run.started", {})
         except BaseException:
             self._release_claim(run_id)
@@ -4355,20 +4357,20 @@ class Gate:
         return session, verdict
 
     def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
-                  decision: Decision) -> "_Judged":
+                  decision: Decision) -> "_ProposalCheck":
         """What propose would find for this decision as the first step of a new run."""
         tool = tool_of(self, decision)
         problem = self.invalid_reason(decision, tool)
         if problem or tool is None:
-            return _Judged(problem)
+            return _ProposalCheck(problem)
         run = Run(run_id, goal, RUNNING, "", "", limits, 1, self.now(), "", "", self.owner, "")
         request = ToolRequest(run_id, step_id, tool.spec,
                               decision.args.strip(JSON_WS) or b"{}")
         try:
             view = RunView(run, [], [])
-            return _Judged("", self.evaluate(request, view), view=view)
+            return _ProposalCheck("", self.evaluate(request, view), view=view)
         except Exception as exc:          # a policy's failure ends the run, never allows
-            return _Judged("", error=exc)
+            return _ProposalCheck("", error=exc)
 
     def invalid_reason(self, d: Decision, tool: "Tool | None") -> str:
         """Why a decision cannot be acted on, or ''."""
@@ -4496,9 +4498,10 @@ class Gate:
                           "previous_owner": current.lease_owner})
             for s in in_flight:
                 content = {"previous_status": s.status}
-                _, text, digest = _obs(INTERRUPTED_OBS, content, f"step interrupted while {s.status}")
+                obs = _obs(INTERRUPTED_OBS, content, f"step interrupted while {s.status}")
                 tx.update_step(s.id, (s.status,), status="interrupted", finished_at=now,
-                               observation_json=text, observation_hash=digest)
+                               observation_json=obs.json_text,
+                               observation_hash=obs.content_hash)
                 tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
         self.leases.hold(run.id, until)
         if gone:
@@ -4581,7 +4584,7 @@ class Session:
     def __init__(self, gate: Gate, run_id: str, step: Step | None = None):
         self.gate, self.store, self.run_id = gate, gate.store, run_id
         self.current: Step | None = step
-        self._allowed: _Allowed | None = None
+        self._allowed: _AllowedRequest | None = None
         self._started: ToolRequest | None = None
         self.state = "open"            # open, paused, ended, lost, closed
         self.final: Run | None = None
@@ -4622,7 +4625,7 @@ class Session:
                             None, "", now, "", "", "")
         return self.current
 
-    def propose(self, decision: Decision, judged: "_Judged | None" = None) -> Verdict:
+    def propose(self, decision: Decision, judged: "_ProposalCheck | None" = None) -> Verdict:
         """Record the decision, validate it, and (for a tool call) evaluate the policy;
         ``judged`` carries both worked out already (Gate.start)."""
         self._usable()
@@ -4661,7 +4664,7 @@ class Session:
 
     def _apply(self, request: ToolRequest, step: Step, view: RunView,
                granted: Approval | None, resumed_at: str | None,
-               judged: "_Judged | None" = None) -> Verdict:
+               judged: "_ProposalCheck | None" = None) -> Verdict:
         """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
         origin = WAITING if granted else RUNNING
         on_resume = " on resume" if granted else ""
@@ -4700,7 +4703,7 @@ class Session:
             return self._policy_failure(step, from_steps, origin, f"the approval will not "
                                         f"encode: {exc}", decision, extra, policy_at)
         if allowed:
-            self._allowed = _Allowed(request, decision, policy_at, view_doc, granted)
+            self._allowed = _AllowedRequest(request, decision, policy_at, view_doc, granted)
             return Verdict("allowed", approval=granted)
         if decision.outcome == "deny":
             summary = f"denied{on_resume}: {decision.reason}"
@@ -4746,7 +4749,7 @@ class Session:
         if granted:
             self.gate.leases.hold(self.run_id, until)
         self.current = None
-        return Verdict("denied", observation=obs[0])
+        return Verdict("denied", observation=obs.doc)
 
     def _pause(self, request, step, from_steps, origin, decision, extra, policy_at) -> Verdict:
         """Wait on a new approval bound by hash to exactly this request."""
@@ -4798,9 +4801,9 @@ class Session:
                  approval.request_json, approval.hash, PENDING, approval.created_at,
                  "", "", "", approval.expires_at))
         tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
-                 {"approval_id": approval.id, "capability": Raw(approval.capability),
+                 {"approval_id": approval.id, "capability": RawJSON(approval.capability),
                   "hash": approval.hash, "kind": approval.kind,
-                  "presentation": Raw(approval.presentation), "reason": decision.reason})
+                  "presentation": RawJSON(approval.presentation), "reason": decision.reason})
 
     def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
         """An approved step: check the recorded arguments against today's schema, then
@@ -4819,7 +4822,7 @@ class Session:
                 self._end_step(tx, step, ("awaiting_approval",), "failed", obs, now)
             self.gate.leases.hold(self.run_id, until)
             self.current = None
-            return Verdict("denied", observation=obs[0])
+            return Verdict("denied", observation=obs.doc)
         run = self.store.get_run(self.run_id)
         prior = [s for s in steps if s.idx < step.idx]
         return self._apply(request, step, RunView(run, prior, approvals), granted, resumed_at)
@@ -4840,7 +4843,7 @@ class Session:
             return None
         else:
             args = step.args or b"{}"
-            cap = {"args": Raw(args), "tool": (step.decision or {}).get("tool", "")}
+            cap = {"args": RawJSON(args), "tool": (step.decision or {}).get("tool", "")}
             pres = dict(cap, notice=INTERRUPTED_NOTICE,
                         side_effect=tool.spec.side_effect if tool else "")
             decision = need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON,
@@ -4886,7 +4889,7 @@ class Session:
         start_at = gate.now() if granted else allowed.policy_at
         until = gate.wall() + gate.lease_ttl
         spec, request = allowed.request.spec, allowed.request
-        started = {"args": Raw(request.args), "tool": spec.name}
+        started = {"args": RawJSON(request.args), "tool": spec.name}
         with self.store.tx() as tx:
             settled = self._settled_at_start(tx, granted, start_at, spec) if granted else None
             if settled is None:
@@ -4946,7 +4949,7 @@ class Session:
         await self.store.durable()
         return obs
 
-    async def call_started(self) -> tuple[tuple, float]:
+    async def call_started(self) -> tuple[Observation, float]:
         """Call the tool whose start was committed; its observation, not yet recorded (a
         caller records it with record_outcome, when nothing may come in between). A call
         cancelled meanwhile is recorded at once, as cut off."""
@@ -4974,12 +4977,12 @@ class Session:
             raise
         return obs, began
 
-    def record_outcome(self, called: tuple[tuple, float]) -> dict:
+    def record_outcome(self, called: tuple[Observation, float]) -> dict:
         """Record what call_started observed; the observation, as recorded. The commit is
         owed to disk: await the store's durable() before acting on what it says."""
         return self._record_or_let_go(*called)
 
-    def _record_or_let_go(self, obs: tuple, began: float) -> dict:
+    def _record_or_let_go(self, obs: Observation, began: float) -> dict:
         try:
             return self._record(obs, began)
         except (LeaseLost, RunStateError):
@@ -5009,15 +5012,15 @@ class Session:
         self._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
         return True
 
-    def _record(self, obs: tuple[dict, str, str], began: float) -> dict:
+    def _record(self, obs: Observation, began: float) -> dict:
         """Record a finished tool call. Needs only that this gate still owns the lease, not
         that it is unexpired; a run taken over meanwhile keeps what its new owner wrote."""
-        doc, step = obs[0], self.current
+        doc, step = obs.doc, self.current
         spec = self.gate.tools[step.decision["tool"]].spec
         elapsed = int((time.monotonic() - began) * 1000)
         ok = doc["kind"] == TOOL_RESULT
         finished = {"duration_ms": elapsed, "tool": spec.name}
-        finished.update({"content_hash": obs[2], "summary": doc["summary"]} if ok
+        finished.update({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
                         else {"error": doc["summary"]})
         try:
             # The outcome, and the caller's own write with it, owed to disk: the caller
@@ -5040,7 +5043,7 @@ class Session:
             self._late(doc, obs, finished)
         return doc
 
-    def _late(self, doc: dict, obs: tuple, finished: dict) -> None:
+    def _late(self, doc: dict, obs: Observation, finished: dict) -> None:
         """The run was cancelled or taken over while the tool ran. What came of the call is
         recorded all the same, as a late event on its step (an event needs no lease), naming
         the attempt's start and whether the outcome is known: a known outcome is never
@@ -5049,10 +5052,10 @@ class Session:
         step, gate = self.current, self.gate
         known = bool(gate.known(finished["tool"], doc))
         late = {"duration_ms": finished["duration_ms"], "known": known, "late": True,
-                "observation": Raw(obs[1].encode()), "started_at": step.started_at,
+                "observation": RawJSON(obs.json_text.encode()), "started_at": step.started_at,
                 "tool": finished["tool"]}
         if doc["kind"] == TOOL_RESULT:
-            late.update(content_hash=obs[2], summary=doc["summary"])
+            late.update(content_hash=obs.content_hash, summary=doc["summary"])
         at = gate.now()
         with self.store.tx() as tx:
             seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
@@ -5063,7 +5066,7 @@ class Session:
         # unknown looks for the event first (section 13), and settles it then.
         if known:
             record = LateRecord(seq, self.run_id, step.id, step.started_at, at, True,
-                                obs[1], doc)
+                                obs.json_text, doc)
             with contextlib.suppress(StoreError, RunStateError, NotPending):
                 with self.store.tx() as tx:
                     ended = settle_attempt(tx, record, at)
@@ -5080,17 +5083,17 @@ class Session:
     # -- ending steps and runs --
 
     def _end_step(self, tx: Tx, step: Step, from_steps: tuple, status: str,
-                  obs: tuple | None, now: str, *, finished_event: dict | None = None,
+                  obs: Observation | None, now: str, *, finished_event: dict | None = None,
                   detail: str = "", **cols: Any) -> None:
         if obs is not None:
-            cols.update(observation_json=obs[1], observation_hash=obs[2])
+            cols.update(observation_json=obs.json_text, observation_hash=obs.content_hash)
         tx.update_step(step.id, from_steps, status=status, finished_at=now, **cols)
         if finished_event is not None:
             tx.event(self.run_id, step.id, now, "step.tool_finished", finished_event)
         if status == "failed":
-            payload: dict[str, Any] = {"detail": detail or (obs[0]["summary"] if obs else "")}
+            payload: dict[str, Any] = {"detail": detail or (obs.doc["summary"] if obs else "")}
             if obs is not None:
-                payload.update(content_hash=obs[2], observation=obs[0]["kind"])
+                payload.update(content_hash=obs.content_hash, observation=obs.doc["kind"])
             tx.event(self.run_id, step.id, now, "step.failed", payload)
 
     def _end_invalid(self, step: Step, problem: str, label: str) -> Verdict:
@@ -5100,10 +5103,11 @@ class Session:
             tx.require(self.run_id, (RUNNING,), self.gate.owner)
             self._end_step(tx, step, ("deciding",), "failed", obs, now, detail=problem)
         self.current = None
-        return Verdict("denied", observation=obs[0])
+        return Verdict("denied", observation=obs.doc)
 
     def _settle(self, step: Step | None, from_steps: tuple, step_status: str,
-                obs: tuple | None, status: str, reason: str, detail: str, result: str = "", *,
+                obs: Observation | None, status: str, reason: str, detail: str,
+                result: str = "", *,
                 origin: str = RUNNING, pre: list | None = None, step_detail: str = "",
                 finished_event: dict | None = None, **cols: Any) -> Run:
         """End the run (and its open step) in one transaction."""
@@ -5184,12 +5188,12 @@ class Session:
             self._finish("closed", self.final)
 
 
-def _content_bytes(obs: tuple) -> bytes:
+def _content_bytes(obs: Observation) -> bytes:
     """The exact bytes of an observation's content member: kept by _obs, else read from
     its stored JSON (an observation read back from a record)."""
-    if isinstance(obs, Obs):
+    if obs.content is not None:
         return obs.content
-    return member_spans(obs[1].encode()).get("content", b"{}")
+    return member_spans(obs.json_text.encode()).get("content", b"{}")
 
 
 def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
@@ -5280,7 +5284,7 @@ async def in_time(aw: Awaitable, seconds: float) -> Any:
         return await aw
 
 
-async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
+async def _call_tool(tool: Tool, args: bytes) -> Observation:
     """Call the tool under its timeout and turn every outcome into an observation. Once the
     call has returned, whatever fails in making its observation is an answer that could not
     be recorded: the call executed, and counts as executed (UNRECORDED), never as nothing."""
@@ -5302,7 +5306,7 @@ async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
                     f"{name} answered, and its answer could not be recorded")
 
 
-def _observe(name: str, timeout: float, result: Any) -> tuple[dict, str, str]:
+def _observe(name: str, timeout: float, result: Any) -> Observation:
     """The observation of what a tool call came to: its result, or the exception it raised."""
     if isinstance(result, asyncio.TimeoutError):
         err = f"no answer within {fmt_duration(timeout)}"
@@ -5499,13 +5503,13 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
     return None
 
 
-def _settled_obs(late: LateRecord) -> tuple[dict, str, str]:
+def _settled_obs(late: LateRecord) -> Observation:
     """The late observation as the step it settles records it, naming where it came from."""
     doc, spans = read_members(late.observation.encode("utf-8"))
-    doc["content"] = Raw(spans.get("content", b"{}"))
+    doc["content"] = RawJSON(spans.get("content", b"{}"))
     doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
     text = dump_json(doc)
-    return read_own(text), text, str(doc.get("content_hash", ""))
+    return Observation(read_own(text), text, str(doc.get("content_hash", "")))
 
 
 def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps: tuple,
@@ -5514,13 +5518,14 @@ def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps
     outcome: the step records that outcome, and the run ends with it, as it would have had
     the outcome come in time (a terminal tool's result completes its run)."""
     obs = _settled_obs(late)
-    ok = obs[0].get("kind") == TOOL_RESULT
+    ok = obs.doc.get("kind") == TOOL_RESULT
     tx.update_step(step_id, from_steps, status="done" if ok else "failed", finished_at=at,
-                   observation_json=obs[1], observation_hash=obs[2])
+                   observation_json=obs.json_text, observation_hash=obs.content_hash)
     detail = f"the attempt in run {late.run_id}, step {late.step_id}, {late.text()}"
     if not ok:
         tx.event(run_id, step_id, at, "step.failed",
-                 {"content_hash": obs[2], "detail": detail, "observation": obs[0].get("kind")})
+                 {"content_hash": obs.content_hash, "detail": detail,
+                  "observation": obs.doc.get("kind")})
     status, reason = (COMPLETED, "goal_completed") if ok and terminal else (FAILED, "goal_failed")
     run = tx.transition(run_id, from_run, status, owner=owner, reason=reason, detail=detail,
                         finished_at=at,
@@ -5698,18 +5703,6 @@ def expire_approval(store: Store, approval: Approval, now: str) -> Run:
     return run
 
 
-class Shown(str):
-    """The approval hash an operator was shown, carrying the view it was shown in: equal to
-    the hash as a string, so whatever compares or records the hash sees just the hash, while
-    decide_approval binds the decision to the whole view."""
-    view: "ApprovalView | None" = None
-
-    def __new__(cls, digest: str, view: "ApprovalView"):
-        shown = super().__new__(cls, digest)
-        shown.view = view
-        return shown
-
-
 def operator_word(approval: Approval, approve: bool, given: str | None) -> str:
     """What a decision records of the attempt it is about: for the rejection of an
     interruption approval, the outcome the operator gives (unknown unless given); for any
@@ -5729,17 +5722,17 @@ def operator_word(approval: Approval, approve: bool, given: str | None) -> str:
 
 def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, by: str,
                     note: str, shown_hash: str, now: float,
-                    view: "ApprovalView | str" = "", outcome: str = "") -> tuple[Approval, Run]:
+                    view: "ApprovalView | str", outcome: str = "") -> tuple[Approval, Run]:
     """Approve or reject the approval the operator was shown: bound to its hash (the exact
-    request, as the seed binds it) and, when ``view`` is given, to the view it was shown from
-    (an ApprovalView, or its digest; a Shown hash carries one): if anything in it changed,
-    nothing is decided and the refusal says what. An interruption approval whose attempt has
-    a known late outcome is never approved: it is settled, and the refusal names the outcome
-    (AttemptSettled). Its rejection records ``outcome``, the operator's word on the attempt
-    (operator_word), with the decision: in the proxy's own table, which a rejection first
-    brings to this build's version, as a proxy's start does (a newer one is refused, and
-    nothing is decided)."""
-    view = view or getattr(shown_hash, "view", None) or ""
+    request, as the seed binds it) and to ``view``, the view it was shown from (an
+    ApprovalView, or its digest): if anything in it changed, nothing is decided and the
+    refusal says what. Every caller names the view it showed; '' is its word that it showed
+    the hash alone (a webhook decision sent without the GET's view). An interruption approval
+    whose attempt has a known late outcome is never approved: it is settled, and the refusal
+    names the outcome (AttemptSettled). Its rejection records ``outcome``, the operator's
+    word on the attempt (operator_word), with the decision: in the proxy's own table, which
+    a rejection first brings to this build's version, as a proxy's start does (a newer one
+    is refused, and nothing is decided)."""
     run = store.get_run(run_id)
     approval = store.find_approval(approval_id)
     word = operator_word(approval, approve, outcome) if approval is not None else ""
@@ -5807,7 +5800,7 @@ def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, 
         obs = _obs(POLICY_DENIED, {"approval_id": approval.id, "note": note},
                    f"approval rejected: {note}")
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
-                "finished_at=? WHERE id=?", (obs[1], obs[2], at, approval.step_id))
+                "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, approval.step_id))
         run = tx.transition(run_id, (WAITING,), CANCELLED, reason="approval_rejected",
                             detail=note, finished_at=at)
         tx.event(run_id, "", at, "run.finished",
@@ -5857,7 +5850,7 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
         for step_id, in tx.exec("SELECT id FROM steps WHERE run_id=? AND status IN "
                                 "('deciding','awaiting_approval','executing')", (run_id,)).fetchall():
             tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
-                    "finished_at=? WHERE id=?", (obs[1], obs[2], at, step_id))
+                    "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, step_id))
         run = tx.transition(run_id, (RUNNING, WAITING), CANCELLED, reason="operator_cancelled",
                             detail=note, finished_at=at)
         _cancel_approvals(tx, run_id, by, note, at)
@@ -6217,7 +6210,7 @@ class Upstream:
 
     async def call_tool(self, remote: str, args: bytes, timeout: float) -> Message:
         """One tools/call; the arguments go as the given bytes."""
-        return await self.request("tools/call", {"name": remote, "arguments": Raw(args)},
+        return await self.request("tools/call", {"name": remote, "arguments": RawJSON(args)},
                                   timeout, tool=remote)
 
     def _route(self, msg: Message) -> bytes | None:
@@ -7097,7 +7090,7 @@ async def pin_server(server: ServerConfig, now: float) -> dict:
     for tool in sorted(tools, key=lambda t: t.name):
         entry: dict[str, Any] = {
             "name": tool.name, "description": tool.description,
-            "input_schema": Raw(tool.schema), "schema_hash": sha256_hex(tool.schema),
+            "input_schema": RawJSON(tool.schema), "schema_hash": sha256_hex(tool.schema),
             "description_hash": hash_string(tool.description)}
         if tool.annotations is not None:
             entry["annotations"] = tool.annotations
@@ -7315,7 +7308,7 @@ def _wire_len(value: "bytes | str") -> int:
     holds for what is written, not only for the value."""
     if isinstance(value, str):
         return len(_wire_str(value).encode("utf-8"))
-    return len(dump_json(Raw(value)).encode("utf-8"))
+    return len(dump_json(RawJSON(value)).encode("utf-8"))
 
 
 def _joined_text(blocks: Any) -> str:
@@ -7624,7 +7617,7 @@ class Config:
                 if rule.outcome:
                     entry["outcome"] = rule.outcome
                 if rule.fixed:
-                    entry["fixed"] = {k: Raw(v) for k, v in rule.fixed}
+                    entry["fixed"] = {k: RawJSON(v) for k, v in rule.fixed}
                 if rule.rename:
                     entry["rename"] = rule.rename
                 if rule.when:
@@ -7671,7 +7664,7 @@ def read_owned(path: str) -> bytes:
         os.close(fd)
 
 
-class _Fields:
+class _ConfigObject:
     """Strict reading of one JSON object: each field once, of its type, none unknown."""
 
     def __init__(self, doc: Any, where: str, known: Iterable[str]):
@@ -7748,7 +7741,7 @@ def parse_config(raw: bytes, path: str) -> Config:
         doc = parse_json(raw)
     except JSONError as exc:
         raise ConfigError(f"not usable JSON: {exc}") from None
-    top = _Fields(doc, "configuration", _TOP_FIELDS)
+    top = _ConfigObject(doc, "configuration", _TOP_FIELDS)
     base = os.path.dirname(path)
     database = top.text("database")
     if not database:
@@ -7801,7 +7794,7 @@ def parse_config(raw: bytes, path: str) -> Config:
 
 # -- on_pending: the command the proxy starts when an approval starts to wait --
 
-def _parse_on_pending(top: _Fields) -> tuple[str, ...]:
+def _parse_on_pending(top: _ConfigObject) -> tuple[str, ...]:
     """An argv, never a shell line: a non-empty array of strings whose program is an absolute
     path to an executable file or a name found on PATH now. A name is resolved here, once,
     so that the program that runs is the one the configuration named when it was read."""
@@ -7934,7 +7927,7 @@ def _reach_candidates(arg: str) -> list[str]:
 
 
 def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
-    f = _Fields(entry, f"servers[{i}]", _SERVER_FIELDS)
+    f = _ConfigObject(entry, f"servers[{i}]", _SERVER_FIELDS)
     name = f.text("name")
     if not name:
         raise ConfigError(f"servers[{i}]: name is required")
@@ -7973,7 +7966,7 @@ def _default_manifest(name: str, where: str) -> str:
     return name + MANIFEST_SUFFIX
 
 
-def _parse_repeat(f: _Fields) -> str:
+def _parse_repeat(f: _ConfigObject) -> str:
     repeat = f.doc.get("repeat", "")
     if repeat != "" and not (isinstance(repeat, str) and repeat in REPEATS):
         raise ConfigError(f'{f.where}: repeat must be "refuse" or "ask"')
@@ -7981,7 +7974,7 @@ def _parse_repeat(f: _Fields) -> str:
 
 
 def _parse_rule(doc: Any, where: str) -> Rule:
-    f = _Fields(doc, where, _RULE_FIELDS)
+    f = _ConfigObject(doc, where, _RULE_FIELDS)
     outcome = f.text("outcome")
     if outcome and outcome not in CONFIG_OUTCOMES:
         raise ConfigError(f"{where}: outcome {_quote(outcome)} is not allow, "
@@ -8225,9 +8218,9 @@ class ProxyPolicy:
     def capability(tool: "UpstreamTool", args: bytes) -> dict:
         cap: dict[str, Any] = {"server": tool.server, "tool": tool.remote,
                                "name": tool.spec.name, "side_effect": tool.spec.side_effect,
-                               "args": Raw(args)}
+                               "args": RawJSON(args)}
         if tool.rule.fixed:
-            cap["fixed"] = {k: Raw(v) for k, v in tool.rule.fixed}
+            cap["fixed"] = {k: RawJSON(v) for k, v in tool.rule.fixed}
         return cap
 
 
@@ -8780,7 +8773,7 @@ class Condition:
         return f"when[{self.index}]"
 
     def written(self) -> dict:
-        doc: dict[str, Any] = {"if": Raw(self.schema_json), "outcome": self.outcome}
+        doc: dict[str, Any] = {"if": RawJSON(self.schema_json), "outcome": self.outcome}
         if self.why:
             doc["why"] = self.why
         return doc
@@ -8873,7 +8866,7 @@ def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
     out = []
     for i, entry in enumerate(doc):
         at = f"{where}: when[{i}]"
-        f = _Fields(entry, at, _WHEN_FIELDS)
+        f = _ConfigObject(entry, at, _WHEN_FIELDS)
         if "if" not in f.doc:
             raise ConfigError(f"{at}: if is required: the JSON Schema the arguments match")
         outcome = f.text("outcome")
@@ -8950,7 +8943,7 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
     out: list[Limit] = []
     for i, entry in enumerate(doc):
         at = f"{where}: limits[{i}]"
-        f = _Fields(entry, at, _LIMIT_FIELDS)
+        f = _ConfigObject(entry, at, _LIMIT_FIELDS)
         if "per" not in f.doc:
             raise ConfigError(f'{at}: per is required: the window, such as "1h" or "24h"')
         per = _parse_per(f, at)
@@ -8986,7 +8979,7 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
     return tuple(out)
 
 
-def _parse_per(f: _Fields, at: str) -> float:
+def _parse_per(f: _ConfigObject, at: str) -> float:
     """A window: a duration, or whole days such as "7d"."""
     text = f.doc["per"]
     if isinstance(text, str) and re.fullmatch(r"[1-9][0-9]{0,2}d", text):
@@ -9045,7 +9038,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
 # -- judging one call --
 
 @dataclasses.dataclass(repr=False)
-class Use:
+class LimitUse:
     """One limit as one call finds it: its use in the window, and what the call adds."""
     limit: Limit
     key: str
@@ -9180,7 +9173,7 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
             return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
                              f"{problem}; the value must be a number of at least 0", [], [],
                              limit.ref)
-        use = Use(limit, limit.key(tool.server, tool.remote), 0, adds)
+        use = LimitUse(limit, limit.key(tool.server, tool.remote), 0, adds)
         use.used = use_of(use.key, limit)
         if not use.over:
             continue
@@ -9630,7 +9623,7 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     return out
 
 
-def _recorded_use(entry: Any) -> Use | None:
+def _recorded_use(entry: Any) -> LimitUse | None:
     """An entry of limits_shown read back, strictly (the row may have been edited): its
     limit parsed again as a configuration's limit is, at its recorded place."""
     if not isinstance(entry, dict) or sorted(entry) != sorted(SHOWN_LIMIT_FIELDS):
@@ -9644,11 +9637,11 @@ def _recorded_use(entry: Any) -> Use | None:
         limit = parse_limits([entry["limit"]], "a recorded limit")[0]
     except ConfigError:
         return None
-    return Use(dataclasses.replace(limit, index=int(index.text)), key, 0,
-               min(int(adds), _CAP))
+    return LimitUse(dataclasses.replace(limit, index=int(index.text)), key, 0,
+                    min(int(adds), _CAP))
 
 
-def _standing(use: Use, tool: str, asked: set[str]) -> dict:
+def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
     """One limit as a view shows it, in JSON and as a line."""
     lim = use.limit
     deny = use.over and lim.over == "deny"
@@ -10210,7 +10203,7 @@ class Proxy:
         host that prompts before a destructive tool, or trusts a read-only one, is told the
         class that the gate enforces."""
         out = [{"name": t.spec.name, "description": t.spec.description,
-                "inputSchema": Raw(t.spec.input_schema),
+                "inputSchema": RawJSON(t.spec.input_schema),
                 "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
                for t in self.tools.values()]
         out.append(status_tool_entry(self.cfg.status_tool))
@@ -12187,7 +12180,7 @@ class _LineCutter:
         return rest
 
 
-def _held(line: bytes) -> int:
+def _read_ahead_cost(line: bytes) -> int:
     """What a line read ahead counts against READ_AHEAD_BYTES."""
     return len(line) + READ_AHEAD_LINE_COST
 
@@ -12245,7 +12238,7 @@ class LineReader:
             self._unwatch()
 
     def _enqueue(self, line: bytes) -> None:
-        self._ahead += _held(line)
+        self._ahead += _read_ahead_cost(line)
         self.queue.put_nowait(line)
 
     def _unwatch(self) -> None:
@@ -12291,14 +12284,14 @@ class LineReader:
             with self._room:
                 while self._ahead > READ_AHEAD_BYTES:
                     self._room.wait()
-                self._ahead += _held(item)
+                self._ahead += _read_ahead_cost(item)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self) -> bytes | None:
         item = await self.queue.get()
         if item is None:
             return None
-        cost = _held(item)
+        cost = _read_ahead_cost(item)
         if self._own is None:            # a thread reads
             with self._room:
                 self._ahead -= cost
@@ -13586,15 +13579,15 @@ def _flags(parser: argparse.ArgumentParser, *specs: tuple) -> None:
 def build_parser() -> argparse.ArgumentParser:
     import argparse
 
-    class _Parser_(argparse.ArgumentParser):
+    class _CommandLine(argparse.ArgumentParser):
         """argparse that reports a usage error instead of exiting."""
 
         def error(self, message: str):
             raise UsageError(message)
 
-    top = _Parser_(prog="agentrt_proxy.py", add_help=False, allow_abbrev=False)
+    top = _CommandLine(prog="agentrt_proxy.py", add_help=False, allow_abbrev=False)
     _flags(top, ("db", {}), ("config", {}), ("json", {"action": "store_true"}))
-    sub = top.add_subparsers(dest="command", parser_class=_Parser_)
+    sub = top.add_subparsers(dest="command", parser_class=_CommandLine)
     page = (("limit", {"type": int}), ("offset", {"type": int, "default": 0}))
     _flags(sub.add_parser("runs", add_help=False, allow_abbrev=False), *page)
     show = sub.add_parser("show", add_help=False, allow_abbrev=False)
@@ -14038,7 +14031,7 @@ def _raw_or_text(text: str) -> Any:
     """A stored JSON payload embedded as written; anything else as a string."""
     try:
         parse_json(text.encode(), max_depth=RECORD_DEPTH)     # a record wraps its data
-        return Raw(text.encode())
+        return RawJSON(text.encode())
     except JSONError:
         return text
 
@@ -14445,7 +14438,7 @@ def cmd_decide(store: Store, args, out: Out) -> int:
             raise ProxyError(f"{verb}: declined at the prompt")
     try:
         decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
-                                       args.note, Shown(approval.hash, view), time.time(),
+                                       args.note, approval.hash, time.time(), view=view,
                                        outcome=word)
     except ApprovalChanged as exc:
         raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
@@ -14504,7 +14497,7 @@ def cmd_cancel(store: Store, args, out: Out) -> int:
 # INBOX_POLL seconds and reads `q` meanwhile. Each look is a read of its own: a proxy that
 # restarts, or holds the write lock a moment, is waited out rather than fatal.
 
-class _Lines:
+class _TypedLines:
     """Lines typed at the inbox. Read from the descriptor itself, so that waiting for one can
     end after a timeout (select) while the inbox looks for new approvals; a stream without
     one (a StringIO) is read a line at a time. A line is at most INBOX_LINE_BYTES."""
@@ -14556,7 +14549,7 @@ class _Lines:
 class Inbox:
     """The operator's loop over one database: show, ask, decide, look again."""
 
-    def __init__(self, store: Store, out: Out, by: str, lines: _Lines, once: bool,
+    def __init__(self, store: Store, out: Out, by: str, lines: _TypedLines, once: bool,
                  poll: float = INBOX_POLL):
         self.store, self.out, self.by, self.lines = store, out, by, lines
         self.once, self.poll = once, poll
@@ -14661,8 +14654,8 @@ class Inbox:
         verb, approval = "approve" if approve else "reject", view.approval
         try:
             decided, run = decide_approval(self.store, approval.run_id, approval.id, approve,
-                                           self.by, note, Shown(approval.hash, view),
-                                           time.time(), outcome=word)
+                                           self.by, note, approval.hash, time.time(),
+                                           view=view, outcome=word)
         except ApprovalChanged as exc:
             self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
                           f"decided ({exc})")
@@ -14683,7 +14676,7 @@ def cmd_inbox(store: Store, args, out: Out) -> int:
     if not args.tty_not_required and not _is_terminal(out.stdin):
         raise UsageError("inbox: stdin is not a terminal; pass -tty-not-required to read the "
                          "answers from it anyway")
-    return Inbox(store, out, args.by, _Lines(out.stdin), args.once).run()
+    return Inbox(store, out, args.by, _TypedLines(out.stdin), args.once).run()
 
 
 # ==== 31. Running a command ====
@@ -15410,7 +15403,7 @@ class Webhook:
         word = operator_word(_approval_under(store, route), approve, doc.get("outcome"))
         approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
                                         doc.get("note", ""), doc["hash"], self.clock(),
-                                        doc.get("view", ""), word)
+                                        view=doc.get("view", ""), outcome=word)
         said = decision_said(approval, run, word)
         self.log(f"webhook: approval {approval.id} of run {run.id} by {doc['by']}: {said}")
         return _hook_json(202 if approve else 200, {"approval": _hook_row(approval),

@@ -188,7 +188,7 @@ class ProxyHarness:
     def decide(self, approval, approve=True, note="", by="operator"):
         current = self.store.get_approval(approval.id)
         return ap.decide_approval(self.store, current.run_id, current.id, approve, by, note,
-                                  current.hash, ap.time.time())
+                                  current.hash, ap.time.time(), view="")
 
     def event_types(self, run_id: str) -> list[str]:
         return [e[4] for e in self.store.list_events(run_id)]

@@ -184,7 +184,7 @@ def test_approving_after_the_figures_moved_still_decides_and_collects(harnesses)
     pay(h, 5)                                            # 15 of 50 now
     assert pending_json_all(h)[0]["limits"][0]["used"] == "15"
     decided, _ = ap.decide_approval(h.store, first.run_id, first.id, True, "op", "",
-                                    ap.Shown(first.hash, view), time.time())
+                                    first.hash, time.time(), view=view)
     assert decided.status == ap.APPROVED
     status, answer = webhook_approve(h, second, hooked)
     assert status == 202, answer

@@ -50,13 +50,13 @@ CONTENTS = [
 @pytest.mark.parametrize("content", CONTENTS, ids=range(len(CONTENTS)))
 def test_an_observations_kept_content_is_its_records_own_bytes(content):
     obs = ap._obs(ap.TOOL_RESULT, content, "a summary")
-    recorded = ap.member_spans(obs[1].encode())["content"]
+    recorded = ap.member_spans(obs.json_text.encode())["content"]
     assert ap._content_bytes(obs) == recorded
-    assert ap._content_bytes(tuple(obs)) == recorded          # read back: parsed, as before
+    read_back = obs._replace(content=None)                    # read back: parsed, as before
+    assert ap._content_bytes(read_back) == recorded
     for brk in (b"\n", b"\r", b"\xc2\x85", b"\xe2\x80\xa8"):
         assert brk not in recorded
-    doc, text, digest = obs
-    assert doc == ap.read_own(text) and digest == doc["content_hash"]
+    assert obs.doc == ap.read_own(obs.json_text) and obs.content_hash == obs.doc["content_hash"]
 
 
 def test_a_terminal_tools_result_is_its_recorded_content(tmp_path):

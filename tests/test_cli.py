@@ -453,7 +453,7 @@ def test_decision_is_bound_to_the_shown_hash(harness):
     for shown in ("0" * 64, ""):
         with pytest.raises(ap.ApprovalChanged):
             ap.decide_approval(harness.store, "run-1", approval.id, True, "op", "", shown,
-                               time.time())
+                               time.time(), view="")
     assert harness.store.get_approval(approval.id).status == ap.PENDING
     assert count_events(harness.path, "approval.decided") == 0
 

@@ -104,7 +104,7 @@ def pending_pay(h, gate, run_id="run-1", args=b'{"amount": 25.00, "to": "bob"}')
 
 def approve(h, approval, note="ok"):
     return ap.decide_approval(h.store, approval.run_id, approval.id, True, "operator", note,
-                              approval.hash, h.clock.t)
+                              approval.hash, h.clock.t, view="")
 
 
 # ---- allowed, denied, invalid -------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_deciding_an_expired_approval_expires_it(h):
     approval = pending_pay(h, g)
     with pytest.raises(ap.ApprovalExpired):
         ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", approval.hash,
-                           T0 + 2 * 3600)
+                           T0 + 2 * 3600, view="")
     assert h.store.get_run("run-1").reason == "approval_expired"
 
 
@@ -317,16 +317,17 @@ def test_a_decision_on_an_approval_that_changed_after_it_was_shown_is_refused(h)
     g = h.gate()
     approval = pending_pay(h, g)
     with pytest.raises(ap.ApprovalChanged):
-        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", "0" * 64, T0)
+        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", "0" * 64, T0, view="")
     with pytest.raises(ap.ApprovalChanged):
-        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", "", T0)
+        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", "", T0, view="")
     # Someone rewrites the request under the same hash: the hash no longer verifies.
     raw = sqlite3.connect(h.path)
     raw.execute("UPDATE approvals SET request_json=replace(request_json, 'bob', 'eve')")
     raw.commit()
     raw.close()
     with pytest.raises(ap.ApprovalHashMismatch):
-        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", approval.hash, T0)
+        ap.decide_approval(h.store, "run-1", approval.id, True, "op", "", approval.hash, T0,
+                           view="")
     assert h.store.get_approval(approval.id).status == "pending"
 
 
@@ -347,7 +348,7 @@ def test_reject_cancels_the_run_and_nothing_runs(h):
     g = h.gate()
     approval = pending_pay(h, g)
     decided, run = ap.decide_approval(h.store, "run-1", approval.id, False, "op", "not to bob",
-                                      approval.hash, T0)
+                                      approval.hash, T0, view="")
     assert decided.status == "rejected" and decided.note == "not to bob"
     assert (run.status, run.reason, run.reason_detail) == ("CANCELLED", "approval_rejected",
                                                            "not to bob")
@@ -476,7 +477,7 @@ def test_an_interrupted_side_effect_rejected_runs_nothing_more(h):
     g = h.gate(wall=lambda: T0 + 31)
     s, v = g.attach("run-1")
     ap.decide_approval(h.store, "run-1", v.approval.id, False, "op", "it went through",
-                       v.approval.hash, T0)
+                       v.approval.hash, T0, view="")
     assert h.store.get_run("run-1").reason == "approval_rejected"
     assert len(h.calls["pay"]) == 1
 

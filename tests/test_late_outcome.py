@@ -39,10 +39,11 @@ def write_late(h, run_id, step, obs_doc, known=True):
     """The late event exactly as Session._late writes it, for a step cut off while executing,
     but without what _late settles with it: as an older build, or a race a test arranges,
     would leave the store."""
-    _, text, digest = ap._obs(obs_doc["kind"], obs_doc["content"], obs_doc["summary"])
+    obs = ap._obs(obs_doc["kind"], obs_doc["content"], obs_doc["summary"])
     payload = {"duration_ms": 5, "known": known, "late": True,
-               "observation": ap.Raw(text.encode()), "started_at": step.started_at,
-               "tool": "pay", "content_hash": digest, "summary": obs_doc["summary"]}
+               "observation": ap.RawJSON(obs.json_text.encode()),
+               "started_at": step.started_at, "tool": "pay", "content_hash": obs.content_hash,
+               "summary": obs_doc["summary"]}
     with h.store.tx() as tx:
         tx.event(run_id, step.id, ap.fmt_time(h.clock.t), "step.tool_finished", payload)
 
@@ -94,7 +95,7 @@ def test_late_outcome_settles_the_interruption_it_answers(h):
     for verb in (True, False):
         with pytest.raises(ap.AttemptSettled, match="it succeeded"):
             ap.decide_approval(h.store, "run-1", approval.id, verb, "op", "", approval.hash,
-                               h.clock.t)
+                               h.clock.t, view="")
     with pytest.raises(ap.RunStateError):
         h.gate(wall=lambda: T0 + 62).attach("run-1")
     assert h.calls["pay"] == [PAID]
@@ -109,7 +110,7 @@ def test_no_interruption_approval_is_asked_once_the_late_outcome_is_recorded(h):
     def reconcile(view):
         step = next(s for s in view.steps if s.status == "interrupted")
         write_late(h, "run-1", step, SUCCESS)          # the stalled executor wakes now
-        cap = {"args": ap.Raw(PAID), "tool": "pay"}
+        cap = {"args": ap.RawJSON(PAID), "tool": "pay"}
         return ap.Reconciliation("waiting", ap.need_approval(
             ap.INTERRUPTED_KIND, ap.INTERRUPTED_REASON, cap, cap))
     s, v = h.gate(wall=lambda: T0 + 31, reconcile=reconcile).attach("run-1")
@@ -165,12 +166,12 @@ def test_a_late_unknown_outcome_leaves_the_question_open_and_changes_the_view(h)
     assert "no answer within 5s" in after.late_text() and after.digest != before.digest
     with pytest.raises(ap.ApprovalChanged, match="no answer within 5s"):
         ap.decide_approval(h.store, "run-1", v.approval.id, True, "op", "",
-                           ap.Shown(v.approval.hash, before), h.clock.t)
+                           v.approval.hash, h.clock.t, view=before)
     assert h.store.get_approval(v.approval.id).status == "pending"
     block = "\n".join(ap.approval_block(h.store, v.approval, h.path))
     assert "LATE OUTCOME" in block and "still unknown" in block
     ap.decide_approval(h.store, "run-1", v.approval.id, True, "op", "",
-                       ap.Shown(v.approval.hash, after), h.clock.t)
+                       v.approval.hash, h.clock.t, view=after)
     assert h.store.get_approval(v.approval.id).status == "approved"
 
 

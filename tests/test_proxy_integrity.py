@@ -147,7 +147,7 @@ def test_approval_changed_after_it_was_shown_is_not_decided(make):
            (swapped.record(), digest, shown.id))
     with pytest.raises(ap.ApprovalChanged):
         ap.decide_approval(h.store, shown.run_id, shown.id, True, "op", "", shown.hash,
-                           ap.time.time())
+                           ap.time.time(), view="")
     assert h.store.get_approval(shown.id).status == ap.PENDING
     assert "approval.decided" not in h.event_types(shown.run_id)
     r = h.call("bank_pay", BOB)

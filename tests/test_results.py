@@ -67,11 +67,11 @@ def test_a_file_read_reads_as_the_file_not_as_escaped_json():
     msg = answer({"content": [{"type": "text", "text": FILE}],
                   "structuredContent": {"content": FILE}})
     obs = ap._observe("fs_read_text_file", 5.0, ap.map_result(tool(), msg))
-    out = ap.result_of(obs[0])
+    out = ap.result_of(obs.doc)
     assert out["content"] == [{"type": "text", "text": FILE}]
     assert out["structuredContent"] == {"content": FILE}
-    assert obs[0]["text"] == FILE
-    assert '"text":' in obs[1]                          # the text is in the stored record
+    assert obs.doc["text"] == FILE
+    assert '"text":' in obs.json_text                       # the text is in the stored record
 
 
 def test_structured_content_that_does_not_fit_with_the_text_leaves_the_text():
@@ -82,7 +82,7 @@ def test_structured_content_that_does_not_fit_with_the_text_leaves_the_text():
     assert result.text is None
     assert json.loads(result.content) == text
     assert "structured content of" in result.summary and "dropped" in result.summary
-    out = ap.result_of(ap._observe("fs_read_text_file", 5.0, result)[0])
+    out = ap.result_of(ap._observe("fs_read_text_file", 5.0, result).doc)
     assert out["content"][0]["text"] == text and "structuredContent" not in out
     # the two together within the cap: both kept
     result = ap.map_result(tool(cap=1400), msg)
@@ -107,7 +107,7 @@ def test_structured_content_that_is_not_an_object_leaves_the_text():
         msg = answer({"content": [{"type": "text", "text": "REAL TEXT"}],
                       "structuredContent": structured})
         result = ap.map_result(tool(), msg)
-        obs = ap._observe("fs_read_text_file", 5.0, result)[0]
+        obs = ap._observe("fs_read_text_file", 5.0, result).doc
         out = ap.result_of(obs)
         assert out["content"] == [{"type": "text", "text": "REAL TEXT"}], structured
         assert "structuredContent" not in out
@@ -137,7 +137,7 @@ def test_an_answer_that_cannot_be_mapped_counts_as_executed(monkeypatch):
     def broken(tool, reply):
         raise TypeError("a mapping bug")
     monkeypatch.setattr(ap, "map_result", broken)
-    obs = asyncio.run(ap._call_tool(up, b"{}"))[0]
+    obs = asyncio.run(ap._call_tool(up, b"{}")).doc
     assert obs["kind"] == ap.TOOL_ERROR
     assert obs["content"]["failure"] == "invalid_content", obs
     assert ap._unrecorded(up, obs)
@@ -150,7 +150,7 @@ def test_the_cap_holds_for_the_text_as_written_not_only_as_read():
         msg = answer({"content": [{"type": "text", "text": ch * 5000}]})
         result = ap.map_result(tool(cap=4096), msg)
         obs = ap._observe("fs_read_text_file", 5.0, result)
-        frame = ap.dump_json(ap.result_of(obs[0]))
+        frame = ap.dump_json(ap.result_of(obs.doc))
         assert len(frame.encode()) <= 4096 + 200, (repr(ch), len(frame))
         assert "truncated" in result.summary
 

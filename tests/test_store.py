@@ -340,7 +340,7 @@ def test_pause_writes_step_policy_and_approval_requested_with_the_approval_row(h
 def test_reject_writes_approval_decided_and_run_finished_with_the_cancel(harness):
     approval = harness.waiting("run-1")
     ap.decide_approval(harness.store, "run-1", approval.id, False, "op", "too much",
-                       approval.hash, time.time())
+                       approval.hash, time.time(), view="")
     assert event_types(harness.path, "run-1") == PAUSE_EVENTS + ["approval.decided",
                                                                  "run.finished"]
     run = harness.store.get_run("run-1")
@@ -370,7 +370,7 @@ def test_refused_state_change_writes_nothing(harness):
     before = rows(harness.path, "SELECT COUNT(*) FROM events")[0][0]
     with pytest.raises(ap.ApprovalChanged):
         ap.decide_approval(harness.store, "run-1", approval.id, True, "op", "",
-                           "0" * 64, time.time())
+                           "0" * 64, time.time(), view="")
     with pytest.raises(ap.RunStateError):
         harness.gate.begin("run-1", "again", LIMITS)        # duplicate run id
     assert rows(harness.path, "SELECT COUNT(*) FROM events")[0][0] == before

@@ -791,7 +791,7 @@ class _Policy:
     def evaluate(self, request, view):
         if self.fixed:
             return ap.need_approval("remote_mutation", "ask",
-                                    {"fixed": self.fixed, "args": ap.Raw(request.args)}, None)
+                                    {"fixed": self.fixed, "args": ap.RawJSON(request.args)}, None)
         return ap.PolicyDecision("require_approval", "ask", "remote_mutation", self.capability,
                                  b"")
 
@@ -880,7 +880,7 @@ def test_whitespace_capability_is_collected_after_approval(harness):
         v = s.propose(ap.Decision("tool_call", "pay", b'{"amount":1}', origin="model"))
         assert v.kind == "pending" and v.approval.capability == b"{}"
         ap.decide_approval(harness.store, "r-cap", v.approval.id, True, "op", "",
-                           v.approval.hash, time.time())
+                           v.approval.hash, time.time(), view="")
         session, verdict = collector.attach("r-cap")
         assert verdict.kind == "allowed"
         asyncio.run(session.execute())
@@ -905,7 +905,7 @@ def test_grant_collected_after_another_gate_asked_again_does_not_execute(harness
         s.step()
         v = s.propose(ap.Decision("tool_call", "pay", b'{"amount":1}', origin="model"))
         ap.decide_approval(harness.store, "r-grant", v.approval.id, True, "op", "",
-                           v.approval.hash, time.time())
+                           v.approval.hash, time.time(), view="")
         session_a, verdict_a = gate_a.attach("r-grant")
         assert verdict_a.kind == "allowed"
         session_b, verdict_b = gate_b.attach("r-grant")

@@ -3832,6 +3832,12 @@ def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:
 # bytes. The gate holds a transaction only around its own state, never across a tool call.
 
 TOOL_RESULT, TOOL_ERROR = "tool_result", "tool_error"
+# How a tool call ended, as _observe classes it and records it in its observation's content
+# ("ending"). Only the first three leave its outcome known: the server answered (an error),
+# nothing was sent, or the server answered and its answer could not be recorded.
+ANSWERED, NOT_SENT, UNREADABLE = "answered", "not_sent", "invalid_content"
+TIMED_OUT, NO_ANSWER, CUT_OFF = "timed_out", "no_answer", "cut_off"
+KNOWN_ENDINGS = (ANSWERED, NOT_SENT, UNREADABLE)
 POLICY_DENIED, INVALID_DECISION, INTERRUPTED_OBS = "policy_denied", "invalid_decision", "interrupted"
 ORIGINS = ("", "model", "plan", "operator")
 
@@ -3847,7 +3853,13 @@ class ToolResult:
 
 
 class ToolFailure(Exception):
-    """A tool's own error answer: the tool ran and reported a failure."""
+    """A tool call that failed, and how it ended (``ending``): by default the tool's own
+    error answer (the tool ran and reported a failure); NOT_SENT for a call refused before
+    anything left, NO_ANSWER for one sent that got no answer (UpstreamTool.call)."""
+
+    def __init__(self, message: str, ending: str = ANSWERED):
+        super().__init__(message)
+        self.ending = ending
 
 
 class AnswerUnreadable(Exception):
@@ -3911,11 +3923,13 @@ class _Allowed:
 
 
 def _known_outcome(doc: dict) -> bool:
-    """Without the caller's judgement: a result, or the tool's own error answer."""
+    """Whether an observation is a known outcome: a result, or an error whose recorded
+    ending (_observe) is known. An ending not recorded (an observation written before it
+    was) is not known: an operator is asked."""
     content = doc.get("content")
     return doc.get("kind") == TOOL_RESULT or (
         doc.get("kind") == TOOL_ERROR and isinstance(content, dict) and
-        content.get("failure") in ("error", "invalid_content"))
+        content.get("ending") in KNOWN_ENDINGS)
 
 
 def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
@@ -4953,12 +4967,8 @@ class Session:
         began = time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args)
-        except asyncio.CancelledError:
-            content = {"error": "the caller was cancelled while the tool ran",
-                       "failure": "cancelled", "tool": spec.name}
-            self._record_or_let_go(_obs(INTERRUPTED_OBS, content,
-                                        f"{spec.name} was cancelled; its outcome is unknown: "
-                                        + content["error"]), began)
+        except asyncio.CancelledError as exc:
+            self._record_or_let_go(_observe(spec.name, spec.timeout, exc), began)
             raise
         return obs, began
 
@@ -5284,31 +5294,53 @@ async def _call_tool(tool: Tool, args: bytes) -> tuple[dict, str, str]:
     try:
         return _observe(name, tool.spec.timeout, outcome)
     except Exception as exc:
-        return _obs(TOOL_ERROR, {"error": f"the answer could not be recorded "
+        return _obs(TOOL_ERROR, {"ending": UNREADABLE,
+                                 "error": f"the answer could not be recorded "
                                           f"({type(exc).__name__})",
                                  "failure": "invalid_content", "tool": name},
                     f"{name} answered, and its answer could not be recorded")
 
 
 def _observe(name: str, timeout: float, result: Any) -> tuple[dict, str, str]:
-    """The observation of what a tool call came to: its result, or the exception it raised."""
+    """The one classifier of how a tool call ended. The observation of what it came to (its
+    result, or what it raised) records its ending in its content, decided from what happened
+    (the type of what was raised, the answer), never from text; _known_outcome and
+    unknown_ending read only that. Every way a call can end reaches it:
+    - the call returned or raised: _call_tool hands that here (what fails here, after an
+      answer, it records UNREADABLE). The upstream client's endings arrive as ToolFailure
+      with theirs (UpstreamTool.call: an error answer ANSWERED; a refusal before sending, or
+      NotSent, NOT_SENT; a connection lost, a protocol error or a server that died mid-call
+      NO_ANSWER), or as the deadline (TIMED_OUT). Anything else is a tool's own bug:
+      NO_ANSWER.
+    - the caller was cancelled while the tool ran: Session.call_started hands the cancel
+      here (CUT_OFF, recorded interrupted).
+    - the proxy crashed or stalled past its lease: nothing returns. The executor that takes
+      the run over (Gate._take_over_claimed) marks the step interrupted while executing,
+      which _last_attempt reads as CUT_OFF and Session._after_interruption pauses on an
+      operator's approval."""
+    if isinstance(result, asyncio.CancelledError):
+        err = "the caller was cancelled while the tool ran"
+        return _obs(INTERRUPTED_OBS, {"ending": CUT_OFF, "error": err, "failure": "cancelled",
+                                      "tool": name},
+                    f"{name} was cancelled; its outcome is unknown: {err}")
     if isinstance(result, asyncio.TimeoutError):
         err = f"no answer within {fmt_duration(timeout)}"
-        return _obs(TOOL_ERROR, {"error": err, "failure": "timeout", "tool": name},
-                    f"{name} timeout: {err}")
+        return _obs(TOOL_ERROR, {"ending": TIMED_OUT, "error": err, "failure": "timeout",
+                                 "tool": name}, f"{name} timeout: {err}")
     if isinstance(result, ToolFailure):
-        return _obs(TOOL_ERROR, {"error": str(result), "failure": "error", "tool": name},
-                    f"{name} error: {result}")
+        return _obs(TOOL_ERROR, {"ending": result.ending, "error": str(result),
+                                 "failure": "error", "tool": name}, f"{name} error: {result}")
     if isinstance(result, AnswerUnreadable):
-        return _obs(TOOL_ERROR, {"error": str(result), "failure": "invalid_content",
-                                 "tool": name}, f"{name} answered, and its answer could not "
-                                                "be recorded")
+        return _obs(TOOL_ERROR, {"ending": UNREADABLE, "error": str(result),
+                                 "failure": "invalid_content", "tool": name},
+                    f"{name} answered, and its answer could not be recorded")
     if isinstance(result, Exception):   # a tool's own bug is recorded as its failure, never lost
-        return _obs(TOOL_ERROR, {"error": f"panic: {result!r}", "tool": name},
-                    f"{name} panicked")
+        return _obs(TOOL_ERROR, {"ending": NO_ANSWER, "error": f"panic: {result!r}",
+                                 "tool": name}, f"{name} panicked")
     if not isinstance(result, ToolResult) or not isinstance(result.content, bytes):
-        return _obs(TOOL_ERROR, {"error": f"the tool returned {type(result).__name__}, not "
-                                          "a ToolResult", "tool": name}, f"{name} panicked")
+        return _obs(TOOL_ERROR, {"ending": NO_ANSWER, "error": f"the tool returned "
+                                 f"{type(result).__name__}, not a ToolResult", "tool": name},
+                    f"{name} panicked")
     content = result.content.strip(JSON_WS) or b"{}"
     try:
         check_json(content)
@@ -5318,8 +5350,9 @@ def _observe(name: str, timeout: float, result: Any) -> tuple[dict, str, str]:
             kept = {"content": content.decode("utf-8")}
         except UnicodeDecodeError:
             kept = {"content_base64": base64.b64encode(content).decode()}
-        return _obs(TOOL_ERROR, {**kept, "error": err, "failure": "invalid_content",
-                                 "tool": name}, f"{name} returned content is not usable JSON: {exc}")
+        return _obs(TOOL_ERROR, {**kept, "ending": UNREADABLE, "error": err,
+                                 "failure": "invalid_content", "tool": name},
+                    f"{name} returned content is not usable JSON: {exc}")
     text = result.text if isinstance(result.text, str) else None
     return _obs(TOOL_RESULT, content, result.summary, text)
 
@@ -7206,14 +7239,16 @@ class UpstreamTool:
         try:
             value = parse_strict(raw)       # shared: copied before it is changed
         except JSONError as exc:
-            raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}") from None
+            raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}",
+                              NOT_SENT) from None
         if value is None:
             value, raw = {}, b"{}"
         if not isinstance(value, dict):
-            raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}")
+            raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}",
+                              NOT_SENT)
         refused = self.refused_param(value)
         if refused:
-            raise ToolFailure(refused)
+            raise ToolFailure(refused, NOT_SENT)
         if self.rule.fixed:
             value = dict(value)
             for param, fixed in self.rule.fixed:
@@ -7225,10 +7260,10 @@ class UpstreamTool:
             raise
         except NotSent as exc:
             raise ToolFailure(f"{name}: nothing was sent to server {_quote(self.server)}: "
-                              f"{sanitize(str(exc))}") from None
+                              f"{sanitize(str(exc))}", NOT_SENT) from None
         except (ProxyError, OSError) as exc:
             raise ToolFailure(f"mcp: server {_quote(self.server)}: tool {_quote(self.remote)}: "
-                              f"{sanitize(str(exc))}") from None
+                              f"{sanitize(str(exc))}", NO_ANSWER) from None
         try:
             return map_result(self, reply)  # linear, and within the call's own timeout
         except ToolFailure:
@@ -10998,35 +11033,20 @@ def _last_args(state: RunState) -> bytes:
     return b"{}"
 
 
-def _known_error(tool) -> re.Pattern:
-    """What an error the server answered, or a refusal before sending, looks like as it was
-    recorded (anchored at the start); anything else may have left the request unanswered."""
-    server, remote, name = map(re.escape, (tool.server, tool.remote, tool.spec.name))
-    return re.compile(
-        rf"{server}/{remote}: [0-9]+ bytes(, truncated)?(, structured content of [0-9]+ bytes "
-        rf"dropped for the text)?, error: |{name}: (arguments are not a JSON object|parameter "
-        rf'".*" is denied by the operator|parameter ".*" is fixed by the operator|the server '
-        rf"asked for more input|nothing was sent)")
-
-
 def unknown_ending(tool, obs: dict) -> str | None:
-    """How a mutating call's error leaves its outcome: None when known (the server answered,
-    or nothing was sent), else 'timed_out' or 'no_answer'."""
+    """How a mutating call's error leaves its outcome, read from the ending its observation
+    records (_observe, the one classifier): None when known (the server answered, or
+    nothing was sent), else TIMED_OUT or NO_ANSWER. An error recorded without an ending
+    (written before endings were) is NO_ANSWER: an operator is asked."""
     if tool is None:
-        return "no_answer"
+        return NO_ANSWER
     if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR:
         return None
+    if _known_outcome(obs):
+        return None
     content = obs.get("content")
-    if not isinstance(content, dict):
-        return "no_answer"
-    failure = content.get("failure")
-    if failure == "timeout":
-        return "timed_out"
-    if failure == "invalid_content":
-        return None
-    if _known_error(tool).match(str(content.get("error", ""))):
-        return None
-    return "no_answer"
+    return TIMED_OUT if isinstance(content, dict) and content.get("ending") == TIMED_OUT \
+        else NO_ANSWER
 
 
 def _unrecorded(tool, obs: dict) -> bool:

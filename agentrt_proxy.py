@@ -4695,9 +4695,7 @@ class Session:
                                             policy_at)
         try:
             allowed = decision.outcome == "allow" or (
-                granted is not None and decision.outcome == "require_approval" and
-                same_digest(approval_hash(decision.kind, decision.capability,
-                                          decision.presentation, request), granted.hash))
+                granted is not None and grant_covers(granted, decision, request))
         except (JSONError, TypeError, ValueError) as exc:
             return self._policy_failure(step, from_steps, origin, f"the approval will not "
                                         f"encode: {exc}", decision, extra, policy_at)
@@ -5219,9 +5217,31 @@ def _expired(approval: Approval, now: float) -> bool:
         return True
 
 
+def grant_covers(granted: Approval, decision: PolicyDecision, request: ToolRequest) -> bool:
+    """At collection: whether the approved ``granted`` covers the policy's decision, made
+    again now on the request to run. It does only when the policy asks for an approval and
+    the hash of what it asks (kind, capability, presentation) and of the request (run, step,
+    today's tool spec, the arguments) is the hash the operator's decision was bound to.
+
+    Why every collection is judged here: a grant runs only through Gate._resume_waiting,
+    which verifies the row (Approval.verify: its hash is its recorded contents') and builds
+    the request from its record with today's spec, then Session._resume and _apply, which
+    evaluates the policy again and calls this; nothing else makes an _Allowed with a grant.
+    A policy may hand back what it asked before (the proxy's covered(), section 20, returns
+    the grant's own capability and presentation when the grant asked about at least what
+    asks now): the hash still covers all of it, so a decision is covered only when it is
+    byte for byte what the operator approved, on the same request and spec. A deny, a new
+    reason to ask or a changed spec asks again. _require_grant repeats the one part that can
+    change after this look, in the transaction that starts the call."""
+    return decision.outcome == "require_approval" and same_digest(
+        approval_hash(decision.kind, decision.capability, decision.presentation, request),
+        granted.hash)
+
+
 def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
     """Only the step's latest approval is a grant, and only while it is approved as it was
-    read: another executor may have asked for a new approval in between."""
+    read: another executor may have asked for a new approval between grant_covers' look
+    and this, the transaction that starts the call."""
     row = tx.exec("SELECT id, status, hash FROM approvals WHERE step_id=? ORDER BY rowid DESC "
                   "LIMIT 1", (step_id,)).fetchone()
     if row is None or row[0] != granted.id or row[1] != APPROVED or \

@@ -17,12 +17,53 @@ executed). The duplicate rule refuses a deliberate identical repeat of a mutatin
 not only a retry. Results are capped and flattened. The pin covers what a server presents,
 not what it does.
 
-What it keeps: an approval bound by hash to the exact request, durable across restarts, with
-the policy evaluated again when the request is collected; a mutating call whose outcome is
-unknown is not run again, as the identical request, without an operator's approval, and
-other mutating calls to its tool are refused until an operator resolves it; the audit record
-is committed with each state change, in a SHA-256 hash chain; an identical mutating call is
-not executed twice within the window.
+What it keeps: each promise, the one function that keeps it, why every path goes through
+that function, and the test that fails when that function gives the permissive answer.
+
+1. An approval is bound by hash to the exact request, survives restarts, and the policy is
+   evaluated again at collection. grant_covers (12). A grant runs only through
+   Gate._resume_waiting (the row verified, the request built from its record with today's
+   spec), Session._resume and _apply, which evaluates the policy again and asks grant_covers;
+   _require_grant re-reads the grant in the start's transaction. tests/test_gate.py::
+   test_a_changed_fixed_value_asks_for_a_new_approval.
+2. A mutating call whose outcome is unknown is not run again as the identical request without
+   an operator, and other mutating calls to its tool are refused meanwhile. _observe (12),
+   the one classifier: every call that returns or raises reaches it through _call_tool (a
+   cancel through Session.call_started) and it records the ending from what happened;
+   unknown_ending and _known_outcome read only that field (none recorded: unknown). A crash
+   or stall is the take-over's (Gate._take_over_claimed): the step interrupted while
+   executing, read as cut off. tests/test_outcome_classifier.py::
+   test_the_server_crashing_mid_call_is_unknown.
+3. Within the repeat window, a known outcome, on time or late, is not run again unless the
+   operator approves a repeat; the window runs from the later of the run's end and the
+   recording of its outcome. Proxy.executed_within (22): rule 5 of Proxy.refusal asks it,
+   for a rule that refuses and one that asks a repeat alike, and it reads the index's
+   executions with their late outcomes (execution_of). tests/test_proxy_rules.py::
+   test_unknown_server_error_is_a_known_failure.
+4. Every state change is committed with its audit record before the host is answered, and a
+   mutating call's attempt before its request leaves. Store.tx (10): the gate writes runs,
+   steps and approvals only through the Tx it hands out, Tx.event writes the event in the
+   same transaction, and tx returns only after a FULL commit; Session.start commits
+   step.tool_started in one before call_started sends. tests/test_store.py::
+   test_rolled_back_transaction_leaves_no_event_and_no_seq_gap.
+5. Only tools the operator pinned and classified are offered or called. _build (17), by way
+   of load_server: every tool served is built by it from the pin and a rule, at start
+   (load_server) and when a server's listing changes (ServerWatch.relist, section 25);
+   Proxy.listing and Gate.tools hold only what it built. tests/test_pinning.py::
+   test_proxy_changed_description_refuses_the_tool.
+6. An identical mutating call is not executed twice within the window, unless the operator
+   approves a repeat. CallIndex.claim (21) with Proxy.refusal (22): claim's compare-and-set
+   on the key's one open row lets one call at a time decide a key, across processes; refusal
+   judges that call against the key's finished runs (rules 4 and 5). tests/test_statements.py
+   ::test_a_claim_over_an_open_row_it_did_not_read_writes_nothing (claim);
+   tests/test_proxy_rules.py::test_unknown_server_error_is_a_known_failure (refusal).
+7. The bytes sent upstream are the recorded request with the operator's fixed values.
+   UpstreamTool.call (17): the only caller of a connection's call_tool; it refuses denied or
+   fixed parameters the model set, injects the fixed values and encodes what it sends.
+   tests/test_upstream_calls.py::test_fixed_removed_from_the_schema_and_injected_at_call.
+8. No limit is overspent, across processes and crashes; unknown outcomes count. Budgets.admit
+   (20), inside the start's IMMEDIATE transaction: the Budgets docstring. tests/
+   test_policy_limits.py::test_policy_sum_limit_asks_with_the_figures_and_names_the_limit.
 
 Trust boundaries
 ----------------

@@ -17,12 +17,53 @@ executed). The duplicate rule refuses a deliberate identical repeat of a mutatin
 not only a retry. Results are capped and flattened. The pin covers what a server presents,
 not what it does.
 
-What it keeps: an approval bound by hash to the exact request, durable across restarts, with
-the policy evaluated again when the request is collected; a mutating call whose outcome is
-unknown is not run again, as the identical request, without an operator's approval, and
-other mutating calls to its tool are refused until an operator resolves it; the audit record
-is committed with each state change, in a SHA-256 hash chain; an identical mutating call is
-not executed twice within the window.
+What it keeps: each promise, the one function that keeps it, why every path goes through
+that function, and the test that fails when that function gives the permissive answer.
+
+1. An approval is bound by hash to the exact request, survives restarts, and the policy is
+   evaluated again at collection. grant_covers (12). A grant runs only through
+   Gate._resume_waiting (the row verified, the request built from its record with today's
+   spec), Session._resume and _apply, which evaluates the policy again and asks grant_covers;
+   _require_grant re-reads the grant in the start's transaction. tests/test_gate.py::
+   test_a_changed_fixed_value_asks_for_a_new_approval.
+2. A mutating call whose outcome is unknown is not run again as the identical request without
+   an operator, and other mutating calls to its tool are refused meanwhile. _observe (12),
+   the one classifier: every call that returns or raises reaches it through _call_tool (a
+   cancel through Session.call_started) and it records the ending from what happened;
+   unknown_ending and _known_outcome read only that field (none recorded: unknown). A crash
+   or stall is the take-over's (Gate._take_over_claimed): the step interrupted while
+   executing, read as cut off. tests/test_outcome_classifier.py::
+   test_the_server_crashing_mid_call_is_unknown.
+3. Within the repeat window, a known outcome, on time or late, is not run again unless the
+   operator approves a repeat; the window runs from the later of the run's end and the
+   recording of its outcome. Proxy.executed_within (22): rule 5 of Proxy.refusal asks it,
+   for a rule that refuses and one that asks a repeat alike, and it reads the index's
+   executions with their late outcomes (execution_of). tests/test_proxy_rules.py::
+   test_unknown_server_error_is_a_known_failure.
+4. Every state change is committed with its audit record before the host is answered, and a
+   mutating call's attempt before its request leaves. Store.tx (10): the gate writes runs,
+   steps and approvals only through the Tx it hands out, Tx.event writes the event in the
+   same transaction, and tx returns only after a FULL commit; Session.start commits
+   step.tool_started in one before call_started sends. tests/test_store.py::
+   test_rolled_back_transaction_leaves_no_event_and_no_seq_gap.
+5. Only tools the operator pinned and classified are offered or called. _build (17), by way
+   of load_server: every tool served is built by it from the pin and a rule, at start
+   (load_server) and when a server's listing changes (ServerWatch.relist, section 25);
+   Proxy.listing and Gate.tools hold only what it built. tests/test_pinning.py::
+   test_proxy_changed_description_refuses_the_tool.
+6. An identical mutating call is not executed twice within the window, unless the operator
+   approves a repeat. CallIndex.claim (21) with Proxy.refusal (22): claim's compare-and-set
+   on the key's one open row lets one call at a time decide a key, across processes; refusal
+   judges that call against the key's finished runs (rules 4 and 5). tests/test_statements.py
+   ::test_a_claim_over_an_open_row_it_did_not_read_writes_nothing (claim);
+   tests/test_proxy_rules.py::test_unknown_server_error_is_a_known_failure (refusal).
+7. The bytes sent upstream are the recorded request with the operator's fixed values.
+   UpstreamTool.call (17): the only caller of a connection's call_tool; it refuses denied or
+   fixed parameters the model set, injects the fixed values and encodes what it sends.
+   tests/test_upstream_calls.py::test_fixed_removed_from_the_schema_and_injected_at_call.
+8. No limit is overspent, across processes and crashes; unknown outcomes count. Budgets.admit
+   (20), inside the start's IMMEDIATE transaction: the Budgets docstring. tests/
+   test_policy_limits.py::test_policy_sum_limit_asks_with_the_figures_and_names_the_limit.
 
 Trust boundaries
 ----------------
@@ -3845,6 +3886,12 @@ def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:
 # bytes. The gate holds a transaction only around its own state, never across a tool call.
 
 TOOL_RESULT, TOOL_ERROR = "tool_result", "tool_error"
+# How a tool call ended, as _observe classes it and records it in its observation's content
+# ("ending"). Only the first three leave its outcome known: the server answered (an error),
+# nothing was sent, or the server answered and its answer could not be recorded.
+ANSWERED, NOT_SENT, UNREADABLE = "answered", "not_sent", "invalid_content"
+TIMED_OUT, NO_ANSWER, CUT_OFF = "timed_out", "no_answer", "cut_off"
+KNOWN_ENDINGS = (ANSWERED, NOT_SENT, UNREADABLE)
 POLICY_DENIED, INVALID_DECISION, INTERRUPTED_OBS = "policy_denied", "invalid_decision", "interrupted"
 ORIGINS = ("", "model", "plan", "operator")
 
@@ -3860,7 +3907,13 @@ class ToolResult:
 
 
 class ToolFailure(Exception):
-    """A tool's own error answer: the tool ran and reported a failure."""
+    """A tool call that failed, and how it ended (``ending``): by default the tool's own
+    error answer (the tool ran and reported a failure); NOT_SENT for a call refused before
+    anything left, NO_ANSWER for one sent that got no answer (UpstreamTool.call)."""
+
+    def __init__(self, message: str, ending: str = ANSWERED):
+        super().__init__(message)
+        self.ending = ending
 
 
 class AnswerUnreadable(Exception):
@@ -3924,11 +3977,13 @@ class _AllowedRequest:
 
 
 def _known_outcome(doc: dict) -> bool:
-    """Without the caller's judgement: a result, or the tool's own error answer."""
+    """Whether an observation is a known outcome: a result, or an error whose recorded
+    ending (_observe) is known. An ending not recorded (an observation written before it
+    was) is not known: an operator is asked."""
     content = doc.get("content")
     return doc.get("kind") == TOOL_RESULT or (
         doc.get("kind") == TOOL_ERROR and isinstance(content, dict) and
-        content.get("failure") in ("error", "invalid_content"))
+        content.get("ending") in KNOWN_ENDINGS)
 
 
 def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
@@ -4696,9 +4751,7 @@ class Session:
                                             policy_at)
         try:
             allowed = decision.outcome == "allow" or (
-                granted is not None and decision.outcome == "require_approval" and
-                same_digest(approval_hash(decision.kind, decision.capability,
-                                          decision.presentation, request), granted.hash))
+                granted is not None and grant_covers(granted, decision, request))
         except (JSONError, TypeError, ValueError) as exc:
             return self._policy_failure(step, from_steps, origin, f"the approval will not "
                                         f"encode: {exc}", decision, extra, policy_at)
@@ -4968,12 +5021,8 @@ class Session:
         began = time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args)
-        except asyncio.CancelledError:
-            content = {"error": "the caller was cancelled while the tool ran",
-                       "failure": "cancelled", "tool": spec.name}
-            self._record_or_let_go(_obs(INTERRUPTED_OBS, content,
-                                        f"{spec.name} was cancelled; its outcome is unknown: "
-                                        + content["error"]), began)
+        except asyncio.CancelledError as exc:
+            self._record_or_let_go(_observe(spec.name, spec.timeout, exc), began)
             raise
         return obs, began
 
@@ -5225,9 +5274,31 @@ def _expired(approval: Approval, now: float) -> bool:
         return True
 
 
+def grant_covers(granted: Approval, decision: PolicyDecision, request: ToolRequest) -> bool:
+    """At collection: whether the approved ``granted`` covers the policy's decision, made
+    again now on the request to run. It does only when the policy asks for an approval and
+    the hash of what it asks (kind, capability, presentation) and of the request (run, step,
+    today's tool spec, the arguments) is the hash the operator's decision was bound to.
+
+    Why every collection is judged here: a grant runs only through Gate._resume_waiting,
+    which verifies the row (Approval.verify: its hash is its recorded contents') and builds
+    the request from its record with today's spec, then Session._resume and _apply, which
+    evaluates the policy again and calls this; nothing else makes an _Allowed with a grant.
+    A policy may hand back what it asked before (the proxy's covered(), section 20, returns
+    the grant's own capability and presentation when the grant asked about at least what
+    asks now): the hash still covers all of it, so a decision is covered only when it is
+    byte for byte what the operator approved, on the same request and spec. A deny, a new
+    reason to ask or a changed spec asks again. _require_grant repeats the one part that can
+    change after this look, in the transaction that starts the call."""
+    return decision.outcome == "require_approval" and same_digest(
+        approval_hash(decision.kind, decision.capability, decision.presentation, request),
+        granted.hash)
+
+
 def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
     """Only the step's latest approval is a grant, and only while it is approved as it was
-    read: another executor may have asked for a new approval in between."""
+    read: another executor may have asked for a new approval between grant_covers' look
+    and this, the transaction that starts the call."""
     row = tx.exec("SELECT id, status, hash FROM approvals WHERE step_id=? ORDER BY rowid DESC "
                   "LIMIT 1", (step_id,)).fetchone()
     if row is None or row[0] != granted.id or row[1] != APPROVED or \
@@ -5300,31 +5371,53 @@ async def _call_tool(tool: Tool, args: bytes) -> Observation:
     try:
         return _observe(name, tool.spec.timeout, outcome)
     except Exception as exc:
-        return _obs(TOOL_ERROR, {"error": f"the answer could not be recorded "
+        return _obs(TOOL_ERROR, {"ending": UNREADABLE,
+                                 "error": f"the answer could not be recorded "
                                           f"({type(exc).__name__})",
                                  "failure": "invalid_content", "tool": name},
                     f"{name} answered, and its answer could not be recorded")
 
 
 def _observe(name: str, timeout: float, result: Any) -> Observation:
-    """The observation of what a tool call came to: its result, or the exception it raised."""
+    """The one classifier of how a tool call ended. The observation of what it came to (its
+    result, or what it raised) records its ending in its content, decided from what happened
+    (the type of what was raised, the answer), never from text; _known_outcome and
+    unknown_ending read only that. Every way a call can end reaches it:
+    - the call returned or raised: _call_tool hands that here (what fails here, after an
+      answer, it records UNREADABLE). The upstream client's endings arrive as ToolFailure
+      with theirs (UpstreamTool.call: an error answer ANSWERED; a refusal before sending, or
+      NotSent, NOT_SENT; a connection lost, a protocol error or a server that died mid-call
+      NO_ANSWER), or as the deadline (TIMED_OUT). Anything else is a tool's own bug:
+      NO_ANSWER.
+    - the caller was cancelled while the tool ran: Session.call_started hands the cancel
+      here (CUT_OFF, recorded interrupted).
+    - the proxy crashed or stalled past its lease: nothing returns. The executor that takes
+      the run over (Gate._take_over_claimed) marks the step interrupted while executing,
+      which _last_attempt reads as CUT_OFF and Session._after_interruption pauses on an
+      operator's approval."""
+    if isinstance(result, asyncio.CancelledError):
+        err = "the caller was cancelled while the tool ran"
+        return _obs(INTERRUPTED_OBS, {"ending": CUT_OFF, "error": err, "failure": "cancelled",
+                                      "tool": name},
+                    f"{name} was cancelled; its outcome is unknown: {err}")
     if isinstance(result, asyncio.TimeoutError):
         err = f"no answer within {fmt_duration(timeout)}"
-        return _obs(TOOL_ERROR, {"error": err, "failure": "timeout", "tool": name},
-                    f"{name} timeout: {err}")
+        return _obs(TOOL_ERROR, {"ending": TIMED_OUT, "error": err, "failure": "timeout",
+                                 "tool": name}, f"{name} timeout: {err}")
     if isinstance(result, ToolFailure):
-        return _obs(TOOL_ERROR, {"error": str(result), "failure": "error", "tool": name},
-                    f"{name} error: {result}")
+        return _obs(TOOL_ERROR, {"ending": result.ending, "error": str(result),
+                                 "failure": "error", "tool": name}, f"{name} error: {result}")
     if isinstance(result, AnswerUnreadable):
-        return _obs(TOOL_ERROR, {"error": str(result), "failure": "invalid_content",
-                                 "tool": name}, f"{name} answered, and its answer could not "
-                                                "be recorded")
+        return _obs(TOOL_ERROR, {"ending": UNREADABLE, "error": str(result),
+                                 "failure": "invalid_content", "tool": name},
+                    f"{name} answered, and its answer could not be recorded")
     if isinstance(result, Exception):   # a tool's own bug is recorded as its failure, never lost
-        return _obs(TOOL_ERROR, {"error": f"panic: {result!r}", "tool": name},
-                    f"{name} panicked")
+        return _obs(TOOL_ERROR, {"ending": NO_ANSWER, "error": f"panic: {result!r}",
+                                 "tool": name}, f"{name} panicked")
     if not isinstance(result, ToolResult) or not isinstance(result.content, bytes):
-        return _obs(TOOL_ERROR, {"error": f"the tool returned {type(result).__name__}, not "
-                                          "a ToolResult", "tool": name}, f"{name} panicked")
+        return _obs(TOOL_ERROR, {"ending": NO_ANSWER, "error": f"the tool returned "
+                                 f"{type(result).__name__}, not a ToolResult", "tool": name},
+                    f"{name} panicked")
     content = result.content.strip(JSON_WS) or b"{}"
     try:
         check_json(content)
@@ -5334,8 +5427,9 @@ def _observe(name: str, timeout: float, result: Any) -> Observation:
             kept = {"content": content.decode("utf-8")}
         except UnicodeDecodeError:
             kept = {"content_base64": base64.b64encode(content).decode()}
-        return _obs(TOOL_ERROR, {**kept, "error": err, "failure": "invalid_content",
-                                 "tool": name}, f"{name} returned content is not usable JSON: {exc}")
+        return _obs(TOOL_ERROR, {**kept, "ending": UNREADABLE, "error": err,
+                                 "failure": "invalid_content", "tool": name},
+                    f"{name} returned content is not usable JSON: {exc}")
     text = result.text if isinstance(result.text, str) else None
     return _obs(TOOL_RESULT, content, result.summary, text)
 
@@ -7209,14 +7303,16 @@ class UpstreamTool:
         try:
             value = parse_strict(raw)       # shared: copied before it is changed
         except JSONError as exc:
-            raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}") from None
+            raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}",
+                              NOT_SENT) from None
         if value is None:
             value, raw = {}, b"{}"
         if not isinstance(value, dict):
-            raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}")
+            raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}",
+                              NOT_SENT)
         refused = self.refused_param(value)
         if refused:
-            raise ToolFailure(refused)
+            raise ToolFailure(refused, NOT_SENT)
         if self.rule.fixed:
             value = dict(value)
             for param, fixed in self.rule.fixed:
@@ -7228,10 +7324,10 @@ class UpstreamTool:
             raise
         except NotSent as exc:
             raise ToolFailure(f"{name}: nothing was sent to server {_quote(self.server)}: "
-                              f"{sanitize(str(exc))}") from None
+                              f"{sanitize(str(exc))}", NOT_SENT) from None
         except (ProxyError, OSError) as exc:
             raise ToolFailure(f"mcp: server {_quote(self.server)}: tool {_quote(self.remote)}: "
-                              f"{sanitize(str(exc))}") from None
+                              f"{sanitize(str(exc))}", NO_ANSWER) from None
         try:
             return map_result(self, reply)  # linear, and within the call's own timeout
         except ToolFailure:
@@ -11004,35 +11100,20 @@ def _last_args(state: RunState) -> bytes:
     return b"{}"
 
 
-def _known_error(tool) -> re.Pattern:
-    """What an error the server answered, or a refusal before sending, looks like as it was
-    recorded (anchored at the start); anything else may have left the request unanswered."""
-    server, remote, name = map(re.escape, (tool.server, tool.remote, tool.spec.name))
-    return re.compile(
-        rf"{server}/{remote}: [0-9]+ bytes(, truncated)?(, structured content of [0-9]+ bytes "
-        rf"dropped for the text)?, error: |{name}: (arguments are not a JSON object|parameter "
-        rf'".*" is denied by the operator|parameter ".*" is fixed by the operator|the server '
-        rf"asked for more input|nothing was sent)")
-
-
 def unknown_ending(tool, obs: dict) -> str | None:
-    """How a mutating call's error leaves its outcome: None when known (the server answered,
-    or nothing was sent), else 'timed_out' or 'no_answer'."""
+    """How a mutating call's error leaves its outcome, read from the ending its observation
+    records (_observe, the one classifier): None when known (the server answered, or
+    nothing was sent), else TIMED_OUT or NO_ANSWER. An error recorded without an ending
+    (written before endings were) is NO_ANSWER: an operator is asked."""
     if tool is None:
-        return "no_answer"
+        return NO_ANSWER
     if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR:
         return None
+    if _known_outcome(obs):
+        return None
     content = obs.get("content")
-    if not isinstance(content, dict):
-        return "no_answer"
-    failure = content.get("failure")
-    if failure == "timeout":
-        return "timed_out"
-    if failure == "invalid_content":
-        return None
-    if _known_error(tool).match(str(content.get("error", ""))):
-        return None
-    return "no_answer"
+    return TIMED_OUT if isinstance(content, dict) and content.get("ending") == TIMED_OUT \
+        else NO_ANSWER
 
 
 def _unrecorded(tool, obs: dict) -> bool:

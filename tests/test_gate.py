@@ -615,7 +615,8 @@ def test_a_tool_error_is_recorded_as_its_failure(h):
         raise ap.ToolFailure("card declined")
     obs = run_read(h, declined)
     assert obs["kind"] == "tool_error"
-    assert obs["content"] == {"error": "card declined", "failure": "error", "tool": "read"}
+    assert obs["content"] == {"ending": "answered", "error": "card declined", "failure": "error",
+                              "tool": "read"}
     assert h.store.get_run("run-1").status == "RUNNING"   # the caller decides what follows
 
 

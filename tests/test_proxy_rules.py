@@ -587,24 +587,31 @@ def test_unknown_server_error_is_a_known_failure(make):
 
 
 def test_unknown_classifies_recorded_errors(make):
+    """The recorded ending decides (tests/test_outcome_classifier.py makes each one), never
+    the error's text: an error recorded without one is unknown."""
     h = make()
     pay, balance = h.proxy.tools[PAY], h.proxy.tools[BALANCE]
 
-    def err(error, failure="error", tool=PAY):
-        return {"kind": "tool_error", "content": {"error": error, "failure": failure,
-                                                  "tool": tool}}
-    assert ap.unknown_ending(pay, err("bank_pay timed out after 10s", "timeout")) == "timed_out"
+    def err(error, ending=None, failure="error", tool=PAY):
+        content = {"error": error, "failure": failure, "tool": tool}
+        if ending is not None:
+            content["ending"] = ending
+        return {"kind": "tool_error", "content": content}
+    assert ap.unknown_ending(pay, err("no answer within 10s", "timed_out", "timeout")) == \
+        "timed_out"
     for error in ('mcp: server "bank": tool "pay": connection closed', "anything else",
                   "bank/payx: 1 bytes, error: x"):
-        assert ap.unknown_ending(pay, err(error)) == "no_answer", error
+        assert ap.unknown_ending(pay, err(error, "no_answer")) == "no_answer", error
     for error in ("bank/pay: 22 bytes, error: card declined for x",
-                  "bank/pay: 70000 bytes, truncated, error: long",
-                  'bank_pay: parameter "currency" is fixed by the operator',
+                  "bank/pay: 70000 bytes, truncated, error: long"):
+        assert ap.unknown_ending(pay, err(error, "answered")) is None, error
+        assert ap.unknown_ending(pay, err(error)) == "no_answer", error
+    for error in ('bank_pay: parameter "currency" is fixed by the operator',
                   "bank_pay: arguments are not a JSON object: x"):
-        assert ap.unknown_ending(pay, err(error)) is None, error
+        assert ap.unknown_ending(pay, err(error, "not_sent")) is None, error
     assert ap.unknown_ending(pay, err("content is not usable JSON: too deep",
-                                      "invalid_content")) is None
-    assert ap.unknown_ending(balance, err("bank_balance timed out", "timeout",
+                                      "invalid_content", "invalid_content")) is None
+    assert ap.unknown_ending(balance, err("no answer within 10s", "timed_out", "timeout",
                                           BALANCE)) is None
 
 

@@ -43,7 +43,7 @@ def upstream(outcome, spec=SPEC, **rule) -> ap.UpstreamTool:
 
 
 def observed(call, spec=SPEC, args=b"{}") -> dict:
-    return asyncio.run(ap._call_tool(ap.Tool(spec, call), args))[0]
+    return asyncio.run(ap._call_tool(ap.Tool(spec, call), args)).doc
 
 
 def verdict(tool, obs: dict):
@@ -130,11 +130,11 @@ def test_an_answer_that_cannot_be_mapped_is_known_and_executed():
 
 
 def test_a_cancelled_call_is_cut_off():
-    obs = ap._observe("bank_pay", 5.0, asyncio.CancelledError())
-    assert obs[0]["kind"] == ap.INTERRUPTED_OBS
-    assert obs[0]["content"]["ending"] == "cut_off"
-    assert obs[0]["content"]["failure"] == "cancelled"
-    assert not ap._known_outcome(obs[0])
+    obs = ap._observe("bank_pay", 5.0, asyncio.CancelledError()).doc
+    assert obs["kind"] == ap.INTERRUPTED_OBS
+    assert obs["content"]["ending"] == "cut_off"
+    assert obs["content"]["failure"] == "cancelled"
+    assert not ap._known_outcome(obs)
 
 
 def test_a_read_only_tools_endings_are_never_unknown():
@@ -154,7 +154,8 @@ def test_the_server_crashing_mid_call_is_unknown(script, tmp_path):
         async with loaded(s.server(rules), pinned) as (tools, _):
             tool = tools["fs_crash"]
             return tool, await ap._call_tool(ap.Tool(tool.spec, tool.call), b"{}")
-    tool, (obs, _, _) = arun(crash())
+    tool, observation = arun(crash())
+    obs = observation.doc
     assert verdict(tool, obs) == ("no_answer", "no_answer", False)
 
 

@@ -13141,6 +13141,10 @@ class Evaluation:
     rechecked_hash: str = ""
     policy_id: str = ""
 
+    def judged(self, result: str, detail: str = "") -> Evaluation:
+        self.result, self.detail = result, detail
+        return self
+
 
 @dataclasses.dataclass(repr=False)
 class RecheckReport:
@@ -13157,35 +13161,32 @@ class RecheckReport:
 
     @property
     def identity(self) -> str:
-        asked = [e.policy_id for e in self.evaluations if e.result in ("same", "different")]
-        if not asked or not self.policy_id or not all(asked):
+        asked = {e.policy_id for e in self.evaluations if e.result in ("same", "different")}
+        if not asked or not self.policy_id or "" in asked:
             return "unknown"
-        return "unchanged" if all(p == self.policy_id for p in asked) else "changed"
+        return "unchanged" if asked == {self.policy_id} else "changed"
 
     def as_json(self) -> dict:
+        differ, skipped = self.count("different"), self.count("not_recheckable")
         return {"run_id": self.run_id, "run_status": self.run_status,
                 "policy_id": self.policy_id, "identity": self.identity,
                 "spec_source": self.spec_source, "notes": self.notes,
                 "evaluations": [dataclasses.asdict(e) for e in self.evaluations],
-                "same": self.count("different") == 0,
-                "differences": self.count("different"),
-                "rechecked": self.count("same", "different"),
-                "not_recheckable": self.count("not_recheckable"),
-                "complete": self.count("not_recheckable") == 0}
+                "same": differ == 0, "differences": differ,
+                "rechecked": self.count("same", "different"), "not_recheckable": skipped,
+                "complete": skipped == 0}
 
     def lines(self) -> list[str]:
-        differ, checked = self.count("different"), self.count("same", "different")
         asked = sorted({e.policy_id for e in self.evaluations
                         if e.result in ("same", "different") and e.policy_id})
         identity = {"unchanged": f'policy unchanged: "{self.policy_id}"',
                     "changed": "policy changed: recorded " + ", ".join(f'"{p}"' for p in asked)
                                + f', given "{self.policy_id}"',
                     "unknown": "policy identity unknown"}[self.identity]
-        out = [sanitize(f"run {self.run_id} {self.run_status}: {differ} of {checked} "
-                        f"re-checked decision(s) differ; {identity}; {self.spec_source} specs")]
-        ordered = [e for e in self.evaluations if e.result == "different"] + \
-            [e for e in self.evaluations if e.result != "different"]
-        for e in ordered:
+        out = [sanitize(f"run {self.run_id} {self.run_status}: {self.count('different')} of "
+                        f"{self.count('same', 'different')} re-checked decision(s) differ; "
+                        f"{identity}; {self.spec_source} specs")]
+        for e in sorted(self.evaluations, key=lambda e: e.result != "different"):
             where = f"step {e.step_index} seq {e.seq} {_bound(e.tool) or '-'}" + \
                 (" (on resume)" if e.on_resume else "")
             detail = f": {_bound(e.detail)}" if e.detail else ""
@@ -13196,8 +13197,7 @@ class RecheckReport:
                            f"{_bound(e.rechecked) or 'none'}{detail}")
             else:
                 out.append(f"skipped   {where}: {_bound(e.detail)}")
-        out += [f"note: {_bound(n)}" for n in self.notes]
-        return out
+        return out + [f"note: {_bound(n)}" for n in self.notes]
 
 
 def _bound(text: str) -> str:
@@ -13206,7 +13206,8 @@ def _bound(text: str) -> str:
 
 class _RecordedPolicy(ProxyPolicy):
     """The proxy's policy as re-check hands it a recorded request: whether a request re-ran
-    an unknown outcome is read from the interruption approval the policy asked for then."""
+    an unknown outcome, or repeated an execution, is read from the approval the policy asked
+    for next in its step."""
 
     def __init__(self, cfg: Config, tools: dict, policy_id: str, store: Store):
         super().__init__(cfg.policy_map, tools, None, policy_id)
@@ -13214,7 +13215,7 @@ class _RecordedPolicy(ProxyPolicy):
         self.following: Approval | None = None
         self.as_of: tuple[int, float] | None = None     # the decision's event and time
 
-    def use_of(self) -> "UseOf | None":
+    def use_of(self) -> UseOf | None:
         """Limits as they stood when the decision was made: from the executions recorded
         before it."""
         if self.as_of is None:
@@ -13222,54 +13223,50 @@ class _RecordedPolicy(ProxyPolicy):
         seq, now = self.as_of
         return lambda key, limit: recorded_use(self.store, self.tools, key, limit, seq, now)
 
+    def _asked(self, request: ToolRequest, kind: str) -> Approval | None:
+        nxt = self.following
+        return nxt if nxt is not None and (nxt.step_id, nxt.kind) == (request.step_id, kind) \
+            else None
+
     def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
         at = super().rerun_of(request, view)
         if at is not None:
             return at
-        nxt = self.following
-        if nxt is not None and nxt.step_id == request.step_id and nxt.kind == INTERRUPTED_KIND:
-            named = _interrupted_attempt(nxt)
-            if named is not None and not (named.get("run_id") == request.run_id and
-                                          named.get("step_id") == request.step_id):
-                return named
-        return None
+        named = _interrupted_attempt(self._asked(request, INTERRUPTED_KIND))
+        if named is None or (named.get("run_id"), named.get("step_id")) == \
+                (request.run_id, request.step_id):
+            return None
+        return named
 
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
-        earlier = super().repeat_of(request, view)
-        nxt = self.following
-        if earlier is None and nxt is not None and nxt.step_id == request.step_id and \
-                nxt.kind == REPEAT_KIND:
-            return repeat_in(nxt)
-        return earlier
+        earlier, asked = super().repeat_of(request, view), self._asked(request, REPEAT_KIND)
+        return repeat_in(asked) if earlier is None and asked is not None else earlier
 
 
 def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
                 current: dict[str, ToolSpec] | None) -> RecheckReport:
     run = store.get_run(run_id)
-    steps = {s.id: s for s in store.list_steps(run_id)}
-    ordered_steps = sorted(steps.values(), key=lambda s: s.idx)
-    approvals = store.list_approvals(run_id)
+    whole = RunView(run, sorted(store.list_steps(run_id), key=lambda s: s.idx),
+                    store.list_approvals(run_id))
+    steps = {s.id: s for s in whole.steps}
     events = store.list_events(run_id)
     report = RecheckReport(run_id, run.status, policy.policy_id,
                            "current" if current is not None else "recorded")
     if run.status not in TERMINAL:
         report.notes.append(f"the run is {run.status}; it was re-checked up to its current "
                             "state")
-    decided_at: dict[str, int] = {}
-    for i, (seq, _r, step_id, _at, typ, payload, _h) in enumerate(events):
-        if typ == "approval.decided":
-            continue
-        if typ == "step.failed" and payload and '"policy error: ' in payload and \
+    for i, event in enumerate(events):
+        seq, _r, step_id, _at, typ, payload, _h = event
+        step = steps.get(step_id)
+        if typ == "step.policy":
+            report.evaluations.append(_recheck_one(store, whole, events, event, step, policy,
+                                                   current))
+        elif typ == "step.failed" and payload and '"policy error: ' in payload and \
                 not (i and events[i - 1][4] == "step.policy" and events[i - 1][2] == step_id):
-            step = steps.get(step_id)
             report.evaluations.append(Evaluation(
                 step.idx if step else -1, step_id, seq, "", "not_recheckable", "error",
                 detail="not re-checkable: policy failed; no evaluation recorded: " +
                 loads_own(payload).get("detail", "").removeprefix("policy error: ")))
-        if typ != "step.policy":
-            continue
-        report.evaluations.append(_recheck_one(store, run, steps, ordered_steps, approvals,
-                                               events, seq, step_id, payload, policy, current))
     if not report.evaluations:
         report.notes.append("no policy evaluation is recorded")
     return report
@@ -13278,109 +13275,87 @@ def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
 def _approvals_as_of(approvals: list[Approval], events: list, seq: int,
                      count: int) -> list[Approval]:
     """The first ``count`` approvals, each with the status it had at event ``seq``."""
+    shown = approvals[:count]
+    decided = [loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided"] \
+        if shown else []
     out = []
-    for a in approvals[:count]:
-        status, decided = PENDING, None
-        for e in events:
-            if e[0] >= seq:
-                break
-            if e[4] == "approval.decided":
-                doc = loads_own(e[5])
-                if doc.get("approval_id") == a.id:
-                    status, decided = doc.get("status", PENDING), doc
-        if decided is None:
-            out.append(dataclasses.replace(a, status=PENDING, decided_at="", decided_by="",
-                                           note=""))
-        else:
-            out.append(dataclasses.replace(a, status=status))
+    for a in shown:
+        doc = next((d for d in reversed(decided) if d.get("approval_id") == a.id), None)
+        out.append(dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
+                   if doc is None else dataclasses.replace(a, status=doc.get("status", PENDING)))
     return out
 
 
-def _recheck_one(store, run, steps, ordered_steps, approvals, events, seq, step_id, payload,
-                 policy: _RecordedPolicy, current) -> Evaluation:
-    step = steps.get(step_id)
+def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step: Step | None,
+                 policy: _RecordedPolicy, current: dict[str, ToolSpec] | None) -> Evaluation:
+    """The decision recorded at ``event`` handed again to ``policy`` as it was handed then:
+    the request, and the view of the run at that moment with its approvals as they stood."""
+    seq, _r, step_id, at, _t, payload, _h = event
     try:
         rec = loads_own(payload)
     except JSONError:
         return Evaluation(-1, step_id, seq, "", "not_recheckable", "",
                           detail="not re-checkable: the recorded decision is unreadable")
-    outcome = rec.get("outcome", "")
-    tool_name = ((step.decision or {}).get("tool", "") if step else "")
-    ev = Evaluation(step.idx if step else -1, step_id, seq, tool_name, "", outcome,
-                    policy_id=rec.get("policy_id", ""))
+    outcome, kind = rec.get("outcome", ""), rec.get("kind", "")
+    decision = (step.decision or {}) if step else {}
+    ev = Evaluation(step.idx if step else -1, step_id, seq, decision.get("tool", ""), "",
+                    outcome, policy_id=rec.get("policy_id", ""))
     view = rec.get("view")
     if not isinstance(view, dict):
-        ev.result = "not_a_policy_evaluation"
-        ev.detail = ("an interrupted side effect's pause" if rec.get("kind") == INTERRUPTED_KIND
-                     else "a pause the policy did not make")
-        return ev
+        return ev.judged("not_a_policy_evaluation", "an interrupted side effect's pause"
+                         if kind == INTERRUPTED_KIND else "a pause the policy did not make")
     ev.on_resume = view.get("status") == WAITING
-    if step is None or (step.decision or {}).get("kind") != "tool_call":
-        ev.result, ev.detail = "not_recheckable", "not re-checkable: the step is not a tool call"
-        return ev
+    if decision.get("kind") != "tool_call":
+        return ev.judged("not_recheckable", "not re-checkable: the step is not a tool call")
     try:
         recorded_spec = store.spec(rec.get("spec_hash", ""))
     except NotFound:
-        ev.result, ev.detail = "not_recheckable", "not re-checkable: no spec is recorded"
-        return ev
-    spec = recorded_spec
-    if current is not None:
-        spec = current.get(tool_name)
-        if spec is None:
-            ev.result, ev.detail = "different", f"the tool {tool_name} is no longer offered"
-            return ev
+        return ev.judged("not_recheckable", "not re-checkable: no spec is recorded")
+    spec = recorded_spec if current is None else current.get(ev.tool)
+    if spec is None:
+        return ev.judged("different", f"the tool {ev.tool} is no longer offered")
     args = step.args or b"{}"
-    recorded_request = ToolRequest(run.id, step_id, recorded_spec, args)
-    request = ToolRequest(run.id, step_id, spec, args)
+    request = ToolRequest(whole.run.id, step_id, spec, args)
     n_steps, n_approvals = int(view.get("steps", 0)), int(view.get("approvals", 0))
-    view_run = dataclasses.replace(run, status=view.get("status", RUNNING),
-                                   step_count=int(view.get("step_count", 0)), reason="",
-                                   reason_detail="", finished_at="", result_json="")
-    handed_view = RunView(view_run, ordered_steps[:n_steps],
-                          _approvals_as_of(approvals, events, seq, n_approvals))
+    then = dataclasses.replace(whole.run, status=view.get("status", RUNNING),
+                               step_count=int(view.get("step_count", 0)), reason="",
+                               reason_detail="", finished_at="", result_json="")
+    handed_view = RunView(then, whole.steps[:n_steps],
+                          _approvals_as_of(whole.approvals, events, seq, n_approvals))
+    approvals = whole.approvals
     policy.following = approvals[n_approvals] if n_approvals < len(approvals) else None
-    at = next((e[3] for e in events if e[0] == seq), "")
     policy.as_of = (seq, parse_time(at)) if at else None
     try:
-        handed = dataclasses.replace(
-            request, spec=dataclasses.replace(spec, input_schema=policy_json(spec.input_schema,
-                                                                             False)),
-            args=policy_json(args))
-        now = policy.evaluate(handed, handed_view)
+        schema = policy_json(spec.input_schema, False)
+        now = policy.evaluate(dataclasses.replace(
+            request, spec=dataclasses.replace(spec, input_schema=schema),
+            args=policy_json(args)), handed_view)
     except Exception as exc:
-        ev.result, ev.rechecked, ev.detail = "different", "error", f"policy failed: {exc}"
-        return ev
+        ev.rechecked = "error"
+        return ev.judged("different", f"policy failed: {exc}")
     finally:
         policy.following, policy.as_of = None, None
     ev.rechecked = now.outcome
     if now.outcome != outcome:
-        ev.result, ev.detail = "different", now.reason
-        return ev
+        return ev.judged("different", now.reason)
     if outcome == "require_approval":
-        if now.kind != rec.get("kind", ""):
-            ev.result = "different"
-            ev.detail = f"asks for approval kind {_quote(now.kind)}, not {_quote(rec.get('kind', ''))}"
-            return ev
+        if now.kind != kind:
+            return ev.judged("different", f"asks for approval kind {_quote(now.kind)}, not "
+                             f"{_quote(kind)}")
         try:
-            was = approval_hash(rec.get("kind", ""), _raw_member(payload, "capability"),
-                                _raw_member(payload, "presentation"), recorded_request)
-            new = approval_hash(now.kind, now.capability.strip(JSON_WS),
-                                now.presentation.strip(JSON_WS), request)
+            spans = member_spans(payload.encode())
+            was = approval_hash(kind, spans.get("capability", b"{}"),
+                                spans.get("presentation", b"{}"),
+                                ToolRequest(whole.run.id, step_id, recorded_spec, args))
+            ev.rechecked_hash = approval_hash(now.kind, now.capability.strip(JSON_WS),
+                                              now.presentation.strip(JSON_WS), request)
         except (JSONError, TypeError, ValueError) as exc:
-            ev.result, ev.detail = "not_recheckable", f"not re-checkable: {exc}"
-            return ev
-        ev.recorded_hash, ev.rechecked_hash = was, new
-        if was != new:
-            ev.result = "different"
-            ev.detail = ("asks for another approval: its capability, presentation or tool spec "
-                         "changed")
-            return ev
-    ev.result = "same"
-    return ev
-
-
-def _raw_member(payload: str, name: str) -> bytes:
-    return member_spans(payload.encode()).get(name, b"{}")
+            return ev.judged("not_recheckable", f"not re-checkable: {exc}")
+        ev.recorded_hash = was
+        if was != ev.rechecked_hash:
+            return ev.judged("different", "asks for another approval: its capability, "
+                             "presentation or tool spec changed")
+    return ev.judged("same")
 
 
 async def cmd_recheck(cfg: Config, args, out: Out) -> int:
@@ -13389,18 +13364,15 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     check_database_owner(cfg.database, writer=False)
     store = Store.open_existing(cfg.database, readonly=True)
     tools: list[UpstreamTool] = []
+    session, run_ids = args.session or cfg.session, [args.run]
     try:
-        current = None
         if args.current_tools:
             check_reach(cfg)
             tools, _ = await load_tools(cfg, out.log)
-            current = {t.spec.name: t.spec for t in tools}
+        current = {t.spec.name: t.spec for t in tools} if args.current_tools else None
         by_name = {t.spec.name: t for t in tools} if tools else configured_tools(cfg)
         policy = _RecordedPolicy(cfg, by_name, cfg.policy_id(), store)
-        session = args.session or cfg.session
-        if args.run:
-            run_ids = [args.run]
-        else:
+        if not args.run:
             try:
                 rows = store._read("SELECT run_id FROM proxy_calls WHERE session=? ORDER BY id "
                                    "DESC LIMIT ?", (session, args.limit))
@@ -13418,10 +13390,8 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     if args.json:
         out.json([r.as_json() for r in reports])
     else:
-        for report in reports:
-            for line in report.lines():
-                out.line(line)
-            out.line()
+        for line in [line for r in reports for line in (*r.lines(), "")]:
+            out.line(line)
         out.line(f"{len(reports)} run(s) re-checked under {cfg.policy_id()}; {rechecked} "
                  f"decision(s) re-checked; {skipped} not re-checkable and skipped; {differ} "
                  "run(s) differ")

@@ -7531,7 +7531,7 @@ MIN_LEASE_TTL = 3.0
 # A server's default_timeout when the configuration gives none: a tool call without its own
 # timeout is cut off after this long (its outcome is then unknown, if it mutates).
 DEFAULT_TOOL_TIMEOUT = 30.0
-MANIFEST_SUFFIX = ".manifest.json"     # a server's manifest when none is named: <name>.manifest.json
+MANIFEST_SUFFIX = ".manifest.json"     # a server's manifest when none is named: <name>.<this>
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CONFIG_OUTCOMES = ("allow", "require_approval", "deny")
 # SQLite keeps part of the database beside it: a server that writes the WAL (or a hot
@@ -7608,23 +7608,18 @@ class Config:
     def policy_id(self) -> str:
         """The identity of exactly what the policy decides from: the policy map (defaults
         merged) and, per server by name, each rule's class, outcome, fixed values, rename,
-        conditions and limits. Descriptions, timeouts, hold, windows, TTLs and paths leave it unchanged."""
+        conditions and limits, each given only when set. Descriptions, timeouts, hold,
+        windows, TTLs and paths leave it unchanged."""
         servers = []
         for server in sorted(self.servers, key=lambda s: s.name):
             rules = {}
             for tool, rule in server.rules:
-                entry: dict[str, Any] = {"side_effect": rule.side_effect}
-                if rule.outcome:
-                    entry["outcome"] = rule.outcome
-                if rule.fixed:
-                    entry["fixed"] = {k: RawJSON(v) for k, v in rule.fixed}
-                if rule.rename:
-                    entry["rename"] = rule.rename
-                if rule.when:
-                    entry["when"] = [c.written() for c in rule.when]
-                if rule.limits:
-                    entry["limits"] = [lim.written() for lim in rule.limits]
-                rules[tool] = entry
+                given = {"outcome": rule.outcome, "rename": rule.rename,
+                         "fixed": {k: RawJSON(v) for k, v in rule.fixed},
+                         "when": [c.written() for c in rule.when],
+                         "limits": [lim.written() for lim in rule.limits]}
+                rules[tool] = {"side_effect": rule.side_effect,
+                               **{k: v for k, v in given.items() if v}}
             servers.append({"name": server.name, "rules": rules})
         doc = dump_json({"policy": self.policy_map, "servers": servers}).encode()
         return POLICY_ID_PREFIX + sha256_hex(canonical_json(doc))
@@ -7675,11 +7670,13 @@ class _ConfigObject:
             raise ConfigError(f"{where}: unknown field {_quote(unknown[0])}")
         self.doc, self.where = doc, where
 
-    def _get(self, name: str, kinds: tuple, what: str, default: Any) -> Any:
+    def _get(self, name: str, kinds: tuple, what: str, default: Any,
+             fits: Callable[[Any], bool] = lambda value: True) -> Any:
         if name not in self.doc:
             return default
         value = self.doc[name]
-        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)) \
+                or not fits(value):
             raise ConfigError(f"{self.where}: {name} must be {what}")
         return value
 
@@ -7690,18 +7687,8 @@ class _ConfigObject:
         return self._get(name, (bool,), "true or false", False)
 
     def texts(self, name: str) -> tuple[str, ...]:
-        items = self._get(name, (list,), "an array of strings", [])
-        if not all(isinstance(i, str) for i in items):
-            raise ConfigError(f"{self.where}: {name} must be an array of strings")
-        return tuple(items)
-
-    def count(self, name: str, default: int) -> int:
-        value = self._get(name, (Num,), "a whole number", None)
-        if value is None:
-            return default
-        if not value.is_integer():
-            raise ConfigError(f"{self.where}: {name} must be a whole number")
-        return int(value.exact())
+        return tuple(self._get(name, (list,), "an array of strings", [],
+                               lambda items: all(isinstance(i, str) for i in items)))
 
     def duration(self, name: str, default: float | None) -> float | None:
         value = self._get(name, (str,), 'a duration string such as "15s"', None)
@@ -7716,14 +7703,10 @@ class _ConfigObject:
         return self._get(name, (dict,), "an object", {})
 
 
-_TOP_FIELDS = ("database", "session", "servers", "policy", "hold", "repeat_window", "repeat",
-               "max_pending", "approval_ttl", "grant_ttl", "status_tool", "lease_ttl",
-               "on_pending")
-_SERVER_FIELDS = ("name", "command", "endpoint", "env", "inherit_env", "connect_timeout",
-                  "default_timeout", "manifest", "rules", "skip_path_check")
-_RULE_FIELDS = ("side_effect", "timeout", "terminal", "description", "deny", "fixed",
-                "rename", "allow_hint_mismatch", "outcome", "repeat_window", "repeat", "when",
-                "limits")
+# The fields a file may give: the records' own, less those the loader itself fills in.
+_TOP_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"path", "policy_given"}
+_SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerConfig)} - {"cwd"}
+_RULE_FIELDS = {f.name for f in dataclasses.fields(Rule)}
 
 
 def load_config(path: str) -> Config:
@@ -7749,15 +7732,16 @@ def parse_config(raw: bytes, path: str) -> Config:
     session = top.text("session")
     if not _NAME_RE.fullmatch(session):
         raise ConfigError(f"session {_quote(session)} must be 1 to 64 letters, digits, _ or -")
-    policy = dict(DEFAULT_POLICY)
-    for cls, outcome in top.obj("policy").items():
+    policy, given = dict(DEFAULT_POLICY), top.obj("policy")
+    for cls, outcome in given.items():
         if cls not in SIDE_EFFECTS:
             raise ConfigError(f"policy: unknown side effect {_quote(cls)}")
         if outcome not in CONFIG_OUTCOMES:
             raise ConfigError(f"policy: {cls}: outcome {_quote(str(outcome))} is not allow, "
                               "require_approval, or deny")
         policy[cls] = outcome
-    max_pending = top.count("max_pending", DEFAULT_MAX_PENDING)
+    max_pending = int(top._get("max_pending", (Num,), "a whole number",
+                               Num(str(DEFAULT_MAX_PENDING)), Num.is_integer).exact())
     if max_pending < 0:
         raise ConfigError("max_pending must not be negative")
     lease_ttl = top.duration("lease_ttl", DEFAULT_LEASE_TTL)
@@ -7771,12 +7755,11 @@ def parse_config(raw: bytes, path: str) -> Config:
     servers_doc = top._get("servers", (list,), "an array of servers", [])
     if not servers_doc:
         raise ConfigError("at least one server is required")
-    servers, names = [], set()
+    servers: list[ServerConfig] = []
     for i, entry in enumerate(servers_doc):
         server = _parse_server(entry, i, base)
-        if server.name in names:
+        if any(s.name == server.name for s in servers):
             raise ConfigError(f"servers[{i}]: the name {_quote(server.name)} is used twice")
-        names.add(server.name)
         servers.append(server)
     check_shared_limits(servers)
     return Config(
@@ -7789,7 +7772,7 @@ def parse_config(raw: bytes, path: str) -> Config:
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
         status_tool=status_tool, lease_ttl=lease_ttl,
-        policy_given=tuple(sorted(top.obj("policy"))), on_pending=_parse_on_pending(top))
+        policy_given=tuple(sorted(given)), on_pending=_parse_on_pending(top))
 
 
 # -- on_pending: the command the proxy starts when an approval starts to wait --
@@ -7837,8 +7820,12 @@ def check_reach(cfg: Config) -> None:
     argument is read from the configuration's directory, where the server starts. A guard
     against a mistake in the configuration, not a boundary: it cannot see what a server
     reaches by other means."""
-    protected = [p for p in (cfg.path, *_database_files(cfg.database),
-                             *(s.manifest for s in cfg.servers), *_proxy_files()) if p]
+    # SQLite names the sidecars after the path it opened: beside the name given and beside
+    # the file it resolves to. A server that can rewrite the proxy's own code rewrites the gate.
+    db = (cfg.database, _real_path(cfg.database)) if cfg.database else ()
+    here = os.path.abspath(__file__)
+    protected = [p for p in (cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
+                             *(s.manifest for s in cfg.servers), here, _real_path(here)) if p]
     base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
     idents: dict[tuple[int, int], str] = {}
     unborn: dict[str, str] = {}
@@ -7869,21 +7856,6 @@ def check_reach(cfg: Config) -> None:
                         "there")
 
 
-def _proxy_files() -> list[str]:
-    """The proxy's own code as it runs: a server that can rewrite it rewrites the gate."""
-    here = os.path.abspath(__file__)
-    return list(dict.fromkeys((here, _real_path(here))))
-
-
-def _database_files(path: str) -> list[str]:
-    """The database and its sidecars, each beside the name given and beside the file it
-    resolves to: SQLite names them after the path it opened."""
-    if not path:
-        return []
-    bases = dict.fromkeys((path, _real_path(path)))
-    return [base + suffix for base in bases for suffix in ("", *DATABASE_SIDECARS)]
-
-
 def _ancestors(path: str) -> list[str]:
     out = [path]
     while os.path.dirname(out[-1]) != out[-1]:
@@ -7903,27 +7875,16 @@ def _real_path(path: str) -> str:
 def _reach_candidates(arg: str) -> list[str]:
     """The paths an argument may name: itself, after its first '=' or ':', the rest of a
     short flag such as -r/path, a file:// URL's path, and a leading ~ expanded."""
-    found = [arg]
-    for sep in ("=", ":"):
-        if sep in arg:
-            found.append(arg.split(sep, 1)[1])
+    found = [arg] + [arg.split(sep, 1)[1] for sep in "=:" if sep in arg]
     if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
         found.append(arg[2:])
-    for cand in list(found):
-        if ":" not in cand:             # no scheme: urllib.parse (imported late) not needed
-            continue
+    for cand in [c for c in found if ":" in c]:     # no scheme: urllib.parse (late) not needed
         import urllib.parse
         url = urllib.parse.urlsplit(cand)
         if url.scheme.lower() == "file":
             found.append(urllib.parse.unquote(url.path))
     home = os.path.expanduser("~")
-    out = []
-    for cand in found:
-        if cand == "~" or cand.startswith("~/"):
-            cand = home + cand[1:]
-        if cand:
-            out.append(cand)
-    return out
+    return [home + c[1:] if c == "~" or c.startswith("~/") else c for c in found if c]
 
 
 def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
@@ -7935,7 +7896,10 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
     command, endpoint = f.texts("command"), f.text("endpoint")
     if bool(command) == bool(endpoint):
         raise ConfigError(f"{where}: exactly one of command or endpoint is required")
-    manifest = f.text("manifest") if "manifest" in f.doc else _default_manifest(name, where)
+    if "manifest" not in f.doc and not _NAME_RE.fullmatch(name):   # ../x would leave the dir
+        raise ConfigError(f"{where}: manifest is required for a name that is not 1 to 64 "
+                          "letters, digits, _ or -")
+    manifest = f.text("manifest", name + MANIFEST_SUFFIX)
     if not manifest:
         raise ConfigError(f"{where}: manifest is empty: name a file, or leave manifest out "
                           f"for {name}{MANIFEST_SUFFIX}")
@@ -7946,24 +7910,14 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
     for var in inherit:
         if not var or "=" in var:
             raise ConfigError(f"{where}: inherit_env entry {_quote(var)} is not a variable name")
-    rules = []
-    for tool, rule_doc in sorted(f.obj("rules").items()):
-        rules.append((tool, _parse_rule(rule_doc, f"{where}: tool {_quote(tool)}")))
+    rules = tuple((tool, _parse_rule(rule_doc, f"{where}: tool {_quote(tool)}"))
+                  for tool, rule_doc in sorted(f.obj("rules").items()))
     return ServerConfig(
         name=name, command=command, endpoint=endpoint, env=env, inherit_env=inherit,
         connect_timeout=f.duration("connect_timeout", 0.0) or DEFAULT_CONNECT_TIMEOUT,
         default_timeout=f.duration("default_timeout", DEFAULT_TOOL_TIMEOUT),
-        manifest=os.path.join(base, manifest), rules=tuple(rules),
+        manifest=os.path.join(base, manifest), rules=rules,
         skip_path_check=f.flag("skip_path_check"), cwd=base)
-
-
-def _default_manifest(name: str, where: str) -> str:
-    """<name>.manifest.json beside the configuration, for a name that is a plain file name:
-    a name such as ../x would otherwise place the manifest outside the directory."""
-    if not _NAME_RE.fullmatch(name):
-        raise ConfigError(f"{where}: manifest is required for a name that is not 1 to 64 "
-                          "letters, digits, _ or -")
-    return name + MANIFEST_SUFFIX
 
 
 def _parse_repeat(f: _ConfigObject) -> str:

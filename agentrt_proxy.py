@@ -12821,18 +12821,15 @@ def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> list[t
     out = []
     for name in sorted(set(pinned) | set(live)):
         pin, now = pinned.get(name), live.get(name)
-        if pin is None:
-            out.append((name, DRIFT_NEW))
-        elif now is None:
-            out.append((name, DRIFT_GONE))
-        else:
-            what = [w for w, same in (
-                ("the description", same_digest(hash_string(now.description),
-                                                 pin.description_hash)),
-                ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
-                if not same]
-            if what:
-                out.append((name, f"{' and '.join(what)} changed since the pin"))
+        if pin is None or now is None:
+            out.append((name, DRIFT_NEW if pin is None else DRIFT_GONE))
+            continue
+        what = [w for w, same in (
+            ("the description", same_digest(hash_string(now.description), pin.description_hash)),
+            ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
+            if not same]
+        if what:
+            out.append((name, f"{' and '.join(what)} changed since the pin"))
     return out
 
 
@@ -12863,21 +12860,14 @@ def offer(proxy: Proxy, server: str, offered: list[UpstreamTool],
                 continue
             proxy.gate.tools[name] = Tool(tool.spec, tool.call)
         now[name] = tool
-    for name in before:
-        if name not in now:
-            del proxy.tools[name]
-    for name, tool in now.items():
-        proxy.tools[name] = tool
-        if name not in proxy.order:
-            proxy.order.append(name)
-    rank = {n: i for i, n in enumerate(proxy.order)}
-    ordered = sorted(proxy.tools.items(), key=lambda item: rank[item[0]])
+    proxy.order += [n for n in now if n not in proxy.order]
+    tools = {n: t for n, t in proxy.tools.items() if t.server != server}
+    tools.update(now)
     proxy.tools.clear()                  # in place: the policy holds this same dict
-    proxy.tools.update(ordered)
-    kept = {n: v for n, v in proxy.withheld.items() if v[0] != server}
-    kept.update({n: (server, why) for n, why in withheld.items()
-                 if n in rank and n not in now})       # only names a host may have seen
-    proxy.withheld = kept
+    proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
+    proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
+    proxy.withheld.update({n: (server, why) for n, why in withheld.items()
+                           if n in proxy.order and n not in now})   # names a host may have seen
     return ([n for n, t in now.items() if before.get(n) != t.spec],
             [n for n in before if n not in now])
 
@@ -12888,9 +12878,9 @@ class DriftWatch:
     def __init__(self, cfg: Config, proxy: Proxy, tools: list[UpstreamTool],
                  log: Callable[[str], None], announce: Callable[[], None]):
         conns = {t.server: t.conn for t in tools}
-        self.watches = [ServerWatch(cfg, s, conns[s.name], proxy, log, announce)
-                        for s in cfg.servers if s.name in conns]
-        self.tasks = [asyncio.create_task(w.run()) for w in self.watches]
+        self.tasks = [asyncio.create_task(ServerWatch(cfg, s, conns[s.name], proxy, log,
+                                                      announce).run())
+                      for s in cfg.servers if s.name in conns]
 
     async def close(self) -> None:
         """Cancel the watches and wait for them, at most CLOSE_WAIT: a watch that took a
@@ -12921,7 +12911,6 @@ class ServerWatch:
         self.stamp = _manifest_stamp(server.manifest)
         self.told: tuple = ()                        # the drift the operator was told of
         self.failed = False
-        self.listings = 0
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -12942,7 +12931,6 @@ class ServerWatch:
             try:
                 await self.relist()
             except Exception as exc:      # a fault of ours: withhold rather than go unchecked
-                self.failed = True
                 self._withhold_all(f"{type(exc).__name__}: {sanitize(str(exc))}")
 
     async def _cause(self) -> bool:
@@ -12961,22 +12949,18 @@ class ServerWatch:
         return False
 
     async def relist(self) -> None:
-        server, q = self.server, _quote(self.server.name)
-        self.listings += 1
+        server, wait = self.server, self.server.connect_timeout
         self.stamp = _manifest_stamp(server.manifest)
-        deadline = time.monotonic() + server.connect_timeout
         try:
-            live_list = await asyncio.wait_for(self.conn.list_tools(deadline),
-                                               server.connect_timeout)
+            live_list = await asyncio.wait_for(self.conn.list_tools(time.monotonic() + wait),
+                                               wait)
             pinned = read_manifest(server.manifest, server.name)
-        except (ProxyError, OSError, asyncio.TimeoutError) as exc:
-            why = f"timed out after {fmt_duration(server.connect_timeout)}" \
-                if isinstance(exc, asyncio.TimeoutError) else sanitize(str(exc))
-            self.failed = True
-            self._withhold_all(why)
-            return
+        except asyncio.TimeoutError:
+            return self._withhold_all(f"timed out after {fmt_duration(wait)}")
+        except (ProxyError, OSError) as exc:
+            return self._withhold_all(sanitize(str(exc)))
         if self.failed:
-            self.log(f"drift: server {q}: listed again")
+            self.log(f"drift: server {_quote(server.name)}: listed again")
         self.failed = False
         live = {t.name: t for t in live_list}
         offered, withheld, refused = self.judge(pinned, live)
@@ -12984,14 +12968,13 @@ class ServerWatch:
         # A tool offered before and refused now for what the hashes do not cover (the
         # server's hints now dispute its class) is drift too.
         seen = {t for t, _ in changes}
-        changes += sorted((k, why) for k, why in refused.items() if k not in seen)
-        self.tell(changes)
+        self.tell(changes + sorted((k, why) for k, why in refused.items() if k not in seen))
         self.apply(offered, withheld)
 
     def _withhold_all(self, why: str) -> None:
         self.log(f"drift: server {_quote(self.server.name)}: its tools could not be listed "
                  f"again, so none of them is offered until they are: {why}")
-        self.told = ()
+        self.failed, self.told = True, ()
         names = [n for n, t in self.proxy.tools.items() if t.server == self.server.name]
         names += [n for n, v in self.proxy.withheld.items() if v[0] == self.server.name]
         self.apply([], {n: f"its server's tools could not be listed again ({why})"
@@ -13002,10 +12985,8 @@ class ServerWatch:
         """What loading would register now; why each other classified tool is not, by its
         name; and the same for those of them the host was offered before, by upstream name."""
         offered: list[UpstreamTool] = []
-        withheld: dict[str, str] = {}
-        refused: dict[str, str] = {}
-        others = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
-        taken: set[str] = set()
+        withheld, refused = {}, {}
+        taken = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
         for key, rule in sorted(self.server.rule_map.items()):
             name = rule.rename or f"{self.server.name}_{key}"
             try:
@@ -13013,7 +12994,7 @@ class ServerWatch:
                     raise ConfigError("it is not in the manifest")
                 tool, _ = _build(self.server, pinned[key], live.get(key), rule, self.conn)
                 name = tool.spec.name
-                if name == self.cfg.status_tool or name in others or name in taken:
+                if name == self.cfg.status_tool or name in taken:
                     raise ConfigError(f"the name {_quote(name)} is already taken")
             except (ProxyError, ValueError) as exc:
                 withheld[name] = str(exc)

@@ -7827,8 +7827,8 @@ def check_reach(cfg: Config) -> None:
     protected = [p for p in (cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
                              *(s.manifest for s in cfg.servers), here, _real_path(here)) if p]
     base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
-    idents: dict[tuple[int, int], str] = {}
-    unborn: dict[str, str] = {}
+    idents: dict[tuple[int, int], str] = {}     # a protected file, or a directory holding one
+    unborn: dict[str, str] = {}                 # one that does not exist yet, by its real path
     for path in protected:
         if not os.path.lexists(path):
             unborn.setdefault(_real_path(path), path)
@@ -7837,23 +7837,20 @@ def check_reach(cfg: Config) -> None:
                 with contextlib.suppress(OSError):
                     st = os.stat(ancestor)
                     idents.setdefault((st.st_dev, st.st_ino), path)
-    for server in cfg.servers:
-        if server.skip_path_check:
-            continue
-        for arg in server.command[1:]:
-            for candidate in _reach_candidates(arg):
-                candidate = os.path.join(base, candidate)
-                try:
-                    st = os.stat(candidate)
-                    hit = idents.get((st.st_dev, st.st_ino))
-                except OSError:
-                    hit = unborn.get(_real_path(candidate))
-                if hit:
-                    raise ConfigError(
-                        f"server {_quote(server.name)}: the argument {_quote(arg)} reaches "
-                        f"{hit}, which the proxy's policy and approvals depend on: point the "
-                        "server elsewhere, or set skip_path_check on it if it cannot write "
-                        "there")
+    for server, arg in [(s, a) for s in cfg.servers if not s.skip_path_check
+                        for a in s.command[1:]]:
+        for candidate in _reach_candidates(arg):
+            candidate = os.path.join(base, candidate)
+            try:
+                st = os.stat(candidate)
+                hit = idents.get((st.st_dev, st.st_ino))
+            except OSError:
+                hit = unborn.get(_real_path(candidate))
+            if hit:
+                raise ConfigError(
+                    f"server {_quote(server.name)}: the argument {_quote(arg)} reaches "
+                    f"{hit}, which the proxy's policy and approvals depend on: point the "
+                    "server elsewhere, or set skip_path_check on it if it cannot write there")
 
 
 def _ancestors(path: str) -> list[str]:

@@ -7627,7 +7627,7 @@ MIN_LEASE_TTL = 3.0
 # A server's default_timeout when the configuration gives none: a tool call without its own
 # timeout is cut off after this long (its outcome is then unknown, if it mutates).
 DEFAULT_TOOL_TIMEOUT = 30.0
-MANIFEST_SUFFIX = ".manifest.json"     # a server's manifest when none is named: <name>.manifest.json
+MANIFEST_SUFFIX = ".manifest.json"     # a server's manifest when none is named: <name>.<this>
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CONFIG_OUTCOMES = ("allow", "require_approval", "deny")
 # SQLite keeps part of the database beside it: a server that writes the WAL (or a hot
@@ -7704,23 +7704,18 @@ class Config:
     def policy_id(self) -> str:
         """The identity of exactly what the policy decides from: the policy map (defaults
         merged) and, per server by name, each rule's class, outcome, fixed values, rename,
-        conditions and limits. Descriptions, timeouts, hold, windows, TTLs and paths leave it unchanged."""
+        conditions and limits, each given only when set. Descriptions, timeouts, hold,
+        windows, TTLs and paths leave it unchanged."""
         servers = []
         for server in sorted(self.servers, key=lambda s: s.name):
             rules = {}
             for tool, rule in server.rules:
-                entry: dict[str, Any] = {"side_effect": rule.side_effect}
-                if rule.outcome:
-                    entry["outcome"] = rule.outcome
-                if rule.fixed:
-                    entry["fixed"] = {k: RawJSON(v) for k, v in rule.fixed}
-                if rule.rename:
-                    entry["rename"] = rule.rename
-                if rule.when:
-                    entry["when"] = [c.written() for c in rule.when]
-                if rule.limits:
-                    entry["limits"] = [lim.written() for lim in rule.limits]
-                rules[tool] = entry
+                given = {"outcome": rule.outcome, "rename": rule.rename,
+                         "fixed": {k: RawJSON(v) for k, v in rule.fixed},
+                         "when": [c.written() for c in rule.when],
+                         "limits": [lim.written() for lim in rule.limits]}
+                rules[tool] = {"side_effect": rule.side_effect,
+                               **{k: v for k, v in given.items() if v}}
             servers.append({"name": server.name, "rules": rules})
         doc = dump_json({"policy": self.policy_map, "servers": servers}).encode()
         return POLICY_ID_PREFIX + sha256_hex(canonical_json(doc))
@@ -7771,11 +7766,13 @@ class _ConfigObject:
             raise ConfigError(f"{where}: unknown field {_quote(unknown[0])}")
         self.doc, self.where = doc, where
 
-    def _get(self, name: str, kinds: tuple, what: str, default: Any) -> Any:
+    def _get(self, name: str, kinds: tuple, what: str, default: Any,
+             fits: Callable[[Any], bool] = lambda value: True) -> Any:
         if name not in self.doc:
             return default
         value = self.doc[name]
-        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)) \
+                or not fits(value):
             raise ConfigError(f"{self.where}: {name} must be {what}")
         return value
 
@@ -7786,18 +7783,8 @@ class _ConfigObject:
         return self._get(name, (bool,), "true or false", False)
 
     def texts(self, name: str) -> tuple[str, ...]:
-        items = self._get(name, (list,), "an array of strings", [])
-        if not all(isinstance(i, str) for i in items):
-            raise ConfigError(f"{self.where}: {name} must be an array of strings")
-        return tuple(items)
-
-    def count(self, name: str, default: int) -> int:
-        value = self._get(name, (Num,), "a whole number", None)
-        if value is None:
-            return default
-        if not value.is_integer():
-            raise ConfigError(f"{self.where}: {name} must be a whole number")
-        return int(value.exact())
+        return tuple(self._get(name, (list,), "an array of strings", [],
+                               lambda items: all(isinstance(i, str) for i in items)))
 
     def duration(self, name: str, default: float | None) -> float | None:
         value = self._get(name, (str,), 'a duration string such as "15s"', None)
@@ -7812,14 +7799,10 @@ class _ConfigObject:
         return self._get(name, (dict,), "an object", {})
 
 
-_TOP_FIELDS = ("database", "session", "servers", "policy", "hold", "repeat_window", "repeat",
-               "max_pending", "approval_ttl", "grant_ttl", "status_tool", "lease_ttl",
-               "on_pending")
-_SERVER_FIELDS = ("name", "command", "endpoint", "env", "inherit_env", "connect_timeout",
-                  "default_timeout", "manifest", "rules", "skip_path_check")
-_RULE_FIELDS = ("side_effect", "timeout", "terminal", "description", "deny", "fixed",
-                "rename", "allow_hint_mismatch", "outcome", "repeat_window", "repeat", "when",
-                "limits")
+# The fields a file may give: the records' own, less those the loader itself fills in.
+_TOP_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"path", "policy_given"}
+_SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerConfig)} - {"cwd"}
+_RULE_FIELDS = {f.name for f in dataclasses.fields(Rule)}
 
 
 def load_config(path: str) -> Config:
@@ -7845,15 +7828,16 @@ def parse_config(raw: bytes, path: str) -> Config:
     session = top.text("session")
     if not _NAME_RE.fullmatch(session):
         raise ConfigError(f"session {_quote(session)} must be 1 to 64 letters, digits, _ or -")
-    policy = dict(DEFAULT_POLICY)
-    for cls, outcome in top.obj("policy").items():
+    policy, given = dict(DEFAULT_POLICY), top.obj("policy")
+    for cls, outcome in given.items():
         if cls not in SIDE_EFFECTS:
             raise ConfigError(f"policy: unknown side effect {_quote(cls)}")
         if outcome not in CONFIG_OUTCOMES:
             raise ConfigError(f"policy: {cls}: outcome {_quote(str(outcome))} is not allow, "
                               "require_approval, or deny")
         policy[cls] = outcome
-    max_pending = top.count("max_pending", DEFAULT_MAX_PENDING)
+    max_pending = int(top._get("max_pending", (Num,), "a whole number",
+                               Num(str(DEFAULT_MAX_PENDING)), Num.is_integer).exact())
     if max_pending < 0:
         raise ConfigError("max_pending must not be negative")
     lease_ttl = top.duration("lease_ttl", DEFAULT_LEASE_TTL)
@@ -7867,12 +7851,11 @@ def parse_config(raw: bytes, path: str) -> Config:
     servers_doc = top._get("servers", (list,), "an array of servers", [])
     if not servers_doc:
         raise ConfigError("at least one server is required")
-    servers, names = [], set()
+    servers: list[ServerConfig] = []
     for i, entry in enumerate(servers_doc):
         server = _parse_server(entry, i, base)
-        if server.name in names:
+        if any(s.name == server.name for s in servers):
             raise ConfigError(f"servers[{i}]: the name {_quote(server.name)} is used twice")
-        names.add(server.name)
         servers.append(server)
     check_shared_limits(servers)
     return Config(
@@ -7885,7 +7868,7 @@ def parse_config(raw: bytes, path: str) -> Config:
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
         status_tool=status_tool, lease_ttl=lease_ttl,
-        policy_given=tuple(sorted(top.obj("policy"))), on_pending=_parse_on_pending(top))
+        policy_given=tuple(sorted(given)), on_pending=_parse_on_pending(top))
 
 
 # -- on_pending: the command the proxy starts when an approval starts to wait --
@@ -7933,11 +7916,15 @@ def check_reach(cfg: Config) -> None:
     argument is read from the configuration's directory, where the server starts. A guard
     against a mistake in the configuration, not a boundary: it cannot see what a server
     reaches by other means."""
-    protected = [p for p in (cfg.path, *_database_files(cfg.database),
-                             *(s.manifest for s in cfg.servers), *_proxy_files()) if p]
+    # SQLite names the sidecars after the path it opened: beside the name given and beside
+    # the file it resolves to. A server that can rewrite the proxy's own code rewrites the gate.
+    db = (cfg.database, _real_path(cfg.database)) if cfg.database else ()
+    here = os.path.abspath(__file__)
+    protected = [p for p in (cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
+                             *(s.manifest for s in cfg.servers), here, _real_path(here)) if p]
     base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
-    idents: dict[tuple[int, int], str] = {}
-    unborn: dict[str, str] = {}
+    idents: dict[tuple[int, int], str] = {}     # a protected file, or a directory holding one
+    unborn: dict[str, str] = {}                 # one that does not exist yet, by its real path
     for path in protected:
         if not os.path.lexists(path):
             unborn.setdefault(_real_path(path), path)
@@ -7946,38 +7933,20 @@ def check_reach(cfg: Config) -> None:
                 with contextlib.suppress(OSError):
                     st = os.stat(ancestor)
                     idents.setdefault((st.st_dev, st.st_ino), path)
-    for server in cfg.servers:
-        if server.skip_path_check:
-            continue
-        for arg in server.command[1:]:
-            for candidate in _reach_candidates(arg):
-                candidate = os.path.join(base, candidate)
-                try:
-                    st = os.stat(candidate)
-                    hit = idents.get((st.st_dev, st.st_ino))
-                except OSError:
-                    hit = unborn.get(_real_path(candidate))
-                if hit:
-                    raise ConfigError(
-                        f"server {_quote(server.name)}: the argument {_quote(arg)} reaches "
-                        f"{hit}, which the proxy's policy and approvals depend on: point the "
-                        "server elsewhere, or set skip_path_check on it if it cannot write "
-                        "there")
-
-
-def _proxy_files() -> list[str]:
-    """The proxy's own code as it runs: a server that can rewrite it rewrites the gate."""
-    here = os.path.abspath(__file__)
-    return list(dict.fromkeys((here, _real_path(here))))
-
-
-def _database_files(path: str) -> list[str]:
-    """The database and its sidecars, each beside the name given and beside the file it
-    resolves to: SQLite names them after the path it opened."""
-    if not path:
-        return []
-    bases = dict.fromkeys((path, _real_path(path)))
-    return [base + suffix for base in bases for suffix in ("", *DATABASE_SIDECARS)]
+    for server, arg in [(s, a) for s in cfg.servers if not s.skip_path_check
+                        for a in s.command[1:]]:
+        for candidate in _reach_candidates(arg):
+            candidate = os.path.join(base, candidate)
+            try:
+                st = os.stat(candidate)
+                hit = idents.get((st.st_dev, st.st_ino))
+            except OSError:
+                hit = unborn.get(_real_path(candidate))
+            if hit:
+                raise ConfigError(
+                    f"server {_quote(server.name)}: the argument {_quote(arg)} reaches "
+                    f"{hit}, which the proxy's policy and approvals depend on: point the "
+                    "server elsewhere, or set skip_path_check on it if it cannot write there")
 
 
 def _ancestors(path: str) -> list[str]:
@@ -7999,27 +7968,16 @@ def _real_path(path: str) -> str:
 def _reach_candidates(arg: str) -> list[str]:
     """The paths an argument may name: itself, after its first '=' or ':', the rest of a
     short flag such as -r/path, a file:// URL's path, and a leading ~ expanded."""
-    found = [arg]
-    for sep in ("=", ":"):
-        if sep in arg:
-            found.append(arg.split(sep, 1)[1])
+    found = [arg] + [arg.split(sep, 1)[1] for sep in "=:" if sep in arg]
     if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
         found.append(arg[2:])
-    for cand in list(found):
-        if ":" not in cand:             # no scheme: urllib.parse (imported late) not needed
-            continue
+    for cand in [c for c in found if ":" in c]:     # no scheme: urllib.parse (late) not needed
         import urllib.parse
         url = urllib.parse.urlsplit(cand)
         if url.scheme.lower() == "file":
             found.append(urllib.parse.unquote(url.path))
     home = os.path.expanduser("~")
-    out = []
-    for cand in found:
-        if cand == "~" or cand.startswith("~/"):
-            cand = home + cand[1:]
-        if cand:
-            out.append(cand)
-    return out
+    return [home + c[1:] if c == "~" or c.startswith("~/") else c for c in found if c]
 
 
 def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
@@ -8031,7 +7989,10 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
     command, endpoint = f.texts("command"), f.text("endpoint")
     if bool(command) == bool(endpoint):
         raise ConfigError(f"{where}: exactly one of command or endpoint is required")
-    manifest = f.text("manifest") if "manifest" in f.doc else _default_manifest(name, where)
+    if "manifest" not in f.doc and not _NAME_RE.fullmatch(name):   # ../x would leave the dir
+        raise ConfigError(f"{where}: manifest is required for a name that is not 1 to 64 "
+                          "letters, digits, _ or -")
+    manifest = f.text("manifest", name + MANIFEST_SUFFIX)
     if not manifest:
         raise ConfigError(f"{where}: manifest is empty: name a file, or leave manifest out "
                           f"for {name}{MANIFEST_SUFFIX}")
@@ -8042,24 +8003,14 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
     for var in inherit:
         if not var or "=" in var:
             raise ConfigError(f"{where}: inherit_env entry {_quote(var)} is not a variable name")
-    rules = []
-    for tool, rule_doc in sorted(f.obj("rules").items()):
-        rules.append((tool, _parse_rule(rule_doc, f"{where}: tool {_quote(tool)}")))
+    rules = tuple((tool, _parse_rule(rule_doc, f"{where}: tool {_quote(tool)}"))
+                  for tool, rule_doc in sorted(f.obj("rules").items()))
     return ServerConfig(
         name=name, command=command, endpoint=endpoint, env=env, inherit_env=inherit,
         connect_timeout=f.duration("connect_timeout", 0.0) or DEFAULT_CONNECT_TIMEOUT,
         default_timeout=f.duration("default_timeout", DEFAULT_TOOL_TIMEOUT),
-        manifest=os.path.join(base, manifest), rules=tuple(rules),
+        manifest=os.path.join(base, manifest), rules=rules,
         skip_path_check=f.flag("skip_path_check"), cwd=base)
-
-
-def _default_manifest(name: str, where: str) -> str:
-    """<name>.manifest.json beside the configuration, for a name that is a plain file name:
-    a name such as ../x would otherwise place the manifest outside the directory."""
-    if not _NAME_RE.fullmatch(name):
-        raise ConfigError(f"{where}: manifest is required for a name that is not 1 to 64 "
-                          "letters, digits, _ or -")
-    return name + MANIFEST_SUFFIX
 
 
 def _parse_repeat(f: _ConfigObject) -> str:
@@ -12948,18 +12899,15 @@ def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> list[t
     out = []
     for name in sorted(set(pinned) | set(live)):
         pin, now = pinned.get(name), live.get(name)
-        if pin is None:
-            out.append((name, DRIFT_NEW))
-        elif now is None:
-            out.append((name, DRIFT_GONE))
-        else:
-            what = [w for w, same in (
-                ("the description", same_digest(hash_string(now.description),
-                                                 pin.description_hash)),
-                ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
-                if not same]
-            if what:
-                out.append((name, f"{' and '.join(what)} changed since the pin"))
+        if pin is None or now is None:
+            out.append((name, DRIFT_NEW if pin is None else DRIFT_GONE))
+            continue
+        what = [w for w, same in (
+            ("the description", same_digest(hash_string(now.description), pin.description_hash)),
+            ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
+            if not same]
+        if what:
+            out.append((name, f"{' and '.join(what)} changed since the pin"))
     return out
 
 
@@ -12990,21 +12938,14 @@ def offer(proxy: Proxy, server: str, offered: list[UpstreamTool],
                 continue
             proxy.gate.tools[name] = Tool(tool.spec, tool.call)
         now[name] = tool
-    for name in before:
-        if name not in now:
-            del proxy.tools[name]
-    for name, tool in now.items():
-        proxy.tools[name] = tool
-        if name not in proxy.order:
-            proxy.order.append(name)
-    rank = {n: i for i, n in enumerate(proxy.order)}
-    ordered = sorted(proxy.tools.items(), key=lambda item: rank[item[0]])
+    proxy.order += [n for n in now if n not in proxy.order]
+    tools = {n: t for n, t in proxy.tools.items() if t.server != server}
+    tools.update(now)
     proxy.tools.clear()                  # in place: the policy holds this same dict
-    proxy.tools.update(ordered)
-    kept = {n: v for n, v in proxy.withheld.items() if v[0] != server}
-    kept.update({n: (server, why) for n, why in withheld.items()
-                 if n in rank and n not in now})       # only names a host may have seen
-    proxy.withheld = kept
+    proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
+    proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
+    proxy.withheld.update({n: (server, why) for n, why in withheld.items()
+                           if n in proxy.order and n not in now})   # names a host may have seen
     return ([n for n, t in now.items() if before.get(n) != t.spec],
             [n for n in before if n not in now])
 
@@ -13015,9 +12956,9 @@ class DriftWatch:
     def __init__(self, cfg: Config, proxy: Proxy, tools: list[UpstreamTool],
                  log: Callable[[str], None], announce: Callable[[], None]):
         conns = {t.server: t.conn for t in tools}
-        self.watches = [ServerWatch(cfg, s, conns[s.name], proxy, log, announce)
-                        for s in cfg.servers if s.name in conns]
-        self.tasks = [asyncio.create_task(w.run()) for w in self.watches]
+        self.tasks = [asyncio.create_task(ServerWatch(cfg, s, conns[s.name], proxy, log,
+                                                      announce).run())
+                      for s in cfg.servers if s.name in conns]
 
     async def close(self) -> None:
         """Cancel the watches and wait for them, at most CLOSE_WAIT: a watch that took a
@@ -13048,7 +12989,6 @@ class ServerWatch:
         self.stamp = _manifest_stamp(server.manifest)
         self.told: tuple = ()                        # the drift the operator was told of
         self.failed = False
-        self.listings = 0
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -13069,7 +13009,6 @@ class ServerWatch:
             try:
                 await self.relist()
             except Exception as exc:      # a fault of ours: withhold rather than go unchecked
-                self.failed = True
                 self._withhold_all(f"{type(exc).__name__}: {sanitize(str(exc))}")
 
     async def _cause(self) -> bool:
@@ -13088,22 +13027,18 @@ class ServerWatch:
         return False
 
     async def relist(self) -> None:
-        server, q = self.server, _quote(self.server.name)
-        self.listings += 1
+        server, wait = self.server, self.server.connect_timeout
         self.stamp = _manifest_stamp(server.manifest)
-        deadline = time.monotonic() + server.connect_timeout
         try:
-            live_list = await asyncio.wait_for(self.conn.list_tools(deadline),
-                                               server.connect_timeout)
+            live_list = await asyncio.wait_for(self.conn.list_tools(time.monotonic() + wait),
+                                               wait)
             pinned = read_manifest(server.manifest, server.name)
-        except (ProxyError, OSError, asyncio.TimeoutError) as exc:
-            why = f"timed out after {fmt_duration(server.connect_timeout)}" \
-                if isinstance(exc, asyncio.TimeoutError) else sanitize(str(exc))
-            self.failed = True
-            self._withhold_all(why)
-            return
+        except asyncio.TimeoutError:
+            return self._withhold_all(f"timed out after {fmt_duration(wait)}")
+        except (ProxyError, OSError) as exc:
+            return self._withhold_all(sanitize(str(exc)))
         if self.failed:
-            self.log(f"drift: server {q}: listed again")
+            self.log(f"drift: server {_quote(server.name)}: listed again")
         self.failed = False
         live = {t.name: t for t in live_list}
         offered, withheld, refused = self.judge(pinned, live)
@@ -13111,14 +13046,13 @@ class ServerWatch:
         # A tool offered before and refused now for what the hashes do not cover (the
         # server's hints now dispute its class) is drift too.
         seen = {t for t, _ in changes}
-        changes += sorted((k, why) for k, why in refused.items() if k not in seen)
-        self.tell(changes)
+        self.tell(changes + sorted((k, why) for k, why in refused.items() if k not in seen))
         self.apply(offered, withheld)
 
     def _withhold_all(self, why: str) -> None:
         self.log(f"drift: server {_quote(self.server.name)}: its tools could not be listed "
                  f"again, so none of them is offered until they are: {why}")
-        self.told = ()
+        self.failed, self.told = True, ()
         names = [n for n, t in self.proxy.tools.items() if t.server == self.server.name]
         names += [n for n, v in self.proxy.withheld.items() if v[0] == self.server.name]
         self.apply([], {n: f"its server's tools could not be listed again ({why})"
@@ -13129,10 +13063,8 @@ class ServerWatch:
         """What loading would register now; why each other classified tool is not, by its
         name; and the same for those of them the host was offered before, by upstream name."""
         offered: list[UpstreamTool] = []
-        withheld: dict[str, str] = {}
-        refused: dict[str, str] = {}
-        others = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
-        taken: set[str] = set()
+        withheld, refused = {}, {}
+        taken = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
         for key, rule in sorted(self.server.rule_map.items()):
             name = rule.rename or f"{self.server.name}_{key}"
             try:
@@ -13140,7 +13072,7 @@ class ServerWatch:
                     raise ConfigError("it is not in the manifest")
                 tool, _ = _build(self.server, pinned[key], live.get(key), rule, self.conn)
                 name = tool.spec.name
-                if name == self.cfg.status_tool or name in others or name in taken:
+                if name == self.cfg.status_tool or name in taken:
                     raise ConfigError(f"the name {_quote(name)} is already taken")
             except (ProxyError, ValueError) as exc:
                 withheld[name] = str(exc)
@@ -13222,6 +13154,10 @@ class Evaluation:
     rechecked_hash: str = ""
     policy_id: str = ""
 
+    def judged(self, result: str, detail: str = "") -> Evaluation:
+        self.result, self.detail = result, detail
+        return self
+
 
 @dataclasses.dataclass(repr=False)
 class RecheckReport:
@@ -13238,35 +13174,32 @@ class RecheckReport:
 
     @property
     def identity(self) -> str:
-        asked = [e.policy_id for e in self.evaluations if e.result in ("same", "different")]
-        if not asked or not self.policy_id or not all(asked):
+        asked = {e.policy_id for e in self.evaluations if e.result in ("same", "different")}
+        if not asked or not self.policy_id or "" in asked:
             return "unknown"
-        return "unchanged" if all(p == self.policy_id for p in asked) else "changed"
+        return "unchanged" if asked == {self.policy_id} else "changed"
 
     def as_json(self) -> dict:
+        differ, skipped = self.count("different"), self.count("not_recheckable")
         return {"run_id": self.run_id, "run_status": self.run_status,
                 "policy_id": self.policy_id, "identity": self.identity,
                 "spec_source": self.spec_source, "notes": self.notes,
                 "evaluations": [dataclasses.asdict(e) for e in self.evaluations],
-                "same": self.count("different") == 0,
-                "differences": self.count("different"),
-                "rechecked": self.count("same", "different"),
-                "not_recheckable": self.count("not_recheckable"),
-                "complete": self.count("not_recheckable") == 0}
+                "same": differ == 0, "differences": differ,
+                "rechecked": self.count("same", "different"), "not_recheckable": skipped,
+                "complete": skipped == 0}
 
     def lines(self) -> list[str]:
-        differ, checked = self.count("different"), self.count("same", "different")
         asked = sorted({e.policy_id for e in self.evaluations
                         if e.result in ("same", "different") and e.policy_id})
         identity = {"unchanged": f'policy unchanged: "{self.policy_id}"',
                     "changed": "policy changed: recorded " + ", ".join(f'"{p}"' for p in asked)
                                + f', given "{self.policy_id}"',
                     "unknown": "policy identity unknown"}[self.identity]
-        out = [sanitize(f"run {self.run_id} {self.run_status}: {differ} of {checked} "
-                        f"re-checked decision(s) differ; {identity}; {self.spec_source} specs")]
-        ordered = [e for e in self.evaluations if e.result == "different"] + \
-            [e for e in self.evaluations if e.result != "different"]
-        for e in ordered:
+        out = [sanitize(f"run {self.run_id} {self.run_status}: {self.count('different')} of "
+                        f"{self.count('same', 'different')} re-checked decision(s) differ; "
+                        f"{identity}; {self.spec_source} specs")]
+        for e in sorted(self.evaluations, key=lambda e: e.result != "different"):
             where = f"step {e.step_index} seq {e.seq} {_bound(e.tool) or '-'}" + \
                 (" (on resume)" if e.on_resume else "")
             detail = f": {_bound(e.detail)}" if e.detail else ""
@@ -13277,8 +13210,7 @@ class RecheckReport:
                            f"{_bound(e.rechecked) or 'none'}{detail}")
             else:
                 out.append(f"skipped   {where}: {_bound(e.detail)}")
-        out += [f"note: {_bound(n)}" for n in self.notes]
-        return out
+        return out + [f"note: {_bound(n)}" for n in self.notes]
 
 
 def _bound(text: str) -> str:
@@ -13287,7 +13219,8 @@ def _bound(text: str) -> str:
 
 class _RecordedPolicy(ProxyPolicy):
     """The proxy's policy as re-check hands it a recorded request: whether a request re-ran
-    an unknown outcome is read from the interruption approval the policy asked for then."""
+    an unknown outcome, or repeated an execution, is read from the approval the policy asked
+    for next in its step."""
 
     def __init__(self, cfg: Config, tools: dict, policy_id: str, store: Store):
         super().__init__(cfg.policy_map, tools, None, policy_id)
@@ -13295,7 +13228,7 @@ class _RecordedPolicy(ProxyPolicy):
         self.following: Approval | None = None
         self.as_of: tuple[int, float] | None = None     # the decision's event and time
 
-    def use_of(self) -> "UseOf | None":
+    def use_of(self) -> UseOf | None:
         """Limits as they stood when the decision was made: from the executions recorded
         before it."""
         if self.as_of is None:
@@ -13303,54 +13236,50 @@ class _RecordedPolicy(ProxyPolicy):
         seq, now = self.as_of
         return lambda key, limit: recorded_use(self.store, self.tools, key, limit, seq, now)
 
+    def _asked(self, request: ToolRequest, kind: str) -> Approval | None:
+        nxt = self.following
+        return nxt if nxt is not None and (nxt.step_id, nxt.kind) == (request.step_id, kind) \
+            else None
+
     def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
         at = super().rerun_of(request, view)
         if at is not None:
             return at
-        nxt = self.following
-        if nxt is not None and nxt.step_id == request.step_id and nxt.kind == INTERRUPTED_KIND:
-            named = _interrupted_attempt(nxt)
-            if named is not None and not (named.get("run_id") == request.run_id and
-                                          named.get("step_id") == request.step_id):
-                return named
-        return None
+        named = _interrupted_attempt(self._asked(request, INTERRUPTED_KIND))
+        if named is None or (named.get("run_id"), named.get("step_id")) == \
+                (request.run_id, request.step_id):
+            return None
+        return named
 
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
-        earlier = super().repeat_of(request, view)
-        nxt = self.following
-        if earlier is None and nxt is not None and nxt.step_id == request.step_id and \
-                nxt.kind == REPEAT_KIND:
-            return repeat_in(nxt)
-        return earlier
+        earlier, asked = super().repeat_of(request, view), self._asked(request, REPEAT_KIND)
+        return repeat_in(asked) if earlier is None and asked is not None else earlier
 
 
 def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
                 current: dict[str, ToolSpec] | None) -> RecheckReport:
     run = store.get_run(run_id)
-    steps = {s.id: s for s in store.list_steps(run_id)}
-    ordered_steps = sorted(steps.values(), key=lambda s: s.idx)
-    approvals = store.list_approvals(run_id)
+    whole = RunView(run, sorted(store.list_steps(run_id), key=lambda s: s.idx),
+                    store.list_approvals(run_id))
+    steps = {s.id: s for s in whole.steps}
     events = store.list_events(run_id)
     report = RecheckReport(run_id, run.status, policy.policy_id,
                            "current" if current is not None else "recorded")
     if run.status not in TERMINAL:
         report.notes.append(f"the run is {run.status}; it was re-checked up to its current "
                             "state")
-    decided_at: dict[str, int] = {}
-    for i, (seq, _r, step_id, _at, typ, payload, _h) in enumerate(events):
-        if typ == "approval.decided":
-            continue
-        if typ == "step.failed" and payload and '"policy error: ' in payload and \
+    for i, event in enumerate(events):
+        seq, _r, step_id, _at, typ, payload, _h = event
+        step = steps.get(step_id)
+        if typ == "step.policy":
+            report.evaluations.append(_recheck_one(store, whole, events, event, step, policy,
+                                                   current))
+        elif typ == "step.failed" and payload and '"policy error: ' in payload and \
                 not (i and events[i - 1][4] == "step.policy" and events[i - 1][2] == step_id):
-            step = steps.get(step_id)
             report.evaluations.append(Evaluation(
                 step.idx if step else -1, step_id, seq, "", "not_recheckable", "error",
                 detail="not re-checkable: policy failed; no evaluation recorded: " +
                 loads_own(payload).get("detail", "").removeprefix("policy error: ")))
-        if typ != "step.policy":
-            continue
-        report.evaluations.append(_recheck_one(store, run, steps, ordered_steps, approvals,
-                                               events, seq, step_id, payload, policy, current))
     if not report.evaluations:
         report.notes.append("no policy evaluation is recorded")
     return report
@@ -13359,109 +13288,87 @@ def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
 def _approvals_as_of(approvals: list[Approval], events: list, seq: int,
                      count: int) -> list[Approval]:
     """The first ``count`` approvals, each with the status it had at event ``seq``."""
+    shown = approvals[:count]
+    decided = [loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided"] \
+        if shown else []
     out = []
-    for a in approvals[:count]:
-        status, decided = PENDING, None
-        for e in events:
-            if e[0] >= seq:
-                break
-            if e[4] == "approval.decided":
-                doc = loads_own(e[5])
-                if doc.get("approval_id") == a.id:
-                    status, decided = doc.get("status", PENDING), doc
-        if decided is None:
-            out.append(dataclasses.replace(a, status=PENDING, decided_at="", decided_by="",
-                                           note=""))
-        else:
-            out.append(dataclasses.replace(a, status=status))
+    for a in shown:
+        doc = next((d for d in reversed(decided) if d.get("approval_id") == a.id), None)
+        out.append(dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
+                   if doc is None else dataclasses.replace(a, status=doc.get("status", PENDING)))
     return out
 
 
-def _recheck_one(store, run, steps, ordered_steps, approvals, events, seq, step_id, payload,
-                 policy: _RecordedPolicy, current) -> Evaluation:
-    step = steps.get(step_id)
+def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step: Step | None,
+                 policy: _RecordedPolicy, current: dict[str, ToolSpec] | None) -> Evaluation:
+    """The decision recorded at ``event`` handed again to ``policy`` as it was handed then:
+    the request, and the view of the run at that moment with its approvals as they stood."""
+    seq, _r, step_id, at, _t, payload, _h = event
     try:
         rec = loads_own(payload)
     except JSONError:
         return Evaluation(-1, step_id, seq, "", "not_recheckable", "",
                           detail="not re-checkable: the recorded decision is unreadable")
-    outcome = rec.get("outcome", "")
-    tool_name = ((step.decision or {}).get("tool", "") if step else "")
-    ev = Evaluation(step.idx if step else -1, step_id, seq, tool_name, "", outcome,
-                    policy_id=rec.get("policy_id", ""))
+    outcome, kind = rec.get("outcome", ""), rec.get("kind", "")
+    decision = (step.decision or {}) if step else {}
+    ev = Evaluation(step.idx if step else -1, step_id, seq, decision.get("tool", ""), "",
+                    outcome, policy_id=rec.get("policy_id", ""))
     view = rec.get("view")
     if not isinstance(view, dict):
-        ev.result = "not_a_policy_evaluation"
-        ev.detail = ("an interrupted side effect's pause" if rec.get("kind") == INTERRUPTED_KIND
-                     else "a pause the policy did not make")
-        return ev
+        return ev.judged("not_a_policy_evaluation", "an interrupted side effect's pause"
+                         if kind == INTERRUPTED_KIND else "a pause the policy did not make")
     ev.on_resume = view.get("status") == WAITING
-    if step is None or (step.decision or {}).get("kind") != "tool_call":
-        ev.result, ev.detail = "not_recheckable", "not re-checkable: the step is not a tool call"
-        return ev
+    if decision.get("kind") != "tool_call":
+        return ev.judged("not_recheckable", "not re-checkable: the step is not a tool call")
     try:
         recorded_spec = store.spec(rec.get("spec_hash", ""))
     except NotFound:
-        ev.result, ev.detail = "not_recheckable", "not re-checkable: no spec is recorded"
-        return ev
-    spec = recorded_spec
-    if current is not None:
-        spec = current.get(tool_name)
-        if spec is None:
-            ev.result, ev.detail = "different", f"the tool {tool_name} is no longer offered"
-            return ev
+        return ev.judged("not_recheckable", "not re-checkable: no spec is recorded")
+    spec = recorded_spec if current is None else current.get(ev.tool)
+    if spec is None:
+        return ev.judged("different", f"the tool {ev.tool} is no longer offered")
     args = step.args or b"{}"
-    recorded_request = ToolRequest(run.id, step_id, recorded_spec, args)
-    request = ToolRequest(run.id, step_id, spec, args)
+    request = ToolRequest(whole.run.id, step_id, spec, args)
     n_steps, n_approvals = int(view.get("steps", 0)), int(view.get("approvals", 0))
-    view_run = dataclasses.replace(run, status=view.get("status", RUNNING),
-                                   step_count=int(view.get("step_count", 0)), reason="",
-                                   reason_detail="", finished_at="", result_json="")
-    handed_view = RunView(view_run, ordered_steps[:n_steps],
-                          _approvals_as_of(approvals, events, seq, n_approvals))
+    then = dataclasses.replace(whole.run, status=view.get("status", RUNNING),
+                               step_count=int(view.get("step_count", 0)), reason="",
+                               reason_detail="", finished_at="", result_json="")
+    handed_view = RunView(then, whole.steps[:n_steps],
+                          _approvals_as_of(whole.approvals, events, seq, n_approvals))
+    approvals = whole.approvals
     policy.following = approvals[n_approvals] if n_approvals < len(approvals) else None
-    at = next((e[3] for e in events if e[0] == seq), "")
     policy.as_of = (seq, parse_time(at)) if at else None
     try:
-        handed = dataclasses.replace(
-            request, spec=dataclasses.replace(spec, input_schema=policy_json(spec.input_schema,
-                                                                             False)),
-            args=policy_json(args))
-        now = policy.evaluate(handed, handed_view)
+        schema = policy_json(spec.input_schema, False)
+        now = policy.evaluate(dataclasses.replace(
+            request, spec=dataclasses.replace(spec, input_schema=schema),
+            args=policy_json(args)), handed_view)
     except Exception as exc:
-        ev.result, ev.rechecked, ev.detail = "different", "error", f"policy failed: {exc}"
-        return ev
+        ev.rechecked = "error"
+        return ev.judged("different", f"policy failed: {exc}")
     finally:
         policy.following, policy.as_of = None, None
     ev.rechecked = now.outcome
     if now.outcome != outcome:
-        ev.result, ev.detail = "different", now.reason
-        return ev
+        return ev.judged("different", now.reason)
     if outcome == "require_approval":
-        if now.kind != rec.get("kind", ""):
-            ev.result = "different"
-            ev.detail = f"asks for approval kind {_quote(now.kind)}, not {_quote(rec.get('kind', ''))}"
-            return ev
+        if now.kind != kind:
+            return ev.judged("different", f"asks for approval kind {_quote(now.kind)}, not "
+                             f"{_quote(kind)}")
         try:
-            was = approval_hash(rec.get("kind", ""), _raw_member(payload, "capability"),
-                                _raw_member(payload, "presentation"), recorded_request)
-            new = approval_hash(now.kind, now.capability.strip(JSON_WS),
-                                now.presentation.strip(JSON_WS), request)
+            spans = member_spans(payload.encode())
+            was = approval_hash(kind, spans.get("capability", b"{}"),
+                                spans.get("presentation", b"{}"),
+                                ToolRequest(whole.run.id, step_id, recorded_spec, args))
+            ev.rechecked_hash = approval_hash(now.kind, now.capability.strip(JSON_WS),
+                                              now.presentation.strip(JSON_WS), request)
         except (JSONError, TypeError, ValueError) as exc:
-            ev.result, ev.detail = "not_recheckable", f"not re-checkable: {exc}"
-            return ev
-        ev.recorded_hash, ev.rechecked_hash = was, new
-        if was != new:
-            ev.result = "different"
-            ev.detail = ("asks for another approval: its capability, presentation or tool spec "
-                         "changed")
-            return ev
-    ev.result = "same"
-    return ev
-
-
-def _raw_member(payload: str, name: str) -> bytes:
-    return member_spans(payload.encode()).get(name, b"{}")
+            return ev.judged("not_recheckable", f"not re-checkable: {exc}")
+        ev.recorded_hash = was
+        if was != ev.rechecked_hash:
+            return ev.judged("different", "asks for another approval: its capability, "
+                             "presentation or tool spec changed")
+    return ev.judged("same")
 
 
 async def cmd_recheck(cfg: Config, args, out: Out) -> int:
@@ -13470,18 +13377,15 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     check_database_owner(cfg.database, writer=False)
     store = Store.open_existing(cfg.database, readonly=True)
     tools: list[UpstreamTool] = []
+    session, run_ids = args.session or cfg.session, [args.run]
     try:
-        current = None
         if args.current_tools:
             check_reach(cfg)
             tools, _ = await load_tools(cfg, out.log)
-            current = {t.spec.name: t.spec for t in tools}
+        current = {t.spec.name: t.spec for t in tools} if args.current_tools else None
         by_name = {t.spec.name: t for t in tools} if tools else configured_tools(cfg)
         policy = _RecordedPolicy(cfg, by_name, cfg.policy_id(), store)
-        session = args.session or cfg.session
-        if args.run:
-            run_ids = [args.run]
-        else:
+        if not args.run:
             try:
                 rows = store._read("SELECT run_id FROM proxy_calls WHERE session=? ORDER BY id "
                                    "DESC LIMIT ?", (session, args.limit))
@@ -13499,10 +13403,8 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     if args.json:
         out.json([r.as_json() for r in reports])
     else:
-        for report in reports:
-            for line in report.lines():
-                out.line(line)
-            out.line()
+        for line in [line for r in reports for line in (*r.lines(), "")]:
+            out.line(line)
         out.line(f"{len(reports)} run(s) re-checked under {cfg.policy_id()}; {rechecked} "
                  f"decision(s) re-checked; {skipped} not re-checkable and skipped; {differ} "
                  "run(s) differ")

@@ -13475,68 +13475,38 @@ OUTCOME_SAID = {
                      "limits"}
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
-# Each command's entry in the help (its lines, each ending in a line break), by the command:
-# the general help lists them all, and `X --help` prints X's alone (help_text).
-_USAGES = {
-    "serve": """\
-  python agentrt_proxy.py -config proxy.json          serve the host over stdin and stdout
-""",
-    "pin": """\
-  python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
-""",
-    "check": """\
-  python agentrt_proxy.py check -config proxy.json [-strict]
-                                  what is offered, refused, unclassified (-strict: a refused
-                                  tool exits 1)
-""",
-    "wrap": """\
-  python agentrt_proxy.py wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json
-                                  [-write [-rules suggested]]   a new configuration from
-                                  the host's servers (without -write: what it would write)
-""",
-    "recheck": """\
-  python agentrt_proxy.py recheck -config proxy.json [-run ID | -session NAME] [-limit N]
-                                  [-current-tools] [-json]   what today's policy decides otherwise
-""",
-    "runs": """\
-  python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
-""",
-    "show": """\
-  python agentrt_proxy.py -db DATABASE [-json] show RUN [-limit N] [-offset N]
-""",
-    "events": """\
-  python agentrt_proxy.py -db DATABASE [-json] events RUN [-limit N] [-offset N]
-""",
-    "approve": """\
-  python agentrt_proxy.py -db DATABASE approve [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
-""",
-    "reject": """\
-  python agentrt_proxy.py -db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
-                                  [-outcome executed|not-executed|unknown]   for an interrupted
-                                  attempt: what came of it (default unknown); not-executed
-                                  stops counting it toward limits
-""",
-    "cancel": """\
-  python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
-""",
-    "verify": """\
-  python agentrt_proxy.py -db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]
-""",
-    "pending": """\
-  python agentrt_proxy.py -db DATABASE [-json] pending     what waits, and the command that decides it
-""",
-    "inbox": """\
-  python agentrt_proxy.py -db DATABASE inbox [-once] [-by WHO] [-tty-not-required]
-                                  decide from a terminal; -tty-not-required reads a pipe
-""",
-    "webhook": """\
-  python agentrt_proxy.py -db DATABASE webhook -listen 127.0.0.1:PORT -secret-file FILE [-public]
-""",
-    "sign": """\
-  python agentrt_proxy.py [-json] sign -secret-file FILE -method GET|POST -path PATH
-                                  [-body TEXT | -body-file FILE]   headers for one webhook request
-""",
-}
+USAGE_NOTE_COLUMN = 34               # where the notes under a command's line in the help begin
+# Each command's entry in the help, by the command: its line, then its notes, each line of the
+# entry ending in a line break. The general help lists them all, and `X --help` prints X's
+# alone (help_text).
+_USAGES = {command: "  python agentrt_proxy.py " + ("\n" + " " * USAGE_NOTE_COLUMN).join(lines)
+           + "\n" for command, lines in {
+    "serve": ["-config proxy.json          serve the host over stdin and stdout"],
+    "pin": ["pin -config proxy.json      pin each server's tools (writes manifests)"],
+    "check": ["check -config proxy.json [-strict]",
+              "what is offered, refused, unclassified (-strict: a refused", "tool exits 1)"],
+    "wrap": ["wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json",
+             "[-write [-rules suggested]]   a new configuration from",
+             "the host's servers (without -write: what it would write)"],
+    "recheck": ["recheck -config proxy.json [-run ID | -session NAME] [-limit N]",
+                "[-current-tools] [-json]   what today's policy decides otherwise"],
+    "runs": ["-db DATABASE [-json] runs [-limit N] [-offset N]"],
+    "show": ["-db DATABASE [-json] show RUN [-limit N] [-offset N]"],
+    "events": ["-db DATABASE [-json] events RUN [-limit N] [-offset N]"],
+    "approve": ["-db DATABASE approve [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]"],
+    "reject": ["-db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]",
+               "[-outcome executed|not-executed|unknown]   for an interrupted",
+               "attempt: what came of it (default unknown); not-executed",
+               "stops counting it toward limits"],
+    "cancel": ["-db DATABASE cancel  RUN [-by WHO] [-note TEXT]"],
+    "verify": ["-db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]"],
+    "pending": ["-db DATABASE [-json] pending     what waits, and the command that decides it"],
+    "inbox": ["-db DATABASE inbox [-once] [-by WHO] [-tty-not-required]",
+              "decide from a terminal; -tty-not-required reads a pipe"],
+    "webhook": ["-db DATABASE webhook -listen 127.0.0.1:PORT -secret-file FILE [-public]"],
+    "sign": ["[-json] sign -secret-file FILE -method GET|POST -path PATH",
+             "[-body TEXT | -body-file FILE]   headers for one webhook request"],
+}.items()}
 _USAGE_DATABASE = ("The database is the -db file, else the 'database' of the -config file, "
                    "else\n$AGENTRT_DB.")
 _USAGE_FLAGS = "Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."
@@ -13588,53 +13558,36 @@ def build_parser() -> argparse.ArgumentParser:
     top = _CommandLine(prog="agentrt_proxy.py", add_help=False, allow_abbrev=False)
     _flags(top, ("db", {}), ("config", {}), ("json", {"action": "store_true"}))
     sub = top.add_subparsers(dest="command", parser_class=_CommandLine)
+    on, config = {"action": "store_true"}, ("config", {"default": argparse.SUPPRESS})
     page = (("limit", {"type": int}), ("offset", {"type": int, "default": 0}))
-    _flags(sub.add_parser("runs", add_help=False, allow_abbrev=False), *page)
-    show = sub.add_parser("show", add_help=False, allow_abbrev=False)
-    show.add_argument("run")
-    _flags(show, *page)
-    events = sub.add_parser("events", add_help=False, allow_abbrev=False)
-    events.add_argument("run")
-    _flags(events, *page)
-    for verb in ("approve", "reject"):
-        p = sub.add_parser(verb, add_help=False, allow_abbrev=False)
-        p.add_argument("run", nargs="?")
-        _flags(p, ("approval", {}), ("by", {}), ("note", {"default": ""}),
-               ("yes", {"action": "store_true"}))
-        if verb == "reject":            # what came of an interrupted attempt (section 13)
-            _flags(p, ("outcome", {"choices": OPERATOR_OUTCOMES}))
-    recheck = sub.add_parser("recheck", add_help=False, allow_abbrev=False)
-    _flags(recheck, ("config", {"default": argparse.SUPPRESS}), ("run", {}), ("session", {}),
-           ("limit", {"type": int, "default": RECHECK_LIMIT}),
-           ("current-tools", {"action": "store_true"}),
-           ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
-    for name in ("serve", "pin"):
-        _flags(sub.add_parser(name, add_help=False, allow_abbrev=False),
-               ("config", {"default": argparse.SUPPRESS}))
-    _flags(sub.add_parser("check", add_help=False, allow_abbrev=False),
-           ("config", {"default": argparse.SUPPRESS}), ("strict", {"action": "store_true"}))
-    _flags(sub.add_parser("wrap", add_help=False, allow_abbrev=False),
-           ("config", {"default": argparse.SUPPRESS}),
-           ("host", {"choices": WRAP_HOSTS, "required": True}), ("host-config", {}),
-           ("write", {"action": "store_true"}), ("rules", {"choices": ("none", "suggested"),
-                                                          "default": "none"}))
-    cancel = sub.add_parser("cancel", add_help=False, allow_abbrev=False)
-    cancel.add_argument("run")
-    _flags(cancel, ("by", {}), ("note", {"default": ""}))
-    _flags(sub.add_parser("verify", add_help=False, allow_abbrev=False),
-           ("from", {"type": int, "default": 1}), ("to", {"type": int, "default": 0}),
-           ("head", {}))
-    sub.add_parser("pending", add_help=False, allow_abbrev=False)
-    _flags(sub.add_parser("inbox", add_help=False, allow_abbrev=False),
-           ("once", {"action": "store_true"}), ("by", {}),
-           ("tty-not-required", {"action": "store_true"}))
-    hook = sub.add_parser("webhook", add_help=False, allow_abbrev=False)
-    _flags(hook, ("listen", {}), ("secret-file", {}), ("public", {"action": "store_true"}))
-    sign = sub.add_parser("sign", add_help=False, allow_abbrev=False)
-    _flags(sign, ("secret-file", {}), ("method", {}), ("path", {}), ("body", {}),
-           ("body-file", {}))
-    for parser in sub.choices.values():    # -json is accepted after the command too
-        if parser.prog.split()[-1] not in _PROXY_COMMANDS:
+    decide = (("approval", {}), ("by", {}), ("note", {"default": ""}), ("yes", on))
+    # Each command: its run argument ("?" when it may be left out), then its flags.
+    for name, run, flags in (
+            ("runs", "", page), ("show", "run", page), ("events", "run", page),
+            ("approve", "?", decide),
+            # what came of an interrupted attempt (section 13)
+            ("reject", "?", decide + (("outcome", {"choices": OPERATOR_OUTCOMES}),)),
+            ("recheck", "", (config, ("run", {}), ("session", {}),
+                             ("limit", {"type": int, "default": RECHECK_LIMIT}),
+                             ("current-tools", on))),
+            ("serve", "", (config,)), ("pin", "", (config,)),
+            ("check", "", (config, ("strict", on))),
+            ("wrap", "", (config, ("host", {"choices": WRAP_HOSTS, "required": True}),
+                          ("host-config", {}), ("write", on),
+                          ("rules", {"choices": ("none", "suggested"), "default": "none"}))),
+            ("cancel", "run", (("by", {}), ("note", {"default": ""}))),
+            ("verify", "", (("from", {"type": int, "default": 1}),
+                            ("to", {"type": int, "default": 0}), ("head", {}))),
+            ("pending", "", ()),
+            ("inbox", "", (("once", on), ("by", {}), ("tty-not-required", on))),
+            ("webhook", "", (("listen", {}), ("secret-file", {}), ("public", on))),
+            ("sign", "", (("secret-file", {}), ("method", {}), ("path", {}), ("body", {}),
+                          ("body-file", {})))):
+        parser = sub.add_parser(name, add_help=False, allow_abbrev=False)
+        if run:
+            parser.add_argument("run", nargs="?" if run == "?" else None)
+        _flags(parser, *flags)
+        if name not in _PROXY_COMMANDS or name == "recheck":   # -json after the command too
             _flags(parser, ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
     return top
 

@@ -13861,21 +13861,15 @@ def _self_command() -> str:
     return f"{sys.executable or 'python3'} {os.path.abspath(__file__)}"
 
 
+def run_command(db_path: str, verb: str, run_id: str) -> str:
+    """The command line that does ``verb`` (show, cancel) to a run, to paste anywhere."""
+    return f'{_self_command()} -db "{os.path.abspath(db_path)}" {verb} {_shell_word(run_id)}'
+
+
 def decide_command(db_path: str, run_id: str, approval_id: str) -> str:
     """The one command line that approves this approval (reject: the same with reject),
     as the stderr hint, `show`, `approve`, `pending` and on_pending print it."""
-    db = os.path.abspath(db_path)       # printed to be run from anywhere
-    return (f'{_self_command()} -db "{db}" approve {_shell_word(run_id)} '
-            f"-approval {_shell_word(approval_id)}")
-
-
-def show_command(db_path: str, run_id: str) -> str:
-    """The command that shows a run's waiting approval in full, every field."""
-    return f'{_self_command()} -db "{os.path.abspath(db_path)}" show {_shell_word(run_id)}'
-
-
-def _cancel_command(db_path: str, run_id: str) -> str:
-    return f'{_self_command()} -db "{os.path.abspath(db_path)}" cancel {_shell_word(run_id)}'
+    return run_command(db_path, "approve", run_id) + f" -approval {_shell_word(approval_id)}"
 
 
 def _step_row(s: Step) -> dict:
@@ -14012,22 +14006,11 @@ def _given_run(store: Store, given: str) -> Run:
     raise NotFound(f"run {given} not found")
 
 
-def _parse_head(text: str | None) -> tuple[int, str] | None:
-    if text is None:
-        return None
-    seq, sep, digest = text.partition(":")
-    if not sep or not seq.isdigit() or int(seq) < 1 or not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise UsageError("-head is SEQ:HASH: a positive seq and the hash kept for it")
-    return int(seq), digest
-
-
 def cmd_verify(store: Store, args, out: Out) -> int:
     head, first, last = args.head, getattr(args, "from"), args.to
     head_seq, head_hash = store.chain_head()
     report = store.verify_events(first, last or head_seq)
-    problems = []
-    if report.broken:
-        problems.append(f"the event chain is broken at seq {report.broken.seq}")
+    problems = [f"the event chain is broken at seq {report.broken.seq}"] if report.broken else []
     reached = first + report.checked - 1
     if last and not report.broken and reached < last:
         problems.append(f"the chain is shorter than asked: -to {last} was not reached "
@@ -14042,16 +14025,12 @@ def cmd_verify(store: Store, args, out: Out) -> int:
             problems.append(f"the chain does not match the head kept: seq {head[0]} has "
                             f"{found_hash or 'no event'}, kept {head[1]}")
     if args.json:
-        doc: dict[str, Any] = {"head": {"seq": head_seq, "hash": head_hash}, "from": first,
-                               "to": report.last, "hash": report.hash,
-                               "checked": report.checked, "intact": report.broken is None}
-        if report.broken:
-            doc["break"] = dataclasses.asdict(report.broken)
-        if last:
-            doc["requested"] = {"to": last, "reached": reached >= last}
-        if kept:
-            doc["kept_head"] = kept
-        out.json(doc)
+        out.json({"head": {"seq": head_seq, "hash": head_hash}, "from": first, "to": report.last,
+                  "hash": report.hash, "checked": report.checked,
+                  "intact": report.broken is None,
+                  **({"break": dataclasses.asdict(report.broken)} if report.broken else {}),
+                  **({"requested": {"to": last, "reached": reached >= last}} if last else {}),
+                  **({"kept_head": kept} if kept else {})})
     else:
         out.text(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
         if report.broken:
@@ -14154,10 +14133,6 @@ def _summary(fields: list[dict], more: int) -> str:
     return text
 
 
-def _args_cut(fields: list[dict], more: int) -> bool:
-    return bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes") for f in fields)
-
-
 def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None,
                 limits: list[dict] | None = None) -> dict:
     """What the operator is told of a waiting approval: on_pending's stdin, and the core of
@@ -14182,22 +14157,35 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
         value = cap.get(name)
         return sanitize(value) if isinstance(value, str) else ""
     summary = _summary(fields, more)
-    late = view.late if view is not None else None
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
             "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
             "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
             "arguments": summary, "argument_fields": fields, "fields_not_shown": more,
-            "arguments_cut": _args_cut(fields, more),
-            "asked_by": [sanitize(a) for a in asked_by(approval.capability)],
-            "figures": _figures(approval),
-            "limits": limits or [],
-            "repeat_of": _repeated(approval),
-            "late_outcome": sanitize(late.text()) if late is not None else "",
-            "late_outcome_known": bool(late is not None and late.known),
+            "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")
+                                               for f in fields),
+            **approval_facts(approval, view, limits),
             "created_at": sanitize(approval.created_at),
             "expires_at": sanitize(approval.expires_at),
-            "read": sanitize(show_command(db_path, approval.run_id)),
+            "read": sanitize(run_command(db_path, "show", approval.run_id)),
             "decide": sanitize(decide_command(db_path, approval.run_id, approval.id))}
+
+
+def approval_facts(approval: Approval, view: ApprovalView | None,
+                   limits: list[dict] | None) -> dict:
+    """What every channel tells of an approval beyond its row, sanitised: the conditions and
+    limits that asked and their figures, the tool's limits as they stand now (limits_now),
+    the earlier execution a repeat approval names, and what its view adds (a late outcome of
+    the attempt it asks about)."""
+    return {"asked_by": [sanitize(a) for a in asked_by(approval.capability)],
+            "figures": _figures(approval), "limits": limits or [],
+            "repeat_of": _repeated(approval), **_late(view)}
+
+
+def _late(view: ApprovalView | None) -> dict:
+    """A late outcome of the attempt an approval asks about, as every channel tells it."""
+    late = view.late if view is not None else None
+    return {"late_outcome": sanitize(late.text()) if late is not None else "",
+            "late_outcome_known": bool(late is not None and late.known)}
 
 
 def _repeated(approval: Approval) -> str:
@@ -14221,24 +14209,22 @@ def _figures(approval: Approval) -> list[str]:
         if isinstance(found, list) else []
 
 
-def _lapsed(run: Run, approval: Approval, now: float) -> bool:
-    """A pending approval past its expiry, or a grant past the run's grant_ttl. A time an
-    edit made unreadable counts as not lapsed: the entry is shown, its time as not a time."""
-    try:
-        if approval.status == PENDING:
-            return _expired(approval, now)
-        return _grant_stale(run, approval, now)
-    except (ValueError, TypeError, OverflowError):
-        return False
-
-
 def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
     """Every approval that waits on a live run, and every uncollected interruption grant,
-    oldest first, each with its run."""
+    oldest first, each with its run. Neither a pending approval past its expiry nor a grant
+    past the run's grant_ttl waits; a time an edit made unreadable counts as not lapsed: the
+    entry is shown, its time as not a time."""
     found = []
     for approval in store.waiting_approvals():
         run = store.find_run(approval.run_id)
-        if run is not None and run.status == WAITING and not _lapsed(run, approval, now):
+        if run is None or run.status != WAITING:
+            continue
+        try:
+            lapsed = _expired(approval, now) if approval.status == PENDING else \
+                _grant_stale(run, approval, now)
+        except (ValueError, TypeError, OverflowError):
+            lapsed = False
+        if not lapsed:
             found.append((approval, run))
     return found
 
@@ -14262,7 +14248,7 @@ def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dic
                 lapses = fmt_time(parse_time(approval.decided_at) + ttl)
         doc.update(decided_by=sanitize(approval.decided_by),
                    decided_at=sanitize(approval.decided_at), expires_at=lapses, decide="",
-                   cancel=sanitize(_cancel_command(store.path, approval.run_id)))
+                   cancel=sanitize(run_command(store.path, "cancel", approval.run_id)))
     return doc
 
 
@@ -14704,7 +14690,12 @@ def _check_arguments(args) -> None:
                              "pass -by WHO")
     if args.command == "verify":
         first, last = getattr(args, "from"), args.to
-        args.head = _parse_head(args.head)
+        if args.head is not None:
+            seq, sep, digest = args.head.partition(":")
+            if not sep or not seq.isdigit() or int(seq) < 1 or \
+                    not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise UsageError("-head is SEQ:HASH: a positive seq and the hash kept for it")
+            args.head = int(seq), digest
         if first < 0 or last < 0:
             raise UsageError("-from and -to cannot be negative")
         if last and last < first:
@@ -15166,32 +15157,25 @@ def _hook_record(data: bytes) -> Any:
         return {"unread": sanitize(str(exc))}
 
 
-def _hook_view(store: Store, a: Approval) -> dict:
-    """What the view adds to a row: the late outcome of the attempt it asks about, and the
-    view's digest, which a decision may carry as "view" to be bound to all of it."""
-    view = view_of(store, a)
-    late = view.late
-    return {"late_outcome": sanitize(late.text()) if late is not None else "",
-            "late_outcome_known": bool(late is not None and late.known),
-            "attempt": None if view.attempt is None else
+def _hook_view(view: ApprovalView) -> dict:
+    """What the view adds to a row: the late outcome of the attempt it asks about, the
+    attempt, and the view's digest, which a decision may carry as "view" to be bound to all
+    of it."""
+    return {**_late(view), "attempt": None if view.attempt is None else
             {sanitize(str(k)): sanitize(str(v)) for k, v in view.attempt.items()},
             "view": view.digest}
 
 
 def _hook_approval(store: Store, a: Approval) -> dict:
     """One approval in full: its state, everything its hash binds, and its view."""
-    doc = _hook_row(a)
-    doc.update(_hook_view(store, a))
+    view = view_of(store, a)
     try:
-        doc["arguments"] = _hook_record(a.request().args)
+        args = _hook_record(a.request().args)
     except (ProxyError, KeyError, ValueError) as exc:
-        doc["arguments"] = {"unread": sanitize(str(exc))}
-    doc["capability"], doc["presentation"] = _hook_record(a.capability), \
-        _hook_record(a.presentation)
-    doc["asked_by"] = [sanitize(x) for x in asked_by(a.capability)]
-    doc["figures"] = _figures(a)
-    doc["limits"] = limits_now(store._read, a, time.time())
-    doc["repeat_of"] = _repeated(a)
+        args = {"unread": sanitize(str(exc))}
+    doc = dict(_hook_row(a), **_hook_view(view), arguments=args,
+               capability=_hook_record(a.capability), presentation=_hook_record(a.presentation))
+    doc.update(approval_facts(a, view, limits_now(store._read, a, time.time())))
     return doc
 
 
@@ -15326,7 +15310,7 @@ class Webhook:
         # build) waits for nothing: listed, it would be read as waiting.
         pending = store.pending_approvals(route.run) if run.status == WAITING else []
         return _hook_json(200, {"run_id": route.run, "total": len(pending), "approvals":
-                                [dict(_hook_row(a), **_hook_view(store, a))
+                                [dict(_hook_row(a), **_hook_view(view_of(store, a)))
                                  for a in pending[:WEBHOOK_LIST_LIMIT]]})
 
     def _do_show(self, store: Store, route: HookRoute, req: HookRequest):

@@ -13460,13 +13460,11 @@ PENDING_VALUE_BYTES = 60             # ... and of each value, cut on its own
 PADDING_RUN = 8                      # a run of one blank character this long is counted
 INBOX_POLL = 1.0                     # seconds between the inbox's looks for new approvals
 INBOX_LINE_BYTES = 4096              # one answer typed at the inbox (a note included)
-INBOX_ANSWERS = {"a": "approve", "approve": "approve", "r": "reject", "reject": "reject",
-                 "s": "skip", "skip": "skip", "q": "quit", "quit": "quit"}
+# An answer at the inbox is a word or its first letter.
+INBOX_ANSWERS = {k: v for v in ("approve", "reject", "skip", "quit") for k in (v, v[0])}
 # What came of a cut-off attempt, asked when an interruption approval is rejected; Enter
 # alone answers unknown, reject -outcome's default.
-INBOX_OUTCOMES = {"e": OUTCOME_EXECUTED, "executed": OUTCOME_EXECUTED,
-                  "n": OUTCOME_NOT_EXECUTED, "not-executed": OUTCOME_NOT_EXECUTED,
-                  "u": OUTCOME_UNKNOWN, "unknown": OUTCOME_UNKNOWN, "": OUTCOME_UNKNOWN}
+INBOX_OUTCOMES = {k: v for v in OPERATOR_OUTCOMES for k in (v, v[0])} | {"": OUTCOME_UNKNOWN}
 # What the operator's word on a cut-off attempt comes to, as a decision and `show` say it.
 OUTCOME_SAID = {
     OUTCOME_EXECUTED: "it took effect; it still counts toward the tool's limits",
@@ -13741,11 +13739,15 @@ def cmd_runs(store: Store, args, out: Out) -> int:
                      _clip(ended_why(store, r), CLI_GOAL_WIDTH) or "-"])
     for line in _table(rows):
         out.text(line)
-    shown = args.offset + len(runs)
-    if shown < total:
-        out.text(f"... {total - shown} more run(s): use -offset {shown} "
-                 f"(shown {len(runs)} of {total})")
+    _more(out, "run", args.offset, len(runs), total)
     return 0
+
+
+def _more(out: Out, noun: str, offset: int, count: int, total: int, tally: bool = True) -> None:
+    """How many a page left out, and the -offset that shows them."""
+    if offset + count < total:
+        out.text(f"... {total - offset - count} more {noun}(s): use -offset {offset + count}"
+                 + (f" (shown {count} of {total})" if tally else ""))
 
 
 def _pretty(value: Any, indent: int = 0, cut: bool = True) -> str:
@@ -13825,12 +13827,13 @@ def approval_block(store: Store, approval: Approval, db_path: str,
     lines.append("arguments: the tool call the model made, one field per line "
                  "(each byte count is that field's own size)")
     lines += _fields(request.args)
-    if "fixed" in cap:
-        lines.append("fixed values: set by the operator's configuration, not by the model")
-        lines += _fields(dump_json(cap["fixed"]).encode())
-    if "interrupted" in cap:
-        lines.append("interrupted attempt: an earlier run of this request whose outcome is unknown")
-        lines += _fields(dump_json(cap["interrupted"]).encode())
+    for key, title in (("fixed", "fixed values: set by the operator's configuration, not by "
+                                 "the model"),
+                       ("interrupted", "interrupted attempt: an earlier run of this request "
+                                       "whose outcome is unknown")):
+        if key in cap:
+            lines.append(title)
+            lines += _fields(dump_json(cap[key]).encode())
     if view.late is not None:
         then = "it is not run again" if view.late.known else \
             "its outcome is still unknown; approving runs it again"
@@ -13915,12 +13918,10 @@ def cmd_show(store: Store, args, out: Out) -> int:
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
         (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
-    out.text(f"run     {run.id}")
-    out.text(f"goal    {sanitize(run.goal)}")
-    out.text(f"status  {status}")
-    out.text(f"steps   {run.step_count}")
-    out.text(f"created {_stamp(run.created_at)}" +
-             (f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""))
+    finished = f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""
+    for line in (f"run     {run.id}", f"goal    {sanitize(run.goal)}", f"status  {status}",
+                 f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"):
+        out.text(line)
     if run.status in TERMINAL:
         out.text(f"ended   {ended_why(store, run)}")
     for word in words.values():
@@ -13943,9 +13944,7 @@ def cmd_show(store: Store, args, out: Out) -> int:
                      _clip(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
     for line in _table(rows):
         out.text(line)
-    shown = args.offset + len(page)
-    if shown < len(steps):
-        out.text(f"... {len(steps) - shown} more step(s): use -offset {shown}")
+    _more(out, "step", args.offset, len(page), len(steps), tally=False)
     return 0
 
 
@@ -13962,13 +13961,11 @@ def cmd_events(store: Store, args, out: Out) -> int:
                   "total": total, "refusals": refusals})
         return 0
     for seq, _run, _step, at, typ, payload, _hash in rows:
-        text = payload if len(payload.encode()) <= CLI_EVENT_PAYLOAD else \
-            truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{len(payload.encode()) - CLI_EVENT_PAYLOAD} more bytes]"
+        over = len(payload.encode()) - CLI_EVENT_PAYLOAD
+        text = payload if over <= 0 else \
+            truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{over} more bytes]"
         out.text(f"{_stamp(at, millis=True)}  {sanitize(typ):<22} {sanitize(text)}")
-    shown = args.offset + len(rows)
-    if shown < total:
-        out.text(f"... {total - shown} more event(s): use -offset {shown} "
-                 f"(shown {len(rows)} of {total})")
+    _more(out, "event", args.offset, len(rows), total)
     for line in refusal_lines(refusals):      # counted beside the chain, not in it
         out.text(f"calls of this request {line}")
     return 0
@@ -14156,11 +14153,10 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
     def field(name: str) -> str:
         value = cap.get(name)
         return sanitize(value) if isinstance(value, str) else ""
-    summary = _summary(fields, more)
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
             "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
             "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
-            "arguments": summary, "argument_fields": fields, "fields_not_shown": more,
+            "arguments": _summary(fields, more), "argument_fields": fields, "fields_not_shown": more,
             "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")
                                                for f in fields),
             **approval_facts(approval, view, limits),
@@ -14544,39 +14540,36 @@ class Inbox:
         if self.once:
             self.passed.add(approval.id)
         self.lines.discard_typed_ahead()
-        while True:
-            answer = self.ask(f"approval {approval.id}: a approve, r reject, s skip, q quit: ")
-            verb = INBOX_ANSWERS.get((answer or "").strip().lower(), "")
-            if answer is None or verb == "quit":
+        verb = self.choose(f"approval {approval.id}: a approve, r reject, s skip, q quit: ",
+                           INBOX_ANSWERS, "answer a, r, s or q, then Enter")
+        if verb in (None, "quit"):
+            return False
+        if verb == "skip":
+            self.passed.add(approval.id)
+        elif verb == "approve":
+            self.decide(view, True, "")
+        else:
+            note = self.ask("note for the rejection (the model reads it; Enter for none): ")
+            word = ""
+            if note is not None and approval.kind == INTERRUPTED_KIND:  # as reject -outcome
+                word = self.choose("did the cut-off attempt take effect? e executed, n not "
+                                   "executed, u unknown (Enter: unknown): ", INBOX_OUTCOMES,
+                                   "answer e, n or u, then Enter")
+            if note is None or word is None:
                 return False
-            if verb == "skip":
-                self.passed.add(approval.id)
-                return True
-            if verb == "approve":
-                self.decide(view, True, "")
-                return True
-            if verb == "reject":
-                note = self.ask("note for the rejection (the model reads it; Enter for none): ")
-                if note is None:
-                    return False
-                word = self.ask_outcome() if approval.kind == INTERRUPTED_KIND else ""
-                if word is None:
-                    return False
-                self.decide(view, False, note.strip(), word)
-                return True
-            self.out.text("answer a, r, s or q, then Enter")
+            self.decide(view, False, note.strip(), word)
+        return True
 
-    def ask_outcome(self) -> str | None:
-        """What came of the cut-off attempt, as reject -outcome takes it; None at EOF."""
+    def choose(self, prompt: str, answers: dict, hint: str) -> str | None:
+        """The meaning of the first answer that has one, the hint said after each other;
+        None at EOF."""
         while True:
-            answer = self.ask("did the cut-off attempt take effect? e executed, n not executed, "
-                              "u unknown (Enter: unknown): ")
+            answer = self.ask(prompt)
             if answer is None:
                 return None
-            word = INBOX_OUTCOMES.get(answer.strip().lower())
-            if word is not None:
-                return word
-            self.out.text("answer e, n or u, then Enter")
+            if answer.strip().lower() in answers:
+                return answers[answer.strip().lower()]
+            self.out.text(hint)
 
     def ask(self, prompt: str) -> str | None:
         self.out.stdout.write(sanitize(prompt))
@@ -14631,18 +14624,13 @@ _COMMANDS = {"runs": (cmd_runs, True), "show": (cmd_show, True), "events": (cmd_
 def _database_path(args) -> str:
     if args.db:
         return args.db
-    if args.config:
-        return _database_from_config(args.config)
+    if args.config:             # read as serving reads it (owner checked, strict)
+        return load_config(args.config).database
     env = os.environ.get("AGENTRT_DB", "")
     if env:
         return env
     raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
                      "or set AGENTRT_DB")
-
-
-def _database_from_config(path: str) -> str:
-    """The configuration's database, read as serving reads it (owner checked, strict)."""
-    return load_config(path).database
 
 
 def _describe_failure(exc: Exception, command: str) -> str:
@@ -14651,14 +14639,11 @@ def _describe_failure(exc: Exception, command: str) -> str:
         return f"run is not waiting for approval: {exc}"
     if isinstance(exc, RunStateError) and command == "cancel":
         return f"run is already finished: {exc}"
-    if isinstance(exc, AttemptSettled):
-        return f"{exc}"
-    if isinstance(exc, NotPending):
+    if isinstance(exc, NotPending) and not isinstance(exc, AttemptSettled):
         return f"approval is already decided: {exc}"
-    if isinstance(exc, StoreError) and "locked" in str(exc):
+    if isinstance(exc, StoreError) and "locked" in str(exc) and \
+            not isinstance(exc, SchemaVersionError):
         return f"database is locked by another writer: {exc}"
-    if isinstance(exc, SchemaVersionError):
-        return f"{exc}"
     return str(exc)
 
 
@@ -14706,14 +14691,18 @@ def _check_arguments(args) -> None:
             raise UsageError("-head is before -from")
 
 
+def open_database(path: str, readonly: bool) -> Store:
+    """The database an operator command names, as it is: never created, never migrated."""
+    try:
+        return Store.open_existing(path, readonly=readonly)
+    except NotFound:
+        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+
+
 def run_operator(args, out: Out) -> int:
     handler, readonly = _COMMANDS[args.command]
     _check_arguments(args)
-    path = _database_path(args)
-    try:
-        store = Store.open_existing(path, readonly=readonly)
-    except NotFound:
-        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+    store = open_database(_database_path(args), readonly)
     try:
         return handler(store, args, out)
     finally:
@@ -14912,19 +14901,12 @@ def read_hook_secret(path: str | None) -> bytes:
         why = "it is a symbolic link; name the file itself" if os.path.islink(path) else \
             exc.strerror
         raise ConfigError(f"{path}: cannot open the secret file: {why}") from None
-    try:
+    with open(fd, "rb") as f:            # closes fd
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise ConfigError(f"{path} must be a regular file of this user's, mode 0600 "
                               f"(it is {stat.filemode(st.st_mode)}): chmod 600 {path}")
-        data = b""
-        while len(data) <= WEBHOOK_MAX_SECRET:
-            chunk = os.read(fd, WEBHOOK_MAX_SECRET + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
+        data = f.read(WEBHOOK_MAX_SECRET + 1)       # a regular file: to EOF or the bound
     secret = data.rstrip(b"\r\n")
     if len(data) > WEBHOOK_MAX_SECRET or len(secret) < WEBHOOK_MIN_SECRET:
         raise ConfigError(f"{path} holds {len(secret)} bytes; the secret must hold "
@@ -15258,18 +15240,15 @@ class Webhook:
             self.slots.release()
 
     def _exchange(self, conn: socket.socket) -> None:
-        if not self.bucket.take():
-            # Judged before a byte is read: a flood costs no parsing, no HMAC, no database.
-            self._send(conn, *self._error(WebhookRefusal(429, "rate_limited",
-                                                         "too many requests: try again later")))
-            _linger(conn)
-            return
-        with self._open_lock:
-            accepted = self._open.get(conn, (time.monotonic(), None))[0]
-            reader = _HookReader(conn, accepted + WEBHOOK_REQUEST_SECONDS,
-                                 accepted + WEBHOOK_HEAD_SECONDS)
-            self._open[conn] = (accepted, reader)
         try:
+            if not self.bucket.take():
+                # Judged before a byte is read: a flood costs no parsing, no HMAC, no database.
+                raise WebhookRefusal(429, "rate_limited", "too many requests: try again later")
+            with self._open_lock:
+                accepted = self._open.get(conn, (time.monotonic(), None))[0]
+                reader = _HookReader(conn, accepted + WEBHOOK_REQUEST_SECONDS,
+                                     accepted + WEBHOOK_HEAD_SECONDS)
+                self._open[conn] = (accepted, reader)
             req = read_hook_request(reader)
         except WebhookRefusal as refusal:
             self._send(conn, *self._error(refusal))
@@ -15397,10 +15376,7 @@ def cmd_webhook(args, out: Out) -> int:
     host, port, family = parse_listen(args.listen, args.public)
     secret = read_hook_secret(args.secret_file)
     path = _database_path(args)
-    try:
-        Store.open_existing(path, readonly=True).close()     # refuse now, not per request
-    except NotFound:
-        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+    open_database(path, readonly=True).close()     # refuse now, not per request
     hook = Webhook(path, secret, out.log)
     stop = threading.Event()
     with socket.socket(family, socket.SOCK_STREAM) as sock:

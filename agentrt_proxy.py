@@ -14156,7 +14156,8 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
             "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
             "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
-            "arguments": _summary(fields, more), "argument_fields": fields, "fields_not_shown": more,
+            "arguments": _summary(fields, more), "argument_fields": fields,
+            "fields_not_shown": more,
             "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")
                                                for f in fields),
             **approval_facts(approval, view, limits),
@@ -15100,7 +15101,8 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
 
 # Each outcome of the store, in the error table; the first class that matches decides.
 _HOOK_OUTCOMES = ((NotFound, 404, "not_found"), (ApprovalExpired, 410, "expired"),
-                  (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"), (ApprovalChanged, 409, "approval_changed"),
+                  (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"),
+                  (ApprovalChanged, 409, "approval_changed"),
                   (ApprovalHashMismatch, 409, "approval_hash"),
                   (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"),
                   (UsageError, 400, "bad_request"))

@@ -13443,13 +13443,11 @@ PENDING_VALUE_BYTES = 60             # ... and of each value, cut on its own
 PADDING_RUN = 8                      # a run of one blank character this long is counted
 INBOX_POLL = 1.0                     # seconds between the inbox's looks for new approvals
 INBOX_LINE_BYTES = 4096              # one answer typed at the inbox (a note included)
-INBOX_ANSWERS = {"a": "approve", "approve": "approve", "r": "reject", "reject": "reject",
-                 "s": "skip", "skip": "skip", "q": "quit", "quit": "quit"}
+# An answer at the inbox is a word or its first letter.
+INBOX_ANSWERS = {k: v for v in ("approve", "reject", "skip", "quit") for k in (v, v[0])}
 # What came of a cut-off attempt, asked when an interruption approval is rejected; Enter
 # alone answers unknown, reject -outcome's default.
-INBOX_OUTCOMES = {"e": OUTCOME_EXECUTED, "executed": OUTCOME_EXECUTED,
-                  "n": OUTCOME_NOT_EXECUTED, "not-executed": OUTCOME_NOT_EXECUTED,
-                  "u": OUTCOME_UNKNOWN, "unknown": OUTCOME_UNKNOWN, "": OUTCOME_UNKNOWN}
+INBOX_OUTCOMES = {k: v for v in OPERATOR_OUTCOMES for k in (v, v[0])} | {"": OUTCOME_UNKNOWN}
 # What the operator's word on a cut-off attempt comes to, as a decision and `show` say it.
 OUTCOME_SAID = {
     OUTCOME_EXECUTED: "it took effect; it still counts toward the tool's limits",
@@ -13458,68 +13456,38 @@ OUTCOME_SAID = {
                      "limits"}
 
 HELP_SCOPE = __doc__.split("Trust boundaries")[0].split("\n", 2)[2].strip()
-# Each command's entry in the help (its lines, each ending in a line break), by the command:
-# the general help lists them all, and `X --help` prints X's alone (help_text).
-_USAGES = {
-    "serve": """\
-  python agentrt_proxy.py -config proxy.json          serve the host over stdin and stdout
-""",
-    "pin": """\
-  python agentrt_proxy.py pin -config proxy.json      pin each server's tools (writes manifests)
-""",
-    "check": """\
-  python agentrt_proxy.py check -config proxy.json [-strict]
-                                  what is offered, refused, unclassified (-strict: a refused
-                                  tool exits 1)
-""",
-    "wrap": """\
-  python agentrt_proxy.py wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json
-                                  [-write [-rules suggested]]   a new configuration from
-                                  the host's servers (without -write: what it would write)
-""",
-    "recheck": """\
-  python agentrt_proxy.py recheck -config proxy.json [-run ID | -session NAME] [-limit N]
-                                  [-current-tools] [-json]   what today's policy decides otherwise
-""",
-    "runs": """\
-  python agentrt_proxy.py -db DATABASE [-json] runs [-limit N] [-offset N]
-""",
-    "show": """\
-  python agentrt_proxy.py -db DATABASE [-json] show RUN [-limit N] [-offset N]
-""",
-    "events": """\
-  python agentrt_proxy.py -db DATABASE [-json] events RUN [-limit N] [-offset N]
-""",
-    "approve": """\
-  python agentrt_proxy.py -db DATABASE approve [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
-""",
-    "reject": """\
-  python agentrt_proxy.py -db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]
-                                  [-outcome executed|not-executed|unknown]   for an interrupted
-                                  attempt: what came of it (default unknown); not-executed
-                                  stops counting it toward limits
-""",
-    "cancel": """\
-  python agentrt_proxy.py -db DATABASE cancel  RUN [-by WHO] [-note TEXT]
-""",
-    "verify": """\
-  python agentrt_proxy.py -db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]
-""",
-    "pending": """\
-  python agentrt_proxy.py -db DATABASE [-json] pending     what waits, and the command that decides it
-""",
-    "inbox": """\
-  python agentrt_proxy.py -db DATABASE inbox [-once] [-by WHO] [-tty-not-required]
-                                  decide from a terminal; -tty-not-required reads a pipe
-""",
-    "webhook": """\
-  python agentrt_proxy.py -db DATABASE webhook -listen 127.0.0.1:PORT -secret-file FILE [-public]
-""",
-    "sign": """\
-  python agentrt_proxy.py [-json] sign -secret-file FILE -method GET|POST -path PATH
-                                  [-body TEXT | -body-file FILE]   headers for one webhook request
-""",
-}
+USAGE_NOTE_COLUMN = 34               # where the notes under a command's line in the help begin
+# Each command's entry in the help, by the command: its line, then its notes, each line of the
+# entry ending in a line break. The general help lists them all, and `X --help` prints X's
+# alone (help_text).
+_USAGES = {command: "  python agentrt_proxy.py " + ("\n" + " " * USAGE_NOTE_COLUMN).join(lines)
+           + "\n" for command, lines in {
+    "serve": ["-config proxy.json          serve the host over stdin and stdout"],
+    "pin": ["pin -config proxy.json      pin each server's tools (writes manifests)"],
+    "check": ["check -config proxy.json [-strict]",
+              "what is offered, refused, unclassified (-strict: a refused", "tool exits 1)"],
+    "wrap": ["wrap -host claude|vscode|cursor [-host-config PATH] -config proxy.json",
+             "[-write [-rules suggested]]   a new configuration from",
+             "the host's servers (without -write: what it would write)"],
+    "recheck": ["recheck -config proxy.json [-run ID | -session NAME] [-limit N]",
+                "[-current-tools] [-json]   what today's policy decides otherwise"],
+    "runs": ["-db DATABASE [-json] runs [-limit N] [-offset N]"],
+    "show": ["-db DATABASE [-json] show RUN [-limit N] [-offset N]"],
+    "events": ["-db DATABASE [-json] events RUN [-limit N] [-offset N]"],
+    "approve": ["-db DATABASE approve [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]"],
+    "reject": ["-db DATABASE reject  [RUN] [-approval ID] [-by WHO] [-note TEXT] [-yes]",
+               "[-outcome executed|not-executed|unknown]   for an interrupted",
+               "attempt: what came of it (default unknown); not-executed",
+               "stops counting it toward limits"],
+    "cancel": ["-db DATABASE cancel  RUN [-by WHO] [-note TEXT]"],
+    "verify": ["-db DATABASE [-json] verify [-from N] [-to N] [-head SEQ:HASH]"],
+    "pending": ["-db DATABASE [-json] pending     what waits, and the command that decides it"],
+    "inbox": ["-db DATABASE inbox [-once] [-by WHO] [-tty-not-required]",
+              "decide from a terminal; -tty-not-required reads a pipe"],
+    "webhook": ["-db DATABASE webhook -listen 127.0.0.1:PORT -secret-file FILE [-public]"],
+    "sign": ["[-json] sign -secret-file FILE -method GET|POST -path PATH",
+             "[-body TEXT | -body-file FILE]   headers for one webhook request"],
+}.items()}
 _USAGE_DATABASE = ("The database is the -db file, else the 'database' of the -config file, "
                    "else\n$AGENTRT_DB.")
 _USAGE_FLAGS = "Flags take one dash or two. Exit status: 0 success, 1 failure, 2 usage error."
@@ -13571,53 +13539,36 @@ def build_parser() -> argparse.ArgumentParser:
     top = _CommandLine(prog="agentrt_proxy.py", add_help=False, allow_abbrev=False)
     _flags(top, ("db", {}), ("config", {}), ("json", {"action": "store_true"}))
     sub = top.add_subparsers(dest="command", parser_class=_CommandLine)
+    on, config = {"action": "store_true"}, ("config", {"default": argparse.SUPPRESS})
     page = (("limit", {"type": int}), ("offset", {"type": int, "default": 0}))
-    _flags(sub.add_parser("runs", add_help=False, allow_abbrev=False), *page)
-    show = sub.add_parser("show", add_help=False, allow_abbrev=False)
-    show.add_argument("run")
-    _flags(show, *page)
-    events = sub.add_parser("events", add_help=False, allow_abbrev=False)
-    events.add_argument("run")
-    _flags(events, *page)
-    for verb in ("approve", "reject"):
-        p = sub.add_parser(verb, add_help=False, allow_abbrev=False)
-        p.add_argument("run", nargs="?")
-        _flags(p, ("approval", {}), ("by", {}), ("note", {"default": ""}),
-               ("yes", {"action": "store_true"}))
-        if verb == "reject":            # what came of an interrupted attempt (section 13)
-            _flags(p, ("outcome", {"choices": OPERATOR_OUTCOMES}))
-    recheck = sub.add_parser("recheck", add_help=False, allow_abbrev=False)
-    _flags(recheck, ("config", {"default": argparse.SUPPRESS}), ("run", {}), ("session", {}),
-           ("limit", {"type": int, "default": RECHECK_LIMIT}),
-           ("current-tools", {"action": "store_true"}),
-           ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
-    for name in ("serve", "pin"):
-        _flags(sub.add_parser(name, add_help=False, allow_abbrev=False),
-               ("config", {"default": argparse.SUPPRESS}))
-    _flags(sub.add_parser("check", add_help=False, allow_abbrev=False),
-           ("config", {"default": argparse.SUPPRESS}), ("strict", {"action": "store_true"}))
-    _flags(sub.add_parser("wrap", add_help=False, allow_abbrev=False),
-           ("config", {"default": argparse.SUPPRESS}),
-           ("host", {"choices": WRAP_HOSTS, "required": True}), ("host-config", {}),
-           ("write", {"action": "store_true"}), ("rules", {"choices": ("none", "suggested"),
-                                                          "default": "none"}))
-    cancel = sub.add_parser("cancel", add_help=False, allow_abbrev=False)
-    cancel.add_argument("run")
-    _flags(cancel, ("by", {}), ("note", {"default": ""}))
-    _flags(sub.add_parser("verify", add_help=False, allow_abbrev=False),
-           ("from", {"type": int, "default": 1}), ("to", {"type": int, "default": 0}),
-           ("head", {}))
-    sub.add_parser("pending", add_help=False, allow_abbrev=False)
-    _flags(sub.add_parser("inbox", add_help=False, allow_abbrev=False),
-           ("once", {"action": "store_true"}), ("by", {}),
-           ("tty-not-required", {"action": "store_true"}))
-    hook = sub.add_parser("webhook", add_help=False, allow_abbrev=False)
-    _flags(hook, ("listen", {}), ("secret-file", {}), ("public", {"action": "store_true"}))
-    sign = sub.add_parser("sign", add_help=False, allow_abbrev=False)
-    _flags(sign, ("secret-file", {}), ("method", {}), ("path", {}), ("body", {}),
-           ("body-file", {}))
-    for parser in sub.choices.values():    # -json is accepted after the command too
-        if parser.prog.split()[-1] not in _PROXY_COMMANDS:
+    decide = (("approval", {}), ("by", {}), ("note", {"default": ""}), ("yes", on))
+    # Each command: its run argument ("?" when it may be left out), then its flags.
+    for name, run, flags in (
+            ("runs", "", page), ("show", "run", page), ("events", "run", page),
+            ("approve", "?", decide),
+            # what came of an interrupted attempt (section 13)
+            ("reject", "?", decide + (("outcome", {"choices": OPERATOR_OUTCOMES}),)),
+            ("recheck", "", (config, ("run", {}), ("session", {}),
+                             ("limit", {"type": int, "default": RECHECK_LIMIT}),
+                             ("current-tools", on))),
+            ("serve", "", (config,)), ("pin", "", (config,)),
+            ("check", "", (config, ("strict", on))),
+            ("wrap", "", (config, ("host", {"choices": WRAP_HOSTS, "required": True}),
+                          ("host-config", {}), ("write", on),
+                          ("rules", {"choices": ("none", "suggested"), "default": "none"}))),
+            ("cancel", "run", (("by", {}), ("note", {"default": ""}))),
+            ("verify", "", (("from", {"type": int, "default": 1}),
+                            ("to", {"type": int, "default": 0}), ("head", {}))),
+            ("pending", "", ()),
+            ("inbox", "", (("once", on), ("by", {}), ("tty-not-required", on))),
+            ("webhook", "", (("listen", {}), ("secret-file", {}), ("public", on))),
+            ("sign", "", (("secret-file", {}), ("method", {}), ("path", {}), ("body", {}),
+                          ("body-file", {})))):
+        parser = sub.add_parser(name, add_help=False, allow_abbrev=False)
+        if run:
+            parser.add_argument("run", nargs="?" if run == "?" else None)
+        _flags(parser, *flags)
+        if name not in _PROXY_COMMANDS or name == "recheck":   # -json after the command too
             _flags(parser, ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
     return top
 
@@ -13771,11 +13722,15 @@ def cmd_runs(store: Store, args, out: Out) -> int:
                      _clip(ended_why(store, r), CLI_GOAL_WIDTH) or "-"])
     for line in _table(rows):
         out.text(line)
-    shown = args.offset + len(runs)
-    if shown < total:
-        out.text(f"... {total - shown} more run(s): use -offset {shown} "
-                 f"(shown {len(runs)} of {total})")
+    _more(out, "run", args.offset, len(runs), total)
     return 0
+
+
+def _more(out: Out, noun: str, offset: int, count: int, total: int, tally: bool = True) -> None:
+    """How many a page left out, and the -offset that shows them."""
+    if offset + count < total:
+        out.text(f"... {total - offset - count} more {noun}(s): use -offset {offset + count}"
+                 + (f" (shown {count} of {total})" if tally else ""))
 
 
 def _pretty(value: Any, indent: int = 0, cut: bool = True) -> str:
@@ -13855,12 +13810,13 @@ def approval_block(store: Store, approval: Approval, db_path: str,
     lines.append("arguments: the tool call the model made, one field per line "
                  "(each byte count is that field's own size)")
     lines += _fields(request.args)
-    if "fixed" in cap:
-        lines.append("fixed values: set by the operator's configuration, not by the model")
-        lines += _fields(dump_json(cap["fixed"]).encode())
-    if "interrupted" in cap:
-        lines.append("interrupted attempt: an earlier run of this request whose outcome is unknown")
-        lines += _fields(dump_json(cap["interrupted"]).encode())
+    for key, title in (("fixed", "fixed values: set by the operator's configuration, not by "
+                                 "the model"),
+                       ("interrupted", "interrupted attempt: an earlier run of this request "
+                                       "whose outcome is unknown")):
+        if key in cap:
+            lines.append(title)
+            lines += _fields(dump_json(cap[key]).encode())
     if view.late is not None:
         then = "it is not run again" if view.late.known else \
             "its outcome is still unknown; approving runs it again"
@@ -13891,21 +13847,15 @@ def _self_command() -> str:
     return f"{sys.executable or 'python3'} {os.path.abspath(__file__)}"
 
 
+def run_command(db_path: str, verb: str, run_id: str) -> str:
+    """The command line that does ``verb`` (show, cancel) to a run, to paste anywhere."""
+    return f'{_self_command()} -db "{os.path.abspath(db_path)}" {verb} {_shell_word(run_id)}'
+
+
 def decide_command(db_path: str, run_id: str, approval_id: str) -> str:
     """The one command line that approves this approval (reject: the same with reject),
     as the stderr hint, `show`, `approve`, `pending` and on_pending print it."""
-    db = os.path.abspath(db_path)       # printed to be run from anywhere
-    return (f'{_self_command()} -db "{db}" approve {_shell_word(run_id)} '
-            f"-approval {_shell_word(approval_id)}")
-
-
-def show_command(db_path: str, run_id: str) -> str:
-    """The command that shows a run's waiting approval in full, every field."""
-    return f'{_self_command()} -db "{os.path.abspath(db_path)}" show {_shell_word(run_id)}'
-
-
-def _cancel_command(db_path: str, run_id: str) -> str:
-    return f'{_self_command()} -db "{os.path.abspath(db_path)}" cancel {_shell_word(run_id)}'
+    return run_command(db_path, "approve", run_id) + f" -approval {_shell_word(approval_id)}"
 
 
 def _step_row(s: Step) -> dict:
@@ -13951,12 +13901,10 @@ def cmd_show(store: Store, args, out: Out) -> int:
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
         (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
-    out.text(f"run     {run.id}")
-    out.text(f"goal    {sanitize(run.goal)}")
-    out.text(f"status  {status}")
-    out.text(f"steps   {run.step_count}")
-    out.text(f"created {_stamp(run.created_at)}" +
-             (f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""))
+    finished = f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""
+    for line in (f"run     {run.id}", f"goal    {sanitize(run.goal)}", f"status  {status}",
+                 f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"):
+        out.text(line)
     if run.status in TERMINAL:
         out.text(f"ended   {ended_why(store, run)}")
     for word in words.values():
@@ -13979,9 +13927,7 @@ def cmd_show(store: Store, args, out: Out) -> int:
                      _clip(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
     for line in _table(rows):
         out.text(line)
-    shown = args.offset + len(page)
-    if shown < len(steps):
-        out.text(f"... {len(steps) - shown} more step(s): use -offset {shown}")
+    _more(out, "step", args.offset, len(page), len(steps), tally=False)
     return 0
 
 
@@ -13998,13 +13944,11 @@ def cmd_events(store: Store, args, out: Out) -> int:
                   "total": total, "refusals": refusals})
         return 0
     for seq, _run, _step, at, typ, payload, _hash in rows:
-        text = payload if len(payload.encode()) <= CLI_EVENT_PAYLOAD else \
-            truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{len(payload.encode()) - CLI_EVENT_PAYLOAD} more bytes]"
+        over = len(payload.encode()) - CLI_EVENT_PAYLOAD
+        text = payload if over <= 0 else \
+            truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{over} more bytes]"
         out.text(f"{_stamp(at, millis=True)}  {sanitize(typ):<22} {sanitize(text)}")
-    shown = args.offset + len(rows)
-    if shown < total:
-        out.text(f"... {total - shown} more event(s): use -offset {shown} "
-                 f"(shown {len(rows)} of {total})")
+    _more(out, "event", args.offset, len(rows), total)
     for line in refusal_lines(refusals):      # counted beside the chain, not in it
         out.text(f"calls of this request {line}")
     return 0
@@ -14042,22 +13986,11 @@ def _given_run(store: Store, given: str) -> Run:
     raise NotFound(f"run {given} not found")
 
 
-def _parse_head(text: str | None) -> tuple[int, str] | None:
-    if text is None:
-        return None
-    seq, sep, digest = text.partition(":")
-    if not sep or not seq.isdigit() or int(seq) < 1 or not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise UsageError("-head is SEQ:HASH: a positive seq and the hash kept for it")
-    return int(seq), digest
-
-
 def cmd_verify(store: Store, args, out: Out) -> int:
     head, first, last = args.head, getattr(args, "from"), args.to
     head_seq, head_hash = store.chain_head()
     report = store.verify_events(first, last or head_seq)
-    problems = []
-    if report.broken:
-        problems.append(f"the event chain is broken at seq {report.broken.seq}")
+    problems = [f"the event chain is broken at seq {report.broken.seq}"] if report.broken else []
     reached = first + report.checked - 1
     if last and not report.broken and reached < last:
         problems.append(f"the chain is shorter than asked: -to {last} was not reached "
@@ -14072,16 +14005,12 @@ def cmd_verify(store: Store, args, out: Out) -> int:
             problems.append(f"the chain does not match the head kept: seq {head[0]} has "
                             f"{found_hash or 'no event'}, kept {head[1]}")
     if args.json:
-        doc: dict[str, Any] = {"head": {"seq": head_seq, "hash": head_hash}, "from": first,
-                               "to": report.last, "hash": report.hash,
-                               "checked": report.checked, "intact": report.broken is None}
-        if report.broken:
-            doc["break"] = dataclasses.asdict(report.broken)
-        if last:
-            doc["requested"] = {"to": last, "reached": reached >= last}
-        if kept:
-            doc["kept_head"] = kept
-        out.json(doc)
+        out.json({"head": {"seq": head_seq, "hash": head_hash}, "from": first, "to": report.last,
+                  "hash": report.hash, "checked": report.checked,
+                  "intact": report.broken is None,
+                  **({"break": dataclasses.asdict(report.broken)} if report.broken else {}),
+                  **({"requested": {"to": last, "reached": reached >= last}} if last else {}),
+                  **({"kept_head": kept} if kept else {})})
     else:
         out.text(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
         if report.broken:
@@ -14184,10 +14113,6 @@ def _summary(fields: list[dict], more: int) -> str:
     return text
 
 
-def _args_cut(fields: list[dict], more: int) -> bool:
-    return bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes") for f in fields)
-
-
 def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None,
                 limits: list[dict] | None = None) -> dict:
     """What the operator is told of a waiting approval: on_pending's stdin, and the core of
@@ -14211,23 +14136,36 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
     def field(name: str) -> str:
         value = cap.get(name)
         return sanitize(value) if isinstance(value, str) else ""
-    summary = _summary(fields, more)
-    late = view.late if view is not None else None
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
             "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
             "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
-            "arguments": summary, "argument_fields": fields, "fields_not_shown": more,
-            "arguments_cut": _args_cut(fields, more),
-            "asked_by": [sanitize(a) for a in asked_by(approval.capability)],
-            "figures": _figures(approval),
-            "limits": limits or [],
-            "repeat_of": _repeated(approval),
-            "late_outcome": sanitize(late.text()) if late is not None else "",
-            "late_outcome_known": bool(late is not None and late.known),
+            "arguments": _summary(fields, more), "argument_fields": fields,
+            "fields_not_shown": more,
+            "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")
+                                               for f in fields),
+            **approval_facts(approval, view, limits),
             "created_at": sanitize(approval.created_at),
             "expires_at": sanitize(approval.expires_at),
-            "read": sanitize(show_command(db_path, approval.run_id)),
+            "read": sanitize(run_command(db_path, "show", approval.run_id)),
             "decide": sanitize(decide_command(db_path, approval.run_id, approval.id))}
+
+
+def approval_facts(approval: Approval, view: ApprovalView | None,
+                   limits: list[dict] | None) -> dict:
+    """What every channel tells of an approval beyond its row, sanitised: the conditions and
+    limits that asked and their figures, the tool's limits as they stand now (limits_now),
+    the earlier execution a repeat approval names, and what its view adds (a late outcome of
+    the attempt it asks about)."""
+    return {"asked_by": [sanitize(a) for a in asked_by(approval.capability)],
+            "figures": _figures(approval), "limits": limits or [],
+            "repeat_of": _repeated(approval), **_late(view)}
+
+
+def _late(view: ApprovalView | None) -> dict:
+    """A late outcome of the attempt an approval asks about, as every channel tells it."""
+    late = view.late if view is not None else None
+    return {"late_outcome": sanitize(late.text()) if late is not None else "",
+            "late_outcome_known": bool(late is not None and late.known)}
 
 
 def _repeated(approval: Approval) -> str:
@@ -14251,24 +14189,22 @@ def _figures(approval: Approval) -> list[str]:
         if isinstance(found, list) else []
 
 
-def _lapsed(run: Run, approval: Approval, now: float) -> bool:
-    """A pending approval past its expiry, or a grant past the run's grant_ttl. A time an
-    edit made unreadable counts as not lapsed: the entry is shown, its time as not a time."""
-    try:
-        if approval.status == PENDING:
-            return _expired(approval, now)
-        return _grant_stale(run, approval, now)
-    except (ValueError, TypeError, OverflowError):
-        return False
-
-
 def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
     """Every approval that waits on a live run, and every uncollected interruption grant,
-    oldest first, each with its run."""
+    oldest first, each with its run. Neither a pending approval past its expiry nor a grant
+    past the run's grant_ttl waits; a time an edit made unreadable counts as not lapsed: the
+    entry is shown, its time as not a time."""
     found = []
     for approval in store.waiting_approvals():
         run = store.find_run(approval.run_id)
-        if run is not None and run.status == WAITING and not _lapsed(run, approval, now):
+        if run is None or run.status != WAITING:
+            continue
+        try:
+            lapsed = _expired(approval, now) if approval.status == PENDING else \
+                _grant_stale(run, approval, now)
+        except (ValueError, TypeError, OverflowError):
+            lapsed = False
+        if not lapsed:
             found.append((approval, run))
     return found
 
@@ -14292,7 +14228,7 @@ def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dic
                 lapses = fmt_time(parse_time(approval.decided_at) + ttl)
         doc.update(decided_by=sanitize(approval.decided_by),
                    decided_at=sanitize(approval.decided_at), expires_at=lapses, decide="",
-                   cancel=sanitize(_cancel_command(store.path, approval.run_id)))
+                   cancel=sanitize(run_command(store.path, "cancel", approval.run_id)))
     return doc
 
 
@@ -14588,39 +14524,36 @@ class Inbox:
         if self.once:
             self.passed.add(approval.id)
         self.lines.discard_typed_ahead()
-        while True:
-            answer = self.ask(f"approval {approval.id}: a approve, r reject, s skip, q quit: ")
-            verb = INBOX_ANSWERS.get((answer or "").strip().lower(), "")
-            if answer is None or verb == "quit":
+        verb = self.choose(f"approval {approval.id}: a approve, r reject, s skip, q quit: ",
+                           INBOX_ANSWERS, "answer a, r, s or q, then Enter")
+        if verb in (None, "quit"):
+            return False
+        if verb == "skip":
+            self.passed.add(approval.id)
+        elif verb == "approve":
+            self.decide(view, True, "")
+        else:
+            note = self.ask("note for the rejection (the model reads it; Enter for none): ")
+            word = ""
+            if note is not None and approval.kind == INTERRUPTED_KIND:  # as reject -outcome
+                word = self.choose("did the cut-off attempt take effect? e executed, n not "
+                                   "executed, u unknown (Enter: unknown): ", INBOX_OUTCOMES,
+                                   "answer e, n or u, then Enter")
+            if note is None or word is None:
                 return False
-            if verb == "skip":
-                self.passed.add(approval.id)
-                return True
-            if verb == "approve":
-                self.decide(view, True, "")
-                return True
-            if verb == "reject":
-                note = self.ask("note for the rejection (the model reads it; Enter for none): ")
-                if note is None:
-                    return False
-                word = self.ask_outcome() if approval.kind == INTERRUPTED_KIND else ""
-                if word is None:
-                    return False
-                self.decide(view, False, note.strip(), word)
-                return True
-            self.out.text("answer a, r, s or q, then Enter")
+            self.decide(view, False, note.strip(), word)
+        return True
 
-    def ask_outcome(self) -> str | None:
-        """What came of the cut-off attempt, as reject -outcome takes it; None at EOF."""
+    def choose(self, prompt: str, answers: dict, hint: str) -> str | None:
+        """The meaning of the first answer that has one, the hint said after each other;
+        None at EOF."""
         while True:
-            answer = self.ask("did the cut-off attempt take effect? e executed, n not executed, "
-                              "u unknown (Enter: unknown): ")
+            answer = self.ask(prompt)
             if answer is None:
                 return None
-            word = INBOX_OUTCOMES.get(answer.strip().lower())
-            if word is not None:
-                return word
-            self.out.text("answer e, n or u, then Enter")
+            if answer.strip().lower() in answers:
+                return answers[answer.strip().lower()]
+            self.out.text(hint)
 
     def ask(self, prompt: str) -> str | None:
         self.out.stdout.write(sanitize(prompt))
@@ -14675,18 +14608,13 @@ _COMMANDS = {"runs": (cmd_runs, True), "show": (cmd_show, True), "events": (cmd_
 def _database_path(args) -> str:
     if args.db:
         return args.db
-    if args.config:
-        return _database_from_config(args.config)
+    if args.config:             # read as serving reads it (owner checked, strict)
+        return load_config(args.config).database
     env = os.environ.get("AGENTRT_DB", "")
     if env:
         return env
     raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
                      "or set AGENTRT_DB")
-
-
-def _database_from_config(path: str) -> str:
-    """The configuration's database, read as serving reads it (owner checked, strict)."""
-    return load_config(path).database
 
 
 def _describe_failure(exc: Exception, command: str) -> str:
@@ -14695,14 +14623,11 @@ def _describe_failure(exc: Exception, command: str) -> str:
         return f"run is not waiting for approval: {exc}"
     if isinstance(exc, RunStateError) and command == "cancel":
         return f"run is already finished: {exc}"
-    if isinstance(exc, AttemptSettled):
-        return f"{exc}"
-    if isinstance(exc, NotPending):
+    if isinstance(exc, NotPending) and not isinstance(exc, AttemptSettled):
         return f"approval is already decided: {exc}"
-    if isinstance(exc, StoreError) and "locked" in str(exc):
+    if isinstance(exc, StoreError) and "locked" in str(exc) and \
+            not isinstance(exc, SchemaVersionError):
         return f"database is locked by another writer: {exc}"
-    if isinstance(exc, SchemaVersionError):
-        return f"{exc}"
     return str(exc)
 
 
@@ -14734,7 +14659,12 @@ def _check_arguments(args) -> None:
                              "pass -by WHO")
     if args.command == "verify":
         first, last = getattr(args, "from"), args.to
-        args.head = _parse_head(args.head)
+        if args.head is not None:
+            seq, sep, digest = args.head.partition(":")
+            if not sep or not seq.isdigit() or int(seq) < 1 or \
+                    not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise UsageError("-head is SEQ:HASH: a positive seq and the hash kept for it")
+            args.head = int(seq), digest
         if first < 0 or last < 0:
             raise UsageError("-from and -to cannot be negative")
         if last and last < first:
@@ -14745,14 +14675,18 @@ def _check_arguments(args) -> None:
             raise UsageError("-head is before -from")
 
 
+def open_database(path: str, readonly: bool) -> Store:
+    """The database an operator command names, as it is: never created, never migrated."""
+    try:
+        return Store.open_existing(path, readonly=readonly)
+    except NotFound:
+        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+
+
 def run_operator(args, out: Out) -> int:
     handler, readonly = _COMMANDS[args.command]
     _check_arguments(args)
-    path = _database_path(args)
-    try:
-        store = Store.open_existing(path, readonly=readonly)
-    except NotFound:
-        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+    store = open_database(_database_path(args), readonly)
     try:
         return handler(store, args, out)
     finally:
@@ -14951,19 +14885,12 @@ def read_hook_secret(path: str | None) -> bytes:
         why = "it is a symbolic link; name the file itself" if os.path.islink(path) else \
             exc.strerror
         raise ConfigError(f"{path}: cannot open the secret file: {why}") from None
-    try:
+    with open(fd, "rb") as f:            # closes fd
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise ConfigError(f"{path} must be a regular file of this user's, mode 0600 "
                               f"(it is {stat.filemode(st.st_mode)}): chmod 600 {path}")
-        data = b""
-        while len(data) <= WEBHOOK_MAX_SECRET:
-            chunk = os.read(fd, WEBHOOK_MAX_SECRET + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
+        data = f.read(WEBHOOK_MAX_SECRET + 1)       # a regular file: to EOF or the bound
     secret = data.rstrip(b"\r\n")
     if len(data) > WEBHOOK_MAX_SECRET or len(secret) < WEBHOOK_MIN_SECRET:
         raise ConfigError(f"{path} holds {len(secret)} bytes; the secret must hold "
@@ -15157,7 +15084,8 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
 
 # Each outcome of the store, in the error table; the first class that matches decides.
 _HOOK_OUTCOMES = ((NotFound, 404, "not_found"), (ApprovalExpired, 410, "expired"),
-                  (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"), (ApprovalChanged, 409, "approval_changed"),
+                  (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"),
+                  (ApprovalChanged, 409, "approval_changed"),
                   (ApprovalHashMismatch, 409, "approval_hash"),
                   (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"),
                   (UsageError, 400, "bad_request"))
@@ -15196,32 +15124,25 @@ def _hook_record(data: bytes) -> Any:
         return {"unread": sanitize(str(exc))}
 
 
-def _hook_view(store: Store, a: Approval) -> dict:
-    """What the view adds to a row: the late outcome of the attempt it asks about, and the
-    view's digest, which a decision may carry as "view" to be bound to all of it."""
-    view = view_of(store, a)
-    late = view.late
-    return {"late_outcome": sanitize(late.text()) if late is not None else "",
-            "late_outcome_known": bool(late is not None and late.known),
-            "attempt": None if view.attempt is None else
+def _hook_view(view: ApprovalView) -> dict:
+    """What the view adds to a row: the late outcome of the attempt it asks about, the
+    attempt, and the view's digest, which a decision may carry as "view" to be bound to all
+    of it."""
+    return {**_late(view), "attempt": None if view.attempt is None else
             {sanitize(str(k)): sanitize(str(v)) for k, v in view.attempt.items()},
             "view": view.digest}
 
 
 def _hook_approval(store: Store, a: Approval) -> dict:
     """One approval in full: its state, everything its hash binds, and its view."""
-    doc = _hook_row(a)
-    doc.update(_hook_view(store, a))
+    view = view_of(store, a)
     try:
-        doc["arguments"] = _hook_record(a.request().args)
+        args = _hook_record(a.request().args)
     except (ProxyError, KeyError, ValueError) as exc:
-        doc["arguments"] = {"unread": sanitize(str(exc))}
-    doc["capability"], doc["presentation"] = _hook_record(a.capability), \
-        _hook_record(a.presentation)
-    doc["asked_by"] = [sanitize(x) for x in asked_by(a.capability)]
-    doc["figures"] = _figures(a)
-    doc["limits"] = limits_now(store._read, a, time.time())
-    doc["repeat_of"] = _repeated(a)
+        args = {"unread": sanitize(str(exc))}
+    doc = dict(_hook_row(a), **_hook_view(view), arguments=args,
+               capability=_hook_record(a.capability), presentation=_hook_record(a.presentation))
+    doc.update(approval_facts(a, view, limits_now(store._read, a, time.time())))
     return doc
 
 
@@ -15304,18 +15225,15 @@ class Webhook:
             self.slots.release()
 
     def _exchange(self, conn: socket.socket) -> None:
-        if not self.bucket.take():
-            # Judged before a byte is read: a flood costs no parsing, no HMAC, no database.
-            self._send(conn, *self._error(WebhookRefusal(429, "rate_limited",
-                                                         "too many requests: try again later")))
-            _linger(conn)
-            return
-        with self._open_lock:
-            accepted = self._open.get(conn, (time.monotonic(), None))[0]
-            reader = _HookReader(conn, accepted + WEBHOOK_REQUEST_SECONDS,
-                                 accepted + WEBHOOK_HEAD_SECONDS)
-            self._open[conn] = (accepted, reader)
         try:
+            if not self.bucket.take():
+                # Judged before a byte is read: a flood costs no parsing, no HMAC, no database.
+                raise WebhookRefusal(429, "rate_limited", "too many requests: try again later")
+            with self._open_lock:
+                accepted = self._open.get(conn, (time.monotonic(), None))[0]
+                reader = _HookReader(conn, accepted + WEBHOOK_REQUEST_SECONDS,
+                                     accepted + WEBHOOK_HEAD_SECONDS)
+                self._open[conn] = (accepted, reader)
             req = read_hook_request(reader)
         except WebhookRefusal as refusal:
             self._send(conn, *self._error(refusal))
@@ -15356,7 +15274,7 @@ class Webhook:
         # build) waits for nothing: listed, it would be read as waiting.
         pending = store.pending_approvals(route.run) if run.status == WAITING else []
         return _hook_json(200, {"run_id": route.run, "total": len(pending), "approvals":
-                                [dict(_hook_row(a), **_hook_view(store, a))
+                                [dict(_hook_row(a), **_hook_view(view_of(store, a)))
                                  for a in pending[:WEBHOOK_LIST_LIMIT]]})
 
     def _do_show(self, store: Store, route: HookRoute, req: HookRequest):
@@ -15443,10 +15361,7 @@ def cmd_webhook(args, out: Out) -> int:
     host, port, family = parse_listen(args.listen, args.public)
     secret = read_hook_secret(args.secret_file)
     path = _database_path(args)
-    try:
-        Store.open_existing(path, readonly=True).close()     # refuse now, not per request
-    except NotFound:
-        raise ProxyError(f"{path} does not exist: name the database the proxy writes") from None
+    open_database(path, readonly=True).close()     # refuse now, not per request
     hook = Webhook(path, secret, out.log)
     stop = threading.Event()
     with socket.socket(family, socket.SOCK_STREAM) as sock:

@@ -7973,7 +7973,10 @@ def _reach_candidates(arg: str) -> list[str]:
         found.append(arg[2:])
     for cand in [c for c in found if ":" in c]:     # no scheme: urllib.parse (late) not needed
         import urllib.parse
-        url = urllib.parse.urlsplit(cand)
+        try:
+            url = urllib.parse.urlsplit(cand)
+        except ValueError:          # not a URL (an unclosed "[" host): no path to add
+            continue
         if url.scheme.lower() == "file":
             found.append(urllib.parse.unquote(url.path))
     home = os.path.expanduser("~")
@@ -13096,7 +13099,7 @@ class ServerWatch:
         rules = self.server.rule_map
         shown = [{"tool": clean(t, DRIFT_NAME_BYTES),
                   "name": (rules[t].rename or f"{self.server.name}_{t}") if t in rules else "",
-                  "why": why} for t, why in changes[:DRIFT_SHOWN]]
+                  "why": sanitize(why)} for t, why in changes[:DRIFT_SHOWN]]
         more = len(changes) - len(shown)
         pin = f"{_self_command()} pin -config {self.cfg.path}"
         self.log(f"drift: server {q} changed its tools since the pin: " +

@@ -956,3 +956,12 @@ def test_policy_decisions_record_the_configurations_policy_identity(tmp_path):
     assert identity(lambda r: None) == recorded
     assert identity(lambda r: r["pay"].update(timeout="99s")) == recorded
     assert identity(lambda r: r["pay"].update(side_effect="destructive")) != recorded
+
+
+def test_reach_check_reads_an_argument_that_is_no_url_as_a_plain_argument(tmp_path):
+    """An argument that looks like a URL with an unclosed IPv6 host ("file://[x") is a plain
+    argument to the reach check, not a crash of pin, check or serve."""
+    d = tmp_path / "proxy"
+    d.mkdir()
+    for arg in ("file://[x", "--root=file://[::1"):
+        ap.check_reach(ap.load_config(_reach_config(d, [arg])))

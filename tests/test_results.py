@@ -322,7 +322,7 @@ def test_is_error_answer_with_deep_structured_content_is_a_known_failure():
             b'"text":"declined"}],"structuredContent":{"x":' + deep + b"}}}")
     msg = ap.parse_message(line, ap.UPSTREAM_DEPTH)
 
-    async def answer(args):
+    async def answer(args, value=None):
         return ap.map_result(tool, msg)
 
     obs = asyncio.run(ap._call_tool(ap.Tool(spec, answer), b"{}"))[0]
@@ -338,7 +338,7 @@ def _mapped(result: bytes) -> dict:
     msg = ap.parse_message(b'{"jsonrpc":"2.0","id":1,"result":' + result + b"}",
                            ap.UPSTREAM_DEPTH)
 
-    async def answer(args):
+    async def answer(args, value=None):
         return ap.map_result(tool, msg)
 
     return asyncio.run(ap._call_tool(ap.Tool(spec, answer), b"{}"))[0]

@@ -824,7 +824,10 @@ NOT_PARSED: Any = type("NotParsed", (), {"__repr__": lambda self: "NOT_PARSED"})
 
 def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH) -> dict[str, bytes]:
     """The exact bytes of each member value of a top-level object, so that a record can hand
-    back what was written into it byte for byte, never a re-serialisation."""
+    back what was written into it byte for byte, never a re-serialisation. Kept where the
+    bytes need not be the proxy's own encoding: a gate caller's arguments (recorded as
+    given), a server's listing (its schemas judged with bounds its read does not apply), a
+    message's members (refused arguments are recorded as sent, a request id echoed)."""
     return read_members(raw, max_depth)[1]
 
 
@@ -9476,12 +9479,12 @@ def _executions(read: Callable[[str, tuple], list], tools: dict, limit: Limit, a
             "SELECT at, run_id, step_id, payload_json FROM events WHERE seq>? AND seq<=? AND "
             "type='step.tool_started' AND at>? ORDER BY seq", (after, upto, since)):
         try:
-            tool = tools.get(loads_own(payload).get("tool"))
+            doc = read_own(payload)          # one read: the arguments as recorded
+            tool = tools.get(doc.get("tool"))
             if tool is None:
                 continue
-            args = member_spans(payload.encode()).get("args", b"{}")
             out.append((parse_time(at), run_id, step_id,
-                        counted_value(limit, server_value(tool, args))[0]))
+                        counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
         except (ProxyError, AttributeError, ValueError):
             continue                 # an edited row: the chain's verify reports it
     return out

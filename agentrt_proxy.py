@@ -835,26 +835,27 @@ def read_members(raw: bytes, max_depth: int = RECORD_DEPTH) -> tuple[dict, dict[
     """read_own of an object (number literals kept), and member_spans of it, from one
     parse: its members' spans are recorded as it is parsed."""
     text = _decoded(raw, max_depth)
-    doc, spans, _ = _read_object(raw, text, 1, set())
+    doc, spans, _ = _read_object(raw, text, 1)
     if not isinstance(doc, dict):
         raise JSONError("not valid JSON: expected an object", raw, 0)
     return doc, {k: text[a:b].encode("utf-8") for k, (a, b) in spans.items()}
 
 
-def _read_object(raw: bytes, text: str, levels: int, clean: set[int],
-                 ) -> tuple[Any, dict, dict]:
+def _read_object(raw: bytes, text: str, levels: int, clean: set[int] | None = None,
+                 judged: str = "") -> tuple[Any, dict, dict]:
     """The value ``text`` (``raw`` decoded) holds, read leniently and without bounds, and
     when it is an object the spans of its members (_members); ``clean`` gets where each
-    member value the scanner read without a fault of the strict parser's begins. Anything
-    else, valid or not, is left to _parse_text, which returns it or raises its exact
-    refusal."""
+    value inside its member ``judged`` begins that the scanner read without a fault of the
+    strict parser's (the faults are looked for there alone). Anything else, valid or not,
+    is left to _parse_text, which returns it or raises its exact refusal."""
+    clean = set() if clean is None else clean
     lone = _lone_surrogates(text)
     text = _without_surrogates(text, lone) if lone else text
     pos = _WS.match(text).end()
     if text.startswith("{", pos):
         try:
-            end, doc, spans, inner = _members(_Hooks(True, True, True), text, pos, levels,
-                                              clean)
+            end, doc, spans, inner = _members(_Hooks(), text, pos, levels, clean,
+                                              {judged: _Hooks(True, True, True)})
             clean.difference_update(a for a, b in spans.values() if _any_in(lone, a, b))
             clean.difference_update(a for member in inner.values()
                                     for a, b in member.values() if _any_in(lone, a, b))
@@ -871,12 +872,14 @@ def _any_in(offsets: list[int], start: int, end: int) -> bool:
 
 
 def _members(hooks: _Hooks, text: str, pos: int, levels: int, clean: set[int],
+             judging: dict[str, _Hooks],
              ) -> tuple[int, dict, dict[str, tuple[int, int]], dict[str, dict]]:
     """The object whose '{' is at ``pos``, member by member, each value read by the
     scanner of ``hooks``: where it ends, its value, each member value's span (character
     offsets), and with ``levels`` above 1 the spans of the members of each member that is
-    an object; ``clean`` gets the start of each value the hooks found no fault in. A
-    repeated key keeps its last value. Anything but an object raises ValueError."""
+    an object, read with ``judging``'s hooks for a member it names; ``clean`` gets the start
+    of each value read by hooks that look for faults and found none. A repeated key keeps
+    its last value. Anything but an object raises ValueError."""
     doc: dict = {}
     spans: dict[str, tuple[int, int]] = {}
     inner: dict[str, dict] = {}
@@ -893,11 +896,12 @@ def _members(hooks: _Hooks, text: str, pos: int, levels: int, clean: set[int],
         start = _WS.match(text, pos + 1).end()
         inner.pop(key, None)
         if levels > 1 and text.startswith("{", start):
-            pos, doc[key], inner[key], _ = _members(hooks, text, start, levels - 1, clean)
+            pos, doc[key], inner[key], _ = _members(judging.get(key, hooks), text, start,
+                                                    levels - 1, clean, {})
         else:
             hooks.fault = hooks.overflow = False
             doc[key], pos = hooks.scan(text, start)
-            if not (hooks.fault or hooks.overflow):
+            if hooks.object_pairs_hook and not (hooks.fault or hooks.overflow):
                 clean.add(start)
         spans[key] = (start, pos)
         pos = _WS.match(text, pos).end()
@@ -6002,7 +6006,7 @@ def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
         bad = [m.start() for m in _LONE_SURROGATE.finditer(text)]
     # the message's members' spans, and those of each of its objects
     clean: set[int] = set()
-    doc, spans, inner = _read_object(line, text, 2, clean)
+    doc, spans, inner = _read_object(line, text, 2, clean, "params")
     if not isinstance(doc, dict):
         raise ProtocolError("not a JSON-RPC message: expected an object", INVALID_REQUEST)
     params = inner.get("params", {})

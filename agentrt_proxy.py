@@ -856,54 +856,20 @@ def parse_json(raw: bytes, strict: bool = True, max_depth: int = MAX_DEPTH,
 
 def check_json(raw: bytes) -> None:
     """Refuse what the strict parser refuses; accept everything else."""
-    parse_strict(raw)
+    parse_json(raw)
 
 
-# A call's arguments are parsed strictly by its schema check, its policy's copy and its
-# record in turn, and an upstream's result by its check and its hash: the values of the
-# last few small documents parsed strictly are kept, keyed by their exact bytes (a strict
-# parse depends on nothing else). Only readers that never change a value use them.
-_STRICT_KEPT: dict[bytes, Any] = {}
-_STRICT_KEPT_LOCK = threading.Lock()
-STRICT_KEPT_COUNT = 8
-STRICT_KEPT_BYTES = 64 * 1024
-
-
-def _kept(raw: Any) -> Any:
-    """The kept strict parse of ``raw``, or _STRICT_KEPT itself when there is none."""
-    if type(raw) is not bytes:          # a bytearray is not hashable, a str never kept
-        return _STRICT_KEPT
-    with _STRICT_KEPT_LOCK:
-        return _STRICT_KEPT.get(raw, _STRICT_KEPT)
-
-
-def parse_strict(raw: bytes) -> Any:
-    """parse_json(raw) with its defaults, the value shared with every other caller of this
-    function for the same bytes: read it, never change it."""
-    if type(raw) is not bytes or len(raw) > STRICT_KEPT_BYTES:
-        return parse_json(raw)
-    found = _kept(raw)
-    if found is not _STRICT_KEPT:
-        return found
-    value = parse_json(raw)
-    _keep(raw, value)
-    return value
-
-
-def _keep(raw: bytes, value: Any) -> None:
-    """Keep ``value`` as the strict parse of ``raw``: the caller knows it to be exactly
-    what parse_json(raw) gives, and no longer changes it."""
-    if len(raw) > STRICT_KEPT_BYTES:
-        return
-    with _STRICT_KEPT_LOCK:
-        if raw not in _STRICT_KEPT and len(_STRICT_KEPT) >= STRICT_KEPT_COUNT:
-            del _STRICT_KEPT[next(iter(_STRICT_KEPT))]
-        _STRICT_KEPT[raw] = value
+# A strict parse's value travels with the call that made it (Decision.value, ToolRequest.value)
+# so that no step parses the same bytes again; this marks one not made yet.
+NOT_PARSED: Any = type("NotParsed", (), {"__repr__": lambda self: "NOT_PARSED"})()
 
 
 def member_spans(raw: bytes, max_depth: int = RECORD_DEPTH) -> dict[str, bytes]:
     """The exact bytes of each member value of a top-level object, so that a record can hand
-    back what was written into it byte for byte, never a re-serialisation."""
+    back what was written into it byte for byte, never a re-serialisation. Kept where the
+    bytes need not be the proxy's own encoding: a gate caller's arguments (recorded as
+    given), a server's listing (its schemas judged with bounds its read does not apply), a
+    message's members (refused arguments are recorded as sent, a request id echoed)."""
     return read_members(raw, max_depth)[1]
 
 
@@ -917,16 +883,24 @@ def read_members(raw: bytes, max_depth: int = RECORD_DEPTH) -> tuple[dict, dict[
     return doc, {k: text[a:b].encode("utf-8") for k, (a, b) in spans.items()}
 
 
-def _read_object(raw: bytes, text: str, levels: int) -> tuple[Any, dict, dict]:
+def _read_object(raw: bytes, text: str, levels: int, clean: set[int] | None = None,
+                 judged: str = "") -> tuple[Any, dict, dict]:
     """The value ``text`` (``raw`` decoded) holds, read leniently and without bounds, and
-    when it is an object the spans of its members (_members). Anything else, valid or not,
+    when it is an object the spans of its members (_members); ``clean`` gets where each
+    value inside its member ``judged`` begins that the scanner read without a fault of the
+    strict parser's (the faults are looked for there alone). Anything else, valid or not,
     is left to _parse_text, which returns it or raises its exact refusal."""
+    clean = set() if clean is None else clean
     lone = _lone_surrogates(text)
     text = _without_surrogates(text, lone) if lone else text
     pos = _WS.match(text).end()
     if text.startswith("{", pos):
         try:
-            end, doc, spans, inner = _members(_Hooks().scan, text, pos, levels)
+            end, doc, spans, inner = _members(_Hooks(), text, pos, levels, clean,
+                                              {judged: _Hooks(True, True, True)})
+            clean.difference_update(a for a, b in spans.values() if _any_in(lone, a, b))
+            clean.difference_update(a for member in inner.values()
+                                    for a, b in member.values() if _any_in(lone, a, b))
             if _WS.match(text, end).end() == len(text):
                 return doc, spans, inner
         except (ValueError, StopIteration):
@@ -934,12 +908,20 @@ def _read_object(raw: bytes, text: str, levels: int) -> tuple[Any, dict, dict]:
     return _parse_text(raw, text, False, False), {}, {}
 
 
-def _members(scan: Callable, text: str, pos: int, levels: int,
+def _any_in(offsets: list[int], start: int, end: int) -> bool:
+    """Whether one of ``offsets`` is in [start, end)."""
+    return any(start <= at < end for at in offsets)
+
+
+def _members(hooks: _Hooks, text: str, pos: int, levels: int, clean: set[int],
+             judging: dict[str, _Hooks],
              ) -> tuple[int, dict, dict[str, tuple[int, int]], dict[str, dict]]:
-    """The object whose '{' is at ``pos``, member by member, each value read by ``scan``:
-    where it ends, its value, each member value's span (character offsets), and with
-    ``levels`` above 1 the spans of the members of each member that is an object. A
-    repeated key keeps its last value. Anything but an object raises ValueError."""
+    """The object whose '{' is at ``pos``, member by member, each value read by the
+    scanner of ``hooks``: where it ends, its value, each member value's span (character
+    offsets), and with ``levels`` above 1 the spans of the members of each member that is
+    an object, read with ``judging``'s hooks for a member it names; ``clean`` gets the start
+    of each value read by hooks that look for faults and found none. A repeated key keeps
+    its last value. Anything but an object raises ValueError."""
     doc: dict = {}
     spans: dict[str, tuple[int, int]] = {}
     inner: dict[str, dict] = {}
@@ -956,9 +938,13 @@ def _members(scan: Callable, text: str, pos: int, levels: int,
         start = _WS.match(text, pos + 1).end()
         inner.pop(key, None)
         if levels > 1 and text.startswith("{", start):
-            pos, doc[key], inner[key], _ = _members(scan, text, start, levels - 1)
+            pos, doc[key], inner[key], _ = _members(judging.get(key, hooks), text, start,
+                                                    levels - 1, clean, {})
         else:
-            doc[key], pos = scan(text, start)
+            hooks.fault = hooks.overflow = False
+            doc[key], pos = hooks.scan(text, start)
+            if hooks.object_pairs_hook and not (hooks.fault or hooks.overflow):
+                clean.add(start)
         spans[key] = (start, pos)
         pos = _WS.match(text, pos).end()
         if text.startswith(",", pos):
@@ -1070,8 +1056,13 @@ def canonical_json(raw: bytes) -> bytes:
 
 def policy_json(raw: bytes, strict: bool = True) -> bytes:
     """The canonical form without HTML escaping: what a policy is handed. Never hashed."""
+    return encode_policy(parse_json(raw) if strict else parse_json(raw, False))
+
+
+def encode_policy(value: Any) -> bytes:
+    """policy_json of an already parsed value."""
     out: list[str] = []
-    _encode(parse_strict(raw) if strict else parse_json(raw, False), out, _policy_str)
+    _encode(value, out, _policy_str)
     return "".join(out).encode("utf-8")
 
 
@@ -1093,10 +1084,7 @@ def content_hash(raw: bytes) -> str:
     """Hash of the canonical form of the first value in ``raw`` (read leniently: a repeated
     key keeps its last value, bad bytes become U+FFFD, blank is null), or of the bytes
     themselves when there is no value to read. Only hashes what was recorded; never judges.
-    Bytes just parsed strictly (parse_strict) read the same leniently: their value is used."""
-    kept = _kept(raw)
-    if kept is not _STRICT_KEPT:
-        return sha256_hex(encode_canonical(kept))
+    Bytes parsed strictly read the same leniently: the hash of their value is this hash."""
     text = _decode_lossy(raw)
     pos = _WS.match(text).end()
     if pos >= len(text):
@@ -2145,11 +2133,13 @@ class Schema:
 
     # -- validating --
 
-    def check(self, raw: bytes) -> Any:
-        """Parse strict JSON arguments and validate them; returns the parsed value (shared,
-        see parse_strict). Raises JSONError for bytes that are not usable JSON, SchemaError
-        for a mismatch (CheckTooCostly when checking spent the call's budget)."""
-        value = parse_strict(raw)
+    def check(self, raw: bytes, value: Any = NOT_PARSED) -> Any:
+        """Parse strict JSON arguments (unless ``value`` is their strict parse, which is only
+        read) and validate them; returns the parsed value. Raises JSONError for bytes that
+        are not usable JSON, SchemaError for a mismatch (CheckTooCostly when checking spent
+        the call's budget)."""
+        if value is NOT_PARSED:
+            value = parse_json(raw)
         errors = _Failures()
         # A compiled schema is shared by every call of its tool: a call's budget and keys
         # live on a shallow copy, which shares the compiled tables.
@@ -2647,15 +2637,21 @@ _SPEC_POLICY_FORMS: dict[ToolSpec, ToolSpec] = {}
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class ToolRequest:
-    """One request to execute: the exact argument bytes for one step of one run."""
+    """One request to execute: the exact argument bytes for one step of one run, and their
+    strict parse when the call made it (only read: the request is one call's own)."""
     run_id: str
     step_id: str
     spec: ToolSpec
     args: bytes
+    value: Any = dataclasses.field(default=NOT_PARSED, compare=False)
+
+    def parsed(self) -> Any:
+        """The arguments' strict parse: the one the call made, else made now."""
+        return parse_json(self.args) if self.value is NOT_PARSED else self.value
 
     def as_value(self) -> dict:
         return {"run_id": self.run_id, "step_id": self.step_id, "spec": self.spec.as_value(),
-                "args": parse_json(self.args)}
+                "args": self.parsed()}
 
     def record(self) -> str:
         """The request as stored with an approval: the arguments byte for byte."""
@@ -3923,9 +3919,11 @@ class AnswerUnreadable(Exception):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Tool:
-    """A tool the gate can execute: its spec, and the call that runs it."""
+    """A tool the gate can execute: its spec, and the call that runs it, handed the
+    arguments' bytes and their strict parse (NOT_PARSED when the call has none), which it
+    only reads."""
     spec: ToolSpec
-    call: Callable[[bytes], Awaitable[ToolResult]]
+    call: Callable[[bytes, Any], Awaitable[ToolResult]]
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -3937,6 +3935,7 @@ class Decision:
     result: bytes = b""
     message: str = ""
     origin: str = ""
+    value: Any = NOT_PARSED         # the strict parse of args, when the caller made it
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -4018,36 +4017,55 @@ class Observation(collections.namedtuple("Observation", "doc json_text content_h
     __slots__ = ()
 
 
-def _obs(kind: str, content: Any, summary: str, text: str | None = None) -> Observation:
+def _obs(kind: str, content: Any, summary: str, text: str | None = None,
+         value: Any = NOT_PARSED) -> Observation:
     """An observation: the dict, its stored JSON, and its content hash. Text that will not
     encode (a lone surrogate) is replaced, never allowed to stop the recording. ``text`` is
-    a result's text beside its structured content (ToolResult.text)."""
+    a result's text beside its structured content (ToolResult.text); ``value`` the strict
+    parse of content bytes, which the hash and the dict are made from."""
     summary = _SURROGATES.sub("\ufffd", str(summary))
     if isinstance(content, dict):
         content = {k: _SURROGATES.sub("\ufffd", v) if isinstance(v, str) else v
                    for k, v in content.items()}
     raw = content if isinstance(content, bytes) else dump_json(content).encode()
-    digest = content_hash(raw)
+    known = value is not NOT_PARSED
+    digest = sha256_hex(encode_canonical(value)) if known else content_hash(raw)
     embedded = _raw_text(raw).encode()      # as the record will hold it, byte for byte
     doc = {"kind": kind, "content": RawJSON(embedded), "summary": summary, "content_hash": digest}
     if text is not None:
         doc["text"] = _SURROGATES.sub("\ufffd", text)
     text = dump_json(doc)
-    return Observation(read_own(text), text, digest, embedded)
+    # strict content reads back as its value; the strings beside it are free of surrogates
+    return Observation({**doc, "content": value} if known else read_own(text), text, digest,
+                       embedded)
 
 
-def _decision_record(d: Decision) -> str:
+def _with_value(d: Decision) -> Decision:
+    """A tool call's decision with its arguments' strict parse, made once here when its
+    caller did not make it; arguments the strict parser refuses stay unparsed."""
+    if d.kind != "tool_call" or d.value is not NOT_PARSED:
+        return d
+    try:
+        return dataclasses.replace(d, value=parse_json(d.args.strip(JSON_WS) or b"{}"))
+    except JSONError:
+        return d
+
+
+def _decision_record(d: Decision) -> tuple[str, dict]:
     """The decision as recorded: argument and result bytes verbatim when they are JSON,
-    else kept as text (base64 when not UTF-8) under invalid_* and never as JSON."""
+    else kept as text (base64 when not UTF-8) under invalid_* and never as JSON. And the
+    record as read back (loads_own), made from the values rather than parsed again."""
     doc: dict[str, Any] = {"kind": d.kind}
     if d.tool:
         doc["tool"] = d.tool
     bad: dict[str, bytes] = {}
+    values: dict[str, Any] = {}
     for name, raw in (("args", d.args.strip(JSON_WS)), ("result", d.result.strip(JSON_WS))):
         if not raw:
             continue
         try:
-            check_json(raw)
+            known = name == "args" and d.value is not NOT_PARSED
+            values[name] = d.value if known else parse_json(raw)
             doc[name] = RawJSON(raw)
         except JSONError:
             bad[name] = raw
@@ -4063,7 +4081,8 @@ def _decision_record(d: Decision) -> str:
             doc["invalid_base64"] = True
         for name, text in texts.items():
             doc["invalid_" + name] = text
-    return dump_json(doc)
+    return dump_json(doc), to_plain({k: _SURROGATES.sub("\ufffd", v) if type(v) is str else v
+                                     for k, v in {**doc, **values}.items()})
 
 
 def _policy_record(p: PolicyDecision, extra: dict | None = None) -> str:
@@ -4386,6 +4405,7 @@ class Gate:
         write), the proposal and the tool's start commit as one transaction, before anything
         leaves the process. Then ``await session.run_started()`` runs the tool."""
         step_id = self.new_id()
+        decision = _with_value(decision)
         judged = self._prejudge(run_id, step_id, goal, limits, decision)
         session = None
         sync = _start_sync(self, tool_of(self, decision), decision, judged)
@@ -4420,7 +4440,7 @@ class Gate:
             return _ProposalCheck(problem)
         run = Run(run_id, goal, RUNNING, "", "", limits, 1, self.now(), "", "", self.owner, "")
         request = ToolRequest(run_id, step_id, tool.spec,
-                              decision.args.strip(JSON_WS) or b"{}")
+                              decision.args.strip(JSON_WS) or b"{}", decision.value)
         try:
             view = RunView(run, [], [])
             return _ProposalCheck("", self.evaluate(request, view), view=view)
@@ -4447,7 +4467,7 @@ class Gate:
             return "tool_call without a tool name"
         if tool is None:
             return f"unknown tool {_quote(d.tool)}"
-        return self.check_args(tool, d.args.strip(JSON_WS) or b"{}")
+        return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
 
     async def call(self, run_id: str, goal: str, limits: Limits,
                    decision: Decision) -> tuple["Session", Verdict, dict | None]:
@@ -4586,13 +4606,14 @@ class Gate:
     def evaluate(self, request: ToolRequest, view: RunView) -> PolicyDecision:
         """Hand the policy a copy in policy form: arguments and schema canonical, unescaped."""
         handed = ToolRequest(request.run_id, request.step_id, request.spec.policy_form(),
-                             policy_json(request.args))
+                             encode_policy(request.parsed()))
         return self.policy.evaluate(handed, view)
 
-    def check_args(self, tool: Tool, args: bytes) -> str:
-        """Why the arguments are not acceptable, or ''."""
+    def check_args(self, tool: Tool, args: bytes, value: Any = NOT_PARSED) -> str:
+        """Why the arguments (``value``, their strict parse, when known) are not acceptable,
+        or ''."""
         try:
-            _schema_for(tool.spec).check(args)     # parses strictly, then checks
+            _schema_for(tool.spec).check(args, value)     # parses strictly, then checks
         except JSONError as exc:
             return f"arguments are not usable JSON: {exc}"
         except SchemaError as exc:
@@ -4690,13 +4711,15 @@ class Session:
         if not self.gate.leases.ok(self.run_id):
             raise self._lose()
         tool = self.gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
-        record, now = _decision_record(decision), self.gate.now()
+        if judged is None:
+            decision = _with_value(decision)
+        (record, recorded), now = _decision_record(decision), self.gate.now()
         with self.store.tx() as tx:
             tx.require(self.run_id, (RUNNING,), self.gate.owner)
             spec_hash = tx.save_spec(tool.spec) if tool else ""
             tx.update_step(step.id, ("deciding",), decision_json=record, spec_hash=spec_hash)
             tx.event(self.run_id, step.id, now, "step.decided", record)
-        self.current = step = dataclasses.replace(step, decision=loads_own(record),
+        self.current = step = dataclasses.replace(step, decision=recorded,
                                                   args=decision.args.strip(JSON_WS), spec_hash=spec_hash)
         problem = judged.problem if judged else self.gate.invalid_reason(decision, tool)
         if problem:
@@ -4708,7 +4731,8 @@ class Session:
                                decision.message if status == FAILED else "",
                                decision.result.strip(JSON_WS).decode() if status == COMPLETED else "")
             return Verdict("ended", run=run)
-        request = ToolRequest(self.run_id, step.id, tool.spec, decision.args.strip(JSON_WS) or b"{}")
+        request = ToolRequest(self.run_id, step.id, tool.spec,
+                              decision.args.strip(JSON_WS) or b"{}", decision.value)
         if judged is not None and judged.view is not None and step.idx == 0:
             view = judged.view           # the first step of a run begun in this transaction
         else:
@@ -5020,7 +5044,7 @@ class Session:
                 raise self._lose()
         began = time.monotonic()
         try:
-            obs = await _call_tool(self.gate.tools[spec.name], request.args)
+            obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
         except asyncio.CancelledError as exc:
             self._record_or_let_go(_observe(spec.name, spec.timeout, exc), began)
             raise
@@ -5355,15 +5379,17 @@ async def in_time(aw: Awaitable, seconds: float) -> Any:
         return await aw
 
 
-async def _call_tool(tool: Tool, args: bytes) -> Observation:
-    """Call the tool under its timeout and turn every outcome into an observation. Once the
+async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observation:
+    """Call the tool under its timeout and turn every outcome into an observation (``value``:
+    the arguments' strict parse, when the call has it). Once the
     call has returned, whatever fails in making its observation is an answer that could not
     be recorded: the call executed, and counts as executed (UNRECORDED), never as nothing."""
     name = tool.spec.name
     try:
         # A backstop just past the tool's own timeout, so that an upstream client's timeout
         # fires first and tells the server it stopped waiting.
-        outcome: Any = await in_time(tool.call(args), tool.spec.timeout + TOOL_TIMEOUT_SLACK)
+        outcome: Any = await in_time(tool.call(args, value),
+                                     tool.spec.timeout + TOOL_TIMEOUT_SLACK)
     except asyncio.CancelledError:
         raise
     except Exception as exc:             # an outcome too: observed below, like a result
@@ -5420,7 +5446,7 @@ def _observe(name: str, timeout: float, result: Any) -> Observation:
                     f"{name} panicked")
     content = result.content.strip(JSON_WS) or b"{}"
     try:
-        check_json(content)
+        value = parse_json(content)
     except JSONError as exc:
         err = f"content is not usable JSON: {exc}"
         try:
@@ -5431,7 +5457,7 @@ def _observe(name: str, timeout: float, result: Any) -> Observation:
                                  "failure": "invalid_content", "tool": name},
                     f"{name} returned content is not usable JSON: {exc}")
     text = result.text if isinstance(result.text, str) else None
-    return _obs(TOOL_RESULT, content, result.summary, text)
+    return _obs(TOOL_RESULT, content, result.summary, text, value)
 
 
 def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | None:
@@ -5969,6 +5995,7 @@ WRITE_DRAIN = 5.0                      # seconds at exit for answers still being
 # MAX_DEPTH reach the gate and are recorded as refused (INVALID arguments; content the server
 # answered with) rather than lost; past this the line is not JSON-RPC we can route.
 ENVELOPE_DEPTH = 4 * MAX_DEPTH
+PARAMS_LEVELS = 2                      # a params member's value: inside the message and params
 UPSTREAM_DEPTH = ENVELOPE_DEPTH
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR = -32602, -32603
@@ -5998,6 +6025,15 @@ class Message:
     spans: dict[str, tuple[int, int]]            # top-level members
     params_spans: dict[str, tuple[int, int]]     # members of params, when it is an object
     inner: dict[str, dict[str, tuple[int, int]]]  # members of each top-level object member
+    strict_at: frozenset[int] = frozenset()      # params members' values read strict
+
+    def parsed(self, name: str) -> Any:
+        """The value of params member ``name`` when the message's one read found its bytes
+        strict JSON (parse_json of them gives this value, to be only read); else
+        NOT_PARSED: they are then parsed on their own, for the exact refusal."""
+        span = self.params_spans.get(name)
+        return self.params[name] if span is not None and span[0] in self.strict_at \
+            else NOT_PARSED
 
     def raw(self, name: str, in_params: bool = False) -> bytes | None:
         """The bytes of a member as they were sent, or None when it is absent."""
@@ -6041,16 +6077,30 @@ class Message:
 
 def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
     """Parse one frame. Bytes that are not UTF-8 are kept (they may sit inside arguments,
-    which the gate then refuses as INVALID); anything that is not a JSON object raises."""
-    at = _depth_exceeds(line, max_depth)
+    which the gate then refuses as INVALID); anything that is not a JSON object raises.
+    The one read also tells which params members are strict JSON (Message.parsed): within
+    MAX_DEPTH below params, UTF-8, and without a fault the strict parser refuses."""
+    inner_depth = MAX_DEPTH + PARAMS_LEVELS
+    at = _depth_exceeds(line, min(max_depth, inner_depth))
+    within = at is None
+    if not within and max_depth > inner_depth:
+        at = _depth_exceeds(line, max_depth)
     if at is not None:
         raise JSONError(f"nested deeper than {max_depth} levels", line, at)
-    text = line.decode("utf-8", "surrogateescape")
+    try:
+        text, bad = line.decode("utf-8"), []
+    except UnicodeDecodeError:
+        text = line.decode("utf-8", "surrogateescape")
+        bad = [m.start() for m in _LONE_SURROGATE.finditer(text)]
     # the message's members' spans, and those of each of its objects
-    doc, spans, inner = _read_object(line, text, 2)
+    clean: set[int] = set()
+    doc, spans, inner = _read_object(line, text, 2, clean, "params")
     if not isinstance(doc, dict):
         raise ProtocolError("not a JSON-RPC message: expected an object", INVALID_REQUEST)
-    return Message(doc, text, spans, inner.get("params", {}), inner)
+    params = inner.get("params", {})
+    strict = frozenset(a for a, b in params.values()
+                       if within and a in clean and not _any_in(bad, a, b))
+    return Message(doc, text, spans, params, inner, strict)
 
 
 def rpc_request(msg_id: int, method: str, params: Any) -> bytes:
@@ -7295,13 +7345,15 @@ class UpstreamTool:
                 return f'{self.spec.name}: parameter "{param}" is fixed by the operator'
         return ""
 
-    async def call(self, args: bytes) -> ToolResult:
+    async def call(self, args: bytes, value: Any = NOT_PARSED) -> ToolResult:
         """Send the call: denied or fixed parameters the model set are refused before
-        anything is sent; fixed values are injected; the answer is mapped to content."""
+        anything is sent; fixed values are injected; the answer is mapped to content.
+        ``value`` is the strict parse of ``args`` when the call has it: only read, and
+        copied before fixed values go in."""
         name = self.spec.name
         raw = args.strip(JSON_WS) or b"{}"
         try:
-            value = parse_strict(raw)       # shared: copied before it is changed
+            value = parse_json(raw) if value is NOT_PARSED else value
         except JSONError as exc:
             raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}",
                               NOT_SENT) from None
@@ -9475,12 +9527,12 @@ def _executions(read: Callable[[str, tuple], list], tools: dict, limit: Limit, a
             "SELECT at, run_id, step_id, payload_json FROM events WHERE seq>? AND seq<=? AND "
             "type='step.tool_started' AND at>? ORDER BY seq", (after, upto, since)):
         try:
-            tool = tools.get(loads_own(payload).get("tool"))
+            doc = read_own(payload)          # one read: the arguments as recorded
+            tool = tools.get(doc.get("tool"))
             if tool is None:
                 continue
-            args = member_spans(payload.encode()).get("args", b"{}")
             out.append((parse_time(at), run_id, step_id,
-                        counted_value(limit, server_value(tool, args))[0]))
+                        counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
         except (ProxyError, AttributeError, ValueError):
             continue                 # an edited row: the chain's verify reports it
     return out
@@ -10300,14 +10352,15 @@ class Proxy:
     # -- a call --
 
     async def call(self, name: str, args: bytes, progress: Callable[[float, float], None]
-                   | None = None, cancelled: asyncio.Event | None = None) -> dict:
+                   | None = None, cancelled: asyncio.Event | None = None,
+                   value: Any = NOT_PARSED) -> dict:
         """One tools/call. Rules first (atomic: one call decides at a time), then at most one
         hold for an approval, then at most one execution. No answer is given before every
         commit owed to disk when it was reached is on disk: an answer may rest on another
         call's record (a DUPLICATE names an outcome that call committed)."""
         self.store.calls_in_flight += 1
         try:
-            result = await self._call(name, args, progress, cancelled)
+            result = await self._call(name, args, progress, cancelled, value)
             try:                            # the one wait before any answer, outside
                 await self.store.durable(others=True)     # the deciding lock
             except StoreError as exc:
@@ -10319,18 +10372,19 @@ class Proxy:
         finally:
             self.store.calls_in_flight -= 1
 
-    async def _call(self, name: str, args: bytes, progress, cancelled) -> dict:
+    async def _call(self, name: str, args: bytes, progress, cancelled,
+                    value: Any = NOT_PARSED) -> dict:
         if name == self.cfg.status_tool:
             return self.status(args)
         tool = self.tools.get(name)
         if tool is None:                 # withheld since the host was offered it (drift)
             return withheld_answer(self.withheld.get(name, ("", "it is no longer offered"))[1])
-        args, key = await self._offload(len(args), host_arguments, name, args)
+        args, key, value = await self._offload(len(args), host_arguments, name, args, value)
         held = False
         for _ in range(MAX_RETRIES + 1):
             try:
                 async with self._deciding():
-                    action = await self._offload(len(args), self.decide, tool, key, args)
+                    action = await self._offload(len(args), self.decide, tool, key, args, value)
             except ProxyError as exc:       # a record that cannot be read, or written
                 self.log(f"error: {sanitize(str(exc))}")
                 return unavailable("read its records")
@@ -10365,8 +10419,10 @@ class Proxy:
             return work(*args)
         return await asyncio.to_thread(work, *args)
 
-    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes):
-        """The rules, in order. Returns an Answer, a Pending approval, an Execute, or Retry."""
+    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes,
+               value: Any = NOT_PARSED):
+        """The rules, in order. Returns an Answer, a Pending approval, an Execute, or Retry.
+        ``value`` is the arguments' strict parse (host_arguments)."""
         now = self.clock()
         if key is None:                 # arguments with no canonical form: INVALID, no rule
             return self.begin(tool, None, args, None, False, None)
@@ -10395,7 +10451,7 @@ class Proxy:
         if action is not None:
             return action
         return self.begin(tool, key, args, open_row, reuse, prior,     # rule 7 (and rule 6)
-                          repeat=repeat)
+                          repeat=repeat, value=value)
 
     # rules 1 to 3: the request's own run, not finished
 
@@ -10738,7 +10794,7 @@ class Proxy:
 
     def begin(self, tool, key: str | None, args: bytes, open_row: CallRow | None,
               reuse: bool, prior: dict | None, origin: str = "model",
-              repeat: dict | None = None):
+              repeat: dict | None = None, value: Any = NOT_PARSED):
         run_id = open_row.run_id if reuse else self.new_run_id()
         claim = None
         if not reuse:
@@ -10754,7 +10810,8 @@ class Proxy:
         try:
             session, verdict = self.gate.start(
                 run_id, f"call {tool.spec.name}", self.limits,
-                Decision("tool_call", tool.spec.name, args, origin=origin), also=also)
+                Decision("tool_call", tool.spec.name, args, origin=origin, value=value),
+                also=also)
         except (IndexRace, BudgetMoved):
             return Retry()
         except (RunStateError, StoreError, LeaseLost) as exc:
@@ -11022,25 +11079,23 @@ class Proxy:
         return items
 
 
-def host_arguments(name: str, raw: bytes) -> tuple[bytes, str | None]:
+def host_arguments(name: str, raw: bytes, value: Any = NOT_PARSED,
+                   ) -> tuple[bytes, str | None, Any]:
     """The arguments as the gate records them, sends them, and shows them to an operator,
-    and their request key, from one parse. The arguments are the proxy's own encoding of
+    their request key, and their strict parse, from one parse (``value``, the message's,
+    when it was made as the message was read). The arguments are the proxy's own encoding of
     what the host sent (section 4): member order and number literals kept, so the request is
     the one the host made and its canonical form (which the key and the approval hash cover)
     is unchanged, but nothing the host wrote between two tokens survives, so the bytes that
     leave for a server are exactly the recorded request and an approval view hides nothing.
     Arguments the strict parser refuses are kept as they came: they have no key, are
-    recorded as INVALID text, and are never sent."""
+    recorded as INVALID text, and are never sent. The proxy's own encoding of a strict
+    parse parses strictly to the same value: the value travels with the arguments."""
     try:
-        value = parse_json(raw)
+        value = parse_json(raw) if value is NOT_PARSED else value
     except JSONError:
-        return raw, None
-    args = dump_json(value).encode("utf-8")
-    key = _request_key_of(name, value)
-    # The proxy's own encoding of a strict parse parses strictly to the same value, and
-    # the arguments' readers parse exactly these bytes next (parse_strict).
-    _keep(args, value)
-    return args, key
+        return raw, None, NOT_PARSED
+    return dump_json(value).encode("utf-8"), _request_key_of(name, value), value
 
 
 def _is_set(event: asyncio.Event | None) -> bool:
@@ -11420,13 +11475,14 @@ class HostServer:
             raise ProtocolError(f"unknown tool {_quote(str(name))}", INVALID_PARAMS)
         _check_call_params(msg)
         args = (msg.raw("arguments", in_params=True) or b"").strip(JSON_WS)
+        value = msg.parsed("arguments")
         if args in (b"", b"null"):
-            args = b"{}"
+            args, value = b"{}", {}
         event = asyncio.Event()
         # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
         # and a cancel naming the id reaches every call that carries it.
         self.cancelled.setdefault(_id_key(msg.raw("id")), []).append(event)
-        task = asyncio.create_task(self.run_call(msg, modern, name, args, event))
+        task = asyncio.create_task(self.run_call(msg, modern, name, args, event, value))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
@@ -11439,7 +11495,7 @@ class HostServer:
             self.cancelled.pop(key, None)
 
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
-                       cancelled: asyncio.Event) -> None:
+                       cancelled: asyncio.Event, value: Any = NOT_PARSED) -> None:
         meta = msg.params.get("_meta")
         token = meta.get("progressToken") if isinstance(meta, dict) else None   # checked
 
@@ -11452,7 +11508,7 @@ class HostServer:
             # Awaited in this task, which nothing cancels: a host's cancel sets ``cancelled``,
             # which ends a hold, never the gate's work or an upstream call.
             result = await self.proxy.call(name, args, progress if token is not None else None,
-                                           cancelled)
+                                           cancelled, value)
         except Exception as exc:            # an answer is owed even when something broke
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",

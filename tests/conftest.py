@@ -33,11 +33,11 @@ class Harness:
         self.store = ap.Store.open(path)
         self.paid: list[bytes] = []
 
-        async def pay(args: bytes) -> ap.ToolResult:
+        async def pay(args: bytes, value=None) -> ap.ToolResult:
             self.paid.append(args)
             return ap.ToolResult(b'{"paid":true}', "paid")
 
-        async def balance(args: bytes) -> ap.ToolResult:
+        async def balance(args: bytes, value=None) -> ap.ToolResult:
             return ap.ToolResult(b'{"balance":10}', "balance 10")
 
         self.gate = ap.Gate(self.store, [ap.Tool(PAY, pay), ap.Tool(BALANCE, balance)],

@@ -3,10 +3,6 @@
 - An observation keeps the exact bytes of its content member, as the record holds them
   (line breaks written again by the encoder), so that a terminal tool's result is never
   parsed out of the record just built; one read back from a record is parsed as before.
-- A strict parse is kept for the few readers that parse the same small document in turn
-  (the arguments' schema check, the policy's copy, the record's check; a result's check
-  and its hash): the same value as a fresh parse, a refusal refused every time, at most
-  STRICT_KEPT_COUNT documents of at most STRICT_KEPT_BYTES each.
 - A transaction inside a batch joins the batch only on the batch's own thread: another
   thread's transaction waits for the batch to end and is never part of it.
 - A deadline on an upstream call (in_time) raises asyncio.TimeoutError and cancels what it
@@ -15,9 +11,9 @@
   answer set in the very turn its deadline falls due is taken, on every version (3.12's
   wait_for loses it).
 - A call's arguments are parsed once: the host's arguments, parsed strictly for their
-  request key, are kept as the strict parse of the proxy's own encoding of them, which is
-  what every later reader parses (the schema check, the policy's copy, the record, the
-  request sent). A fixed parameter is written into a copy, never into the kept value.
+  request key, travel with the call as the strict parse of the proxy's own encoding of
+  them, which every later reader reads (the schema check, the policy's copy, the record,
+  the request sent). A fixed parameter is written into a copy, never into that value.
 - A DUPLICATE reads the earlier run once: the run the request's open row names, read and
   found ended, is the run the duplicate rule judges.
 """
@@ -206,40 +202,6 @@ def test_an_upstream_call_runs_in_the_callers_task(tmp_path):
         h.close()
 
 
-DOCS = [b'{"to":"payee-1","amount":1}', b'{"b":"\\u00e9","a":[2]}',
-        b'[1.50,"x",{"a":[null,true]}]', b'"\\u00e9"', b'{"n":123456789012345678901234567890}',
-        b'0']
-
-
-def test_a_kept_strict_parse_is_a_fresh_parse_of_the_same_bytes():
-    for raw in DOCS:
-        assert ap.parse_strict(raw) == ap.parse_json(raw)
-        assert ap.parse_strict(raw) == ap.parse_json(raw)       # the kept one
-    for bad in (b'{"a":1,"a":2}', b'"\\ud800"', b'[1,]'):
-        for _ in range(2):
-            with pytest.raises(ap.JSONError):
-                ap.parse_strict(bad)
-            with pytest.raises(ap.JSONError):
-                ap.check_json(bad)
-        assert bad not in ap._STRICT_KEPT
-    big = b'{"a":"' + b"x" * ap.STRICT_KEPT_BYTES + b'"}'
-    ap.parse_strict(big)
-    assert big not in ap._STRICT_KEPT
-    for i in range(3 * ap.STRICT_KEPT_COUNT):
-        ap.parse_strict(b'{"i":%d}' % i)
-        assert len(ap._STRICT_KEPT) <= ap.STRICT_KEPT_COUNT
-
-
-def test_a_kept_value_hashes_as_the_lenient_read_does():
-    for raw in DOCS:
-        ap._STRICT_KEPT.clear()
-        lenient = ap.content_hash(raw)
-        ap.parse_strict(raw)
-        assert raw in ap._STRICT_KEPT
-        assert ap.content_hash(raw) == lenient
-        assert ap.content_hash(bytearray(raw)) == lenient        # not hashable: not kept
-
-
 def test_another_threads_transaction_waits_for_a_batch_and_is_not_part_of_it(tmp_path):
     store = ap.Store.open(str(tmp_path / "runs.db"))
     joined, order = threading.Event(), []
@@ -298,14 +260,12 @@ ARGUMENTS = [
 
 
 @pytest.mark.parametrize("raw", ARGUMENTS, ids=range(len(ARGUMENTS)))
-def test_host_arguments_keep_the_strict_parse_of_their_recorded_bytes(raw, monkeypatch):
-    monkeypatch.setattr(ap, "_STRICT_KEPT", {})          # nothing kept by another test
-    args, key = ap.host_arguments("bank_pay", raw)
+def test_host_arguments_carry_the_strict_parse_of_their_recorded_bytes(raw):
+    args, key, value = ap.host_arguments("bank_pay", raw)
     assert key is not None
-    kept = ap._kept(args)
-    assert kept is not ap._STRICT_KEPT, "not kept"
-    assert kept == ap.parse_json(args)
-    assert ap.dump_json(kept).encode() == args
+    assert value == ap.parse_json(args) == ap.parse_json(raw)
+    assert ap.dump_json(value).encode() == args
+    assert ap.host_arguments("bank_pay", raw, value) == (args, key, value)
 
 
 def one_call(h, upstream, name, args):
@@ -323,7 +283,6 @@ def test_a_calls_arguments_are_parsed_once(tmp_path, monkeypatch):
     args = b'{"to":"bob","amount":1}'
     parsed: list[bytes] = []
     real = ap.parse_json
-    monkeypatch.setattr(ap, "_STRICT_KEPT", {})          # nothing kept by another test
 
     def counted(raw, *a, **k):
         parsed.append(bytes(raw))
@@ -344,7 +303,7 @@ class Recording(InstantServer):
         return await super().call_tool(remote, args, timeout)
 
 
-def test_a_fixed_parameter_is_written_into_a_copy_of_the_kept_arguments(tmp_path):
+def test_a_fixed_parameter_is_written_into_a_copy_of_the_arguments(tmp_path):
     rules = dict(RULES, pay=dict(RULES["pay"], fixed={"currency": "EUR"}))
     h = ProxyHarness(tmp_path, rules=rules)
     upstream = Recording()
@@ -352,4 +311,3 @@ def test_a_fixed_parameter_is_written_into_a_copy_of_the_kept_arguments(tmp_path
     result = one_call(h, upstream, "bank_pay", args)
     assert not result["isError"], result
     assert upstream.sent == [b'{"to":"bob","amount":1,"currency":"EUR"}']
-    assert ap.parse_strict(args) == {"to": "bob", "amount": ap.Num("1")}

@@ -51,7 +51,7 @@ class Harness:
 
     def tools(self):
         def make(name, content):
-            async def call(args):
+            async def call(args, value=None):
                 self.calls[name].append(args)
                 special = self.behaviour.get(name)
                 if special:
@@ -767,13 +767,13 @@ from conftest import BALANCE, PAY  # noqa: E402
 
 def _recording_tools(calls: list, pay_impl=None, pay_effect="remote_mutation"):
     """pay (terminal) and balance (read_only), recording the arguments each call ran with."""
-    async def pay(args: bytes):
+    async def pay(args: bytes, value=None):
         calls.append(("pay", args))
         if pay_impl is not None:
             return await pay_impl(args)
         return ap.ToolResult(b'{"paid":true}', "paid")
 
-    async def balance(args: bytes):
+    async def balance(args: bytes, value=None):
         calls.append(("balance", args))
         return ap.ToolResult(b'{"balance":10}', "balance 10")
 
@@ -935,7 +935,7 @@ def test_slow_schema_pattern_does_not_hold_the_write_lock(harness, monkeypatch):
                        b'"string","pattern":"' + SLOW_PATTERN.encode() + b'"}}}',
                        "read_only", 5.0, True)
 
-    async def note(args):
+    async def note(args, value=None):
         return ap.ToolResult(b"{}", "ok")
 
     gate = ap.Gate(harness.store, [ap.Tool(spec, note)], ap.SideEffectPolicy())
@@ -965,7 +965,7 @@ def test_gate_tool_schema_may_hold_a_number_past_a_float(harness):
     ap.compile_schema(schema).check(b'{"n":5}')
     calls: list = []
 
-    async def look(args):
+    async def look(args, value=None):
         calls.append(args)
         return ap.ToolResult(b"{}", "ok")
 

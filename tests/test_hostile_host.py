@@ -1443,6 +1443,7 @@ from process_helpers import ProcessDir, _cmdline, child_pids  # noqa: E402
 from proxy_harness import (ALLOW_PAY, NEWLINE_SERVER, ProxyHarness, ap, calls,  # noqa: E402
                            compact_outside_strings, host_frames_are_own_encoding,
                            newline_harness, received)
+from scan_count import Scans  # noqa: E402
 
 
 SMUGGLED = (b'{"jsonrpc":"2.0","id":99,"method":"tools/call",'
@@ -1749,27 +1750,10 @@ def test_host_that_stops_reading_does_not_hang_the_proxy_after_stdin_eof(tmp_pat
         _end(proc)
 
 
-class ReadCounted:
-    """A compiled pattern of the parser whose match() counts the characters it read: up to
-    the end of its match, or, when it fails, to the end of the text (all it may have read)."""
-
-    def __init__(self, pattern, read: list):
-        self.pattern, self.read = pattern, read
-
-    def match(self, text, pos=0, *rest):
-        m = self.pattern.match(text, pos, *rest)
-        self.read[0] += m.end() - pos + 1 if m else len(text) - pos
-        return m
-
-    def __getattr__(self, name):
-        return getattr(self.pattern, name)
-
-
-STRING_PATTERNS = ("_PLAIN_STRING", "_PLAIN_KEY", "_ESCAPED_STRING", "_STRING_CHUNK",
-                   "_SCALAR_THEN")
-# A failed parse is read again, piece by piece, to report exactly what is wrong; a message's
-# spans are read too: parse_message reads an unterminated string about five times.
-READS_PER_CHARACTER = 8
+# A failed parse is read again, piece by piece, to report exactly what is wrong, and a
+# message's member values are read one by one: parse_message reads an unterminated string
+# about three times.
+READS_PER_CHARACTER = 4
 UNTERMINATED = [b"A" * 26, b"A" * 100_000, b"a\\n" * 50_000, b"\\u0041" * 20_000]
 
 
@@ -1779,16 +1763,14 @@ def test_an_unterminated_string_is_refused_in_linear_time(body, monkeypatch):
     """The hostile review (the proxy tried as a hostile model and a hostile server would): the
     parser: a string that never ends fails at once.
 
-    Counted in the characters the parser's patterns read, never timed: at most
-    READS_PER_CHARACTER times the document, however many pieces the string is read in."""
-    read = [0]
-    for name in STRING_PATTERNS:
-        monkeypatch.setattr(ap, name, ReadCounted(getattr(ap, name), read))
+    Counted in the characters the JSON engine reads (the runtime's scanner and its string
+    reader), never timed: at most READS_PER_CHARACTER times the document."""
+    scans = Scans(monkeypatch)
     for parse, doc in ((ap.parse_json, b'{"s":"' + body),
                        (ap.parse_message, b'{"jsonrpc":"2.0","id":1,"method":"ping",'
                                           b'"params":{"s":"' + body)):
-        read[0] = 0
+        scans.clear()
         with pytest.raises(ap.JSONError):
             parse(doc)
-        assert read[0] <= READS_PER_CHARACTER * len(doc), \
-            f"{parse.__name__}: {read[0]} characters read for {len(doc)}"
+        assert 0 < scans.total() <= READS_PER_CHARACTER * len(doc), \
+            f"{parse.__name__}: {scans.total()} characters read for {len(doc)}"

@@ -672,10 +672,10 @@ def test_failure_after_the_tool_returned_is_unrecorded_not_unexecuted(tmp_path, 
     h = newline_harness(tmp_path, rules=ERASE_ALLOWED)
     real = ap._obs
 
-    def broken(kind, content, summary):
+    def broken(kind, content, summary, *rest):
         if kind == ap.TOOL_RESULT:
             raise ValueError("the observation would not encode")
-        return real(kind, content, summary)
+        return real(kind, content, summary, *rest)
     try:
         monkeypatch.setattr(ap, "_obs", broken)
         r = h.call("nl_erase", {"n": 1})

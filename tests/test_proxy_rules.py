@@ -1128,12 +1128,12 @@ def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_pa
         timeline.append("record")
         return real_record(self, obs, began)
 
-    def decide(tool, key, args):
+    def decide(tool, key, args, *rest):
         timeline.append("decide")
         if len(args) > ap.OFFLOAD_BYTES:
             time.sleep(0.8)             # a slow decision: past the first call's timeout
         try:
-            return real_decide(tool, key, args)
+            return real_decide(tool, key, args, *rest)
         finally:
             timeline.append("decided")
 

@@ -8,6 +8,7 @@ both fit the cap; both are recorded. Past the cap the text alone is returned and
 import json
 
 from proxy_harness import ProxyHarness, ap
+from scan_count import Scans
 
 PAY_ALLOW = {"balance": {"side_effect": "read_only", "timeout": "10s"},
              "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
@@ -321,7 +322,7 @@ def test_is_error_answer_with_deep_structured_content_is_a_known_failure():
             b'"text":"declined"}],"structuredContent":{"x":' + deep + b"}}}")
     msg = ap.parse_message(line, ap.UPSTREAM_DEPTH)
 
-    async def answer(args):
+    async def answer(args, value=None):
         return ap.map_result(tool, msg)
 
     obs = asyncio.run(ap._call_tool(ap.Tool(spec, answer), b"{}"))[0]
@@ -337,7 +338,7 @@ def _mapped(result: bytes) -> dict:
     msg = ap.parse_message(b'{"jsonrpc":"2.0","id":1,"result":' + result + b"}",
                            ap.UPSTREAM_DEPTH)
 
-    async def answer(args):
+    async def answer(args, value=None):
         return ap.map_result(tool, msg)
 
     return asyncio.run(ap._call_tool(ap.Tool(spec, answer), b"{}"))[0]
@@ -379,19 +380,6 @@ def test_structured_result_with_fractional_numbers_is_passed_on_as_recorded(tmp_
         h.close()
 
 
-def _parses(monkeypatch, at_least: int) -> list[int]:
-    """The lengths of the texts of at least ``at_least`` characters parsed from now on."""
-    found: list[int] = []
-    init = ap._Parser.__init__
-
-    def counted(self, raw, text, strict):
-        if len(text) >= at_least:
-            found.append(len(text))
-        init(self, raw, text, strict)
-    monkeypatch.setattr(ap._Parser, "__init__", counted)
-    return found
-
-
 def test_a_large_server_answer_is_read_in_bounded_time(monkeypatch):
     # The same cost from the other side: a server's answer with 600,000 zeros in its
     # structuredContent (1.2 MB; a frame may hold 16 MiB). It is read (parse_message, its
@@ -401,19 +389,20 @@ def test_a_large_server_answer_is_read_in_bounded_time(monkeypatch):
     # fixed one about one; a 16 MiB answer cost the faulty code a minute or more.
     """The hardened proxy's review, finding 3: one host message of under 1 MB keeps the event
     loop busy for seconds: the arguments are parsed about seven times, at microseconds a value.
-    A server's answer costs the same way. Judged by a count, never by a time: the strict parses
-    of an answer."""
+    A server's answer costs the same way. Judged by a count, never by a time: the reads of the
+    JSON engine over the answer's structured content."""
     structured = b'{"v":[' + b",".join([b"0"] * 600_000) + b"]}"
     line = (b'{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"paid"}],'
             b'"structuredContent":' + structured + b"}}\n")
     assert len(line) < ap.MAX_FRAME
     spec = ap.ToolSpec("bank_pay", "pays", b'{"type":"object"}', "remote_mutation", 5.0, True)
     tool = ap.UpstreamTool(spec, "bank", "pay", ap.Rule(side_effect="remote_mutation"), None)
-    # Counted in parses of it or of its structured content: the fixed code reads the
+    # Counted in reads of it or of its structured content: the fixed code reads the
     # answer in one pass; the faulty code parsed it, or its structured content, three times
     # or more.
-    parses = _parses(monkeypatch, len(structured))
+    scans = Scans(monkeypatch)
     msg = ap.parse_message(line, ap.UPSTREAM_DEPTH)
     obs = ap._observe("bank_pay", 5.0, ap.map_result(tool, msg))
     assert obs[0]["kind"] == ap.TOOL_RESULT
-    assert len(parses) == 1, f"the answer or its structured content parsed {len(parses)} times"
+    parses = scans.at_least(len(structured))
+    assert len(parses) == 1, f"the answer or its structured content read {len(parses)} times"

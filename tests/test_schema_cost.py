@@ -324,7 +324,7 @@ def test_schema_budget_leaves_room_for_large_real_arguments():
 def test_schema_budget_through_the_gate_is_an_invalid_reason(tmp_path):
     calls = []
 
-    async def tool(args):
+    async def tool(args, value=None):
         calls.append(args)
         return ap.ToolResult(b"{}", "done")
 

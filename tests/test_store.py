@@ -521,7 +521,7 @@ sys.path.insert(0, sys.argv[1])
 import agentrt_proxy as ap
 path, prefix, n, ready, go = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
 
-async def balance(args):
+async def balance(args, value=None):
     return ap.ToolResult(b'{"balance":10}', "balance 10")
 
 spec = ap.ToolSpec("balance", "reads", b'{"type":"object"}', "read_only", 5.0)

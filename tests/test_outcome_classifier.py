@@ -68,7 +68,7 @@ def test_an_iserror_result_is_an_answer():
 
 
 def test_a_tools_own_error_answer_is_an_answer():
-    async def declines(args):
+    async def declines(args, *rest):
         raise ap.ToolFailure("card declined")
     assert verdict(upstream(None), observed(declines)) == ("answered", None, True)
 
@@ -107,13 +107,13 @@ def test_a_protocol_error_answer_is_unknown():
 
 
 def test_a_tools_own_bug_is_unknown():
-    async def panics(args):
+    async def panics(args, *rest):
         raise KeyError("x")
     assert verdict(upstream(None), observed(panics)) == ("no_answer", "no_answer", False)
 
 
 def test_an_unreadable_answer_is_known_and_executed():
-    async def unusable(args):
+    async def unusable(args, *rest):
         return ap.ToolResult(b'{"a": NaN}', "s")
     tool = upstream(None)
     obs = observed(unusable)
@@ -122,7 +122,7 @@ def test_an_unreadable_answer_is_known_and_executed():
 
 
 def test_an_answer_that_cannot_be_mapped_is_known_and_executed():
-    async def unmappable(args):
+    async def unmappable(args, *rest):
         raise ap.AnswerUnreadable("bank_pay: server bank answered, and its answer could not "
                                   "be read (ValueError)")
     tool = upstream(None)

@@ -57,10 +57,12 @@ that function, and the test that fails when that function gives the permissive a
    judges that call against the key's finished runs (rules 4 and 5). tests/test_statements.py
    ::test_a_claim_over_an_open_row_it_did_not_read_writes_nothing (claim);
    tests/test_proxy_rules.py::test_unknown_server_error_is_a_known_failure (refusal).
-7. The bytes sent upstream are the recorded request with the operator's fixed values.
-   UpstreamTool.call (17): the only caller of a connection's call_tool; it refuses denied or
-   fixed parameters the model set, injects the fixed values and encodes what it sends.
-   tests/test_upstream_calls.py::test_fixed_removed_from_the_schema_and_injected_at_call.
+7. The bytes sent upstream are derived from the record, and nothing else builds them.
+   wire_arguments (17), pure: the recorded arguments (the proxy's own encoding of what the
+   host sent) as they are, or with the operator's fixed values set. UpstreamTool.call is
+   the only caller of a connection's call_tool, and sends what wire_arguments returns, once
+   it has refused denied or fixed parameters the model set. tests/test_upstream_calls.py::
+   test_the_arguments_sent_are_wire_arguments_of_the_record.
 8. No limit is overspent, across processes and crashes; unknown outcomes count. Budgets.admit
    (20), inside the start's IMMEDIATE transaction: the Budgets docstring. tests/
    test_policy_limits.py::test_policy_sum_limit_asks_with_the_figures_and_names_the_limit.
@@ -7365,13 +7367,10 @@ class UpstreamTool:
         refused = self.refused_param(value)
         if refused:
             raise ToolFailure(refused, NOT_SENT)
-        if self.rule.fixed:
-            value = dict(value)
-            for param, fixed in self.rule.fixed:
-                value[param] = parse_json(fixed)
-            raw = dump_json(value).encode("utf-8")
         try:
-            reply = await self.conn.call_tool(self.remote, raw, self.spec.timeout)
+            reply = await self.conn.call_tool(self.remote, wire_arguments(raw, value,
+                                                                          self.rule.fixed),
+                                              self.spec.timeout)
         except asyncio.TimeoutError:
             raise
         except NotSent as exc:
@@ -7388,6 +7387,20 @@ class UpstreamTool:
             # The server answered: whatever its answer does to the mapping, the call ran.
             raise AnswerUnreadable(f"{name}: server {_quote(self.server)} answered, and its "
                                    f"answer could not be read ({type(exc).__name__})") from None
+
+
+def wire_arguments(raw: bytes, value: dict, fixed: tuple) -> bytes:
+    """The arguments a tools/call sends upstream, and the only maker of them: ``raw``, the
+    arguments as the record keeps them (the proxy's own encoding of what the host sent),
+    when the operator fixes nothing; else the proxy's encoding of ``value`` (their parse)
+    with each of the rule's ``fixed`` (name, JSON) values set, on a copy. Pure: the same
+    record and rule give the same bytes, in any process, at any time."""
+    if not fixed:
+        return raw
+    sent = dict(value)
+    for param, given in fixed:
+        sent[param] = parse_json(given)
+    return dump_json(sent).encode("utf-8")
 
 
 def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:

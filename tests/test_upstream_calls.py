@@ -238,3 +238,25 @@ def test_null_arguments_are_sent_as_an_empty_object():
     tool = ap.UpstreamTool(spec, "h", "look", ap.Rule(side_effect="read_only"), Conn())
     asyncio.run(tool.call(b"null"))
     assert sent == [b"{}"]
+
+
+def test_the_arguments_sent_are_wire_arguments_of_the_record(script, tmp_path):
+    """Promise 7: what a server receives as a call's arguments is wire_arguments of the
+    recorded arguments and the rule's fixed values, byte for byte, and making it changes
+    neither; without fixed values the recorded bytes go as they are."""
+    s = Scripted(script, tmp_path, tools=[tool_entry("read_file", ROOT_SCHEMA)])
+    rules = {"read_file": {**RO, "fixed": {"root": "/srv/sandbox"}}}
+    recorded = b'{"path":"a","n":1.50}'
+    value = ap.parse_json(recorded)
+
+    async def body():
+        pinned = await pin(s.server())
+        async with loaded(s.server(rules), pinned) as (tools, _):
+            rd = tools["fs_read_file"]
+            await rd.call(recorded, value)
+            wire = ap.wire_arguments(recorded, value, rd.rule.fixed)
+            assert wire == b'{"path":"a","n":1.50,"root":"/srv/sandbox"}'
+            assert b'"arguments":' + wire in s.received_raw()[-1]
+            assert value == ap.parse_json(recorded)          # the parse is left as it was
+    arun(body())
+    assert ap.wire_arguments(recorded, value, ()) is recorded

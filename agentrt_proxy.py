@@ -8746,11 +8746,11 @@ class Notifier:
 # ==== 20. Conditions and limits: a rule's, and what they make of one call ====
 # Policy by argument value. A rule's `when` decides by the values of the arguments, and its
 # `limits` by what its tools have executed (DESIGN section 9): this section reads both from a
-# rule and judges one call by them, handed each limit's use (section 20.1 counts it), so
-# everything here is a function of the configuration, the call and that use. A condition is
-# a JSON Schema compiled by section 7 under the limits of an input schema, and the conditions
-# of one call share one check's budget, so no arguments make them cost more than checking the
-# arguments may.
+# rule and judges one call by them, handed each limit's use and when its window frees
+# (section 20.1 counts them), so each function here is one of the configuration, the call,
+# the run's view and what it is handed. A condition is a JSON Schema compiled by section 7
+# under the limits of an input schema, and the conditions of one call share one check's
+# budget, so no arguments make them cost more than checking the arguments may.
 #
 # Sums are exact integers in units of 10**-LIMIT_PLACES. A value is rounded up to a unit
 # (exact for any value with at most LIMIT_PLACES decimal places, otherwise counted as a
@@ -9049,7 +9049,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
 
 # -- judging one call --
 
-@dataclasses.dataclass(repr=False)
+@dataclasses.dataclass(frozen=True, repr=False)
 class LimitUse:
     """One limit as one call finds it: its use in the window, and what the call adds."""
     limit: Limit
@@ -9094,26 +9094,20 @@ def _with_fixed(tool: "UpstreamTool", value: Any) -> Any:
     return value
 
 
-def _at_pointer(value: Any, pointer: str) -> tuple[bool, Any]:
-    for part in pointer.split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(value, dict) and part in value:
-            value = value[part]
-        elif isinstance(value, list) and _ARRAY_INDEX.fullmatch(part) and \
-                len(part) <= MAX_CALLS_DIGITS and int(part) < len(value):
-            value = value[int(part)]
-        else:
-            return False, None
-    return True, value
-
-
 def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
     """What a call adds to a limit, or why it cannot be counted."""
     if limit.calls:
         return 1, ""
-    found, at = _at_pointer(value, limit.pointer)
-    if not found:
-        return 0, f"{limit.pointer} is missing"
+    at = value
+    for part in limit.pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(at, dict) and part in at:
+            at = at[part]
+        elif isinstance(at, list) and _ARRAY_INDEX.fullmatch(part) and \
+                len(part) <= MAX_CALLS_DIGITS and int(part) < len(at):
+            at = at[int(part)]
+        else:
+            return 0, f"{limit.pointer} is missing"
     if not isinstance(at, Num):
         return 0, f"{limit.pointer} is {_kind(at)}, not a number"
     if at.normal()[0] < 0:
@@ -9184,8 +9178,8 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
             return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
                              f"{problem}; the value must be a number of at least 0", [], [],
                              limit.ref)
-        use = LimitUse(limit, limit.key(tool.server, tool.remote), 0, adds)
-        use.used = use_of(use.key, limit)
+        key = limit.key(tool.server, tool.remote)
+        use = LimitUse(limit, key, use_of(key, limit), adds)
         if not use.over:
             continue
         if limit.over == "deny":
@@ -9230,14 +9224,19 @@ def _room(tool: "UpstreamTool", value: Any,
         return ""
 
 
+def _strings(doc: Any, member: str) -> list[str]:
+    """The strings of ``doc``'s array ``member``: what an edited record or schema holds."""
+    found = doc.get(member) if isinstance(doc, dict) else None
+    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+
+
 def asked_by(capability: bytes) -> list[str]:
     """What a capability says asked for it (empty for one no condition or limit asked)."""
     try:
         cap = read_own(capability) if capability.strip(JSON_WS) else {}
     except ProxyError:
         return []
-    found = cap.get("asked_by") if isinstance(cap, dict) else None
-    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+    return _strings(cap, "asked_by")
 
 
 def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> PolicyDecision:
@@ -9287,7 +9286,7 @@ def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
         schema = parse_json(tool.spec.input_schema, strict=False)
     except JSONError:
         schema = {}
-    needed = set(_required(schema))
+    needed = set(_strings(schema, "required"))
     for cond in tool.rule.when:
         why = f" ({sanitize(cond.why)})" if cond.why else ""
         out.append(f"{name}: {cond.label} -> {cond.outcome}{why}: if "
@@ -9295,7 +9294,7 @@ def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
         doc = parse_json(cond.schema_json, strict=False)
         props = doc.get("properties") if isinstance(doc, dict) else None
         loose = [p for p in (props if isinstance(props, dict) else {})
-                 if p not in needed and p not in _required(doc)]
+                 if p not in needed and p not in _strings(doc, "required")]
         if _STRICTER[cond.outcome] < _STRICTER.get(base, 2) and loose:
             warnings.append(f"warning: {name}: {cond.label} gives {cond.outcome}, looser than "
                             f"{base}, and constrains {', '.join(_quote(p) for p in loose)}, "
@@ -9306,11 +9305,6 @@ def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
         out.append(f"{name}: {limit.label}: at most {limit.shown(limit.most())} "
                    f"({limit.what()}) in any {fmt_duration(limit.per)}; over it: {limit.over}")
     return out + warnings
-
-
-def _required(doc: Any) -> list[str]:
-    found = doc.get("required") if isinstance(doc, dict) else None
-    return [r for r in found if isinstance(r, str)] if isinstance(found, list) else []
 
 
 # ==== 20.1 Limits: counting what executed ====
@@ -9392,13 +9386,8 @@ class Budgets:
         not the whole history; the long read is done outside the write lock, and only what
         was recorded meanwhile is read again under it. Two proxies starting together catch
         up once: the second finds the mark moved and leaves it."""
-        limits: dict[str, tuple[Limit, dict]] = {}
-        for name, tool in self.tools.items():
-            for limit in tool.rule.limits:
-                key = limit.key(tool.server, tool.remote)
-                limits.setdefault(key, (limit, {}))[1][name] = tool
         now = self.clock()
-        for key, (limit, tools) in limits.items():
+        for key, (limit, tools) in _counted_by(self.tools).items():
             self._catch_up(key, limit, tools, fmt_time(now - limit.per))
 
     def _catch_up(self, key: str, limit: Limit, tools: dict, since: str) -> None:
@@ -9479,6 +9468,15 @@ class Budgets:
         return out
 
 
+def _counted_by(tools: dict[str, "UpstreamTool"]) -> dict[str, tuple[Limit, dict]]:
+    """Each limit's key, with the limit and the tools (by name) it counts."""
+    found: dict[str, tuple[Limit, dict]] = {}
+    for name, tool in tools.items():
+        for limit in tool.rule.limits:
+            found.setdefault(limit.key(tool.server, tool.remote), (limit, {}))[1][name] = tool
+    return found
+
+
 def _executions(read: Query, tools: dict, limit: Limit, after: int,
                 upto: int, since: str) -> list[tuple[float, str, str, int]]:
     """The executions of ``tools`` recorded as events after seq ``after`` up to ``upto``
@@ -9506,8 +9504,7 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
     (step.tool_started) recorded before event ``before_seq`` that started within the window
     ending ``now``, less those an operator had said by then did not execute. A walk through
     the window's events: recheck's cost, never a call's."""
-    counted = {name: t for name, t in tools.items()
-               if any(lim.key(t.server, t.remote) == key for lim in t.rule.limits)}
+    counted = _counted_by(tools).get(key, (limit, {}))[1]
     words = not_executed(store._read, before_seq)
     return sum(adds for at, run_id, step_id, adds in _executions(
         store._read, counted, limit, 0, before_seq - 1, fmt_time(now - limit.per))

@@ -8832,8 +8832,7 @@ class Limit:
         """The counter it is counted under: its name, or its place; and what it counts and
         over what window, so that a sum of another pointer never reads this one's rows, and
         a longer window starts from the history (Budgets.catch_up), not from its rows."""
-        what = ("calls" if self.calls else "sum " + self.pointer) + \
-            " per " + fmt_duration(self.per)
+        what = f"{'calls' if self.calls else 'sum ' + self.pointer} per {fmt_duration(self.per)}"
         where = ["name", self.name] if self.name else ["tool", server, remote, self.index]
         return dump_json(where + [what])
 

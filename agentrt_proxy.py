@@ -64,7 +64,7 @@ that function, and the test that fails when that function gives the permissive a
    it has refused denied or fixed parameters the model set. tests/test_upstream_calls.py::
    test_the_arguments_sent_are_wire_arguments_of_the_record.
 8. No limit is overspent, across processes and crashes; unknown outcomes count. Budgets.admit
-   (20), inside the start's IMMEDIATE transaction: the Budgets docstring. tests/
+   (20.1), inside the start's IMMEDIATE transaction: the Budgets docstring. tests/
    test_policy_limits.py::test_policy_sum_limit_asks_with_the_figures_and_names_the_limit.
 
 Trust boundaries
@@ -94,7 +94,7 @@ Sections, in dependency order
  3. Strict JSON                         17. Pinning and loading upstream tools
  4. Canonical JSON, request keys        18. Configuration
  5. Sanitising                          19. The proxy: one run per call, its answers
- 6. Schema patterns (ECMA-262, linear)  20. Conditions and limits
+ 6. Schema patterns (ECMA-262, linear)  20. Conditions and limits; 20.1 Limits: counting
  7. Schema validation                   21. The rules across calls: the call index
  8. Time and records                    22. Deciding a call
  9. Policy                              23. The host-facing server
@@ -8811,17 +8811,14 @@ class Notifier:
             self._kill(proc)
 
 
-# ==== 20. Conditions and limits ====
-# A rule's `when` decides by the values of the arguments, and its `limits` by what its tools
-# have executed (DESIGN section 9). A condition is a JSON Schema compiled by section 7 under
-# the limits of an input schema, and the conditions of one call share one check's budget, so
-# no arguments make them cost more than checking the arguments may. A limit is counted from
-# proxy_limit_uses, the index of executions: one row per execution and limit, written in the
-# transaction that records the attempt's start, holding its limit's running count and sum.
-# The use within a window is the difference between two of those rows' sums (a calls limit's
-# sum is its count), each found by one search of an index, so a call costs the same whatever
-# the history holds. An attempt an operator says did not execute leaves every sum from its
-# row onward (uncount_attempt).
+# ==== 20. Conditions and limits: a rule's, and what they make of one call ====
+# Policy by argument value. A rule's `when` decides by the values of the arguments, and its
+# `limits` by what its tools have executed (DESIGN section 9): this section reads both from a
+# rule and judges one call by them, handed each limit's use and when its window frees
+# (section 20.1 counts them), so each function here is one of the configuration, the call,
+# the run's view and what it is handed. A condition is a JSON Schema compiled by section 7
+# under the limits of an input schema, and the conditions of one call share one check's
+# budget, so no arguments make them cost more than checking the arguments may.
 #
 # Sums are exact integers in units of 10**-LIMIT_PLACES. A value is rounded up to a unit
 # (exact for any value with at most LIMIT_PLACES decimal places, otherwise counted as a
@@ -8855,23 +8852,7 @@ _KEYWORD_TYPE = {key: kind for kind, keys in _ONE_TYPE_KEYWORDS.items() for key 
 _TYPES_CONSTRAINED = {"number": {"number", "integer"}, "string": {"string"},
                       "array": {"array"}, "object": {"object"}}
 _MAX_TEXT = re.compile(r"(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
-_LIMIT_SQL = (
-    """CREATE TABLE proxy_limit_uses (
-        key TEXT NOT NULL, n INTEGER NOT NULL, at REAL NOT NULL, total TEXT NOT NULL,
-        run_id TEXT NOT NULL, step_id TEXT NOT NULL, PRIMARY KEY (key, n)) WITHOUT ROWID""",
-    "CREATE INDEX proxy_limit_uses_at ON proxy_limit_uses(key, at, n)",
-)
-# A limit's newest row (its running count and sum), and its last row at or before the
-# window's start: two searches of the index, whatever the window holds.
-_USE_SQL = ("SELECT 0, n, total, at FROM (SELECT n, total, at FROM proxy_limit_uses WHERE "
-            "key=?1 ORDER BY n DESC LIMIT 1) UNION ALL SELECT 1, n, total, at FROM (SELECT n, "
-            "total, at FROM proxy_limit_uses WHERE key=?1 AND at<=?2 ORDER BY at DESC, n DESC "
-            "LIMIT 1)")
-
-
-class BudgetMoved(ProxyError):
-    """Between a call's evaluation and its start, another call counted by one of its limits
-    started: nothing was started, and the call is decided again on the new count."""
+_DAYS = re.compile(r"[1-9][0-9]{0,2}d")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -8919,8 +8900,7 @@ class Limit:
         """The counter it is counted under: its name, or its place; and what it counts and
         over what window, so that a sum of another pointer never reads this one's rows, and
         a longer window starts from the history (Budgets.catch_up), not from its rows."""
-        what = ("calls" if self.calls else "sum " + self.pointer) + \
-            " per " + fmt_duration(self.per)
+        what = f"{'calls' if self.calls else 'sum ' + self.pointer} per {fmt_duration(self.per)}"
         where = ["name", self.name] if self.name else ["tool", server, remote, self.index]
         return dump_json(where + [what])
 
@@ -8941,7 +8921,7 @@ class Limit:
         return str(units) if self.calls else fmt_units(units)
 
     def most(self) -> int:
-        return self.calls if self.calls else self.max_units
+        return self.calls or self.max_units
 
 
 def to_units(num: Num) -> int:
@@ -8970,16 +8950,28 @@ def fmt_units(units: int) -> str:
 
 # -- reading them from a rule (section 18 calls these) --
 
-def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
+def _entries(doc: Any, where: str, field: str, what: str, most: int) -> list:
+    """A rule's `when` or `limits`: an array of at most ``most`` entries ([] if absent)."""
     if doc is None:
-        return ()
+        return []
     if not isinstance(doc, list):
-        raise ConfigError(f"{where}: when must be an array of conditions")
-    if len(doc) > MAX_CONDITIONS:
-        raise ConfigError(f"{where}: when holds {len(doc)} conditions, more than "
-                          f"{MAX_CONDITIONS}")
+        raise ConfigError(f"{where}: {field} must be an array of {what}")
+    if len(doc) > most:
+        raise ConfigError(f"{where}: {field} holds {len(doc)} {what}, more than {most}")
+    return doc
+
+
+def _check_printable(text: str, at: str, field: str) -> None:
+    """A text shown to the model and the operator as it is written."""
+    bad = next((ch for ch in text if not ch.isprintable()), None)
+    if bad is not None:
+        raise ConfigError(f"{at}: {field} holds the character U+{ord(bad):04X}, which is not "
+                          "printable")
+
+
+def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
     out = []
-    for i, entry in enumerate(doc):
+    for i, entry in enumerate(_entries(doc, where, "when", "conditions", MAX_CONDITIONS)):
         at = f"{where}: when[{i}]"
         f = _ConfigObject(entry, at, _WHEN_FIELDS)
         if "if" not in f.doc:
@@ -8990,8 +8982,9 @@ def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
                               "require_approval, or deny" if outcome else
                               f"{at}: outcome is required: allow, require_approval, or deny")
         why = f.text("why")
-        if "why" in f.doc:
-            _check_why(why, at)
+        if "why" in f.doc and not 1 <= len(why) <= WHY_CHARS:
+            raise ConfigError(f"{at}: why is {len(why)} characters; it must be 1 to {WHY_CHARS}")
+        _check_printable(why, at, "why")
         if not isinstance(f.doc["if"], (dict, bool)):
             raise ConfigError(f"{at}: if must be a JSON Schema: an object or a boolean")
         raw = encode_canonical(f.doc["if"])
@@ -9039,29 +9032,16 @@ def _check_typed(schema: Schema, at: str) -> None:
                                   f'"type": "{kind}"')
 
 
-def _check_why(why: str, at: str) -> None:
-    if not 1 <= len(why) <= WHY_CHARS:
-        raise ConfigError(f"{at}: why is {len(why)} characters; it must be 1 to {WHY_CHARS}")
-    bad = next((ch for ch in why if not ch.isprintable()), None)
-    if bad is not None:
-        raise ConfigError(f"{at}: why holds the character U+{ord(bad):04X}, which is not "
-                          "printable")
-
-
 def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
-    if doc is None:
-        return ()
-    if not isinstance(doc, list):
-        raise ConfigError(f"{where}: limits must be an array of limits")
-    if len(doc) > MAX_LIMITS:
-        raise ConfigError(f"{where}: limits holds {len(doc)} limits, more than {MAX_LIMITS}")
     out: list[Limit] = []
-    for i, entry in enumerate(doc):
+    for i, entry in enumerate(_entries(doc, where, "limits", "limits", MAX_LIMITS)):
         at = f"{where}: limits[{i}]"
         f = _ConfigObject(entry, at, _LIMIT_FIELDS)
         if "per" not in f.doc:
             raise ConfigError(f'{at}: per is required: the window, such as "1h" or "24h"')
-        per = _parse_per(f, at)
+        text = f.doc["per"]          # a duration, or whole days such as "7d"
+        per = int(text[:-1]) * 86400.0 if isinstance(text, str) and _DAYS.fullmatch(text) \
+            else f.duration("per", 0.0)
         if not MIN_PER <= per <= MAX_PER:
             raise ConfigError(f"{at}: per {fmt_duration(per)} is not between 1s and 31d")
         over = f.text("over", "require_approval")
@@ -9086,32 +9066,17 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
             out.append(Limit(i, per, over, name, calls=int(digits) * 10 ** exponent))
             continue
         pointer = f.text("sum")
-        _check_pointer(pointer, at)
+        if not pointer.startswith("/"):
+            raise ConfigError(f"{at}: sum {_quote(pointer)} is not a JSON Pointer to a value in "
+                              'the arguments, such as "/amount"')
+        if re.search(r"~(?![01])", pointer):
+            raise ConfigError(f"{at}: sum {_quote(pointer)} holds a ~ that is not ~0 or ~1")
+        _check_printable(pointer, at, "sum")
         if "max" not in f.doc:
             raise ConfigError(f"{at}: max is required with sum")
         out.append(Limit(i, per, over, name, pointer=pointer,
                          max_units=_parse_max(f.doc["max"], at)))
     return tuple(out)
-
-
-def _parse_per(f: _ConfigObject, at: str) -> float:
-    """A window: a duration, or whole days such as "7d"."""
-    text = f.doc["per"]
-    if isinstance(text, str) and re.fullmatch(r"[1-9][0-9]{0,2}d", text):
-        return int(text[:-1]) * 86400.0
-    return f.duration("per", 0.0)
-
-
-def _check_pointer(pointer: str, at: str) -> None:
-    if not pointer.startswith("/"):
-        raise ConfigError(f"{at}: sum {_quote(pointer)} is not a JSON Pointer to a value in the "
-                          'arguments, such as "/amount"')
-    if re.search(r"~(?![01])", pointer):
-        raise ConfigError(f"{at}: sum {_quote(pointer)} holds a ~ that is not ~0 or ~1")
-    bad = next((ch for ch in pointer if not ch.isprintable()), None)
-    if bad is not None:           # it is shown to the model and the operator as it is written
-        raise ConfigError(f"{at}: sum holds the character U+{ord(bad):04X}, which is not "
-                          "printable")
 
 
 def _parse_max(value: Any, at: str) -> int:
@@ -9140,8 +9105,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
                 if not limit.name:
                     continue
                 where = f"server {_quote(server.name)}: tool {_quote(tool)}: limits[{limit.index}]"
-                doc = dict(limit.written())
-                spelled = encode_canonical(doc)
+                spelled = encode_canonical(limit.written())
                 first = seen.setdefault(limit.name, (where, spelled))
                 if first[1] != spelled:
                     raise ConfigError(
@@ -9152,7 +9116,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
 
 # -- judging one call --
 
-@dataclasses.dataclass(repr=False)
+@dataclasses.dataclass(frozen=True, repr=False)
 class LimitUse:
     """One limit as one call finds it: its use in the window, and what the call adds."""
     limit: Limit
@@ -9197,26 +9161,20 @@ def _with_fixed(tool: "UpstreamTool", value: Any) -> Any:
     return value
 
 
-def _at_pointer(value: Any, pointer: str) -> tuple[bool, Any]:
-    for part in pointer.split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(value, dict) and part in value:
-            value = value[part]
-        elif isinstance(value, list) and _ARRAY_INDEX.fullmatch(part) and \
-                len(part) <= MAX_CALLS_DIGITS and int(part) < len(value):
-            value = value[int(part)]
-        else:
-            return False, None
-    return True, value
-
-
 def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
     """What a call adds to a limit, or why it cannot be counted."""
     if limit.calls:
         return 1, ""
-    found, at = _at_pointer(value, limit.pointer)
-    if not found:
-        return 0, f"{limit.pointer} is missing"
+    at = value
+    for part in limit.pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(at, dict) and part in at:
+            at = at[part]
+        elif isinstance(at, list) and _ARRAY_INDEX.fullmatch(part) and \
+                len(part) <= MAX_CALLS_DIGITS and int(part) < len(at):
+            at = at[int(part)]
+        else:
+            return 0, f"{limit.pointer} is missing"
     if not isinstance(at, Num):
         return 0, f"{limit.pointer} is {_kind(at)}, not a number"
     if at.normal()[0] < 0:
@@ -9248,7 +9206,6 @@ def first_condition(tool: "UpstreamTool", value: Any, args: bytes,
             found = cond
             break
     if seen is not None:
-        seen.clear()
         seen.update(tool=tool, args=args, found=found)
     return found
 
@@ -9288,8 +9245,8 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
             return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
                              f"{problem}; the value must be a number of at least 0", [], [],
                              limit.ref)
-        use = LimitUse(limit, limit.key(tool.server, tool.remote), 0, adds)
-        use.used = use_of(use.key, limit)
+        key = limit.key(tool.server, tool.remote)
+        use = LimitUse(limit, key, use_of(key, limit), adds)
         if not use.over:
             continue
         if limit.over == "deny":
@@ -9306,10 +9263,11 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     return Judgement(outcome, reason, asked, figures)
 
 
-def _granted(request: ToolRequest, view: RunView) -> bool:
-    """Whether the request's step is being collected: its latest approval is approved."""
+def _granted(request: ToolRequest, view: RunView) -> "Approval | None":
+    """The step's latest approval when it is approved (the request's step is being
+    collected); None otherwise."""
     mine = [a for a in view.approvals if a.step_id == request.step_id]
-    return bool(mine) and mine[-1].status == APPROVED
+    return mine[-1] if mine and mine[-1].status == APPROVED else None
 
 
 def _room(tool: "UpstreamTool", value: Any,
@@ -9333,14 +9291,19 @@ def _room(tool: "UpstreamTool", value: Any,
         return ""
 
 
+def _strings(doc: Any, member: str) -> list[str]:
+    """The strings of ``doc``'s array ``member``: what an edited record or schema holds."""
+    found = doc.get(member) if isinstance(doc, dict) else None
+    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+
+
 def asked_by(capability: bytes) -> list[str]:
     """What a capability says asked for it (empty for one no condition or limit asked)."""
     try:
         cap = read_own(capability) if capability.strip(JSON_WS) else {}
     except ProxyError:
         return []
-    found = cap.get("asked_by") if isinstance(cap, dict) else None
-    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
+    return _strings(cap, "asked_by")
 
 
 def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> PolicyDecision:
@@ -9348,8 +9311,8 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
     call, the grant's own capability and presentation are the decision, so the gate finds it
     (the presentation's figures were the window's when it asked). A new reason to ask, such
     as a limit crossed since, asks again."""
-    grant = next((a for a in reversed(view.approvals) if a.step_id == request.step_id), None)
-    if grant is None or grant.status != APPROVED or grant.kind != fresh.kind:
+    grant = _granted(request, view)
+    if grant is None or grant.kind != fresh.kind:
         return fresh
     try:
         had, now = read_own(grant.capability), read_own(fresh.capability)
@@ -9378,7 +9341,65 @@ def _limits_record(presentation: bytes) -> bytes | None:
     return encode_canonical(shown.get("limits", [])) if isinstance(shown, dict) else None
 
 
-# -- counting --
+# -- what check prints of them --
+
+def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
+    """A tool's conditions and limits, one line each, then a warning for each condition that
+    is looser than ``base`` (what the tool gets without it) and constrains a property that
+    neither it nor the input schema requires: it also matches a call without that property,
+    which is seldom what was meant (an amount of at most 10 allows a call with no amount)."""
+    name, out, warnings = sanitize(tool.spec.name), [], []
+    try:
+        schema = parse_json(tool.spec.input_schema, strict=False)
+    except JSONError:
+        schema = {}
+    needed = set(_strings(schema, "required"))
+    for cond in tool.rule.when:
+        why = f" ({sanitize(cond.why)})" if cond.why else ""
+        out.append(f"{name}: {cond.label} -> {cond.outcome}{why}: if "
+                   f"{sanitize(cond.schema_json.decode())}")
+        doc = parse_json(cond.schema_json, strict=False)
+        props = doc.get("properties") if isinstance(doc, dict) else None
+        loose = [p for p in (props if isinstance(props, dict) else {})
+                 if p not in needed and p not in _strings(doc, "required")]
+        if _STRICTER[cond.outcome] < _STRICTER.get(base, 2) and loose:
+            warnings.append(f"warning: {name}: {cond.label} gives {cond.outcome}, looser than "
+                            f"{base}, and constrains {', '.join(_quote(p) for p in loose)}, "
+                            "which neither the condition nor the input schema requires: it "
+                            "also matches a call without it; add it to the condition's "
+                            "required")
+    for limit in tool.rule.limits:
+        out.append(f"{name}: {limit.label}: at most {limit.shown(limit.most())} "
+                   f"({limit.what()}) in any {fmt_duration(limit.per)}; over it: {limit.over}")
+    return out + warnings
+
+
+# ==== 20.1 Limits: counting what executed ====
+# Policy by history. A limit is counted from proxy_limit_uses, the index of executions: one
+# row per execution and limit, written in the transaction that records the attempt's start
+# (Budgets.admit), holding its limit's running count and sum. The use within a window is the
+# difference between two of those rows' sums (a calls limit's sum is its count), each found
+# by one search of an index, so a call costs the same whatever the history holds. An attempt
+# an operator says did not execute leaves every sum from its row onward (uncount_attempt).
+
+_LIMIT_SQL = (
+    """CREATE TABLE proxy_limit_uses (
+        key TEXT NOT NULL, n INTEGER NOT NULL, at REAL NOT NULL, total TEXT NOT NULL,
+        run_id TEXT NOT NULL, step_id TEXT NOT NULL, PRIMARY KEY (key, n)) WITHOUT ROWID""",
+    "CREATE INDEX proxy_limit_uses_at ON proxy_limit_uses(key, at, n)",
+)
+# A limit's newest row (its running count and sum), and its last row at or before the
+# window's start: two searches of the index, whatever the window holds.
+_USE_SQL = ("SELECT 0, n, total, at FROM (SELECT n, total, at FROM proxy_limit_uses WHERE "
+            "key=?1 ORDER BY n DESC LIMIT 1) UNION ALL SELECT 1, n, total, at FROM (SELECT n, "
+            "total, at FROM proxy_limit_uses WHERE key=?1 AND at<=?2 ORDER BY at DESC, n DESC "
+            "LIMIT 1)")
+
+
+class BudgetMoved(ProxyError):
+    """Between a call's evaluation and its start, another call counted by one of its limits
+    started: nothing was started, and the call is decided again on the new count."""
+
 
 def rule_tool(server: str, remote: str, rule: Rule) -> "UpstreamTool":
     """A tool as its rule alone describes it, with no server behind it: enough for the
@@ -9392,12 +9413,8 @@ def configured_tools(cfg: Config) -> dict[str, "UpstreamTool"]:
     """A tool per rule, by the name the configuration gives it, whether or not a server
     offers it now: what a limit covers (Budgets), and what re-check hands the requests the
     runs recorded (with the specs they recorded). No connection: nothing calls these."""
-    tools = {}
-    for server in cfg.servers:
-        for remote, rule in server.rules:
-            tool = rule_tool(server.name, remote, rule)
-            tools[tool.spec.name] = tool
-    return tools
+    made = (rule_tool(s.name, remote, rule) for s in cfg.servers for remote, rule in s.rules)
+    return {tool.spec.name: tool for tool in made}
 
 
 class Budgets:
@@ -9436,13 +9453,8 @@ class Budgets:
         not the whole history; the long read is done outside the write lock, and only what
         was recorded meanwhile is read again under it. Two proxies starting together catch
         up once: the second finds the mark moved and leaves it."""
-        limits: dict[str, tuple[Limit, dict]] = {}
-        for name, tool in self.tools.items():
-            for limit in tool.rule.limits:
-                key = limit.key(tool.server, tool.remote)
-                limits.setdefault(key, (limit, {}))[1][name] = tool
         now = self.clock()
-        for key, (limit, tools) in limits.items():
+        for key, (limit, tools) in _counted_by(self.tools).items():
             self._catch_up(key, limit, tools, fmt_time(now - limit.per))
 
     def _catch_up(self, key: str, limit: Limit, tools: dict, since: str) -> None:
@@ -9460,18 +9472,13 @@ class Budgets:
             # write lock, so that a word given while the events were walked is seen.
             words = not_executed(tx.rows, MAX_ROW_ID)
             ran = [r for r in ran if not _said_not_executed(words, r[1], r[2], r[0])]
-            held: dict[tuple[str, str], int] = {}
-            for run_id, step_id, at in tx.rows(
-                    "SELECT run_id, step_id, at FROM proxy_limit_uses WHERE key=? AND n>? AND "
-                    "at>?", (key, mark[1], parse_time(since))):
-                if not _said_not_executed(words, run_id, step_id, at):
-                    held[(run_id, step_id)] = held.get((run_id, step_id), 0) + 1
-            newest = tx.rows("SELECT n, total, at FROM proxy_limit_uses WHERE key=? ORDER BY "
-                             "n DESC LIMIT 1", (key,))
-            n, total, last = (newest[0][0], int(newest[0][1]), newest[0][2]) if newest \
-                else (0, 0, 0.0)
+            held = collections.Counter((run_id, step_id) for run_id, step_id, at in tx.rows(
+                "SELECT run_id, step_id, at FROM proxy_limit_uses WHERE key=? AND n>? AND at>?",
+                (key, mark[1], parse_time(since)))
+                if not _said_not_executed(words, run_id, step_id, at))
+            (n, total, last), _, _ = _use(tx.rows, key, limit, self.clock())
             for at, run_id, step_id, adds in ran:
-                if held.get((run_id, step_id), 0) > 0:
+                if held[(run_id, step_id)] > 0:
                     held[(run_id, step_id)] -= 1          # counted when it started
                     continue
                 n, total, last = n + 1, total + adds, max(at, last)
@@ -9489,13 +9496,12 @@ class Budgets:
         Running totals never decrease (a call adds 1 to a calls limit's), so the row that
         must leave is found by a binary search of the window's rows: a few lookups by
         primary key, however many the window holds. None when there is room now."""
-        read, now = self.store._read, self.clock()
-        (top, total, _), (before, floor) = _window_rows(read, key, limit, now)
-        first = before + 1
-        excess = total - floor + adds - limit.most()
+        read = self.store._read
+        (top, total, _), used, first = _use(read, key, limit, self.clock())
+        excess = used + adds - limit.most()
         if excess <= 0 or first > top:
             return None
-        found = _row(read, key, _first_row(read, key, first, top, floor + excess))
+        found = _row(read, key, _first_row(read, key, first, top, total - used + excess))
         return float(found[1]) + limit.per if found and isinstance(found[1], (int, float)) \
             else None
 
@@ -9508,12 +9514,11 @@ class Budgets:
         for limit in tool.rule.limits:
             adds, problem = counted_value(limit, value)
             key = limit.key(tool.server, tool.remote)
-            newest, used = _use(tx.rows, key, limit, now)
+            (n, total, last), used, _ = _use(tx.rows, key, limit, now)
             if problem or (used + adds > limit.most() and
                            (limit.over == "deny" or limit.ref not in covers)):
                 raise BudgetMoved(f"{limit.label} of {tool.spec.name} moved before the call "
                                   "started")
-            n, total, last = newest
             tx.exec("INSERT INTO proxy_limit_uses (key, n, at, total, run_id, step_id) "
                     "VALUES (?,?,?,?,?,?)", (key, n + 1, max(now, last), str(total + adds),
                                              request.run_id, request.step_id))
@@ -9530,7 +9535,16 @@ class Budgets:
         return out
 
 
-def _executions(read: Callable[[str, tuple], list], tools: dict, limit: Limit, after: int,
+def _counted_by(tools: dict[str, "UpstreamTool"]) -> dict[str, tuple[Limit, dict]]:
+    """Each limit's key, with the limit and the tools (by name) it counts."""
+    found: dict[str, tuple[Limit, dict]] = {}
+    for name, tool in tools.items():
+        for limit in tool.rule.limits:
+            found.setdefault(limit.key(tool.server, tool.remote), (limit, {}))[1][name] = tool
+    return found
+
+
+def _executions(read: Query, tools: dict, limit: Limit, after: int,
                 upto: int, since: str) -> list[tuple[float, str, str, int]]:
     """The executions of ``tools`` recorded as events after seq ``after`` up to ``upto``
     that started later than ``since``: (start, run id, step id, what each adds to
@@ -9557,8 +9571,7 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
     (step.tool_started) recorded before event ``before_seq`` that started within the window
     ending ``now``, less those an operator had said by then did not execute. A walk through
     the window's events: recheck's cost, never a call's."""
-    counted = {name: t for name, t in tools.items()
-               if any(lim.key(t.server, t.remote) == key for lim in t.rule.limits)}
+    counted = _counted_by(tools).get(key, (limit, {}))[1]
     words = not_executed(store._read, before_seq)
     return sum(adds for at, run_id, step_id, adds in _executions(
         store._read, counted, limit, 0, before_seq - 1, fmt_time(now - limit.per))
@@ -9574,7 +9587,7 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
 # nothing re-runs a step whose interruption approval was rejected (its run ends), nor one of
 # an earlier run a fresh run asks about (that run has ended).
 
-def not_executed(read: Callable[[str, tuple], list],
+def not_executed(read: Query,
                  before_seq: int) -> dict[tuple[str, str], float]:
     """The attempts that do not count, as the words and events recorded before event
     ``before_seq`` stand: (run id, step id) -> the attempt's start. An attempt does not
@@ -9642,8 +9655,7 @@ def uncount_attempt(tx: Tx, attempt: dict) -> None:
             continue                 # uncounted already
         before = tx.rows("SELECT total FROM proxy_limit_uses WHERE key=? AND n<? ORDER BY n "
                          "DESC LIMIT 1", (key, n))
-        first = tx.rows("SELECT total FROM proxy_limit_uses WHERE key=? AND n=?", (key, n))
-        adds = int(first[0][0]) - (int(before[0][0]) if before else 0)
+        adds = int(_row(tx.rows, key, n)[0]) - (int(before[0][0]) if before else 0)
         if adds > 0:
             _shift_totals(tx, key, n, -adds)
             tx.exec("INSERT INTO proxy_uncounted (key, n, adds, run_id, step_id) VALUES "
@@ -9655,13 +9667,11 @@ def recount_attempt(tx: Tx, run_id: str, step_id: str | None = None) -> None:
     when named): a later word that it executed, or a known late outcome of it. Every row
     from the attempt's regains what it lost, so every window counts it again as at its
     start."""
-    found = tx.rows("SELECT key, n, adds, step_id FROM proxy_uncounted WHERE run_id=?",
-                    (run_id,))
-    for key, n, adds, step in found:
-        if step_id is not None and step != step_id:
-            continue
-        _shift_totals(tx, key, n, int(adds))
-        tx.exec("DELETE FROM proxy_uncounted WHERE key=? AND n=?", (key, n))
+    for key, n, adds, step in tx.rows("SELECT key, n, adds, step_id FROM proxy_uncounted "
+                                      "WHERE run_id=?", (run_id,)):
+        if step_id in (None, step):
+            _shift_totals(tx, key, n, int(adds))
+            tx.exec("DELETE FROM proxy_uncounted WHERE key=? AND n=?", (key, n))
 
 
 def _shift_totals(tx: Tx, key: str, n: int, by: int) -> None:
@@ -9728,19 +9738,15 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     found = pres.get("limits") if isinstance(pres, dict) else None
     if not isinstance(found, list):
         return []
-    asked, out = set(asked_by(approval.capability)), []
-    for entry in found[:MAX_LIMITS]:
-        use = _recorded_use(entry)
-        if use is None:
-            continue
-        use.used = _use(read, use.key, use.limit, now)[1]
-        out.append(_standing(use, tool, asked))
-    return out
+    asked = set(asked_by(approval.capability))
+    uses = [_recorded_use(entry, read, now) for entry in found[:MAX_LIMITS]]
+    return [_standing(use, tool, asked) for use in uses if use is not None]
 
 
-def _recorded_use(entry: Any) -> LimitUse | None:
+def _recorded_use(entry: Any, read: Query, now: float) -> LimitUse | None:
     """An entry of limits_shown read back, strictly (the row may have been edited): its
-    limit parsed again as a configuration's limit is, at its recorded place."""
+    limit parsed again as a configuration's limit is, at its recorded place, with its use in
+    the window ending ``now``."""
     if not isinstance(entry, dict) or sorted(entry) != sorted(SHOWN_LIMIT_FIELDS):
         return None
     key, index, adds = entry["key"], entry["index"], entry["adds"]
@@ -9752,8 +9758,8 @@ def _recorded_use(entry: Any) -> LimitUse | None:
         limit = parse_limits([entry["limit"]], "a recorded limit")[0]
     except ConfigError:
         return None
-    return LimitUse(dataclasses.replace(limit, index=int(index.text)), key, 0,
-                    min(int(adds), _CAP))
+    limit = dataclasses.replace(limit, index=int(index.text))
+    return LimitUse(limit, key, _use(read, key, limit, now)[1], min(int(adds), _CAP))
 
 
 def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
@@ -9773,52 +9779,13 @@ def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
             "would_deny": deny, "asks_again": again, "text": sanitize(text)}
 
 
-# -- what check prints of them --
-
-def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
-    """A tool's conditions and limits, one line each, then a warning for each condition that
-    is looser than ``base`` (what the tool gets without it) and constrains a property that
-    neither it nor the input schema requires: it also matches a call without that property,
-    which is seldom what was meant (an amount of at most 10 allows a call with no amount)."""
-    name, out, warnings = sanitize(tool.spec.name), [], []
-    try:
-        schema = parse_json(tool.spec.input_schema, strict=False)
-    except JSONError:
-        schema = {}
-    needed = set(_required(schema))
-    for cond in tool.rule.when:
-        why = f" ({sanitize(cond.why)})" if cond.why else ""
-        out.append(f"{name}: {cond.label} -> {cond.outcome}{why}: if "
-                   f"{sanitize(cond.schema_json.decode())}")
-        doc = parse_json(cond.schema_json, strict=False)
-        props = doc.get("properties") if isinstance(doc, dict) else None
-        loose = [p for p in (props if isinstance(props, dict) else {})
-                 if p not in needed and p not in _required(doc)]
-        if _STRICTER[cond.outcome] < _STRICTER.get(base, 2) and loose:
-            warnings.append(f"warning: {name}: {cond.label} gives {cond.outcome}, looser than "
-                            f"{base}, and constrains {', '.join(_quote(p) for p in loose)}, "
-                            "which neither the condition nor the input schema requires: it "
-                            "also matches a call without it; add it to the condition's "
-                            "required")
-    for limit in tool.rule.limits:
-        out.append(f"{name}: {limit.label}: at most {limit.shown(limit.most())} "
-                   f"({limit.what()}) in any {fmt_duration(limit.per)}; over it: {limit.over}")
-    return out + warnings
-
-
-def _required(doc: Any) -> list[str]:
-    found = doc.get("required") if isinstance(doc, dict) else None
-    return [r for r in found if isinstance(r, str)] if isinstance(found, list) else []
-
-
-def _row(read: Callable[[str, tuple], list], key: str, n: int) -> tuple[str, float] | None:
+def _row(read: Query, key: str, n: int) -> tuple[str, float] | None:
     """A limit's row ``n``: its running total and its time."""
     found = read("SELECT total, at FROM proxy_limit_uses WHERE key=? AND n=?", (key, n))
     return (found[0][0], found[0][1]) if found else None
 
 
-def _first_row(read: Callable[[str, tuple], list], key: str, low: int, high: int,
-               total: int) -> int:
+def _first_row(read: Query, key: str, low: int, high: int, total: int) -> int:
     """The first row from ``low`` to ``high`` whose running total reaches ``total``."""
     while low < high:
         mid = (low + high) // 2
@@ -9830,28 +9797,22 @@ def _first_row(read: Callable[[str, tuple], list], key: str, low: int, high: int
     return low
 
 
-def _use(read: Callable[[str, tuple], list], key: str, limit: Limit,
-         now: float) -> tuple[tuple[int, int, float], int]:
-    """A limit's newest row (n, total, at), and its use in the window ending ``now``: the
-    executions whose rows are later than the window's start. A row's time is never earlier
-    than the one before it (admit), so the rows after the start are the newest ones. A calls
-    limit counts its running total too (each row adds 1), which stops counting an attempt the
-    operator said did not execute (uncount_attempt), where n would not."""
-    newest, before = _window_rows(read, key, limit, now)
-    return newest, newest[1] - before[1]
-
-
-def _window_rows(read: Callable[[str, tuple], list], key: str, limit: Limit,
-                 now: float) -> tuple[tuple[int, int, float], tuple[int, int]]:
-    """A limit's newest row (n, total, at) and its last row at or before the start of the
-    window ending ``now`` (n, total); (0, 0) where there is none."""
+def _use(read: Query, key: str, limit: Limit,
+         now: float) -> tuple[tuple[int, int, float], int, int]:
+    """A limit's newest row (n, total, at), its use in the window ending ``now``, and the
+    number of the window's first row: the executions whose rows are later than the window's
+    start, counted from the newest row and the last row at or before the start (none: 0 and
+    a total of 0). A row's time is never earlier than the one before it (admit), so the rows
+    after the start are the newest ones. A calls limit counts its running total too (each row
+    adds 1), which stops counting an attempt the operator said did not execute
+    (uncount_attempt), where n would not."""
     newest, before = (0, 0, 0.0), (0, 0)
     for which, n, total, at in read(_USE_SQL, (key, now - limit.per)):
         if which == 0:
             newest = (n, int(total), at)
         else:
             before = (n, int(total))
-    return newest, before
+    return newest, newest[1] - before[1], before[0] + 1
 
 
 # ==== 21. The rules across calls: the call index ====

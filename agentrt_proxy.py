@@ -1805,13 +1805,43 @@ _SUBSCHEMA_ONE = frozenset({"additionalProperties", "propertyNames", "additional
                             "contains", "not", "if", "then", "else"})
 _NUMERIC = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                       "multipleOf"})
-_COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties",
-                     "maxProperties", "minContains", "maxContains"})
-_OTHER_KEYWORDS = frozenset({"type", "required", "items", "enum", "const", "pattern",
-                             "uniqueItems", "$ref", "dependentRequired", "dependencies", "$id"})
-SCHEMA_KEYWORDS = (_ANNOTATIONS | _SUBSCHEMA_MAPS | _SUBSCHEMA_LISTS | _SUBSCHEMA_ONE |
-                   _NUMERIC | _COUNTS | _OTHER_KEYWORDS)
 _TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+
+
+def _names_types(value: Any) -> bool:
+    names = value if isinstance(value, list) else [value]
+    return bool(names) and all(isinstance(n, str) and n in _TYPES for n in names)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(n, str) for n in value)
+
+
+# The form a keyword's value must have, and what a schema whose value lacks it is told.
+# exclusiveMinimum and exclusiveMaximum may also be draft-04's flags on minimum and maximum.
+_FORMS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(_SUBSCHEMA_MAPS | {"dependentRequired", "dependencies"},
+                    (lambda v: isinstance(v, dict), "is not an object")),
+    **dict.fromkeys(_SUBSCHEMA_LISTS, (lambda v: isinstance(v, list) and len(v) > 0,
+                                       "is not a non-empty array of schemas")),
+    "prefixItems": (lambda v: isinstance(v, list), "is not a non-empty array of schemas"),
+    **dict.fromkeys(_NUMERIC, (lambda v: isinstance(v, Num), "is not a number")),
+    **dict.fromkeys(("exclusiveMinimum", "exclusiveMaximum"),
+                    (lambda v: isinstance(v, (Num, bool)), "is not a number")),
+    "multipleOf": (lambda v: isinstance(v, Num) and v.normal()[0] > 0,
+                   "is not a positive number"),
+    **dict.fromkeys(("minLength", "maxLength", "minItems", "maxItems", "minProperties",
+                     "maxProperties", "minContains", "maxContains"),
+                    (lambda v: isinstance(v, Num) and v.is_integer() and v.normal()[0] >= 0,
+                     "is not a non-negative integer")),
+    "type": (_names_types, "names a type that does not exist"),
+    "enum": (lambda v: isinstance(v, list), "is not an array"),
+    "required": (_strings, "is not an array of strings"),
+    **dict.fromkeys(("pattern", "$ref"), (lambda v: isinstance(v, str), "is not a string")),
+    "uniqueItems": (lambda v: isinstance(v, bool), "is not a boolean"),
+}
+# Every keyword implemented: those above, and those any value of which is compiled or kept.
+SCHEMA_KEYWORDS = _ANNOTATIONS | _SUBSCHEMA_ONE | frozenset(_FORMS) | {"items", "const", "$id"}
 # Keywords whose check does work for every member or item of the value that no evaluation
 # of a subschema pays for (the rest, items or contains, evaluate one for each): a schema
 # holding one costs one more for each member, and for each patternProperties regex tried.
@@ -1916,20 +1946,15 @@ class Schema:
             raise SchemaError(f"input schema is not JSON: {exc}") from None
         if not isinstance(self.root, (dict, bool)):
             raise SchemaError("input schema is not an object")
-        self.raw = raw
-        self._patterns: dict[str, Pattern] = {}
+        self.patterns: dict[str, Pattern] = {}   # each compiled once, by its text
         self._schemas: dict[tuple, Any] = {}       # every compiled subschema, by location
         self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
         # By the id of each schema object (the tree is kept, so ids stay unique): where it
-        # is and what one evaluation of it costs (fixed, per member of the value); and by
-        # the id of each enum and const value, how a mismatch shows it.
-        self._where: dict[int, tuple] = {}
-        self._costs: dict[int, tuple[int, int]] = {}
-        self._shown: dict[int, str] = {}
-        # The state of one call's check, set on a copy of the compiled schema (see check).
-        self._left = 0
-        self._keys: dict[int, int] = {}
-        self._interned: dict[tuple, int] = {}
+        # is, and what one evaluation of it costs (fixed, per member of the value) and runs
+        # (_plan); by the id of each enum and const value, how a mismatch shows it.
+        self.where: dict[int, tuple] = {}
+        self.plans: dict[int, tuple[int, int, tuple]] = {}
+        self.shown: dict[int, str] = {}
         self._compile(self.root, ())
         self._check_refs()
 
@@ -1938,8 +1963,7 @@ class Schema:
         that apply to the same value (allOf, not, if, ...) never comes back to where it
         started, nor runs longer than MAX_SCHEMA_CHAIN: a schema that could recurse
         without consuming input is refused here, not discovered while checking."""
-        for ref in list(self._refs):
-            target = self._refs[ref]
+        for ref, target in self._refs.items():
             if target not in self._schemas:
                 raise SchemaError(f"$ref {_quote(ref)} does not name a schema")
         longest: dict[tuple, int] = {}
@@ -1948,7 +1972,6 @@ class Schema:
         fan: dict[tuple, int] = {}
         for start in self._schemas:
             self._fan_out(start, fan)
-
     def _fan_out(self, at: tuple, fan: dict) -> int:
         """How many subschemas one value checked against ``at`` is checked against, through
         the keywords that apply to the same value: a count over the graph of references,
@@ -2011,25 +2034,23 @@ class Schema:
                 raise SchemaError(f"schema at {where} uses {_quote(key)}, "
                                   "a keyword this validator does not implement")
             self._keyword(key, val, at + (key,))
-        self._where[id(node)] = at
-        self._costs[id(node)] = _evaluation_cost(node)
+        self.where[id(node)] = at
+        self.plans[id(node)] = _plan(node)
 
     def _keyword(self, key: str, val: Any, at: tuple) -> None:
         where = "#" + _pointer(at)
-        if key == "const":
-            self._shown[id(val)] = _show(val)
-        if key in _ANNOTATIONS or key == "const":
-            return
-        if key in _SUBSCHEMA_MAPS:
-            if not isinstance(val, dict):
-                raise SchemaError(f"{where} is not an object")
+        form = _FORMS.get(key)
+        if form and not form[0](val):
+            raise SchemaError(f"{where} {form[1]}")
+        if key in ("const", "enum"):
+            self.shown[id(val)] = _show(val) if key == "const" else \
+                ", ".join(_show(o) for o in val)
+        elif key in _SUBSCHEMA_MAPS:
             for name, sub in val.items():
                 if key == "patternProperties":
                     self._regex(name, where)
                 self._compile(sub, at + (name,))
         elif key in _SUBSCHEMA_LISTS:
-            if not isinstance(val, list) or (key != "prefixItems" and not val):
-                raise SchemaError(f"{where} is not a non-empty array of schemas")
             for i, sub in enumerate(val):
                 self._compile(sub, at + (i,))
         elif key in _SUBSCHEMA_ONE:
@@ -2037,86 +2058,35 @@ class Schema:
         elif key == "items":
             for i, sub in enumerate(val) if isinstance(val, list) else [(None, val)]:
                 self._compile(sub, at if i is None else at + (i,))
-        elif key in _NUMERIC:
-            if key.startswith("exclusive") and isinstance(val, bool):
-                return  # draft-04 spelling: a flag on minimum/maximum
-            if not isinstance(val, Num) or (key == "multipleOf" and val.normal()[0] <= 0):
-                raise SchemaError(f"{where} is not a {'positive ' if key == 'multipleOf' else ''}number")
-            if key == "multipleOf" and len(val.normal()[1]) > MAX_MULTIPLE_OF_DIGITS:
-                # Checking one needs exact division by its digits: bounded, they stay cheap.
-                raise SchemaError(f"{where}: multipleOf has {len(val.normal()[1])} significant "
-                                  f"digits, more than the {MAX_MULTIPLE_OF_DIGITS} checked")
-        elif key in _COUNTS:
-            if not isinstance(val, Num) or not val.is_integer() or val.normal()[0] < 0:
-                raise SchemaError(f"{where} is not a non-negative integer")
-        else:
-            self._other(key, val, at, where)
-
-    def _other(self, key: str, val: Any, at: tuple, where: str) -> None:
-        if key == "enum":
-            if not isinstance(val, list):
-                raise SchemaError(f"{where} is not an array")
-            self._shown[id(val)] = ", ".join(_show(o) for o in val)
-        elif key == "type":
-            names = val if isinstance(val, list) else [val]
-            if not names or any(not isinstance(n, str) or n not in _TYPES for n in names):
-                raise SchemaError(f"{where} names a type that does not exist")
-        elif key == "required":
-            if not isinstance(val, list) or not all(isinstance(n, str) for n in val):
-                raise SchemaError(f"{where} is not an array of strings")
         elif key == "pattern":
-            if not isinstance(val, str):
-                raise SchemaError(f"{where} is not a string")
             self._regex(val, where)
-        elif key == "uniqueItems":
-            if not isinstance(val, bool):
-                raise SchemaError(f"{where} is not a boolean")
         elif key == "$ref":
-            if not isinstance(val, str):
-                raise SchemaError(f"{where} is not a string")
             self._refs[val] = self._resolve(val)
-        elif key == "$id":
-            if at != ("$id",):
-                raise SchemaError(f"{where}: an $id inside the schema is not supported")
+        elif key == "$id" and at != ("$id",):
+            raise SchemaError(f"{where}: an $id inside the schema is not supported")
+        elif key == "multipleOf" and len(val.normal()[1]) > MAX_MULTIPLE_OF_DIGITS:
+            # Checking one needs exact division by its digits: bounded, they stay cheap.
+            raise SchemaError(f"{where}: multipleOf has {len(val.normal()[1])} significant "
+                              f"digits, more than the {MAX_MULTIPLE_OF_DIGITS} checked")
         elif key in ("dependentRequired", "dependencies"):
-            if not isinstance(val, dict):
-                raise SchemaError(f"{where} is not an object")
             for name, dep in val.items():
-                if isinstance(dep, list) and all(isinstance(n, str) for n in dep):
+                if _strings(dep):
                     continue
-                if key == "dependencies":
-                    self._compile(dep, at + (name,))
-                else:
+                if key == "dependentRequired":
                     raise SchemaError(f"{where}/{name} is not an array of strings")
+                self._compile(dep, at + (name,))
 
     def _regex(self, pattern: str, where: str) -> Pattern:
         """The pattern compiled once per schema (by its text), or SchemaError naming where
         it is and why it is refused."""
-        found = self._patterns.get(pattern)
+        found = self.patterns.get(pattern)
         if found is None:
             try:
                 found = Pattern(pattern)
             except SchemaError as exc:
                 raise SchemaError(f"{where}: pattern does not compile: {_quote(pattern)}: "
                                   f"{exc}") from None
-            self._patterns[pattern] = found
-        return found
-
-    def _found(self, pattern: str, text: str, path: list, errors: list) -> bool:
-        """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
-        to the call's budget. A string too costly to match alone is a failure recorded here,
-        and counts as found so nothing else is reported for it: it is refused, never let
-        through as unmatched. One that would spend what is left of the budget spends it."""
-        left = max(0, self._left) * PATTERN_VISITS_PER_EVALUATION
-        try:
-            found, work = self._regex(pattern, "pattern").search_costed(
-                text, min(MAX_PATTERN_WORK, left))
-        except PatternTooCostly as exc:
-            if left < MAX_PATTERN_WORK:
-                raise CheckTooCostly(None, _pointer(path)) from None
-            _fail(errors, path, str(exc))
-            return True
-        self._spend(work // PATTERN_VISITS_PER_EVALUATION, path)
+            self.patterns[pattern] = found
         return found
 
     def _resolve(self, ref: str) -> tuple:
@@ -2143,6 +2113,7 @@ class Schema:
                 raise SchemaError(f"$ref {_quote(ref)} does not resolve")
         return at
 
+
     # -- validating --
 
     def check(self, raw: bytes) -> Any:
@@ -2150,13 +2121,8 @@ class Schema:
         see parse_strict). Raises JSONError for bytes that are not usable JSON, SchemaError
         for a mismatch (CheckTooCostly when checking spent the call's budget)."""
         value = parse_strict(raw)
-        errors = _Failures()
-        # A compiled schema is shared by every call of its tool: a call's budget and keys
-        # live on a shallow copy, which shares the compiled tables.
-        run = copy.copy(self)
-        run._left, run._keys, run._interned = MAX_SCHEMA_EVALUATIONS, {}, {}
         try:
-            run._validate(self.root, value, [], errors)
+            errors = _Check(self, MAX_SCHEMA_EVALUATIONS).run(value)
         except RecursionError:      # a refusal, never an acceptance
             raise SchemaError("the arguments are nested too deeply to check against this "
                               "schema") from None
@@ -2171,46 +2137,90 @@ class Schema:
         """Whether a parsed value validates, spending from ``budget`` (what is left is
         returned): a rule's conditions share one call's budget (section 20). Raises
         CheckTooCostly when the budget runs out, never answering either way."""
-        run = copy.copy(self)
-        run._left, run._keys, run._interned = budget, {}, {}
-        errors = _Failures()
+        check = _Check(self, budget)
         try:
-            run._validate(self.root, value, [], errors)
+            errors = check.run(value)
         except RecursionError:
             raise CheckTooCostly((), "") from None
-        return not errors and not errors.more, run._left
+        return not errors, check.left
 
-    def _validate(self, node: Any, value: Any, path: list, errors: list) -> None:
+    def located(self) -> list[tuple[tuple, Any]]:
+        """Every subschema compiled (each schema object or boolean that checking may
+        evaluate, and $defs no $ref names), by location, the root first."""
+        return list(self._schemas.items())
+
+    def referenced(self, at: tuple) -> bool:
+        """Whether a $ref names the subschema at ``at``."""
+        return at in self._refs.values()
+
+    def target(self, ref: str) -> Any:
+        """The subschema a $ref (compiled) names."""
+        return self._schemas[self._refs[ref]]
+
+
+class _Check:
+    """One check of a value against a compiled Schema, which every call of its tool shares:
+    what is left of the budget this check spends (see Schema), and the keys uniqueItems
+    gave the arrays and objects of the value."""
+
+    def __init__(self, schema: Schema, budget: int):
+        self.schema, self.left = schema, budget
+        self._keys: dict[int, int] = {}
+        self._interned: dict[tuple, int] = {}
+
+    def run(self, value: Any) -> _Failures:
+        errors = _Failures()
+        self.validate(self.schema.root, value, [], errors)
+        return errors
+
+    def validate(self, node: Any, value: Any, path: list, errors: list) -> None:
         if node is True or node is False:
-            # _spend, inline: this runs once per item of an array
-            self._left -= 1 + len(path) // LEVELS_PER_EVALUATION
-            if self._left < 0:
-                raise CheckTooCostly(None, _pointer(path))
+            self.spend(1 + len(path) // LEVELS_PER_EVALUATION, path)
             if node is False:
                 errors.append((_pointer(path), "no value is allowed here"))
             return
         try:
-            fixed, per_member = self._costs[id(node)]
+            fixed, per_member, plan = self.schema.plans[id(node)]
             # deep in a value, each member's path (a list) is copied: that costs too
             fixed += len(path) // LEVELS_PER_EVALUATION
             loops = per_member and type(value) in (list, dict)
-            self._spend(fixed + per_member * len(value) if loops else fixed, path)
-            for key, val in node.items():
-                check = _CHECKS.get(key)
-                if check:
-                    check(self, node, val, value, path, errors)
+            self.spend(fixed + per_member * len(value) if loops else fixed, path)
+            for check, val in plan:
+                check(self, node, val, value, path, errors)
         except CheckTooCostly as exc:
             # Spent inside this schema object or a boolean schema under it: name this one.
             # Never caught on the way up (not, anyOf, ...): it is never read as a mismatch.
-            exc.at = self._where[id(node)] if exc.at is None else exc.at
+            exc.at = self.schema.where[id(node)] if exc.at is None else exc.at
             raise
 
-    def _spend(self, units: int, path: list) -> None:
-        self._left -= units
-        if self._left < 0:
+    def spend(self, units: int, path: list) -> None:
+        self.left -= units
+        if self.left < 0:
             raise CheckTooCostly(None, _pointer(path))
 
-    def _key(self, value: Any) -> Any:
+    def passes(self, node: Any, value: Any, path: list) -> bool:
+        errors = _Failures()
+        self.validate(node, value, path, errors)
+        return not errors
+
+    def found(self, pattern: str, text: str, path: list, errors: list) -> bool:
+        """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
+        to the call's budget. A string too costly to match alone is a failure recorded here,
+        and counts as found so nothing else is reported for it: it is refused, never let
+        through as unmatched. One that would spend what is left of the budget spends it."""
+        left = max(0, self.left) * PATTERN_VISITS_PER_EVALUATION
+        try:
+            found, work = self.schema.patterns[pattern].search_costed(
+                text, min(MAX_PATTERN_WORK, left))
+        except PatternTooCostly as exc:
+            if left < MAX_PATTERN_WORK:
+                raise CheckTooCostly(None, _pointer(path)) from None
+            _fail(errors, path, str(exc))
+            return True
+        self.spend(work // PATTERN_VISITS_PER_EVALUATION, path)
+        return found
+
+    def key(self, value: Any) -> Any:
         """A key that is equal for two values exactly when they are _equal: numbers by
         normal form, arrays and objects interned to a number once per call (by the id of the
         parsed value, alive for the call), so checking uniqueItems of the same array again
@@ -2223,25 +2233,12 @@ class Schema:
         found = self._keys.get(id(value))
         if found is None:
             if kind is list:
-                shape = ("a",) + tuple(self._key(v) for v in value)
+                shape = ("a",) + tuple(self.key(v) for v in value)
             else:   # names are distinct, so sorting never compares two keys
-                shape = ("o",) + tuple(sorted((k, self._key(v)) for k, v in value.items()))
+                shape = ("o",) + tuple(sorted((k, self.key(v)) for k, v in value.items()))
             found = self._keys[id(value)] = self._interned.setdefault(shape, len(self._interned))
         return found
 
-    def located(self) -> list[tuple[tuple, Any]]:
-        """Every subschema compiled (each schema object or boolean that checking may
-        evaluate, and $defs no $ref names), by location, the root first."""
-        return list(self._schemas.items())
-
-    def referenced(self, at: tuple) -> bool:
-        """Whether a $ref names the subschema at ``at``."""
-        return at in self._refs.values()
-
-    def _sub_ok(self, node: Any, value: Any, path: list) -> bool:
-        errs = _Failures()
-        self._validate(node, value, path, errs)
-        return not errs
 
 
 class _Failures(list):
@@ -2281,12 +2278,12 @@ def _k_type(s, node, want, value, path, errors):
 
 def _k_enum(s, node, options, value, path, errors):
     if not any(_equal(value, o) for o in options):
-        _fail(errors, path, "value must be one of " + s._shown[id(options)])
+        _fail(errors, path, "value must be one of " + s.schema.shown[id(options)])
 
 
 def _k_const(s, node, const, value, path, errors):
     if not _equal(value, const):
-        _fail(errors, path, f"value must be {s._shown[id(const)]}")
+        _fail(errors, path, f"value must be {s.schema.shown[id(const)]}")
 
 
 # Each bound, and whether a comparison of the value with it (-1, 0, 1) is outside it.
@@ -2310,23 +2307,13 @@ def _k_multiple(s, node, m, value, path, errors):
     if not isinstance(value, Num):
         return
     # Exact division reads every digit of the value: a long one costs more evaluations.
-    s._spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
+    s.spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
     if not _is_multiple(value.normal(), m.normal()):
         _fail(errors, path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
 
 
-def _k_length(s, node, _unused, value, path, errors):
-    if not isinstance(value, str):
-        return
-    n = len(value)
-    if "minLength" in node and _compare_count(n, node["minLength"]) < 0:
-        _fail(errors, path, f"minLength: got {n} characters, want {node['minLength'].text}")
-    if "maxLength" in node and _compare_count(n, node["maxLength"]) > 0:
-        _fail(errors, path, f"maxLength: got {n} characters, want {node['maxLength'].text}")
-
-
 def _k_pattern(s, node, pattern, value, path, errors):
-    if isinstance(value, str) and not s._found(pattern, value, path, errors):
+    if isinstance(value, str) and not s.found(pattern, value, path, errors):
         _fail(errors, path, f"does not match pattern {_quote(pattern)}")
 
 
@@ -2345,7 +2332,7 @@ def _k_count(kind: type, low: str, high: str, noun: str):
 def _k_required(s, node, names, value, path, errors):
     if isinstance(value, dict):
         missing = [name for name in names if name not in value]
-        s._spend(len(missing), path)        # a failure costs more to report than to find
+        s.spend(len(missing), path)        # a failure costs more to report than to find
         for name in missing:
             _fail(errors, path, f"missing property {_quote(name)}")
 
@@ -2362,16 +2349,16 @@ def _k_properties(s, node, _unused, value, path, errors):
         matched = False
         if name in props:
             matched = True
-            s._validate(props[name], item, path + [name], errors)
+            s.validate(props[name], item, path + [name], errors)
         for pat, sub in patterns.items():
-            if s._found(pat, name, path + [name], errors):
+            if s.found(pat, name, path + [name], errors):
                 matched = True
-                s._validate(sub, item, path + [name], errors)
+                s.validate(sub, item, path + [name], errors)
         if not matched:
             if extra is False:
                 unexpected.append(name)
             elif extra is not True:
-                s._validate(extra, item, path + [name], errors)
+                s.validate(extra, item, path + [name], errors)
     if unexpected:
         names = ", ".join(_quote(n) for n in unexpected)
         _fail(errors, path, f"additional properties {names} not allowed")
@@ -2380,7 +2367,7 @@ def _k_properties(s, node, _unused, value, path, errors):
 def _k_property_names(s, node, sub, value, path, errors):
     if isinstance(value, dict):
         for name in value:
-            if not s._sub_ok(sub, name, path):
+            if not s.passes(sub, name, path):
                 _fail(errors, path, f"property name {_quote(name)} is not allowed")
 
 
@@ -2398,13 +2385,13 @@ def _k_items(s, node, _unused, value, path, errors):
         if sub is False and i >= len(prefix):
             _fail(errors, path, f"array has {len(value)} items, at most {len(prefix)} allowed")
             return
-        s._validate(sub, item, path + [i], errors)
+        s.validate(sub, item, path + [i], errors)
 
 
 def _k_contains(s, node, sub, value, path, errors):
     if not isinstance(value, list):
         return
-    n = sum(1 for i, item in enumerate(value) if s._sub_ok(sub, item, path + [i]))
+    n = sum(1 for i, item in enumerate(value) if s.passes(sub, item, path + [i]))
     low = node.get("minContains")
     if (_compare_count(n, low) < 0) if low is not None else n < 1:
         want = low.text if low is not None else "1"
@@ -2417,7 +2404,7 @@ def _k_unique(s, node, flag, value, path, errors):
     if flag and isinstance(value, list):
         seen: set = set()
         for i, item in enumerate(value):
-            h = s._key(item)
+            h = s.key(item)
             if h in seen:
                 _fail(errors, path + [i], "uniqueItems: a repeated item")
                 return
@@ -2426,33 +2413,33 @@ def _k_unique(s, node, flag, value, path, errors):
 
 def _k_all_of(s, node, subs, value, path, errors):
     for sub in subs:
-        s._validate(sub, value, path, errors)
+        s.validate(sub, value, path, errors)
 
 
 def _k_any_of(s, node, subs, value, path, errors):
-    if not any(s._sub_ok(sub, value, path) for sub in subs):
+    if not any(s.passes(sub, value, path) for sub in subs):
         _fail(errors, path, "does not match any schema of anyOf")
 
 
 def _k_one_of(s, node, subs, value, path, errors):
-    n = sum(1 for sub in subs if s._sub_ok(sub, value, path))
+    n = sum(1 for sub in subs if s.passes(sub, value, path))
     if n != 1:
         _fail(errors, path, f"matches {n} schemas of oneOf, want exactly one")
 
 
 def _k_not(s, node, sub, value, path, errors):
-    if s._sub_ok(sub, value, path):
+    if s.passes(sub, value, path):
         _fail(errors, path, "matches a schema it must not match")
 
 
 def _k_if(s, node, cond, value, path, errors):
-    branch = node.get("then") if s._sub_ok(cond, value, path) else node.get("else")
+    branch = node.get("then") if s.passes(cond, value, path) else node.get("else")
     if branch is not None:
-        s._validate(branch, value, path, errors)
+        s.validate(branch, value, path, errors)
 
 
 def _k_ref(s, node, ref, value, path, errors):
-    s._validate(s._schemas[s._refs[ref]], value, path, errors)
+    s.validate(s.schema.target(ref), value, path, errors)
 
 
 def _k_dependent(s, node, deps, value, path, errors):
@@ -2466,60 +2453,50 @@ def _k_dependent(s, node, deps, value, path, errors):
                 if need not in value:
                     _fail(errors, path, f"property {_quote(need)} is required with {_quote(name)}")
         else:
-            s._validate(dep, value, path, errors)
+            s.validate(dep, value, path, errors)
 
 
-# Each keyword that constrains a value, once: keywords read together (the bounds, the
-# property family, the item family) hang on the one keyword that is always looked up.
+# Keywords read together run as one check, where the first of them stands in the schema
+# object: the bounds, the lengths and counts, the property family, the item family.
+_TOGETHER: dict[tuple[str, ...], Callable] = {
+    ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): _k_range,
+    ("minLength", "maxLength"): _k_count(str, "minLength", "maxLength", "characters"),
+    ("minItems", "maxItems"): _k_count(list, "minItems", "maxItems", "items"),
+    ("minProperties", "maxProperties"):
+        _k_count(dict, "minProperties", "maxProperties", "properties"),
+    ("properties", "patternProperties", "additionalProperties"): _k_properties,
+    ("items", "prefixItems", "additionalItems"): _k_items,
+}
+# Each keyword that constrains a value (the rest are annotations, or read by another's check).
 _CHECKS: dict[str, Callable] = {
-    "type": _k_type, "enum": _k_enum, "const": _k_const,
-    "minimum": None, "maximum": None, "multipleOf": _k_multiple,
+    "type": _k_type, "enum": _k_enum, "const": _k_const, "multipleOf": _k_multiple,
     "pattern": _k_pattern, "required": _k_required,
     "propertyNames": _k_property_names, "contains": _k_contains, "uniqueItems": _k_unique,
     "allOf": _k_all_of, "anyOf": _k_any_of, "oneOf": _k_one_of, "not": _k_not, "if": _k_if,
     "$ref": _k_ref, "dependentRequired": _k_dependent, "dependencies": _k_dependent,
     "dependentSchemas": _k_dependent,
+    **{key: check for keys, check in _TOGETHER.items() for key in keys},
 }
 
 
-def _first_of(keys: tuple[str, ...], check: Callable) -> Callable:
-    """Run ``check`` once per schema node, from whichever of ``keys`` comes first in it."""
-    def run(s, node, val, value, path, errors, _keys=keys):
-        for first in node:          # a loop, not next(genexpr): this runs for every value
-            if first in _keys:
-                break
-        if first == run.key:
-            check(s, node, val, value, path, errors)
-    return run
-
-
-for _keys, _check in (
-        (("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"), _k_range),
-        (("minLength", "maxLength"), _k_length),
-        (("minItems", "maxItems"), _k_count(list, "minItems", "maxItems", "items")),
-        (("minProperties", "maxProperties"),
-         _k_count(dict, "minProperties", "maxProperties", "properties")),
-        (("properties", "patternProperties", "additionalProperties"), _k_properties),
-        (("items", "prefixItems", "additionalItems"), _k_items)):
-    for _key in _keys:
-        _runner = _first_of(_keys, _check)
-        _runner.key = _key
-        _CHECKS[_key] = _runner
-del _keys, _check, _key, _runner
-
-
-def _evaluation_cost(node: dict) -> tuple[int, int]:
-    """What one evaluation of a schema object costs: fixed (one per keyword that checks
+def _plan(node: dict) -> tuple[int, int, tuple]:
+    """What one evaluation of a schema object costs, fixed (one per keyword that checks
     anything, at least one, and one per value its keywords compare with or name they
-    require), and per member of the value when a keyword loops over them (one, and one per
-    patternProperties regex)."""
+    require) and per member of the value when a keyword loops over them (one, and one per
+    patternProperties regex); and the checks it runs, (check, keyword's value), in order."""
     fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
-    fixed += sum(_size(o) for o in node.get("enum", ())) + (_size(node["const"]) if "const" in node else 0)
+    fixed += sum(_size(o) for o in node.get("enum", ()))
+    fixed += _size(node["const"]) if "const" in node else 0
     for key in ("dependentRequired", "dependencies"):
         fixed += sum(len(dep) for dep in node.get(key, {}).values() if isinstance(dep, list))
-    if _MEMBER_LOOPS.isdisjoint(node):
-        return fixed, 0
-    return fixed, 1 + len(node.get("patternProperties", ()))
+    per_member = 0 if _MEMBER_LOOPS.isdisjoint(node) else \
+        1 + len(node.get("patternProperties", ()))
+    checks: dict = {}
+    for key, val in node.items():
+        check = _CHECKS.get(key)
+        if check:       # keywords read together once; dependent* each, by their keyword
+            checks.setdefault(check if check in _TOGETHER.values() else key, (check, val))
+    return fixed, per_member, tuple(checks.values())
 
 
 def compile_schema(raw: bytes) -> Schema:

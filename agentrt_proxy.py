@@ -1330,7 +1330,11 @@ MAX_CODE_POINT = 0x10FFFF
 _SET, _SPLIT, _JMP, _ASSERT, _MATCH = range(5)
 _AT_START, _AT_END, _PREV_WORD, _NEXT_WORD = 1, 2, 4, 8
 _SYNTAX_CHARS = frozenset("^$\\.*+?()[]{}|")
-_CONTROL_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D}
+# A quantifier, and the counts it stands for ('{' reads its own).
+_REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1), "{": None}
+# Escapes that stand for one code point: the controls, and each syntax character and '/'.
+_CHAR_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D,
+                 **{ch: ord(ch) for ch in _SYNTAX_CHARS | {"/"}}}
 _DECIMAL = frozenset("0123456789")
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 _WORD_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
@@ -1383,20 +1387,19 @@ class _PatternParser:
         return SchemaError(f"{why} at character {self.pos}")
 
     def peek(self, ahead: int = 0) -> str:
-        at = self.pos + ahead
-        return self.text[at] if at < len(self.text) else ""
+        return self.text[self.pos + ahead:self.pos + ahead + 1]
 
-    def take(self, want: str = "") -> str:
+    def take(self) -> str:
         ch = self.peek()
-        if not ch or (want and ch != want):
-            raise self.fail(f"expected {want!r}" if want else "the pattern ends early")
+        if not ch:
+            raise self.fail("the pattern ends early")
         self.pos += 1
         return ch
 
     def parse(self) -> tuple:
         node = self.disjunction()
-        if self.pos < len(self.text):
-            raise self.fail("unmatched ')'" if self.peek() == ")" else "unexpected character")
+        if self.pos < len(self.text):       # only a ')' ends a disjunction early
+            raise self.fail("unmatched ')'")
         return node
 
     def disjunction(self) -> tuple:
@@ -1414,25 +1417,19 @@ class _PatternParser:
 
     def term(self) -> tuple:
         ch = self.peek()
-        if ch in ("^", "$"):
-            self.pos += 1
-            return self.not_quantified(("assert", ch))
-        if ch == "\\" and self.peek(1) in ("b", "B"):
-            self.pos += 2
-            return self.not_quantified(("assert", self.text[self.pos - 1]))
+        if ch in ("^", "$") or (ch == "\\" and self.peek(1) in ("b", "B")):
+            self.pos += 1 + (ch == "\\")
+            if self.peek() in _REPEATS:
+                raise self.fail("an assertion cannot be repeated")
+            return ("assert", self.text[self.pos - 1])
         return self.quantified(self.atom())
-
-    def not_quantified(self, node: tuple) -> tuple:
-        if self.peek() in ("*", "+", "?", "{"):
-            raise self.fail("an assertion cannot be repeated")
-        return node
 
     def quantified(self, atom: tuple) -> tuple:
         ch = self.peek()
-        if ch not in ("*", "+", "?", "{"):
+        if ch not in _REPEATS:
             return atom
         self.pos += 1
-        low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(ch) or self.counts()
+        low, high = _REPEATS[ch] or self.counts()
         if self.peek() == "?":      # lazy: the same strings match, only captures differ
             self.pos += 1
         return ("repeat", atom, low, high)
@@ -1443,7 +1440,9 @@ class _PatternParser:
         if self.peek() == ",":
             self.pos += 1
             high = None if self.peek() == "}" else self.number()
-        self.take("}")
+        if self.peek() != "}":
+            raise self.fail("expected '}'")
+        self.pos += 1
         if high is not None and high < low:
             raise self.fail("the numbers of {n,m} are out of order")
         return low, high
@@ -1468,10 +1467,11 @@ class _PatternParser:
         if ch == "(":
             return self.group()
         if ch == "\\":
-            return self.atom_escape()
+            found = self.escape(in_class=False)
+            return ("set", found if isinstance(found, tuple) else ((found, found),))
         if ch in _SYNTAX_CHARS:
             self.pos -= 1
-            raise self.fail(f"{ch!r} has nothing to repeat" if ch in "*+?{" else
+            raise self.fail(f"{ch!r} has nothing to repeat" if ch in _REPEATS else
                             f"a lone {ch!r} must be escaped")
         return ("set", ((ord(ch), ord(ch)),))
 
@@ -1493,23 +1493,27 @@ class _PatternParser:
         self.pos += 1
         return node
 
-    def atom_escape(self) -> tuple:
+    def escape(self, in_class: bool) -> int | tuple:
+        """After a backslash: a class escape's ranges, or one code point."""
         ch = self.peek()
         if ch in _CLASS_ESCAPES:
             self.pos += 1
-            return ("set", _CLASS_ESCAPES[ch])
+            return _CLASS_ESCAPES[ch]
         if ch in _DECIMAL and ch != "0":
-            raise self.fail("a backreference is not supported")
-        if ch == "k":
+            raise self.fail("a backreference is not allowed in a class" if in_class else
+                            "a backreference is not supported")
+        if in_class and ch in ("b", "-"):
+            self.pos += 1
+            return 0x08 if ch == "b" else ord("-")
+        if ch == "k" and not in_class:
             raise self.fail("a named backreference is not supported")
-        cp = self.char_escape()
-        return ("set", ((cp, cp),))
+        return self.char_escape()
 
     def char_escape(self) -> int:
         """The code point of a CharacterEscape (after the backslash)."""
         ch = self.take()
-        if ch in _CONTROL_ESCAPES:
-            return _CONTROL_ESCAPES[ch]
+        if ch in _CHAR_ESCAPES:
+            return _CHAR_ESCAPES[ch]
         if ch == "0":
             if self.peek() in _DECIMAL:
                 raise self.fail("an octal escape is not allowed")
@@ -1520,8 +1524,6 @@ class _PatternParser:
             return self.hex_digits(2)
         if ch == "u":
             return self.unicode_escape()
-        if ch in _SYNTAX_CHARS or ch == "/":
-            return ord(ch)
         if ch in ("p", "P"):
             raise self.fail("a Unicode property escape is not supported")
         self.pos -= 1
@@ -1573,22 +1575,10 @@ class _PatternParser:
 
     def class_atom(self) -> int | tuple:
         """One code point, or a class escape's ranges."""
-        ch = self.peek()
-        if not ch:
+        if not self.peek():
             raise self.fail("a character class is not closed")
-        self.pos += 1
-        if ch != "\\":
-            return ord(ch)
-        ch = self.peek()
-        if ch in _CLASS_ESCAPES:
-            self.pos += 1
-            return _CLASS_ESCAPES[ch]
-        if ch in ("b", "-"):
-            self.pos += 1
-            return 0x08 if ch == "b" else ord("-")
-        if ch in _DECIMAL and ch != "0":
-            raise self.fail("a backreference is not allowed in a class")
-        return self.char_escape()
+        ch = self.take()
+        return self.escape(in_class=True) if ch == "\\" else ord(ch)
 
 
 def _program_size(node: tuple) -> int:
@@ -1606,49 +1596,44 @@ def _program_size(node: tuple) -> int:
 
 
 def _emit(node: tuple, prog: list) -> None:
+    """Append ``node``'s instructions to ``prog``; a SPLIT or JMP is held as None until the
+    end it jumps to is known."""
     kind = node[0]
     if kind in ("set", "assert"):
         prog.append((_SET if kind == "set" else _ASSERT, node[1]))
     elif kind == "cat":
         for sub in node[1]:
             _emit(sub, prog)
-    elif kind == "alt":
-        _emit_alt(node[1], prog)
+    elif kind == "alt":             # split(a, L); a; jmp out; L: split(b, M); b; ...; out:
+        jumps = []
+        for branch in node[1][:-1]:
+            split = len(prog)
+            prog.append(None)
+            _emit(branch, prog)
+            jumps.append(len(prog))
+            prog.append(None)
+            prog[split] = (_SPLIT, split + 1, len(prog))
+        _emit(node[1][-1], prog)
+        for at in jumps:
+            prog[at] = (_JMP, len(prog))
     else:
-        _emit_repeat(node[1], node[2], node[3], prog)
-
-
-def _emit_alt(branches: list, prog: list) -> None:
-    jumps = []
-    for branch in branches[:-1]:
-        split = len(prog)
-        prog.append(None)
-        _emit(branch, prog)
-        jumps.append(len(prog))
-        prog.append(None)
-        prog[split] = (_SPLIT, split + 1, len(prog))
-    _emit(branches[-1], prog)
-    for at in jumps:
-        prog[at] = (_JMP, len(prog))
-
-
-def _emit_repeat(body: tuple, low: int, high: int | None, prog: list) -> None:
-    for _ in range(low):
-        _emit(body, prog)
-    if high is None:                 # L: split(body, out); body; jmp L; out:
-        loop = len(prog)
-        prog.append(None)
-        _emit(body, prog)
-        prog.append((_JMP, loop))
-        prog[loop] = (_SPLIT, loop + 1, len(prog))
-        return
-    splits = []
-    for _ in range(high - low):      # each optional copy may be skipped to the end
-        splits.append(len(prog))
-        prog.append(None)
-        _emit(body, prog)
-    for at in splits:
-        prog[at] = (_SPLIT, at + 1, len(prog))
+        _, body, low, high = node
+        for _ in range(low):
+            _emit(body, prog)
+        if high is None:            # L: split(body, out); body; jmp L; out:
+            loop = len(prog)
+            prog.append(None)
+            _emit(body, prog)
+            prog.append((_JMP, loop))
+            prog[loop] = (_SPLIT, loop + 1, len(prog))
+            return
+        splits = []
+        for _ in range(high - low):     # each optional copy may be skipped to the end
+            splits.append(len(prog))
+            prog.append(None)
+            _emit(body, prog)
+        for at in splits:
+            prog[at] = (_SPLIT, at + 1, len(prog))
 
 
 def _in_ranges(ranges: tuple, cp: int) -> bool:
@@ -1726,10 +1711,7 @@ class Pattern:
             if nxt is None:
                 nxt = self._step(state, ch, ctx, work)
             else:                # a memoised step is cheaper, never free: a visit a character
-                work[0] += 1
-                if work[0] > work[1]:
-                    raise PatternTooCostly(f"the string is too costly to match against "
-                                           f"pattern {_quote(self.text)}")
+                self._charge(work, 1)
             state = nxt
         return self._match in state, work[0]
 
@@ -1772,11 +1754,15 @@ class Pattern:
                     stack.append(pc + 1)
             else:
                 out.append(pc)
-        work[0] += len(seen) + 1
+        self._charge(work, len(seen) + 1)
+        return frozenset(out)
+
+    def _charge(self, work: list, visits: int) -> None:
+        """Count ``visits`` in ``work`` (spent, limit); past the limit, PatternTooCostly."""
+        work[0] += visits
         if work[0] > work[1]:
             raise PatternTooCostly(f"the string is too costly to match against pattern "
                                    f"{_quote(self.text)}")
-        return frozenset(out)
 
 
 def _holds(kind: str, ctx: int) -> bool:
@@ -1966,12 +1952,13 @@ class Schema:
         for ref, target in self._refs.items():
             if target not in self._schemas:
                 raise SchemaError(f"$ref {_quote(ref)} does not name a schema")
-        longest: dict[tuple, int] = {}
+        longest: dict[tuple, int | None] = {}
         for start in self._schemas:
-            self._chain(start, longest, set())
+            self._chain(start, longest)
         fan: dict[tuple, int] = {}
         for start in self._schemas:
             self._fan_out(start, fan)
+
     def _fan_out(self, at: tuple, fan: dict) -> int:
         """How many subschemas one value checked against ``at`` is checked against, through
         the keywords that apply to the same value: a count over the graph of references,
@@ -1990,17 +1977,17 @@ class Schema:
             fan[at] = found
         return found
 
-    def _chain(self, at: tuple, longest: dict, active: set) -> int:
+    def _chain(self, at: tuple, longest: dict) -> int:
+        """The longest chain from ``at`` through the keywords that apply to the same value;
+        ``longest`` holds it for each location done, and None for each on the way to it."""
         if at in longest:
+            if longest[at] is None:
+                raise SchemaError(f"the schema at #{_pointer(at)} refers to itself through "
+                                  "$ref without consuming input")
             return longest[at]
-        if at in active:
-            raise SchemaError(f"the schema at #{_pointer(at)} refers to itself through "
-                              "$ref without consuming input")
-        active.add(at)
-        node, depth = self._schemas[at], 0
-        for nxt in self._same_value_children(at, node):
-            depth = max(depth, 1 + self._chain(nxt, longest, active))
-        active.discard(at)
+        longest[at] = None
+        depth = max((1 + self._chain(nxt, longest)
+                     for nxt in self._same_value_children(at, self._schemas[at])), default=0)
         if depth > MAX_SCHEMA_CHAIN:
             raise SchemaError(f"the schema at #{_pointer(at)} chains more than "
                               f"{MAX_SCHEMA_CHAIN} references and combinators")

@@ -2172,8 +2172,9 @@ class _Check:
             fixed += len(path) // LEVELS_PER_EVALUATION
             loops = per_member and type(value) in (list, dict)
             self.spend(fixed + per_member * len(value) if loops else fixed, path)
-            for check, val in plan:
-                check(self, node, val, value, path, errors)
+            for check, kind, val in plan:
+                if isinstance(value, kind):
+                    check(self, node, val, value, path, errors)
         except CheckTooCostly as exc:
             # Spent inside this schema object or a boolean schema under it: name this one.
             # Never caught on the way up (not, anyOf, ...): it is never read as a mismatch.
@@ -2227,7 +2228,6 @@ class _Check:
         return found
 
 
-
 class _Failures(list):
     """The failures of one check, as (pointer, detail): the first MAX_SCHEMA_ERRORS kept and
     the rest only counted. A check may fail hundreds of thousands of times within its budget,
@@ -2279,8 +2279,6 @@ _RANGE = (("minimum", lambda c: c < 0), ("exclusiveMinimum", lambda c: c <= 0),
 
 
 def _k_range(s, node, _unused, value, path, errors):
-    if not isinstance(value, Num):
-        return
     v = value.normal()
     for key, outside in _RANGE:
         bound = node.get(key)
@@ -2291,8 +2289,6 @@ def _k_range(s, node, _unused, value, path, errors):
 
 
 def _k_multiple(s, node, m, value, path, errors):
-    if not isinstance(value, Num):
-        return
     # Exact division reads every digit of the value: a long one costs more evaluations.
     s.spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
     if not _is_multiple(value.normal(), m.normal()):
@@ -2300,14 +2296,12 @@ def _k_multiple(s, node, m, value, path, errors):
 
 
 def _k_pattern(s, node, pattern, value, path, errors):
-    if isinstance(value, str) and not s.found(pattern, value, path, errors):
+    if not s.found(pattern, value, path, errors):
         _fail(errors, path, f"does not match pattern {_quote(pattern)}")
 
 
-def _k_count(kind: type, low: str, high: str, noun: str):
+def _k_count(low: str, high: str, noun: str) -> Callable:
     def check(s, node, _unused, value, path, errors):
-        if not isinstance(value, kind):
-            return
         n = len(value)
         if low in node and _compare_count(n, node[low]) < 0:
             _fail(errors, path, f"{low}: got {n} {noun}, want {node[low].text}")
@@ -2317,17 +2311,14 @@ def _k_count(kind: type, low: str, high: str, noun: str):
 
 
 def _k_required(s, node, names, value, path, errors):
-    if isinstance(value, dict):
-        missing = [name for name in names if name not in value]
-        s.spend(len(missing), path)        # a failure costs more to report than to find
-        for name in missing:
-            _fail(errors, path, f"missing property {_quote(name)}")
+    missing = [name for name in names if name not in value]
+    s.spend(len(missing), path)        # a failure costs more to report than to find
+    for name in missing:
+        _fail(errors, path, f"missing property {_quote(name)}")
 
 
 def _k_properties(s, node, _unused, value, path, errors):
     """properties, patternProperties and additionalProperties together, as they interact."""
-    if not isinstance(value, dict):
-        return
     props = node.get("properties", {})
     patterns = node.get("patternProperties", {})
     extra = node.get("additionalProperties", True)
@@ -2352,16 +2343,13 @@ def _k_properties(s, node, _unused, value, path, errors):
 
 
 def _k_property_names(s, node, sub, value, path, errors):
-    if isinstance(value, dict):
-        for name in value:
-            if not s.passes(sub, name, path):
-                _fail(errors, path, f"property name {_quote(name)} is not allowed")
+    for name in value:
+        if not s.passes(sub, name, path):
+            _fail(errors, path, f"property name {_quote(name)} is not allowed")
 
 
 def _k_items(s, node, _unused, value, path, errors):
     """prefixItems, items (either draft's form) and additionalItems together."""
-    if not isinstance(value, list):
-        return
     items = node.get("items", True)
     if isinstance(items, list):            # draft-07 tuple form
         prefix, rest = items, node.get("additionalItems", True)
@@ -2376,8 +2364,6 @@ def _k_items(s, node, _unused, value, path, errors):
 
 
 def _k_contains(s, node, sub, value, path, errors):
-    if not isinstance(value, list):
-        return
     n = sum(1 for i, item in enumerate(value) if s.passes(sub, item, path + [i]))
     low = node.get("minContains")
     if (_compare_count(n, low) < 0) if low is not None else n < 1:
@@ -2388,14 +2374,13 @@ def _k_contains(s, node, sub, value, path, errors):
 
 
 def _k_unique(s, node, flag, value, path, errors):
-    if flag and isinstance(value, list):
-        seen: set = set()
-        for i, item in enumerate(value):
-            h = s.key(item)
-            if h in seen:
-                _fail(errors, path + [i], "uniqueItems: a repeated item")
-                return
-            seen.add(h)
+    seen: set = set()
+    for i, item in enumerate(value if flag else ()):   # false: nothing to check
+        h = s.key(item)
+        if h in seen:
+            _fail(errors, path + [i], "uniqueItems: a repeated item")
+            return
+        seen.add(h)
 
 
 def _k_all_of(s, node, subs, value, path, errors):
@@ -2430,8 +2415,6 @@ def _k_ref(s, node, ref, value, path, errors):
 
 
 def _k_dependent(s, node, deps, value, path, errors):
-    if not isinstance(value, dict):
-        return
     for name, dep in deps.items():
         if name not in value:
             continue
@@ -2444,25 +2427,28 @@ def _k_dependent(s, node, deps, value, path, errors):
 
 
 # Keywords read together run as one check, where the first of them stands in the schema
-# object: the bounds, the lengths and counts, the property family, the item family.
-_TOGETHER: dict[tuple[str, ...], Callable] = {
-    ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): _k_range,
-    ("minLength", "maxLength"): _k_count(str, "minLength", "maxLength", "characters"),
-    ("minItems", "maxItems"): _k_count(list, "minItems", "maxItems", "items"),
+# object: the bounds, the lengths and counts, the property family, the item family. Each
+# check is run only on a value of the type it constrains (object: any).
+_TOGETHER: dict[tuple[str, ...], tuple[Callable, type]] = {
+    ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): (_k_range, Num),
+    ("minLength", "maxLength"): (_k_count("minLength", "maxLength", "characters"), str),
+    ("minItems", "maxItems"): (_k_count("minItems", "maxItems", "items"), list),
     ("minProperties", "maxProperties"):
-        _k_count(dict, "minProperties", "maxProperties", "properties"),
-    ("properties", "patternProperties", "additionalProperties"): _k_properties,
-    ("items", "prefixItems", "additionalItems"): _k_items,
+        (_k_count("minProperties", "maxProperties", "properties"), dict),
+    ("properties", "patternProperties", "additionalProperties"): (_k_properties, dict),
+    ("items", "prefixItems", "additionalItems"): (_k_items, list),
 }
 # Each keyword that constrains a value (the rest are annotations, or read by another's check).
-_CHECKS: dict[str, Callable] = {
-    "type": _k_type, "enum": _k_enum, "const": _k_const, "multipleOf": _k_multiple,
-    "pattern": _k_pattern, "required": _k_required,
-    "propertyNames": _k_property_names, "contains": _k_contains, "uniqueItems": _k_unique,
-    "allOf": _k_all_of, "anyOf": _k_any_of, "oneOf": _k_one_of, "not": _k_not, "if": _k_if,
-    "$ref": _k_ref, "dependentRequired": _k_dependent, "dependencies": _k_dependent,
-    "dependentSchemas": _k_dependent,
-    **{key: check for keys, check in _TOGETHER.items() for key in keys},
+_CHECKS: dict[str, tuple[Callable, type]] = {
+    "type": (_k_type, object), "enum": (_k_enum, object), "const": (_k_const, object),
+    "multipleOf": (_k_multiple, Num), "pattern": (_k_pattern, str),
+    "required": (_k_required, dict), "propertyNames": (_k_property_names, dict),
+    "contains": (_k_contains, list), "uniqueItems": (_k_unique, list),
+    "allOf": (_k_all_of, object), "anyOf": (_k_any_of, object), "oneOf": (_k_one_of, object),
+    "not": (_k_not, object), "if": (_k_if, object), "$ref": (_k_ref, object),
+    **dict.fromkeys(("dependentRequired", "dependencies", "dependentSchemas"),
+                    (_k_dependent, dict)),
+    **{key: entry for keys, entry in _TOGETHER.items() for key in keys},
 }
 
 
@@ -2470,7 +2456,8 @@ def _plan(node: dict) -> tuple[int, int, tuple]:
     """What one evaluation of a schema object costs, fixed (one per keyword that checks
     anything, at least one, and one per value its keywords compare with or name they
     require) and per member of the value when a keyword loops over them (one, and one per
-    patternProperties regex); and the checks it runs, (check, keyword's value), in order."""
+    patternProperties regex); and the checks it runs, (check, the type it constrains, keyword's
+    value), in order."""
     fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
     fixed += sum(_size(o) for o in node.get("enum", ()))
     fixed += _size(node["const"]) if "const" in node else 0
@@ -2480,9 +2467,9 @@ def _plan(node: dict) -> tuple[int, int, tuple]:
         1 + len(node.get("patternProperties", ()))
     checks: dict = {}
     for key, val in node.items():
-        check = _CHECKS.get(key)
-        if check:       # keywords read together once; dependent* each, by their keyword
-            checks.setdefault(check if check in _TOGETHER.values() else key, (check, val))
+        entry = _CHECKS.get(key)
+        if entry:       # keywords read together once; dependent* each, by their keyword
+            checks.setdefault(entry if entry in _TOGETHER.values() else key, (*entry, val))
     return fixed, per_member, tuple(checks.values())
 
 

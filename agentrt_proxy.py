@@ -1792,6 +1792,13 @@ _SUBSCHEMA_ONE = frozenset({"additionalProperties", "propertyNames", "additional
 _NUMERIC = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                       "multipleOf"})
 _TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+# Each bound, and whether a comparison of the value with it (-1, 0, 1) is outside it.
+_RANGE = (("minimum", lambda c: c < 0), ("exclusiveMinimum", lambda c: c <= 0),
+          ("maximum", lambda c: c > 0), ("exclusiveMaximum", lambda c: c >= 0))
+# What a count is of, and its bounds, by the type of value counted.
+_COUNTED = {str: ("minLength", "maxLength", "characters"),
+            list: ("minItems", "maxItems", "items"),
+            dict: ("minProperties", "maxProperties", "properties")}
 
 
 def _names_types(value: Any) -> bool:
@@ -2228,6 +2235,156 @@ class _Check:
         return found
 
 
+    def check_type(self, node, want, value, path, errors):
+        names = want if isinstance(want, list) else [want]
+        kind = _kind(value)
+        if kind in names or (kind == "integer" and "number" in names):
+            return
+        _fail(errors, path, f"got {kind}, want {' or '.join(names)}")
+
+    def check_enum(self, node, options, value, path, errors):
+        if not any(_equal(value, o) for o in options):
+            _fail(errors, path, "value must be one of " + self.schema.shown[id(options)])
+
+    def check_const(self, node, const, value, path, errors):
+        if not _equal(value, const):
+            _fail(errors, path, f"value must be {self.schema.shown[id(const)]}")
+
+    def check_range(self, node, _unused, value, path, errors):
+        v = value.normal()
+        for key, outside in _RANGE:
+            bound = node.get(key)
+            if bound is True:  # draft-04 spelling: the flag makes minimum or maximum exclusive
+                bound = node.get("minimum" if key == "exclusiveMinimum" else "maximum")
+            if isinstance(bound, Num) and outside(_compare(v, bound.normal())):
+                _fail(errors, path, f"{key}: got {value.text}, want {bound.text}")
+
+    def check_multiple(self, node, m, value, path, errors):
+        # Exact division reads every digit of the value: a long one costs more evaluations.
+        self.spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
+        if not _is_multiple(value.normal(), m.normal()):
+            _fail(errors, path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
+
+    def check_pattern(self, node, pattern, value, path, errors):
+        if not self.found(pattern, value, path, errors):
+            _fail(errors, path, f"does not match pattern {_quote(pattern)}")
+
+    def check_counts(self, node, _unused, value, path, errors):
+        low, high, noun = _COUNTED[type(value)]
+        n = len(value)
+        if low in node and _compare_count(n, node[low]) < 0:
+            _fail(errors, path, f"{low}: got {n} {noun}, want {node[low].text}")
+        if high in node and _compare_count(n, node[high]) > 0:
+            _fail(errors, path, f"{high}: got {n} {noun}, want {node[high].text}")
+
+    def check_required(self, node, names, value, path, errors):
+        missing = [name for name in names if name not in value]
+        self.spend(len(missing), path)        # a failure costs more to report than to find
+        for name in missing:
+            _fail(errors, path, f"missing property {_quote(name)}")
+
+    def check_properties(self, node, _unused, value, path, errors):
+        """properties, patternProperties and additionalProperties together, as they
+        interact."""
+        props = node.get("properties", {})
+        patterns = node.get("patternProperties", {})
+        extra = node.get("additionalProperties", True)
+        unexpected = []
+        for name, item in value.items():
+            matched = False
+            if name in props:
+                matched = True
+                self.validate(props[name], item, path + [name], errors)
+            for pat, sub in patterns.items():
+                if self.found(pat, name, path + [name], errors):
+                    matched = True
+                    self.validate(sub, item, path + [name], errors)
+            if not matched:
+                if extra is False:
+                    unexpected.append(name)
+                elif extra is not True:
+                    self.validate(extra, item, path + [name], errors)
+        if unexpected:
+            names = ", ".join(_quote(n) for n in unexpected)
+            _fail(errors, path, f"additional properties {names} not allowed")
+
+    def check_property_names(self, node, sub, value, path, errors):
+        for name in value:
+            if not self.passes(sub, name, path):
+                _fail(errors, path, f"property name {_quote(name)} is not allowed")
+
+    def check_items(self, node, _unused, value, path, errors):
+        """prefixItems, items (either draft's form) and additionalItems together."""
+        items = node.get("items", True)
+        if isinstance(items, list):            # draft-07 tuple form
+            prefix, rest = items, node.get("additionalItems", True)
+        else:
+            prefix, rest = node.get("prefixItems", []), items
+        for i, item in enumerate(value):
+            sub = prefix[i] if i < len(prefix) else rest
+            if sub is False and i >= len(prefix):
+                _fail(errors, path,
+                      f"array has {len(value)} items, at most {len(prefix)} allowed")
+                return
+            self.validate(sub, item, path + [i], errors)
+
+    def check_contains(self, node, sub, value, path, errors):
+        n = sum(1 for i, item in enumerate(value) if self.passes(sub, item, path + [i]))
+        low = node.get("minContains")
+        if (_compare_count(n, low) < 0) if low is not None else n < 1:
+            want = low.text if low is not None else "1"
+            _fail(errors, path, f"contains: {n} items match, want at least {want}")
+        if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
+            _fail(errors, path,
+                  f"contains: {n} items match, want at most {node['maxContains'].text}")
+
+    def check_unique(self, node, flag, value, path, errors):
+        seen: set = set()
+        for i, item in enumerate(value if flag else ()):   # false: nothing to check
+            h = self.key(item)
+            if h in seen:
+                _fail(errors, path + [i], "uniqueItems: a repeated item")
+                return
+            seen.add(h)
+
+    def check_all_of(self, node, subs, value, path, errors):
+        for sub in subs:
+            self.validate(sub, value, path, errors)
+
+    def check_any_of(self, node, subs, value, path, errors):
+        if not any(self.passes(sub, value, path) for sub in subs):
+            _fail(errors, path, "does not match any schema of anyOf")
+
+    def check_one_of(self, node, subs, value, path, errors):
+        n = sum(1 for sub in subs if self.passes(sub, value, path))
+        if n != 1:
+            _fail(errors, path, f"matches {n} schemas of oneOf, want exactly one")
+
+    def check_not(self, node, sub, value, path, errors):
+        if self.passes(sub, value, path):
+            _fail(errors, path, "matches a schema it must not match")
+
+    def check_if(self, node, cond, value, path, errors):
+        branch = node.get("then") if self.passes(cond, value, path) else node.get("else")
+        if branch is not None:
+            self.validate(branch, value, path, errors)
+
+    def check_ref(self, node, ref, value, path, errors):
+        self.validate(self.schema.target(ref), value, path, errors)
+
+    def check_dependent(self, node, deps, value, path, errors):
+        for name, dep in deps.items():
+            if name not in value:
+                continue
+            if isinstance(dep, list):
+                for need in dep:
+                    if need not in value:
+                        _fail(errors, path,
+                              f"property {_quote(need)} is required with {_quote(name)}")
+            else:
+                self.validate(dep, value, path, errors)
+
+
 class _Failures(list):
     """The failures of one check, as (pointer, detail): the first MAX_SCHEMA_ERRORS kept and
     the rest only counted. A check may fail hundreds of thousands of times within its budget,
@@ -2255,199 +2412,30 @@ def _show(value: Any) -> str:
     return truncate(sanitize(encode_canonical(value).decode("utf-8")), VALUE_SHOWN)
 
 
-def _k_type(s, node, want, value, path, errors):
-    names = want if isinstance(want, list) else [want]
-    kind = _kind(value)
-    if kind in names or (kind == "integer" and "number" in names):
-        return
-    _fail(errors, path, f"got {kind}, want {' or '.join(names)}")
-
-
-def _k_enum(s, node, options, value, path, errors):
-    if not any(_equal(value, o) for o in options):
-        _fail(errors, path, "value must be one of " + s.schema.shown[id(options)])
-
-
-def _k_const(s, node, const, value, path, errors):
-    if not _equal(value, const):
-        _fail(errors, path, f"value must be {s.schema.shown[id(const)]}")
-
-
-# Each bound, and whether a comparison of the value with it (-1, 0, 1) is outside it.
-_RANGE = (("minimum", lambda c: c < 0), ("exclusiveMinimum", lambda c: c <= 0),
-          ("maximum", lambda c: c > 0), ("exclusiveMaximum", lambda c: c >= 0))
-
-
-def _k_range(s, node, _unused, value, path, errors):
-    v = value.normal()
-    for key, outside in _RANGE:
-        bound = node.get(key)
-        if bound is True:  # draft-04 spelling: the flag makes minimum or maximum exclusive
-            bound = node.get("minimum" if key == "exclusiveMinimum" else "maximum")
-        if isinstance(bound, Num) and outside(_compare(v, bound.normal())):
-            _fail(errors, path, f"{key}: got {value.text}, want {bound.text}")
-
-
-def _k_multiple(s, node, m, value, path, errors):
-    # Exact division reads every digit of the value: a long one costs more evaluations.
-    s.spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
-    if not _is_multiple(value.normal(), m.normal()):
-        _fail(errors, path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
-
-
-def _k_pattern(s, node, pattern, value, path, errors):
-    if not s.found(pattern, value, path, errors):
-        _fail(errors, path, f"does not match pattern {_quote(pattern)}")
-
-
-def _k_count(low: str, high: str, noun: str) -> Callable:
-    def check(s, node, _unused, value, path, errors):
-        n = len(value)
-        if low in node and _compare_count(n, node[low]) < 0:
-            _fail(errors, path, f"{low}: got {n} {noun}, want {node[low].text}")
-        if high in node and _compare_count(n, node[high]) > 0:
-            _fail(errors, path, f"{high}: got {n} {noun}, want {node[high].text}")
-    return check
-
-
-def _k_required(s, node, names, value, path, errors):
-    missing = [name for name in names if name not in value]
-    s.spend(len(missing), path)        # a failure costs more to report than to find
-    for name in missing:
-        _fail(errors, path, f"missing property {_quote(name)}")
-
-
-def _k_properties(s, node, _unused, value, path, errors):
-    """properties, patternProperties and additionalProperties together, as they interact."""
-    props = node.get("properties", {})
-    patterns = node.get("patternProperties", {})
-    extra = node.get("additionalProperties", True)
-    unexpected = []
-    for name, item in value.items():
-        matched = False
-        if name in props:
-            matched = True
-            s.validate(props[name], item, path + [name], errors)
-        for pat, sub in patterns.items():
-            if s.found(pat, name, path + [name], errors):
-                matched = True
-                s.validate(sub, item, path + [name], errors)
-        if not matched:
-            if extra is False:
-                unexpected.append(name)
-            elif extra is not True:
-                s.validate(extra, item, path + [name], errors)
-    if unexpected:
-        names = ", ".join(_quote(n) for n in unexpected)
-        _fail(errors, path, f"additional properties {names} not allowed")
-
-
-def _k_property_names(s, node, sub, value, path, errors):
-    for name in value:
-        if not s.passes(sub, name, path):
-            _fail(errors, path, f"property name {_quote(name)} is not allowed")
-
-
-def _k_items(s, node, _unused, value, path, errors):
-    """prefixItems, items (either draft's form) and additionalItems together."""
-    items = node.get("items", True)
-    if isinstance(items, list):            # draft-07 tuple form
-        prefix, rest = items, node.get("additionalItems", True)
-    else:
-        prefix, rest = node.get("prefixItems", []), items
-    for i, item in enumerate(value):
-        sub = prefix[i] if i < len(prefix) else rest
-        if sub is False and i >= len(prefix):
-            _fail(errors, path, f"array has {len(value)} items, at most {len(prefix)} allowed")
-            return
-        s.validate(sub, item, path + [i], errors)
-
-
-def _k_contains(s, node, sub, value, path, errors):
-    n = sum(1 for i, item in enumerate(value) if s.passes(sub, item, path + [i]))
-    low = node.get("minContains")
-    if (_compare_count(n, low) < 0) if low is not None else n < 1:
-        want = low.text if low is not None else "1"
-        _fail(errors, path, f"contains: {n} items match, want at least {want}")
-    if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
-        _fail(errors, path, f"contains: {n} items match, want at most {node['maxContains'].text}")
-
-
-def _k_unique(s, node, flag, value, path, errors):
-    seen: set = set()
-    for i, item in enumerate(value if flag else ()):   # false: nothing to check
-        h = s.key(item)
-        if h in seen:
-            _fail(errors, path + [i], "uniqueItems: a repeated item")
-            return
-        seen.add(h)
-
-
-def _k_all_of(s, node, subs, value, path, errors):
-    for sub in subs:
-        s.validate(sub, value, path, errors)
-
-
-def _k_any_of(s, node, subs, value, path, errors):
-    if not any(s.passes(sub, value, path) for sub in subs):
-        _fail(errors, path, "does not match any schema of anyOf")
-
-
-def _k_one_of(s, node, subs, value, path, errors):
-    n = sum(1 for sub in subs if s.passes(sub, value, path))
-    if n != 1:
-        _fail(errors, path, f"matches {n} schemas of oneOf, want exactly one")
-
-
-def _k_not(s, node, sub, value, path, errors):
-    if s.passes(sub, value, path):
-        _fail(errors, path, "matches a schema it must not match")
-
-
-def _k_if(s, node, cond, value, path, errors):
-    branch = node.get("then") if s.passes(cond, value, path) else node.get("else")
-    if branch is not None:
-        s.validate(branch, value, path, errors)
-
-
-def _k_ref(s, node, ref, value, path, errors):
-    s.validate(s.schema.target(ref), value, path, errors)
-
-
-def _k_dependent(s, node, deps, value, path, errors):
-    for name, dep in deps.items():
-        if name not in value:
-            continue
-        if isinstance(dep, list):
-            for need in dep:
-                if need not in value:
-                    _fail(errors, path, f"property {_quote(need)} is required with {_quote(name)}")
-        else:
-            s.validate(dep, value, path, errors)
-
-
 # Keywords read together run as one check, where the first of them stands in the schema
 # object: the bounds, the lengths and counts, the property family, the item family. Each
 # check is run only on a value of the type it constrains (object: any).
 _TOGETHER: dict[tuple[str, ...], tuple[Callable, type]] = {
-    ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): (_k_range, Num),
-    ("minLength", "maxLength"): (_k_count("minLength", "maxLength", "characters"), str),
-    ("minItems", "maxItems"): (_k_count("minItems", "maxItems", "items"), list),
-    ("minProperties", "maxProperties"):
-        (_k_count("minProperties", "maxProperties", "properties"), dict),
-    ("properties", "patternProperties", "additionalProperties"): (_k_properties, dict),
-    ("items", "prefixItems", "additionalItems"): (_k_items, list),
+    ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): (_Check.check_range, Num),
+    ("minLength", "maxLength"): (_Check.check_counts, str),
+    ("minItems", "maxItems"): (_Check.check_counts, list),
+    ("minProperties", "maxProperties"): (_Check.check_counts, dict),
+    ("properties", "patternProperties", "additionalProperties"):
+        (_Check.check_properties, dict),
+    ("items", "prefixItems", "additionalItems"): (_Check.check_items, list),
 }
 # Each keyword that constrains a value (the rest are annotations, or read by another's check).
 _CHECKS: dict[str, tuple[Callable, type]] = {
-    "type": (_k_type, object), "enum": (_k_enum, object), "const": (_k_const, object),
-    "multipleOf": (_k_multiple, Num), "pattern": (_k_pattern, str),
-    "required": (_k_required, dict), "propertyNames": (_k_property_names, dict),
-    "contains": (_k_contains, list), "uniqueItems": (_k_unique, list),
-    "allOf": (_k_all_of, object), "anyOf": (_k_any_of, object), "oneOf": (_k_one_of, object),
-    "not": (_k_not, object), "if": (_k_if, object), "$ref": (_k_ref, object),
+    "type": (_Check.check_type, object), "enum": (_Check.check_enum, object),
+    "const": (_Check.check_const, object), "multipleOf": (_Check.check_multiple, Num),
+    "pattern": (_Check.check_pattern, str), "required": (_Check.check_required, dict),
+    "propertyNames": (_Check.check_property_names, dict),
+    "contains": (_Check.check_contains, list), "uniqueItems": (_Check.check_unique, list),
+    "allOf": (_Check.check_all_of, object), "anyOf": (_Check.check_any_of, object),
+    "oneOf": (_Check.check_one_of, object), "not": (_Check.check_not, object),
+    "if": (_Check.check_if, object), "$ref": (_Check.check_ref, object),
     **dict.fromkeys(("dependentRequired", "dependencies", "dependentSchemas"),
-                    (_k_dependent, dict)),
+                    (_Check.check_dependent, dict)),
     **{key: entry for keys, entry in _TOGETHER.items() for key in keys},
 }
 
@@ -2456,8 +2444,8 @@ def _plan(node: dict) -> tuple[int, int, tuple]:
     """What one evaluation of a schema object costs, fixed (one per keyword that checks
     anything, at least one, and one per value its keywords compare with or name they
     require) and per member of the value when a keyword loops over them (one, and one per
-    patternProperties regex); and the checks it runs, (check, the type it constrains, keyword's
-    value), in order."""
+    patternProperties regex); and the checks it runs, in order: (check, the type of value it
+    constrains, the keyword's value)."""
     fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
     fixed += sum(_size(o) for o in node.get("enum", ()))
     fixed += _size(node["const"]) if "const" in node else 0

@@ -1810,6 +1810,17 @@ def _strings(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(n, str) for n in value)
 
 
+def _subschemas(key: str, val: Any) -> list[tuple[tuple, Any]]:
+    """The subschemas a keyword's value (of its form) holds, each with its place under the
+    keyword; an entry of dependencies that is an array of names is none."""
+    if key in _SUBSCHEMA_MAPS or key == "dependencies":
+        return [((name,), sub) for name, sub in val.items()
+                if key != "dependencies" or not _strings(sub)]
+    if key in _SUBSCHEMA_LISTS or (key == "items" and isinstance(val, list)):
+        return [((i,), sub) for i, sub in enumerate(val)]
+    return [((), val)] if key in _SUBSCHEMA_ONE or key == "items" else []
+
+
 # The form a keyword's value must have, and what a schema whose value lacks it is told.
 # exclusiveMinimum and exclusiveMaximum may also be draft-04's flags on minimum and maximum.
 _FORMS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -2006,12 +2017,10 @@ class Schema:
         if not isinstance(node, dict):
             return []
         out = [self._refs[node["$ref"]]] if "$ref" in node else []
-        for key in ("allOf", "anyOf", "oneOf"):
-            out += [at + (key, i) for i in range(len(node.get(key, [])))]
-        out += [at + (key,) for key in ("not", "if", "then", "else") if key in node]
-        for key in ("dependentSchemas", "dependencies"):
-            out += [at + (key, name) for name, dep in node.get(key, {}).items()
-                    if not isinstance(dep, list)]
+        for key in ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas",
+                    "dependencies"):
+            if key in node:
+                out += [at + (key,) + place for place, _ in _subschemas(key, node[key])]
         return out
 
     # -- compiling: every keyword is known and well formed, every $ref resolves locally --
@@ -2039,19 +2048,6 @@ class Schema:
         if key in ("const", "enum"):
             self.shown[id(val)] = _show(val) if key == "const" else \
                 ", ".join(_show(o) for o in val)
-        elif key in _SUBSCHEMA_MAPS:
-            for name, sub in val.items():
-                if key == "patternProperties":
-                    self._regex(name, where)
-                self._compile(sub, at + (name,))
-        elif key in _SUBSCHEMA_LISTS:
-            for i, sub in enumerate(val):
-                self._compile(sub, at + (i,))
-        elif key in _SUBSCHEMA_ONE:
-            self._compile(val, at)
-        elif key == "items":
-            for i, sub in enumerate(val) if isinstance(val, list) else [(None, val)]:
-                self._compile(sub, at if i is None else at + (i,))
         elif key == "pattern":
             self._regex(val, where)
         elif key == "$ref":
@@ -2062,13 +2058,14 @@ class Schema:
             # Checking one needs exact division by its digits: bounded, they stay cheap.
             raise SchemaError(f"{where}: multipleOf has {len(val.normal()[1])} significant "
                               f"digits, more than the {MAX_MULTIPLE_OF_DIGITS} checked")
-        elif key in ("dependentRequired", "dependencies"):
+        elif key == "dependentRequired":
             for name, dep in val.items():
-                if _strings(dep):
-                    continue
-                if key == "dependentRequired":
+                if not _strings(dep):
                     raise SchemaError(f"{where}/{name} is not an array of strings")
-                self._compile(dep, at + (name,))
+        for place, sub in _subschemas(key, val):
+            if key == "patternProperties":
+                self._regex(place[0], where)
+            self._compile(sub, at + place)
 
     def _regex(self, pattern: str, where: str) -> Pattern:
         """The pattern compiled once per schema (by its text), or SchemaError naming where

@@ -1730,7 +1730,10 @@ class Pattern:
             self._memo.clear()
             self._states.clear()
             self._memo_states = 0
-        nxt = self._states.setdefault(nxt, nxt)   # one copy of each state set is kept
+        # One copy of each state set is kept, so that a memoised step is found by identity:
+        # comparing two equal sets of up to MAX_PATTERN_PROGRAM threads would make a step
+        # that is charged one visit cost thousands.
+        nxt = self._states.setdefault(nxt, nxt)
         self._memo_states += len(nxt)
         self._memo[(state, ch, ctx)] = nxt
         return nxt
@@ -2164,11 +2167,11 @@ class _Check:
         self.validate(self.schema.root, value, [], errors)
         return errors
 
-    def validate(self, node: Any, value: Any, path: list, errors: list) -> None:
+    def validate(self, node: Any, value: Any, path: list, errors: _Failures) -> None:
         if node is True or node is False:
             self.spend(1 + len(path) // LEVELS_PER_EVALUATION, path)
             if node is False:
-                errors.append((_pointer(path), "no value is allowed here"))
+                errors.add(path, "no value is allowed here")
             return
         try:
             fixed, per_member, plan = self.schema.plans[id(node)]
@@ -2195,7 +2198,7 @@ class _Check:
         self.validate(node, value, path, errors)
         return not errors
 
-    def found(self, pattern: str, text: str, path: list, errors: list) -> bool:
+    def found(self, pattern: str, text: str, path: list, errors: _Failures) -> bool:
         """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
         to the call's budget. A string too costly to match alone is a failure recorded here,
         and counts as found so nothing else is reported for it: it is refused, never let
@@ -2207,7 +2210,7 @@ class _Check:
         except PatternTooCostly as exc:
             if left < MAX_PATTERN_WORK:
                 raise CheckTooCostly(None, _pointer(path)) from None
-            _fail(errors, path, str(exc))
+            errors.add(path, str(exc))
             return True
         self.spend(work // PATTERN_VISITS_PER_EVALUATION, path)
         return found
@@ -2237,15 +2240,15 @@ class _Check:
         kind = _kind(value)
         if kind in names or (kind == "integer" and "number" in names):
             return
-        _fail(errors, path, f"got {kind}, want {' or '.join(names)}")
+        errors.add(path, f"got {kind}, want {' or '.join(names)}")
 
     def check_enum(self, node, options, value, path, errors):
         if not any(_equal(value, o) for o in options):
-            _fail(errors, path, "value must be one of " + self.schema.shown[id(options)])
+            errors.add(path, "value must be one of " + self.schema.shown[id(options)])
 
     def check_const(self, node, const, value, path, errors):
         if not _equal(value, const):
-            _fail(errors, path, f"value must be {self.schema.shown[id(const)]}")
+            errors.add(path, f"value must be {self.schema.shown[id(const)]}")
 
     def check_range(self, node, _unused, value, path, errors):
         v = value.normal()
@@ -2254,31 +2257,31 @@ class _Check:
             if bound is True:  # draft-04 spelling: the flag makes minimum or maximum exclusive
                 bound = node.get("minimum" if key == "exclusiveMinimum" else "maximum")
             if isinstance(bound, Num) and outside(_compare(v, bound.normal())):
-                _fail(errors, path, f"{key}: got {value.text}, want {bound.text}")
+                errors.add(path, f"{key}: got {value.text}, want {bound.text}")
 
     def check_multiple(self, node, m, value, path, errors):
         # Exact division reads every digit of the value: a long one costs more evaluations.
         self.spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
         if not _is_multiple(value.normal(), m.normal()):
-            _fail(errors, path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
+            errors.add(path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
 
     def check_pattern(self, node, pattern, value, path, errors):
         if not self.found(pattern, value, path, errors):
-            _fail(errors, path, f"does not match pattern {_quote(pattern)}")
+            errors.add(path, f"does not match pattern {_quote(pattern)}")
 
     def check_counts(self, node, _unused, value, path, errors):
         low, high, noun = _COUNTED[type(value)]
         n = len(value)
         if low in node and _compare_count(n, node[low]) < 0:
-            _fail(errors, path, f"{low}: got {n} {noun}, want {node[low].text}")
+            errors.add(path, f"{low}: got {n} {noun}, want {node[low].text}")
         if high in node and _compare_count(n, node[high]) > 0:
-            _fail(errors, path, f"{high}: got {n} {noun}, want {node[high].text}")
+            errors.add(path, f"{high}: got {n} {noun}, want {node[high].text}")
 
     def check_required(self, node, names, value, path, errors):
         missing = [name for name in names if name not in value]
         self.spend(len(missing), path)        # a failure costs more to report than to find
         for name in missing:
-            _fail(errors, path, f"missing property {_quote(name)}")
+            errors.add(path, f"missing property {_quote(name)}")
 
     def check_properties(self, node, _unused, value, path, errors):
         """properties, patternProperties and additionalProperties together, as they
@@ -2303,12 +2306,12 @@ class _Check:
                     self.validate(extra, item, path + [name], errors)
         if unexpected:
             names = ", ".join(_quote(n) for n in unexpected)
-            _fail(errors, path, f"additional properties {names} not allowed")
+            errors.add(path, f"additional properties {names} not allowed")
 
     def check_property_names(self, node, sub, value, path, errors):
         for name in value:
             if not self.passes(sub, name, path):
-                _fail(errors, path, f"property name {_quote(name)} is not allowed")
+                errors.add(path, f"property name {_quote(name)} is not allowed")
 
     def check_items(self, node, _unused, value, path, errors):
         """prefixItems, items (either draft's form) and additionalItems together."""
@@ -2320,8 +2323,7 @@ class _Check:
         for i, item in enumerate(value):
             sub = prefix[i] if i < len(prefix) else rest
             if sub is False and i >= len(prefix):
-                _fail(errors, path,
-                      f"array has {len(value)} items, at most {len(prefix)} allowed")
+                errors.add(path, f"array has {len(value)} items, at most {len(prefix)} allowed")
                 return
             self.validate(sub, item, path + [i], errors)
 
@@ -2330,17 +2332,16 @@ class _Check:
         low = node.get("minContains")
         if (_compare_count(n, low) < 0) if low is not None else n < 1:
             want = low.text if low is not None else "1"
-            _fail(errors, path, f"contains: {n} items match, want at least {want}")
+            errors.add(path, f"contains: {n} items match, want at least {want}")
         if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
-            _fail(errors, path,
-                  f"contains: {n} items match, want at most {node['maxContains'].text}")
+            errors.add(path, f"contains: {n} items match, want at most {node['maxContains'].text}")
 
     def check_unique(self, node, flag, value, path, errors):
         seen: set = set()
         for i, item in enumerate(value if flag else ()):   # false: nothing to check
             h = self.key(item)
             if h in seen:
-                _fail(errors, path + [i], "uniqueItems: a repeated item")
+                errors.add(path + [i], "uniqueItems: a repeated item")
                 return
             seen.add(h)
 
@@ -2350,16 +2351,16 @@ class _Check:
 
     def check_any_of(self, node, subs, value, path, errors):
         if not any(self.passes(sub, value, path) for sub in subs):
-            _fail(errors, path, "does not match any schema of anyOf")
+            errors.add(path, "does not match any schema of anyOf")
 
     def check_one_of(self, node, subs, value, path, errors):
         n = sum(1 for sub in subs if self.passes(sub, value, path))
         if n != 1:
-            _fail(errors, path, f"matches {n} schemas of oneOf, want exactly one")
+            errors.add(path, f"matches {n} schemas of oneOf, want exactly one")
 
     def check_not(self, node, sub, value, path, errors):
         if self.passes(sub, value, path):
-            _fail(errors, path, "matches a schema it must not match")
+            errors.add(path, "matches a schema it must not match")
 
     def check_if(self, node, cond, value, path, errors):
         branch = node.get("then") if self.passes(cond, value, path) else node.get("else")
@@ -2376,8 +2377,7 @@ class _Check:
             if isinstance(dep, list):
                 for need in dep:
                     if need not in value:
-                        _fail(errors, path,
-                              f"property {_quote(need)} is required with {_quote(name)}")
+                        errors.add(path, f"property {_quote(need)} is required with {_quote(name)}")
             else:
                 self.validate(dep, value, path, errors)
 
@@ -2391,18 +2391,15 @@ class _Failures(list):
         super().__init__()
         self.more = 0
 
-    def append(self, failure: tuple[str, str]) -> None:
+    def add(self, path: list, detail: str) -> None:
+        """Record that the value at ``path`` fails, for ``detail``."""
         if len(self) < MAX_SCHEMA_ERRORS:
-            super().append(failure)
+            self.append((_pointer(path), detail))
         else:
             self.more += 1
 
 
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
-
-
-def _fail(errors: list, path: list, detail: str) -> None:
-    errors.append((_pointer(path), detail))
 
 
 def _show(value: Any) -> str:

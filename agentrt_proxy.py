@@ -1953,8 +1953,8 @@ class Schema:
             raise SchemaError(f"input schema is not JSON: {exc}") from None
         if not isinstance(self.root, (dict, bool)):
             raise SchemaError("input schema is not an object")
-        self.patterns: dict[str, Pattern] = {}   # each compiled once, by its text
-        self._schemas: dict[tuple, Any] = {}       # every compiled subschema, by location
+        self.patterns: dict[str, Pattern] = {}     # each compiled once, by its text
+        self._schemas: dict[tuple, Any] = {}        # every compiled subschema, by location
         self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
         # By the id of each schema object (the tree is kept, so ids stay unique): where it
         # is, and what one evaluation of it costs (fixed, per member of the value) and runs
@@ -2155,7 +2155,8 @@ class Schema:
 class _Check:
     """One check of a value against a compiled Schema, which every call of its tool shares:
     what is left of the budget this check spends (see Schema), and the keys uniqueItems
-    gave the arrays and objects of the value."""
+    gave the arrays and objects of the value. Its check_ methods are the keyword checks,
+    one for each keyword or family of keywords read together (_CHECKS)."""
 
     def __init__(self, schema: Schema, budget: int):
         self.schema, self.left = schema, budget

@@ -1320,7 +1320,11 @@ MAX_CODE_POINT = 0x10FFFF
 _SET, _SPLIT, _JMP, _ASSERT, _MATCH = range(5)
 _AT_START, _AT_END, _PREV_WORD, _NEXT_WORD = 1, 2, 4, 8
 _SYNTAX_CHARS = frozenset("^$\\.*+?()[]{}|")
-_CONTROL_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D}
+# A quantifier, and the counts it stands for ('{' reads its own).
+_REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1), "{": None}
+# Escapes that stand for one code point: the controls, and each syntax character and '/'.
+_CHAR_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D,
+                 **{ch: ord(ch) for ch in _SYNTAX_CHARS | {"/"}}}
 _DECIMAL = frozenset("0123456789")
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 _WORD_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
@@ -1373,20 +1377,19 @@ class _PatternParser:
         return SchemaError(f"{why} at character {self.pos}")
 
     def peek(self, ahead: int = 0) -> str:
-        at = self.pos + ahead
-        return self.text[at] if at < len(self.text) else ""
+        return self.text[self.pos + ahead:self.pos + ahead + 1]
 
-    def take(self, want: str = "") -> str:
+    def take(self) -> str:
         ch = self.peek()
-        if not ch or (want and ch != want):
-            raise self.fail(f"expected {want!r}" if want else "the pattern ends early")
+        if not ch:
+            raise self.fail("the pattern ends early")
         self.pos += 1
         return ch
 
     def parse(self) -> tuple:
         node = self.disjunction()
-        if self.pos < len(self.text):
-            raise self.fail("unmatched ')'" if self.peek() == ")" else "unexpected character")
+        if self.pos < len(self.text):       # only a ')' ends a disjunction early
+            raise self.fail("unmatched ')'")
         return node
 
     def disjunction(self) -> tuple:
@@ -1404,25 +1407,19 @@ class _PatternParser:
 
     def term(self) -> tuple:
         ch = self.peek()
-        if ch in ("^", "$"):
-            self.pos += 1
-            return self.not_quantified(("assert", ch))
-        if ch == "\\" and self.peek(1) in ("b", "B"):
-            self.pos += 2
-            return self.not_quantified(("assert", self.text[self.pos - 1]))
+        if ch in ("^", "$") or (ch == "\\" and self.peek(1) in ("b", "B")):
+            self.pos += 1 + (ch == "\\")
+            if self.peek() in _REPEATS:
+                raise self.fail("an assertion cannot be repeated")
+            return ("assert", self.text[self.pos - 1])
         return self.quantified(self.atom())
-
-    def not_quantified(self, node: tuple) -> tuple:
-        if self.peek() in ("*", "+", "?", "{"):
-            raise self.fail("an assertion cannot be repeated")
-        return node
 
     def quantified(self, atom: tuple) -> tuple:
         ch = self.peek()
-        if ch not in ("*", "+", "?", "{"):
+        if ch not in _REPEATS:
             return atom
         self.pos += 1
-        low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(ch) or self.counts()
+        low, high = _REPEATS[ch] or self.counts()
         if self.peek() == "?":      # lazy: the same strings match, only captures differ
             self.pos += 1
         return ("repeat", atom, low, high)
@@ -1433,7 +1430,9 @@ class _PatternParser:
         if self.peek() == ",":
             self.pos += 1
             high = None if self.peek() == "}" else self.number()
-        self.take("}")
+        if self.peek() != "}":
+            raise self.fail("expected '}'")
+        self.pos += 1
         if high is not None and high < low:
             raise self.fail("the numbers of {n,m} are out of order")
         return low, high
@@ -1458,10 +1457,11 @@ class _PatternParser:
         if ch == "(":
             return self.group()
         if ch == "\\":
-            return self.atom_escape()
+            found = self.escape(in_class=False)
+            return ("set", found if isinstance(found, tuple) else ((found, found),))
         if ch in _SYNTAX_CHARS:
             self.pos -= 1
-            raise self.fail(f"{ch!r} has nothing to repeat" if ch in "*+?{" else
+            raise self.fail(f"{ch!r} has nothing to repeat" if ch in _REPEATS else
                             f"a lone {ch!r} must be escaped")
         return ("set", ((ord(ch), ord(ch)),))
 
@@ -1483,23 +1483,27 @@ class _PatternParser:
         self.pos += 1
         return node
 
-    def atom_escape(self) -> tuple:
+    def escape(self, in_class: bool) -> int | tuple:
+        """After a backslash: a class escape's ranges, or one code point."""
         ch = self.peek()
         if ch in _CLASS_ESCAPES:
             self.pos += 1
-            return ("set", _CLASS_ESCAPES[ch])
+            return _CLASS_ESCAPES[ch]
         if ch in _DECIMAL and ch != "0":
-            raise self.fail("a backreference is not supported")
-        if ch == "k":
+            raise self.fail("a backreference is not allowed in a class" if in_class else
+                            "a backreference is not supported")
+        if in_class and ch in ("b", "-"):
+            self.pos += 1
+            return 0x08 if ch == "b" else ord("-")
+        if ch == "k" and not in_class:
             raise self.fail("a named backreference is not supported")
-        cp = self.char_escape()
-        return ("set", ((cp, cp),))
+        return self.char_escape()
 
     def char_escape(self) -> int:
         """The code point of a CharacterEscape (after the backslash)."""
         ch = self.take()
-        if ch in _CONTROL_ESCAPES:
-            return _CONTROL_ESCAPES[ch]
+        if ch in _CHAR_ESCAPES:
+            return _CHAR_ESCAPES[ch]
         if ch == "0":
             if self.peek() in _DECIMAL:
                 raise self.fail("an octal escape is not allowed")
@@ -1510,8 +1514,6 @@ class _PatternParser:
             return self.hex_digits(2)
         if ch == "u":
             return self.unicode_escape()
-        if ch in _SYNTAX_CHARS or ch == "/":
-            return ord(ch)
         if ch in ("p", "P"):
             raise self.fail("a Unicode property escape is not supported")
         self.pos -= 1
@@ -1563,22 +1565,10 @@ class _PatternParser:
 
     def class_atom(self) -> int | tuple:
         """One code point, or a class escape's ranges."""
-        ch = self.peek()
-        if not ch:
+        if not self.peek():
             raise self.fail("a character class is not closed")
-        self.pos += 1
-        if ch != "\\":
-            return ord(ch)
-        ch = self.peek()
-        if ch in _CLASS_ESCAPES:
-            self.pos += 1
-            return _CLASS_ESCAPES[ch]
-        if ch in ("b", "-"):
-            self.pos += 1
-            return 0x08 if ch == "b" else ord("-")
-        if ch in _DECIMAL and ch != "0":
-            raise self.fail("a backreference is not allowed in a class")
-        return self.char_escape()
+        ch = self.take()
+        return self.escape(in_class=True) if ch == "\\" else ord(ch)
 
 
 def _program_size(node: tuple) -> int:
@@ -1596,49 +1586,44 @@ def _program_size(node: tuple) -> int:
 
 
 def _emit(node: tuple, prog: list) -> None:
+    """Append ``node``'s instructions to ``prog``; a SPLIT or JMP is held as None until the
+    end it jumps to is known."""
     kind = node[0]
     if kind in ("set", "assert"):
         prog.append((_SET if kind == "set" else _ASSERT, node[1]))
     elif kind == "cat":
         for sub in node[1]:
             _emit(sub, prog)
-    elif kind == "alt":
-        _emit_alt(node[1], prog)
+    elif kind == "alt":             # split(a, L); a; jmp out; L: split(b, M); b; ...; out:
+        jumps = []
+        for branch in node[1][:-1]:
+            split = len(prog)
+            prog.append(None)
+            _emit(branch, prog)
+            jumps.append(len(prog))
+            prog.append(None)
+            prog[split] = (_SPLIT, split + 1, len(prog))
+        _emit(node[1][-1], prog)
+        for at in jumps:
+            prog[at] = (_JMP, len(prog))
     else:
-        _emit_repeat(node[1], node[2], node[3], prog)
-
-
-def _emit_alt(branches: list, prog: list) -> None:
-    jumps = []
-    for branch in branches[:-1]:
-        split = len(prog)
-        prog.append(None)
-        _emit(branch, prog)
-        jumps.append(len(prog))
-        prog.append(None)
-        prog[split] = (_SPLIT, split + 1, len(prog))
-    _emit(branches[-1], prog)
-    for at in jumps:
-        prog[at] = (_JMP, len(prog))
-
-
-def _emit_repeat(body: tuple, low: int, high: int | None, prog: list) -> None:
-    for _ in range(low):
-        _emit(body, prog)
-    if high is None:                 # L: split(body, out); body; jmp L; out:
-        loop = len(prog)
-        prog.append(None)
-        _emit(body, prog)
-        prog.append((_JMP, loop))
-        prog[loop] = (_SPLIT, loop + 1, len(prog))
-        return
-    splits = []
-    for _ in range(high - low):      # each optional copy may be skipped to the end
-        splits.append(len(prog))
-        prog.append(None)
-        _emit(body, prog)
-    for at in splits:
-        prog[at] = (_SPLIT, at + 1, len(prog))
+        _, body, low, high = node
+        for _ in range(low):
+            _emit(body, prog)
+        if high is None:            # L: split(body, out); body; jmp L; out:
+            loop = len(prog)
+            prog.append(None)
+            _emit(body, prog)
+            prog.append((_JMP, loop))
+            prog[loop] = (_SPLIT, loop + 1, len(prog))
+            return
+        splits = []
+        for _ in range(high - low):     # each optional copy may be skipped to the end
+            splits.append(len(prog))
+            prog.append(None)
+            _emit(body, prog)
+        for at in splits:
+            prog[at] = (_SPLIT, at + 1, len(prog))
 
 
 def _in_ranges(ranges: tuple, cp: int) -> bool:
@@ -1716,10 +1701,7 @@ class Pattern:
             if nxt is None:
                 nxt = self._step(state, ch, ctx, work)
             else:                # a memoised step is cheaper, never free: a visit a character
-                work[0] += 1
-                if work[0] > work[1]:
-                    raise PatternTooCostly(f"the string is too costly to match against "
-                                           f"pattern {_quote(self.text)}")
+                self._charge(work, 1)
             state = nxt
         return self._match in state, work[0]
 
@@ -1738,7 +1720,10 @@ class Pattern:
             self._memo.clear()
             self._states.clear()
             self._memo_states = 0
-        nxt = self._states.setdefault(nxt, nxt)   # one copy of each state set is kept
+        # One copy of each state set is kept, so that a memoised step is found by identity:
+        # comparing two equal sets of up to MAX_PATTERN_PROGRAM threads would make a step
+        # that is charged one visit cost thousands.
+        nxt = self._states.setdefault(nxt, nxt)
         self._memo_states += len(nxt)
         self._memo[(state, ch, ctx)] = nxt
         return nxt
@@ -1762,11 +1747,15 @@ class Pattern:
                     stack.append(pc + 1)
             else:
                 out.append(pc)
-        work[0] += len(seen) + 1
+        self._charge(work, len(seen) + 1)
+        return frozenset(out)
+
+    def _charge(self, work: list, visits: int) -> None:
+        """Count ``visits`` in ``work`` (spent, limit); past the limit, PatternTooCostly."""
+        work[0] += visits
         if work[0] > work[1]:
             raise PatternTooCostly(f"the string is too costly to match against pattern "
                                    f"{_quote(self.text)}")
-        return frozenset(out)
 
 
 def _holds(kind: str, ctx: int) -> bool:
@@ -1795,13 +1784,61 @@ _SUBSCHEMA_ONE = frozenset({"additionalProperties", "propertyNames", "additional
                             "contains", "not", "if", "then", "else"})
 _NUMERIC = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                       "multipleOf"})
-_COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties",
-                     "maxProperties", "minContains", "maxContains"})
-_OTHER_KEYWORDS = frozenset({"type", "required", "items", "enum", "const", "pattern",
-                             "uniqueItems", "$ref", "dependentRequired", "dependencies", "$id"})
-SCHEMA_KEYWORDS = (_ANNOTATIONS | _SUBSCHEMA_MAPS | _SUBSCHEMA_LISTS | _SUBSCHEMA_ONE |
-                   _NUMERIC | _COUNTS | _OTHER_KEYWORDS)
 _TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+# Each bound, and whether a comparison of the value with it (-1, 0, 1) is outside it.
+_RANGE = (("minimum", lambda c: c < 0), ("exclusiveMinimum", lambda c: c <= 0),
+          ("maximum", lambda c: c > 0), ("exclusiveMaximum", lambda c: c >= 0))
+# What a count is of, and its bounds, by the type of value counted.
+_COUNTED = {str: ("minLength", "maxLength", "characters"),
+            list: ("minItems", "maxItems", "items"),
+            dict: ("minProperties", "maxProperties", "properties")}
+
+
+def _names_types(value: Any) -> bool:
+    names = value if isinstance(value, list) else [value]
+    return bool(names) and all(isinstance(n, str) and n in _TYPES for n in names)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(n, str) for n in value)
+
+
+def _subschemas(key: str, val: Any) -> list[tuple[tuple, Any]]:
+    """The subschemas a keyword's value (of its form) holds, each with its place under the
+    keyword; an entry of dependencies that is an array of names is none."""
+    if key in _SUBSCHEMA_MAPS or key == "dependencies":
+        return [((name,), sub) for name, sub in val.items()
+                if key != "dependencies" or not _strings(sub)]
+    if key in _SUBSCHEMA_LISTS or (key == "items" and isinstance(val, list)):
+        return [((i,), sub) for i, sub in enumerate(val)]
+    return [((), val)] if key in _SUBSCHEMA_ONE or key == "items" else []
+
+
+# The form a keyword's value must have, and what a schema whose value lacks it is told.
+# exclusiveMinimum and exclusiveMaximum may also be draft-04's flags on minimum and maximum.
+_FORMS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(_SUBSCHEMA_MAPS | {"dependentRequired", "dependencies"},
+                    (lambda v: isinstance(v, dict), "is not an object")),
+    **dict.fromkeys(_SUBSCHEMA_LISTS, (lambda v: isinstance(v, list) and len(v) > 0,
+                                       "is not a non-empty array of schemas")),
+    "prefixItems": (lambda v: isinstance(v, list), "is not a non-empty array of schemas"),
+    **dict.fromkeys(_NUMERIC, (lambda v: isinstance(v, Num), "is not a number")),
+    **dict.fromkeys(("exclusiveMinimum", "exclusiveMaximum"),
+                    (lambda v: isinstance(v, (Num, bool)), "is not a number")),
+    "multipleOf": (lambda v: isinstance(v, Num) and v.normal()[0] > 0,
+                   "is not a positive number"),
+    **dict.fromkeys(("minLength", "maxLength", "minItems", "maxItems", "minProperties",
+                     "maxProperties", "minContains", "maxContains"),
+                    (lambda v: isinstance(v, Num) and v.is_integer() and v.normal()[0] >= 0,
+                     "is not a non-negative integer")),
+    "type": (_names_types, "names a type that does not exist"),
+    "enum": (lambda v: isinstance(v, list), "is not an array"),
+    "required": (_strings, "is not an array of strings"),
+    **dict.fromkeys(("pattern", "$ref"), (lambda v: isinstance(v, str), "is not a string")),
+    "uniqueItems": (lambda v: isinstance(v, bool), "is not a boolean"),
+}
+# Every keyword implemented: those above, and those any value of which is compiled or kept.
+SCHEMA_KEYWORDS = _ANNOTATIONS | _SUBSCHEMA_ONE | frozenset(_FORMS) | {"items", "const", "$id"}
 # Keywords whose check does work for every member or item of the value that no evaluation
 # of a subschema pays for (the rest, items or contains, evaluate one for each): a schema
 # holding one costs one more for each member, and for each patternProperties regex tried.
@@ -1906,20 +1943,15 @@ class Schema:
             raise SchemaError(f"input schema is not JSON: {exc}") from None
         if not isinstance(self.root, (dict, bool)):
             raise SchemaError("input schema is not an object")
-        self.raw = raw
-        self._patterns: dict[str, Pattern] = {}
-        self._schemas: dict[tuple, Any] = {}       # every compiled subschema, by location
+        self.patterns: dict[str, Pattern] = {}     # each compiled once, by its text
+        self._schemas: dict[tuple, Any] = {}        # every compiled subschema, by location
         self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
         # By the id of each schema object (the tree is kept, so ids stay unique): where it
-        # is and what one evaluation of it costs (fixed, per member of the value); and by
-        # the id of each enum and const value, how a mismatch shows it.
-        self._where: dict[int, tuple] = {}
-        self._costs: dict[int, tuple[int, int]] = {}
-        self._shown: dict[int, str] = {}
-        # The state of one call's check, set on a copy of the compiled schema (see check).
-        self._left = 0
-        self._keys: dict[int, int] = {}
-        self._interned: dict[tuple, int] = {}
+        # is, and what one evaluation of it costs (fixed, per member of the value) and runs
+        # (_plan); by the id of each enum and const value, how a mismatch shows it.
+        self.where: dict[int, tuple] = {}
+        self.plans: dict[int, tuple[int, int, tuple]] = {}
+        self.shown: dict[int, str] = {}
         self._compile(self.root, ())
         self._check_refs()
 
@@ -1928,13 +1960,12 @@ class Schema:
         that apply to the same value (allOf, not, if, ...) never comes back to where it
         started, nor runs longer than MAX_SCHEMA_CHAIN: a schema that could recurse
         without consuming input is refused here, not discovered while checking."""
-        for ref in list(self._refs):
-            target = self._refs[ref]
+        for ref, target in self._refs.items():
             if target not in self._schemas:
                 raise SchemaError(f"$ref {_quote(ref)} does not name a schema")
-        longest: dict[tuple, int] = {}
+        longest: dict[tuple, int | None] = {}
         for start in self._schemas:
-            self._chain(start, longest, set())
+            self._chain(start, longest)
         fan: dict[tuple, int] = {}
         for start in self._schemas:
             self._fan_out(start, fan)
@@ -1957,17 +1988,17 @@ class Schema:
             fan[at] = found
         return found
 
-    def _chain(self, at: tuple, longest: dict, active: set) -> int:
+    def _chain(self, at: tuple, longest: dict) -> int:
+        """The longest chain from ``at`` through the keywords that apply to the same value;
+        ``longest`` holds it for each location done, and None for each on the way to it."""
         if at in longest:
+            if longest[at] is None:
+                raise SchemaError(f"the schema at #{_pointer(at)} refers to itself through "
+                                  "$ref without consuming input")
             return longest[at]
-        if at in active:
-            raise SchemaError(f"the schema at #{_pointer(at)} refers to itself through "
-                              "$ref without consuming input")
-        active.add(at)
-        node, depth = self._schemas[at], 0
-        for nxt in self._same_value_children(at, node):
-            depth = max(depth, 1 + self._chain(nxt, longest, active))
-        active.discard(at)
+        longest[at] = None
+        depth = max((1 + self._chain(nxt, longest)
+                     for nxt in self._same_value_children(at, self._schemas[at])), default=0)
         if depth > MAX_SCHEMA_CHAIN:
             raise SchemaError(f"the schema at #{_pointer(at)} chains more than "
                               f"{MAX_SCHEMA_CHAIN} references and combinators")
@@ -1979,12 +2010,10 @@ class Schema:
         if not isinstance(node, dict):
             return []
         out = [self._refs[node["$ref"]]] if "$ref" in node else []
-        for key in ("allOf", "anyOf", "oneOf"):
-            out += [at + (key, i) for i in range(len(node.get(key, [])))]
-        out += [at + (key,) for key in ("not", "if", "then", "else") if key in node]
-        for key in ("dependentSchemas", "dependencies"):
-            out += [at + (key, name) for name, dep in node.get(key, {}).items()
-                    if not isinstance(dep, list)]
+        for key in ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas",
+                    "dependencies"):
+            if key in node:
+                out += [at + (key,) + place for place, _ in _subschemas(key, node[key])]
         return out
 
     # -- compiling: every keyword is known and well formed, every $ref resolves locally --
@@ -2001,112 +2030,47 @@ class Schema:
                 raise SchemaError(f"schema at {where} uses {_quote(key)}, "
                                   "a keyword this validator does not implement")
             self._keyword(key, val, at + (key,))
-        self._where[id(node)] = at
-        self._costs[id(node)] = _evaluation_cost(node)
+        self.where[id(node)] = at
+        self.plans[id(node)] = _plan(node)
 
     def _keyword(self, key: str, val: Any, at: tuple) -> None:
         where = "#" + _pointer(at)
-        if key == "const":
-            self._shown[id(val)] = _show(val)
-        if key in _ANNOTATIONS or key == "const":
-            return
-        if key in _SUBSCHEMA_MAPS:
-            if not isinstance(val, dict):
-                raise SchemaError(f"{where} is not an object")
-            for name, sub in val.items():
-                if key == "patternProperties":
-                    self._regex(name, where)
-                self._compile(sub, at + (name,))
-        elif key in _SUBSCHEMA_LISTS:
-            if not isinstance(val, list) or (key != "prefixItems" and not val):
-                raise SchemaError(f"{where} is not a non-empty array of schemas")
-            for i, sub in enumerate(val):
-                self._compile(sub, at + (i,))
-        elif key in _SUBSCHEMA_ONE:
-            self._compile(val, at)
-        elif key == "items":
-            for i, sub in enumerate(val) if isinstance(val, list) else [(None, val)]:
-                self._compile(sub, at if i is None else at + (i,))
-        elif key in _NUMERIC:
-            if key.startswith("exclusive") and isinstance(val, bool):
-                return  # draft-04 spelling: a flag on minimum/maximum
-            if not isinstance(val, Num) or (key == "multipleOf" and val.normal()[0] <= 0):
-                raise SchemaError(f"{where} is not a {'positive ' if key == 'multipleOf' else ''}number")
-            if key == "multipleOf" and len(val.normal()[1]) > MAX_MULTIPLE_OF_DIGITS:
-                # Checking one needs exact division by its digits: bounded, they stay cheap.
-                raise SchemaError(f"{where}: multipleOf has {len(val.normal()[1])} significant "
-                                  f"digits, more than the {MAX_MULTIPLE_OF_DIGITS} checked")
-        elif key in _COUNTS:
-            if not isinstance(val, Num) or not val.is_integer() or val.normal()[0] < 0:
-                raise SchemaError(f"{where} is not a non-negative integer")
-        else:
-            self._other(key, val, at, where)
-
-    def _other(self, key: str, val: Any, at: tuple, where: str) -> None:
-        if key == "enum":
-            if not isinstance(val, list):
-                raise SchemaError(f"{where} is not an array")
-            self._shown[id(val)] = ", ".join(_show(o) for o in val)
-        elif key == "type":
-            names = val if isinstance(val, list) else [val]
-            if not names or any(not isinstance(n, str) or n not in _TYPES for n in names):
-                raise SchemaError(f"{where} names a type that does not exist")
-        elif key == "required":
-            if not isinstance(val, list) or not all(isinstance(n, str) for n in val):
-                raise SchemaError(f"{where} is not an array of strings")
+        form = _FORMS.get(key)
+        if form and not form[0](val):
+            raise SchemaError(f"{where} {form[1]}")
+        if key in ("const", "enum"):
+            self.shown[id(val)] = _show(val) if key == "const" else \
+                ", ".join(_show(o) for o in val)
         elif key == "pattern":
-            if not isinstance(val, str):
-                raise SchemaError(f"{where} is not a string")
             self._regex(val, where)
-        elif key == "uniqueItems":
-            if not isinstance(val, bool):
-                raise SchemaError(f"{where} is not a boolean")
         elif key == "$ref":
-            if not isinstance(val, str):
-                raise SchemaError(f"{where} is not a string")
             self._refs[val] = self._resolve(val)
-        elif key == "$id":
-            if at != ("$id",):
-                raise SchemaError(f"{where}: an $id inside the schema is not supported")
-        elif key in ("dependentRequired", "dependencies"):
-            if not isinstance(val, dict):
-                raise SchemaError(f"{where} is not an object")
+        elif key == "$id" and at != ("$id",):
+            raise SchemaError(f"{where}: an $id inside the schema is not supported")
+        elif key == "multipleOf" and len(val.normal()[1]) > MAX_MULTIPLE_OF_DIGITS:
+            # Checking one needs exact division by its digits: bounded, they stay cheap.
+            raise SchemaError(f"{where}: multipleOf has {len(val.normal()[1])} significant "
+                              f"digits, more than the {MAX_MULTIPLE_OF_DIGITS} checked")
+        elif key == "dependentRequired":
             for name, dep in val.items():
-                if isinstance(dep, list) and all(isinstance(n, str) for n in dep):
-                    continue
-                if key == "dependencies":
-                    self._compile(dep, at + (name,))
-                else:
+                if not _strings(dep):
                     raise SchemaError(f"{where}/{name} is not an array of strings")
+        for place, sub in _subschemas(key, val):
+            if key == "patternProperties":
+                self._regex(place[0], where)
+            self._compile(sub, at + place)
 
     def _regex(self, pattern: str, where: str) -> Pattern:
         """The pattern compiled once per schema (by its text), or SchemaError naming where
         it is and why it is refused."""
-        found = self._patterns.get(pattern)
+        found = self.patterns.get(pattern)
         if found is None:
             try:
                 found = Pattern(pattern)
             except SchemaError as exc:
                 raise SchemaError(f"{where}: pattern does not compile: {_quote(pattern)}: "
                                   f"{exc}") from None
-            self._patterns[pattern] = found
-        return found
-
-    def _found(self, pattern: str, text: str, path: list, errors: list) -> bool:
-        """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
-        to the call's budget. A string too costly to match alone is a failure recorded here,
-        and counts as found so nothing else is reported for it: it is refused, never let
-        through as unmatched. One that would spend what is left of the budget spends it."""
-        left = max(0, self._left) * PATTERN_VISITS_PER_EVALUATION
-        try:
-            found, work = self._regex(pattern, "pattern").search_costed(
-                text, min(MAX_PATTERN_WORK, left))
-        except PatternTooCostly as exc:
-            if left < MAX_PATTERN_WORK:
-                raise CheckTooCostly(None, _pointer(path)) from None
-            _fail(errors, path, str(exc))
-            return True
-        self._spend(work // PATTERN_VISITS_PER_EVALUATION, path)
+            self.patterns[pattern] = found
         return found
 
     def _resolve(self, ref: str) -> tuple:
@@ -2133,6 +2097,7 @@ class Schema:
                 raise SchemaError(f"$ref {_quote(ref)} does not resolve")
         return at
 
+
     # -- validating --
 
     def check(self, raw: bytes, value: Any = NOT_PARSED) -> Any:
@@ -2142,13 +2107,8 @@ class Schema:
         the call's budget)."""
         if value is NOT_PARSED:
             value = parse_json(raw)
-        errors = _Failures()
-        # A compiled schema is shared by every call of its tool: a call's budget and keys
-        # live on a shallow copy, which shares the compiled tables.
-        run = copy.copy(self)
-        run._left, run._keys, run._interned = MAX_SCHEMA_EVALUATIONS, {}, {}
         try:
-            run._validate(self.root, value, [], errors)
+            errors = _Check(self, MAX_SCHEMA_EVALUATIONS).run(value)
         except RecursionError:      # a refusal, never an acceptance
             raise SchemaError("the arguments are nested too deeply to check against this "
                               "schema") from None
@@ -2163,46 +2123,92 @@ class Schema:
         """Whether a parsed value validates, spending from ``budget`` (what is left is
         returned): a rule's conditions share one call's budget (section 20). Raises
         CheckTooCostly when the budget runs out, never answering either way."""
-        run = copy.copy(self)
-        run._left, run._keys, run._interned = budget, {}, {}
-        errors = _Failures()
+        check = _Check(self, budget)
         try:
-            run._validate(self.root, value, [], errors)
+            errors = check.run(value)
         except RecursionError:
             raise CheckTooCostly((), "") from None
-        return not errors and not errors.more, run._left
+        return not errors, check.left
 
-    def _validate(self, node: Any, value: Any, path: list, errors: list) -> None:
+    def located(self) -> list[tuple[tuple, Any]]:
+        """Every subschema compiled (each schema object or boolean that checking may
+        evaluate, and $defs no $ref names), by location, the root first."""
+        return list(self._schemas.items())
+
+    def referenced(self, at: tuple) -> bool:
+        """Whether a $ref names the subschema at ``at``."""
+        return at in self._refs.values()
+
+    def target(self, ref: str) -> Any:
+        """The subschema a $ref (compiled) names."""
+        return self._schemas[self._refs[ref]]
+
+
+class _Check:
+    """One check of a value against a compiled Schema, which every call of its tool shares:
+    what is left of the budget this check spends (see Schema), and the keys uniqueItems
+    gave the arrays and objects of the value. Its check_ methods are the keyword checks,
+    one for each keyword or family of keywords read together (_CHECKS)."""
+
+    def __init__(self, schema: Schema, budget: int):
+        self.schema, self.left = schema, budget
+        self._keys: dict[int, int] = {}
+        self._interned: dict[tuple, int] = {}
+
+    def run(self, value: Any) -> _Failures:
+        errors = _Failures()
+        self.validate(self.schema.root, value, [], errors)
+        return errors
+
+    def validate(self, node: Any, value: Any, path: list, errors: _Failures) -> None:
         if node is True or node is False:
-            # _spend, inline: this runs once per item of an array
-            self._left -= 1 + len(path) // LEVELS_PER_EVALUATION
-            if self._left < 0:
-                raise CheckTooCostly(None, _pointer(path))
+            self.spend(1 + len(path) // LEVELS_PER_EVALUATION, path)
             if node is False:
-                errors.append((_pointer(path), "no value is allowed here"))
+                errors.add(path, "no value is allowed here")
             return
         try:
-            fixed, per_member = self._costs[id(node)]
+            fixed, per_member, plan = self.schema.plans[id(node)]
             # deep in a value, each member's path (a list) is copied: that costs too
             fixed += len(path) // LEVELS_PER_EVALUATION
             loops = per_member and type(value) in (list, dict)
-            self._spend(fixed + per_member * len(value) if loops else fixed, path)
-            for key, val in node.items():
-                check = _CHECKS.get(key)
-                if check:
+            self.spend(fixed + per_member * len(value) if loops else fixed, path)
+            for check, kind, val in plan:
+                if isinstance(value, kind):
                     check(self, node, val, value, path, errors)
         except CheckTooCostly as exc:
             # Spent inside this schema object or a boolean schema under it: name this one.
             # Never caught on the way up (not, anyOf, ...): it is never read as a mismatch.
-            exc.at = self._where[id(node)] if exc.at is None else exc.at
+            exc.at = self.schema.where[id(node)] if exc.at is None else exc.at
             raise
 
-    def _spend(self, units: int, path: list) -> None:
-        self._left -= units
-        if self._left < 0:
+    def spend(self, units: int, path: list) -> None:
+        self.left -= units
+        if self.left < 0:
             raise CheckTooCostly(None, _pointer(path))
 
-    def _key(self, value: Any) -> Any:
+    def passes(self, node: Any, value: Any, path: list) -> bool:
+        errors = _Failures()
+        self.validate(node, value, path, errors)
+        return not errors
+
+    def found(self, pattern: str, text: str, path: list, errors: _Failures) -> bool:
+        """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
+        to the call's budget. A string too costly to match alone is a failure recorded here,
+        and counts as found so nothing else is reported for it: it is refused, never let
+        through as unmatched. One that would spend what is left of the budget spends it."""
+        left = max(0, self.left) * PATTERN_VISITS_PER_EVALUATION
+        try:
+            found, work = self.schema.patterns[pattern].search_costed(
+                text, min(MAX_PATTERN_WORK, left))
+        except PatternTooCostly as exc:
+            if left < MAX_PATTERN_WORK:
+                raise CheckTooCostly(None, _pointer(path)) from None
+            errors.add(path, str(exc))
+            return True
+        self.spend(work // PATTERN_VISITS_PER_EVALUATION, path)
+        return found
+
+    def key(self, value: Any) -> Any:
         """A key that is equal for two values exactly when they are _equal: numbers by
         normal form, arrays and objects interned to a number once per call (by the id of the
         parsed value, alive for the call), so checking uniqueItems of the same array again
@@ -2215,25 +2221,158 @@ class Schema:
         found = self._keys.get(id(value))
         if found is None:
             if kind is list:
-                shape = ("a",) + tuple(self._key(v) for v in value)
+                shape = ("a",) + tuple(self.key(v) for v in value)
             else:   # names are distinct, so sorting never compares two keys
-                shape = ("o",) + tuple(sorted((k, self._key(v)) for k, v in value.items()))
+                shape = ("o",) + tuple(sorted((k, self.key(v)) for k, v in value.items()))
             found = self._keys[id(value)] = self._interned.setdefault(shape, len(self._interned))
         return found
 
-    def located(self) -> list[tuple[tuple, Any]]:
-        """Every subschema compiled (each schema object or boolean that checking may
-        evaluate, and $defs no $ref names), by location, the root first."""
-        return list(self._schemas.items())
 
-    def referenced(self, at: tuple) -> bool:
-        """Whether a $ref names the subschema at ``at``."""
-        return at in self._refs.values()
+    def check_type(self, node, want, value, path, errors):
+        names = want if isinstance(want, list) else [want]
+        kind = _kind(value)
+        if kind in names or (kind == "integer" and "number" in names):
+            return
+        errors.add(path, f"got {kind}, want {' or '.join(names)}")
 
-    def _sub_ok(self, node: Any, value: Any, path: list) -> bool:
-        errs = _Failures()
-        self._validate(node, value, path, errs)
-        return not errs
+    def check_enum(self, node, options, value, path, errors):
+        if not any(_equal(value, o) for o in options):
+            errors.add(path, "value must be one of " + self.schema.shown[id(options)])
+
+    def check_const(self, node, const, value, path, errors):
+        if not _equal(value, const):
+            errors.add(path, f"value must be {self.schema.shown[id(const)]}")
+
+    def check_range(self, node, _unused, value, path, errors):
+        v = value.normal()
+        for key, outside in _RANGE:
+            bound = node.get(key)
+            if bound is True:  # draft-04 spelling: the flag makes minimum or maximum exclusive
+                bound = node.get("minimum" if key == "exclusiveMinimum" else "maximum")
+            if isinstance(bound, Num) and outside(_compare(v, bound.normal())):
+                errors.add(path, f"{key}: got {value.text}, want {bound.text}")
+
+    def check_multiple(self, node, m, value, path, errors):
+        # Exact division reads every digit of the value: a long one costs more evaluations.
+        self.spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
+        if not _is_multiple(value.normal(), m.normal()):
+            errors.add(path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
+
+    def check_pattern(self, node, pattern, value, path, errors):
+        if not self.found(pattern, value, path, errors):
+            errors.add(path, f"does not match pattern {_quote(pattern)}")
+
+    def check_counts(self, node, _unused, value, path, errors):
+        low, high, noun = _COUNTED[type(value)]
+        n = len(value)
+        if low in node and _compare_count(n, node[low]) < 0:
+            errors.add(path, f"{low}: got {n} {noun}, want {node[low].text}")
+        if high in node and _compare_count(n, node[high]) > 0:
+            errors.add(path, f"{high}: got {n} {noun}, want {node[high].text}")
+
+    def check_required(self, node, names, value, path, errors):
+        missing = [name for name in names if name not in value]
+        self.spend(len(missing), path)        # a failure costs more to report than to find
+        for name in missing:
+            errors.add(path, f"missing property {_quote(name)}")
+
+    def check_properties(self, node, _unused, value, path, errors):
+        """properties, patternProperties and additionalProperties together, as they
+        interact."""
+        props = node.get("properties", {})
+        patterns = node.get("patternProperties", {})
+        extra = node.get("additionalProperties", True)
+        unexpected = []
+        for name, item in value.items():
+            matched = False
+            if name in props:
+                matched = True
+                self.validate(props[name], item, path + [name], errors)
+            for pat, sub in patterns.items():
+                if self.found(pat, name, path + [name], errors):
+                    matched = True
+                    self.validate(sub, item, path + [name], errors)
+            if not matched:
+                if extra is False:
+                    unexpected.append(name)
+                elif extra is not True:
+                    self.validate(extra, item, path + [name], errors)
+        if unexpected:
+            names = ", ".join(_quote(n) for n in unexpected)
+            errors.add(path, f"additional properties {names} not allowed")
+
+    def check_property_names(self, node, sub, value, path, errors):
+        for name in value:
+            if not self.passes(sub, name, path):
+                errors.add(path, f"property name {_quote(name)} is not allowed")
+
+    def check_items(self, node, _unused, value, path, errors):
+        """prefixItems, items (either draft's form) and additionalItems together."""
+        items = node.get("items", True)
+        if isinstance(items, list):            # draft-07 tuple form
+            prefix, rest = items, node.get("additionalItems", True)
+        else:
+            prefix, rest = node.get("prefixItems", []), items
+        for i, item in enumerate(value):
+            sub = prefix[i] if i < len(prefix) else rest
+            if sub is False and i >= len(prefix):
+                errors.add(path, f"array has {len(value)} items, at most {len(prefix)} allowed")
+                return
+            self.validate(sub, item, path + [i], errors)
+
+    def check_contains(self, node, sub, value, path, errors):
+        n = sum(1 for i, item in enumerate(value) if self.passes(sub, item, path + [i]))
+        low = node.get("minContains")
+        if (_compare_count(n, low) < 0) if low is not None else n < 1:
+            want = low.text if low is not None else "1"
+            errors.add(path, f"contains: {n} items match, want at least {want}")
+        if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
+            errors.add(path, f"contains: {n} items match, want at most {node['maxContains'].text}")
+
+    def check_unique(self, node, flag, value, path, errors):
+        seen: set = set()
+        for i, item in enumerate(value if flag else ()):   # false: nothing to check
+            h = self.key(item)
+            if h in seen:
+                errors.add(path + [i], "uniqueItems: a repeated item")
+                return
+            seen.add(h)
+
+    def check_all_of(self, node, subs, value, path, errors):
+        for sub in subs:
+            self.validate(sub, value, path, errors)
+
+    def check_any_of(self, node, subs, value, path, errors):
+        if not any(self.passes(sub, value, path) for sub in subs):
+            errors.add(path, "does not match any schema of anyOf")
+
+    def check_one_of(self, node, subs, value, path, errors):
+        n = sum(1 for sub in subs if self.passes(sub, value, path))
+        if n != 1:
+            errors.add(path, f"matches {n} schemas of oneOf, want exactly one")
+
+    def check_not(self, node, sub, value, path, errors):
+        if self.passes(sub, value, path):
+            errors.add(path, "matches a schema it must not match")
+
+    def check_if(self, node, cond, value, path, errors):
+        branch = node.get("then") if self.passes(cond, value, path) else node.get("else")
+        if branch is not None:
+            self.validate(branch, value, path, errors)
+
+    def check_ref(self, node, ref, value, path, errors):
+        self.validate(self.schema.target(ref), value, path, errors)
+
+    def check_dependent(self, node, deps, value, path, errors):
+        for name, dep in deps.items():
+            if name not in value:
+                continue
+            if isinstance(dep, list):
+                for need in dep:
+                    if need not in value:
+                        errors.add(path, f"property {_quote(need)} is required with {_quote(name)}")
+            else:
+                self.validate(dep, value, path, errors)
 
 
 class _Failures(list):
@@ -2245,9 +2384,10 @@ class _Failures(list):
         super().__init__()
         self.more = 0
 
-    def append(self, failure: tuple[str, str]) -> None:
+    def add(self, path: list, detail: str) -> None:
+        """Record that the value at ``path`` fails, for ``detail``."""
         if len(self) < MAX_SCHEMA_ERRORS:
-            super().append(failure)
+            self.append((_pointer(path), detail))
         else:
             self.more += 1
 
@@ -2255,263 +2395,57 @@ class _Failures(list):
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
 
 
-def _fail(errors: list, path: list, detail: str) -> None:
-    errors.append((_pointer(path), detail))
-
-
 def _show(value: Any) -> str:
     return truncate(sanitize(encode_canonical(value).decode("utf-8")), VALUE_SHOWN)
 
 
-def _k_type(s, node, want, value, path, errors):
-    names = want if isinstance(want, list) else [want]
-    kind = _kind(value)
-    if kind in names or (kind == "integer" and "number" in names):
-        return
-    _fail(errors, path, f"got {kind}, want {' or '.join(names)}")
-
-
-def _k_enum(s, node, options, value, path, errors):
-    if not any(_equal(value, o) for o in options):
-        _fail(errors, path, "value must be one of " + s._shown[id(options)])
-
-
-def _k_const(s, node, const, value, path, errors):
-    if not _equal(value, const):
-        _fail(errors, path, f"value must be {s._shown[id(const)]}")
-
-
-# Each bound, and whether a comparison of the value with it (-1, 0, 1) is outside it.
-_RANGE = (("minimum", lambda c: c < 0), ("exclusiveMinimum", lambda c: c <= 0),
-          ("maximum", lambda c: c > 0), ("exclusiveMaximum", lambda c: c >= 0))
-
-
-def _k_range(s, node, _unused, value, path, errors):
-    if not isinstance(value, Num):
-        return
-    v = value.normal()
-    for key, outside in _RANGE:
-        bound = node.get(key)
-        if bound is True:  # draft-04 spelling: the flag makes minimum or maximum exclusive
-            bound = node.get("minimum" if key == "exclusiveMinimum" else "maximum")
-        if isinstance(bound, Num) and outside(_compare(v, bound.normal())):
-            _fail(errors, path, f"{key}: got {value.text}, want {bound.text}")
-
-
-def _k_multiple(s, node, m, value, path, errors):
-    if not isinstance(value, Num):
-        return
-    # Exact division reads every digit of the value: a long one costs more evaluations.
-    s._spend(len(value.normal()[1]) // DIGITS_PER_EVALUATION, path)
-    if not _is_multiple(value.normal(), m.normal()):
-        _fail(errors, path, f"multipleOf: got {value.text}, want a multiple of {m.text}")
-
-
-def _k_length(s, node, _unused, value, path, errors):
-    if not isinstance(value, str):
-        return
-    n = len(value)
-    if "minLength" in node and _compare_count(n, node["minLength"]) < 0:
-        _fail(errors, path, f"minLength: got {n} characters, want {node['minLength'].text}")
-    if "maxLength" in node and _compare_count(n, node["maxLength"]) > 0:
-        _fail(errors, path, f"maxLength: got {n} characters, want {node['maxLength'].text}")
-
-
-def _k_pattern(s, node, pattern, value, path, errors):
-    if isinstance(value, str) and not s._found(pattern, value, path, errors):
-        _fail(errors, path, f"does not match pattern {_quote(pattern)}")
-
-
-def _k_count(kind: type, low: str, high: str, noun: str):
-    def check(s, node, _unused, value, path, errors):
-        if not isinstance(value, kind):
-            return
-        n = len(value)
-        if low in node and _compare_count(n, node[low]) < 0:
-            _fail(errors, path, f"{low}: got {n} {noun}, want {node[low].text}")
-        if high in node and _compare_count(n, node[high]) > 0:
-            _fail(errors, path, f"{high}: got {n} {noun}, want {node[high].text}")
-    return check
-
-
-def _k_required(s, node, names, value, path, errors):
-    if isinstance(value, dict):
-        missing = [name for name in names if name not in value]
-        s._spend(len(missing), path)        # a failure costs more to report than to find
-        for name in missing:
-            _fail(errors, path, f"missing property {_quote(name)}")
-
-
-def _k_properties(s, node, _unused, value, path, errors):
-    """properties, patternProperties and additionalProperties together, as they interact."""
-    if not isinstance(value, dict):
-        return
-    props = node.get("properties", {})
-    patterns = node.get("patternProperties", {})
-    extra = node.get("additionalProperties", True)
-    unexpected = []
-    for name, item in value.items():
-        matched = False
-        if name in props:
-            matched = True
-            s._validate(props[name], item, path + [name], errors)
-        for pat, sub in patterns.items():
-            if s._found(pat, name, path + [name], errors):
-                matched = True
-                s._validate(sub, item, path + [name], errors)
-        if not matched:
-            if extra is False:
-                unexpected.append(name)
-            elif extra is not True:
-                s._validate(extra, item, path + [name], errors)
-    if unexpected:
-        names = ", ".join(_quote(n) for n in unexpected)
-        _fail(errors, path, f"additional properties {names} not allowed")
-
-
-def _k_property_names(s, node, sub, value, path, errors):
-    if isinstance(value, dict):
-        for name in value:
-            if not s._sub_ok(sub, name, path):
-                _fail(errors, path, f"property name {_quote(name)} is not allowed")
-
-
-def _k_items(s, node, _unused, value, path, errors):
-    """prefixItems, items (either draft's form) and additionalItems together."""
-    if not isinstance(value, list):
-        return
-    items = node.get("items", True)
-    if isinstance(items, list):            # draft-07 tuple form
-        prefix, rest = items, node.get("additionalItems", True)
-    else:
-        prefix, rest = node.get("prefixItems", []), items
-    for i, item in enumerate(value):
-        sub = prefix[i] if i < len(prefix) else rest
-        if sub is False and i >= len(prefix):
-            _fail(errors, path, f"array has {len(value)} items, at most {len(prefix)} allowed")
-            return
-        s._validate(sub, item, path + [i], errors)
-
-
-def _k_contains(s, node, sub, value, path, errors):
-    if not isinstance(value, list):
-        return
-    n = sum(1 for i, item in enumerate(value) if s._sub_ok(sub, item, path + [i]))
-    low = node.get("minContains")
-    if (_compare_count(n, low) < 0) if low is not None else n < 1:
-        want = low.text if low is not None else "1"
-        _fail(errors, path, f"contains: {n} items match, want at least {want}")
-    if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
-        _fail(errors, path, f"contains: {n} items match, want at most {node['maxContains'].text}")
-
-
-def _k_unique(s, node, flag, value, path, errors):
-    if flag and isinstance(value, list):
-        seen: set = set()
-        for i, item in enumerate(value):
-            h = s._key(item)
-            if h in seen:
-                _fail(errors, path + [i], "uniqueItems: a repeated item")
-                return
-            seen.add(h)
-
-
-def _k_all_of(s, node, subs, value, path, errors):
-    for sub in subs:
-        s._validate(sub, value, path, errors)
-
-
-def _k_any_of(s, node, subs, value, path, errors):
-    if not any(s._sub_ok(sub, value, path) for sub in subs):
-        _fail(errors, path, "does not match any schema of anyOf")
-
-
-def _k_one_of(s, node, subs, value, path, errors):
-    n = sum(1 for sub in subs if s._sub_ok(sub, value, path))
-    if n != 1:
-        _fail(errors, path, f"matches {n} schemas of oneOf, want exactly one")
-
-
-def _k_not(s, node, sub, value, path, errors):
-    if s._sub_ok(sub, value, path):
-        _fail(errors, path, "matches a schema it must not match")
-
-
-def _k_if(s, node, cond, value, path, errors):
-    branch = node.get("then") if s._sub_ok(cond, value, path) else node.get("else")
-    if branch is not None:
-        s._validate(branch, value, path, errors)
-
-
-def _k_ref(s, node, ref, value, path, errors):
-    s._validate(s._schemas[s._refs[ref]], value, path, errors)
-
-
-def _k_dependent(s, node, deps, value, path, errors):
-    if not isinstance(value, dict):
-        return
-    for name, dep in deps.items():
-        if name not in value:
-            continue
-        if isinstance(dep, list):
-            for need in dep:
-                if need not in value:
-                    _fail(errors, path, f"property {_quote(need)} is required with {_quote(name)}")
-        else:
-            s._validate(dep, value, path, errors)
-
-
-# Each keyword that constrains a value, once: keywords read together (the bounds, the
-# property family, the item family) hang on the one keyword that is always looked up.
-_CHECKS: dict[str, Callable] = {
-    "type": _k_type, "enum": _k_enum, "const": _k_const,
-    "minimum": None, "maximum": None, "multipleOf": _k_multiple,
-    "pattern": _k_pattern, "required": _k_required,
-    "propertyNames": _k_property_names, "contains": _k_contains, "uniqueItems": _k_unique,
-    "allOf": _k_all_of, "anyOf": _k_any_of, "oneOf": _k_one_of, "not": _k_not, "if": _k_if,
-    "$ref": _k_ref, "dependentRequired": _k_dependent, "dependencies": _k_dependent,
-    "dependentSchemas": _k_dependent,
+# Keywords read together run as one check, where the first of them stands in the schema
+# object: the bounds, the lengths and counts, the property family, the item family. Each
+# check is run only on a value of the type it constrains (object: any).
+_TOGETHER: dict[tuple[str, ...], tuple[Callable, type]] = {
+    ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): (_Check.check_range, Num),
+    ("minLength", "maxLength"): (_Check.check_counts, str),
+    ("minItems", "maxItems"): (_Check.check_counts, list),
+    ("minProperties", "maxProperties"): (_Check.check_counts, dict),
+    ("properties", "patternProperties", "additionalProperties"):
+        (_Check.check_properties, dict),
+    ("items", "prefixItems", "additionalItems"): (_Check.check_items, list),
+}
+# Each keyword that constrains a value (the rest are annotations, or read by another's check).
+_CHECKS: dict[str, tuple[Callable, type]] = {
+    "type": (_Check.check_type, object), "enum": (_Check.check_enum, object),
+    "const": (_Check.check_const, object), "multipleOf": (_Check.check_multiple, Num),
+    "pattern": (_Check.check_pattern, str), "required": (_Check.check_required, dict),
+    "propertyNames": (_Check.check_property_names, dict),
+    "contains": (_Check.check_contains, list), "uniqueItems": (_Check.check_unique, list),
+    "allOf": (_Check.check_all_of, object), "anyOf": (_Check.check_any_of, object),
+    "oneOf": (_Check.check_one_of, object), "not": (_Check.check_not, object),
+    "if": (_Check.check_if, object), "$ref": (_Check.check_ref, object),
+    **dict.fromkeys(("dependentRequired", "dependencies", "dependentSchemas"),
+                    (_Check.check_dependent, dict)),
+    **{key: entry for keys, entry in _TOGETHER.items() for key in keys},
 }
 
 
-def _first_of(keys: tuple[str, ...], check: Callable) -> Callable:
-    """Run ``check`` once per schema node, from whichever of ``keys`` comes first in it."""
-    def run(s, node, val, value, path, errors, _keys=keys):
-        for first in node:          # a loop, not next(genexpr): this runs for every value
-            if first in _keys:
-                break
-        if first == run.key:
-            check(s, node, val, value, path, errors)
-    return run
-
-
-for _keys, _check in (
-        (("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"), _k_range),
-        (("minLength", "maxLength"), _k_length),
-        (("minItems", "maxItems"), _k_count(list, "minItems", "maxItems", "items")),
-        (("minProperties", "maxProperties"),
-         _k_count(dict, "minProperties", "maxProperties", "properties")),
-        (("properties", "patternProperties", "additionalProperties"), _k_properties),
-        (("items", "prefixItems", "additionalItems"), _k_items)):
-    for _key in _keys:
-        _runner = _first_of(_keys, _check)
-        _runner.key = _key
-        _CHECKS[_key] = _runner
-del _keys, _check, _key, _runner
-
-
-def _evaluation_cost(node: dict) -> tuple[int, int]:
-    """What one evaluation of a schema object costs: fixed (one per keyword that checks
+def _plan(node: dict) -> tuple[int, int, tuple]:
+    """What one evaluation of a schema object costs, fixed (one per keyword that checks
     anything, at least one, and one per value its keywords compare with or name they
-    require), and per member of the value when a keyword loops over them (one, and one per
-    patternProperties regex)."""
+    require) and per member of the value when a keyword loops over them (one, and one per
+    patternProperties regex); and the checks it runs, in order: (check, the type of value it
+    constrains, the keyword's value)."""
     fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
-    fixed += sum(_size(o) for o in node.get("enum", ())) + (_size(node["const"]) if "const" in node else 0)
+    fixed += sum(_size(o) for o in node.get("enum", ()))
+    fixed += _size(node["const"]) if "const" in node else 0
     for key in ("dependentRequired", "dependencies"):
         fixed += sum(len(dep) for dep in node.get(key, {}).values() if isinstance(dep, list))
-    if _MEMBER_LOOPS.isdisjoint(node):
-        return fixed, 0
-    return fixed, 1 + len(node.get("patternProperties", ()))
+    per_member = 0 if _MEMBER_LOOPS.isdisjoint(node) else \
+        1 + len(node.get("patternProperties", ()))
+    checks: dict = {}
+    for key, val in node.items():
+        entry = _CHECKS.get(key)
+        if entry:       # keywords read together once; dependent* each, by their keyword
+            checks.setdefault(entry if entry in _TOGETHER.values() else key, (*entry, val))
+    return fixed, per_member, tuple(checks.values())
 
 
 def compile_schema(raw: bytes) -> Schema:

@@ -1799,7 +1799,7 @@ def _names_types(value: Any) -> bool:
     return bool(names) and all(isinstance(n, str) and n in _TYPES for n in names)
 
 
-def _strings(value: Any) -> bool:
+def _string_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(n, str) for n in value)
 
 
@@ -1808,7 +1808,7 @@ def _subschemas(key: str, val: Any) -> list[tuple[tuple, Any]]:
     keyword; an entry of dependencies that is an array of names is none."""
     if key in _SUBSCHEMA_MAPS or key == "dependencies":
         return [((name,), sub) for name, sub in val.items()
-                if key != "dependencies" or not _strings(sub)]
+                if key != "dependencies" or not _string_list(sub)]
     if key in _SUBSCHEMA_LISTS or (key == "items" and isinstance(val, list)):
         return [((i,), sub) for i, sub in enumerate(val)]
     return [((), val)] if key in _SUBSCHEMA_ONE or key == "items" else []
@@ -1833,7 +1833,7 @@ _FORMS: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "is not a non-negative integer")),
     "type": (_names_types, "names a type that does not exist"),
     "enum": (lambda v: isinstance(v, list), "is not an array"),
-    "required": (_strings, "is not an array of strings"),
+    "required": (_string_list, "is not an array of strings"),
     **dict.fromkeys(("pattern", "$ref"), (lambda v: isinstance(v, str), "is not a string")),
     "uniqueItems": (lambda v: isinstance(v, bool), "is not a boolean"),
 }
@@ -2053,7 +2053,7 @@ class Schema:
                               f"digits, more than the {MAX_MULTIPLE_OF_DIGITS} checked")
         elif key == "dependentRequired":
             for name, dep in val.items():
-                if not _strings(dep):
+                if not _string_list(dep):
                     raise SchemaError(f"{where}/{name} is not an array of strings")
         for place, sub in _subschemas(key, val):
             if key == "patternProperties":

@@ -149,6 +149,9 @@ if __name__ == "__main__" and globals().get("__spec__") is not None and \
         not getattr(sys.flags, "safe_path", False):
     sys.exit(SAFE_MODULE_RUN)
 
+import argparse
+import asyncio
+import base64
 import collections
 import contextlib
 import dataclasses
@@ -156,18 +159,27 @@ import datetime as _dt
 import hashlib
 import hmac
 import io
+import ipaddress
 import itertools
 import json
 import os
+import queue
 import re
+import secrets
+import select
 import shutil
 import signal
+import socket
+import sqlite3
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 import unicodedata
+import urllib.parse
 from decimal import Context, Decimal
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
 
 # flock, for a serving proxy's holder file (section 11), exists on every POSIX system. Where
 # it does not (Windows), a proxy holds no such file and its leases name none: a crashed
@@ -178,47 +190,9 @@ try:
 except ImportError:
     fcntl = None
 
-# Every annotation is a string (the __future__ import), so typing is for type checkers only;
-# argparse is imported by build_parser, which the command line every host configuration
-# gives (-config FILE) never needs (_serve_args). Neither is then imported before serve
-# spawns its servers.
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    import argparse
-    from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
-
-# What serving needs and starting its servers does not comes last: asyncio (with what it
-# loads, about a quarter of the start), sqlite3 and a few more. Run as the program, serve
-# spawns its stdio servers first (EarlyStart), so that they start while these are imported;
-# every other command, and any import of this module, has them at once.
-RUN_AS_PROGRAM = __name__ == "__main__"
-
-
-def _import_late() -> None:
-    """Import what serving needs beyond starting its servers (again: a no-op)."""
-    global asyncio, base64, copy, ipaddress, queue, secrets, select, socket, sqlite3, tempfile
-    global urllib, _TIMEOUT, SOCKET_TIMEOUTS
-    import asyncio
-    import base64
-    import copy
-    import ipaddress
-    import queue
-    import secrets
-    import select
-    import socket
-    import sqlite3
-    import tempfile
-    import urllib.parse
-    _TIMEOUT = getattr(asyncio, "timeout", None)       # Python 3.11 and later
-    SOCKET_TIMEOUTS = (TimeoutError, socket.timeout)   # one class from Python 3.10
-
-
-if not RUN_AS_PROGRAM:
-    _import_late()
-
-# Imported where first used, so that importing the module and serving stdio servers do not
-# pay for them: http.client (with the email package it loads) only for a server reached
-# over HTTP (section 15, _http_client), fractions only for Num.exact (section 3).
+# Imported where first used, so that starting the proxy does not pay for them: http.client
+# (with the email package it loads) only for a server reached over HTTP (section 15,
+# _http_client), fractions only for Num.exact (section 3).
 if TYPE_CHECKING:
     import http.client
     from fractions import Fraction
@@ -2080,9 +2054,7 @@ class Schema:
             raise SchemaError(f"$ref {_quote(ref)} is outside the schema; "
                               "only references within the schema are resolved")
         frag = ref[1:]
-        if "%" in frag:                 # unquote changes nothing else (and is imported late)
-            import urllib.parse
-            frag = urllib.parse.unquote(frag)
+        frag = urllib.parse.unquote(frag)
         if frag and not frag.startswith("/"):
             raise SchemaError(f"$ref {_quote(ref)} is not a JSON pointer")
         node, at = self.root, ()
@@ -4055,7 +4027,7 @@ def _lease_connection(path: str) -> sqlite3.Connection:
 # lock, and closing that descriptor would let go of its own; a flock belongs to the open
 # file description. That description is close-on-exec (os.open's default) and every child is
 # started with close_fds, so no server or on_pending command keeps it past the proxy (the
-# servers are started before the file exists in any case: EarlyStart, loading).
+# servers are started before the file exists in any case: loading comes first).
 #
 # A checker takes a shared lock, so that two proxies checking one dead holder at once both
 # see it gone; only the holder's exclusive lock refuses it. A holder it cannot check keeps
@@ -5273,46 +5245,34 @@ def _require_live_lease(tx: Tx, run_id: str, owner: str, database: str, wall: fl
         raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
 
 
-class _PastDeadline(Exception):
-    """in_time's end of an awaited future whose deadline came first."""
-
-
 async def in_time(aw: Awaitable, seconds: float) -> Any:
-    """``await aw`` under a deadline, raising asyncio.TimeoutError past the deadline and
-    ending what it waited for (a coroutine cancelled, a future set done, so that nothing
-    sets it later), as asyncio.wait_for does, with two differences. A future (an upstream's
-    answer) that is done when the deadline is judged is taken, never lost: its result
-    may have been set in the very turn of the loop in which the deadline fell due, and a
-    call that was answered in time must not be recorded as timed out. A coroutine (a tool
-    call, under the backstop past its own deadline) runs in the caller's task from Python
-    3.11 on, without the task wait_for wraps it in, which costs every call two more turns
-    of the loop; the backstop fires only when the call's own deadline has not,
-    TOOL_TIMEOUT_SLACK before, and what it cuts short is recorded as a timeout (for a call
-    that changes something, an outcome not known: an operator is asked before it runs
-    again)."""
-    if isinstance(aw, asyncio.Future):
-        # Awaited directly, so that an answer wakes the caller in one turn of the loop. The
-        # deadline is judged a turn after its timer fires: whatever was handled in that
-        # turn (an upstream's answer read and parsed by its reading task) is set first.
-        # The deadline ends the future with an exception of its own, never a cancel, so
-        # that a cancel of the caller in that same turn is not taken for the deadline: it
-        # reaches the caller as a cancel whatever ended the future.
-        loop = asyncio.get_running_loop()
+    """``await aw`` under a deadline: its result, or asyncio.TimeoutError once ``seconds``
+    have passed, with what it waited for cancelled (a coroutine runs as a task of its own).
+    The deadline is judged a turn of the loop after its timer fires, so that whatever that
+    turn handled (an upstream's answer read by its reading task) is set first: a call
+    answered in time is never recorded as timed out. A cancel of the caller cancels what it
+    waited for and reaches the caller as a cancel, never as the deadline."""
+    fut = asyncio.ensure_future(aw)
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
 
-        def judge() -> None:
-            if not aw.done():
-                aw.set_exception(_PastDeadline())
-        timer = loop.call_later(seconds, loop.call_soon, judge)
-        try:
-            return await aw              # an outside cancel cancels aw too
-        except _PastDeadline:
-            raise asyncio.TimeoutError() from None
-        finally:
-            timer.cancel()
-    if _TIMEOUT is None:
-        return await asyncio.wait_for(aw, seconds)
-    async with _TIMEOUT(seconds):
-        return await aw
+    def wake(_: Any = None) -> None:
+        if not woken.done():
+            woken.set_result(None)
+    fut.add_done_callback(wake)
+    timer = loop.call_later(seconds, loop.call_soon, wake)
+    try:
+        await woken
+    except asyncio.CancelledError:
+        fut.cancel()
+        raise
+    finally:
+        timer.cancel()
+        fut.remove_done_callback(wake)
+    if fut.done():
+        return fut.result()
+    fut.cancel()
+    raise asyncio.TimeoutError()
 
 
 async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observation:
@@ -6089,7 +6049,6 @@ CLOSE_WAIT = 5.0                      # each step of: close stdin, SIGTERM, SIGK
 # (start_new_session, done before exec like setpgid) makes the group, and drops a terminal
 # the server never needed.
 POPEN_PROCESS_GROUP = sys.version_info >= (3, 11)
-EXIT_POLL = 0.02                      # how often a closing server's exit is looked for
 DISCOVER_TIMEOUT = 5.0                # the era probe, within the connect deadline
 DEFAULT_CONNECT_TIMEOUT = 30.0
 HTTP_POOL = 4                         # idle keep-alive connections per HTTP server
@@ -6101,6 +6060,7 @@ HTTP_CLOSE_WAIT = 2.0                 # the session's DELETE at close, at most
 HTTP_BODY_SHOWN = 200                 # bytes of an unexpected HTTP answer quoted in an error
 # A socket's timeout: TimeoutError itself from Python 3.10, before that socket.timeout, an
 # OSError apart. Both are the deadline passing (outcome unknown), never a plain failure.
+SOCKET_TIMEOUTS = (TimeoutError, socket.timeout)
 # Envelope numbers are read from their literal, never converted exactly: an id or a code of
 # 1e20000000 costs seconds of CPU per conversion. The proxy's own ids are small positive
 # integers, so an answer's id matches only as those plain digits; a code is taken only from a
@@ -6449,47 +6409,18 @@ def _same_id(got: Any, want: int | None) -> bool:
     return want is not None and _answer_id(got) == want
 
 
-def spawn_server(argv: list[str], env: dict[str, str], cwd: str | None) -> subprocess.Popen:
-    """Start a stdio server: its own process group, pipes on its stdin, stdout and stderr,
-    killed with the proxy (Linux). Needs no event loop, so that serve can start its servers
-    before it imports asyncio (EarlyStart)."""
-    kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
-                              else {"start_new_session": True})
-    if sys.platform.startswith("linux"):
-        prctl = _prctl()
-        kwargs["preexec_fn"] = lambda: _contain_child(prctl)
-    try:
-        return subprocess.Popen([_executable(argv[0], cwd), *argv[1:]], bufsize=0,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=env, cwd=cwd, **kwargs)
-    except OSError as exc:
-        raise UpstreamError(f"cannot start {_quote(argv[0])}: {exc}") from None
+class _ServerPipes(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's own protocol for a child's pipes, with ``exited`` set when the child itself
+    exits: Process.wait() waits for its pipes too (Python 3.12 and later), and a descendant
+    may hold them open."""
 
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__(limit=MAX_FRAME + 1024, loop=loop)
+        self.exited = asyncio.Event()
 
-_WAITID = getattr(os, "waitid", None) if hasattr(os, "WNOWAIT") else None
-
-
-def _has_exited(proc: subprocess.Popen) -> bool:
-    """Whether the process has exited, leaving it unreaped where the system can (waitid
-    with WNOWAIT): until it is reaped its pid, and so its process group's id, cannot be
-    given to another process. Elsewhere poll(), which reaps."""
-    if proc.returncode is not None:
-        return True
-    if _WAITID is None:
-        return proc.poll() is not None
-    try:
-        return _WAITID(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:           # reaped already
-        return True
-
-
-def _end_group(proc: subprocess.Popen) -> None:
-    """SIGKILL what is left of the process's group, then reap the process. The group is
-    signalled only while the process is unreaped, when its id cannot be another group's."""
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.poll()
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited.set()
 
 
 class StdioUpstream(Upstream):
@@ -6501,37 +6432,50 @@ class StdioUpstream(Upstream):
         super().__init__(name)
         self.argv, self.env = argv, env
         self.cwd = cwd or None      # the configuration's directory (section 18)
-        self.proc: subprocess.Popen | None = None
-        self._stdin: asyncio.StreamWriter | None = None
-        self._stdout: asyncio.StreamReader | None = None
-        self._stderr: asyncio.StreamReader | None = None
-        self._pipes: list[asyncio.ReadTransport] = []
+        self.proc: asyncio.subprocess.Process | None = None
+        self._transport: asyncio.SubprocessTransport | None = None
+        self._exit: asyncio.Task | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._write_lock = asyncio.Lock()
         self._tail = bytearray()
         self._tasks: list[asyncio.Task] = []
         self._close_lock = asyncio.Lock()
 
-    async def start(self, spawned: subprocess.Popen | None = None) -> None:
-        """Spawn the server, or take the one ``spawned`` for it, and connect its pipes to
-        the event loop. A failure leaves it to close() to end."""
-        self.proc = spawned or spawn_server(self.argv, self.env, self.cwd)
+    async def start(self) -> None:
+        """Spawn the server: its own process group, killed with the proxy (Linux). Its exit
+        is watched from then on (_ended)."""
+        kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
+                                  else {"start_new_session": True})
+        if sys.platform.startswith("linux"):
+            prctl = _prctl()
+            kwargs["preexec_fn"] = lambda: _contain_child(prctl)
         loop = asyncio.get_running_loop()
-        self._stdout, self._stderr = (asyncio.StreamReader(limit=MAX_FRAME + 1024),
-                                      asyncio.StreamReader(limit=MAX_FRAME + 1024))
-        for reader, pipe in ((self._stdout, self.proc.stdout), (self._stderr, self.proc.stderr)):
-            transport, _ = await loop.connect_read_pipe(
-                lambda r=reader: asyncio.StreamReaderProtocol(r), pipe)
-            self._pipes.append(transport)
-        transport, protocol = await loop.connect_write_pipe(
-            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), self.proc.stdin)
-        self._stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        try:
+            self._transport, pipes = await loop.subprocess_exec(
+                lambda: _ServerPipes(loop), _executable(self.argv[0], self.cwd),
+                *self.argv[1:], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=self.env, cwd=self.cwd, **kwargs)
+        except OSError as exc:
+            raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
+        self.proc = asyncio.subprocess.Process(self._transport, pipes, loop)
+        self._exit = asyncio.create_task(self._ended(self.proc.pid, pipes.exited))
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
+
+    @staticmethod
+    async def _ended(pid: int, exited: asyncio.Event) -> None:
+        """Once the server itself has exited, SIGKILL what is left of its process group, in
+        the turn its exit is seen: while a member of the group lives, the group's id cannot
+        be given to another, and it is never signalled later, when it could lead another
+        group. A server that exits while connected leaves nothing of its group running."""
+        await exited.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
     async def _drain(self) -> None:
         """Keep the last STDERR_TAIL bytes of the server's stderr."""
+        stderr = self.proc.stderr
         while True:
-            chunk = await self._stderr.read(STDERR_TAIL)
+            chunk = await stderr.read(STDERR_TAIL)
             if not chunk:
                 return
             self._tail += chunk
@@ -6543,10 +6487,11 @@ class StdioUpstream(Upstream):
     async def _read(self) -> None:
         """Dispatch answers by id; a broken frame or EOF ends the connection."""
         reason = "the server closed its output"
+        stdout = self.proc.stdout
         try:
             while True:
                 try:
-                    line = await self._stdout.readuntil(b"\n")
+                    line = await stdout.readuntil(b"\n")
                 except asyncio.IncompleteReadError:
                     break
                 except asyncio.LimitOverrunError:
@@ -6568,11 +6513,6 @@ class StdioUpstream(Upstream):
                 if not fut.done():
                     fut.set_exception(UpstreamError(reason))
             self._pending.clear()
-            proc = self.proc
-            if proc is not None and _WAITID is not None:    # ended once it exits, not
-                await _exited(proc, CLOSE_WAIT)            # only at close()
-                if _has_exited(proc):
-                    _end_group(proc)
 
     async def _dispatch(self, msg: Message) -> None:
         if msg.method is None:
@@ -6586,11 +6526,12 @@ class StdioUpstream(Upstream):
 
     async def _write(self, data: bytes) -> None:
         async with self._write_lock:
-            if self._stdin is None or self._stdin.is_closing():
+            stdin = self.proc.stdin if self.proc is not None else None
+            if stdin is None or stdin.is_closing():
                 raise UpstreamError("the server's input is closed")
-            self._stdin.write(data)
+            stdin.write(data)
             try:
-                await self._stdin.drain()
+                await stdin.drain()
             except (ConnectionError, BrokenPipeError) as exc:
                 raise UpstreamError(f"the server's input is closed: {exc}") from None
 
@@ -6616,44 +6557,30 @@ class StdioUpstream(Upstream):
         await self._write(payload)
 
     async def close(self) -> None:
-        """Close stdin, wait, SIGTERM, wait, SIGKILL; then kill the whole process group.
-        Safe to call twice and while a call is in flight."""
+        """Close stdin, wait, SIGTERM, wait, SIGKILL, wait: the server's process group is
+        killed once it has exited (_ended). Safe to call twice and while a call is in
+        flight."""
         async with self._close_lock:
             proc, self.closed = self.proc, True
             if proc is None:
                 return
-            if self._stdin is not None:
-                self._stdin.close()
-            else:                           # its pipes were never connected
-                proc.stdin.close()
+            proc.stdin.close()
             for sig in (None, signal.SIGTERM, signal.SIGKILL):
-                if _has_exited(proc):
+                if self._exit.done():
                     break
-                if sig is not None:         # os.kill: send_signal would reap it first
+                if sig is not None:
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, sig)
-                await _exited(proc, CLOSE_WAIT)
-            _end_group(proc)
+                        proc.send_signal(sig)
+                await asyncio.wait({self._exit}, timeout=CLOSE_WAIT)
             for task in self._tasks:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(task, STDERR_WAIT)
-            # A descendant may still hold the pipes: they are closed here, each first
-            # taken from the event loop if it was connected to it.
-            if self._stdin is not None and self._stdin.transport.get_write_buffer_size():
-                self._stdin.transport.abort()       # what it never read is dropped
-            for transport in self._pipes:
-                transport.close()
-            for pipe in (proc.stdin, proc.stdout, proc.stderr):
-                pipe.close()
+            # A descendant may still hold the pipes: they are closed here, what the server
+            # never read dropped.
+            if proc.stdin.transport.get_write_buffer_size():
+                proc.stdin.transport.abort()
+            self._transport.close()
             self.proc = None
-
-
-async def _exited(proc: subprocess.Popen, timeout: float) -> None:
-    """Wait for the process itself to exit (not for its pipes: a descendant may hold them),
-    leaving it unreaped (_has_exited)."""
-    deadline = time.monotonic() + timeout
-    while not _has_exited(proc) and time.monotonic() < deadline:
-        await asyncio.sleep(EXIT_POLL)
 
 
 # ==== 16. Upstream client over streamable HTTP ====
@@ -7115,16 +7042,14 @@ def hash_string(text: str) -> str:
     return sha256_hex(encode_canonical(text))
 
 
-async def open_upstream(server: ServerConfig, deadline: float,
-                        early: "EarlyStart | None" = None) -> Upstream:
-    """Start or reach the server and settle its era, all within ``deadline``; a stdio
-    server ``early`` spawned is taken from it."""
+async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
+    """Start or reach the server and settle its era, all within ``deadline``."""
     if server.command:
         stdio = StdioUpstream(server.name, list(server.command),
                               child_env(server.inherit_env, server.env), server.cwd)
         conn: Upstream = stdio
         try:
-            await stdio.start(early.take(server.name) if early is not None else None)
+            await stdio.start()
         except BaseException:
             await stdio.close()
             raise
@@ -7149,10 +7074,9 @@ def _phase_error(server: ServerConfig, conn: Upstream, step: str,
                     (f"; stderr: {_quote(tail)}" if tail else ""))
 
 
-async def _connect_and_list(server: ServerConfig, early: "EarlyStart | None" = None,
-                            ) -> tuple[Upstream, list[LiveTool], float]:
+async def _connect_and_list(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
     deadline = time.monotonic() + server.connect_timeout
-    conn = await open_upstream(server, deadline, early)
+    conn = await open_upstream(server, deadline)
     try:
         tools = await asyncio.wait_for(conn.list_tools(deadline),
                                        max(0.0, deadline - time.monotonic()))
@@ -7445,12 +7369,12 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
-                      early: "EarlyStart | None" = None) -> tuple[list[UpstreamTool], Report]:
+                      ) -> tuple[list[UpstreamTool], Report]:
     """Connect, list, and register what passes every check. Nothing registered is an
     error that carries the report."""
     check_rules_pinned(server, pinned)
     rules = server.rule_map
-    conn, live_list, deadline = await _connect_and_list(server, early)
+    conn, live_list, deadline = await _connect_and_list(server)
     live = {t.name: t for t in live_list}
     report = Report(server.name, unpinned=sorted(set(live) - set(pinned)))
     tools: list[UpstreamTool] = []
@@ -7970,8 +7894,7 @@ def _reach_candidates(arg: str) -> list[str]:
     found = [arg] + [arg.split(sep, 1)[1] for sep in "=:" if sep in arg]
     if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
         found.append(arg[2:])
-    for cand in [c for c in found if ":" in c]:     # no scheme: urllib.parse (late) not needed
-        import urllib.parse
+    for cand in [c for c in found if ":" in c]:     # no colon: no scheme
         try:
             url = urllib.parse.urlsplit(cand)
         except ValueError:          # not a URL (an unclosed "[" host): no path to add
@@ -11188,6 +11111,7 @@ MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input
 READ_AHEAD_BYTES = 2 * MAX_FRAME       # the host's input read ahead of what is served
 READ_AHEAD_LINE_COST = 64              # ... counting what each line held costs beyond it
 WRITE_ROOM_POLL = 1.0                  # the writer thread's wait for room, between looks
+DRAIN_POLL = 0.02                      # how often a drain looks at what is left to write
 MAX_OUTPUT_BACKLOG = 4096              # answers queued for the host before its input waits
 BACKPRESSURE_POLL = 0.01
 NEEDS_TOOLS = ("tools/list", "tools/call")
@@ -11528,13 +11452,12 @@ def _id_key(raw: bytes | None) -> str:
 # classified).
 
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
-                     early: "EarlyStart | None" = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
     """Load every server as serving does; with ``emit``, every report line is handed to it,
     after a failure too. A failure closes what was opened; the reports made so far travel
-    with the error. ``early``: the servers serve spawned before the event loop ran."""
+    with the error."""
     try:
-        tools, reports = await _load_tools(cfg, early)
+        tools, reports = await _load_tools(cfg)
     except MCPError as exc:
         for report in getattr(exc, "reports", []) if emit else []:
             for line in report.lines():
@@ -11546,14 +11469,13 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
     return tools, reports
 
 
-async def _load_tools(cfg: Config, early: "EarlyStart | None" = None,
-                      ) -> tuple[list[UpstreamTool], list[Report]]:
+async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     """Every server is connected, listed and built at once, so start-up takes as long as the
     slowest server, not the sum. The results are taken in configuration order: the reports,
     the names registered and the error a failure gives are those of loading the servers one
     after another. After a failure the servers later in the order are stopped, and every
     server opened is closed."""
-    loads = [asyncio.create_task(_load_one(server, cfg.path, early)) for server in cfg.servers]
+    loads = [asyncio.create_task(_load_one(server, cfg.path)) for server in cfg.servers]
     tools: list[UpstreamTool] = []
     reports: list[Report] = []
     owners: dict[str, str] = {}
@@ -11600,9 +11522,7 @@ def read_pinned(server: ServerConfig, config_path: str = "") -> dict[str, Pinned
 
 
 async def _load_one(server: ServerConfig, config_path: str = "",
-                    early: "EarlyStart | None" = None) -> tuple[list[UpstreamTool], Report]:
-    if early is not None and server.name in early.pinned:
-        return await load_server(server, early.pinned[server.name], early)
+                    ) -> tuple[list[UpstreamTool], Report]:
     return await load_server(server, read_pinned(server, config_path))
 
 
@@ -11804,80 +11724,7 @@ def _decisions(cfg: Config, tools: list[UpstreamTool]) -> list[list[str]]:
     return rows
 
 
-class EarlyStart:
-    """serve, run as the program, spawns its stdio servers before it imports asyncio and
-    sqlite3, so that the servers start while it does: the two take about as long. Only a
-    start that loading would make anyway is made early. The checks before any server
-    starts have passed (check_database_owner, check_reach), and every server's manifest
-    has been read and covers its rules; else nothing is spawned here, and loading reports
-    what it always has. Loading takes each server from here as it connects it (open_upstream
-    closes it on a failure); close_rest ends any it never took. A SIGINT or SIGTERM before
-    the event loop handles them is noted, and ends the start as one while loading does."""
-
-    def __init__(self) -> None:
-        self.pinned: dict[str, dict[str, PinnedTool]] = {}
-        self.spawned: dict[str, subprocess.Popen] = {}
-        self.signalled = False
-
-    @classmethod
-    def begin(cls, cfg: Config) -> "EarlyStart":
-        early = cls()
-        try:
-            for server in cfg.servers:
-                pinned = read_pinned(server, cfg.path)
-                check_rules_pinned(server, pinned)
-                early.pinned[server.name] = pinned
-        except MCPError:
-            early.pinned.clear()
-            return early
-        before = {sig: signal.signal(sig, early._note)
-                  for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            for server in cfg.servers:
-                if server.command and not early.signalled:
-                    with contextlib.suppress(UpstreamError):    # loading tries it, says why
-                        early.spawned[server.name] = spawn_server(
-                            list(server.command), child_env(server.inherit_env, server.env),
-                            server.cwd or None)
-        except BaseException:          # one it could not even try (a NUL in its command)
-            early.close_rest()
-            for sig, handler in before.items():
-                signal.signal(sig, handler)
-            raise
-        return early
-
-    def _note(self, signum, frame) -> None:
-        self.signalled = True
-
-    def take(self, name: str) -> subprocess.Popen | None:
-        return self.spawned.pop(name, None)
-
-    def close_rest(self) -> None:
-        """End the servers spawned here that loading never took as StdioUpstream.close ends
-        one (close stdin, wait, SIGTERM, wait, SIGKILL, then the process group, then reap),
-        all of them at once, as loaded servers are closed."""
-        procs = list(self.spawned.values())
-        self.spawned.clear()
-        for proc in procs:
-            proc.stdin.close()
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            live = [proc for proc in procs if not _has_exited(proc)]
-            if not live:
-                break
-            for proc in live if sig is not None else ():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, sig)          # unreaped: the pid is still its own
-            deadline = time.monotonic() + CLOSE_WAIT
-            while time.monotonic() < deadline and not all(_has_exited(p) for p in live):
-                time.sleep(EXIT_POLL)
-        for proc in procs:
-            _end_group(proc)
-            proc.stdout.close()
-            proc.stderr.close()
-
-
-async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
-                    early: EarlyStart | None = None) -> int:
+async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     """Serve the host on stdin and stdout until EOF or a signal. The host is read from the
     start: the handshake is answered while the servers load, and the requests for tools
     wait for loading (section 23). A signal during start-up ends it as cleanly as one while
@@ -11889,8 +11736,6 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    if early is not None and early.signalled:
-        stop.set()
     writer = LineWriter(stdout, lambda: loop.call_soon_threadsafe(stop.set))
     host = HostServer(None, writer.write, out.log)
     lines = LineReader(stdin, loop)
@@ -11907,17 +11752,15 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
         ended.set()
     reader = asyncio.create_task(feed())
     try:
-        started = await _start_serving(cfg, out, stop, early)
+        started = await _start_serving(cfg, out, stop)
     except BaseException:
         host.refuse(START_FAILED)
         reader.cancel()
-        lines.close()
         await asyncio.to_thread(writer.drain, WRITE_DRAIN)
         raise
     if started is None:                  # a signal while connecting: nothing to finish
         host.refuse(STOPPED_LOADING)
         reader.cancel()
-        lines.close()
         await asyncio.to_thread(writer.drain, WRITE_DRAIN)
         out.log("stopped before serving")
         return 0
@@ -11932,8 +11775,6 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
     finally:
         await drift.close()
         reader.cancel()
-        lines.close()
-        writer.close()
         await close_tools(tools)
         proxy.close()
         store.close()
@@ -11941,7 +11782,6 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout,
 
 
 async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
-                         early: EarlyStart | None = None,
                          ) -> tuple[list[UpstreamTool], Store, Proxy] | None:
     """Load the servers, open the store, build the proxy; None when ``stop`` came first
     (then nothing is left open). On a failure, what was opened is closed.
@@ -11950,7 +11790,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
     the loop only waits for them meanwhile; a failure to load them still comes first, and
     the store opened beside it is closed. A database that does not exist yet is created
     only once the servers have loaded, so that a start that fails creates nothing."""
-    loading = asyncio.create_task(load_tools(cfg, out.log, early))
+    loading = asyncio.create_task(load_tools(cfg, out.log))
     opening = (asyncio.ensure_future(asyncio.to_thread(Store.open, cfg.database))
                if os.path.lexists(cfg.database) else None)
     stopped = asyncio.create_task(stop.wait())
@@ -12017,55 +11857,6 @@ async def _first_of(*events: asyncio.Event) -> None:
             w.cancel()
 
 
-class _Private:
-    """A non-blocking handle of the host's own on one of the proxy's standard streams, that
-    changes nothing for any other holder of the stream: a pipe or a terminal opened again
-    through /proc/self/fd (a file description of its own, O_NONBLOCK on it alone), a socket
-    read and written with MSG_DONTWAIT on a duplicate. None where neither can be had (a
-    file, a system without /proc, a stream with no descriptor): the caller keeps a thread
-    that may block instead. A read or a write that would block raises BlockingIOError."""
-
-    def __init__(self, fd: int, sock: "socket.socket | None"):
-        self.fd, self.sock = fd, sock
-
-    @classmethod
-    def open(cls, stream, writing: bool) -> "_Private | None":
-        try:
-            fd = stream.fileno()
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISSOCK(mode) and hasattr(socket, "MSG_DONTWAIT"):
-                sock = socket.socket(fileno=os.dup(fd))
-                return cls(sock.fileno(), sock)
-            if stat.S_ISFIFO(mode) or (stat.S_ISCHR(mode) and not writing):
-                flags = (os.O_WRONLY if writing else os.O_RDONLY) | os.O_NONBLOCK | \
-                    getattr(os, "O_NOCTTY", 0)
-                own = os.open(f"/proc/self/fd/{fd}", flags)
-                if not os.path.samestat(os.fstat(own), os.fstat(fd)):
-                    os.close(own)        # not the same stream after all
-                    return None
-                return cls(own, None)
-        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-            pass
-        return None
-
-    def read(self, size: int) -> bytes:
-        if self.sock is not None:
-            return self.sock.recv(size, socket.MSG_DONTWAIT)
-        return os.read(self.fd, size)
-
-    def write(self, data: bytes) -> int:
-        if self.sock is not None:
-            return self.sock.send(data, socket.MSG_DONTWAIT)
-        return os.write(self.fd, data)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.sock is not None:
-                self.sock.close()
-            else:
-                os.close(self.fd)
-
-
 def _write_all(fd: int, data: bytes) -> None:
     """Write all of ``data``, waiting for room (this thread may wait): the descriptor may
     be non-blocking, set so by the host or another holder of it."""
@@ -12078,36 +11869,20 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class LineWriter:
-    """Messages to the host. Written from the caller, without blocking, through a private
-    non-blocking handle (_Private) while nothing written earlier is still queued: what the
-    host's pipe or socket has no room for right now is queued, in order, for a daemon
-    thread, which writes it through the stream itself; so is everything where no such
-    handle can be had. A host that stops reading never blocks the event loop (nor, with
-    it, the handling of a signal). A write that fails means the host is gone: ``gone`` is
-    called and later messages are dropped."""
+    """Messages to the host, written in order by a daemon thread of their own, so that a
+    host that stops reading never blocks the event loop (nor, with it, the handling of a
+    signal); the host's input is read no further while MAX_OUTPUT_BACKLOG of them wait
+    (HostServer.room). A write that fails means the host is gone: ``gone`` is called and
+    later messages are dropped."""
 
     def __init__(self, stream, gone: Callable[[], None]):
         self.stream, self.gone = stream, gone
         self.queue: queue.Queue = queue.Queue()
         self.broken = False
-        self._lock = threading.Lock()     # a direct write against a queued one
-        self._own = _Private.open(stream, writing=True)
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdout").start()
 
     def write(self, data: bytes) -> None:
-        with self._lock:
-            if self._own is not None and not self.queue.unfinished_tasks and not self.broken:
-                try:
-                    data = data[self._own.write(data):]
-                except (BlockingIOError, InterruptedError):
-                    pass                 # no room now: the thread waits for it
-                except OSError:
-                    self.broken = True
-                    self.gone()
-                    return
-                if not data:
-                    return
-            self.queue.put(data)         # the rest of a line, in order, before any other
+        self.queue.put(data)
 
     def _run(self) -> None:
         try:
@@ -12134,15 +11909,8 @@ class LineWriter:
         """Wait, at most ``timeout``, until every message is written."""
         deadline = time.monotonic() + timeout
         while self.queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(EXIT_POLL)
+            time.sleep(DRAIN_POLL)
         return not self.queue.unfinished_tasks
-
-    def close(self) -> None:
-        """Stop writing from the caller (the private handle closed); the thread goes on."""
-        with self._lock:
-            own, self._own = self._own, None
-            if own is not None:
-                own.close()
 
 
 class _LineCutter:
@@ -12185,75 +11953,22 @@ def _read_ahead_cost(line: bytes) -> int:
 
 
 class LineReader:
-    """Lines of the host's input. Where a private non-blocking handle on it can be had (a
-    pipe, a socket, a terminal: _Private), the event loop reads it when it is readable, and
-    a read never blocks, even when another holder of the stream took what made it
-    readable; otherwise (a file, a stream with no descriptor) a daemon thread reads it, so
-    that a signal can end serving while a read is blocked. The descriptor is read
-    directly: a thread blocked inside a buffered reader would hold its lock when the
-    interpreter shuts down.
+    """Lines of the host's input, read by a daemon thread of their own, so that a signal can
+    end serving while a read is blocked. The descriptor is read directly: a thread blocked
+    inside a buffered reader would hold its lock when the interpreter shuts down.
 
-    Lines read but not yet taken are bounded: past READ_AHEAD_BYTES no more is read, so a
-    host that writes faster than the proxy serves waits, instead of the proxy holding its
-    input without bound. Each line counts READ_AHEAD_LINE_COST beyond its bytes, what
-    holding it costs, so that a flood of empty lines is bounded as a long one is."""
+    Lines read but not yet taken are bounded: past READ_AHEAD_BYTES the thread reads no
+    more until some are taken, so a host that writes faster than the proxy serves waits,
+    instead of the proxy holding its input without bound. Each line counts
+    READ_AHEAD_LINE_COST beyond its bytes, what holding it costs, so that a flood of empty
+    lines is bounded as a long one is."""
 
     def __init__(self, stream, loop: asyncio.AbstractEventLoop):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stream, self.loop = stream, loop
         self._ahead = 0
-        self._lines = _LineCutter()
-        self._own = _Private.open(stream, writing=False)   # None: a thread reads
-        self._watching = self._ended = False
         self._room = threading.Condition()
-        if self._own is not None:
-            try:
-                loop.add_reader(self._own.fd, self._readable)
-                self._watching = True
-            except (NotImplementedError, ValueError, OSError):
-                self._own.close()        # a loop that cannot watch it
-                self._own = None
-        if self._own is None:
-            threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
-
-    # -- read by the loop --
-
-    def _readable(self) -> None:
-        try:
-            chunk = self._own.read(READ_CHUNK)
-        except (BlockingIOError, InterruptedError):
-            return                       # taken by another holder: wait for the next
-        except (OSError, ValueError):
-            chunk = b""
-        if not chunk:
-            self.close()
-            for line in self._lines.rest():
-                self._enqueue(line)
-            self.queue.put_nowait(None)
-            return
-        for line in self._lines.feed(chunk):
-            self._enqueue(line)
-        if self._ahead > READ_AHEAD_BYTES:
-            self._unwatch()
-
-    def _enqueue(self, line: bytes) -> None:
-        self._ahead += _read_ahead_cost(line)
-        self.queue.put_nowait(line)
-
-    def _unwatch(self) -> None:
-        if self._watching:
-            self._watching = False
-            self.loop.remove_reader(self._own.fd)
-
-    def close(self) -> None:
-        """Stop reading: the loop's watch ended and the private handle closed (a reading
-        thread is a daemon, and ends with the process)."""
-        if self._own is not None and not self._ended:
-            self._unwatch()
-            self._ended = True
-            self._own.close()
-
-    # -- read by a thread --
+        threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
     def _chunks(self) -> Iterable[bytes]:
         try:
@@ -12268,11 +11983,12 @@ class LineReader:
             yield chunk
 
     def _run(self) -> None:
+        lines = _LineCutter()
         try:
             for chunk in self._chunks():
-                for line in self._lines.feed(chunk):
+                for line in lines.feed(chunk):
                     self._put(line)
-            for line in self._lines.rest():
+            for line in lines.rest():
                 self._put(line)
         except (OSError, ValueError):
             pass
@@ -12284,22 +12000,15 @@ class LineReader:
                 while self._ahead > READ_AHEAD_BYTES:
                     self._room.wait()
                 self._ahead += _read_ahead_cost(item)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        with contextlib.suppress(RuntimeError):     # the loop is closed: serving ended
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self) -> bytes | None:
         item = await self.queue.get()
-        if item is None:
-            return None
-        cost = _read_ahead_cost(item)
-        if self._own is None:            # a thread reads
+        if item is not None:
             with self._room:
-                self._ahead -= cost
+                self._ahead -= _read_ahead_cost(item)
                 self._room.notify()
-        else:
-            self._ahead -= cost
-            if not self._ended and not self._watching and self._ahead <= READ_AHEAD_BYTES:
-                self._watching = True
-                self.loop.add_reader(self._own.fd, self._readable)
         return item
 
 
@@ -13495,7 +13204,6 @@ def _flags(parser: argparse.ArgumentParser, *specs: tuple) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import argparse
 
     class _CommandLine(argparse.ArgumentParser):
         """argparse that reports a usage error instead of exiting."""
@@ -13538,25 +13246,6 @@ def build_parser() -> argparse.ArgumentParser:
         if name not in _PROXY_COMMANDS or name == "recheck":   # -json after the command too
             _flags(parser, ("json", {"action": "store_true", "default": argparse.SUPPRESS}))
     return top
-
-
-class _ServeArgs:
-    """The arguments build_parser gives serve (and main's default command): config alone."""
-
-    def __init__(self, config: str):
-        self.command, self.config, self.db, self.json = "serve", config, None, False
-
-
-def _serve_args(argv: list[str]) -> _ServeArgs | None:
-    """``-config FILE`` or ``serve -config FILE`` (either with ``--config``), read without
-    argparse, which takes about 12 ms to import and build before serve could spawn its
-    servers; None for every other command line, which build_parser reads. FILE is taken
-    only where argparse would take it: a value that is not empty and is no flag."""
-    rest = argv[1:] if argv[:1] == ["serve"] else argv
-    if len(rest) == 2 and rest[0] in ("-config", "--config") and rest[1] and \
-            not rest[1].startswith("-"):
-        return _ServeArgs(rest[1])
-    return None
 
 
 class Out:
@@ -14673,7 +14362,6 @@ def run_proxy_command(args, out: Out) -> int:
             raise UsageError("recheck: -limit must be positive")
     if args.command == "serve":
         return _serve(args, out)
-    _import_late()
     if args.command == "wrap":          # its configuration does not exist yet
         return asyncio.run(cmd_wrap(args, out))
     cfg = load_config(args.config)
@@ -14685,25 +14373,12 @@ def run_proxy_command(args, out: Out) -> int:
 
 
 def _serve(args, out: Out) -> int:
-    """Run as the program, the servers are spawned before asyncio is imported (EarlyStart).
-    Whatever fails before the event loop runs, asyncio is imported, so that the failure is
-    reported as any other."""
-    early = None
-    try:
-        try:
-            cfg = load_config(args.config)
-            check_database_owner(cfg.database)
-            check_reach(cfg)
-            if RUN_AS_PROGRAM:
-                early = EarlyStart.begin(cfg)
-        finally:
-            _import_late()
-        stdin = getattr(out.stdin, "buffer", out.stdin)
-        stdout = getattr(out.stdout, "buffer", out.stdout)
-        return asyncio.run(cmd_serve(cfg, out, stdin, stdout, early))
-    finally:
-        if early is not None:
-            early.close_rest()
+    cfg = load_config(args.config)
+    check_database_owner(cfg.database)
+    check_reach(cfg)
+    stdin = getattr(out.stdin, "buffer", out.stdin)
+    stdout = getattr(out.stdout, "buffer", out.stdout)
+    return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
 
 
 # ==== 32. The webhook: the HTTP approval channel ====
@@ -15394,14 +15069,13 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
         return 0
     args = None
     try:
-        args = _serve_args(argv) or build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
         if not args.command and args.config and not args.db:
             args.command = "serve"
         if not args.command:
             raise UsageError("no command given")
         if args.command in _PROXY_COMMANDS:
             return run_proxy_command(args, out)
-        _import_late()
         if args.command in _HOOK_COMMANDS:
             return _HOOK_COMMANDS[args.command](args, out)
         return run_operator(args, out)

@@ -6,10 +6,8 @@
 - A transaction inside a batch joins the batch only on the batch's own thread: another
   thread's transaction waits for the batch to end and is never part of it.
 - A deadline on an upstream call (in_time) raises asyncio.TimeoutError and cancels what it
-  waited for, as asyncio.wait_for does; from Python 3.11 on the upstream call runs in the
-  caller's own task (no task of its own, two turns of the event loop fewer each call). An
-  answer set in the very turn its deadline falls due is taken, on every version (3.12's
-  wait_for loses it).
+  waited for, as asyncio.wait_for does. An answer set in the very turn its deadline falls
+  due is taken, on every version (3.12's wait_for loses it).
 - A call's arguments are parsed once: the host's arguments, parsed strictly for their
   request key, travel with the call as the strict parse of the proxy's own encoding of
   them, which every later reader reads (the schema check, the policy's copy, the record,
@@ -178,28 +176,6 @@ def test_an_outside_cancel_cancels_the_answer_awaited():
     assert asyncio.run(trial())
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is new in 3.11")
-def test_an_upstream_call_runs_in_the_callers_task(tmp_path):
-    class Watched(InstantServer):
-        async def call_tool(self, remote, args, timeout):
-            tasks.append(asyncio.current_task())
-            return await super().call_tool(remote, args, timeout)
-
-    tasks: list = []
-    h = ProxyHarness(tmp_path, rules=RULES)
-    proxy = instant_proxy(h, Watched())
-
-    async def call():
-        caller = asyncio.current_task()
-        result = await proxy.call("bank_balance", b'{"account":"A-1"}')
-        return caller, result
-    try:
-        caller, result = h.run(call())
-        assert not result.get("isError"), result
-        assert tasks == [caller]
-    finally:
-        proxy.close()
-        h.close()
 
 
 def test_another_threads_transaction_waits_for_a_batch_and_is_not_part_of_it(tmp_path):

@@ -1,17 +1,14 @@
-"""The host's pipes: read by the event loop where it can watch them, written from it where a
-write cannot block, and through a thread otherwise, with the same lines and the same order
-either way.
+"""The host's pipes: read by a thread and written by a thread, so that the event loop never
+waits on the host, with every line whole and in order.
 
-- LineReader on a pipe reads in the loop (no reading thread), on a stream without a
-  descriptor through its thread; both cut the same lines: a long line cut at MAX_FRAME and
-  the rest of it skipped, a last line without its line end, and EOF.
+- LineReader on a pipe and on a stream without a descriptor cuts the same lines: a long line
+  cut at MAX_FRAME and the rest of it skipped, a last line without its line end, and EOF.
 - Either way the host's input is read ahead by a bounded amount while nothing is taken.
-- LineWriter writes a short message to a pipe with room at once, from the caller; a message
-  past PIPE_BUF, one written while the pipe is full, and every one after a queued one go
-  through the thread, in the order written.
+- LineWriter writes messages of every size in the order written, without blocking its
+  caller.
 - A write to a host that is gone calls ``gone`` and drops what follows.
-- Another holder of the host's input that takes what made it readable does not block the
-  loop; a pipe filled by another writer, or a socket whose send buffer has no room for an
+- A read that waits for the host does not block the loop; a pipe filled by another writer,
+  or a socket whose send buffer has no room for an
   answer, does not block it either, and the answer still arrives whole and in order.
 - A flood of empty lines is read ahead by a bounded amount too (each line counts
   READ_AHEAD_LINE_COST beyond its bytes).
@@ -53,13 +50,8 @@ class NoDescriptor:
         self.file.close()
 
 
-def _stdin_threads() -> int:
-    return sum(t.name == "agentrt-proxy-stdin" for t in threading.enumerate())
-
-
-def _read_all(stream_of, data: bytes) -> tuple[list, int]:
-    """Every line a LineReader gives for ``data`` written to a pipe, and how many reading
-    threads it started."""
+def _read_all(stream_of, data: bytes) -> list:
+    """Every line a LineReader gives for ``data`` written to a pipe."""
     r, w = os.pipe()
 
     def feed() -> None:
@@ -69,10 +61,8 @@ def _read_all(stream_of, data: bytes) -> tuple[list, int]:
         os.close(w)
 
     async def body():
-        before = _stdin_threads()
         stream = stream_of(r)
         reader = ap.LineReader(stream, asyncio.get_running_loop())
-        started = _stdin_threads() - before
         writer = threading.Thread(target=feed)
         writer.start()
         lines = []
@@ -82,9 +72,8 @@ def _read_all(stream_of, data: bytes) -> tuple[list, int]:
             if line is None:
                 break
         writer.join(WAIT)
-        reader.close()
         stream.close()
-        return lines, started
+        return lines
     return asyncio.run(body())
 
 
@@ -97,12 +86,11 @@ def test_the_reader_cuts_the_same_lines_either_way(kind):
     # (and then refused unparsed), the rest of it skipped up to its line end.
     long_line = b"x" * (ap.MAX_FRAME + 3 * ap.READ_CHUNK) + b"\n"
     data = b'{"a":1}\n\n' + long_line + b'{"b":2}\n' + b'{"c":3}'
-    lines, started = _read_all(STREAMS[kind], data)
+    lines = _read_all(STREAMS[kind], data)
     assert lines[0] == b'{"a":1}\n'
     assert lines[1] == b"\n"
     assert len(lines[2]) == ap.MAX_FRAME + 1 and lines[2] == b"x" * (ap.MAX_FRAME + 1)
     assert lines[3:] == [b'{"b":2}\n', b'{"c":3}', None]
-    assert started == (0 if kind == "pipe" else 1)
 
 
 @pytest.mark.parametrize("kind", list(STREAMS))
@@ -138,7 +126,6 @@ def test_the_reader_reads_ahead_a_bounded_amount_either_way(kind, size):
         taken = 0
         while (got := await reader.next()) is not None:     # body() has a deadline
             taken += len(got)             # read to its end: taking more reads more
-        reader.close()
         stream.close()
         return sent, taken
     sent, taken = asyncio.run(asyncio.wait_for(body(), 120))
@@ -167,57 +154,22 @@ def _read_pipe(fd: int, want: int) -> bytes:
     return got
 
 
-def test_a_short_message_to_a_pipe_with_room_is_written_at_once():
-    r, w = os.pipe()
-    writer = _writer(w)
-    writer.write(b'{"id":1}\n')
-    # Written before write() returned: nothing was queued for the thread.
-    assert writer.queue.unfinished_tasks == 0
-    assert os.read(r, 100) == b'{"id":1}\n'
-    os.close(r)
-
-
-def test_what_cannot_be_written_at_once_goes_through_the_thread_in_order():
+def test_messages_of_every_size_are_written_in_order_without_blocking_the_caller():
     r, w = os.pipe()
     writer = _writer(w)
     size = 64 * 1024                      # more than the pipe holds: the thread blocks
     big = b"B" * (size - 1) + b"\n"
     small = [b'{"id":%d}\n' % i for i in range(50)]
-    queued = []
 
     def write() -> None:
-        writer.write(b"first\n")          # at once
-        writer.write(big)                 # past PIPE_BUF: the thread
-        for msg in small:                 # queued behind it, never ahead
+        writer.write(b"first\n")
+        writer.write(big)
+        for msg in small:
             writer.write(msg)
-        queued.append(writer.queue.unfinished_tasks)
     blocked = _blocks(write)
     want = b"first\n" + big + b"".join(small)
     got = _read_pipe(r, len(want))
     assert not blocked, "a write while the thread was writing blocked its caller"
-    assert queued[0] > 0
-    assert got == want
-    assert writer.drain(WAIT)
-    os.close(r)
-
-
-def test_a_message_written_while_the_pipe_is_full_waits_for_the_thread():
-    r, w = os.pipe()
-    writer = _writer(w)
-    filler = b"f" * (ap.select.PIPE_BUF - 1) + b"\n"
-    sent = []
-
-    def fill() -> None:
-        # Short messages written at once until the pipe has no room; then they queue.
-        while writer.queue.unfinished_tasks == 0 and len(sent) < 10_000:
-            writer.write(filler)
-            sent.append(filler)
-        writer.write(b"last\n")
-    blocked = _blocks(fill)
-    want = b"".join(sent) + b"last\n"
-    got = _read_pipe(r, len(want))
-    assert not blocked, "a write to a full pipe blocked its caller"
-    assert writer.queue.unfinished_tasks > 0 or len(sent) < 10_000
     assert got == want
     assert writer.drain(WAIT)
     os.close(r)
@@ -248,11 +200,10 @@ def test_a_writer_on_a_stream_without_a_descriptor_uses_its_thread():
     assert sink.getvalue() == b"".join(b"%d\n" % i for i in range(20))
 
 
-def test_input_taken_by_another_holder_does_not_block_the_loop():
-    """The pipe turns readable, another reader of it takes the bytes first (here in the same
-    turn, before the reader's callback): the reader finds nothing, and the loop goes on. The
-    next line is written only once the loop has turned BEATS times more: a reader that
-    blocked the loop on its read would hold it until WAIT, when the line is written anyway."""
+def test_a_read_that_waits_does_not_block_the_loop():
+    """The reader waits for the host's next line: the line is written only once the loop has
+    turned BEATS times more, so a reader that blocked the loop on its read would hold it
+    until WAIT, when the line is written anyway."""
     r, w = os.pipe()
     went_on, in_time = threading.Event(), []
 
@@ -269,12 +220,9 @@ def test_input_taken_by_another_holder_does_not_block_the_loop():
         loop = asyncio.get_running_loop()
         reader = ap.LineReader(os.fdopen(r, "rb", buffering=0), loop)
         await asyncio.sleep(0.05)
-        os.write(w, b'{"id":1}\n')
-        loop.call_soon(os.read, r, 65536)          # the other holder wins the race
         threading.Thread(target=write_once_the_loop_goes_on, daemon=True).start()
         beating = asyncio.create_task(beat())
         line = await reader.next()
-        reader.close()
         await beating
         return line
     line = asyncio.run(asyncio.wait_for(work(), 2 * WAIT))

@@ -500,7 +500,7 @@ def test_closing_servers_that_ignore_eof_and_sigterm_is_bounded_overall(tmp_path
         deadline = time.monotonic() + READY_WAIT      # each has installed its handler
         while not all((tmp_path / f"ready{i}").exists() for i in range(3)):
             assert time.monotonic() < deadline, "the servers did not start"
-            await asyncio.sleep(ap.EXIT_POLL)
+            await asyncio.sleep(0.02)
         holders = [types.SimpleNamespace(conn=c) for c in conns]
         await ap.close_tools(holders)
         for conn in conns:

@@ -3106,6 +3106,7 @@ class Store:
         self._lock = threading.RLock()          # held by the thread whose transaction is open
         self._open: Tx | None = None            # that transaction
         self._failed = False                    # a change inside it failed: it rolls back
+        self._level = "FULL"                    # PRAGMA synchronous, as last set; None: unknown
         self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
         exists = check_database_file(path, writer=not readonly)
         if not exists:
@@ -3187,7 +3188,7 @@ class Store:
                 "proxy that owns it once to migrate it")
 
     @contextlib.contextmanager
-    def tx(self):
+    def tx(self, synced: bool = True):
         """A write transaction, and the one way anything the proxy records is written: the
         place that keeps "every state change is committed with its audit record before the
         host is answered, and a mutating call's attempt is committed before its request
@@ -3197,13 +3198,21 @@ class Store:
         the Tx handed out here, so every state change and its events (Tx.event, chained) are
         in one transaction, begun IMMEDIATE (it takes the write lock before anything in it
         is read, so a compare-and-set read cannot be overtaken). COMMIT runs under
-        synchronous=FULL, set when the store opens and never changed: SQLite has synced the
-        WAL before this block returns, so whatever the caller does next (answer the host,
-        send a call's request upstream) rests on a record on disk. A tx() inside this
-        thread's open transaction is part of it (several changes with nothing outside in
-        between, one commit: a call's run, step, decision and start), and a failure inside
-        fails all of it (_Within); another thread waits for the lock. A tool is never
-        called inside an open transaction (Session.call_started).
+        synchronous=FULL: SQLite has synced the WAL before this block returns, so whatever
+        the caller does next (answer the host, send a call's request upstream) rests on a
+        record on disk. A tx() inside this thread's open transaction is part of it, at its
+        level (several changes with nothing outside in between, one commit: a call's run,
+        step, decision and start), and a failure inside fails all of it (_Within); another
+        thread waits for the lock. A tool is never called inside an open transaction
+        (Session.call_started).
+
+        ``synced=False`` commits under synchronous=NORMAL (written to the WAL, not synced),
+        for two writes only, each measured to cost a sync the answer does not need: the
+        start of an allowed read-only call no limit counts (Gate.start: its request changes
+        nothing, and its outcome's commit, synced before the answer, syncs the WAL that
+        holds it, written in order), and a refusal's count (RefusalLog: a power loss may
+        lose the last counts, never a run's record). The level is set before each BEGIN
+        that needs another than the last, never inside a transaction.
 
         Two writes record no event, both of lease fields only, which are an executor's
         claim on a run and not its record: Leases.renew extends a lease every ttl/3 on its
@@ -3219,7 +3228,12 @@ class Store:
                     yield tx
                 return
             self._check_wal()
+            level = "FULL" if synced else "NORMAL"
             try:
+                if self._level != level:
+                    self._level = None      # unknown until the PRAGMA succeeds
+                    self.conn.execute(f"PRAGMA synchronous={level}")
+                    self._level = level
                 self.conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
                 raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
@@ -3946,7 +3960,7 @@ class Gate:
         judged = self._prejudge(run_id, step_id, goal, limits, decision)
         session = None
         try:
-            with self.store.tx():
+            with self.store.tx(synced=not self._unsynced_read(decision, judged)):
                 session = self.begin(run_id, goal, limits)
                 if also is not None:
                     also()
@@ -3961,6 +3975,15 @@ class Gate:
                 session._let_go()
             raise
         return session, verdict
+
+    def _unsynced_read(self, decision: Decision, judged: "_Judged") -> bool:
+        """Whether a call's start may commit unsynced (Store.tx): a read-only call the
+        policy allows outright and no limit counts."""
+        tool = tool_of(self, decision)
+        return tool is not None and tool.spec.side_effect == "read_only" and \
+            not judged.problem and judged.error is None and judged.decision is not None and \
+            judged.decision.outcome == "allow" and \
+            not (self.budget is not None and self.budget.counts(decision.tool))
 
     def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
                   decision: Decision) -> "_Judged":
@@ -9389,7 +9412,8 @@ _REFUSALS_SQL = """CREATE TABLE proxy_refusals (
 
 class RefusalLog:
     """proxy_refusals: each refusal of a call, against the run it names (the earlier
-    execution of a DUPLICATE, the rejected, expired or cancelled run, the run that blocks)."""
+    execution of a DUPLICATE, the rejected, expired or cancelled run, the run that blocks).
+    Written unsynced (Store.tx): a power loss may lose the last counts, never a run's record."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -9398,7 +9422,7 @@ class RefusalLog:
         """Count one refusal. It waits for the write lock at most REFUSAL_WAIT_MS, not the
         store's busy timeout: another process's long write costs a count (told to the
         operator), never a stall of this proxy's decisions."""
-        with self.store.waiting_at_most(REFUSAL_WAIT_MS), self.store.tx() as tx:
+        with self.store.waiting_at_most(REFUSAL_WAIT_MS), self.store.tx(synced=False) as tx:
             tx.exec("INSERT INTO proxy_refusals VALUES (?,?,?,1,?,?) ON CONFLICT (run_id, "
                     "request_key, answer) DO UPDATE SET count=count+1, last_at=excluded.last_at",
                     (run_id, key, answer, now, now))

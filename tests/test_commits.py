@@ -1,9 +1,11 @@
 """Which commits a call makes, and that each is on disk before what rests on it leaves.
 
 - Every commit runs under synchronous=FULL (DESIGN.md section 5): SQLite syncs the WAL
-  before COMMIT returns, and the level is never changed on the store's connection.
+  before COMMIT returns. Two exceptions commit unsynced (NORMAL): the start of an allowed
+  read no limit counts, whose outcome's synced commit, before the answer, syncs the WAL
+  holding it; and a refusal's count. A counted read's start is synced.
 - An allowed read-only or mutating call commits its start before its request leaves for the
-  server, and its outcome before the call is answered.
+  server, and its outcome before the call is answered; a mutating call's start is synced.
 - A held call and a denied read: every commit synced, all before the answer.
 - Every write of the store's connection is inside a transaction begun IMMEDIATE (Store.tx),
   and every transaction that changes a run, a step or an approval records an event in it.
@@ -115,9 +117,24 @@ def test_allowed_read_commits_its_start_before_the_request_and_its_outcome_befor
     h, proxy, box = traced
     result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":"A-1"}')
     assert not result["isError"], result
-    assert trace.commits() == ["FULL", "-- upstream called", "FULL", "-- answered"]
+    assert trace.commits() == ["NORMAL", "-- upstream called", "FULL", "-- answered"]
     assert trace.level_of_a_synced_transaction() == FULL
     assert_each_change_with_its_event(trace)
+
+
+def test_a_read_a_limit_counts_starts_synced(tmp_path):
+    rules = dict(RULES, balance={"side_effect": "read_only", "timeout": "10s",
+                                 "limits": [{"calls": 3, "per": "1h"}]})
+    h = ProxyHarness(tmp_path, rules=rules)
+    box: list = [None]
+    proxy = instant_proxy(h, MarkingServer(box))
+    try:
+        result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":"A-1"}')
+        assert not result["isError"], result
+        assert trace.commits() == ["FULL", "-- upstream called", "FULL", "-- answered"]
+    finally:
+        proxy.close()
+        h.close()
 
 
 def test_allowed_mutation_start_is_synced_before_the_request_leaves(traced):
@@ -129,13 +146,14 @@ def test_allowed_mutation_start_is_synced_before_the_request_leaves(traced):
     assert_each_change_with_its_event(trace)
 
 
-def test_duplicate_is_answered_after_its_commits(traced):
+def test_duplicate_is_answered_after_its_count_commits(traced):
     h, proxy, box = traced
     call_traced(h, proxy, box, "bank_pay", b'{"to":"bob","amount":2}')
     result, trace = call_traced(h, proxy, box, "bank_pay", b'{"to":"bob","amount":2}')
     assert result["isError"] and "DUPLICATE" in h.text(result), result
-    levels = trace.commits()
-    assert levels[-1] == "-- answered" and set(levels[:-1]) == {"FULL"}, levels
+    assert trace.commits() == ["NORMAL", "-- answered"]      # the refusal's count alone
+    assert any("proxy_refusals" in line for line in trace.lines)
+    assert trace.level_of_a_synced_transaction() == FULL
     assert_each_change_with_its_event(trace)
 
 
@@ -194,5 +212,31 @@ def test_transaction_with_a_failed_change_caught_inside_rolls_back_whole(tmp_pat
         with store.tx() as tx:              # the store is usable again
             add_run(tx, "r-2")
         assert store.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == before + 1
+    finally:
+        store.close()
+
+
+def test_synced_transaction_after_unsynced_ones_commits_full(tmp_path):
+    """One unsynced transaction that commits, one that fails: the next plain transaction
+    runs under synchronous=FULL; a plain transaction inside an unsynced one is part of it."""
+    store = ap.Store.open(str(tmp_path / "runs.db"))
+    try:
+        def level(tx):
+            return tx.rows("SELECT * FROM pragma_synchronous")[0][0]
+        with store.tx(synced=False) as tx:
+            add_run(tx, "r-1")
+            assert level(tx) == 1
+        with store.tx() as tx:
+            assert level(tx) == FULL
+        with pytest.raises(ap.StoreError):
+            with store.tx(synced=False) as tx:
+                tx.exec("INSERT INTO no_such_table VALUES (1)")
+        with store.tx() as tx:
+            add_run(tx, "r-2")
+            assert level(tx) == FULL
+        with store.tx(synced=False), store.tx() as tx:
+            assert level(tx) == 1
+        with store.tx() as tx:
+            assert level(tx) == FULL
     finally:
         store.close()

@@ -236,13 +236,6 @@ BUSY_TIMEOUT_MS = 5000               # SQLite busy_timeout on every connection
 REFUSAL_WAIT_MS = 50                 # ... and for counting a refusal, which may be skipped
 WAL_SWITCH_SECONDS = 5.0             # how long to retry switching to WAL while busy
 WAL_SWITCH_STEP = 0.005
-# Serving, the WAL is copied into the database by a thread of its own (Store.checkpoint_aside)
-# every CHECKPOINT_COMMITS commits, about SQLite's default of 1,000 pages at the 15 or so a
-# commit writes; the writing connection's own checkpoint stays as a backstop, at
-# CHECKPOINT_BACKSTOP_PAGES, should that thread fall behind.
-CHECKPOINT_COMMITS = 64
-CHECKPOINT_BACKSTOP_PAGES = 4000
-CHECKPOINT_CLOSE_WAIT = 5.0          # seconds close() waits for a checkpoint under way
 DEFAULT_LEASE_TTL = 30.0             # seconds a run's lease lasts without renewal
 TOOL_TIMEOUT_SLACK = 2.0             # the gate's bound on a tool call, past its own timeout
 LEASE_RENEW_FRACTION = 3             # the heartbeat renews every ttl / this
@@ -2775,7 +2768,7 @@ def check_policy_id(pid: str) -> str:
 # One SQLite file. Every state change is one BEGIN IMMEDIATE transaction holding the row
 # writes and their audit events; events form a SHA-256 hash chain across all runs. Status
 # changes are compare-and-set inside the transaction, so two processes never both win.
-# The commits of an allowed call are synced by the store itself, grouped (Store.durable).
+# Every commit is synced by SQLite itself (synchronous=FULL) before Store.tx returns.
 # The file is created 0600; a symbolic link, a file others can write, a schema holding
 # triggers or views, and a schema from another version are refused.
 
@@ -2837,10 +2830,6 @@ _WAITING_SQL = (
     " ORDER BY a.created_at, a.rowid")
 
 
-GROUPED = "grouped"        # Store.batch: a commit owed to disk, synced by Store.durable
-_UNKNOWN = object()        # a PRAGMA data_version that could not be read: never matches
-
-
 def _insecure(path: str, mode: int, reason: str) -> UnsafeDatabase:
     return UnsafeDatabase(
         f"{path} (mode {stat.filemode(mode)}) is {reason}; the database must be readable and "
@@ -2898,39 +2887,9 @@ def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str
     return sha256_hex(b"".join(data))
 
 
-def sync_wal_fd(fd: int) -> None:
-    """Force a WAL file's written frames to disk as SQLite's own synchronous=FULL commit does
-    where the system has it: fdatasync, the data and the size needed to read it back (a WAL's
-    times and other metadata play no part in recovery). fsync elsewhere."""
-    if hasattr(os, "fdatasync"):
-        os.fdatasync(fd)
-    else:
-        os.fsync(fd)
-
-
 _HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name='events') "
              "FROM (SELECT 1) LEFT JOIN (SELECT seq, hash FROM events ORDER BY seq DESC "
              "LIMIT 1) AS e")
-
-
-_WRITES = re.compile(r"(?:UPDATE|(?:INSERT|REPLACE)(?: OR [A-Z]+)? INTO|DELETE FROM) "
-                     r"([a-z_]+)[ (]")
-_KEEPS_RUNS: dict[str, bool] = {}
-KEEPS_RUNS_CACHE = 512                  # statement texts judged by _keeps_runs, kept
-
-
-def _keeps_runs(sql: str) -> bool:
-    """Whether a statement leaves every row of runs as it was: a SELECT, or a write whose
-    one target is another table. Anything else (a write of runs, a schema change, a
-    statement not recognised) may change a run. Judged once per text: the texts are the
-    code's own, and few."""
-    found = _KEEPS_RUNS.get(sql)
-    if found is None:
-        target = _WRITES.match(sql)
-        found = sql.startswith("SELECT ") or (target is not None and target[1] != "runs")
-        if len(_KEEPS_RUNS) < KEEPS_RUNS_CACHE:
-            _KEEPS_RUNS[sql] = found
-    return found
 
 
 class Tx:
@@ -2940,23 +2899,15 @@ class Tx:
         self.c = conn
         self._head: tuple[int, str] | None = None
         self._specs = specs if specs is not None else set()
-        # Runs read in this transaction. It holds the write lock, so only its own writes
-        # can change a run: every statement that may write the runs table forgets them all
-        # (_keeps_runs; the store holds no trigger, so a statement writes only what it names).
-        self._runs: dict[str, Run] = {}
 
     def forget_head(self) -> None:
         self._head = None
 
     def run(self, run_id: str) -> Run:
-        found = self._runs.get(run_id)
-        if found is not None:
-            return found
         row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
         if row is None:
             raise NotFound(f"run {run_id} not found")
-        found = self._runs[run_id] = _run_from_row(row)
-        return found
+        return _run_from_row(row)
 
     def require(self, run_id: str, statuses: tuple[str, ...], owner: str = "") -> Run:
         """The run, if its status is one of ``statuses`` and (with ``owner``) a RUNNING run
@@ -2969,14 +2920,10 @@ class Tx:
         return run
 
     def exec(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
-        if not _keeps_runs(sql):
-            self._runs.clear()
         return self.c.execute(sql, params)
 
     def rows(self, sql: str, params: tuple = ()) -> list[tuple]:
         """A read inside the transaction (a Query, as Store._read is outside one)."""
-        if not _keeps_runs(sql):
-            self._runs.clear()
         return self.c.execute(sql, params).fetchall()
 
     def event(self, run_id: str, step_id: str, at: str, typ: str, payload: Any) -> int:
@@ -2999,49 +2946,35 @@ class Tx:
         pausing or finishing releases it in the same transaction."""
         run = self.require(run_id, statuses, owner)
         lease = (owner, lease_until) if to == RUNNING and owner else ("", "")
-        self._runs.clear()
         self.c.execute("UPDATE runs SET status=?, reason=?, reason_detail=?, finished_at=?, "
                        "result_json=?, lease_owner=?, lease_expires_at=? WHERE id=?",
                        (to, reason, detail, finished_at, result, *lease, run_id))
         # The row as the statement left it: the one read under this transaction's lock, with
         # the columns it wrote.
-        run = self._runs[run_id] = Run(run.id, run.goal, to, reason, detail, run.limits,
-                                       run.step_count, run.created_at, finished_at, result,
-                                       *lease)
-        return run
+        return dataclasses.replace(run, status=to, reason=reason, reason_detail=detail,
+                                   finished_at=finished_at, result_json=result,
+                                   lease_owner=lease[0], lease_expires_at=lease[1])
 
     def add_run(self, run: Run, limits_json: str, started_at: str) -> None:
-        """Insert a new run (refused when its id is taken: nothing is written). The run as
-        inserted is known here without reading it back."""
+        """Insert a new run (refused when its id is taken: nothing is written)."""
         cur = self.c.execute(
             "INSERT INTO runs (id, goal, status, limits_json, created_at, started_at, "
             "lease_owner, lease_expires_at) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
             (run.id, run.goal, run.status, limits_json, run.created_at, started_at,
              run.lease_owner, run.lease_expires_at))
-        self._runs.clear()
         if cur.rowcount != 1:
             raise RunStateError(f"run {run.id} already exists")
-        self._runs[run.id] = run
 
     def count_step(self, run_id: str, step_count: int, owner: str) -> bool:
         """Add one to a RUNNING run's step count, if it still has ``step_count`` steps and
         is leased to ``owner``; False (nothing written) otherwise."""
-        k = self._runs.get(run_id)          # the run as this transaction knows it, if read
-        self._runs.clear()
         cur = self.c.execute("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? "
                              "AND step_count=? AND lease_owner=?",
                              (run_id, RUNNING, step_count, owner))
-        if cur.rowcount != 1:
-            return False
-        if k is not None and k.step_count == step_count:
-            self._runs[run_id] = Run(k.id, k.goal, k.status, k.reason, k.reason_detail,
-                                     k.limits, step_count + 1, k.created_at, k.finished_at,
-                                     k.result_json, k.lease_owner, k.lease_expires_at)
-        return True
+        return cur.rowcount == 1
 
     def take_lease(self, run_id: str, owner: str, until: str) -> None:
         """Write a new lease on a RUNNING run (a take-over: the caller judged the old one)."""
-        self._runs.clear()
         cur = self.c.execute("UPDATE runs SET lease_owner=?, lease_expires_at=? "
                              "WHERE id=? AND status=?", (owner, until, run_id, RUNNING))
         if cur.rowcount != 1:
@@ -3101,10 +3034,10 @@ def _approval_from_row(row: tuple) -> Approval:
 
 
 class _Within:
-    """A state change inside a batch (Store.tx). No savepoint is taken (two statements
-    each, and nothing inside a batch goes on after a failed change); instead a failure
-    marks the batch failed, and a batch marked failed rolls back whole even if the failure
-    was caught inside it."""
+    """A state change inside the transaction this thread has open (Store.tx). No savepoint
+    is taken (nothing inside a transaction goes on after a failed change); instead a
+    failure marks the transaction failed, and it rolls back whole even if the failure was
+    caught inside it."""
 
     __slots__ = ("store",)
 
@@ -3112,11 +3045,11 @@ class _Within:
         self.store = store
 
     def __enter__(self) -> Tx:
-        return self.store._batch
+        return self.store._open
 
     def __exit__(self, kind, exc, tb) -> bool:
         if exc is not None:
-            self.store._batch_failed = True
+            self.store._failed = True
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"{self.store.path}: write failed: {exc}") from None
         return False
@@ -3128,24 +3061,11 @@ class Store:
     def __init__(self, path: str, *, create: bool = False, readonly: bool = False):
         self.path, self.readonly = path, readonly
         self._specs: set[str] = set()           # hashes of specs known to be stored
-        self._lock = threading.RLock()
-        self._batch: Tx | None = None
-        self._batch_failed = False
-        self._batch_thread = 0
-        self._level: str | None = None          # PRAGMA synchronous, as last set; None: unknown
+        self._lock = threading.RLock()          # held by the thread whose transaction is open
+        self._open: Tx | None = None            # that transaction
+        self._failed = False                    # a change inside it failed: it rolls back
+        self._level = "FULL"                    # PRAGMA synchronous, as last set; None: unknown
         self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
-        # Group commit (Store.durable): commits owed to disk, counted; the count the last
-        # sync of the WAL covered; the sync under way; why the store may no longer sync.
-        self._owed = self._synced = 0
-        self._seen_version: object = _UNKNOWN   # PRAGMA data_version when a sync began
-        self._count_lock = threading.Lock()     # the counters; never waits on a transaction
-        self._syncing: asyncio.Future | None = None
-        self._sync_lock = threading.Lock()
-        self._wal_fd: int | None = None
-        self._unsyncable = ""
-        self.calls_in_flight = 0      # kept by the proxy: with one call or none, sync inline
-        self._commits = 0
-        self._aside: _Checkpointer | None = None
         exists = check_database_file(path, writer=not readonly)
         if not exists:
             if not create:
@@ -3161,13 +3081,6 @@ class Store:
             self.conn.close()
             raise
         self._wal = None if readonly else _file_identity(path + "-wal")
-        if readonly:
-            _sync_readonly(path + "-wal")
-        if self._wal is not None:
-            # Opened before any commit of ours: a write error the kernel reports once per
-            # open file is then reported to this handle too, not only to SQLite's.
-            with contextlib.suppress(OSError, StoreError):
-                self._wal_fd = self._open_wal()
 
     @classmethod
     def open(cls, path: str) -> "Store":
@@ -3232,196 +3145,76 @@ class Store:
                 "this build writes; operator commands do not migrate a database: start the "
                 "proxy that owns it once to migrate it")
 
-    def tx(self):
-        """A write transaction begun IMMEDIATE: it takes the write lock up front, so a
-        compare-and-set read inside it cannot be overtaken by another writer. Inside a
-        batch it is part of the batch's transaction instead: a failure inside it fails the
-        whole batch (_Within), so nothing of a half-done batch is ever committed."""
+    @contextlib.contextmanager
+    def tx(self, synced: bool = True):
+        """A write transaction, and the one way anything the proxy records is written: the
+        place that keeps "every state change is committed with its audit record before the
+        host is answered, and a mutating call's attempt is committed before its request
+        leaves".
+
+        Why it holds: the connection is the store's own, and SQL reaches it only through
+        the Tx handed out here, so every state change and its events (Tx.event, chained) are
+        in one transaction, begun IMMEDIATE (it takes the write lock before anything in it
+        is read, so a compare-and-set read cannot be overtaken). COMMIT runs under
+        synchronous=FULL: SQLite has synced the WAL before this block returns, so whatever
+        the caller does next (answer the host, send a call's request upstream) rests on a
+        record on disk. A tx() inside this thread's open transaction is part of it, at its
+        level (several changes with nothing outside in between, one commit: a call's run,
+        step, decision and start), and a failure inside fails all of it (_Within); another
+        thread waits for the lock. A tool is never called inside an open transaction
+        (Session.call_started).
+
+        ``synced=False`` commits under synchronous=NORMAL (written to the WAL, not synced),
+        for two writes only, each measured to cost a sync the answer does not need: the
+        start of an allowed read-only call no limit counts (Gate.start: its request changes
+        nothing, and its outcome's commit, synced before the answer, syncs the WAL that
+        holds it, written in order), and a refusal's count (RefusalLog: a power loss may
+        lose the last counts, never a run's record). The level is set before each BEGIN
+        that needs another than the last, never inside a transaction.
+
+        Two writes record no event, both of lease fields only, which are an executor's
+        claim on a run and not its record: Leases.renew extends a lease every ttl/3 on its
+        own connection (an event each would fill the chain with heartbeats, and a busy
+        store must not starve it), and Session._let_go clears this process's lease after a
+        failure, so that the next executor takes the run over at once; that take-over
+        records what it finds (step.interrupted, run.resumed)."""
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only")
-        if self._own_batch():
-            return _Within(self)            # this thread's batch, whose lock it holds
-        return self._tx()
-
-    def _own_batch(self) -> bool:
-        """Whether a batch is open on this thread (whose lock it then holds)."""
-        return self._batch is not None and self._batch_thread == threading.get_ident()
-
-    @contextlib.contextmanager
-    def _tx(self):
-        with self._lock:                    # another thread's batch is waited for
-            if self._batch is not None:
+        with self._lock:                    # another thread's transaction is waited for
+            if self._open is not None:      # this thread's own, whose lock it holds
                 with _Within(self) as tx:
                     yield tx
                 return
-            with self._immediate():
-                yield Tx(self.conn, self._specs)
-
-    @contextlib.contextmanager
-    def _immediate(self, full: bool = True):
-        """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure; SQLite's errors become
-        StoreError. The commit is synced (synchronous=FULL) unless ``full`` is False."""
-        self._check_wal()
-        if self._unsyncable:
-            raise StoreError(self._unsyncable)
-        self._synchronous(full)
-        try:
-            self.conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
-        try:
-            yield
-            self.conn.execute("COMMIT")
-        except BaseException as exc:
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error):
-                raise StoreError(f"{self.path}: write failed: {exc}") from None
-            raise
-        self._commits += 1
-        if self._aside is not None and self._commits % CHECKPOINT_COMMITS == 0:
-            self._aside.wake.set()
-
-    def checkpoint_aside(self) -> None:
-        """Copy the WAL into the database on a thread of its own, with a connection of its
-        own, instead of inside the commit that crosses SQLite's threshold: that copy and its
-        sync of the database file (milliseconds) no longer fall on a call. The checkpoint is
-        PASSIVE (it never waits for, nor blocks, a writer or a reader), so it changes nothing
-        a transaction sees; this connection's own checkpoint remains, at a higher threshold,
-        should the thread fall behind. Nothing of durability moves: each commit is on disk
-        as before (SQLite's FULL commit, or durable()), and a checkpoint syncs the WAL before
-        it copies from it."""
-        if self.readonly or self._aside is not None:
-            return
-        with self._lock:
+            self._check_wal()
+            level = "FULL" if synced else "NORMAL"
             try:
-                aside = _Checkpointer(self.path, self._may_checkpoint)
-            except (sqlite3.Error, RuntimeError, StoreError):
-                return                   # the connection's own checkpoint, as before
+                if self._level != level:
+                    self._level = None      # unknown until the PRAGMA succeeds
+                    self.conn.execute(f"PRAGMA synchronous={level}")
+                    self._level = level
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
+            self._open, self._failed = Tx(self.conn, self._specs), False
             try:
-                self.conn.execute(f"PRAGMA wal_autocheckpoint={CHECKPOINT_BACKSTOP_PAGES}")
-            except sqlite3.Error:
-                aside.close()
-                return
-            self._aside, self._commits = aside, 0
-
-    def _may_checkpoint(self) -> bool:
-        """Whether the checkpoint thread may go on: not once a sync has failed (the WAL may
-        hold pages the kernel dropped), nor once the WAL file is not the one this store
-        opened. Either stops it for good."""
-        return not self._unsyncable and self._wal is not None and \
-            _file_identity(self.path + "-wal") == self._wal
-
-    # ---- group commit ----
-    # A batch begun with synced=GROUPED commits under synchronous=NORMAL: its frames are in
-    # the WAL, not yet forced to disk, and the commit is counted as owed. Before anything
-    # that depends on it leaves the process (the request of a mutating call, the host's
-    # answer), the caller awaits durable(), which syncs the WAL file once for every commit
-    # owed when that sync began: calls that finish together share one sync, and the event
-    # loop goes on meanwhile (the sync runs on a worker thread; with no other call in
-    # flight, on the loop's own thread, which is quicker alone). Syncing the WAL file makes
-    # its committed frames durable exactly as synchronous=FULL does at each commit (SQLite
-    # writes them with plain writes, so they are in the file's pages, which fsync forces
-    # out; a checkpoint syncs the WAL before it copies from it).
-    #
-    # A failed sync is final: the kernel may have dropped the pages it could not write and
-    # a second fsync would then report success over the loss, so the store refuses every
-    # later write and every wait for durability until the proxy is started again.
-
-    def owe(self) -> None:
-        """Count the last commit as owed to disk (one made unsynced that something now rests
-        on)."""
-        with self._count_lock:
-            self._owed += 1
-
-    async def durable(self, others: bool = False) -> None:
-        """Return once every commit owed to disk before this call is on disk; raises
-        StoreError when the WAL cannot be synced. ``others``: commits of other connections
-        too (another proxy's, whose records an answer may name): they are visible here
-        before they are on disk when that connection committed them owed, so a change of
-        PRAGMA data_version since the last sync is synced as well (the same WAL file)."""
-        if self._unsyncable:
-            raise StoreError(self._unsyncable)
-        seen = self._seen_version
-        if others and (seen is _UNKNOWN or self._data_version() != seen):
-            self.owe()                      # committed elsewhere since the last sync began
-        target = self._owed
-        while self._synced < target:
-            if self._unsyncable:
-                raise StoreError(self._unsyncable)
-            if self._syncing is not None and (self._syncing.done() or
-                                              self._syncing.get_loop() is not
-                                              asyncio.get_running_loop()):
-                self._syncing = None        # cancelled before it began, or of an ended loop
-            if self._syncing is None and self.calls_in_flight <= 1:
-                self.sync_owed()
-            elif self._syncing is None:
-                self._syncing = asyncio.ensure_future(self._sync_owed())
-            else:
-                await asyncio.shield(self._syncing)
-
-    def sync_owed(self) -> None:
-        """durable() for a caller outside the event loop: the sync on this thread."""
-        target, version = self._owed, self._data_version()
-        if self._synced < target:
-            self._sync_wal()
-            self._synced, self._seen_version = max(self._synced, target), version
-
-    async def _sync_owed(self) -> None:
-        covered, version = self._owed, self._data_version()
-        try:
-            await asyncio.to_thread(self._sync_wal)
-            self._synced, self._seen_version = max(self._synced, covered), version
-        finally:
-            self._syncing = None
-
-    def _data_version(self) -> object:
-        """PRAGMA data_version: it changes when another connection commits. What it was
-        when a sync began is covered by that sync (the same WAL file). Unknown (it could
-        not be read, or a transaction on a worker thread holds the connection: the loop
-        never waits for one) is a change: the next answer syncs."""
-        if not self._lock.acquire(blocking=False):
-            return _UNKNOWN
-        try:
-            return self.conn.execute("PRAGMA data_version").fetchone()[0]
-        except sqlite3.Error:
-            return _UNKNOWN
-        finally:
-            self._lock.release()
-
-    def _sync_wal(self) -> None:
-        """Sync the WAL file this connection writes (sync_wal_fd; opened once, checked to be
-        the file the store opened; the directory is synced once too, so that the WAL's name
-        is as durable as its contents)."""
-        with self._sync_lock:
-            if self._unsyncable:
-                raise StoreError(self._unsyncable)
-            try:
-                if self._wal_fd is None:
-                    self._wal_fd = self._open_wal()
-                sync_wal_fd(self._wal_fd)
-            except (OSError, StoreError) as exc:
-                self._unsyncable = (f"{self.path}: its WAL file could not be synced to disk "
-                                    f"({exc}); nothing more is recorded until the proxy is "
-                                    "started again")
-                raise StoreError(self._unsyncable) from None
-
-    def _open_wal(self) -> int:
-        # Opened for writing because Windows flushes only a handle that may write; nothing
-        # is ever written through it.
-        fd = os.open(self.path + "-wal", os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) |
-                     getattr(os, "O_BINARY", 0))
-        st = os.fstat(fd)
-        if self._wal is not None and (st.st_dev, st.st_ino) != self._wal:
-            os.close(fd)
-            raise StoreError("the WAL file was replaced while the database was open")
-        with contextlib.suppress(OSError, AttributeError):   # no directory handles on Windows
-            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-            try:
-                os.fsync(dfd)
+                yield self._open
+                if self._failed:
+                    raise StoreError(f"{self.path}: a change inside a transaction failed; "
+                                     "the whole transaction is rolled back")
+                self.conn.execute("COMMIT")
+            except BaseException as exc:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"{self.path}: write failed: {exc}") from None
+                raise
             finally:
-                os.close(dfd)
-        return fd
+                self._open = None
+
+    def in_tx(self) -> bool:
+        """Whether a transaction is open on this thread."""
+        with self._lock:
+            return self._open is not None
 
     def _check_wal(self) -> None:
         """Refuse to write once the WAL file this connection writes was deleted or replaced
@@ -3439,24 +3232,6 @@ class Store:
                          "database was open; what was committed is written into the database, "
                          "and nothing more is recorded until the proxy is started again")
 
-    def _synchronous(self, full: bool) -> None:
-        """The safety level of the next transaction: FULL, or NORMAL for a commit that is
-        synced by durable() or needs no sync. SQLite allows the change only between
-        transactions, so it is made before each BEGIN that needs another level than the
-        last, never after a COMMIT: calls that commit unsynced in turn (an allowed read's
-        start and its owed outcome) change nothing, and a transaction never runs under a
-        level it did not ask for. Whether the level was set is unknown after a failure:
-        the next transaction sets it again."""
-        level = "FULL" if full else "NORMAL"
-        if self._level == level:
-            return
-        self._level = None
-        try:
-            self.conn.execute(f"PRAGMA synchronous={level}")
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: cannot begin a transaction: {exc}") from None
-        self._level = level
-
     @contextlib.contextmanager
     def waiting_at_most(self, ms: int):
         """Writes inside wait at most ``ms`` for another process's write lock, not
@@ -3468,44 +3243,6 @@ class Store:
             finally:
                 self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
-    @contextlib.contextmanager
-    def batch(self, synced: bool | str = True):
-        """One transaction for several state changes that happen with nothing outside in
-        between (begin, step, propose, start a tool): one commit instead of four. The
-        store's lock is held throughout, so no other thread sees the batch half done.
-
-        ``synced=True`` commits with synchronous=FULL. ``synced=GROUPED`` commits owed to
-        disk: the caller awaits durable() before anything that depends on the commit
-        leaves the process (a call's start before its request, its outcome before the
-        host's answer). ``synced=False`` is for writes nothing waits on: the start of an
-        allowed read-only call, whose outcome commit makes both durable (the WAL is written
-        in order), and the refusal counter. A process killed in between loses nothing (the
-        commit is in the operating system's hands); a power loss may lose the start of a
-        read, which changed nothing."""
-        if self.readonly:
-            raise StoreError(f"{self.path} is open read-only")
-        with self._lock:
-            if self._batch is not None:
-                yield
-                return
-            with self._immediate(full=synced is True):
-                # The owner first: a thread that sees the batch sees whose it is.
-                self._batch_thread = threading.get_ident()
-                self._batch, self._batch_failed = Tx(self.conn, self._specs), False
-                try:
-                    yield
-                    if self._batch_failed:
-                        raise StoreError(f"{self.path}: a change inside a batch failed; "
-                                         "the whole batch is rolled back")
-                finally:
-                    self._batch, self._batch_thread = None, 0
-            # Counted once COMMIT has written the frames (a sync that reads the count then
-            # covers them; a batch runs on a worker thread when its arguments are large),
-            # still under the lock.
-            if synced == GROUPED:
-                with self._count_lock:
-                    self._owed += 1
-
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         with self._lock:
             try:
@@ -3514,9 +3251,6 @@ class Store:
                 raise StoreError(f"{self.path}: read failed: {exc}") from None
 
     def get_run(self, run_id: str) -> Run:
-        with self._lock:
-            if self._own_batch():
-                return self._batch.run(run_id)      # this thread's batch: as it left the run
         rows = self._read(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,))
         if not rows:
             raise NotFound(f"run {run_id} not found")
@@ -3583,9 +3317,10 @@ class Store:
         if self._read("SELECT 1 FROM tool_specs WHERE hash=?", (digest,)):
             self._specs.add(digest)
             return
+        joined = self.in_tx()               # then part of one that may yet roll back
         with self.tx() as tx:
             tx.save_spec(spec)
-        if self._batch is None:            # committed; inside a batch it may yet roll back
+        if not joined:
             self._specs.add(digest)
 
     def list_events(self, run_id: str, limit: int = -1, offset: int = 0) -> list[tuple]:
@@ -3637,75 +3372,8 @@ class Store:
         return report
 
     def close(self) -> None:
-        aside, self._aside = self._aside, None
-        if aside is not None:
-            aside.close()
         with self._lock:
             self.conn.close()
-        with self._sync_lock:
-            if self._wal_fd is not None:
-                os.close(self._wal_fd)
-                self._wal_fd = None
-
-
-class _Checkpointer:
-    """Store.checkpoint_aside's thread: a PASSIVE checkpoint each time it is woken, on a
-    connection of its own (busy_timeout 0: a checkpoint another connection runs is left to
-    it). A checkpoint that fails is tried again at the next wake; the writing connection's
-    own checkpoint bounds the WAL meanwhile.
-
-    ``allowed`` (Store._may_checkpoint) is asked before each checkpoint: once it says no
-    (a failed sync, a WAL replaced), the thread stops. It is asked too on either side of
-    the connection's opening the WAL, here: SQLite keeps that descriptor, so that a
-    checkpoint copies from the WAL the store wrote, never from a file put in its place, and
-    a write error the kernel reports later is reported to it too."""
-
-    def __init__(self, path: str, allowed: Callable[[], bool]):
-        self.allowed = allowed
-        self.conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None,
-                                    check_same_thread=False)
-        try:
-            self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            self.conn.execute("PRAGMA trusted_schema=OFF")
-            refused = "the WAL file is not the store's, or the store can no longer sync it"
-            if not allowed():
-                raise StoreError(refused)
-            self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # opens it
-            if not allowed():
-                raise StoreError(refused)
-            self.conn.execute("PRAGMA busy_timeout=0")
-        except BaseException:
-            self.conn.close()
-            raise
-        self.wake = threading.Event()
-        self.stopping = False
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name="agentrt-proxy-checkpoint")
-        try:
-            self.thread.start()
-        except RuntimeError:             # no thread to be had: the connection's own, then
-            self.conn.close()
-            raise
-
-    def _run(self) -> None:
-        try:
-            while True:
-                self.wake.wait()
-                self.wake.clear()
-                if self.stopping or not self.allowed():
-                    return
-                with contextlib.suppress(sqlite3.Error):
-                    self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        finally:
-            with contextlib.suppress(sqlite3.Error):
-                self.conn.close()
-
-    def close(self) -> None:
-        """Stop after the checkpoint under way, waiting for it at most CHECKPOINT_CLOSE_WAIT
-        (a daemon thread: the process does not wait for it past that)."""
-        self.stopping = True
-        self.wake.set()
-        self.thread.join(CHECKPOINT_CLOSE_WAIT)
 
 
 @dataclasses.dataclass(repr=False)
@@ -3742,19 +3410,6 @@ def _create_private(path: str) -> None:
         check_database_file(path, writer=True)
         return
     os.close(fd)
-
-
-def _sync_readonly(wal: str) -> None:
-    """A reader's view is on disk before it prints it: a proxy's grouped commits are
-    visible to other connections before its sync (Store.durable), so an operator's view
-    (a chain head that verify prints, say) could name an event a power loss then takes
-    back. Best effort: a platform that cannot sync a file opened read-only is skipped."""
-    with contextlib.suppress(OSError):
-        fd = os.open(wal, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            sync_wal_fd(fd)
-        finally:
-            os.close(fd)
 
 
 def _file_identity(path: str) -> tuple[int, int] | None:
@@ -3895,21 +3550,6 @@ def _known_outcome(doc: dict) -> bool:
 
 def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
     return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
-
-
-def _start_sync(gate: "Gate", tool: "Tool | None", decision: Decision, judged: _ProposalCheck
-                ) -> bool | str:
-    """How a call's start commits (Store.batch). A call the policy allows outright is
-    about to execute, and Session.call_started awaits the store's durable() before its
-    request leaves: a mutating call's start (or one a limit counts) commits owed to disk
-    (GROUPED), a read-only call's is not synced by itself (its outcome's sync covers it).
-    Any other start is synced at once."""
-    allowed = tool is not None and not judged.problem and judged.error is None and \
-        judged.decision is not None and judged.decision.outcome == "allow"
-    if not allowed:
-        return True
-    counted = gate.budget is not None and gate.budget.counts(decision.tool)
-    return GROUPED if counted or tool.spec.side_effect != "read_only" else False
 
 
 def new_hex_id() -> str:
@@ -4316,9 +3956,8 @@ class Gate:
         decision = _with_value(decision)
         judged = self._prejudge(run_id, step_id, goal, limits, decision)
         session = None
-        sync = _start_sync(self, tool_of(self, decision), decision, judged)
         try:
-            with self.store.batch(synced=sync):
+            with self.store.tx(synced=not self._unsynced_read(decision, judged)):
                 session = self.begin(run_id, goal, limits)
                 if also is not None:
                     also()
@@ -4328,16 +3967,20 @@ class Gate:
                     verdict = session.propose(decision, judged)
                     if verdict.kind == "allowed":
                         session.start()
-                        session.start_owed = sync is not False
-            if verdict.kind != "allowed":   # nothing will wait on durable() for it
-                if sync is not True:
-                    self.store.owe()
-                self.store.sync_owed()
         except BaseException:
             if session is not None:
                 session._let_go()
             raise
         return session, verdict
+
+    def _unsynced_read(self, decision: Decision, judged: "_ProposalCheck") -> bool:
+        """Whether a call's start may commit unsynced (Store.tx): a read-only call the
+        policy allows outright and no limit counts."""
+        tool = tool_of(self, decision)
+        return tool is not None and tool.spec.side_effect == "read_only" and \
+            not judged.problem and judged.error is None and judged.decision is not None and \
+            judged.decision.outcome == "allow" and \
+            not (self.budget is not None and self.budget.counts(decision.tool))
 
     def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
                   decision: Decision) -> "_ProposalCheck":
@@ -4572,9 +4215,6 @@ class Session:
         self._started: ToolRequest | None = None
         self.state = "open"            # open, paused, ended, lost, closed
         self.final: Run | None = None
-        # Whether the request waits for the store's durable() before it leaves: not for an
-        # allowed read, whose start owes nothing (Gate.start).
-        self.start_owed = True
         # Called with the observation inside the transaction that records a tool's outcome.
         self.on_recorded: Callable[[dict], None] | None = None
 
@@ -4930,9 +4570,7 @@ class Session:
         """Call the tool whose start was committed, and record what came of it. When the
         outcome cannot be recorded the lease is let go, so that the next executor takes the
         run over as cut off while executing, and StoreError is raised."""
-        obs = self.record_outcome(await self.call_started())
-        await self.store.durable()
-        return obs
+        return self.record_outcome(await self.call_started())
 
     async def call_started(self) -> tuple[Observation, float]:
         """Call the tool whose start was committed; its observation, not yet recorded (a
@@ -4941,15 +4579,10 @@ class Session:
         request, self._started = self._started, None
         if request is None:
             raise RunStateError(f"run {self.run_id}: no tool call was started")
-        with self.store._lock:
-            if self.store._batch is not None:
-                raise RunStateError("a tool never runs inside an open transaction: its start "
-                                    "must be committed first")
+        if self.store.in_tx():
+            raise RunStateError("a tool never runs inside an open transaction: its start "
+                                "must be committed first")
         spec = request.spec
-        if self.start_owed:                 # the attempt is on disk before its request leaves
-            await self.store.durable()
-            if not self.gate.leases.ok(self.run_id):    # taken over while the sync ran
-                raise self._lose()
         began = time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
@@ -4959,8 +4592,7 @@ class Session:
         return obs, began
 
     def record_outcome(self, called: tuple[Observation, float]) -> dict:
-        """Record what call_started observed; the observation, as recorded. The commit is
-        owed to disk: await the store's durable() before acting on what it says."""
+        """Record what call_started observed; the observation, as recorded."""
         return self._record_or_let_go(*called)
 
     def _record_or_let_go(self, obs: Observation, began: float) -> dict:
@@ -5004,9 +4636,8 @@ class Session:
         finished.update({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
                         else {"error": doc["summary"]})
         try:
-            # The outcome, and the caller's own write with it, owed to disk: the caller
-            # awaits the store's durable() before answering for it.
-            with self.store.batch(synced=GROUPED):
+            # The outcome, and the caller's own write with it, in one commit.
+            with self.store.tx():
                 if ok and spec.terminal:
                     self._settle(step, ("executing",), "done", obs, COMPLETED,
                                  "goal_completed", f"terminal tool {spec.name}",
@@ -9279,7 +8910,7 @@ class Budgets:
 
     How a call's check and the start of its attempt are one step: admit() runs inside the
     transaction that writes the attempt's step.tool_started, and that transaction is begun
-    IMMEDIATE (Store.tx and Store.batch), which takes SQLite's write lock before anything in
+    IMMEDIATE (Store.tx), which takes SQLite's write lock before anything in
     it is read. Every counted start, in this process or in another on the same database,
     writes its row here in such a transaction; so from admit's read of a limit's newest row
     to the commit that adds the call's own, no other write can commit, and every start
@@ -9721,7 +9352,7 @@ _REFUSALS_SQL = """CREATE TABLE proxy_refusals (
 class RefusalLog:
     """proxy_refusals: each refusal of a call, against the run it names (the earlier
     execution of a DUPLICATE, the rejected, expired or cancelled run, the run that blocks).
-    Written unsynced: a power loss may lose the last counts, never a run's own record."""
+    Written unsynced (Store.tx): a power loss may lose the last counts, never a run's record."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -9730,8 +9361,7 @@ class RefusalLog:
         """Count one refusal. It waits for the write lock at most REFUSAL_WAIT_MS, not the
         store's busy timeout: another process's long write costs a count (told to the
         operator), never a stall of this proxy's decisions."""
-        with self.store.waiting_at_most(REFUSAL_WAIT_MS), self.store.batch(synced=False), \
-                self.store.tx() as tx:
+        with self.store.waiting_at_most(REFUSAL_WAIT_MS), self.store.tx(synced=False) as tx:
             tx.exec("INSERT INTO proxy_refusals VALUES (?,?,?,1,?,?) ON CONFLICT (run_id, "
                     "request_key, answer) DO UPDATE SET count=count+1, last_at=excluded.last_at",
                     (run_id, key, answer, now, now))
@@ -10186,25 +9816,8 @@ class Proxy:
                    | None = None, cancelled: asyncio.Event | None = None,
                    value: Any = NOT_PARSED) -> dict:
         """One tools/call. Rules first (atomic: one call decides at a time), then at most one
-        hold for an approval, then at most one execution. No answer is given before every
-        commit owed to disk when it was reached is on disk: an answer may rest on another
-        call's record (a DUPLICATE names an outcome that call committed)."""
-        self.store.calls_in_flight += 1
-        try:
-            result = await self._call(name, args, progress, cancelled, value)
-            try:                            # the one wait before any answer, outside
-                await self.store.durable(others=True)     # the deciding lock
-            except StoreError as exc:
-                self.log(f"error: {exc}")
-                return unavailable("write its records to disk",
-                                   "It may have taken effect; do not call it again to "
-                                   "retry.")
-            return result
-        finally:
-            self.store.calls_in_flight -= 1
-
-    async def _call(self, name: str, args: bytes, progress, cancelled,
-                    value: Any = NOT_PARSED) -> dict:
+        hold for an approval, then at most one execution. Every record an answer rests on
+        was committed, synced, before it is given (Store.tx)."""
         if name == self.cfg.status_tool:
             return self.status(args)
         tool = self.tools.get(name)
@@ -10752,7 +10365,7 @@ class Proxy:
         # operator at once), with no other call deciding in between: a mutating call that
         # decided meanwhile would find the unknown outcome recorded and nothing yet asking
         # about it, and run past it.
-        async with self._deciding():        # on disk before the answer: Proxy.call
+        async with self._deciding():
             return self.recorded(session, tool, called, settled)
 
     def recorded(self, session: Session, tool, called: tuple, settled: list) -> dict:
@@ -11345,8 +10958,6 @@ class HostServer:
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",
                                  "Whether anything was executed is not known here.")
-            with contextlib.suppress(Exception):    # what is owed is on disk first
-                await self.proxy.store.durable(others=True)
         finally:
             self._forget(msg, cancelled)
         if not cancelled.is_set():             # a cancelled request gets no answer
@@ -11817,7 +11428,6 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
     try:
         check_database_owner(cfg.database)
         proxy = Proxy(cfg, store, tools, out.log)
-        store.checkpoint_aside()
         proxy.take_over_gone()
     except BaseException:
         await close_tools(tools)

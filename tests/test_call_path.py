@@ -192,7 +192,7 @@ def test_another_threads_transaction_waits_for_a_batch_and_is_not_part_of_it(tmp
     t.start()
     try:
         with pytest.raises(RuntimeError):
-            with store.batch(synced=True):
+            with store.tx():
                 with store.tx() as tx:
                     tx.exec(insert, ("batch",))
                 joined.set()

@@ -1,17 +1,19 @@
-"""Which commits a call makes, and how each is synced.
+"""Which commits a call makes, and that each is on disk before what rests on it leaves.
 
-- An allowed read-only call: its start commits unsynced (synchronous=NORMAL), its outcome
-  commits owed to disk (NORMAL) and the WAL file is synced before the call answers, which
-  makes both durable. The level is set before each transaction that needs another than
-  the last: a synced transaction after them commits FULL.
-- An allowed mutating call: its start commits owed to disk and the WAL is synced before the
-  request leaves; its outcome likewise before the answer.
-- A held call and a denied read: every commit synced.
-- A batch in which one change failed rolls back whole, even when the failure was caught
-  inside it: nothing of a half-done batch is committed.
+- Every commit runs under synchronous=FULL (DESIGN.md section 5): SQLite syncs the WAL
+  before COMMIT returns. Two exceptions commit unsynced (NORMAL): the start of an allowed
+  read no limit counts, whose outcome's synced commit, before the answer, syncs the WAL
+  holding it; and a refusal's count. A counted read's start is synced.
+- An allowed read-only or mutating call commits its start before its request leaves for the
+  server, and its outcome before the call is answered; a mutating call's start is synced.
+- A held call and a denied read: every commit synced, all before the answer.
+- Every write of the store's connection is inside a transaction begun IMMEDIATE (Store.tx),
+  and every transaction that changes a run, a step or an approval records an event in it.
+- A transaction in which one change failed rolls back whole, even when the failure was
+  caught inside it: nothing of a half-done transaction is committed.
 """
 
-import os
+import re
 import sqlite3
 
 import pytest
@@ -22,16 +24,13 @@ from test_rules_cost import InstantServer, instant_proxy
 
 class Trace:
     """The statements the store's connection runs, with the synchronous level each COMMIT
-    ran under, each sync of the database's WAL file, and the point at which the upstream
-    was called."""
+    ran under, the point at which the upstream was called and the point of the answer."""
 
     def __init__(self, store: ap.Store):
         self.lines: list[str] = []
         self.store = store
         self.level = LEVELS[store.conn.execute("PRAGMA synchronous").fetchone()[0]]
         store.conn.set_trace_callback(self.lines.append)
-        wal = os.stat(store.path + "-wal")
-        self.wal = (wal.st_dev, wal.st_ino)
 
     def mark(self, what: str) -> None:
         self.lines.append(f"-- {what}")
@@ -40,12 +39,27 @@ class Trace:
         """'FULL' or 'NORMAL' for each COMMIT, and '-- ...' marks, in order."""
         level, out = self.level, []
         for line in self.lines:
-            if line.startswith("PRAGMA synchronous="):
-                level = line.split("=", 1)[1]
+            if line.upper().startswith("PRAGMA SYNCHRONOUS"):
+                level = line.split("=", 1)[1] if "=" in line else "unknown"
             elif line == "COMMIT":
                 out.append(level)
             elif line.startswith("-- "):
                 out.append(line)
+        return out
+
+    def transactions(self) -> list[list[str]]:
+        """The statements of each transaction, and each write made outside one on its own."""
+        out, open_ = [], None
+        for line in self.lines:
+            if line == "BEGIN IMMEDIATE":
+                open_ = []
+            elif line in ("COMMIT", "ROLLBACK") and open_ is not None:
+                out.append(open_)
+                open_ = None
+            elif open_ is not None:
+                open_.append(line)
+            elif WRITES.match(line):
+                out.append(["(outside a transaction) " + line])
         return out
 
     def level_of_a_synced_transaction(self) -> int:
@@ -70,6 +84,8 @@ RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
          "refund": {"side_effect": "destructive", "timeout": "10s"}}
 FULL = 2
 LEVELS = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+WRITES = re.compile(r"\s*(INSERT|UPDATE|DELETE|REPLACE|CREATE|DROP)\b", re.I)
+RECORD = re.compile(r"\s*(?:INSERT|UPDATE)\b.*?\b(runs|steps|approvals)\b", re.I)
 
 
 @pytest.fixture
@@ -82,47 +98,63 @@ def traced(tmp_path):
     h.close()
 
 
-@pytest.fixture(autouse=True)
-def wal_syncs_marked(monkeypatch):
-    """Every sync of the WAL file is marked in the trace under way."""
-    real = ap.sync_wal_fd
-
-    def fsync(fd):
-        real(fd)
-        st, trace = os.fstat(fd), TRACES[-1] if TRACES else None
-        if trace is not None and (st.st_dev, st.st_ino) == trace.wal:
-            trace.mark("WAL synced")
-    monkeypatch.setattr(ap, "sync_wal_fd", fsync)
-    yield
-    TRACES.clear()
-
-
-TRACES: list = []
-
-
 def call_traced(h, proxy, box, name, args):
-    h.run(h.store.durable(others=True))     # what other connections committed, synced
     box[0] = Trace(h.store)
-    TRACES.append(box[0])
     result = h.run(proxy.call(name, args))
+    box[0].mark("answered")
     return result, box[0]
 
 
-def test_allowed_read_starts_unsynced_and_its_outcome_commit_syncs_both(traced):
+def assert_each_change_with_its_event(trace: Trace) -> None:
+    for statements in trace.transactions():
+        assert not statements[0].startswith("(outside"), statements[0]
+        if any(RECORD.match(s) for s in statements):
+            assert any(s.startswith("INSERT INTO events") for s in statements), statements
+
+
+def test_allowed_read_commits_its_start_before_the_request_and_its_outcome_before_the_answer(
+        traced):
     h, proxy, box = traced
     result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":"A-1"}')
     assert not result["isError"], result
-    assert trace.commits() == ["NORMAL", "-- upstream called", "NORMAL", "-- WAL synced"]
+    assert trace.commits() == ["NORMAL", "-- upstream called", "FULL", "-- answered"]
     assert trace.level_of_a_synced_transaction() == FULL
+    assert_each_change_with_its_event(trace)
+
+
+def test_a_read_a_limit_counts_starts_synced(tmp_path):
+    rules = dict(RULES, balance={"side_effect": "read_only", "timeout": "10s",
+                                 "limits": [{"calls": 3, "per": "1h"}]})
+    h = ProxyHarness(tmp_path, rules=rules)
+    box: list = [None]
+    proxy = instant_proxy(h, MarkingServer(box))
+    try:
+        result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":"A-1"}')
+        assert not result["isError"], result
+        assert trace.commits() == ["FULL", "-- upstream called", "FULL", "-- answered"]
+    finally:
+        proxy.close()
+        h.close()
 
 
 def test_allowed_mutation_start_is_synced_before_the_request_leaves(traced):
     h, proxy, box = traced
     result, trace = call_traced(h, proxy, box, "bank_pay", b'{"to":"bob","amount":1}')
     assert not result["isError"], result
-    assert trace.commits() == ["NORMAL", "-- WAL synced", "-- upstream called", "NORMAL",
-                               "-- WAL synced"]
+    assert trace.commits() == ["FULL", "-- upstream called", "FULL", "-- answered"]
     assert trace.level_of_a_synced_transaction() == FULL
+    assert_each_change_with_its_event(trace)
+
+
+def test_duplicate_is_answered_after_its_count_commits(traced):
+    h, proxy, box = traced
+    call_traced(h, proxy, box, "bank_pay", b'{"to":"bob","amount":2}')
+    result, trace = call_traced(h, proxy, box, "bank_pay", b'{"to":"bob","amount":2}')
+    assert result["isError"] and "DUPLICATE" in h.text(result), result
+    assert trace.commits() == ["NORMAL", "-- answered"]      # the refusal's count alone
+    assert any("proxy_refusals" in line for line in trace.lines)
+    assert trace.level_of_a_synced_transaction() == FULL
+    assert_each_change_with_its_event(trace)
 
 
 def test_held_and_denied_calls_commit_synced_only(tmp_path):
@@ -137,8 +169,9 @@ def test_held_and_denied_calls_commit_synced_only(tmp_path):
             result, trace = call_traced(h, proxy, box, name, args)
             assert result["isError"], result
             levels = trace.commits()
-            assert levels and set(levels) == {"FULL"}, (name, levels)    # no sync owed
+            assert levels[-1] == "-- answered" and set(levels[:-1]) == {"FULL"}, (name, levels)
             assert trace.level_of_a_synced_transaction() == FULL
+            assert_each_change_with_its_event(trace)
     finally:
         proxy.close()
         h.close()
@@ -148,7 +181,8 @@ def test_read_whose_arguments_fail_the_schema_commits_synced(traced):
     h, proxy, box = traced
     result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":7}')
     assert result["isError"] and "INVALID" in h.text(result), result
-    assert set(trace.commits()) == {"FULL"}
+    levels = trace.commits()
+    assert levels[-1] == "-- answered" and set(levels[:-1]) == {"FULL"}, levels
 
 
 def add_run(tx, run_id: str) -> None:
@@ -158,19 +192,19 @@ def add_run(tx, run_id: str) -> None:
     tx.event(run_id, "", "2026-01-01T00:00:00Z", "run.created", {})
 
 
-def test_batch_with_a_failed_change_caught_inside_rolls_back_whole(tmp_path):
+def test_transaction_with_a_failed_change_caught_inside_rolls_back_whole(tmp_path):
     store = ap.Store.open(str(tmp_path / "runs.db"))
     try:
         before = store.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0]
         with pytest.raises(ap.StoreError, match="rolled back"):
-            with store.batch():
+            with store.tx():
                 with store.tx() as tx:
                     add_run(tx, "r-1")
                 try:
                     with store.tx() as tx:
                         tx.exec("INSERT INTO no_such_table VALUES (1)")
                 except ap.StoreError:
-                    pass                    # caught inside the batch: the batch still fails
+                    pass                    # caught inside: the transaction still fails
         after = store.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0]
         assert after == before
         assert not store.conn.in_transaction
@@ -183,38 +217,26 @@ def test_batch_with_a_failed_change_caught_inside_rolls_back_whole(tmp_path):
 
 
 def test_synced_transaction_after_unsynced_ones_commits_full(tmp_path):
-    """One unsynced batch that commits, one that fails: the next plain transaction, and the
-    next synced batch, each run under synchronous=FULL."""
+    """One unsynced transaction that commits, one that fails: the next plain transaction
+    runs under synchronous=FULL; a plain transaction inside an unsynced one is part of it."""
     store = ap.Store.open(str(tmp_path / "runs.db"))
     try:
         def level(tx):
             return tx.rows("SELECT * FROM pragma_synchronous")[0][0]
-        with store.batch(synced=False), store.tx() as tx:
+        with store.tx(synced=False) as tx:
             add_run(tx, "r-1")
             assert level(tx) == 1
         with store.tx() as tx:
             assert level(tx) == FULL
         with pytest.raises(ap.StoreError):
-            with store.batch(synced=ap.GROUPED), store.tx() as tx:
+            with store.tx(synced=False) as tx:
                 tx.exec("INSERT INTO no_such_table VALUES (1)")
-        with store.batch(), store.tx() as tx:
+        with store.tx() as tx:
             add_run(tx, "r-2")
             assert level(tx) == FULL
-        with store.batch(synced=False), store.tx() as tx:
+        with store.tx(synced=False), store.tx() as tx:
             assert level(tx) == 1
         with store.tx() as tx:
             assert level(tx) == FULL
     finally:
         store.close()
-
-
-def test_sqlite_refuses_a_safety_level_change_inside_a_transaction(tmp_path):
-    """Why Store._synchronous changes the level between transactions: inside one, SQLite
-    refuses (so a relaxed commit cannot be chosen after the batch has begun)."""
-    conn = sqlite3.connect(str(tmp_path / "x.db"), isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("BEGIN IMMEDIATE")
-    with pytest.raises(sqlite3.OperationalError):
-        conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("ROLLBACK")
-    conn.close()

@@ -303,10 +303,7 @@ _REAL_OPEN = ap.Store.open
 
 class _FakeStore:
     def __init__(self, path: str):
-        self.path, self.closed, self.aside = path, False, False
-
-    def checkpoint_aside(self) -> None:
-        self.aside = True
+        self.path, self.closed = path, False
 
     def close(self) -> None:
         self.closed = True
@@ -386,7 +383,6 @@ def test_an_existing_database_is_opened_on_a_worker_while_the_servers_load(monke
     assert tools == ["tool"] and store is s.stores[0] and proxy.store is store
     assert proxy.took_over == 1
     assert not store.closed and s.closed_tools == []
-    assert store.aside, "the store serving checkpoints on a thread of its own"
 
 
 def test_a_database_that_does_not_exist_is_created_only_after_the_servers_load(

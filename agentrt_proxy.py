@@ -23,13 +23,13 @@ that function, and the test that fails when that function gives the permissive a
 1. An approval is bound by hash to the exact request, survives restarts, and the policy is
    evaluated again at collection. grant_covers (12). A grant runs only through
    Gate._resume_waiting (the row verified, the request built from its record with today's
-   spec), Session._resume and _apply, which evaluates the policy again and asks grant_covers;
+   spec), _Decider._resume and _apply, which evaluates the policy again and asks grant_covers;
    _require_grant re-reads the grant in the start's transaction. tests/test_gate.py::
    test_a_changed_fixed_value_asks_for_a_new_approval.
 2. A mutating call whose outcome is unknown is not run again as the identical request without
    an operator, and other mutating calls to its tool are refused meanwhile. _observe (12),
    the one classifier: every call that returns or raises reaches it through _call_tool (a
-   cancel through Session.call_started) and it records the ending from what happened;
+   cancel through _Executor.call_started) and it records the ending from what happened;
    unknown_ending and _known_outcome read only that field (none recorded: unknown). A crash
    or stall is the take-over's (Gate._take_over_claimed): the step interrupted while
    executing, read as cut off. tests/test_outcome_classifier.py::
@@ -43,7 +43,7 @@ that function, and the test that fails when that function gives the permissive a
 4. Every state change is committed with its audit record before the host is answered, and a
    mutating call's attempt before its request leaves. Store.tx (10): the gate writes runs,
    steps and approvals only through the Tx it hands out, Tx.event writes the event in the
-   same transaction, and tx returns only after a FULL commit; Session.start commits
+   same transaction, and tx returns only after a FULL commit; _Executor.start commits
    step.tool_started in one before call_started sends. tests/test_store.py::
    test_rolled_back_transaction_leaves_no_event_and_no_seq_gap.
 5. Only tools the operator pinned and classified are offered or called. _build (17), by way
@@ -100,7 +100,7 @@ Sections, in dependency order
  9. Policy                              23. The host-facing server
 10. The store                           24. Serving, pinning, checking, wrap
 11. The gate                            25. Tools that change while serving
-12. A run's session                     26. Re-checking recorded calls
+12. A run's session; 12.1 Executing    26. Re-checking recorded calls
 13. Decisions and late outcomes         27. Operator commands: the command line
 14. JSON-RPC framing                    28. Operator views (runs, show, events, pending)
                                         29. Operator decisions (approve, reject, cancel)
@@ -4082,7 +4082,8 @@ class Gate:
             self._release_claim(run.id)
             return None, Verdict("ended", run=expire_approval(self.store, granted, fmt_time(resumed)))
         session = Session(self, run.id, step=step)
-        return session, session._resume(request, step, steps, approvals, granted, fmt_time(resumed))
+        return session, session.decider._resume(request, step, steps, approvals, granted,
+                                                fmt_time(resumed))
 
     def _take_over(self, run: Run) -> tuple["Session | None", Verdict]:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
@@ -4137,7 +4138,7 @@ class Gate:
             steps = self.store.list_steps(run.id)
             if executing is not None:
                 executing = next(s for s in steps if s.id == executing.id)
-                verdict = session._after_interruption(executing, steps, now)
+                verdict = session.decider._after_interruption(executing, steps, now)
                 if verdict is not None:
                     return session, verdict
             with self.store.tx() as tx:
@@ -4203,10 +4204,15 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
 # ==== 12. A run's session ====
 # One executor's hold on one run: steps opened one at a time, each proposal recorded before
 # it is judged, each allowed request started (committed) before its tool is called, and each
-# outcome recorded with nothing but this executor's ownership of the lease required.
+# outcome recorded with nothing but this executor's ownership of the lease required. The
+# Session keeps the run's state and its surface; its _Decider acts on what the policy
+# decides, its _Executor (section 12.1) starts, calls and records the tool.
 
 class Session:
-    """One executor's hold on one run: at most one open step, calls in order."""
+    """One executor's hold on one run: at most one open step, calls in order. It keeps the
+    run's state (the open step, the request allowed and the one started, how the session
+    ended), opens steps, and ends steps and runs; a proposal is judged and acted on by its
+    _Decider, and an allowed request is started, called and recorded by its _Executor."""
 
     def __init__(self, gate: Gate, run_id: str, step: Step | None = None):
         self.gate, self.store, self.run_id = gate, gate.store, run_id
@@ -4217,6 +4223,7 @@ class Session:
         self.final: Run | None = None
         # Called with the observation inside the transaction that records a tool's outcome.
         self.on_recorded: Callable[[dict], None] | None = None
+        self.decider, self.executor = _Decider(self), _Executor(self)
 
     # -- the step cycle --
 
@@ -4249,448 +4256,27 @@ class Session:
                             None, "", now, "", "", "")
         return self.current
 
-    def propose(self, decision: Decision, judged: "_ProposalCheck | None" = None) -> Verdict:
-        """Record the decision, validate it, and (for a tool call) evaluate the policy;
-        ``judged`` carries both worked out already (Gate.start)."""
-        self._usable()
-        step = self.current
-        if step is None or step.status != "deciding" or self._allowed is not None:
-            raise RunStateError(f"run {self.run_id}: no step is open for a proposal")
-        if not self.gate.leases.ok(self.run_id):
-            raise self._lose()
-        tool = self.gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
-        if judged is None:
-            decision = _with_value(decision)
-        (record, recorded), now = _decision_record(decision), self.gate.now()
-        with self.store.tx() as tx:
-            tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            spec_hash = tx.save_spec(tool.spec) if tool else ""
-            tx.update_step(step.id, ("deciding",), decision_json=record, spec_hash=spec_hash)
-            tx.event(self.run_id, step.id, now, "step.decided", record)
-        self.current = step = dataclasses.replace(step, decision=recorded,
-                                                  args=decision.args.strip(JSON_WS), spec_hash=spec_hash)
-        problem = judged.problem if judged else self.gate.invalid_reason(decision, tool)
-        if problem:
-            return self._end_invalid(step, problem, "invalid decision")
-        if decision.kind in ("complete", "fail"):
-            status = COMPLETED if decision.kind == "complete" else FAILED
-            reason = "goal_completed" if status == COMPLETED else "goal_failed"
-            run = self._settle(step, ("deciding",), "done", None, status, reason,
-                               decision.message if status == FAILED else "",
-                               decision.result.strip(JSON_WS).decode() if status == COMPLETED else "")
-            return Verdict("ended", run=run)
-        request = ToolRequest(self.run_id, step.id, tool.spec,
-                              decision.args.strip(JSON_WS) or b"{}", decision.value)
-        if judged is not None and judged.view is not None and step.idx == 0:
-            view = judged.view           # the first step of a run begun in this transaction
-        else:
-            run = self.store.get_run(self.run_id)
-            prior = [s for s in self.store.list_steps(self.run_id) if s.idx < step.idx]
-            view = RunView(run, prior, self.store.list_approvals(self.run_id))
-        return self._apply(request, step, view, None, None, judged)
-
-    def _apply(self, request: ToolRequest, step: Step, view: RunView,
-               granted: Approval | None, resumed_at: str | None,
-               judged: "_ProposalCheck | None" = None) -> Verdict:
-        """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
-        origin = WAITING if granted else RUNNING
-        on_resume = " on resume" if granted else ""
-        from_steps = ("awaiting_approval",) if granted else ("deciding",)
-        view_doc = {"status": view.run.status, "step_count": view.run.step_count,
-                    "steps": len(view.steps), "approvals": len(view.approvals)}
-        try:
-            if judged is not None and judged.error is not None:
-                raise judged.error
-            decision = judged.decision if judged is not None and judged.decision else \
-                self.gate.evaluate(request, view)
-            decision = dataclasses.replace(     # one spelling of "no value" for both fields
-                decision, capability=decision.capability.strip(JSON_WS),
-                presentation=decision.presentation.strip(JSON_WS))
-        except Exception as exc:            # a policy's failure ends the run, never allows
-            return self._policy_failure(step, from_steps, origin, f"{exc}")
-        policy_at = resumed_at or self.gate.now()
-        extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
-                 "view": view_doc}
-        for name in ("capability", "presentation"):
-            raw = getattr(decision, name).strip(JSON_WS)
-            try:
-                if raw:                     # it wraps the arguments: the records' allowance
-                    parse_json(raw, max_depth=RECORD_DEPTH)
-            except JSONError as exc:
-                bare = PolicyDecision(decision.outcome, decision.reason, decision.kind)
-                return self._policy_failure(step, from_steps, origin,
-                                            f"{name} is not usable JSON: {exc}", bare, extra,
-                                            policy_at)
-        try:
-            allowed = decision.outcome == "allow" or (
-                granted is not None and grant_covers(granted, decision, request))
-        except (JSONError, TypeError, ValueError) as exc:
-            return self._policy_failure(step, from_steps, origin, f"the approval will not "
-                                        f"encode: {exc}", decision, extra, policy_at)
-        if allowed:
-            self._allowed = _AllowedRequest(request, decision, policy_at, view_doc, granted)
-            return Verdict("allowed", approval=granted)
-        if decision.outcome == "deny":
-            summary = f"denied{on_resume}: {decision.reason}"
-            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
-                       summary)
-            return self._deny(step, from_steps, granted, decision, extra, policy_at, obs)
-        if decision.outcome == "abort":
-            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
-                       f"aborted: {decision.reason}")
-            pre = [("step.policy", policy_at, _policy_record(decision, extra))]
-            run = self._settle(step, from_steps, "failed", obs, FAILED, "policy_abort",
-                               decision.reason, origin=origin, pre=pre,
-                               policy_json=_policy_record(decision))
-            return Verdict("ended", run=run)
-        if decision.outcome == "require_approval":
-            return self._pause(request, step, from_steps, origin, decision, extra, policy_at)
-        return self._policy_failure(step, from_steps, origin,
-                                    f"unknown policy outcome {_quote(decision.outcome)}",
-                                    decision, extra, policy_at)
-
-    def _policy_failure(self, step, from_steps, origin, detail, decision=None, extra=None,
-                        policy_at=""):
-        pre = [("step.policy", policy_at, _policy_record(decision, extra))] if decision else []
-        run = self._settle(step, from_steps, "failed", None, FAILED, "internal_error",
-                           f"policy: {detail}", origin=origin, pre=pre,
-                           step_detail=f"policy error: {detail}",
-                           policy_json=_policy_record(decision) if decision else "")
-        return Verdict("ended", run=run)
-
-    def _deny(self, step, from_steps, granted, decision, extra, policy_at, obs) -> Verdict:
-        now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
-        with self.store.tx() as tx:
-            if granted:
-                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
-                              lease_until=fmt_time(until))
-                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
-            else:
-                tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            tx.event(self.run_id, step.id, policy_at, "step.policy",
-                     _policy_record(decision, extra))
-            self._end_step(tx, step, from_steps, "failed", obs, now,
-                           policy_json=_policy_record(decision), policy_id=self.gate.policy_id)
-        if granted:
-            self.gate.leases.hold(self.run_id, until)
-        self.current = None
-        return Verdict("denied", observation=obs.doc)
-
-    def _pause(self, request, step, from_steps, origin, decision, extra, policy_at) -> Verdict:
-        """Wait on a new approval bound by hash to exactly this request."""
-        now = self.gate.clock()
-        run = self.store.get_run(self.run_id)
-        ttl = run.limits.approval_ttl
-        approval = Approval(
-            self.gate.new_id(), self.run_id, step.id, decision.kind,
-            decision.capability.strip(JSON_WS) or b"{}", decision.presentation.strip(JSON_WS) or b"{}",
-            request.record(), "", PENDING, fmt_time(now), "", "", "",
-            fmt_time(now + ttl) if ttl > 0 else "")
-        approval = dataclasses.replace(approval, hash=approval_hash(
-            approval.kind, approval.capability, approval.presentation, request))
-        owner = self.gate.owner if origin == RUNNING else ""
-        with self.store.tx() as tx:
-            attempt = asked_attempt(approval, tx.rows)
-            tx.event(self.run_id, step.id, policy_at, "step.policy", _policy_record(decision, extra))
-            # No interruption approval is ever asked about an attempt whose outcome is
-            # recorded: looked for in the transaction that would ask, so that a late outcome
-            # recorded before it is found here, and one recorded after it settles what it
-            # asked (settle_attempt).
-            late = late_record(tx.rows, attempt, known=True) if attempt else None
-            if late is not None:
-                run = end_with_late(tx, self.run_id, step.id, (origin,), from_steps, late,
-                                    fmt_time(now), request.spec.terminal, owner)
-                if self.gate.on_settled is not None:
-                    self.gate.on_settled(tx, [self.run_id])
-            else:
-                self._ask(tx, approval, request, step, from_steps, origin, decision, extra)
-        if late is not None:
-            self._finish("ended", run)
-            return Verdict("settled", run=run)
-        self._finish("paused", None)
-        return Verdict("pending", approval=approval)
-
-    def _ask(self, tx: Tx, approval: Approval, request, step, from_steps, origin, decision,
-             extra) -> None:
-        """The writes of a pause: the run waits, its step waits, the approval is asked."""
-        tx.transition(self.run_id, (origin,), WAITING,
-                      owner=self.gate.owner if origin == RUNNING else "")
-        tx.update_step(step.id, from_steps, status="awaiting_approval",
-                       policy_json=_policy_record(decision), spec_hash=step.spec_hash or
-                       request.spec.hash(), policy_id=extra.get("policy_id", ""),
-                       observation_json="", observation_hash="", finished_at="")
-        tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
-                f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
-                (approval.id, approval.run_id, approval.step_id, approval.kind,
-                 approval.capability.decode(), approval.presentation.decode(),
-                 approval.request_json, approval.hash, PENDING, approval.created_at,
-                 "", "", "", approval.expires_at))
-        tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
-                 {"approval_id": approval.id, "capability": RawJSON(approval.capability),
-                  "hash": approval.hash, "kind": approval.kind,
-                  "presentation": RawJSON(approval.presentation), "reason": decision.reason})
-
-    def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
-        """An approved step: check the recorded arguments against today's schema, then
-        evaluate the policy again while the run is still WAITING."""
-        tool = self.gate.tools[request.spec.name]
-        self.store.ensure_spec(request.spec)     # the spec the re-evaluation is recorded with
-        problem = self.gate.check_args(tool, request.args)
-        if problem:
-            detail = f"invalid decision on resume: {problem}"
-            obs = _obs(INVALID_DECISION, {"error": problem}, detail)
-            now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
-            with self.store.tx() as tx:
-                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
-                              lease_until=fmt_time(until))
-                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
-                self._end_step(tx, step, ("awaiting_approval",), "failed", obs, now)
-            self.gate.leases.hold(self.run_id, until)
-            self.current = None
-            return Verdict("denied", observation=obs.doc)
-        run = self.store.get_run(self.run_id)
-        prior = [s for s in steps if s.idx < step.idx]
-        return self._apply(request, step, RunView(run, prior, approvals), granted, resumed_at)
-
-    def _after_interruption(self, step: Step, steps: list[Step], now: str) -> Verdict | None:
-        """A step cut off while executing: ask the reconcile hook, or, without one, pause a
-        tool that is not read-only on an interrupted_side_effect approval. None: go on."""
-        tool = self.gate.tools.get((step.decision or {}).get("tool", ""))
-        run = self.store.get_run(self.run_id)
-        if self.gate.reconcile is not None:
-            rec = self.gate.reconcile(RunView(run, steps, self.store.list_approvals(self.run_id)))
-            if rec.outcome == "continue":
-                return None
-            if rec.outcome != "waiting" or rec.pause is None:
-                return self._conflict(step, rec.detail or f"reconcile answered {rec.outcome}")
-            decision = rec.pause
-        elif tool is not None and tool.spec.side_effect == "read_only":
-            return None
-        else:
-            args = step.args or b"{}"
-            cap = {"args": RawJSON(args), "tool": (step.decision or {}).get("tool", "")}
-            pres = dict(cap, notice=INTERRUPTED_NOTICE,
-                        side_effect=tool.spec.side_effect if tool else "")
-            decision = need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON,
-                                     {k: cap[k] for k in sorted(cap)},
-                                     {k: pres[k] for k in sorted(pres)})
-        if tool is None:
-            return self._conflict(step, "the tool is no longer offered")
-        problem = self.gate.check_args(tool, step.args or b"{}")
-        if problem:
-            return self._conflict(step, problem)
-        request = ToolRequest(self.run_id, step.id, tool.spec, step.args or b"{}")
-        return self._pause(request, step, ("interrupted",), RUNNING, decision,
-                           {"spec_hash": tool.spec.hash()}, now)
-
-    def _conflict(self, step: Step, why: str) -> Verdict:
-        detail = (f"step {step.idx} was interrupted while executing a tool call whose outcome "
-                  f"is unknown and cannot wait for an operator ({why})")
-        run = self._settle(None, (), "", None, FAILED, "reconcile_conflict", detail)
-        return Verdict("ended", run=run)
-
     async def execute(self) -> dict:
         """Run the allowed request once and record its outcome. Returns the observation."""
         self.start()
         return await self.run_started()
 
-    def start(self) -> None:
-        """Commit the policy's decision and the tool's start: after this the attempt is on
-        record, before anything leaves the process. Raises when nothing may execute."""
-        self._usable()
-        allowed, step = self._allowed, self.current
-        if allowed is None or step is None:
-            raise RunStateError(f"run {self.run_id}: nothing is allowed to execute")
-        self._allowed = None
-        gate, granted = self.gate, allowed.granted
-        if granted is not None:
-            run = self.store.get_run(self.run_id)
-            if self._expire_if_stale(run, granted):
-                raise ApprovalExpired(
-                    f"approval {granted.id} was granted at {granted.decided_at} and its grant "
-                    f"expired ({fmt_duration(run.limits.grant_ttl)}) before it was executed")
-        if granted is None and not gate.leases.ok(self.run_id):
-            raise self._lose()
-        start_at = gate.now() if granted else allowed.policy_at
-        until = gate.wall() + gate.lease_ttl
-        spec, request = allowed.request.spec, allowed.request
-        started = {"args": RawJSON(request.args), "tool": spec.name}
-        with self.store.tx() as tx:
-            settled = self._settled_at_start(tx, granted, start_at, spec) if granted else None
-            if settled is None:
-                if granted:
-                    tx.transition(self.run_id, (WAITING,), RUNNING, owner=gate.owner,
-                                  lease_until=fmt_time(until))
-                    tx.event(self.run_id, step.id, start_at, "run.resumed",
-                             {"approval_id": granted.id})
-                    started = {"approval_id": granted.id, **started}
-                else:
-                    _require_live_lease(tx, self.run_id, gate.owner, gate.store.path,
-                                        gate.wall())
-                cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
-                        "policy_id": gate.policy_id}
-                if granted:
-                    cols["started_at"] = start_at
-                if gate.budget is not None:
-                    gate.budget.admit(tx, request, allowed.decision, start_at)
-                tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",),
-                               **cols)
-                tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
-                         _policy_record(allowed.decision, {"policy_id": gate.policy_id,
-                                                          "spec_hash": spec.hash(),
-                                                          "view": allowed.view}))
-                tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
-        if settled is not None:
-            self._finish("ended", settled[0])
-            raise AttemptSettled(f"run {self.run_id}: approval {granted.id} is not run: the "
-                                 f"attempt it re-runs {settled[1].text()}")
-        gate.leases.hold(self.run_id, until)
-        # The attempt's start as the store holds it: a late outcome names it (section 13).
-        self.current = dataclasses.replace(step, status="executing",
-                                           started_at=start_at if granted else step.started_at)
-        self._started = request
+    # -- what the gate and the proxy call, done by its parts --
 
-    def _settled_at_start(self, tx: Tx, granted: Approval, at: str, spec: ToolSpec):
-        """The grant may be collected only while it is the step's grant, and a re-run never
-        executes once the attempt it re-runs has a recorded outcome, whatever the approval
-        says: judged in the transaction that would start it, so that no late outcome lands
-        between the look and the start. (run, late record) when the run ended instead."""
-        _require_grant(tx, self.current.id, granted)
-        late = late_record(tx.rows, asked_attempt(granted, tx.rows), known=True)
-        if late is None:
-            return None
-        settle_approval(tx, granted, late, at)
-        run = end_with_late(tx, self.run_id, self.current.id, (WAITING,),
-                            ("awaiting_approval",), late, at, spec.terminal)
-        if self.gate.on_settled is not None:
-            self.gate.on_settled(tx, [self.run_id])
-        return run, late
+    def propose(self, decision: Decision, judged: "_ProposalCheck | None" = None) -> Verdict:
+        return self.decider.propose(decision, judged)
+
+    def start(self) -> None:
+        self.executor.start()
 
     async def run_started(self) -> dict:
-        """Call the tool whose start was committed, and record what came of it. When the
-        outcome cannot be recorded the lease is let go, so that the next executor takes the
-        run over as cut off while executing, and StoreError is raised."""
-        return self.record_outcome(await self.call_started())
+        return await self.executor.run_started()
 
     async def call_started(self) -> tuple[Observation, float]:
-        """Call the tool whose start was committed; its observation, not yet recorded (a
-        caller records it with record_outcome, when nothing may come in between). A call
-        cancelled meanwhile is recorded at once, as cut off."""
-        request, self._started = self._started, None
-        if request is None:
-            raise RunStateError(f"run {self.run_id}: no tool call was started")
-        if self.store.in_tx():
-            raise RunStateError("a tool never runs inside an open transaction: its start "
-                                "must be committed first")
-        spec = request.spec
-        began = time.monotonic()
-        try:
-            obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
-        except asyncio.CancelledError as exc:
-            self._record_or_let_go(_observe(spec.name, spec.timeout, exc), began)
-            raise
-        return obs, began
+        return await self.executor.call_started()
 
     def record_outcome(self, called: tuple[Observation, float]) -> dict:
-        """Record what call_started observed; the observation, as recorded."""
-        return self._record_or_let_go(*called)
-
-    def _record_or_let_go(self, obs: Observation, began: float) -> dict:
-        try:
-            return self._record(obs, began)
-        except (LeaseLost, RunStateError):
-            raise
-        except Exception as exc:
-            self._let_go()
-            raise OutcomeNotRecorded(f"run {self.run_id}: the tool ran, and its outcome "
-                                     f"could not be recorded: {exc}") from exc
-
-    def _let_go(self) -> None:
-        """Give up the run after a failure: the lease is dropped here and cleared on disk
-        (best effort: it runs out by itself unrenewed), so the next executor takes the run
-        over at once and judges what it was doing."""
-        self.gate.leases.drop(self.run_id)
-        with contextlib.suppress(Exception):
-            with self.store.tx() as tx:
-                tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
-                        "AND lease_owner=?", (self.run_id, self.gate.owner))
-        self._finish("lost", None)
-
-    def _expire_if_stale(self, run: Run, granted: Approval) -> bool:
-        """Judge the grant's age again just before executing; a stale grant is expired here
-        (its run cancelled) and True returned."""
-        at = self.gate.clock()
-        if not _grant_stale(run, granted, at):
-            return False
-        self._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
-        return True
-
-    def _record(self, obs: Observation, began: float) -> dict:
-        """Record a finished tool call. Needs only that this gate still owns the lease, not
-        that it is unexpired; a run taken over meanwhile keeps what its new owner wrote."""
-        doc, step = obs.doc, self.current
-        spec = self.gate.tools[step.decision["tool"]].spec
-        elapsed = int((time.monotonic() - began) * 1000)
-        ok = doc["kind"] == TOOL_RESULT
-        finished = {"duration_ms": elapsed, "tool": spec.name}
-        finished.update({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
-                        else {"error": doc["summary"]})
-        try:
-            # The outcome, and the caller's own write with it, in one commit.
-            with self.store.tx():
-                if ok and spec.terminal:
-                    self._settle(step, ("executing",), "done", obs, COMPLETED,
-                                 "goal_completed", f"terminal tool {spec.name}",
-                                 _content_bytes(obs).decode(), finished_event=finished)
-                else:
-                    now = self.gate.now()
-                    with self.store.tx() as tx:
-                        tx.require(self.run_id, (RUNNING,), self.gate.owner)
-                        self._end_step(tx, step, ("executing",), "done" if ok else "failed",
-                                       obs, now, finished_event=finished)
-                    self.current = None
-                if self.on_recorded is not None:
-                    self.on_recorded(doc)
-        except RunStateError:
-            self._late(doc, obs, finished)
-        return doc
-
-    def _late(self, doc: dict, obs: Observation, finished: dict) -> None:
-        """The run was cancelled or taken over while the tool ran. What came of the call is
-        recorded all the same, as a late event on its step (an event needs no lease), naming
-        the attempt's start and whether the outcome is known: a known outcome is never
-        thrown away. A known one settles the attempt in the same transaction: an approval
-        asking whether it runs again is answered by it, and its run ends (section 13)."""
-        step, gate = self.current, self.gate
-        known = bool(gate.known(finished["tool"], doc))
-        late = {"duration_ms": finished["duration_ms"], "known": known, "late": True,
-                "observation": RawJSON(obs.json_text.encode()), "started_at": step.started_at,
-                "tool": finished["tool"]}
-        if doc["kind"] == TOOL_RESULT:
-            late.update(content_hash=obs.content_hash, summary=doc["summary"])
-        at = gate.now()
-        with self.store.tx() as tx:
-            seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
-            if known and gate.on_settled is not None:     # the run's index row, with it:
-                gate.on_settled(tx, [self.run_id])        # one row's update by its run id
-        # Settled in a transaction of its own, so that nothing in it can cost the late event
-        # itself. Should it fail, nothing is lost: whatever would act on the attempt as
-        # unknown looks for the event first (section 13), and settles it then.
-        if known:
-            record = LateRecord(seq, self.run_id, step.id, step.started_at, at, True,
-                                obs.json_text, doc)
-            with contextlib.suppress(StoreError, RunStateError, NotPending):
-                with self.store.tx() as tx:
-                    ended = settle_attempt(tx, record, at)
-                    if ended and gate.on_settled is not None:
-                        gate.on_settled(tx, ended)
-        run = self.store.get_run(self.run_id)
-        if run.status == CANCELLED and run.reason == "operator_cancelled":
-            self._finish("ended", run)
-            return
-        self._finish("lost", run)
-        raise LateOutcome(f"run {self.run_id}: the tool returned after the run was taken "
-                          "over; its outcome is recorded as a late event", doc)
+        return self.executor.record_outcome(called)
 
     # -- ending steps and runs --
 
@@ -4750,7 +4336,8 @@ class Session:
             if loop:
                 tx.event(self.run_id, "", at, "loop.detected", loop)
             else:
-                tx.event(self.run_id, "", at, "limit.exceeded", {"detail": detail, "reason": reason})
+                tx.event(self.run_id, "", at, "limit.exceeded",
+                         {"detail": detail, "reason": reason})
             run = tx.transition(self.run_id, (RUNNING,), FAILED, reason=reason, detail=detail,
                                 finished_at=at)
             tx.event(self.run_id, "", at, "run.finished",
@@ -4788,6 +4375,17 @@ class Session:
         self._finish("lost", run)
         return LeaseLost(f"run {self.run_id}: the lease was lost")
 
+    def _let_go(self) -> None:
+        """Give up the run after a failure: the lease is dropped here and cleared on disk
+        (best effort: it runs out by itself unrenewed), so the next executor takes the run
+        over at once and judges what it was doing."""
+        self.gate.leases.drop(self.run_id)
+        with contextlib.suppress(Exception):
+            with self.store.tx() as tx:
+                tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
+                        "AND lease_owner=?", (self.run_id, self.gate.owner))
+        self._finish("lost", None)
+
     def close(self) -> None:
         """End the session; a lease still held is released. An open step is left as a
         crash would leave it, for the next executor to take over."""
@@ -4798,6 +4396,463 @@ class Session:
                             "WHERE id=? AND lease_owner=?", (self.run_id, self.gate.owner))
         if self.state == "open":
             self._finish("closed", self.final)
+
+
+class _Decider:
+    """A session's judge of proposals: records each decision, validates it, evaluates the
+    policy, and acts on what it decides: allow (the request handed to the _Executor), deny,
+    abort, or pause on an approval; and, on resume, judges the approved request again."""
+
+    def __init__(self, session: Session):
+        self.session, self.gate, self.store = session, session.gate, session.store
+        self.run_id = session.run_id
+
+    def propose(self, decision: Decision, judged: "_ProposalCheck | None" = None) -> Verdict:
+        """Record the decision, validate it, and (for a tool call) evaluate the policy;
+        ``judged`` carries both worked out already (Gate.start)."""
+        self.session._usable()
+        step = self.session.current
+        if step is None or step.status != "deciding" or self.session._allowed is not None:
+            raise RunStateError(f"run {self.run_id}: no step is open for a proposal")
+        if not self.gate.leases.ok(self.run_id):
+            raise self.session._lose()
+        tool = self.gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
+        if judged is None:
+            decision = _with_value(decision)
+        (record, recorded), now = _decision_record(decision), self.gate.now()
+        with self.store.tx() as tx:
+            tx.require(self.run_id, (RUNNING,), self.gate.owner)
+            spec_hash = tx.save_spec(tool.spec) if tool else ""
+            tx.update_step(step.id, ("deciding",), decision_json=record, spec_hash=spec_hash)
+            tx.event(self.run_id, step.id, now, "step.decided", record)
+        self.session.current = step = dataclasses.replace(
+            step, decision=recorded, args=decision.args.strip(JSON_WS), spec_hash=spec_hash)
+        problem = judged.problem if judged else self.gate.invalid_reason(decision, tool)
+        if problem:
+            return self.session._end_invalid(step, problem, "invalid decision")
+        if decision.kind in ("complete", "fail"):
+            status = COMPLETED if decision.kind == "complete" else FAILED
+            reason = "goal_completed" if status == COMPLETED else "goal_failed"
+            run = self.session._settle(
+                step, ("deciding",), "done", None, status, reason,
+                decision.message if status == FAILED else "",
+                decision.result.strip(JSON_WS).decode() if status == COMPLETED else "")
+            return Verdict("ended", run=run)
+        request = ToolRequest(self.run_id, step.id, tool.spec,
+                              decision.args.strip(JSON_WS) or b"{}", decision.value)
+        if judged is not None and judged.view is not None and step.idx == 0:
+            view = judged.view           # the first step of a run begun in this transaction
+        else:
+            run = self.store.get_run(self.run_id)
+            prior = [s for s in self.store.list_steps(self.run_id) if s.idx < step.idx]
+            view = RunView(run, prior, self.store.list_approvals(self.run_id))
+        return self._apply(request, step, view, None, None, judged)
+
+    def _apply(self, request: ToolRequest, step: Step, view: RunView,
+               granted: Approval | None, resumed_at: str | None,
+               judged: "_ProposalCheck | None" = None) -> Verdict:
+        """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
+        origin = WAITING if granted else RUNNING
+        on_resume = " on resume" if granted else ""
+        from_steps = ("awaiting_approval",) if granted else ("deciding",)
+        view_doc = {"status": view.run.status, "step_count": view.run.step_count,
+                    "steps": len(view.steps), "approvals": len(view.approvals)}
+        try:
+            if judged is not None and judged.error is not None:
+                raise judged.error
+            decision = judged.decision if judged is not None and judged.decision else \
+                self.gate.evaluate(request, view)
+            decision = dataclasses.replace(     # one spelling of "no value" for both fields
+                decision, capability=decision.capability.strip(JSON_WS),
+                presentation=decision.presentation.strip(JSON_WS))
+        except Exception as exc:            # a policy's failure ends the run, never allows
+            return self._policy_failure(step, from_steps, origin, f"{exc}")
+        policy_at = resumed_at or self.gate.now()
+        extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
+                 "view": view_doc}
+        for name in ("capability", "presentation"):
+            raw = getattr(decision, name).strip(JSON_WS)
+            try:
+                if raw:                     # it wraps the arguments: the records' allowance
+                    parse_json(raw, max_depth=RECORD_DEPTH)
+            except JSONError as exc:
+                bare = PolicyDecision(decision.outcome, decision.reason, decision.kind)
+                return self._policy_failure(step, from_steps, origin,
+                                            f"{name} is not usable JSON: {exc}", bare, extra,
+                                            policy_at)
+        try:
+            allowed = decision.outcome == "allow" or (
+                granted is not None and grant_covers(granted, decision, request))
+        except (JSONError, TypeError, ValueError) as exc:
+            return self._policy_failure(step, from_steps, origin, f"the approval will not "
+                                        f"encode: {exc}", decision, extra, policy_at)
+        if allowed:
+            self.session._allowed = _AllowedRequest(request, decision, policy_at, view_doc,
+                                                    granted)
+            return Verdict("allowed", approval=granted)
+        if decision.outcome == "deny":
+            summary = f"denied{on_resume}: {decision.reason}"
+            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
+                       summary)
+            return self._deny(step, from_steps, granted, decision, extra, policy_at, obs)
+        if decision.outcome == "abort":
+            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
+                       f"aborted: {decision.reason}")
+            pre = [("step.policy", policy_at, _policy_record(decision, extra))]
+            run = self.session._settle(step, from_steps, "failed", obs, FAILED, "policy_abort",
+                                       decision.reason, origin=origin, pre=pre,
+                                       policy_json=_policy_record(decision))
+            return Verdict("ended", run=run)
+        if decision.outcome == "require_approval":
+            return self._pause(request, step, from_steps, origin, decision, extra, policy_at)
+        return self._policy_failure(step, from_steps, origin,
+                                    f"unknown policy outcome {_quote(decision.outcome)}",
+                                    decision, extra, policy_at)
+
+    def _policy_failure(self, step, from_steps, origin, detail, decision=None, extra=None,
+                        policy_at=""):
+        pre = [("step.policy", policy_at, _policy_record(decision, extra))] if decision else []
+        run = self.session._settle(step, from_steps, "failed", None, FAILED, "internal_error",
+                                   f"policy: {detail}", origin=origin, pre=pre,
+                                   step_detail=f"policy error: {detail}",
+                                   policy_json=_policy_record(decision) if decision else "")
+        return Verdict("ended", run=run)
+
+    def _deny(self, step, from_steps, granted, decision, extra, policy_at, obs) -> Verdict:
+        now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
+        with self.store.tx() as tx:
+            if granted:
+                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
+                              lease_until=fmt_time(until))
+                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
+            else:
+                tx.require(self.run_id, (RUNNING,), self.gate.owner)
+            tx.event(self.run_id, step.id, policy_at, "step.policy",
+                     _policy_record(decision, extra))
+            self.session._end_step(tx, step, from_steps, "failed", obs, now,
+                                   policy_json=_policy_record(decision),
+                                   policy_id=self.gate.policy_id)
+        if granted:
+            self.gate.leases.hold(self.run_id, until)
+        self.session.current = None
+        return Verdict("denied", observation=obs.doc)
+
+    def _pause(self, request, step, from_steps, origin, decision, extra, policy_at) -> Verdict:
+        """Wait on a new approval bound by hash to exactly this request."""
+        now = self.gate.clock()
+        run = self.store.get_run(self.run_id)
+        ttl = run.limits.approval_ttl
+        approval = Approval(
+            self.gate.new_id(), self.run_id, step.id, decision.kind,
+            decision.capability.strip(JSON_WS) or b"{}",
+            decision.presentation.strip(JSON_WS) or b"{}",
+            request.record(), "", PENDING, fmt_time(now), "", "", "",
+            fmt_time(now + ttl) if ttl > 0 else "")
+        approval = dataclasses.replace(approval, hash=approval_hash(
+            approval.kind, approval.capability, approval.presentation, request))
+        owner = self.gate.owner if origin == RUNNING else ""
+        with self.store.tx() as tx:
+            attempt = asked_attempt(approval, tx.rows)
+            tx.event(self.run_id, step.id, policy_at, "step.policy",
+                     _policy_record(decision, extra))
+            # No interruption approval is ever asked about an attempt whose outcome is
+            # recorded: looked for in the transaction that would ask, so that a late outcome
+            # recorded before it is found here, and one recorded after it settles what it
+            # asked (settle_attempt).
+            late = late_record(tx.rows, attempt, known=True) if attempt else None
+            if late is not None:
+                run = end_with_late(tx, self.run_id, step.id, (origin,), from_steps, late,
+                                    fmt_time(now), request.spec.terminal, owner)
+                if self.gate.on_settled is not None:
+                    self.gate.on_settled(tx, [self.run_id])
+            else:
+                self._ask(tx, approval, request, step, from_steps, origin, decision, extra)
+        if late is not None:
+            self.session._finish("ended", run)
+            return Verdict("settled", run=run)
+        self.session._finish("paused", None)
+        return Verdict("pending", approval=approval)
+
+    def _ask(self, tx: Tx, approval: Approval, request, step, from_steps, origin, decision,
+             extra) -> None:
+        """The writes of a pause: the run waits, its step waits, the approval is asked."""
+        tx.transition(self.run_id, (origin,), WAITING,
+                      owner=self.gate.owner if origin == RUNNING else "")
+        tx.update_step(step.id, from_steps, status="awaiting_approval",
+                       policy_json=_policy_record(decision), spec_hash=step.spec_hash or
+                       request.spec.hash(), policy_id=extra.get("policy_id", ""),
+                       observation_json="", observation_hash="", finished_at="")
+        tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
+                f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
+                (approval.id, approval.run_id, approval.step_id, approval.kind,
+                 approval.capability.decode(), approval.presentation.decode(),
+                 approval.request_json, approval.hash, PENDING, approval.created_at,
+                 "", "", "", approval.expires_at))
+        tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
+                 {"approval_id": approval.id, "capability": RawJSON(approval.capability),
+                  "hash": approval.hash, "kind": approval.kind,
+                  "presentation": RawJSON(approval.presentation), "reason": decision.reason})
+
+    def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
+        """An approved step: check the recorded arguments against today's schema, then
+        evaluate the policy again while the run is still WAITING."""
+        tool = self.gate.tools[request.spec.name]
+        self.store.ensure_spec(request.spec)     # the spec the re-evaluation is recorded with
+        problem = self.gate.check_args(tool, request.args)
+        if problem:
+            detail = f"invalid decision on resume: {problem}"
+            obs = _obs(INVALID_DECISION, {"error": problem}, detail)
+            now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
+            with self.store.tx() as tx:
+                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
+                              lease_until=fmt_time(until))
+                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
+                self.session._end_step(tx, step, ("awaiting_approval",), "failed", obs, now)
+            self.gate.leases.hold(self.run_id, until)
+            self.session.current = None
+            return Verdict("denied", observation=obs.doc)
+        run = self.store.get_run(self.run_id)
+        prior = [s for s in steps if s.idx < step.idx]
+        return self._apply(request, step, RunView(run, prior, approvals), granted, resumed_at)
+
+    def _after_interruption(self, step: Step, steps: list[Step], now: str) -> Verdict | None:
+        """A step cut off while executing: ask the reconcile hook, or, without one, pause a
+        tool that is not read-only on an interrupted_side_effect approval. None: go on."""
+        tool = self.gate.tools.get((step.decision or {}).get("tool", ""))
+        run = self.store.get_run(self.run_id)
+        if self.gate.reconcile is not None:
+            rec = self.gate.reconcile(RunView(run, steps, self.store.list_approvals(self.run_id)))
+            if rec.outcome == "continue":
+                return None
+            if rec.outcome != "waiting" or rec.pause is None:
+                return self._conflict(step, rec.detail or f"reconcile answered {rec.outcome}")
+            decision = rec.pause
+        elif tool is not None and tool.spec.side_effect == "read_only":
+            return None
+        else:
+            args = step.args or b"{}"
+            cap = {"args": RawJSON(args), "tool": (step.decision or {}).get("tool", "")}
+            pres = dict(cap, notice=INTERRUPTED_NOTICE,
+                        side_effect=tool.spec.side_effect if tool else "")
+            decision = need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON,
+                                     {k: cap[k] for k in sorted(cap)},
+                                     {k: pres[k] for k in sorted(pres)})
+        if tool is None:
+            return self._conflict(step, "the tool is no longer offered")
+        problem = self.gate.check_args(tool, step.args or b"{}")
+        if problem:
+            return self._conflict(step, problem)
+        request = ToolRequest(self.run_id, step.id, tool.spec, step.args or b"{}")
+        return self._pause(request, step, ("interrupted",), RUNNING, decision,
+                           {"spec_hash": tool.spec.hash()}, now)
+
+    def _conflict(self, step: Step, why: str) -> Verdict:
+        detail = (f"step {step.idx} was interrupted while executing a tool call whose outcome "
+                  f"is unknown and cannot wait for an operator ({why})")
+        run = self.session._settle(None, (), "", None, FAILED, "reconcile_conflict", detail)
+        return Verdict("ended", run=run)
+
+
+# ==== 12.1 Executing a step: its start, the tool's call, and its outcome ====
+# An allowed request's start is committed before anything leaves the process; the tool is
+# called once; and what came of it is recorded, on time or late, through one classifier.
+
+class _Executor:
+    """A session's runner of the allowed request: commits its start (the grant judged again
+    in that transaction), calls the tool, and records the outcome, late when the run was
+    taken over or cancelled meanwhile."""
+
+    def __init__(self, session: Session):
+        self.session, self.gate, self.store = session, session.gate, session.store
+        self.run_id = session.run_id
+
+    def start(self) -> None:
+        """Commit the policy's decision and the tool's start: after this the attempt is on
+        record, before anything leaves the process. Raises when nothing may execute."""
+        self.session._usable()
+        allowed, step = self.session._allowed, self.session.current
+        if allowed is None or step is None:
+            raise RunStateError(f"run {self.run_id}: nothing is allowed to execute")
+        self.session._allowed = None
+        gate, granted = self.gate, allowed.granted
+        if granted is not None:
+            run = self.store.get_run(self.run_id)
+            if self._expire_if_stale(run, granted):
+                raise ApprovalExpired(
+                    f"approval {granted.id} was granted at {granted.decided_at} and its grant "
+                    f"expired ({fmt_duration(run.limits.grant_ttl)}) before it was executed")
+        if granted is None and not gate.leases.ok(self.run_id):
+            raise self.session._lose()
+        start_at = gate.now() if granted else allowed.policy_at
+        until = gate.wall() + gate.lease_ttl
+        spec, request = allowed.request.spec, allowed.request
+        started = {"args": RawJSON(request.args), "tool": spec.name}
+        with self.store.tx() as tx:
+            settled = self._settled_at_start(tx, granted, start_at, spec) if granted else None
+            if settled is None:
+                if granted:
+                    tx.transition(self.run_id, (WAITING,), RUNNING, owner=gate.owner,
+                                  lease_until=fmt_time(until))
+                    tx.event(self.run_id, step.id, start_at, "run.resumed",
+                             {"approval_id": granted.id})
+                    started = {"approval_id": granted.id, **started}
+                else:
+                    _require_live_lease(tx, self.run_id, gate.owner, gate.store.path,
+                                        gate.wall())
+                cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
+                        "policy_id": gate.policy_id}
+                if granted:
+                    cols["started_at"] = start_at
+                if gate.budget is not None:
+                    gate.budget.admit(tx, request, allowed.decision, start_at)
+                tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",),
+                               **cols)
+                tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
+                         _policy_record(allowed.decision, {"policy_id": gate.policy_id,
+                                                          "spec_hash": spec.hash(),
+                                                          "view": allowed.view}))
+                tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
+        if settled is not None:
+            self.session._finish("ended", settled[0])
+            raise AttemptSettled(f"run {self.run_id}: approval {granted.id} is not run: the "
+                                 f"attempt it re-runs {settled[1].text()}")
+        gate.leases.hold(self.run_id, until)
+        # The attempt's start as the store holds it: a late outcome names it (section 13).
+        self.session.current = dataclasses.replace(
+            step, status="executing", started_at=start_at if granted else step.started_at)
+        self.session._started = request
+
+    def _settled_at_start(self, tx: Tx, granted: Approval, at: str, spec: ToolSpec):
+        """The grant may be collected only while it is the step's grant, and a re-run never
+        executes once the attempt it re-runs has a recorded outcome, whatever the approval
+        says: judged in the transaction that would start it, so that no late outcome lands
+        between the look and the start. (run, late record) when the run ended instead."""
+        _require_grant(tx, self.session.current.id, granted)
+        late = late_record(tx.rows, asked_attempt(granted, tx.rows), known=True)
+        if late is None:
+            return None
+        settle_approval(tx, granted, late, at)
+        run = end_with_late(tx, self.run_id, self.session.current.id, (WAITING,),
+                            ("awaiting_approval",), late, at, spec.terminal)
+        if self.gate.on_settled is not None:
+            self.gate.on_settled(tx, [self.run_id])
+        return run, late
+
+    async def run_started(self) -> dict:
+        """Call the tool whose start was committed, and record what came of it. When the
+        outcome cannot be recorded the lease is let go, so that the next executor takes the
+        run over as cut off while executing, and StoreError is raised."""
+        return self.record_outcome(await self.call_started())
+
+    async def call_started(self) -> tuple[Observation, float]:
+        """Call the tool whose start was committed; its observation, not yet recorded (a
+        caller records it with record_outcome, when nothing may come in between). A call
+        cancelled meanwhile is recorded at once, as cut off."""
+        request, self.session._started = self.session._started, None
+        if request is None:
+            raise RunStateError(f"run {self.run_id}: no tool call was started")
+        if self.store.in_tx():
+            raise RunStateError("a tool never runs inside an open transaction: its start "
+                                "must be committed first")
+        spec = request.spec
+        began = time.monotonic()
+        try:
+            obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
+        except asyncio.CancelledError as exc:
+            self._record_or_let_go(_observe(spec.name, spec.timeout, exc), began)
+            raise
+        return obs, began
+
+    def record_outcome(self, called: tuple[Observation, float]) -> dict:
+        """Record what call_started observed; the observation, as recorded."""
+        return self._record_or_let_go(*called)
+
+    def _record_or_let_go(self, obs: Observation, began: float) -> dict:
+        try:
+            return self._record(obs, began)
+        except (LeaseLost, RunStateError):
+            raise
+        except Exception as exc:
+            self.session._let_go()
+            raise OutcomeNotRecorded(f"run {self.run_id}: the tool ran, and its outcome "
+                                     f"could not be recorded: {exc}") from exc
+
+    def _expire_if_stale(self, run: Run, granted: Approval) -> bool:
+        """Judge the grant's age again just before executing; a stale grant is expired here
+        (its run cancelled) and True returned."""
+        at = self.gate.clock()
+        if not _grant_stale(run, granted, at):
+            return False
+        self.session._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
+        return True
+
+    def _record(self, obs: Observation, began: float) -> dict:
+        """Record a finished tool call. Needs only that this gate still owns the lease, not
+        that it is unexpired; a run taken over meanwhile keeps what its new owner wrote."""
+        doc, step = obs.doc, self.session.current
+        spec = self.gate.tools[step.decision["tool"]].spec
+        elapsed = int((time.monotonic() - began) * 1000)
+        ok = doc["kind"] == TOOL_RESULT
+        finished = {"duration_ms": elapsed, "tool": spec.name}
+        finished.update({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
+                        else {"error": doc["summary"]})
+        try:
+            # The outcome, and the caller's own write with it, in one commit.
+            with self.store.tx():
+                if ok and spec.terminal:
+                    self.session._settle(step, ("executing",), "done", obs, COMPLETED,
+                                         "goal_completed", f"terminal tool {spec.name}",
+                                         _content_bytes(obs).decode(), finished_event=finished)
+                else:
+                    now = self.gate.now()
+                    with self.store.tx() as tx:
+                        tx.require(self.run_id, (RUNNING,), self.gate.owner)
+                        self.session._end_step(tx, step, ("executing",),
+                                               "done" if ok else "failed", obs, now,
+                                               finished_event=finished)
+                    self.session.current = None
+                if self.session.on_recorded is not None:
+                    self.session.on_recorded(doc)
+        except RunStateError:
+            self._late(doc, obs, finished)
+        return doc
+
+    def _late(self, doc: dict, obs: Observation, finished: dict) -> None:
+        """The run was cancelled or taken over while the tool ran. What came of the call is
+        recorded all the same, as a late event on its step (an event needs no lease), naming
+        the attempt's start and whether the outcome is known: a known outcome is never
+        thrown away. A known one settles the attempt in the same transaction: an approval
+        asking whether it runs again is answered by it, and its run ends (section 13)."""
+        step, gate = self.session.current, self.gate
+        known = bool(gate.known(finished["tool"], doc))
+        late = {"duration_ms": finished["duration_ms"], "known": known, "late": True,
+                "observation": RawJSON(obs.json_text.encode()), "started_at": step.started_at,
+                "tool": finished["tool"]}
+        if doc["kind"] == TOOL_RESULT:
+            late.update(content_hash=obs.content_hash, summary=doc["summary"])
+        at = gate.now()
+        with self.store.tx() as tx:
+            seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
+            if known and gate.on_settled is not None:     # the run's index row, with it:
+                gate.on_settled(tx, [self.run_id])        # one row's update by its run id
+        # Settled in a transaction of its own, so that nothing in it can cost the late event
+        # itself. Should it fail, nothing is lost: whatever would act on the attempt as
+        # unknown looks for the event first (section 13), and settles it then.
+        if known:
+            record = LateRecord(seq, self.run_id, step.id, step.started_at, at, True,
+                                obs.json_text, doc)
+            with contextlib.suppress(StoreError, RunStateError, NotPending):
+                with self.store.tx() as tx:
+                    ended = settle_attempt(tx, record, at)
+                    if ended and gate.on_settled is not None:
+                        gate.on_settled(tx, ended)
+        run = self.store.get_run(self.run_id)
+        if run.status == CANCELLED and run.reason == "operator_cancelled":
+            self.session._finish("ended", run)
+            return
+        self.session._finish("lost", run)
+        raise LateOutcome(f"run {self.run_id}: the tool returned after the run was taken "
+                          "over; its outcome is recorded as a late event", doc)
 
 
 def _content_bytes(obs: Observation) -> bytes:
@@ -4845,7 +4900,7 @@ def grant_covers(granted: Approval, decision: PolicyDecision, request: ToolReque
 
     Why every collection is judged here: a grant runs only through Gate._resume_waiting,
     which verifies the row (Approval.verify: its hash is its recorded contents') and builds
-    the request from its record with today's spec, then Session._resume and _apply, which
+    the request from its record with today's spec, then _Decider._resume and _apply, which
     evaluates the policy again and calls this; nothing else makes an _Allowed with a grant.
     A policy may hand back what it asked before (the proxy's covered(), section 20, returns
     the grant's own capability and presentation when the grant asked about at least what
@@ -4942,11 +4997,11 @@ def _observe(name: str, timeout: float, result: Any) -> Observation:
       NotSent, NOT_SENT; a connection lost, a protocol error or a server that died mid-call
       NO_ANSWER), or as the deadline (TIMED_OUT). Anything else is a tool's own bug:
       NO_ANSWER.
-    - the caller was cancelled while the tool ran: Session.call_started hands the cancel
+    - the caller was cancelled while the tool ran: _Executor.call_started hands the cancel
       here (CUT_OFF, recorded interrupted).
     - the proxy crashed or stalled past its lease: nothing returns. The executor that takes
       the run over (Gate._take_over_claimed) marks the step interrupted while executing,
-      which _last_attempt reads as CUT_OFF and Session._after_interruption pauses on an
+      which _last_attempt reads as CUT_OFF and _Decider._after_interruption pauses on an
       operator's approval."""
     if isinstance(result, asyncio.CancelledError):
         err = "the caller was cancelled while the tool ran"
@@ -5028,12 +5083,12 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
 # -- what came of an attempt that was cut off --
 # A tool call whose run was taken over or cancelled while it ran may still return. What it
 # came to is then recorded as a late step.tool_finished event on its step, naming the
-# attempt's start and whether the outcome is known (Session._late). A known late outcome
+# attempt's start and whether the outcome is known (_Executor._late). A known late outcome
 # settles the attempt: every interruption approval still asking about it (pending, or
 # approved and not collected) is settled, and its run ends with that outcome, in the
 # transaction that records it (settle_attempt). Whatever would act on the attempt as
 # unknown afterwards looks for it first, inside its own transaction: the pause that would
-# ask (Session._pause), the collection that would run it again (Session.start), an
+# ask (_Decider._pause), the collection that would run it again (_Executor.start), an
 # operator's decision (decide_approval), and the rules across calls (last_attempt). Stricter
 # than the reference, which leaves such an approval pending and approvable.
 

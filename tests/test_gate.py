@@ -564,7 +564,7 @@ def test_a_failed_pause_after_a_take_over_lets_go_of_the_lease(h, monkeypatch):
 
     def broken(*args, **kwargs):
         raise ap.StoreError("disk I/O error")
-    monkeypatch.setattr(ap.Session, "_pause", broken)
+    monkeypatch.setattr(ap._Decider, "_pause", broken)
     with pytest.raises(ap.StoreError):
         g.attach("run-1")
     monkeypatch.undo()

@@ -1122,7 +1122,7 @@ def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_pa
     then be followed by the question with no decision in between."""
     h = ProxyHarness(tmp_path, rules=TIMEOUT_PAY)
     timeline: list[str] = []
-    real_record, real_decide, real_rerun = ap.Session._record, h.proxy.decide, h.proxy.rerun
+    real_record, real_decide, real_rerun = ap._Executor._record, h.proxy.decide, h.proxy.rerun
 
     def record(self, obs, began):
         timeline.append("record")
@@ -1141,7 +1141,7 @@ def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_pa
         timeline.append("asked")
         return real_rerun(*args)
 
-    ap.Session._record = record
+    ap._Executor._record = record
     h.proxy.decide, h.proxy.rerun = decide, rerun
     try:
         first = h.request("tools/call", raw_params=_params(
@@ -1159,7 +1159,7 @@ def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_pa
         at = timeline.index("record")
         assert timeline[at:at + 2] == ["record", "asked"], timeline
     finally:
-        ap.Session._record = real_record
+        ap._Executor._record = real_record
         h.close()
 
 

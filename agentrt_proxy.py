@@ -96,7 +96,7 @@ Sections, in dependency order
  5. Sanitising                          19. The proxy: one run per call, its answers
  6. Schema patterns (ECMA-262, linear)  20. Conditions and limits; 20.1 Limits: counting
  7. Schema validation                   21. The rules across calls: the call index
- 8. Time and records                    22. Deciding a call; 22.1 Executing it
+ 8. Time and records                    22. Deciding a call; 22.1 Executing, holding
  9. Policy                              23. The host-facing server
 10. The store                           24. Serving, pinning, checking, wrap
 11. The gate                            25. Tools that change while serving
@@ -10454,60 +10454,6 @@ class Proxy:
         return items
 
 
-class Hold:
-    """An approval a call waits on: the operator told that it waits (hint, and the operator's
-    on_pending command), the call held until it is decided, the hold ends, the host cancels
-    or the proxy stops (wait), and the answer a call gets while it waits (pending_answer)."""
-
-    def __init__(self, cfg: Config, store: Store, log: Callable[[str], None], clock: Clock,
-                 poll: float, stopping: asyncio.Event, notifier: Notifier):
-        self.cfg, self.store, self.log, self.clock, self.poll = cfg, store, log, clock, poll
-        self.stopping, self.notifier = stopping, notifier
-
-    def hint(self, run_id: str, approval: Approval) -> None:
-        """The two lines that tell the operator an approval waits and how to decide it; and
-        the operator's on_pending command, started on a thread of its own."""
-        tool = approval.request().spec.name
-        self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
-                 f"run {run_id}")
-        self.log(f"  decide with: {decide_command(self.store.path, run_id, approval.id)}"
-                 "   (or reject)")
-        path, store, clock = self.store.path, self.store, self.clock
-        self.notifier.notify(approval.id, lambda: waiting_doc(
-            approval, path, view_of(store, approval), limits_now(store._read, approval,
-                                                                 clock())))
-
-    async def wait(self, approval: Approval, progress, cancelled) -> bool:
-        """Hold until the approval is decided (True), or the hold ends, the host cancels, or
-        the proxy stops (False). A progress notification about once a second."""
-        began = time.monotonic()
-        last = began
-        while True:
-            await asyncio.sleep(self.poll)
-            now = time.monotonic()
-            if _is_set(cancelled) or self.stopping.is_set() or now - began >= self.cfg.hold:
-                return False
-            try:
-                current = self.store.get_approval(approval.id)
-            except StoreError:
-                continue
-            if current.status != PENDING or _expired(current, self.clock()):
-                return True
-            if progress is not None and now - last >= PROGRESS_EVERY:
-                last = now
-                progress(now - began, self.cfg.hold)
-
-    def pending_answer(self, approval: Approval) -> dict:
-        if approval.kind == REPEAT_KIND:
-            return repeat_pending(approval.id, (repeat_in(approval) or {}).get("at", ""))
-        if approval.kind != INTERRUPTED_KIND:
-            return pending_approval(approval.id)
-        at = _interrupted_attempt(approval)
-        if at is not None and at.get("ended") != "cut_off":
-            return unknown_outcome(str(at.get("ended")), "", approval.id)
-        return interrupted(approval.id)
-
-
 class Resume:
     """Rules 1 to 3: the request's own run, begun earlier and not finished. Waiting for an
     operator, the call is held (rule 1), and once approved the run is collected: the gate
@@ -10517,9 +10463,8 @@ class Resume:
     attaches to the run; what its verdict asks for is done by the Executor."""
 
     def __init__(self, proxy: Proxy):
-        self.proxy, self.hold, self.executor = proxy, proxy.hold, proxy.executor
-        self.store, self.gate, self.log, self.clock = proxy.store, proxy.gate, proxy.log, \
-            proxy.clock
+        self.hold, self.executor, self.store = proxy.hold, proxy.executor, proxy.store
+        self.gate, self.log, self.clock = proxy.gate, proxy.log, proxy.clock
 
     def unfinished(self, tool, row: CallRow, state: RunState):
         if state.run.status == RUNNING:
@@ -10532,13 +10477,15 @@ class Resume:
         if latest.status == PENDING:
             if not _expired(latest, self.clock()):
                 return Pending(latest)
-            self.attach_and_close(row.run_id)     # the gate expires it and ends the run
+            self.attach_and_close(row.run_id)      # the gate expires it and ends the run
             return None
         if latest.status == APPROVED:
             return self.collect(tool, row, state)
         return Answer(in_progress())
 
     def attach_and_close(self, run_id: str) -> None:
+        """Let the gate judge the run by attaching to it (an approval past its time expires,
+        and the run ends), then let go of it; a run it will not attach to is left as it is."""
         with contextlib.suppress(ProxyError):
             session, _ = self.gate.attach(run_id)
             if session is not None:
@@ -10848,10 +10795,10 @@ class Rules:
         return None
 
 
-# ==== 22.1 Executing a call, and what its attempts came to ====
+# ==== 22.1 Executing a call, holding it for an approval, and what its attempts came to ====
 # A run begun through the gate executes its recorded request at most once, and what that came
-# to is recorded before it is answered for; then what a run's attempts came to (KNOWN,
-# UNKNOWN, NO_ATTEMPT), as the rules read it.
+# to is recorded before it is answered for; a call waiting on an approval is held at most once;
+# then what a run's attempts came to (KNOWN, UNKNOWN, NO_ATTEMPT), as the rules read it.
 
 class Executor:
     """A run through the gate, from its beginning to its end: begun (rule 7; reopen begins
@@ -11123,6 +11070,60 @@ class Executor:
         self.settle_run(run_id)
         approval = self.reopen(tool, request_key(tool.spec.name, args), args, at)
         return unknown_outcome(ended, text, approval.id if approval else "")
+
+
+class Hold:
+    """An approval a call waits on: the operator told that it waits (hint, and the operator's
+    on_pending command), the call held until it is decided, the hold ends, the host cancels
+    or the proxy stops (wait), and the answer a call gets while it waits (pending_answer)."""
+
+    def __init__(self, cfg: Config, store: Store, log: Callable[[str], None], clock: Clock,
+                 poll: float, stopping: asyncio.Event, notifier: Notifier):
+        self.cfg, self.store, self.log, self.clock, self.poll = cfg, store, log, clock, poll
+        self.stopping, self.notifier = stopping, notifier
+
+    def hint(self, run_id: str, approval: Approval) -> None:
+        """The two lines that tell the operator an approval waits and how to decide it; and
+        the operator's on_pending command, started on a thread of its own."""
+        tool = approval.request().spec.name
+        self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
+                 f"run {run_id}")
+        self.log(f"  decide with: {decide_command(self.store.path, run_id, approval.id)}"
+                 "   (or reject)")
+        path, store, clock = self.store.path, self.store, self.clock
+        self.notifier.notify(approval.id, lambda: waiting_doc(
+            approval, path, view_of(store, approval), limits_now(store._read, approval,
+                                                                 clock())))
+
+    async def wait(self, approval: Approval, progress, cancelled) -> bool:
+        """Hold until the approval is decided (True), or the hold ends, the host cancels, or
+        the proxy stops (False). A progress notification about once a second."""
+        began = time.monotonic()
+        last = began
+        while True:
+            await asyncio.sleep(self.poll)
+            now = time.monotonic()
+            if _is_set(cancelled) or self.stopping.is_set() or now - began >= self.cfg.hold:
+                return False
+            try:
+                current = self.store.get_approval(approval.id)
+            except StoreError:
+                continue
+            if current.status != PENDING or _expired(current, self.clock()):
+                return True
+            if progress is not None and now - last >= PROGRESS_EVERY:
+                last = now
+                progress(now - began, self.cfg.hold)
+
+    def pending_answer(self, approval: Approval) -> dict:
+        if approval.kind == REPEAT_KIND:
+            return repeat_pending(approval.id, (repeat_in(approval) or {}).get("at", ""))
+        if approval.kind != INTERRUPTED_KIND:
+            return pending_approval(approval.id)
+        at = _interrupted_attempt(approval)
+        if at is not None and at.get("ended") != "cut_off":
+            return unknown_outcome(str(at.get("ended")), "", approval.id)
+        return interrupted(approval.id)
 
 
 def host_arguments(name: str, raw: bytes, value: Any = NOT_PARSED,

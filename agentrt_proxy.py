@@ -29,21 +29,21 @@ that function, and the test that fails when that function gives the permissive a
 2. A mutating call whose outcome is unknown is not run again as the identical request without
    an operator, and other mutating calls to its tool are refused meanwhile. _observe (12),
    the one classifier: every call that returns or raises reaches it through _call_tool (a
-   cancel through _Executor.call_started) and it records the ending from what happened;
+   cancel through _StepExecution.call_started) and it records the ending from what happened;
    unknown_ending and _known_outcome read only that field (none recorded: unknown). A crash
    or stall is the take-over's (Gate._take_over_claimed): the step interrupted while
    executing, read as cut off. tests/test_outcome_classifier.py::
    test_the_server_crashing_mid_call_is_unknown.
 3. Within the repeat window, a known outcome, on time or late, is not run again unless the
    operator approves a repeat; the window runs from the later of the run's end and the
-   recording of its outcome. Proxy.executed_within (22): rule 5 of Proxy.refusal asks it,
+   recording of its outcome. Rules.executed_within (22): rule 5 of Rules.refusal asks it,
    for a rule that refuses and one that asks a repeat alike, and it reads the index's
    executions with their late outcomes (execution_of). tests/test_proxy_rules.py::
    test_unknown_server_error_is_a_known_failure.
 4. Every state change is committed with its audit record before the host is answered, and a
    mutating call's attempt before its request leaves. Store.tx (10): the gate writes runs,
    steps and approvals only through the Tx it hands out, Tx.event writes the event in the
-   same transaction, and tx returns only after a FULL commit; _Executor.start commits
+   same transaction, and tx returns only after a FULL commit; _StepExecution.start commits
    step.tool_started in one before call_started sends. tests/test_store.py::
    test_rolled_back_transaction_leaves_no_event_and_no_seq_gap.
 5. Only tools the operator pinned and classified are offered or called. _build (17), by way
@@ -52,7 +52,7 @@ that function, and the test that fails when that function gives the permissive a
    Proxy.listing and Gate.tools hold only what it built. tests/test_pinning.py::
    test_proxy_changed_description_refuses_the_tool.
 6. An identical mutating call is not executed twice within the window, unless the operator
-   approves a repeat. CallIndex.claim (21) with Proxy.refusal (22): claim's compare-and-set
+   approves a repeat. CallIndex.claim (21) with Rules.refusal (22): claim's compare-and-set
    on the key's one open row lets one call at a time decide a key, across processes; refusal
    judges that call against the key's finished runs (rules 4 and 5). tests/test_statements.py
    ::test_a_claim_over_an_open_row_it_did_not_read_writes_nothing (claim);
@@ -96,7 +96,7 @@ Sections, in dependency order
  5. Sanitising                          19. The proxy: one run per call, its answers
  6. Schema patterns (ECMA-262, linear)  20. Conditions and limits; 20.1 Limits: counting
  7. Schema validation                   21. The rules across calls: the call index
- 8. Time and records                    22. Deciding a call
+ 8. Time and records                    22. Deciding a call; 22.1 Executing, holding
  9. Policy                              23. The host-facing server
 10. The store                           24. Serving, pinning, checking, wrap
 11. The gate                            25. Tools that change while serving
@@ -4206,13 +4206,13 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
 # it is judged, each allowed request started (committed) before its tool is called, and each
 # outcome recorded with nothing but this executor's ownership of the lease required. The
 # Session keeps the run's state and its surface; its _Decider acts on what the policy
-# decides, its _Executor (section 12.1) starts, calls and records the tool.
+# decides, its _StepExecution (section 12.1) starts, calls and records the tool.
 
 class Session:
     """One executor's hold on one run: at most one open step, calls in order. It keeps the
     run's state (the open step, the request allowed and the one started, how the session
     ended), opens steps, and ends steps and runs; a proposal is judged and acted on by its
-    _Decider, and an allowed request is started, called and recorded by its _Executor."""
+    _Decider, and an allowed request is started, called and recorded by its _StepExecution."""
 
     def __init__(self, gate: Gate, run_id: str, step: Step | None = None):
         self.gate, self.store, self.run_id = gate, gate.store, run_id
@@ -4223,7 +4223,7 @@ class Session:
         self.final: Run | None = None
         # Called with the observation inside the transaction that records a tool's outcome.
         self.on_recorded: Callable[[dict], None] | None = None
-        self.decider, self.executor = _Decider(self), _Executor(self)
+        self.decider, self.executor = _Decider(self), _StepExecution(self)
 
     # -- the step cycle --
 
@@ -4400,7 +4400,7 @@ class Session:
 
 class _Decider:
     """A session's judge of proposals: records each decision, validates it, evaluates the
-    policy, and acts on what it decides: allow (the request handed to the _Executor), deny,
+    policy, and acts on what it decides: allow (the request handed to the _StepExecution), deny,
     abort, or pause on an approval; and, on resume, judges the approved request again."""
 
     def __init__(self, session: Session):
@@ -4657,7 +4657,7 @@ class _Decider:
 # An allowed request's start is committed before anything leaves the process; the tool is
 # called once; and what came of it is recorded, on time or late, through one classifier.
 
-class _Executor:
+class _StepExecution:
     """A session's runner of the allowed request: commits its start (the grant judged again
     in that transaction), calls the tool, and records the outcome, late when the run was
     taken over or cancelled meanwhile."""
@@ -4997,7 +4997,7 @@ def _observe(name: str, timeout: float, result: Any) -> Observation:
       NotSent, NOT_SENT; a connection lost, a protocol error or a server that died mid-call
       NO_ANSWER), or as the deadline (TIMED_OUT). Anything else is a tool's own bug:
       NO_ANSWER.
-    - the caller was cancelled while the tool ran: _Executor.call_started hands the cancel
+    - the caller was cancelled while the tool ran: _StepExecution.call_started hands the cancel
       here (CUT_OFF, recorded interrupted).
     - the proxy crashed or stalled past its lease: nothing returns. The executor that takes
       the run over (Gate._take_over_claimed) marks the step interrupted while executing,
@@ -5083,12 +5083,12 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
 # -- what came of an attempt that was cut off --
 # A tool call whose run was taken over or cancelled while it ran may still return. What it
 # came to is then recorded as a late step.tool_finished event on its step, naming the
-# attempt's start and whether the outcome is known (_Executor._late). A known late outcome
+# attempt's start and whether the outcome is known (_StepExecution._late). A known late outcome
 # settles the attempt: every interruption approval still asking about it (pending, or
 # approved and not collected) is settled, and its run ends with that outcome, in the
 # transaction that records it (settle_attempt). Whatever would act on the attempt as
 # unknown afterwards looks for it first, inside its own transaction: the pause that would
-# ask (_Decider._pause), the collection that would run it again (_Executor.start), an
+# ask (_Decider._pause), the collection that would run it again (_StepExecution.start), an
 # operator's decision (decide_approval), and the rules across calls (last_attempt). Stricter
 # than the reference, which leaves such an approval pending and approvable.
 
@@ -9761,16 +9761,20 @@ def _attempt(run_id: str, step: Step, ended: str) -> dict:
 
 
 class Proxy:
-    """The gate behind the host, the proxy's rules across calls, and its answers."""
+    """The proxy behind the host: the tools it offers, each tools/call taken through the rules
+    (Rules, under one deciding lock), at most one hold for an approval (Hold) and at most one
+    execution (Executor), and answered only once its records are on disk; the gate's
+    callbacks (what a known outcome is, what a late outcome settles, what a take-over
+    reconciles); the take-over at start; and the status tool. It holds what they share: the
+    configuration, the store, the call index, the gate, the policy and the limits."""
 
     def __init__(self, cfg: Config, store: Store, tools: list["UpstreamTool"],
                  log: Callable[[str], None], clock: Clock = time.time,
                  poll: float = APPROVAL_POLL):
-        self.cfg, self.store, self.log, self.clock, self.poll = cfg, store, log, clock, poll
+        self.cfg, self.store, self.log, self.clock = cfg, store, log, clock
         self.tools = {t.spec.name: t for t in tools}
         self.reruns: dict[str, dict] = {}      # run id -> the attempt its proposal re-runs
         self.repeats: dict[str, dict] = {}     # run id -> the execution its proposal repeats
-        self.refusals = RefusalLog(store)
         self.budgets = Budgets(store, cfg, clock)
         self.policy = ProxyPolicy(cfg.policy_map, self.tools, self, cfg.policy_id())
         self.index = CallIndex(store, cfg.session)
@@ -9794,6 +9798,10 @@ class Proxy:
         self.notifier = Notifier(cfg.on_pending, log)
         self.withheld: dict[str, tuple[str, str]] = {}    # name -> (server, why); drift
         self.order = list(self.tools)                     # the listing's order
+        self.hold = Hold(cfg, store, log, clock, poll, self.stopping, self.notifier)
+        self.executor = Executor(self)
+        self.resume = Resume(self)
+        self.rules = Rules(self)
 
     @staticmethod
     def _hold(store: Store, log: Callable[[str], None]) -> Holder | None:
@@ -9852,19 +9860,6 @@ class Proxy:
             return None
         return RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
 
-    def hint(self, run_id: str, approval: Approval) -> None:
-        """The two lines that tell the operator an approval waits and how to decide it; and
-        the operator's on_pending command, started on a thread of its own."""
-        tool = approval.request().spec.name
-        self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
-                 f"run {run_id}")
-        self.log(f"  decide with: {decide_command(self.store.path, run_id, approval.id)}"
-                 "   (or reject)")
-        path, store, clock = self.store.path, self.store, self.clock
-        self.notifier.notify(approval.id, lambda: waiting_doc(
-            approval, path, view_of(store, approval), limits_now(store._read, approval,
-                                                                 clock())))
-
     # -- a call --
 
     async def call(self, name: str, args: bytes, progress: Callable[[float, float], None]
@@ -9883,12 +9878,13 @@ class Proxy:
         for _ in range(MAX_RETRIES + 1):
             try:
                 async with self._deciding():
-                    action = await self._offload(len(args), self.decide, tool, key, args, value)
+                    action = await self._offload(len(args), self.rules.decide, tool, key,
+                                                 args, value)
             except ProxyError as exc:       # a record that cannot be read, or written
                 self.log(f"error: {sanitize(str(exc))}")
                 return unavailable("read its records")
             if isinstance(action, Execute):
-                result = await self.execute(action)
+                result = await self.executor.execute(action)
                 if result is None:          # its attempt had a recorded outcome: decide again
                     continue
                 return result
@@ -9896,9 +9892,9 @@ class Proxy:
                 if not held and self.cfg.hold > 0 and not _is_set(cancelled) and \
                         not self.stopping.is_set():
                     held = True
-                    if await self.wait(action.approval, progress, cancelled):
+                    if await self.hold.wait(action.approval, progress, cancelled):
                         continue
-                return self.pending_answer(action.approval)
+                return self.hold.pending_answer(action.approval)
             if isinstance(action, Answer):
                 return action.result
         return in_progress()
@@ -9918,41 +9914,82 @@ class Proxy:
             return work(*args)
         return await asyncio.to_thread(work, *args)
 
-    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes,
-               value: Any = NOT_PARSED):
-        """The rules, in order. Returns an Answer, a Pending approval, an Execute, or Retry.
-        ``value`` is the arguments' strict parse (host_arguments)."""
-        now = self.clock()
-        if key is None:                 # arguments with no canonical form: INVALID, no rule
-            return self.begin(tool, None, args, None, False, None)
-        open_row, recent = self.index.for_key(key, now - self.window(tool))
-        reuse, ended = False, None
-        if open_row is not None:
-            state = self.inspect(open_row.run_id)
-            if state is None:
-                reuse = True                                  # begin the row's run
-            elif not state.terminal:
-                action = self.unfinished(tool, open_row, state)   # rules 1 to 3
-                if action is not None:
-                    return action
-                state = self.inspect(open_row.run_id)
-                if state is not None and not state.terminal:
-                    return Answer(in_progress())
-            ended = state
-        action = self.refusal(tool, key, recent, now, ended)     # rules 4 and 5
-        repeat = action.earlier if isinstance(action, Repeat) else None
-        if action is not None and repeat is None:
-            return action
-        prior = self.unresolved(key) if tool.spec.side_effect != "read_only" else None
-        asks = prior is not None or repeat is not None  # an approval, whatever the policy
-        # BLOCKED, max_pending
-        action = self.session_rules(tool, key, asks, args, prior is not None)
-        if action is not None:
-            return action
-        return self.begin(tool, key, args, open_row, reuse, prior,     # rule 7 (and rule 6)
-                          repeat=repeat, value=value)
+    def take_over_gone(self) -> None:
+        """At start: each run of this session left running by a proxy that is gone (its
+        holder's lock free, section 11, or its lease run out) is taken over now, as the next
+        identical call would take it over (rule 3), so that the operator is asked about a
+        call cut off while executing before the model calls anything. A run of a proxy
+        that is alive, stopped included, keeps its lease."""
+        for row in self.index.unsettled():
+            try:
+                state = self.inspect(row.run_id)
+                tool = self.tools.get(row.tool)
+                if state is None or state.run.status != RUNNING or tool is None or \
+                        _lease_live(state.run, self.store.path):
+                    continue
+                self.resume.recover(tool, row)
+            except ProxyError as exc:        # the next identical call takes it over instead
+                self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
 
-    # rules 1 to 3: the request's own run, not finished
+    def reconcile(self, view: RunView) -> Reconciliation:
+        """For the gate's take-over: a mutating call cut off while executing waits on an
+        interruption approval naming that attempt."""
+        step = next((s for s in reversed(view.steps) if s.status == "interrupted" and
+                     s.obs_content.get("previous_status") == "executing"), None)
+        if step is None:
+            return Reconciliation("continue")
+        tool = self.tools.get((step.decision or {}).get("tool", ""))
+        if tool is None:
+            return Reconciliation("waiting", detail="the tool is no longer offered")
+        if tool.spec.side_effect == "read_only":
+            return Reconciliation("continue")
+        attempt = _attempt(view.run.id, step, "cut_off")
+        return Reconciliation("waiting", self.policy.interruption(
+            tool, policy_json(step.args or b"{}"), attempt))
+
+    # the status tool
+
+    def status(self, raw: bytes) -> dict:
+        """What became of the session's approvals, from the database: never a write."""
+        try:
+            doc = parse_json(raw.strip(JSON_WS) or b"{}")
+            if doc is None:
+                doc = {}
+            if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
+                    not isinstance(doc.get("approval_id", ""), str):
+                raise ValueError("unexpected field")
+        except (JSONError, ValueError):
+            return prose("INVALID", "the arguments do not match the tool's input schema: its "
+                                    "only argument is approval_id, a string. Nothing was "
+                                    "executed. Correct the arguments and call again.", True)
+        wanted = doc.get("approval_id", "").strip()
+        try:
+            items = self.status_items()
+            return status_answer(self, items, wanted)
+        except StoreError as exc:
+            self.log(f"error: {exc}")
+            return unavailable("read its records", "")
+
+    def status_items(self) -> list[tuple[CallRow, RunState, Approval]]:
+        items = []
+        for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
+            state = self.inspect(row.run_id)
+            if state is not None:
+                items += [(row, state, a) for a in state.approvals]
+        return items
+
+
+class Resume:
+    """Rules 1 to 3: the request's own run, begun earlier and not finished. Waiting for an
+    operator, the call is held (rule 1), and once approved the run is collected: the gate
+    evaluates the policy again on the recorded request. Running under a live lease, the call
+    is IN_PROGRESS (rule 2). Left running by a call that is gone, the run is taken over
+    (rule 3): a mutating step cut off while executing waits for an operator. The gate
+    attaches to the run; what its verdict asks for is done by the Executor."""
+
+    def __init__(self, proxy: Proxy):
+        self.hold, self.executor, self.store = proxy.hold, proxy.executor, proxy.store
+        self.gate, self.log, self.clock = proxy.gate, proxy.log, proxy.clock
 
     def unfinished(self, tool, row: CallRow, state: RunState):
         if state.run.status == RUNNING:
@@ -9965,13 +10002,15 @@ class Proxy:
         if latest.status == PENDING:
             if not _expired(latest, self.clock()):
                 return Pending(latest)
-            self._attach_and_close(row.run_id)     # the gate expires it and ends the run
+            self.attach_and_close(row.run_id)      # the gate expires it and ends the run
             return None
         if latest.status == APPROVED:
             return self.collect(tool, row, state)
         return Answer(in_progress())
 
-    def _attach_and_close(self, run_id: str) -> None:
+    def attach_and_close(self, run_id: str) -> None:
+        """Let the gate judge the run by attaching to it (an approval past its time expires,
+        and the run ends), then let go of it; a run it will not attach to is left as it is."""
         with contextlib.suppress(ProxyError):
             session, _ = self.gate.attach(run_id)
             if session is not None:
@@ -10001,35 +10040,18 @@ class Proxy:
             latest = state.latest()
             return Execute(session, tool, latest.id if latest else "")
         if verdict.kind == "pending":
-            self.hint(row.run_id, verdict.approval)
+            self.hold.hint(row.run_id, verdict.approval)
             return Pending(verdict.approval)
         if verdict.kind == "denied":
             latest = state.latest()
             rerun = latest is not None and latest.kind == INTERRUPTED_KIND
-            return Answer(self.denied(session, verdict.observation, rerun))
+            return Answer(self.executor.denied(session, verdict.observation, rerun))
         if verdict.kind == "ended":
             return None
         if verdict.kind == "settled":        # the attempt it re-runs has a recorded outcome
-            self.settle_run(row.run_id)
+            self.executor.settle_run(row.run_id)
         session.close()
         return Retry()
-
-    def take_over_gone(self) -> None:
-        """At start: each run of this session left running by a proxy that is gone (its
-        holder's lock free, section 11, or its lease run out) is taken over now, as the next
-        identical call would take it over (rule 3), so that the operator is asked about a
-        call cut off while executing before the model calls anything. A run of a proxy
-        that is alive, stopped included, keeps its lease."""
-        for row in self.index.unsettled():
-            try:
-                state = self.inspect(row.run_id)
-                tool = self.tools.get(row.tool)
-                if state is None or state.run.status != RUNNING or tool is None or \
-                        _lease_live(state.run, self.store.path):
-                    continue
-                self.recover(tool, row)
-            except ProxyError as exc:        # the next identical call takes it over instead
-                self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
 
     def recover(self, tool, row: CallRow):
         """A run left running by a call that is gone: take it over. A mutating step cut off
@@ -10039,30 +10061,66 @@ class Proxy:
             return attached
         session, verdict = attached
         if verdict.kind == "pending":
-            self.hint(row.run_id, verdict.approval)
+            self.hold.hint(row.run_id, verdict.approval)
             self.log(f"run {row.run_id}: {tool.spec.name} was cut off while executing; "
                      "its outcome is unknown")
             return Pending(verdict.approval)
         if verdict.kind not in ("ended", "settled"):
-            self.finish(session, CLOSE_TAKEN_OVER)
-        self.settle_run(row.run_id)
+            self.executor.finish(session, CLOSE_TAKEN_OVER)
+        self.executor.settle_run(row.run_id)
         return None
 
-    def reconcile(self, view: RunView) -> Reconciliation:
-        """For the gate's take-over: a mutating call cut off while executing waits on an
-        interruption approval naming that attempt."""
-        step = next((s for s in reversed(view.steps) if s.status == "interrupted" and
-                     s.obs_content.get("previous_status") == "executing"), None)
-        if step is None:
-            return Reconciliation("continue")
-        tool = self.tools.get((step.decision or {}).get("tool", ""))
-        if tool is None:
-            return Reconciliation("waiting", detail="the tool is no longer offered")
-        if tool.spec.side_effect == "read_only":
-            return Reconciliation("continue")
-        attempt = _attempt(view.run.id, step, "cut_off")
-        return Reconciliation("waiting", self.policy.interruption(
-            tool, policy_json(step.args or b"{}"), attempt))
+
+class Rules:
+    """The rules across calls, in the seed's order (decide): rules 1 to 3 by the request's
+    own unfinished run (Resume), rules 4 and 5 by its finished runs within the window
+    (refusal, and executed_within, the one answer to "did it execute"), rule 6 by an unknown
+    outcome of it at any age (unresolved), the rules over the session (BLOCKED while an
+    unknown outcome to the tool waits, max_pending), then rule 7, a new run (Executor.begin).
+    A refusal is counted against the run it names (refused). The rules read the index and
+    the runs and settle index rows; they execute nothing."""
+
+    def __init__(self, proxy: Proxy):
+        self.proxy, self.resume, self.executor = proxy, proxy.resume, proxy.executor
+        self.cfg, self.store, self.index, self.policy = proxy.cfg, proxy.store, proxy.index, \
+            proxy.policy
+        self.clock, self.log, self.inspect, self.window = proxy.clock, proxy.log, \
+            proxy.inspect, proxy.window
+        self.refusals = RefusalLog(proxy.store)
+
+    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes,
+               value: Any = NOT_PARSED):
+        """The rules, in order. Returns an Answer, a Pending approval, an Execute, or Retry.
+        ``value`` is the arguments' strict parse (host_arguments)."""
+        now = self.clock()
+        if key is None:                 # arguments with no canonical form: INVALID, no rule
+            return self.executor.begin(tool, None, args, None, False, None)
+        open_row, recent = self.index.for_key(key, now - self.window(tool))
+        reuse, ended = False, None
+        if open_row is not None:
+            state = self.inspect(open_row.run_id)
+            if state is None:
+                reuse = True                                  # begin the row's run
+            elif not state.terminal:
+                action = self.resume.unfinished(tool, open_row, state)   # rules 1 to 3
+                if action is not None:
+                    return action
+                state = self.inspect(open_row.run_id)
+                if state is not None and not state.terminal:
+                    return Answer(in_progress())
+            ended = state
+        action = self.refusal(tool, key, recent, now, ended)     # rules 4 and 5
+        repeat = action.earlier if isinstance(action, Repeat) else None
+        if action is not None and repeat is None:
+            return action
+        prior = self.unresolved(key) if tool.spec.side_effect != "read_only" else None
+        asks = prior is not None or repeat is not None  # an approval, whatever the policy
+        # BLOCKED, max_pending
+        action = self.session_rules(tool, key, asks, args, prior is not None)
+        if action is not None:
+            return action
+        return self.executor.begin(tool, key, args, open_row, reuse, prior,  # rule 7 (and 6)
+                                   repeat=repeat, value=value)
 
     # rules 4 and 5: the request was refused, expired, or ran, within its window
 
@@ -10096,15 +10154,15 @@ class Proxy:
         approved re-run was denied at collection (which resolves it as a rejection does).
         Not when the store knows, late, that the attempt it asked about took effect: then it
         executed (rule 5), and the model is told that, never "not executed"."""
-        outcome, _ = last_attempt(self, state)
-        self.settle(row, outcome)
+        outcome, _ = last_attempt(self.proxy, state)
+        self.executor.settle(row, outcome)
         end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
         reason, latest = state.run.reason, state.latest()
         if not end or end < now - window or not (reason in (
                 "approval_rejected", "approval_expired", "operator_cancelled") or
                 state.run.reason_detail == CLOSE_DENIED_RERUN):
             return None
-        if outcome == KNOWN and late_of(self, state) is not None:
+        if outcome == KNOWN and late_of(self.proxy, state) is not None:
             return None
         until = end + window
         if reason == "approval_rejected" and latest is not None:
@@ -10135,11 +10193,11 @@ class Proxy:
                 self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
-            outcome, _ = last_attempt(self, state)
-            self.settle(row, outcome)
+            outcome, _ = last_attempt(self.proxy, state)
+            self.executor.settle(row, outcome)
             if outcome == UNKNOWN:
                 return None
-            found = execution_of(self, state) if outcome == KNOWN else None
+            found = execution_of(self.proxy, state) if outcome == KNOWN else None
             if found is None or found[2] < since:
                 continue
             run_id, at, moment, said = found
@@ -10171,8 +10229,8 @@ class Proxy:
             state = self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
-            outcome, at = last_attempt(self, state)
-            self.settle(row, outcome)
+            outcome, at = last_attempt(self.proxy, state)
+            self.executor.settle(row, outcome)
             if outcome == KNOWN:
                 return None
             if outcome == UNKNOWN:
@@ -10198,7 +10256,7 @@ class Proxy:
                     self.index.settle_empty(row, now)
                 continue
             if state.terminal:
-                self.settle(row, last_attempt(self, state)[0])
+                self.executor.settle(row, last_attempt(self.proxy, state)[0])
                 continue
             same_tool = mutating and row.tool == tool.spec.name
             if state.run.status == WAITING:
@@ -10211,12 +10269,12 @@ class Proxy:
                     if live:
                         return self.refused(row.run_id, key, blocked_interrupted(
                             tool.spec.name, latest.id, latest.status == APPROVED))
-                    self._attach_and_close(row.run_id)
+                    self.resume.attach_and_close(row.run_id)
                 elif live and latest.status == PENDING:
                     pending += 1
                     oldest = oldest or row.run_id
             elif same_tool and not _lease_live(state.run, self.store.path):
-                action = self.recover(tool, row)
+                action = self.resume.recover(tool, row)
                 if isinstance(action, Pending):
                     return self.refused(row.run_id, key, blocked_interrupted(
                         tool.spec.name, action.approval.id))
@@ -10240,8 +10298,8 @@ class Proxy:
             state = self.inspect(row.run_id)
             if state is None or not state.terminal:
                 continue
-            outcome, at = last_attempt(self, state)
-            self.settle(row, outcome)
+            outcome, at = last_attempt(self.proxy, state)
+            self.executor.settle(row, outcome)
             if outcome != UNKNOWN or resolved_by_operator(state.run):
                 continue
             args = _last_args(state)
@@ -10253,13 +10311,37 @@ class Proxy:
                          "unknown, and the policy denies running it again, so no operator "
                          "is asked about it; other calls to the tool are not held back")
                 continue
-            approval = self.reopen(tool, row.key, args, at)
+            approval = self.executor.reopen(tool, row.key, args, at)
             if approval is None:
                 return Answer(unavailable("ask an operator about an earlier call to this tool "
                                           "whose outcome is unknown"))
             return self.refused(approval.run_id, key,
                                 blocked_interrupted(tool.spec.name, approval.id))
         return None
+
+
+# ==== 22.1 Executing a call, holding it for an approval, and what its attempts came to ====
+# A run begun through the gate executes its recorded request at most once, and what that came
+# to is recorded before it is answered for; a call waiting on an approval is held at most once;
+# then what a run's attempts came to (KNOWN, UNKNOWN, NO_ATTEMPT), as the rules read it.
+
+class Executor:
+    """A run through the gate, from its beginning to its end: begun (rule 7; reopen begins
+    one to ask about an unknown outcome again), the gate's verdict acted on, the allowed
+    request executed once, outside the rules (execute), what that came to recorded and
+    answered for under the deciding lock, an unknown outcome asked about at once (rerun),
+    and the run ended (denied, finish) with its index row settled (settle, settle_run).
+    ``reruns`` and ``repeats`` are the proxy's: the policy reads what a proposal re-runs or
+    repeats from them while the gate starts the run."""
+
+    def __init__(self, proxy: Proxy):
+        self.proxy, self.hold = proxy, proxy.hold
+        self.store, self.index, self.gate, self.limits = proxy.store, proxy.index, proxy.gate, \
+            proxy.limits
+        self.clock, self.log, self.inspect, self.window = proxy.clock, proxy.log, \
+            proxy.inspect, proxy.window
+        self.new_run_id, self.reruns, self.repeats = proxy.new_run_id, proxy.reruns, \
+            proxy.repeats
 
     def reopen(self, tool, key: str | None, args: bytes, at: dict) -> Approval | None:
         """Ask about an unknown outcome again, in a fresh run of that request."""
@@ -10328,7 +10410,7 @@ class Proxy:
         if verdict.kind == "allowed":
             return Execute(session, tool)
         if verdict.kind == "pending":
-            self.hint(session.run_id, verdict.approval)
+            self.hold.hint(session.run_id, verdict.approval)
             return Pending(verdict.approval)
         if verdict.kind == "denied":
             return Answer(self.denied(session, verdict.observation))
@@ -10380,7 +10462,7 @@ class Proxy:
             self.log(f"error: {exc}")
             return
         if row is not None and state is not None and state.terminal:
-            self.settle(row, last_attempt(self, state)[0])
+            self.settle(row, last_attempt(self.proxy, state)[0])
 
     async def execute(self, action: Execute) -> dict:
         """Run the allowed request once (outside the rules) and answer with what the gate
@@ -10420,7 +10502,7 @@ class Proxy:
         # operator at once), with no other call deciding in between: a mutating call that
         # decided meanwhile would find the unknown outcome recorded and nothing yet asking
         # about it, and run past it.
-        async with self._deciding():
+        async with self.proxy._deciding():
             return self.recorded(session, tool, called, settled)
 
     def recorded(self, session: Session, tool, called: tuple, settled: list) -> dict:
@@ -10504,7 +10586,7 @@ class Proxy:
         finally:
             self.reruns.pop(run_id, None)
         if verdict.kind == "pending":
-            self.hint(run_id, verdict.approval)
+            self.hold.hint(run_id, verdict.approval)
             return unknown_outcome(ended, text, verdict.approval.id)
         if verdict.kind == "denied":
             self.denied(session, verdict.observation)
@@ -10514,7 +10596,29 @@ class Proxy:
         approval = self.reopen(tool, request_key(tool.spec.name, args), args, at)
         return unknown_outcome(ended, text, approval.id if approval else "")
 
-    # holding a call for its approval
+
+class Hold:
+    """An approval a call waits on: the operator told that it waits (hint, and the operator's
+    on_pending command), the call held until it is decided, the hold ends, the host cancels
+    or the proxy stops (wait), and the answer a call gets while it waits (pending_answer)."""
+
+    def __init__(self, cfg: Config, store: Store, log: Callable[[str], None], clock: Clock,
+                 poll: float, stopping: asyncio.Event, notifier: Notifier):
+        self.cfg, self.store, self.log, self.clock, self.poll = cfg, store, log, clock, poll
+        self.stopping, self.notifier = stopping, notifier
+
+    def hint(self, run_id: str, approval: Approval) -> None:
+        """The two lines that tell the operator an approval waits and how to decide it; and
+        the operator's on_pending command, started on a thread of its own."""
+        tool = approval.request().spec.name
+        self.log(f"approval {approval.id} ({approval.kind}) for {tool} waits for an operator: "
+                 f"run {run_id}")
+        self.log(f"  decide with: {decide_command(self.store.path, run_id, approval.id)}"
+                 "   (or reject)")
+        path, store, clock = self.store.path, self.store, self.clock
+        self.notifier.notify(approval.id, lambda: waiting_doc(
+            approval, path, view_of(store, approval), limits_now(store._read, approval,
+                                                                 clock())))
 
     async def wait(self, approval: Approval, progress, cancelled) -> bool:
         """Hold until the approval is decided (True), or the hold ends, the host cancels, or
@@ -10545,37 +10649,6 @@ class Proxy:
         if at is not None and at.get("ended") != "cut_off":
             return unknown_outcome(str(at.get("ended")), "", approval.id)
         return interrupted(approval.id)
-
-    # the status tool
-
-    def status(self, raw: bytes) -> dict:
-        """What became of the session's approvals, from the database: never a write."""
-        try:
-            doc = parse_json(raw.strip(JSON_WS) or b"{}")
-            if doc is None:
-                doc = {}
-            if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
-                    not isinstance(doc.get("approval_id", ""), str):
-                raise ValueError("unexpected field")
-        except (JSONError, ValueError):
-            return prose("INVALID", "the arguments do not match the tool's input schema: its "
-                                    "only argument is approval_id, a string. Nothing was "
-                                    "executed. Correct the arguments and call again.", True)
-        wanted = doc.get("approval_id", "").strip()
-        try:
-            items = self.status_items()
-            return status_answer(self, items, wanted)
-        except StoreError as exc:
-            self.log(f"error: {exc}")
-            return unavailable("read its records", "")
-
-    def status_items(self) -> list[tuple[CallRow, RunState, Approval]]:
-        items = []
-        for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
-            state = self.inspect(row.run_id)
-            if state is not None:
-                items += [(row, state, a) for a in state.approvals]
-        return items
 
 
 def host_arguments(name: str, raw: bytes, value: Any = NOT_PARSED,

@@ -1,5 +1,5 @@
 """Whether this request executed within the repeat window, and with what outcome, late
-outcomes included: one function (Proxy.executed_within) answers it for the duplicate rule
+outcomes included: one function (Rules.executed_within) answers it for the duplicate rule
 and for a rule that asks about a repeat. The window runs from the later of the run's end and
 the recording of its outcome.
 
@@ -141,7 +141,7 @@ def test_a_late_success_after_an_expired_question(pair, repeat):
     assert h.prefix(p.call()) == "INTERRUPTED"
     h.clock.skew += 61
     for r in h.runs():                                   # the expiry recorded, nothing re-run
-        h.proxy._attach_and_close(r.id)
+        h.proxy.resume.attach_and_close(r.id)
     p.wake()
     judged_again(p, repeat)
 

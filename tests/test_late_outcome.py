@@ -36,7 +36,7 @@ def h(tmp_path):
 
 
 def write_late(h, run_id, step, obs_doc, known=True):
-    """The late event exactly as _Executor._late writes it, for a step cut off while executing,
+    """The late event exactly as _StepExecution._late writes it, for a step cut off while executing,
     but without what _late settles with it: as an older build, or a race a test arranges,
     would leave the store."""
     obs = ap._obs(obs_doc["kind"], obs_doc["content"], obs_doc["summary"])

@@ -1024,7 +1024,7 @@ def test_store_error_while_asking_about_an_unknown_outcome_keeps_the_tool_blocke
              "refund": {"side_effect": "destructive", "timeout": "5s"}}
     h = ProxyHarness(tmp_path, rules=rules, lease_ttl="3s")
     try:
-        real_rerun, real_steps = h.proxy.rerun, h.store.list_steps
+        real_rerun, real_steps = h.proxy.executor.rerun, h.store.list_steps
         armed = []
 
         def rerun(*a, **k):
@@ -1037,9 +1037,9 @@ def test_store_error_while_asking_about_an_unknown_outcome_keeps_the_tool_blocke
                 raise ap.StoreError("database is locked (simulated SQLITE_BUSY)")
             return real_steps(run_id)
 
-        h.proxy.rerun, h.store.list_steps = rerun, list_steps
+        h.proxy.executor.rerun, h.store.list_steps = rerun, list_steps
         h.call("bank_pay", {"to": "bob", "amount": 1, "mode": "block"})
-        h.proxy.rerun, h.store.list_steps = real_rerun, real_steps
+        h.proxy.executor.rerun, h.store.list_steps = real_rerun, real_steps
         h.release()
         run = h.runs()[-1]
         assert run.lease_owner == "", f"the run is still leased to {run.lease_owner}"
@@ -1122,7 +1122,8 @@ def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_pa
     then be followed by the question with no decision in between."""
     h = ProxyHarness(tmp_path, rules=TIMEOUT_PAY)
     timeline: list[str] = []
-    real_record, real_decide, real_rerun = ap._Executor._record, h.proxy.decide, h.proxy.rerun
+    real_record = ap._StepExecution._record
+    real_decide, real_rerun = h.proxy.rules.decide, h.proxy.executor.rerun
 
     def record(self, obs, began):
         timeline.append("record")
@@ -1141,8 +1142,8 @@ def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_pa
         timeline.append("asked")
         return real_rerun(*args)
 
-    ap._Executor._record = record
-    h.proxy.decide, h.proxy.rerun = decide, rerun
+    ap._StepExecution._record = record
+    h.proxy.rules.decide, h.proxy.executor.rerun = decide, rerun
     try:
         first = h.request("tools/call", raw_params=_params(
             PAY, {"to": "amy", "amount": 1, "mode": "slow"}), wait=False)
@@ -1159,7 +1160,7 @@ def test_a_call_deciding_on_a_worker_does_not_run_past_an_unknown_outcome(tmp_pa
         at = timeline.index("record")
         assert timeline[at:at + 2] == ["record", "asked"], timeline
     finally:
-        ap._Executor._record = real_record
+        ap._StepExecution._record = real_record
         h.close()
 
 

@@ -308,7 +308,7 @@ def test_an_unknown_outcome_under_a_denying_rule_leaves_something_to_act_on(make
     try:
         asked = timed_out(first)
         first.clock.skew += 61
-        first.proxy._attach_and_close(asked.run_id)      # the expiry is recorded
+        first.proxy.resume.attach_and_close(asked.run_id)  # the expiry is recorded
         assert first.pending() == []
     finally:
         first.close()

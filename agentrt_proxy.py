@@ -3335,42 +3335,6 @@ class Store:
         rows = self._read("SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1")
         return (rows[0][0], rows[0][1]) if rows else (0, "")
 
-    def verify_events(self, first: int = 1, last: int = 0) -> "ChainReport":
-        """Walk the chain from ``first`` to ``last`` (the head when 0); writes nothing."""
-        first = max(first, 1)
-        last = last if last > 0 else self.chain_head()[0]
-        report = ChainReport(first, last)
-        if last < first:
-            return report
-        prev = ""
-        if first > 1:
-            rows = self._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
-                              (first,))
-            prev = rows[0][0] if rows else ""
-        expect = first
-        while expect <= last:
-            rows = self._read("SELECT seq, run_id, step_id, at, type, payload_json, hash FROM "
-                              "events WHERE seq>=? AND seq<=? ORDER BY seq LIMIT ?",
-                              (expect, last, VERIFY_PAGE))
-            if not rows:
-                break
-            for seq, run_id, step_id, at, typ, payload, stored in rows:
-                if seq != expect:
-                    detail = (f"the first event is seq {seq}: an event is missing" if
-                              report.checked == 0 and first == 1 else
-                              f"seq {seq} follows {expect - 1}: an event is missing")
-                    report.broken = ChainBreak(seq, "", str(stored)[:HASH_SHOWN], detail)
-                    return report
-                want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
-                if not same_digest(want, stored):      # an edited row is reported, never fatal
-                    report.broken = ChainBreak(
-                        seq, want, str(stored)[:HASH_SHOWN], "the stored hash is not the one the event's "
-                        "fields and the previous event's hash give")
-                    return report
-                prev, expect = stored, seq + 1
-                report.checked, report.hash = report.checked + 1, str(stored)[:HASH_SHOWN]
-        return report
-
     def close(self) -> None:
         with self._lock:
             self.conn.close()
@@ -3393,6 +3357,43 @@ class ChainReport:
     checked: int = 0
     hash: str = ""
     broken: ChainBreak | None = None
+
+
+def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
+    """Walk the store's chain from ``first`` to ``last`` (the head when 0); writes nothing."""
+    first = max(first, 1)
+    last = last if last > 0 else store.chain_head()[0]
+    report = ChainReport(first, last)
+    if last < first:
+        return report
+    prev = ""
+    if first > 1:
+        rows = store._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
+                           (first,))
+        prev = rows[0][0] if rows else ""
+    expect = first
+    while expect <= last:
+        rows = store._read("SELECT seq, run_id, step_id, at, type, payload_json, hash FROM "
+                           "events WHERE seq>=? AND seq<=? ORDER BY seq LIMIT ?",
+                           (expect, last, VERIFY_PAGE))
+        if not rows:
+            break
+        for seq, run_id, step_id, at, typ, payload, stored in rows:
+            if seq != expect:
+                detail = (f"the first event is seq {seq}: an event is missing" if
+                          report.checked == 0 and first == 1 else
+                          f"seq {seq} follows {expect - 1}: an event is missing")
+                report.broken = ChainBreak(seq, "", str(stored)[:HASH_SHOWN], detail)
+                return report
+            want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
+            if not same_digest(want, stored):      # an edited row is reported, never fatal
+                report.broken = ChainBreak(
+                    seq, want, str(stored)[:HASH_SHOWN], "the stored hash is not the one the "
+                    "event's fields and the previous event's hash give")
+                return report
+            prev, expect = stored, seq + 1
+            report.checked, report.hash = report.checked + 1, str(stored)[:HASH_SHOWN]
+    return report
 
 
 def _refuse_newer(path: str, have: int, known: int) -> None:
@@ -13383,7 +13384,7 @@ def _given_run(store: Store, given: str) -> Run:
 def cmd_verify(store: Store, args, out: Out) -> int:
     head, first, last = args.head, getattr(args, "from"), args.to
     head_seq, head_hash = store.chain_head()
-    report = store.verify_events(first, last or head_seq)
+    report = verify_events(store, first, last or head_seq)
     problems = [f"the event chain is broken at seq {report.broken.seq}"] if report.broken else []
     reached = first + report.checked - 1
     if last and not report.broken and reached < last:

@@ -739,7 +739,7 @@ def test_every_run_leaves_an_intact_chain(h):
     s = g.begin("run-2", "call read", LIMITS)
     propose(s, "read", b"{}")
     asyncio.run(s.execute())
-    report = h.store.verify_events()
+    report = ap.verify_events(h.store)
     assert report.broken is None and report.checked == h.store.chain_head()[0] > 10
 
 

@@ -75,7 +75,7 @@ def assert_kept(before: dict, after: dict) -> None:
 
 
 def assert_chain_intact(h: ProxyHarness) -> None:
-    report = h.store.verify_events()
+    report = ap.verify_events(h.store)
     assert report.broken is None, report.broken
 
 

@@ -388,7 +388,7 @@ def test_rolled_back_transaction_leaves_no_event_and_no_seq_gap(harness):
     harness.gate.begin("run-2", "two", LIMITS)
     seqs = [r[0] for r in rows(harness.path, "SELECT seq FROM events ORDER BY seq")]
     assert seqs == list(range(1, len(seqs) + 1))
-    assert harness.store.verify_events().broken is None
+    assert ap.verify_events(harness.store).broken is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def test_verify_events_intact_after_a_few_runs(harness):
     harness.completed("run-1")
     harness.waiting("run-2")
     harness.completed("run-3")
-    report = harness.store.verify_events()
+    report = ap.verify_events(harness.store)
     head = harness.store.chain_head()
     assert report.broken is None
     assert report.checked == head[0] == rows(harness.path, "SELECT COUNT(*) FROM events")[0][0]
@@ -430,7 +430,7 @@ def test_verify_events_intact_after_a_few_runs(harness):
 
 
 def test_verify_events_empty_database(harness):
-    report = harness.store.verify_events()
+    report = ap.verify_events(harness.store)
     assert (report.checked, report.broken) == (0, None)
 
 
@@ -444,7 +444,7 @@ def test_edited_payload_breaks_the_chain_at_that_seq(harness):
         f"WHERE seq={target}")
     store = ap.Store.open_existing(harness.path, readonly=True)
     try:
-        report = store.verify_events()
+        report = ap.verify_events(store)
     finally:
         store.close()
     assert report.broken is not None
@@ -460,7 +460,7 @@ def test_deleted_event_in_the_middle_reports_a_missing_event(harness):
     sql(harness.path, "DELETE FROM events WHERE seq=5")
     store = ap.Store.open_existing(harness.path, readonly=True)
     try:
-        report = store.verify_events()
+        report = ap.verify_events(store)
     finally:
         store.close()
     assert report.broken is not None
@@ -474,7 +474,7 @@ def test_deleted_first_event_reports_a_missing_event(harness):
     sql(harness.path, "DELETE FROM events WHERE seq=1")
     store = ap.Store.open_existing(harness.path, readonly=True)
     try:
-        report = store.verify_events()
+        report = ap.verify_events(store)
     finally:
         store.close()
     assert report.broken is not None and report.broken.seq == 2
@@ -507,7 +507,7 @@ def test_chain_spans_runs(harness):
 
 def test_verify_events_range_starts_from_the_stored_hash_below(harness):
     harness.completed("run-1")
-    report = harness.store.verify_events(3, 6)
+    report = ap.verify_events(harness.store, 3, 6)
     assert report.broken is None and report.checked == 4
 
 
@@ -608,7 +608,7 @@ def test_processes_writing_one_database_at_once_lose_nothing(tmp_path):
         assert total == len(prefixes) * n
         assert {r.id for r in runs} == {f"{p}-{i}" for p in prefixes for i in range(n)}
         assert all(r.status == ap.COMPLETED for r in runs)
-        report = store.verify_events()
+        report = ap.verify_events(store)
         assert report.broken is None
         assert report.checked == len(prefixes) * n * EVENTS_PER_COMPLETED_RUN
         assert store.chain_head()[0] == report.checked
@@ -689,6 +689,6 @@ def test_reopening_keeps_the_data(tmp_path):
     store = ap.Store.open(path)
     try:
         assert store.get_run("run-1").goal == "keep me"
-        assert store.verify_events().checked == 2
+        assert ap.verify_events(store).checked == 2
     finally:
         store.close()

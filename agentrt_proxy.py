@@ -99,7 +99,7 @@ Sections, in dependency order
  8. Time and records                    22. Deciding a call; 22.1 Executing, holding
  9. Policy                              23. The host-facing server
 10. The store                           24. Serving, pinning, checking, wrap
-11. The gate                            25. Tools that change while serving
+11. The gate; 11.1 Leases, holder file  25. Tools that change while serving
 12. A run's session; 12.1 Executing    26. Re-checking recorded calls
 13. Decisions and late outcomes         27. Operator commands: the command line
 14. JSON-RPC framing                    28. Operator views (runs, show, events, pending)
@@ -3648,235 +3648,6 @@ def _policy_record(p: PolicyDecision, extra: dict | None = None) -> str:
     return dump_json(doc)
 
 
-def _lease_connection(path: str) -> sqlite3.Connection:
-    """The heartbeat's own connection, set up as every other connection is."""
-    conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None)
-    for pragma in (f"busy_timeout={BUSY_TIMEOUT_MS}", "foreign_keys=ON", "trusted_schema=OFF",
-                   "synchronous=FULL"):
-        conn.execute(f"PRAGMA {pragma}")
-    if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
-        conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
-    return conn
-
-
-# A serving proxy's holder file (DESIGN.md section 11). The proxy holds an exclusive flock on
-# a file of its own beside the database, <database>.holder-<32 hex>, created exclusively,
-# 0600, for as long as it serves, and its leases name the file (HOLDER_IN_OWNER). The lock
-# is the proof of life: the operating system lets go of it when the process dies, whatever
-# killed it, and keeps it while the process is stopped. flock and not lockf: a POSIX record
-# lock belongs to the process, so a proxy checking a holder it held itself would take the
-# lock, and closing that descriptor would let go of its own; a flock belongs to the open
-# file description. That description is close-on-exec (os.open's default) and every child is
-# started with close_fds, so no server or on_pending command keeps it past the proxy (the
-# servers are started before the file exists in any case: loading comes first).
-#
-# A checker takes a shared lock, so that two proxies checking one dead holder at once both
-# see it gone; only the holder's exclusive lock refuses it. A holder it cannot check keeps
-# the seed's rule, the lease decides: a lock held, a missing file, a symbolic link (never
-# followed), anything but a regular 0600 file of this user, an owner naming no file (an older
-# build, or a system without flock). Nothing is created while checking. The file is removed
-# only under a lock: by the holder at a normal exit, and by the proxy that took a gone
-# holder's run over, once the same transaction let every other lease of that holder run out
-# (Gate._take_over_claimed). Names are random and created exclusively, so a name once used
-# never names another holder.
-#
-# The lease names the file by its name and by its device and inode too, and a checker
-# judges only that very file: a copy put in its place under the same name (cp -p, a restore,
-# a save by rename), which the holder never locked, is not the holder's file, and the lease
-# decides. While the holder lives it keeps the file open, so no other file has its inode.
-# And a proxy on a file system where flock locks nothing (some network and virtual file
-# systems) names no file: Holder.take finds that a second open description of its own
-# file can take the lock it holds, and gives the file up; the lease decides there too.
-HOLDER_IN_OWNER = re.compile(r";(holder-[0-9a-f]{32}):([0-9]{1,20}):([0-9]{1,20})\Z")
-_HELD: set[str] = set()         # holder names this process locks: alive, never opened again
-
-
-class Holder:
-    """This serving proxy's holder file, exclusively locked until close()."""
-
-    def __init__(self, path: str, fd: int):
-        self.path, self.fd = path, fd
-        self.name = path.rsplit(".", 1)[1]          # holder-<hex>
-        st = os.fstat(fd)
-        self.ident = f"{self.name}:{st.st_dev}:{st.st_ino}"     # as the leases name it
-
-    @classmethod
-    def take(cls, database: str) -> "Holder | None":
-        """Create and lock a new holder file beside the database; None where the system has
-        no flock (the leases then name no file). OSError when it cannot be made."""
-        if fcntl is None:
-            return None
-        for _ in range(HOLDER_CREATE_TRIES):
-            path = f"{database}.holder-{new_hex_id()}"
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-            except FileExistsError:
-                continue                # never a name in use: another holder's, however old
-            try:
-                os.fchmod(fd, 0o600)    # whatever the umask took: checkers want exactly 0600
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _lock_also_taken(path):
-                    raise OSError(f"flock locks nothing on the file system of {path}")
-            except OSError:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                raise
-            holder = cls(path, fd)
-            _HELD.add(holder.name)
-            return holder
-        raise OSError(f"no fresh name for a holder file beside {database}")
-
-    def close(self) -> None:
-        """At a normal exit: the file is removed while still locked, then let go, so that
-        no checker can read this proxy as gone from a file it finds unlocked."""
-        if self.fd < 0:
-            return
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.lstat(self.path), os.fstat(self.fd)):
-                os.unlink(self.path)
-        os.close(self.fd)
-        self.fd = -1
-        _HELD.discard(self.name)
-
-
-def _lock_also_taken(path: str) -> bool:
-    """Whether another open description of ``path`` can take a shared lock while this
-    process holds the exclusive one: flock does not lock there (or is emulated with the
-    process's record locks, which a second description of the same process shares)."""
-    probe = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(probe)
-
-
-def _locked_holder(database: str, owner: str) -> tuple[int, str] | None:
-    """The holder file a lease owner names, opened and under a shared lock, when its holder
-    is gone: (descriptor, path), the caller closes it. None whenever it cannot be checked."""
-    named = HOLDER_IN_OWNER.search(owner)
-    if named is None or fcntl is None or named.group(1) in _HELD:
-        return None
-    path = f"{database}.{named.group(1)}"
-    try:                                # O_NONBLOCK: a FIFO put in its place does not hang us
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
-                     getattr(os, "O_NOCTTY", 0))
-    except OSError:
-        return None                     # missing, a symbolic link, not ours to read
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and \
-                stat.S_IMODE(st.st_mode) == 0o600 and \
-                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3):
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd, path
-    except OSError:
-        pass                            # held: its proxy runs, or is stopped
-    os.close(fd)
-    return None
-
-
-def holder_gone(database: str, owner: str) -> bool:
-    """Whether the lease owner names a holder file beside the database whose lock can be
-    taken: the proxy that held it is gone. The one judgment of a holder's death: every
-    "is this lease live" goes through _lease_live, which asks this."""
-    found = _locked_holder(database, owner)
-    if found is None:
-        return False
-    os.close(found[0])
-    return True
-
-
-def remove_holder(database: str, owner: str) -> None:
-    """Remove a gone holder's file, under its lock, and only the file that was locked."""
-    found = _locked_holder(database, owner)
-    if found is None:
-        return
-    fd, path = found
-    try:
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.lstat(path), os.fstat(fd)):
-                os.unlink(path)
-    finally:
-        os.close(fd)
-
-
-class Leases:
-    """Renews this process's leases every ttl/3 on a connection and thread of its own, so a
-    busy event loop or a long transaction elsewhere cannot starve the renewals."""
-
-    def __init__(self, path: str, owner: str, ttl: float, wall: Clock):
-        self.path, self.owner, self.ttl, self.wall = path, owner, ttl, wall
-        self._held: dict[str, float] = {}
-        self._lost: set[str] = set()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def hold(self, run_id: str, until: float) -> None:
-        with self._lock:
-            self._held[run_id] = until
-            self._lost.discard(run_id)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name="agentrt-proxy-leases")
-                self._thread.start()
-
-    def drop(self, run_id: str) -> None:
-        with self._lock:
-            self._held.pop(run_id, None)
-            self._lost.discard(run_id)
-
-    def ok(self, run_id: str) -> bool:
-        with self._lock:
-            until = self._held.get(run_id)
-            return until is not None and run_id not in self._lost and self.wall() < until
-
-    def holds(self, run_id: str) -> bool:
-        with self._lock:
-            return run_id in self._held
-
-    def _loop(self) -> None:
-        conn = None
-        try:
-            while not self._stop.wait(self.ttl / LEASE_RENEW_FRACTION):
-                try:
-                    conn = conn or _lease_connection(self.path)
-                    self.renew(conn)
-                except sqlite3.Error:
-                    conn = None     # opened again at the next tick; ok() judges the expiry
-        finally:
-            if conn is not None:
-                conn.close()
-
-    def renew(self, conn: sqlite3.Connection) -> None:
-        with self._lock:
-            runs = list(self._held)
-        for run_id in runs:
-            until = self.wall() + self.ttl
-            try:
-                cur = conn.execute("UPDATE runs SET lease_expires_at=? WHERE id=? AND "
-                                   "lease_owner=? AND status='RUNNING'",
-                                   (fmt_time(until), run_id, self.owner))
-            except sqlite3.Error:
-                continue            # retried at the next tick; ok() judges the old expiry
-            with self._lock:
-                if run_id not in self._held:
-                    continue
-                if cur.rowcount == 1:
-                    self._held[run_id] = until
-                else:
-                    self._lost.add(run_id)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.ttl)
-
-
 class Gate:
     """The gate over one store and one set of tools. Clock and ids are injected."""
 
@@ -4200,6 +3971,240 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
         _schema_for(spec)
     except (SchemaError, JSONError) as exc:
         raise ValueError(f"tool {_quote(spec.name)}: {exc}") from None
+
+
+# ==== 11.1 Leases and the holder file ====
+# A run's lease, renewed on a thread of its own (Leases), and the holder file whose lock
+# proves a serving proxy alive (Holder): what lets the gate take a crashed executor's run
+# over, once its lease runs out or at once when its holder is gone.
+
+def _lease_connection(path: str) -> sqlite3.Connection:
+    """The heartbeat's own connection, set up as every other connection is."""
+    conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None)
+    for pragma in (f"busy_timeout={BUSY_TIMEOUT_MS}", "foreign_keys=ON", "trusted_schema=OFF",
+                   "synchronous=FULL"):
+        conn.execute(f"PRAGMA {pragma}")
+    if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
+        conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
+    return conn
+
+
+# A serving proxy's holder file (DESIGN.md section 11). The proxy holds an exclusive flock on
+# a file of its own beside the database, <database>.holder-<32 hex>, created exclusively,
+# 0600, for as long as it serves, and its leases name the file (HOLDER_IN_OWNER). The lock
+# is the proof of life: the operating system lets go of it when the process dies, whatever
+# killed it, and keeps it while the process is stopped. flock and not lockf: a POSIX record
+# lock belongs to the process, so a proxy checking a holder it held itself would take the
+# lock, and closing that descriptor would let go of its own; a flock belongs to the open
+# file description. That description is close-on-exec (os.open's default) and every child is
+# started with close_fds, so no server or on_pending command keeps it past the proxy (the
+# servers are started before the file exists in any case: loading comes first).
+#
+# A checker takes a shared lock, so that two proxies checking one dead holder at once both
+# see it gone; only the holder's exclusive lock refuses it. A holder it cannot check keeps
+# the seed's rule, the lease decides: a lock held, a missing file, a symbolic link (never
+# followed), anything but a regular 0600 file of this user, an owner naming no file (an older
+# build, or a system without flock). Nothing is created while checking. The file is removed
+# only under a lock: by the holder at a normal exit, and by the proxy that took a gone
+# holder's run over, once the same transaction let every other lease of that holder run out
+# (Gate._take_over_claimed). Names are random and created exclusively, so a name once used
+# never names another holder.
+#
+# The lease names the file by its name and by its device and inode too, and a checker
+# judges only that very file: a copy put in its place under the same name (cp -p, a restore,
+# a save by rename), which the holder never locked, is not the holder's file, and the lease
+# decides. While the holder lives it keeps the file open, so no other file has its inode.
+# And a proxy on a file system where flock locks nothing (some network and virtual file
+# systems) names no file: Holder.take finds that a second open description of its own
+# file can take the lock it holds, and gives the file up; the lease decides there too.
+HOLDER_IN_OWNER = re.compile(r";(holder-[0-9a-f]{32}):([0-9]{1,20}):([0-9]{1,20})\Z")
+_HELD: set[str] = set()         # holder names this process locks: alive, never opened again
+
+
+class Holder:
+    """This serving proxy's holder file, exclusively locked until close()."""
+
+    def __init__(self, path: str, fd: int):
+        self.path, self.fd = path, fd
+        self.name = path.rsplit(".", 1)[1]          # holder-<hex>
+        st = os.fstat(fd)
+        self.ident = f"{self.name}:{st.st_dev}:{st.st_ino}"     # as the leases name it
+
+    @classmethod
+    def take(cls, database: str) -> "Holder | None":
+        """Create and lock a new holder file beside the database; None where the system has
+        no flock (the leases then name no file). OSError when it cannot be made."""
+        if fcntl is None:
+            return None
+        for _ in range(HOLDER_CREATE_TRIES):
+            path = f"{database}.holder-{new_hex_id()}"
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                continue                # never a name in use: another holder's, however old
+            try:
+                os.fchmod(fd, 0o600)    # whatever the umask took: checkers want exactly 0600
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _lock_also_taken(path):
+                    raise OSError(f"flock locks nothing on the file system of {path}")
+            except OSError:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+            holder = cls(path, fd)
+            _HELD.add(holder.name)
+            return holder
+        raise OSError(f"no fresh name for a holder file beside {database}")
+
+    def close(self) -> None:
+        """At a normal exit: the file is removed while still locked, then let go, so that
+        no checker can read this proxy as gone from a file it finds unlocked."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.lstat(self.path), os.fstat(self.fd)):
+                os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = -1
+        _HELD.discard(self.name)
+
+
+def _lock_also_taken(path: str) -> bool:
+    """Whether another open description of ``path`` can take a shared lock while this
+    process holds the exclusive one: flock does not lock there (or is emulated with the
+    process's record locks, which a second description of the same process shares)."""
+    probe = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(probe)
+
+
+def _locked_holder(database: str, owner: str) -> tuple[int, str] | None:
+    """The holder file a lease owner names, opened and under a shared lock, when its holder
+    is gone: (descriptor, path), the caller closes it. None whenever it cannot be checked."""
+    named = HOLDER_IN_OWNER.search(owner)
+    if named is None or fcntl is None or named.group(1) in _HELD:
+        return None
+    path = f"{database}.{named.group(1)}"
+    try:                                # O_NONBLOCK: a FIFO put in its place does not hang us
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                     getattr(os, "O_NOCTTY", 0))
+    except OSError:
+        return None                     # missing, a symbolic link, not ours to read
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and \
+                stat.S_IMODE(st.st_mode) == 0o600 and \
+                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd, path
+    except OSError:
+        pass                            # held: its proxy runs, or is stopped
+    os.close(fd)
+    return None
+
+
+def holder_gone(database: str, owner: str) -> bool:
+    """Whether the lease owner names a holder file beside the database whose lock can be
+    taken: the proxy that held it is gone. The one judgment of a holder's death: every
+    "is this lease live" goes through _lease_live, which asks this."""
+    found = _locked_holder(database, owner)
+    if found is None:
+        return False
+    os.close(found[0])
+    return True
+
+
+def remove_holder(database: str, owner: str) -> None:
+    """Remove a gone holder's file, under its lock, and only the file that was locked."""
+    found = _locked_holder(database, owner)
+    if found is None:
+        return
+    fd, path = found
+    try:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.lstat(path), os.fstat(fd)):
+                os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+class Leases:
+    """Renews this process's leases every ttl/3 on a connection and thread of its own, so a
+    busy event loop or a long transaction elsewhere cannot starve the renewals."""
+
+    def __init__(self, path: str, owner: str, ttl: float, wall: Clock):
+        self.path, self.owner, self.ttl, self.wall = path, owner, ttl, wall
+        self._held: dict[str, float] = {}
+        self._lost: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, run_id: str, until: float) -> None:
+        with self._lock:
+            self._held[run_id] = until
+            self._lost.discard(run_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="agentrt-proxy-leases")
+                self._thread.start()
+
+    def drop(self, run_id: str) -> None:
+        with self._lock:
+            self._held.pop(run_id, None)
+            self._lost.discard(run_id)
+
+    def ok(self, run_id: str) -> bool:
+        with self._lock:
+            until = self._held.get(run_id)
+            return until is not None and run_id not in self._lost and self.wall() < until
+
+    def holds(self, run_id: str) -> bool:
+        with self._lock:
+            return run_id in self._held
+
+    def _loop(self) -> None:
+        conn = None
+        try:
+            while not self._stop.wait(self.ttl / LEASE_RENEW_FRACTION):
+                try:
+                    conn = conn or _lease_connection(self.path)
+                    self.renew(conn)
+                except sqlite3.Error:
+                    conn = None     # opened again at the next tick; ok() judges the expiry
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def renew(self, conn: sqlite3.Connection) -> None:
+        with self._lock:
+            runs = list(self._held)
+        for run_id in runs:
+            until = self.wall() + self.ttl
+            try:
+                cur = conn.execute("UPDATE runs SET lease_expires_at=? WHERE id=? AND "
+                                   "lease_owner=? AND status='RUNNING'",
+                                   (fmt_time(until), run_id, self.owner))
+            except sqlite3.Error:
+                continue            # retried at the next tick; ok() judges the old expiry
+            with self._lock:
+                if run_id not in self._held:
+                    continue
+                if cur.rowcount == 1:
+                    self._held[run_id] = until
+                else:
+                    self._lost.add(run_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl)
 
 
 # ==== 12. A run's session ====

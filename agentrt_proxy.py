@@ -93,7 +93,7 @@ Sections, in dependency order
  2. Errors                              16. Upstream client (streamable HTTP)
  3. Strict JSON                         17. Pinning and loading upstream tools
  4. Canonical JSON, request keys        18. Configuration
- 5. Sanitising                          19. The proxy: one run per call, its answers
+ 5. Sanitising                          19. The proxy: a run per call; 19.1 Answers; 19.2 on_pending
  6. Schema patterns (ECMA-262, linear)  20. Conditions and limits; 20.1 Limits: counting
  7. Schema validation                   21. The rules across calls: the call index
  8. Time and records                    22. Deciding a call; 22.1 Executing, holding
@@ -7888,7 +7888,8 @@ class ProxyPolicy:
         return cap
 
 
-# -- the answers the model reads: each starts with its prefix; chosen text is cleaned --
+# ==== 19.1 The answers the model reads ====
+# Each starts with its prefix; chosen text is cleaned.
 
 _NOT_AGAIN = ("Do not call this tool again until you are told the operator decided, and do "
               "not try another tool to achieve the same thing. Tell the user. If you are told "
@@ -8221,7 +8222,8 @@ def status_tool_entry(name: str) -> dict:
                 "additionalProperties": False}}
 
 
-# -- on_pending: the operator's command, started when an approval starts to wait --
+# ==== 19.2 on_pending: the operator's command ====
+# Started when an approval starts to wait.
 
 ON_PENDING_TIMEOUT = 10.0            # seconds the command may run; then its process group is killed
 ON_PENDING_RUNNING = 8               # approval notices running at once; past it, they queue

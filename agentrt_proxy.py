@@ -13,9 +13,9 @@ The upstream servers run as that same user: no server may be able to reach the p
 configuration, its manifests, or its database. It never sees model calls, so it sets no token
 or cost limits, and it never sees the user's prompt. Each call is a separate run, so there are
 no limits or policy over a conversation's history (a rule's limits count only what its tools
-executed). The duplicate rule refuses a deliberate identical repeat of a mutating call inside the window,
-not only a retry. Results are capped and flattened. The pin covers what a server presents,
-not what it does.
+executed). The duplicate rule refuses a deliberate identical repeat of a mutating call inside
+the window, not only a retry. Results are capped and flattened. The pin covers what a server
+presents, not what it does.
 
 What it keeps: each promise, the one function that keeps it, why every path goes through
 that function, and the test that fails when that function gives the permissive answer.
@@ -3452,7 +3452,8 @@ TOOL_RESULT, TOOL_ERROR = "tool_result", "tool_error"
 ANSWERED, NOT_SENT, UNREADABLE = "answered", "not_sent", "invalid_content"
 TIMED_OUT, NO_ANSWER, CUT_OFF = "timed_out", "no_answer", "cut_off"
 KNOWN_ENDINGS = (ANSWERED, NOT_SENT, UNREADABLE)
-POLICY_DENIED, INVALID_DECISION, INTERRUPTED_OBS = "policy_denied", "invalid_decision", "interrupted"
+POLICY_DENIED, INVALID_DECISION = "policy_denied", "invalid_decision"
+INTERRUPTED_OBS = "interrupted"
 ORIGINS = ("", "model", "plan", "operator")
 
 
@@ -3852,7 +3853,8 @@ class Gate:
         resumed = self.clock()
         if _grant_stale(run, granted, resumed):
             self._release_claim(run.id)
-            return None, Verdict("ended", run=expire_approval(self.store, granted, fmt_time(resumed)))
+            return None, Verdict("ended",
+                                 run=expire_approval(self.store, granted, fmt_time(resumed)))
         session = Session(self, run.id, step=step)
         return session, session.decider._resume(request, step, steps, approvals, granted,
                                                 fmt_time(resumed))
@@ -3962,7 +3964,8 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
     if spec.name in seen:
         raise ValueError(f"duplicate tool {_quote(spec.name)}")
     if spec.side_effect not in SIDE_EFFECTS:
-        raise ValueError(f"tool {_quote(spec.name)}: invalid side effect {_quote(spec.side_effect)}")
+        raise ValueError(f"tool {_quote(spec.name)}: "
+                         f"invalid side effect {_quote(spec.side_effect)}")
     if spec.timeout <= 0:
         raise ValueError(f"tool {_quote(spec.name)}: timeout is required")
     if not spec.input_schema.strip():
@@ -5462,7 +5465,8 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
     at, status = fmt_time(now), APPROVED if approve else REJECTED
     with store.tx() as tx:
         tx.require(run_id, (WAITING,))
-        row = tx.exec(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,)).fetchone()
+        row = tx.exec(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?",
+                      (approval_id,)).fetchone()
         current = _approval_from_row(row)
         _check_shown(current, shown_hash)
         late = late_record(tx.rows, asked_attempt(current, tx.rows), known=True)
@@ -5556,7 +5560,8 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
         tx.require(run_id, (RUNNING, WAITING))
         obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
         for step_id, in tx.exec("SELECT id FROM steps WHERE run_id=? AND status IN "
-                                "('deciding','awaiting_approval','executing')", (run_id,)).fetchall():
+                                "('deciding','awaiting_approval','executing')",
+                                (run_id,)).fetchall():
             tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                     "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, step_id))
         run = tx.transition(run_id, (RUNNING, WAITING), CANCELLED, reason="operator_cancelled",
@@ -7829,8 +7834,9 @@ class ProxyPolicy:
                      judged: "Judgement | None" = None) -> PolicyDecision:
         """Built only from its inputs, so the pause, the collection and a re-check of the
         record hash alike. A condition or limit that asks too is named in it."""
+        ended = HOW.get(at.get("ended"), HOW["cut_off"])
         notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in run "
-                  f"{at.get('run_id')}, ended as follows: {HOW.get(at.get('ended'), HOW['cut_off'])}. "
+                  f"{at.get('run_id')}, ended as follows: {ended}. "
                   "Whether it took effect is unknown: it may have. Approving runs it again with "
                   "these arguments once the model calls it again. Rejecting ends this request, "
                   "and an identical call later asks an operator again, whatever the policy.")
@@ -8145,8 +8151,8 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
         return who + f"APPROVED, and then a different approval was asked for the same call " \
                      f"(approval {latest.id})."
     if state.run.status == WAITING:
-        return who + (f"APPROVED, awaiting collection: call {clean(row.tool, TOOL_NAME_SHOWN)} again with "
-                      "exactly the same arguments to run it and get the result.")
+        return who + (f"APPROVED, awaiting collection: call {clean(row.tool, TOOL_NAME_SHOWN)} "
+                      "again with exactly the same arguments to run it and get the result.")
     if not state.terminal:
         return who + "APPROVED and executing now."
     kind = step.obs_kind if step is not None else ""
@@ -8225,12 +8231,12 @@ def status_tool_entry(name: str) -> dict:
 # ==== 19.2 on_pending: the operator's command ====
 # Started when an approval starts to wait.
 
-ON_PENDING_TIMEOUT = 10.0            # seconds the command may run; then its process group is killed
-ON_PENDING_RUNNING = 8               # approval notices running at once; past it, they queue
-ON_PENDING_QUEUED = 256              # approval notices waiting for a slot; past it, skipped (logged)
-ON_PENDING_DRIFT_RUNNING = 2         # drift notices running at once, in slots of their own;
-                                     # past it, one is skipped (logged)
-ON_PENDING_CLOSE_GRACE = 1.0         # at shutdown, what a command still running is given
+ON_PENDING_TIMEOUT = 10.0       # seconds the command may run; then its process group is killed
+ON_PENDING_RUNNING = 8          # approval notices running at once; past it, they queue
+ON_PENDING_QUEUED = 256         # approval notices waiting for a slot; past it, skipped (logged)
+ON_PENDING_DRIFT_RUNNING = 2    # drift notices running at once, in slots of their own;
+                                # past it, one is skipped (logged)
+ON_PENDING_CLOSE_GRACE = 1.0    # at shutdown, what a command still running is given
 
 
 class Notifier:
@@ -10849,8 +10855,9 @@ def result_text(obs: dict) -> str:
 # read as bytes; each call's arguments are parsed once, strictly, and written again in the
 # proxy's own encoding before the gate keys and records them. Each call is its own task;
 # answers go out in any order. A host told its tools changed: the legacy notice once it is
-# initialized, or on a subscriptions/listen of its own (section 25). A host's cancel ends only a wait, never an upstream call
-# already running. On EOF or a signal: accept no new call, finish the ones in flight, exit.
+# initialized, or on a subscriptions/listen of its own (section 25). A host's cancel ends only
+# a wait, never an upstream call already running. On EOF or a signal: accept no new call,
+# finish the ones in flight, exit.
 # While the servers are still loading (section 24) the handshake is answered at once, so the
 # host's start-up timeout runs against the proxy's own start and not its slowest server's;
 # the requests that need the tools wait, in the order they came, until loading ends.

@@ -21,13 +21,13 @@ What it keeps: each promise, the one function that keeps it, why every path goes
 that function, and the test that fails when that function gives the permissive answer.
 
 1. An approval is bound by hash to the exact request, survives restarts, and the policy is
-   evaluated again at collection. grant_covers (12). A grant runs only through
+   evaluated again at collection. grant_covers (12.1). A grant runs only through
    Gate._resume_waiting (the row verified, the request built from its record with today's
    spec), _Decider._resume and _apply, which evaluates the policy again and asks grant_covers;
    _require_grant re-reads the grant in the start's transaction. tests/test_gate.py::
    test_a_changed_fixed_value_asks_for_a_new_approval.
 2. A mutating call whose outcome is unknown is not run again as the identical request without
-   an operator, and other mutating calls to its tool are refused meanwhile. _observe (12),
+   an operator, and other mutating calls to its tool are refused meanwhile. _observe (12.1),
    the one classifier: every call that returns or raises reaches it through _call_tool (a
    cancel through _StepExecution.call_started) and it records the ending from what happened;
    unknown_ending and _known_outcome read only that field (none recorded: unknown). A crash
@@ -3540,16 +3540,6 @@ class _AllowedRequest:
     granted: Approval | None
 
 
-def _known_outcome(doc: dict) -> bool:
-    """Whether an observation is a known outcome: a result, or an error whose recorded
-    ending (_observe) is known. An ending not recorded (an observation written before it
-    was) is not known: an operator is asked."""
-    content = doc.get("content")
-    return doc.get("kind") == TOOL_RESULT or (
-        doc.get("kind") == TOOL_ERROR and isinstance(content, dict) and
-        content.get("ending") in KNOWN_ENDINGS)
-
-
 def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
     return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
 
@@ -5049,6 +5039,32 @@ def _observe(name: str, timeout: float, result: Any) -> Observation:
                     f"{name} returned content is not usable JSON: {exc}")
     text = result.text if isinstance(result.text, str) else None
     return _obs(TOOL_RESULT, content, result.summary, text, value)
+
+
+def _known_outcome(doc: dict) -> bool:
+    """Whether an observation is a known outcome: a result, or an error whose recorded
+    ending (_observe) is known. An ending not recorded (an observation written before it
+    was) is not known: an operator is asked."""
+    content = doc.get("content")
+    return doc.get("kind") == TOOL_RESULT or (
+        doc.get("kind") == TOOL_ERROR and isinstance(content, dict) and
+        content.get("ending") in KNOWN_ENDINGS)
+
+
+def unknown_ending(tool, obs: dict) -> str | None:
+    """How a mutating call's error leaves its outcome, read from the ending its observation
+    records (_observe, the one classifier): None when known (the server answered, or
+    nothing was sent), else TIMED_OUT or NO_ANSWER. An error recorded without an ending
+    (written before endings were) is NO_ANSWER: an operator is asked."""
+    if tool is None:
+        return NO_ANSWER
+    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR:
+        return None
+    if _known_outcome(obs):
+        return None
+    content = obs.get("content")
+    return TIMED_OUT if isinstance(content, dict) and content.get("ending") == TIMED_OUT \
+        else NO_ANSWER
 
 
 def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | None:
@@ -10693,22 +10709,6 @@ def _last_args(state: RunState) -> bytes:
         if (step.decision or {}).get("kind") == "tool_call":
             return step.args or b"{}"
     return b"{}"
-
-
-def unknown_ending(tool, obs: dict) -> str | None:
-    """How a mutating call's error leaves its outcome, read from the ending its observation
-    records (_observe, the one classifier): None when known (the server answered, or
-    nothing was sent), else TIMED_OUT or NO_ANSWER. An error recorded without an ending
-    (written before endings were) is NO_ANSWER: an operator is asked."""
-    if tool is None:
-        return NO_ANSWER
-    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR:
-        return None
-    if _known_outcome(obs):
-        return None
-    content = obs.get("content")
-    return TIMED_OUT if isinstance(content, dict) and content.get("ending") == TIMED_OUT \
-        else NO_ANSWER
 
 
 def _unrecorded(tool, obs: dict) -> bool:

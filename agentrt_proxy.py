@@ -98,7 +98,7 @@ Sections, in dependency order
  7. Schema validation                   21. The rules across calls: the call index
  8. Time and records                    22. Deciding a call; 22.1 Executing, holding
  9. Policy                              23. The host-facing server
-10. The store                           24. Serving, pinning, checking, wrap
+10. The store                           24. Serving, pinning, checking; 24.1 wrap
 11. The gate                            25. Tools that change while serving
 12. A run's session; 12.1 Executing    26. Re-checking recorded calls
 13. Decisions and late outcomes         27. Operator commands: the command line
@@ -11184,11 +11184,10 @@ def _id_key(raw: bytes | None) -> str:
         return raw.decode("utf-8", "replace")
 
 
-# ==== 24. Serving, pinning, checking and wrapping ====
+# ==== 24. Serving, pinning and checking ====
 # Loading every server as serving does (all at once, each under its connect timeout); serve,
-# pin (with the reach check first and a diff of what changed), check (what each tool gets),
-# and wrap (a host's configuration made into the proxy's, every server pinned, nothing
-# classified).
+# pin (with the reach check first and a diff of what changed), and check (what each tool
+# gets).
 
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
@@ -11750,7 +11749,7 @@ class LineReader:
         return item
 
 
-# -- wrap: from a host's configuration to a gated one --
+# ==== 24.1 wrap: from a host's configuration to a gated one ====
 # The host's file is read as the proxy reads its own (owned by this user, strict JSON: a
 # repeated key or a comment is refused). Each server entry is translated field by field; an
 # entry holding a field or a host variable the proxy cannot express is left out and named,

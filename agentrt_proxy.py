@@ -98,9 +98,9 @@ Sections, in dependency order
  7. Schema validation                   21. The rules across calls: the call index
  8. Time and records                    22. Deciding a call; 22.1 Executing, holding
  9. Policy                              23. The host-facing server
-10. The store                           24. Serving, pinning, checking, wrap
+10. The store                           24. Serving, pinning, checking; 24.1 wrap
 11. The gate; 11.1 Leases, holder file  25. Tools that change while serving
-12. A run's session; 12.1 Executing    26. Re-checking recorded calls
+12. A run's session; 12.1 Executing     26. Re-checking recorded calls
 13. Decisions and late outcomes         27. Operator commands: the command line
 14. JSON-RPC framing                    28. Operator views (runs, show, events, pending)
                                         29. Operator decisions (approve, reject, cancel)
@@ -11199,11 +11199,10 @@ def _id_key(raw: bytes | None) -> str:
         return raw.decode("utf-8", "replace")
 
 
-# ==== 24. Serving, pinning, checking and wrapping ====
+# ==== 24. Serving, pinning and checking ====
 # Loading every server as serving does (all at once, each under its connect timeout); serve,
-# pin (with the reach check first and a diff of what changed), check (what each tool gets),
-# and wrap (a host's configuration made into the proxy's, every server pinned, nothing
-# classified).
+# pin (with the reach check first and a diff of what changed), and check (what each tool
+# gets).
 
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
@@ -11765,7 +11764,7 @@ class LineReader:
         return item
 
 
-# -- wrap: from a host's configuration to a gated one --
+# ==== 24.1 wrap: from a host's configuration to a gated one ====
 # The host's file is read as the proxy reads its own (owned by this user, strict JSON: a
 # repeated key or a comment is refused). Each server entry is translated field by field; an
 # entry holding a field or a host variable the proxy cannot express is left out and named,
@@ -11792,8 +11791,8 @@ _HOST_FIELD_WHY = {
 }
 _HOST_VARIABLE = re.compile(r"\$\{([^}]*)\}")
 _WRAP_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-_MCP_HINTS = (("readOnlyHint", False), ("destructiveHint", True), ("idempotentHint", False),
-              ("openWorldHint", True))      # each hint with MCP's default when it is missing
+_MCP_HINTS = {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
+              "openWorldHint": True}        # each hint with MCP's default when it is missing
 WRAP_NO_WINDOW = "0s"                  # the repeat_window suggested for an idempotent tool
 WRAP_OFFER_OUTCOME = "require_approval"  # in the rule that offers a tool wrap left out
 
@@ -11889,7 +11888,10 @@ def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
     if ("command" in entry) == ("url" in entry) or (kind == "http") != ("url" in entry):
         raise ConfigError("it needs a command (stdio) or a url (http), not both")
     if kind == "http":
-        return {"endpoint": _http_url(_host_text(entry["url"], "url", variables))}
+        url = _host_text(entry["url"], "url", variables)
+        if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+            raise ConfigError(f"url {_quote(url)} is not an http or https URL")
+        return {"endpoint": url}
     command = [_host_text(entry["command"], "command", variables)]
     args = entry.get("args", [])
     if not isinstance(args, list):
@@ -11935,12 +11937,6 @@ def _host_env(env: Any, variables: dict[str, str]) -> tuple[list[str], list[str]
     return entries, inherit
 
 
-def _http_url(url: str) -> str:
-    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
-        raise ConfigError(f"url {_quote(url)} is not an http or https URL")
-    return url
-
-
 def _unique_name(key: str, taken: set[str]) -> str:
     """The host's name as a proxy server name: letters, digits, _ and - only, short enough
     that its tools' names fit, and not one already taken."""
@@ -11957,7 +11953,11 @@ def suggest_class(ann: Any) -> tuple[str, str]:
     """The class a tool's hints suggest, read with MCP's defaults for a missing hint, and
     why. A hint is the server's claim: this is a suggestion, never applied."""
     hints = _read_hints(ann)
-    said = _hints_said(ann)
+
+    def said(hint: str) -> str:
+        if _hint(ann, hint) is None:
+            return f"missing (MCP's default: {dump_json(hints[hint])})"
+        return dump_json(hints[hint])
     if hints["readOnlyHint"]:
         return "read_only", "readOnlyHint is true"
     if hints["destructiveHint"]:
@@ -11968,26 +11968,15 @@ def suggest_class(ann: Any) -> tuple[str, str]:
                                said("openWorldHint"))
 
 
-def _read_hints(ann: Any) -> dict[str, bool]:
-    ann = ann if isinstance(ann, dict) else {}
-    return {hint: ann[hint] if isinstance(ann.get(hint), bool) else default
-            for hint, default in _MCP_HINTS}
-
-
-def _hints_said(ann: Any) -> Callable[[str], str]:
-    ann = ann if isinstance(ann, dict) else {}
-
-    def said(hint: str) -> str:
-        value = ann.get(hint)
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        return "missing (MCP's default: " + ("true" if dict(_MCP_HINTS)[hint] else "false") + ")"
-    return said
-
-
-def _hint_cell(ann: Any, hint: str) -> str:
+def _hint(ann: Any, hint: str, missing: Any = None) -> Any:
+    """A hint as the server claims it, or ``missing`` where it claims none (the hint is
+    absent, or not a boolean)."""
     value = ann.get(hint) if isinstance(ann, dict) else None
-    return ("true" if value else "false") if isinstance(value, bool) else "-"
+    return value if isinstance(value, bool) else missing
+
+
+def _read_hints(ann: Any) -> dict[str, bool]:
+    return {hint: _hint(ann, hint, default) for hint, default in _MCP_HINTS.items()}
 
 
 _STATEFUL_WORD = re.compile(r"(?:^|[^a-z])(?:commit|push|send|post)(?:s|es|ed|ing)?(?:[^a-z]|$)")
@@ -12074,25 +12063,14 @@ def rules_block(tools: dict, server: str = "", others: Iterable[str] = (),
     return ['  "rules": {', *body, "  }"]
 
 
-def left_out_block(tools: dict, server: str, others: Iterable[str],
-                   policy: "ProxyPolicy") -> list[str]:
-    """The tools rules_block leaves out, under a heading that says why, each with the rule
-    that offers it."""
-    dropped = left_out(suggested_rules(tools, server, others), server, policy)
-    if not dropped:
-        return []
-    return ["  left out, so not offered: the policy denies each of these on every call; to "
-            "offer one, each call asking you, add its line to the server's rules:",
-            *(f"    {_rule_line(name, rule)}" for name, rule in dropped.items())]
-
-
 def hints_table(tools: dict) -> list[str]:
     rows = [["TOOL", "SUGGESTED", "readOnly", "destructive", "idempotent", "openWorld", "WHY"]]
     for name, t in tools.items():
         ann = t.get("annotations")
         cls, why = suggest_class(ann)
         window = suggests_no_window(ann)
-        rows.append([name, cls, *(_hint_cell(ann, h) for h, _ in _MCP_HINTS),
+        claimed = [_hint(ann, hint) for hint in _MCP_HINTS]
+        rows.append([name, cls, *("-" if c is None else dump_json(c) for c in claimed),
                      why + ("; " + window if window else "")])
     return ["  " + line for line in _table(rows)]
 
@@ -12104,11 +12082,11 @@ def host_entry(host: str, config_path: str) -> dict:
     return {"type": "stdio", **entry} if host == "vscode" else entry
 
 
-def write_new_owned(path: str, text: str) -> None:
+def write_new_owned(path: str, data: bytes) -> None:
     """Create a file owner-only; an existing one is never replaced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(text.encode("utf-8"))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -12133,7 +12111,7 @@ def write_host_config(path: str, read: bytes, doc: dict, now: float) -> str:
     _unchanged(path, read)
     backup = path + time.strftime(WRAP_BACKUP, time.localtime(now))
     try:
-        write_new_owned(backup, read.decode("utf-8"))
+        write_new_owned(backup, read)
     except FileExistsError:
         raise ConfigError(f"{backup} exists: run wrap again in a second") from None
     mode = stat.S_IMODE(os.stat(path).st_mode)
@@ -12187,12 +12165,13 @@ async def cmd_wrap(args, out: Out) -> int:
     policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
     pins = await _wrap_pin(cfg, out, policy)
     notify = suggested_on_pending(cfg.database)
+    suggested, written = args.rules == "suggested", bool(args.write)
     if notify:
         out.line("a notification for this machine when an approval waits" +
-                 (", written into the configuration:" if args.rules == "suggested" else
+                 (", written into the configuration:" if suggested else
                   ", to paste at the top level of the configuration:"))
         out.line(_JSON_INERT.sub(_json_escape, f'  "on_pending": {dump_json(notify)}'))
-    if args.rules == "suggested":
+    if suggested:
         for server in servers:
             if server["name"] in pins:
                 server["rules"] = suggested_rules(pins[server["name"]]["tools"],
@@ -12202,9 +12181,8 @@ async def cmd_wrap(args, out: Out) -> int:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
     parse_config(text.encode("utf-8"), config_path)     # what is written loads as written
-    written = bool(args.write)
     if written:
-        write_new_owned(config_path, text)
+        write_new_owned(config_path, text.encode("utf-8"))
         for server in cfg.servers:
             if server.name in pins:
                 write_manifest(server.manifest, pins[server.name])
@@ -12212,30 +12190,33 @@ async def cmd_wrap(args, out: Out) -> int:
     else:
         out.line(f"-write would write {sanitize(config_path)} (0600):")
         out.line(_JSON_INERT.sub(_json_escape, text.rstrip("\n")))
-    rules = "the suggested rules, as printed above," if args.rules == "suggested" else ""
-    if rules:
-        out.line(f"{'it holds' if written else 'it would hold'} {rules} for every pinned "
-                 "server: they are the servers' own claims; read each before you trust it")
+    if suggested:
+        out.line(f"{'it holds' if written else 'it would hold'} the suggested rules, as printed "
+                 "above, for every pinned server: they are the servers' own claims; read each "
+                 "before you trust it")
     else:
         out.line("it classifies no tool, so none is offered until you paste the rules (or "
                  "wrap again with -rules suggested)")
-    _print_host_entry(args.host, config_path, out)
-    if written and len(pins) < len(servers):
-        out.line(f"{sanitize(host_path)} was not written: pin every server first")
-    elif written:
-        gated = gated_host_doc(args.host, doc, [f.key for f in found if f.server],
-                               host_entry(args.host, config_path))
-        backup = write_host_config(host_path, raw, gated, time.time())
-        kept = len(found) - len(servers)
-        out.line(f"wrote {sanitize(host_path)}: its {len(servers)} wrapped server(s) replaced "
-                 f"by the gated entry" + (f", {kept} not wrapped kept as they were" if kept
-                                          else "") + f"; the file as it was is {sanitize(backup)}")
+    entry = host_entry(args.host, config_path)
+    out.line(f"the {args.host} entry that starts the proxy instead of the servers it wraps:")
+    out.line(_JSON_INERT.sub(_json_escape, _pretty(
+        {_HOST_SERVERS[args.host]: {WRAP_ENTRY: entry}}, cut=False)))
+    pinned_all = len(pins) == len(servers)
     if not written:
         out.line("nothing was written; run again with -write to write it")
+        return 0 if pinned_all else 1
+    if not pinned_all:
+        out.line(f"{sanitize(host_path)} was not written: pin every server first")
     else:
-        out.line(("read the rules" if rules else "paste the rules") + f", then run: "
-                 f"{_self_command()} check -config {sanitize(config_path)}")
-    return 0 if len(pins) == len(servers) else 1
+        gated = gated_host_doc(args.host, doc, [f.key for f in found if f.server], entry)
+        backup = write_host_config(host_path, raw, gated, time.time())
+        kept = len(found) - len(servers)
+        also = f", {kept} not wrapped kept as they were" if kept else ""
+        out.line(f"wrote {sanitize(host_path)}: its {len(servers)} wrapped server(s) replaced "
+                 f"by the gated entry{also}; the file as it was is {sanitize(backup)}")
+    out.line(("read" if suggested else "paste") + " the rules, then run: "
+             f"{_self_command()} check -config {sanitize(config_path)}")
+    return 0 if pinned_all else 1
 
 
 def suggested_on_pending(database: str) -> list[str]:
@@ -12271,9 +12252,15 @@ async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, d
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
                  "(claims, not facts: check each):")
         others = names_elsewhere(pins, server.name)
-        for line in rules_block(tools, server.name, others, policy) + hints_table(tools) + \
-                left_out_block(tools, server.name, others, policy):
+        for line in rules_block(tools, server.name, others, policy) + hints_table(tools):
             out.line(line)
+        dropped = left_out(suggested_rules(tools, server.name, others), server.name, policy)
+        if dropped:
+            out.line("  left out, so not offered: the policy denies each of these on every "
+                     "call; to offer one, each call asking you, add its line to the server's "
+                     "rules:")
+        for name, rule in dropped.items():
+            out.line(f"    {_rule_line(name, rule)}")
     return pins
 
 
@@ -12283,11 +12270,6 @@ def names_elsewhere(pins: dict[str, dict], server: str) -> set[str]:
     return {n for other, manifest in pins.items() if other != server
             for tool in manifest["tools"] for n in (f"{other}_{tool}", tool)}
 
-
-def _print_host_entry(host: str, config_path: str, out: Out) -> None:
-    doc = {_HOST_SERVERS[host]: {WRAP_ENTRY: host_entry(host, config_path)}}
-    out.line(f"the {host} entry that starts the proxy instead of the servers it wraps:")
-    out.line(_JSON_INERT.sub(_json_escape, _pretty(doc, cut=False)))
 
 # ==== 25. Tools that change while serving ====
 # A server may change its tools after the proxy loaded them: the rug pull that pinning

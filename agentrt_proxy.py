@@ -5152,10 +5152,8 @@ def asked_attempt(approval: Approval | None, q: Query | None = None) -> dict | N
     (a gate's own pause, whose capability names none) the latest attempt of the step it waits
     on, which is the one its start in the store names while the approval waits (a re-run
     after the approval would start another; read through ``q``)."""
-    if approval is None or approval.kind != INTERRUPTED_KIND:
-        return None
     named = _interrupted_attempt(approval)
-    if named is not None:
+    if named is not None or approval is None or approval.kind != INTERRUPTED_KIND:
         return named
     rows = q("SELECT started_at FROM steps WHERE id=?", (approval.step_id,)) if q else []
     return {"run_id": approval.run_id, "step_id": approval.step_id,
@@ -5254,11 +5252,18 @@ def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps
                  {"content_hash": obs.content_hash, "detail": detail,
                   "observation": obs.doc.get("kind")})
     status, reason = (COMPLETED, "goal_completed") if ok and terminal else (FAILED, "goal_failed")
-    run = tx.transition(run_id, from_run, status, owner=owner, reason=reason, detail=detail,
-                        finished_at=at,
-                        result=_content_bytes(obs).decode() if status == COMPLETED else "")
-    tx.event(run_id, "", at, "run.finished", {"detail": detail, "reason": reason,
-                                              "status": status, "steps": run.step_count})
+    return _end_run(tx, run_id, from_run, status, reason, detail, at, owner=owner,
+                    result=_content_bytes(obs).decode() if status == COMPLETED else "")
+
+
+def _end_run(tx: Tx, run_id: str, from_run: tuple, status: str, reason: str, detail: str,
+             at: str, by: str = "", **cols: str) -> Run:
+    """Move a run to its end and record its run.finished event, in the caller's
+    transaction."""
+    run = tx.transition(run_id, from_run, status, reason=reason, detail=detail,
+                        finished_at=at, **cols)
+    said = {"detail": detail, "reason": reason, "status": status, "steps": run.step_count}
+    tx.event(run_id, "", at, "run.finished", {"by": by, **said} if by else said)
     return run
 
 
@@ -5289,11 +5294,15 @@ _ASKING_SQL = (
     " WHERE b.run_id = a.run_id AND b.step_id = a.step_id) ORDER BY a.rowid")
 
 
-def _terminal_tool(approval: Approval) -> bool:
+def _settle_waiting(tx: Tx, approval: Approval, late: LateRecord, at: str) -> None:
+    """Settle the interruption approval a run waits on, and end the run with the outcome."""
+    settle_approval(tx, approval, late, at)
     try:
-        return approval.request().spec.terminal
+        terminal = approval.request().spec.terminal
     except (ProxyError, KeyError, ValueError, TypeError):
-        return False
+        terminal = False
+    end_with_late(tx, approval.run_id, approval.step_id, (WAITING,), ("awaiting_approval",),
+                  late, at, terminal)
 
 
 def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
@@ -5307,9 +5316,7 @@ def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
         if at_.get("run_id") != late.run_id or at_.get("step_id") != late.step_id or \
                 (late.started_at and at_.get("started_at") != late.started_at):
             continue
-        settle_approval(tx, approval, late, at)
-        end_with_late(tx, approval.run_id, approval.step_id, (WAITING,),
-                      ("awaiting_approval",), late, at, _terminal_tool(approval))
+        _settle_waiting(tx, approval, late, at)
         ended.append(approval.run_id)
     return ended
 
@@ -5419,15 +5426,11 @@ def expire_approval(store: Store, approval: Approval, now: str) -> Run:
                       (EXPIRED, PENDING, now, PENDING, approval.id, PENDING, APPROVED))
         if cur.rowcount != 1:
             raise NotPending(f"approval {approval.id} is no longer pending or approved")
-        detail = f"approval {approval.id} expired"
-        run = tx.transition(approval.run_id, (WAITING,), CANCELLED, reason="approval_expired",
-                            detail=detail, finished_at=now)
-        tx.event(run.id, approval.step_id, now, "approval.decided",
+        # The run's end refuses a run no longer waiting, and the whole transaction with it.
+        tx.event(approval.run_id, approval.step_id, now, "approval.decided",
                  {"approval_id": approval.id, "status": EXPIRED})
-        tx.event(run.id, "", now, "run.finished",
-                 {"detail": detail, "reason": "approval_expired", "status": CANCELLED,
-                  "steps": run.step_count})
-    return run
+        return _end_run(tx, approval.run_id, (WAITING,), CANCELLED, "approval_expired",
+                        f"approval {approval.id} expired", now)
 
 
 def operator_word(approval: Approval, approve: bool, given: str | None) -> str:
@@ -5481,15 +5484,12 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
     at, status = fmt_time(now), APPROVED if approve else REJECTED
     with store.tx() as tx:
         tx.require(run_id, (WAITING,))
-        row = tx.exec(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?",
-                      (approval_id,)).fetchone()
-        current = _approval_from_row(row)
+        current = _approval_from_row(tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals "
+                                             "WHERE id=?", (approval_id,))[0])
         _check_shown(current, shown_hash)
         late = late_record(tx.rows, asked_attempt(current, tx.rows), known=True)
         if late is not None:
-            settle_approval(tx, current, late, at)
-            end_with_late(tx, run_id, current.step_id, (WAITING,), ("awaiting_approval",),
-                          late, at, _terminal_tool(current))
+            _settle_waiting(tx, current, late, at)
         else:
             _check_view(tx, current, view)
             _decide_in(tx, current, approve, status, by, note, at)
@@ -5529,11 +5529,7 @@ def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, 
                    f"approval rejected: {note}")
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                 "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, approval.step_id))
-        run = tx.transition(run_id, (WAITING,), CANCELLED, reason="approval_rejected",
-                            detail=note, finished_at=at)
-        tx.event(run_id, "", at, "run.finished",
-                 {"detail": note, "reason": "approval_rejected", "status": CANCELLED,
-                  "steps": run.step_count})
+        _end_run(tx, run_id, (WAITING,), CANCELLED, "approval_rejected", note, at)
 
 
 def _check_shown(approval: Approval, shown_hash: str) -> None:
@@ -5551,21 +5547,6 @@ def _check_shown(approval: Approval, shown_hash: str) -> None:
     approval.verify()
 
 
-def _cancel_approvals(tx: Tx, run_id: str, by: str, note: str, at: str) -> None:
-    """What a cancel ends: the run's pending approval is marked cancelled, with an event, so
-    that nothing reads it as waiting (stricter than the reference: see CANCELLED_APPROVAL).
-    A grant already approved keeps its status: it was approved, and the run's end says why
-    it was never collected."""
-    rows = tx.exec("SELECT id, step_id FROM approvals WHERE run_id=? AND status=? "
-                   "ORDER BY rowid", (run_id, PENDING)).fetchall()
-    for approval_id, step_id in rows:
-        tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? WHERE id=?",
-                (CANCELLED_APPROVAL, at, by, note, approval_id))
-        tx.event(run_id, step_id, at, "approval.decided",
-                 {"approval_id": approval_id, "by": by, "note": note,
-                  "status": CANCELLED_APPROVAL})
-
-
 def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run:
     """End a run that has not finished; a tool already running is not interrupted."""
     run = store.get_run(run_id)
@@ -5575,18 +5556,23 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
     with store.tx() as tx:
         tx.require(run_id, (RUNNING, WAITING))
         obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
-        for step_id, in tx.exec("SELECT id FROM steps WHERE run_id=? AND status IN "
-                                "('deciding','awaiting_approval','executing')",
-                                (run_id,)).fetchall():
+        for step_id, in tx.rows("SELECT id FROM steps WHERE run_id=? AND status IN "
+                                "('deciding','awaiting_approval','executing')", (run_id,)):
             tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                     "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, step_id))
-        run = tx.transition(run_id, (RUNNING, WAITING), CANCELLED, reason="operator_cancelled",
-                            detail=note, finished_at=at)
-        _cancel_approvals(tx, run_id, by, note, at)
-        tx.event(run_id, "", at, "run.finished",
-                 {"by": by, "detail": note, "reason": "operator_cancelled", "status": CANCELLED,
-                  "steps": run.step_count})
-    return run
+        # What a cancel ends: the run's pending approval is marked cancelled, with an event,
+        # so that nothing reads it as waiting (stricter than the reference: see
+        # CANCELLED_APPROVAL). A grant already approved keeps its status: it was approved,
+        # and the run's end says why it was never collected.
+        for approval_id, step_id in tx.rows("SELECT id, step_id FROM approvals WHERE run_id=? "
+                                            "AND status=? ORDER BY rowid", (run_id, PENDING)):
+            tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
+                    "WHERE id=?", (CANCELLED_APPROVAL, at, by, note, approval_id))
+            tx.event(run_id, step_id, at, "approval.decided",
+                     {"approval_id": approval_id, "by": by, "note": note,
+                      "status": CANCELLED_APPROVAL})
+        return _end_run(tx, run_id, (RUNNING, WAITING), CANCELLED, "operator_cancelled", note,
+                        at, by=by)
 
 
 # ==== 14. JSON-RPC framing ====

@@ -5190,20 +5190,17 @@ def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> Late
         return None
     try:
         doc, spans = read_members(payload.encode("utf-8"))    # not an object: JSONError
-        obs_raw = spans.get("observation")
     except (JSONError, UnicodeError):
         return None
-    if doc.get("late") is not True or obs_raw is None:
-        return None
     obs, flag, start = doc.get("observation"), doc.get("known"), doc.get("started_at")
-    if not isinstance(obs, dict):
+    if doc.get("late") is not True or "observation" not in spans or not isinstance(obs, dict):
         return None
     # An event written before it said whether it is known: a result is, anything else is
     # left to the operator (who is shown it).
     known = flag if isinstance(flag, bool) else obs.get("kind") == TOOL_RESULT
     return LateRecord(seq if isinstance(seq, int) else 0, run_id, step_id,
                       start if isinstance(start, str) else "", str(at), known,
-                      obs_raw.decode("utf-8"), obs)
+                      spans["observation"].decode("utf-8"), obs)
 
 
 def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateRecord | None:
@@ -5367,19 +5364,14 @@ class ApprovalView:
         """What differs in ``now``, one phrase a part, for an operator told nothing was
         decided."""
         was, is_ = self.bound(), now.bound()
-        said = []
-        for part in ("approval", "run"):
-            for k, v in sorted((is_[part] or {}).items()):
-                before = (was[part] or {}).get(k)
-                if before != v:
-                    said.append(f"{part} {k} was {clean(str(before), ID_SHOWN)}, is "
-                                f"{clean(str(v), ID_SHOWN)}")
+        said = [f"{part} {k} was {clean(str((was[part] or {}).get(k)), ID_SHOWN)}, is "
+                f"{clean(str(v), ID_SHOWN)}" for part in ("approval", "run")
+                for k, v in sorted((is_[part] or {}).items()) if (was[part] or {}).get(k) != v]
         if was["late"] != is_["late"]:
             said.append(f"the attempt it asks about {now.late_text()}" if now.late else
                         "the late outcome shown is gone")
-        for part in ("attempt", "reason", "grant_lapses"):
-            if was[part] != is_[part]:
-                said.append(f"its {part.replace('_', ' ')} changed")
+        said += [f"its {part.replace('_', ' ')} changed" for part in
+                 ("attempt", "reason", "grant_lapses") if was[part] != is_[part]]
         return said or ["its record changed"]
 
 
@@ -9508,6 +9500,7 @@ def refusal_lines(refusals: list[dict]) -> list[str]:
 
 
 _INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: _INDEX_SQL,
     2: ("CREATE INDEX proxy_calls_tool_outcome ON proxy_calls(session, tool, outcome, id)",),
     3: _LIMIT_SQL,                   # the index of executions that limits count (section 20)
     4: ("CREATE TABLE proxy_limit_marks (key TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
@@ -9562,11 +9555,7 @@ class CallIndex:
                 raise SchemaVersionError(
                     f"the call index in {self.store.path} has version {have}, newer than "
                     f"version {PROXY_SCHEMA_VERSION} this build knows; a newer proxy wrote it")
-            if have < 1:
-                for sql in _INDEX_SQL:
-                    tx.exec(sql)
-                tx.exec("INSERT INTO proxy_schema_migrations VALUES (1, ?)", (now,))
-        for version in range(max(have, 1) + 1, PROXY_SCHEMA_VERSION + 1):
+        for version in range(have + 1, PROXY_SCHEMA_VERSION + 1):
             with self.store.tx() as tx:
                 if tx.exec("SELECT 1 FROM proxy_schema_migrations WHERE version=?",
                            (version,)).fetchone():
@@ -9579,13 +9568,18 @@ class CallIndex:
         return [CallRow(*r) for r in self.store._read(f"SELECT {_ROW_COLS} FROM proxy_calls "
                                                       f"WHERE {sql}", params)]
 
+    def _write(self, sql: str, params: tuple) -> None:
+        """One statement on proxy_calls, in a transaction of its own."""
+        with self.store.tx() as tx:
+            tx.exec(f"UPDATE proxy_calls SET {sql}", params)
+
     # Every query below is a search of one of _INDEX_SQL's indexes that reads a bounded
     # number of rows, however long the session's history: a call costs the same on the first
     # day and after a million (tests/test_index_plans.py holds them to that).
 
     def open_row(self, key: str) -> CallRow | None:
-        rows = self._rows("session=? AND request_key=? AND open=1", (self.session, key))
-        return rows[0] if rows else None
+        return next(iter(self._rows("session=? AND request_key=? AND open=1",
+                                    (self.session, key))), None)
 
     def for_key(self, key: str, since: float) -> tuple[CallRow | None, list[CallRow]]:
         """The key's open row, and the rows the window rules read, newest first: the open
@@ -9625,12 +9619,11 @@ class CallIndex:
     def attempts(self, key: str) -> Iterable[CallRow]:
         """The key's rows that may hold an attempt, newest first, read a page at a time: the
         caller stops at the first it can judge, which is almost always the first."""
-        before = None
+        before = MAX_ROW_ID
         while True:
             page = self._rows("session=? AND request_key=? AND outcome!=? AND id<? "
-                              "ORDER BY id DESC LIMIT ?",
-                              (self.session, key, NO_ATTEMPT,
-                               before if before is not None else MAX_ROW_ID, RULE_ROWS))
+                              "ORDER BY id DESC LIMIT ?", (self.session, key, NO_ATTEMPT,
+                                                          before, RULE_ROWS))
             yield from page
             if len(page) < RULE_ROWS:
                 return
@@ -9655,8 +9648,7 @@ class CallIndex:
         return sorted(rows, key=lambda r: r.id, reverse=True)[:limit]
 
     def by_run(self, run_id: str) -> CallRow | None:
-        rows = self._rows("run_id=?", (run_id,))
-        return rows[0] if rows else None
+        return next(iter(self._rows("run_id=?", (run_id,))), None)
 
     def claim(self, key: str, tool: str, cls: str, run_id: str, prev: CallRow | None,
               now: float) -> None:
@@ -9679,18 +9671,15 @@ class CallIndex:
         """Cache what the row's run came to (once: only while it is unseen)."""
         if row.outcome != UNSEEN:
             return
-        with self.store.tx() as tx:
-            tx.exec("UPDATE proxy_calls SET settled_at=CASE WHEN settled_at=0 THEN ? ELSE "
-                    "settled_at END, outcome=? WHERE id=? AND outcome=?",
-                    (now, outcome, row.id, UNSEEN))
+        self._write("settled_at=CASE WHEN settled_at=0 THEN ? ELSE settled_at END, outcome=? "
+                    "WHERE id=? AND outcome=?", (now, outcome, row.id, UNSEEN))
         row.outcome = outcome
 
     def settle_run(self, run_id: str, outcome: int, now: float) -> None:
         """Cache what a run just came to, by its run id, in the caller's transaction (once:
         only while its row is unseen)."""
-        with self.store.tx() as tx:
-            tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE run_id=? AND "
-                    "outcome=?", (now, outcome, run_id, UNSEEN))
+        self._write("settled_at=?, outcome=? WHERE run_id=? AND outcome=?",
+                    (now, outcome, run_id, UNSEEN))
 
     def known_in(self, tx: Tx, run_id: str, now: float) -> None:
         """A known outcome of the run recorded now, late (section 13), inside the caller's
@@ -9702,16 +9691,14 @@ class CallIndex:
 
     def settle_empty(self, row: CallRow, now: float) -> None:
         """A row whose run never began: nothing started (checked in the same statement)."""
-        with self.store.tx() as tx:
-            tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE id=? AND settled_at=0 "
-                    "AND NOT EXISTS (SELECT 1 FROM runs WHERE runs.id=proxy_calls.run_id)",
+        self._write("settled_at=?, outcome=? WHERE id=? AND settled_at=0 AND NOT EXISTS "
+                    "(SELECT 1 FROM runs WHERE runs.id=proxy_calls.run_id)",
                     (now, NO_ATTEMPT, row.id))
 
     def unsettle(self, run_id: str) -> None:
         """A run began under a row a scan had settled as empty: it is unseen again."""
-        with self.store.tx() as tx:
-            tx.exec("UPDATE proxy_calls SET settled_at=0, outcome=? WHERE run_id=? AND "
-                    "settled_at!=0", (UNSEEN, run_id))
+        self._write("settled_at=0, outcome=? WHERE run_id=? AND settled_at!=0",
+                    (UNSEEN, run_id))
 
 
 @dataclasses.dataclass(repr=False)

@@ -9431,14 +9431,20 @@ class RefusalLog:
 
     @staticmethod
     def of_run(store: Store, run_id: str) -> list[dict]:
-        """A run's refusals, oldest first; [] where the table is not there yet."""
-        try:
-            rows = store._read("SELECT answer, count, first_at, last_at, request_key FROM "
-                               "proxy_refusals WHERE run_id=? ORDER BY first_at", (run_id,))
-        except StoreError:
-            return []
+        """A run's refusals, oldest first."""
+        rows = _proxy_rows(store, "SELECT answer, count, first_at, last_at, request_key FROM "
+                                  "proxy_refusals WHERE run_id=? ORDER BY first_at", (run_id,))
         return [{"answer": a, "count": n, "first_at": fmt_time(f), "last_at": fmt_time(t),
                  "request_key": k} for a, n, f, t, k in rows]
+
+
+def _proxy_rows(store: Store, sql: str, params: tuple) -> list[tuple]:
+    """A read of the proxy's own tables; [] where the table is not there yet (a database
+    this build's proxy never opened)."""
+    try:
+        return store._read(sql, params)
+    except StoreError:
+        return []
 
 
 # The operator's word on a cut-off attempt (reject -outcome, section 13): one row per
@@ -9484,13 +9490,10 @@ def record_outcome(tx: Tx, approval: Approval, attempt: dict | None, outcome: st
 
 def outcomes_of_run(store: Store, run_id: str) -> dict[str, dict]:
     """The words recorded on the rejections of a run's interruption approvals, by approval
-    id; {} where the table is not there yet (a database this build's proxy never opened)."""
-    try:
-        rows = store._read("SELECT approval_id, outcome, decided_by, attempt_run_id, "
-                           "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?",
-                           (run_id,))
-    except StoreError:
-        return {}
+    id."""
+    rows = _proxy_rows(store, "SELECT approval_id, outcome, decided_by, attempt_run_id, "
+                              "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?",
+                       (run_id,))
     return {a: {"outcome": o, "by": b, "run_id": r, "step_id": s} for a, o, b, r, s in rows}
 
 

@@ -5217,9 +5217,8 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
                               "step_id=? AND type='step.tool_finished' ORDER BY seq DESC",
                               (run_id, step_id)):
         late = _late_of(seq, run_id, step_id, at, payload)
-        if late is None or (known and not late.known):
-            continue
-        if late.started_at and isinstance(started, str) and late.started_at != started:
+        if late is None or (known and not late.known) or \
+                (late.started_at and isinstance(started, str) and late.started_at != started):
             continue
         return late
     return None

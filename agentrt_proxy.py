@@ -9673,15 +9673,15 @@ class CallIndex:
         """Cache what the row's run came to (once: only while it is unseen)."""
         if row.outcome != UNSEEN:
             return
-        self._write("settled_at=CASE WHEN settled_at=0 THEN ? ELSE settled_at END, outcome=? "
-                    "WHERE id=? AND outcome=?", (now, outcome, row.id, UNSEEN))
+        self._write("settled_at=CASE WHEN settled_at=0 THEN ? ELSE settled_at END, "
+                    "outcome=? WHERE id=? AND outcome=?", (now, outcome, row.id, UNSEEN))
         row.outcome = outcome
 
     def settle_run(self, run_id: str, outcome: int, now: float) -> None:
         """Cache what a run just came to, by its run id, in the caller's transaction (once:
         only while its row is unseen)."""
-        self._write("settled_at=?, outcome=? WHERE run_id=? AND outcome=?",
-                    (now, outcome, run_id, UNSEEN))
+        self._write("settled_at=?, outcome=? WHERE run_id=? AND "
+                    "outcome=?", (now, outcome, run_id, UNSEEN))
 
     def known_in(self, tx: Tx, run_id: str, now: float) -> None:
         """A known outcome of the run recorded now, late (section 13), inside the caller's

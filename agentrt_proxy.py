@@ -5152,10 +5152,8 @@ def asked_attempt(approval: Approval | None, q: Query | None = None) -> dict | N
     (a gate's own pause, whose capability names none) the latest attempt of the step it waits
     on, which is the one its start in the store names while the approval waits (a re-run
     after the approval would start another; read through ``q``)."""
-    if approval is None or approval.kind != INTERRUPTED_KIND:
-        return None
     named = _interrupted_attempt(approval)
-    if named is not None:
+    if named is not None or approval is None or approval.kind != INTERRUPTED_KIND:
         return named
     rows = q("SELECT started_at FROM steps WHERE id=?", (approval.step_id,)) if q else []
     return {"run_id": approval.run_id, "step_id": approval.step_id,
@@ -5192,20 +5190,17 @@ def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> Late
         return None
     try:
         doc, spans = read_members(payload.encode("utf-8"))    # not an object: JSONError
-        obs_raw = spans.get("observation")
     except (JSONError, UnicodeError):
         return None
-    if doc.get("late") is not True or obs_raw is None:
-        return None
     obs, flag, start = doc.get("observation"), doc.get("known"), doc.get("started_at")
-    if not isinstance(obs, dict):
+    if doc.get("late") is not True or "observation" not in spans or not isinstance(obs, dict):
         return None
     # An event written before it said whether it is known: a result is, anything else is
     # left to the operator (who is shown it).
     known = flag if isinstance(flag, bool) else obs.get("kind") == TOOL_RESULT
     return LateRecord(seq if isinstance(seq, int) else 0, run_id, step_id,
                       start if isinstance(start, str) else "", str(at), known,
-                      obs_raw.decode("utf-8"), obs)
+                      spans["observation"].decode("utf-8"), obs)
 
 
 def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateRecord | None:
@@ -5222,9 +5217,8 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
                               "step_id=? AND type='step.tool_finished' ORDER BY seq DESC",
                               (run_id, step_id)):
         late = _late_of(seq, run_id, step_id, at, payload)
-        if late is None or (known and not late.known):
-            continue
-        if late.started_at and isinstance(started, str) and late.started_at != started:
+        if late is None or (known and not late.known) or \
+                (late.started_at and isinstance(started, str) and late.started_at != started):
             continue
         return late
     return None
@@ -5254,11 +5248,18 @@ def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps
                  {"content_hash": obs.content_hash, "detail": detail,
                   "observation": obs.doc.get("kind")})
     status, reason = (COMPLETED, "goal_completed") if ok and terminal else (FAILED, "goal_failed")
-    run = tx.transition(run_id, from_run, status, owner=owner, reason=reason, detail=detail,
-                        finished_at=at,
-                        result=_content_bytes(obs).decode() if status == COMPLETED else "")
-    tx.event(run_id, "", at, "run.finished", {"detail": detail, "reason": reason,
-                                              "status": status, "steps": run.step_count})
+    return _end_run(tx, run_id, from_run, status, reason, detail, at, owner=owner,
+                    result=_content_bytes(obs).decode() if status == COMPLETED else "")
+
+
+def _end_run(tx: Tx, run_id: str, from_run: tuple, status: str, reason: str, detail: str,
+             at: str, by: str = "", **cols: str) -> Run:
+    """Move a run to its end and record its run.finished event, in the caller's
+    transaction."""
+    run = tx.transition(run_id, from_run, status, reason=reason, detail=detail,
+                        finished_at=at, **cols)
+    said = {"detail": detail, "reason": reason, "status": status, "steps": run.step_count}
+    tx.event(run_id, "", at, "run.finished", {"by": by, **said} if by else said)
     return run
 
 
@@ -5289,11 +5290,15 @@ _ASKING_SQL = (
     " WHERE b.run_id = a.run_id AND b.step_id = a.step_id) ORDER BY a.rowid")
 
 
-def _terminal_tool(approval: Approval) -> bool:
+def _settle_waiting(tx: Tx, approval: Approval, late: LateRecord, at: str) -> None:
+    """Settle the interruption approval a run waits on, and end the run with the outcome."""
+    settle_approval(tx, approval, late, at)
     try:
-        return approval.request().spec.terminal
+        terminal = approval.request().spec.terminal
     except (ProxyError, KeyError, ValueError, TypeError):
-        return False
+        terminal = False
+    end_with_late(tx, approval.run_id, approval.step_id, (WAITING,), ("awaiting_approval",),
+                  late, at, terminal)
 
 
 def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
@@ -5307,9 +5312,7 @@ def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
         if at_.get("run_id") != late.run_id or at_.get("step_id") != late.step_id or \
                 (late.started_at and at_.get("started_at") != late.started_at):
             continue
-        settle_approval(tx, approval, late, at)
-        end_with_late(tx, approval.run_id, approval.step_id, (WAITING,),
-                      ("awaiting_approval",), late, at, _terminal_tool(approval))
+        _settle_waiting(tx, approval, late, at)
         ended.append(approval.run_id)
     return ended
 
@@ -5360,19 +5363,14 @@ class ApprovalView:
         """What differs in ``now``, one phrase a part, for an operator told nothing was
         decided."""
         was, is_ = self.bound(), now.bound()
-        said = []
-        for part in ("approval", "run"):
-            for k, v in sorted((is_[part] or {}).items()):
-                before = (was[part] or {}).get(k)
-                if before != v:
-                    said.append(f"{part} {k} was {clean(str(before), ID_SHOWN)}, is "
-                                f"{clean(str(v), ID_SHOWN)}")
+        said = [f"{part} {k} was {clean(str((was[part] or {}).get(k)), ID_SHOWN)}, is "
+                f"{clean(str(v), ID_SHOWN)}" for part in ("approval", "run")
+                for k, v in sorted((is_[part] or {}).items()) if (was[part] or {}).get(k) != v]
         if was["late"] != is_["late"]:
             said.append(f"the attempt it asks about {now.late_text()}" if now.late else
                         "the late outcome shown is gone")
-        for part in ("attempt", "reason", "grant_lapses"):
-            if was[part] != is_[part]:
-                said.append(f"its {part.replace('_', ' ')} changed")
+        said += [f"its {part.replace('_', ' ')} changed" for part in
+                 ("attempt", "reason", "grant_lapses") if was[part] != is_[part]]
         return said or ["its record changed"]
 
 
@@ -5419,15 +5417,11 @@ def expire_approval(store: Store, approval: Approval, now: str) -> Run:
                       (EXPIRED, PENDING, now, PENDING, approval.id, PENDING, APPROVED))
         if cur.rowcount != 1:
             raise NotPending(f"approval {approval.id} is no longer pending or approved")
-        detail = f"approval {approval.id} expired"
-        run = tx.transition(approval.run_id, (WAITING,), CANCELLED, reason="approval_expired",
-                            detail=detail, finished_at=now)
-        tx.event(run.id, approval.step_id, now, "approval.decided",
+        # The run's end refuses a run no longer waiting, and the whole transaction with it.
+        tx.event(approval.run_id, approval.step_id, now, "approval.decided",
                  {"approval_id": approval.id, "status": EXPIRED})
-        tx.event(run.id, "", now, "run.finished",
-                 {"detail": detail, "reason": "approval_expired", "status": CANCELLED,
-                  "steps": run.step_count})
-    return run
+        return _end_run(tx, approval.run_id, (WAITING,), CANCELLED, "approval_expired",
+                        f"approval {approval.id} expired", now)
 
 
 def operator_word(approval: Approval, approve: bool, given: str | None) -> str:
@@ -5481,15 +5475,12 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
     at, status = fmt_time(now), APPROVED if approve else REJECTED
     with store.tx() as tx:
         tx.require(run_id, (WAITING,))
-        row = tx.exec(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?",
-                      (approval_id,)).fetchone()
-        current = _approval_from_row(row)
+        current = _approval_from_row(tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals "
+                                             "WHERE id=?", (approval_id,))[0])
         _check_shown(current, shown_hash)
         late = late_record(tx.rows, asked_attempt(current, tx.rows), known=True)
         if late is not None:
-            settle_approval(tx, current, late, at)
-            end_with_late(tx, run_id, current.step_id, (WAITING,), ("awaiting_approval",),
-                          late, at, _terminal_tool(current))
+            _settle_waiting(tx, current, late, at)
         else:
             _check_view(tx, current, view)
             _decide_in(tx, current, approve, status, by, note, at)
@@ -5529,11 +5520,7 @@ def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, 
                    f"approval rejected: {note}")
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                 "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, approval.step_id))
-        run = tx.transition(run_id, (WAITING,), CANCELLED, reason="approval_rejected",
-                            detail=note, finished_at=at)
-        tx.event(run_id, "", at, "run.finished",
-                 {"detail": note, "reason": "approval_rejected", "status": CANCELLED,
-                  "steps": run.step_count})
+        _end_run(tx, run_id, (WAITING,), CANCELLED, "approval_rejected", note, at)
 
 
 def _check_shown(approval: Approval, shown_hash: str) -> None:
@@ -5551,21 +5538,6 @@ def _check_shown(approval: Approval, shown_hash: str) -> None:
     approval.verify()
 
 
-def _cancel_approvals(tx: Tx, run_id: str, by: str, note: str, at: str) -> None:
-    """What a cancel ends: the run's pending approval is marked cancelled, with an event, so
-    that nothing reads it as waiting (stricter than the reference: see CANCELLED_APPROVAL).
-    A grant already approved keeps its status: it was approved, and the run's end says why
-    it was never collected."""
-    rows = tx.exec("SELECT id, step_id FROM approvals WHERE run_id=? AND status=? "
-                   "ORDER BY rowid", (run_id, PENDING)).fetchall()
-    for approval_id, step_id in rows:
-        tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? WHERE id=?",
-                (CANCELLED_APPROVAL, at, by, note, approval_id))
-        tx.event(run_id, step_id, at, "approval.decided",
-                 {"approval_id": approval_id, "by": by, "note": note,
-                  "status": CANCELLED_APPROVAL})
-
-
 def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run:
     """End a run that has not finished; a tool already running is not interrupted."""
     run = store.get_run(run_id)
@@ -5575,18 +5547,23 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
     with store.tx() as tx:
         tx.require(run_id, (RUNNING, WAITING))
         obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
-        for step_id, in tx.exec("SELECT id FROM steps WHERE run_id=? AND status IN "
-                                "('deciding','awaiting_approval','executing')",
-                                (run_id,)).fetchall():
+        for step_id, in tx.rows("SELECT id FROM steps WHERE run_id=? AND status IN "
+                                "('deciding','awaiting_approval','executing')", (run_id,)):
             tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                     "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, step_id))
-        run = tx.transition(run_id, (RUNNING, WAITING), CANCELLED, reason="operator_cancelled",
-                            detail=note, finished_at=at)
-        _cancel_approvals(tx, run_id, by, note, at)
-        tx.event(run_id, "", at, "run.finished",
-                 {"by": by, "detail": note, "reason": "operator_cancelled", "status": CANCELLED,
-                  "steps": run.step_count})
-    return run
+        # What a cancel ends: the run's pending approval is marked cancelled, with an event,
+        # so that nothing reads it as waiting (stricter than the reference: see
+        # CANCELLED_APPROVAL). A grant already approved keeps its status: it was approved,
+        # and the run's end says why it was never collected.
+        for approval_id, step_id in tx.rows("SELECT id, step_id FROM approvals WHERE run_id=? "
+                                            "AND status=? ORDER BY rowid", (run_id, PENDING)):
+            tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
+                    "WHERE id=?", (CANCELLED_APPROVAL, at, by, note, approval_id))
+            tx.event(run_id, step_id, at, "approval.decided",
+                     {"approval_id": approval_id, "by": by, "note": note,
+                      "status": CANCELLED_APPROVAL})
+        return _end_run(tx, run_id, (RUNNING, WAITING), CANCELLED, "operator_cancelled", note,
+                        at, by=by)
 
 
 # ==== 14. JSON-RPC framing ====
@@ -9453,14 +9430,20 @@ class RefusalLog:
 
     @staticmethod
     def of_run(store: Store, run_id: str) -> list[dict]:
-        """A run's refusals, oldest first; [] where the table is not there yet."""
-        try:
-            rows = store._read("SELECT answer, count, first_at, last_at, request_key FROM "
-                               "proxy_refusals WHERE run_id=? ORDER BY first_at", (run_id,))
-        except StoreError:
-            return []
+        """A run's refusals, oldest first."""
+        rows = _proxy_rows(store, "SELECT answer, count, first_at, last_at, request_key FROM "
+                                  "proxy_refusals WHERE run_id=? ORDER BY first_at", (run_id,))
         return [{"answer": a, "count": n, "first_at": fmt_time(f), "last_at": fmt_time(t),
                  "request_key": k} for a, n, f, t, k in rows]
+
+
+def _proxy_rows(store: Store, sql: str, params: tuple) -> list[tuple]:
+    """A read of the proxy's own tables; [] where the table is not there yet (a database
+    this build's proxy never opened)."""
+    try:
+        return store._read(sql, params)
+    except StoreError:
+        return []
 
 
 # The operator's word on a cut-off attempt (reject -outcome, section 13): one row per
@@ -9506,13 +9489,10 @@ def record_outcome(tx: Tx, approval: Approval, attempt: dict | None, outcome: st
 
 def outcomes_of_run(store: Store, run_id: str) -> dict[str, dict]:
     """The words recorded on the rejections of a run's interruption approvals, by approval
-    id; {} where the table is not there yet (a database this build's proxy never opened)."""
-    try:
-        rows = store._read("SELECT approval_id, outcome, decided_by, attempt_run_id, "
-                           "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?",
-                           (run_id,))
-    except StoreError:
-        return {}
+    id."""
+    rows = _proxy_rows(store, "SELECT approval_id, outcome, decided_by, attempt_run_id, "
+                              "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?",
+                       (run_id,))
     return {a: {"outcome": o, "by": b, "run_id": r, "step_id": s} for a, o, b, r, s in rows}
 
 
@@ -9522,6 +9502,7 @@ def refusal_lines(refusals: list[dict]) -> list[str]:
 
 
 _INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: _INDEX_SQL,
     2: ("CREATE INDEX proxy_calls_tool_outcome ON proxy_calls(session, tool, outcome, id)",),
     3: _LIMIT_SQL,                   # the index of executions that limits count (section 20)
     4: ("CREATE TABLE proxy_limit_marks (key TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
@@ -9576,11 +9557,7 @@ class CallIndex:
                 raise SchemaVersionError(
                     f"the call index in {self.store.path} has version {have}, newer than "
                     f"version {PROXY_SCHEMA_VERSION} this build knows; a newer proxy wrote it")
-            if have < 1:
-                for sql in _INDEX_SQL:
-                    tx.exec(sql)
-                tx.exec("INSERT INTO proxy_schema_migrations VALUES (1, ?)", (now,))
-        for version in range(max(have, 1) + 1, PROXY_SCHEMA_VERSION + 1):
+        for version in range(have + 1, PROXY_SCHEMA_VERSION + 1):
             with self.store.tx() as tx:
                 if tx.exec("SELECT 1 FROM proxy_schema_migrations WHERE version=?",
                            (version,)).fetchone():
@@ -9593,13 +9570,18 @@ class CallIndex:
         return [CallRow(*r) for r in self.store._read(f"SELECT {_ROW_COLS} FROM proxy_calls "
                                                       f"WHERE {sql}", params)]
 
+    def _write(self, sql: str, params: tuple) -> None:
+        """One statement on proxy_calls, in a transaction of its own."""
+        with self.store.tx() as tx:
+            tx.exec(f"UPDATE proxy_calls SET {sql}", params)
+
     # Every query below is a search of one of _INDEX_SQL's indexes that reads a bounded
     # number of rows, however long the session's history: a call costs the same on the first
     # day and after a million (tests/test_index_plans.py holds them to that).
 
     def open_row(self, key: str) -> CallRow | None:
-        rows = self._rows("session=? AND request_key=? AND open=1", (self.session, key))
-        return rows[0] if rows else None
+        return next(iter(self._rows("session=? AND request_key=? AND open=1",
+                                    (self.session, key))), None)
 
     def for_key(self, key: str, since: float) -> tuple[CallRow | None, list[CallRow]]:
         """The key's open row, and the rows the window rules read, newest first: the open
@@ -9639,12 +9621,11 @@ class CallIndex:
     def attempts(self, key: str) -> Iterable[CallRow]:
         """The key's rows that may hold an attempt, newest first, read a page at a time: the
         caller stops at the first it can judge, which is almost always the first."""
-        before = None
+        before = MAX_ROW_ID
         while True:
             page = self._rows("session=? AND request_key=? AND outcome!=? AND id<? "
-                              "ORDER BY id DESC LIMIT ?",
-                              (self.session, key, NO_ATTEMPT,
-                               before if before is not None else MAX_ROW_ID, RULE_ROWS))
+                              "ORDER BY id DESC LIMIT ?", (self.session, key, NO_ATTEMPT,
+                                                          before, RULE_ROWS))
             yield from page
             if len(page) < RULE_ROWS:
                 return
@@ -9669,8 +9650,7 @@ class CallIndex:
         return sorted(rows, key=lambda r: r.id, reverse=True)[:limit]
 
     def by_run(self, run_id: str) -> CallRow | None:
-        rows = self._rows("run_id=?", (run_id,))
-        return rows[0] if rows else None
+        return next(iter(self._rows("run_id=?", (run_id,))), None)
 
     def claim(self, key: str, tool: str, cls: str, run_id: str, prev: CallRow | None,
               now: float) -> None:
@@ -9693,17 +9673,14 @@ class CallIndex:
         """Cache what the row's run came to (once: only while it is unseen)."""
         if row.outcome != UNSEEN:
             return
-        with self.store.tx() as tx:
-            tx.exec("UPDATE proxy_calls SET settled_at=CASE WHEN settled_at=0 THEN ? ELSE "
-                    "settled_at END, outcome=? WHERE id=? AND outcome=?",
-                    (now, outcome, row.id, UNSEEN))
+        self._write("settled_at=CASE WHEN settled_at=0 THEN ? ELSE settled_at END, "
+                    "outcome=? WHERE id=? AND outcome=?", (now, outcome, row.id, UNSEEN))
         row.outcome = outcome
 
     def settle_run(self, run_id: str, outcome: int, now: float) -> None:
         """Cache what a run just came to, by its run id, in the caller's transaction (once:
         only while its row is unseen)."""
-        with self.store.tx() as tx:
-            tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE run_id=? AND "
+        self._write("settled_at=?, outcome=? WHERE run_id=? AND "
                     "outcome=?", (now, outcome, run_id, UNSEEN))
 
     def known_in(self, tx: Tx, run_id: str, now: float) -> None:
@@ -9716,16 +9693,14 @@ class CallIndex:
 
     def settle_empty(self, row: CallRow, now: float) -> None:
         """A row whose run never began: nothing started (checked in the same statement)."""
-        with self.store.tx() as tx:
-            tx.exec("UPDATE proxy_calls SET settled_at=?, outcome=? WHERE id=? AND settled_at=0 "
-                    "AND NOT EXISTS (SELECT 1 FROM runs WHERE runs.id=proxy_calls.run_id)",
+        self._write("settled_at=?, outcome=? WHERE id=? AND settled_at=0 AND NOT EXISTS "
+                    "(SELECT 1 FROM runs WHERE runs.id=proxy_calls.run_id)",
                     (now, NO_ATTEMPT, row.id))
 
     def unsettle(self, run_id: str) -> None:
         """A run began under a row a scan had settled as empty: it is unseen again."""
-        with self.store.tx() as tx:
-            tx.exec("UPDATE proxy_calls SET settled_at=0, outcome=? WHERE run_id=? AND "
-                    "settled_at!=0", (UNSEEN, run_id))
+        self._write("settled_at=0, outcome=? WHERE run_id=? AND settled_at!=0",
+                    (UNSEEN, run_id))
 
 
 @dataclasses.dataclass(repr=False)

@@ -6768,35 +6768,32 @@ async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
             raise
     else:
         conn = HttpUpstream(server.name, server.endpoint)
-    try:
-        await asyncio.wait_for(conn.connect(deadline), max(0.0, deadline - time.monotonic()))
-    except BaseException as exc:
-        await conn.close()
-        raise _phase_error(server, conn, "connect", exc) from exc
+    await _step(server, conn, "connect", conn.connect(deadline), deadline)
     return conn
 
 
-def _phase_error(server: ServerConfig, conn: Upstream, step: str,
-                 exc: BaseException) -> MCPError:
-    if isinstance(exc, asyncio.TimeoutError):
-        text = f"timed out after {fmt_duration(server.connect_timeout)}"
-    else:
-        text = sanitize(str(exc) or type(exc).__name__)
-    tail = conn.stderr_tail()
-    return MCPError(f"mcp: server {_quote(server.name)}: {step}: {text}" +
-                    (f"; stderr: {_quote(tail)}" if tail else ""))
+async def _step(server: ServerConfig, conn: Upstream, step: str, work: Awaitable[Any],
+                deadline: float) -> Any:
+    """``work`` done by ``deadline``; else the connection is closed and the failure is an
+    MCPError naming the step, with the tail of the server's stderr."""
+    try:
+        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+    except BaseException as exc:
+        await conn.close()
+        if isinstance(exc, asyncio.TimeoutError):
+            text = f"timed out after {fmt_duration(server.connect_timeout)}"
+        else:
+            text = sanitize(str(exc) or type(exc).__name__)
+        tail = conn.stderr_tail()
+        raise MCPError(f"mcp: server {_quote(server.name)}: {step}: {text}" +
+                       (f"; stderr: {_quote(tail)}" if tail else "")) from exc
 
 
 async def _connect_and_list(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
     deadline = time.monotonic() + server.connect_timeout
     conn = await open_upstream(server, deadline)
-    try:
-        tools = await asyncio.wait_for(conn.list_tools(deadline),
-                                       max(0.0, deadline - time.monotonic()))
-    except BaseException as exc:
-        await conn.close()
-        raise _phase_error(server, conn, "list tools", exc) from exc
-    return conn, tools, deadline
+    return conn, await _step(server, conn, "list tools", conn.list_tools(deadline),
+                             deadline), deadline
 
 
 async def pin_server(server: ServerConfig, now: float) -> dict:
@@ -6881,10 +6878,9 @@ class Report:
 
     def lines(self) -> list[str]:
         s = sanitize
-        out = []
-        for tool, name, cls, mismatch in self.registered:
-            out.append(f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
-                       (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else ""))
+        out = [f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
+               (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else "")
+               for tool, name, cls, mismatch in self.registered]
         out += [f"{s(self.server)}: refused {s(t)}: {s(r)}" for t, r in self.refused]
         out += [f"{s(self.server)}: unclassified {s(t)}: no rule" for t in self.unclassified]
         out += [f"{s(self.server)}: unpinned {s(t)}: not in the manifest" for t in self.unpinned]
@@ -6904,18 +6900,12 @@ class UpstreamTool:
     conn: Upstream
     max_content: int = MAX_CONTENT_BYTES
 
-    @property
-    def fixed(self) -> dict[str, bytes]:
-        return dict(self.rule.fixed)
-
     def refused_param(self, value: dict) -> str:
         """Why arguments holding a denied or a fixed parameter are refused, or ''."""
-        for param in self.rule.deny:
-            if param in value:
-                return f'{self.spec.name}: parameter "{param}" is denied by the operator'
-        for param, _ in self.rule.fixed:
-            if param in value:
-                return f'{self.spec.name}: parameter "{param}" is fixed by the operator'
+        for how, params in (("denied", self.rule.deny), ("fixed", dict(self.rule.fixed))):
+            for param in params:
+                if param in value:
+                    return f'{self.spec.name}: parameter "{param}" is {how} by the operator'
         return ""
 
     async def call(self, args: bytes, value: Any = NOT_PARSED) -> ToolResult:
@@ -6991,6 +6981,7 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
         raise ToolFailure(f"{tool.spec.name}: the server asked for more input, which this "
                           "proxy does not support")
     cap, content, dropped, beside = tool.max_content, None, 0, None
+    text = _joined_text(result.get("content"))
     structured = spans.get("structuredContent")
     if structured is not None and len(structured) > STRUCTURED_READ_LIMIT:
         dropped, structured = len(structured), None      # far past the cap: never parsed
@@ -7008,18 +6999,14 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
             # record and the call counts as executed. A number we cannot keep: the text
             # stands instead.
             encoded = structured.strip(JSON_WS) if exc.msg.startswith("nested") else None
-        text = _joined_text(result.get("content"))
         if encoded is not None and _wire_len(encoded) + _wire_len(text) <= cap:
             content, beside = encoded, text
         elif encoded is not None:
             dropped = len(encoded)
-    truncated = False
+    truncated = dropped > 0              # structured content is dropped only for the text
     if content is None:
-        text = _joined_text(result.get("content"))
-        if dropped and not text:
-            text = STRUCTURED_DROPPED
-        content, truncated = cap_text(text, cap)
-        truncated = truncated or dropped > 0
+        content, cut = cap_text(text or (STRUCTURED_DROPPED if dropped else ""), cap)
+        truncated = truncated or cut
     summary = f"{tool.server}/{tool.remote}: {len(content)} bytes" + \
         (", truncated" if truncated else "") + \
         (f", structured content of {dropped} bytes dropped for the text" if dropped else "")
@@ -7180,14 +7167,10 @@ def _self_contained(node: Any, at: str = "#", root: Any = None) -> None:
     it stands (in defaults and examples too): no URL is ever fetched."""
     root = node if root is None else root
     draft04 = isinstance(root, dict) and "draft-04" in str(root.get("$schema", ""))
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            _self_contained(item, f"{at}/{i}", root)
-        return
-    if not isinstance(node, dict):
-        return
-    for key in sorted(node):
-        value = node[key]
+    # An item of a list is no key: its index matches none of the keys below.
+    items = enumerate(node) if isinstance(node, list) else \
+        sorted(node.items()) if isinstance(node, dict) else ()
+    for key, value in items:
         if isinstance(value, str):
             outside = (
                 (key in ("$ref", "$dynamicRef", "$recursiveRef") and not value.startswith("#"))
@@ -7225,11 +7208,10 @@ def _hideable(schema: dict, hidden: list[str]) -> None:
         raise ConfigError("the rule hides parameters and the input schema has "
                           "patternProperties, which could still match them")
     for keyword in _HIDE_CHECKED:
-        if keyword in schema:
-            for name in hidden:
-                if _mentions(schema[keyword], name):
-                    raise ConfigError(f"the rule hides {_quote(name)} and the input schema's "
-                                      f"{keyword} mentions it")
+        for name in hidden:
+            if keyword in schema and _mentions(schema[keyword], name):
+                raise ConfigError(f"the rule hides {_quote(name)} and the input schema's "
+                                  f"{keyword} mentions it")
 
 
 def _restrict(schema: dict, hidden: list[str]) -> bytes:

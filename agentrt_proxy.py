@@ -10845,6 +10845,8 @@ def result_text(obs: dict) -> str:
 # the requests that need the tools wait, in the order they came, until loading ends.
 
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
+SERVER_ABOUT = {"capabilities": {"tools": {"listChanged": True}}, "serverInfo": SERVER_INFO}
+UNCACHED = {"ttlMs": 0, "cacheScope": "private"}      # a modern host keeps no answer to reuse
 MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input waits
 READ_AHEAD_BYTES = 2 * MAX_FRAME       # the host's input read ahead of what is served
 READ_AHEAD_LINE_COST = 64              # ... counting what each line held costs beyond it
@@ -10929,10 +10931,8 @@ class HostServer:
         """handle(), with a long line parsed on a worker thread so that the event loop goes
         on meanwhile; lines are still taken in order (the next is read once this one is
         routed)."""
-        if len(line) <= OFFLOAD_BYTES:
-            self.handle(line)
-            return
-        msg = await asyncio.to_thread(self.read, line)
+        msg = self.read(line) if len(line) <= OFFLOAD_BYTES else \
+            await asyncio.to_thread(self.read, line)
         if msg is not None:
             self.dispatch(msg)
 
@@ -10971,13 +10971,9 @@ class HostServer:
     def route(self, msg: Message) -> None:
         if "method" not in msg.doc:
             return                       # a response to nothing we asked: ignored
-        if "id" not in msg.doc:
-            self.notification(msg)
-            return
-        self.request(msg)
-
-    def notification(self, msg: Message) -> None:
-        if msg.method == "notifications/cancelled":
+        if "id" in msg.doc:
+            self.request(msg)
+        elif msg.method == "notifications/cancelled":
             key = _id_key(msg.raw("requestId", in_params=True))
             for event in self.cancelled.get(key, ()):
                 event.set()
@@ -11007,22 +11003,16 @@ class HostServer:
             self.hold(msg)
         elif method == "initialize" and not modern:
             asked = msg.params.get("protocolVersion")
-            version = asked if asked in LEGACY_VERSIONS else LEGACY_VERSIONS[0]
-            self.reply(msg, {"protocolVersion": version,
-                             "capabilities": {"tools": {"listChanged": True}},
-                             "serverInfo": SERVER_INFO}, False)
+            self.reply(msg, {"protocolVersion": asked if asked in LEGACY_VERSIONS
+                             else LEGACY_VERSIONS[0], **SERVER_ABOUT}, False)
         elif method == "server/discover":
-            self.reply(msg, {"supportedVersions": [MODERN_VERSION],
-                             "capabilities": {"tools": {"listChanged": True}},
-                             "serverInfo": SERVER_INFO, "ttlMs": 0, "cacheScope": "private"},
+            self.reply(msg, {"supportedVersions": [MODERN_VERSION], **SERVER_ABOUT, **UNCACHED},
                        True)
         elif method == "ping" and not modern:
             self.reply(msg, {}, False)
         elif method == "tools/list":
-            result: dict[str, Any] = {"tools": self.proxy.listing()}
-            if modern:
-                result.update(ttlMs=0, cacheScope="private")
-            self.reply(msg, result, modern)
+            self.reply(msg, {"tools": self.proxy.listing(), **(UNCACHED if modern else {})},
+                       modern)
         elif method == "tools/call":
             self.start_call(msg, modern)
         elif method == "subscriptions/listen" and modern:
@@ -11056,14 +11046,6 @@ class HostServer:
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
-    def _forget(self, msg: Message, event: asyncio.Event) -> None:
-        key = _id_key(msg.raw("id"))
-        events = self.cancelled.get(key, [])
-        if event in events:
-            events.remove(event)
-        if not events:
-            self.cancelled.pop(key, None)
-
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event, value: Any = NOT_PARSED) -> None:
         meta = msg.params.get("_meta")
@@ -11084,7 +11066,10 @@ class HostServer:
             result = unavailable("complete this request",
                                  "Whether anything was executed is not known here.")
         finally:
-            self._forget(msg, cancelled)
+            key = _id_key(msg.raw("id"))  # start_call added this event; only this removes it
+            self.cancelled[key].remove(cancelled)
+            if not self.cancelled[key]:
+                del self.cancelled[key]
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
 
@@ -11123,18 +11108,16 @@ def _check_envelope(msg: Message) -> None:
     doc = msg.doc
     if "method" not in doc and ("result" in doc or "error" in doc):
         return                                       # a response: never answered
-    if doc.get("jsonrpc") != "2.0":
-        raise ProtocolError('not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"',
-                            INVALID_REQUEST)
-    if "method" not in doc:
-        raise ProtocolError("not a JSON-RPC message: no method, result or error",
-                            INVALID_REQUEST)
-    if not isinstance(doc["method"], str):
-        raise ProtocolError("the method is not a string", INVALID_REQUEST)
-    if "id" in doc and not isinstance(doc["id"], (str, Num)):
-        raise ProtocolError("the id is not a string or a number", INVALID_REQUEST)
-    if "params" in doc and not isinstance(doc["params"], (dict, list)):
-        raise ProtocolError("params is not an object or an array", INVALID_REQUEST)
+    for fault, reason in (
+            (doc.get("jsonrpc") != "2.0", 'not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"'),
+            ("method" not in doc, "not a JSON-RPC message: no method, result or error"),
+            (not isinstance(doc.get("method"), str), "the method is not a string"),
+            ("id" in doc and not isinstance(doc["id"], (str, Num)),
+             "the id is not a string or a number"),
+            ("params" in doc and not isinstance(doc["params"], (dict, list)),
+             "params is not an object or an array")):
+        if fault:
+            raise ProtocolError(reason, INVALID_REQUEST)
     outside = msg.text
     span = msg.params_spans.get("arguments")
     if span is not None:
@@ -11142,13 +11125,6 @@ def _check_envelope(msg: Message) -> None:
     if _LONE_SURROGATE.search(outside):
         raise JSONError("not valid UTF-8", msg.text.encode("utf-8", "surrogateescape"),
                         0)
-
-
-def _is_token(value: Any) -> bool:
-    """MCP's progress token: a string or an integer, judged by its literal only."""
-    if isinstance(value, str):
-        return True
-    return isinstance(value, Num) and _INTEGER_LITERAL.fullmatch(value.text) is not None
 
 
 _INTEGER_LITERAL = re.compile(r"-?(?:0|[1-9][0-9]*)")
@@ -11163,11 +11139,12 @@ def _check_call_params(msg: Message) -> None:
     args = params.get("arguments")
     if args is not None and not isinstance(args, dict):
         raise ProtocolError("tools/call arguments is not an object", INVALID_PARAMS)
-    meta = params.get("_meta")
-    if "_meta" in params and not isinstance(meta, dict):
+    meta = params.get("_meta", {})
+    if not isinstance(meta, dict):
         raise ProtocolError("_meta is not an object", INVALID_PARAMS)
-    if isinstance(meta, dict) and "progressToken" in meta and \
-            not _is_token(meta["progressToken"]):
+    token = meta.get("progressToken", "")          # judged by its literal only
+    if not (isinstance(token, str) or
+            isinstance(token, Num) and _INTEGER_LITERAL.fullmatch(token.text)):
         raise ProtocolError("the progress token is not a string or an integer", INVALID_PARAMS)
 
 

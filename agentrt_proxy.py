@@ -5678,10 +5678,8 @@ class Message:
         is escaped the proxy's way. A string holding bytes that were not UTF-8 is no id we
         can echo."""
         ident = self.doc.get("id")
-        if isinstance(ident, Num) or (isinstance(ident, str) and
-                                      not _LONE_SURROGATE.search(ident)):
-            return ident
-        return None
+        return ident if isinstance(ident, Num) or (
+            isinstance(ident, str) and not _LONE_SURROGATE.search(ident)) else None
 
 
 def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
@@ -5729,9 +5727,7 @@ def rpc_result(msg_id: Any, result: Any) -> bytes:
 
 
 def rpc_error(msg_id: Any, code: int, message: str, data: Any = None) -> bytes:
-    err: dict[str, Any] = {"code": code, "message": message}
-    if data is not None:
-        err["data"] = data
+    err = {"code": code, "message": message, **({} if data is None else {"data": data})}
     return (dump_json({"jsonrpc": "2.0", "id": msg_id, "error": err}) + "\n").encode()
 
 
@@ -5739,10 +5735,9 @@ def error_code(exc: BaseException) -> int:
     """The one place a JSON-RPC error code is chosen for an exception."""
     if isinstance(exc, ProtocolError):
         return exc.code
-    if isinstance(exc, JSONError):
-        return PARSE_ERROR
-    if isinstance(exc, (SchemaError, ValueError)):
-        return INVALID_PARAMS
+    for kinds, code in ((JSONError, PARSE_ERROR), ((SchemaError, ValueError), INVALID_PARAMS)):
+        if isinstance(exc, kinds):             # JSONError first: it is a ValueError too
+            return code
     return INTERNAL_ERROR
 
 
@@ -6800,15 +6795,12 @@ async def pin_server(server: ServerConfig, now: float) -> dict:
     """Connect, list every tool, and return the manifest (nothing is written here)."""
     conn, tools, _ = await _connect_and_list(server)
     await conn.close()
-    entries = {}
-    for tool in sorted(tools, key=lambda t: t.name):
-        entry: dict[str, Any] = {
-            "name": tool.name, "description": tool.description,
-            "input_schema": RawJSON(tool.schema), "schema_hash": sha256_hex(tool.schema),
-            "description_hash": hash_string(tool.description)}
-        if tool.annotations is not None:
-            entry["annotations"] = tool.annotations
-        entries[tool.name] = entry
+    entries = {tool.name: {
+        "name": tool.name, "description": tool.description,
+        "input_schema": RawJSON(tool.schema), "schema_hash": sha256_hex(tool.schema),
+        "description_hash": hash_string(tool.description),
+        **({} if tool.annotations is None else {"annotations": tool.annotations})}
+        for tool in sorted(tools, key=lambda t: t.name)}
     return {"server": server.name, "pinned_at": fmt_time(now), "tools": entries}
 
 
@@ -7137,9 +7129,7 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     if schema.get("type") != "object":
         raise ConfigError('the input schema is not an object schema ("type":"object")')
     _self_contained(schema)
-    hidden = list(rule.deny) + [k for k, _ in rule.fixed]
-    _hideable(schema, hidden)
-    restricted = _restrict(schema, hidden)
+    restricted = _restrict(schema, list(rule.deny) + [k for k, _ in rule.fixed])
     spec = ToolSpec(name, rule.description or pin.description, restricted, rule.side_effect,
                     timeout, terminal=True)
     try:
@@ -7194,11 +7184,12 @@ def _mentions(node: Any, name: str) -> bool:
     return False
 
 
-def _hideable(schema: dict, hidden: list[str]) -> None:
-    """A hidden parameter must be a top-level property that nothing else in the schema could
+def _restrict(schema: dict, hidden: list[str]) -> bytes:
+    """The schema the model is offered: hidden names removed from properties and required.
+    A hidden parameter must be a top-level property that nothing else in the schema could
     still require or match; this over-refuses on purpose."""
     if not hidden:
-        return
+        return encode_canonical(schema)
     props = schema.get("properties")
     for name in hidden:
         if not isinstance(props, dict) or name not in props:
@@ -7212,12 +7203,6 @@ def _hideable(schema: dict, hidden: list[str]) -> None:
             if keyword in schema and _mentions(schema[keyword], name):
                 raise ConfigError(f"the rule hides {_quote(name)} and the input schema's "
                                   f"{keyword} mentions it")
-
-
-def _restrict(schema: dict, hidden: list[str]) -> bytes:
-    """The schema the model is offered: hidden names removed from properties and required."""
-    if not hidden:
-        return encode_canonical(schema)
     out = dict(schema)
     out["properties"] = {k: v for k, v in schema["properties"].items() if k not in hidden}
     if isinstance(schema.get("required"), list):
@@ -10931,8 +10916,10 @@ class HostServer:
         """handle(), with a long line parsed on a worker thread so that the event loop goes
         on meanwhile; lines are still taken in order (the next is read once this one is
         routed)."""
-        msg = self.read(line) if len(line) <= OFFLOAD_BYTES else \
-            await asyncio.to_thread(self.read, line)
+        if len(line) <= OFFLOAD_BYTES:
+            self.handle(line)
+            return
+        msg = await asyncio.to_thread(self.read, line)
         if msg is not None:
             self.dispatch(msg)
 

@@ -5608,7 +5608,7 @@ PARAMS_LEVELS = 2                      # a params member's value: inside the mes
 UPSTREAM_DEPTH = ENVELOPE_DEPTH
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR = -32602, -32603
-HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+UNSUPPORTED_VERSION = -32022
 MODERN_VERSION = "2026-07-28"
 LEGACY_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 META_VERSION = "io.modelcontextprotocol/protocolVersion"
@@ -6833,9 +6833,8 @@ class PinnedTool:
 
 def read_manifest(path: str, server: str) -> dict[str, PinnedTool]:
     """The pinned tools of a manifest that only its owner can write."""
-    raw = read_owned(path)
     try:
-        doc = parse_json(raw, max_depth=RECORD_DEPTH)      # it wraps schemas
+        doc = parse_json(read_owned(path), max_depth=RECORD_DEPTH)      # it wraps schemas
     except JSONError as exc:
         raise ConfigError(f"{path}: not usable JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tools"), dict):
@@ -11035,8 +11034,7 @@ class HostServer:
 
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event, value: Any = NOT_PARSED) -> None:
-        meta = msg.params.get("_meta")
-        token = meta.get("progressToken") if isinstance(meta, dict) else None   # checked
+        token = msg.params.get("_meta", {}).get("progressToken")    # _check_call_params
 
         def progress(done: float, total: float) -> None:
             self.write(rpc_notification("notifications/progress", {
@@ -11105,13 +11103,9 @@ def _check_envelope(msg: Message) -> None:
              "params is not an object or an array")):
         if fault:
             raise ProtocolError(reason, INVALID_REQUEST)
-    outside = msg.text
-    span = msg.params_spans.get("arguments")
-    if span is not None:
-        outside = outside[:span[0]] + outside[span[1]:]
-    if _LONE_SURROGATE.search(outside):
-        raise JSONError("not valid UTF-8", msg.text.encode("utf-8", "surrogateescape"),
-                        0)
+    start, end = msg.params_spans.get("arguments", (0, 0))      # the text outside arguments
+    if _LONE_SURROGATE.search(msg.text, 0, start) or _LONE_SURROGATE.search(msg.text, end):
+        raise JSONError("not valid UTF-8", msg.text.encode("utf-8", "surrogateescape"), 0)
 
 
 _INTEGER_LITERAL = re.compile(r"-?(?:0|[1-9][0-9]*)")

@@ -179,7 +179,7 @@ import time
 import unicodedata
 import urllib.parse
 from decimal import Context, Decimal
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 # flock, for a serving proxy's holder file (section 11), exists on every POSIX system. Where
 # it does not (Windows), a proxy holds no such file and its leases name none: a crashed
@@ -7070,33 +7070,32 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     report = Report(server.name, unpinned=sorted(set(live) - set(pinned)))
     tools: list[UpstreamTool] = []
     taken: dict[str, str] = {}
-    for key in sorted(pinned):
-        rule = rules.get(key)
-        if rule is None:
-            report.unclassified.append(key)
-            continue
-        try:
-            tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
-        except ConfigError as exc:
-            report.refused.append((key, str(exc)))
-            continue
-        except BaseException:
-            await conn.close()
-            raise
-        if tool.spec.name in taken:
-            report.refused.append((key, f"the name {_quote(tool.spec.name)} is already taken "
-                                        f"by tool {_quote(taken[tool.spec.name])}"))
-            continue
-        taken[tool.spec.name] = key
-        tools.append(tool)
-        report.registered.append((key, tool.spec.name, rule.side_effect, mismatch))
-    if time.monotonic() > deadline:
+    try:                                 # whatever fails, the connection is closed
+        for key in sorted(pinned):
+            rule = rules.get(key)
+            if rule is None:
+                report.unclassified.append(key)
+                continue
+            try:
+                tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
+            except ConfigError as exc:
+                report.refused.append((key, str(exc)))
+                continue
+            if tool.spec.name in taken:
+                report.refused.append((key, f"the name {_quote(tool.spec.name)} is already "
+                                            f"taken by tool {_quote(taken[tool.spec.name])}"))
+                continue
+            taken[tool.spec.name] = key
+            tools.append(tool)
+            report.registered.append((key, tool.spec.name, rule.side_effect, mismatch))
+        if time.monotonic() > deadline:
+            raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
+                           f"{fmt_duration(server.connect_timeout)}")
+        if not tools:
+            raise MCPError(f"mcp: server {_quote(server.name)}: no tool registered", report)
+    except BaseException:
         await conn.close()
-        raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
-                       f"{fmt_duration(server.connect_timeout)}")
-    if not tools:
-        await conn.close()
-        raise MCPError(f"mcp: server {_quote(server.name)}: no tool registered", report)
+        raise
     return tools, report
 
 
@@ -10888,12 +10887,6 @@ class HostServer:
         if len(self.waiting) >= MAX_WAITING or held > MAX_WAITING_BYTES:
             raise ProtocolError(STILL_LOADING)
         self.waiting.append(msg)
-
-    async def serve(self, lines: "AsyncIterator[bytes]") -> None:
-        async for line in lines:
-            if line.strip():
-                await self.take(line)
-        await self.shutdown()
 
     async def shutdown(self) -> None:
         """No new call is admitted; holds end at once; the calls in flight finish and are

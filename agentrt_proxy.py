@@ -7022,16 +7022,13 @@ def _wire_len(value: "bytes | str") -> int:
 
 
 def _joined_text(blocks: Any) -> str:
-    if not isinstance(blocks, list):
-        return ""
     parts = []
-    for block in blocks:
+    for block in blocks if isinstance(blocks, list) else ():
         kind = block.get("type") if isinstance(block, dict) else None
         kind = kind if isinstance(kind, str) else None      # a list is no key of the table
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append(block["text"])
-        else:
-            parts.append(_PLACEHOLDERS.get(kind, "[content omitted]"))
+        text = block.get("text") if kind == "text" else None
+        parts.append(text if isinstance(text, str) else
+                     _PLACEHOLDERS.get(kind, "[content omitted]"))
     return "\n".join(parts)
 
 

@@ -179,7 +179,7 @@ import time
 import unicodedata
 import urllib.parse
 from decimal import Context, Decimal
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 # flock, for a serving proxy's holder file (section 11), exists on every POSIX system. Where
 # it does not (Windows), a proxy holds no such file and its leases name none: a crashed
@@ -5585,7 +5585,7 @@ PARAMS_LEVELS = 2                      # a params member's value: inside the mes
 UPSTREAM_DEPTH = ENVELOPE_DEPTH
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR = -32602, -32603
-HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+UNSUPPORTED_VERSION = -32022
 MODERN_VERSION = "2026-07-28"
 LEGACY_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 META_VERSION = "io.modelcontextprotocol/protocolVersion"
@@ -5655,10 +5655,8 @@ class Message:
         is escaped the proxy's way. A string holding bytes that were not UTF-8 is no id we
         can echo."""
         ident = self.doc.get("id")
-        if isinstance(ident, Num) or (isinstance(ident, str) and
-                                      not _LONE_SURROGATE.search(ident)):
-            return ident
-        return None
+        return ident if isinstance(ident, Num) or (
+            isinstance(ident, str) and not _LONE_SURROGATE.search(ident)) else None
 
 
 def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
@@ -5706,9 +5704,7 @@ def rpc_result(msg_id: Any, result: Any) -> bytes:
 
 
 def rpc_error(msg_id: Any, code: int, message: str, data: Any = None) -> bytes:
-    err: dict[str, Any] = {"code": code, "message": message}
-    if data is not None:
-        err["data"] = data
+    err = {"code": code, "message": message, **({} if data is None else {"data": data})}
     return (dump_json({"jsonrpc": "2.0", "id": msg_id, "error": err}) + "\n").encode()
 
 
@@ -5716,10 +5712,9 @@ def error_code(exc: BaseException) -> int:
     """The one place a JSON-RPC error code is chosen for an exception."""
     if isinstance(exc, ProtocolError):
         return exc.code
-    if isinstance(exc, JSONError):
-        return PARSE_ERROR
-    if isinstance(exc, (SchemaError, ValueError)):
-        return INVALID_PARAMS
+    for kinds, code in ((JSONError, PARSE_ERROR), ((SchemaError, ValueError), INVALID_PARAMS)):
+        if isinstance(exc, kinds):             # JSONError first: it is a ValueError too
+            return code
     return INTERNAL_ERROR
 
 
@@ -6745,50 +6740,44 @@ async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
             raise
     else:
         conn = HttpUpstream(server.name, server.endpoint)
-    try:
-        await asyncio.wait_for(conn.connect(deadline), max(0.0, deadline - time.monotonic()))
-    except BaseException as exc:
-        await conn.close()
-        raise _phase_error(server, conn, "connect", exc) from exc
+    await _step(server, conn, "connect", conn.connect(deadline), deadline)
     return conn
 
 
-def _phase_error(server: ServerConfig, conn: Upstream, step: str,
-                 exc: BaseException) -> MCPError:
-    if isinstance(exc, asyncio.TimeoutError):
-        text = f"timed out after {fmt_duration(server.connect_timeout)}"
-    else:
-        text = sanitize(str(exc) or type(exc).__name__)
-    tail = conn.stderr_tail()
-    return MCPError(f"mcp: server {_quote(server.name)}: {step}: {text}" +
-                    (f"; stderr: {_quote(tail)}" if tail else ""))
+async def _step(server: ServerConfig, conn: Upstream, step: str, work: Awaitable[Any],
+                deadline: float) -> Any:
+    """``work`` done by ``deadline``; else the connection is closed and the failure is an
+    MCPError naming the step, with the tail of the server's stderr."""
+    try:
+        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+    except BaseException as exc:
+        await conn.close()
+        if isinstance(exc, asyncio.TimeoutError):
+            text = f"timed out after {fmt_duration(server.connect_timeout)}"
+        else:
+            text = sanitize(str(exc) or type(exc).__name__)
+        tail = conn.stderr_tail()
+        raise MCPError(f"mcp: server {_quote(server.name)}: {step}: {text}" +
+                       (f"; stderr: {_quote(tail)}" if tail else "")) from exc
 
 
 async def _connect_and_list(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
     deadline = time.monotonic() + server.connect_timeout
     conn = await open_upstream(server, deadline)
-    try:
-        tools = await asyncio.wait_for(conn.list_tools(deadline),
-                                       max(0.0, deadline - time.monotonic()))
-    except BaseException as exc:
-        await conn.close()
-        raise _phase_error(server, conn, "list tools", exc) from exc
-    return conn, tools, deadline
+    return conn, await _step(server, conn, "list tools", conn.list_tools(deadline),
+                             deadline), deadline
 
 
 async def pin_server(server: ServerConfig, now: float) -> dict:
     """Connect, list every tool, and return the manifest (nothing is written here)."""
     conn, tools, _ = await _connect_and_list(server)
     await conn.close()
-    entries = {}
-    for tool in sorted(tools, key=lambda t: t.name):
-        entry: dict[str, Any] = {
-            "name": tool.name, "description": tool.description,
-            "input_schema": RawJSON(tool.schema), "schema_hash": sha256_hex(tool.schema),
-            "description_hash": hash_string(tool.description)}
-        if tool.annotations is not None:
-            entry["annotations"] = tool.annotations
-        entries[tool.name] = entry
+    entries = {tool.name: {
+        "name": tool.name, "description": tool.description,
+        "input_schema": RawJSON(tool.schema), "schema_hash": sha256_hex(tool.schema),
+        "description_hash": hash_string(tool.description),
+        **({} if tool.annotations is None else {"annotations": tool.annotations})}
+        for tool in sorted(tools, key=lambda t: t.name)}
     return {"server": server.name, "pinned_at": fmt_time(now), "tools": entries}
 
 
@@ -6821,9 +6810,8 @@ class PinnedTool:
 
 def read_manifest(path: str, server: str) -> dict[str, PinnedTool]:
     """The pinned tools of a manifest that only its owner can write."""
-    raw = read_owned(path)
     try:
-        doc = parse_json(raw, max_depth=RECORD_DEPTH)      # it wraps schemas
+        doc = parse_json(read_owned(path), max_depth=RECORD_DEPTH)      # it wraps schemas
     except JSONError as exc:
         raise ConfigError(f"{path}: not usable JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tools"), dict):
@@ -6858,10 +6846,9 @@ class Report:
 
     def lines(self) -> list[str]:
         s = sanitize
-        out = []
-        for tool, name, cls, mismatch in self.registered:
-            out.append(f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
-                       (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else ""))
+        out = [f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
+               (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else "")
+               for tool, name, cls, mismatch in self.registered]
         out += [f"{s(self.server)}: refused {s(t)}: {s(r)}" for t, r in self.refused]
         out += [f"{s(self.server)}: unclassified {s(t)}: no rule" for t in self.unclassified]
         out += [f"{s(self.server)}: unpinned {s(t)}: not in the manifest" for t in self.unpinned]
@@ -6881,18 +6868,12 @@ class UpstreamTool:
     conn: Upstream
     max_content: int = MAX_CONTENT_BYTES
 
-    @property
-    def fixed(self) -> dict[str, bytes]:
-        return dict(self.rule.fixed)
-
     def refused_param(self, value: dict) -> str:
         """Why arguments holding a denied or a fixed parameter are refused, or ''."""
-        for param in self.rule.deny:
-            if param in value:
-                return f'{self.spec.name}: parameter "{param}" is denied by the operator'
-        for param, _ in self.rule.fixed:
-            if param in value:
-                return f'{self.spec.name}: parameter "{param}" is fixed by the operator'
+        for how, params in (("denied", self.rule.deny), ("fixed", dict(self.rule.fixed))):
+            for param in params:
+                if param in value:
+                    return f'{self.spec.name}: parameter "{param}" is {how} by the operator'
         return ""
 
     async def call(self, args: bytes, value: Any = NOT_PARSED) -> ToolResult:
@@ -6968,6 +6949,7 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
         raise ToolFailure(f"{tool.spec.name}: the server asked for more input, which this "
                           "proxy does not support")
     cap, content, dropped, beside = tool.max_content, None, 0, None
+    text = _joined_text(result.get("content"))
     structured = spans.get("structuredContent")
     if structured is not None and len(structured) > STRUCTURED_READ_LIMIT:
         dropped, structured = len(structured), None      # far past the cap: never parsed
@@ -6985,18 +6967,14 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
             # record and the call counts as executed. A number we cannot keep: the text
             # stands instead.
             encoded = structured.strip(JSON_WS) if exc.msg.startswith("nested") else None
-        text = _joined_text(result.get("content"))
         if encoded is not None and _wire_len(encoded) + _wire_len(text) <= cap:
             content, beside = encoded, text
         elif encoded is not None:
             dropped = len(encoded)
-    truncated = False
+    truncated = dropped > 0              # structured content is dropped only for the text
     if content is None:
-        text = _joined_text(result.get("content"))
-        if dropped and not text:
-            text = STRUCTURED_DROPPED
-        content, truncated = cap_text(text, cap)
-        truncated = truncated or dropped > 0
+        content, cut = cap_text(text or (STRUCTURED_DROPPED if dropped else ""), cap)
+        truncated = truncated or cut
     summary = f"{tool.server}/{tool.remote}: {len(content)} bytes" + \
         (", truncated" if truncated else "") + \
         (f", structured content of {dropped} bytes dropped for the text" if dropped else "")
@@ -7021,16 +6999,13 @@ def _wire_len(value: "bytes | str") -> int:
 
 
 def _joined_text(blocks: Any) -> str:
-    if not isinstance(blocks, list):
-        return ""
     parts = []
-    for block in blocks:
+    for block in blocks if isinstance(blocks, list) else ():
         kind = block.get("type") if isinstance(block, dict) else None
         kind = kind if isinstance(kind, str) else None      # a list is no key of the table
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append(block["text"])
-        else:
-            parts.append(_PLACEHOLDERS.get(kind, "[content omitted]"))
+        text = block.get("text") if kind == "text" else None
+        parts.append(text if isinstance(text, str) else
+                     _PLACEHOLDERS.get(kind, "[content omitted]"))
     return "\n".join(parts)
 
 
@@ -7069,33 +7044,32 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     report = Report(server.name, unpinned=sorted(set(live) - set(pinned)))
     tools: list[UpstreamTool] = []
     taken: dict[str, str] = {}
-    for key in sorted(pinned):
-        rule = rules.get(key)
-        if rule is None:
-            report.unclassified.append(key)
-            continue
-        try:
-            tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
-        except ConfigError as exc:
-            report.refused.append((key, str(exc)))
-            continue
-        except BaseException:
-            await conn.close()
-            raise
-        if tool.spec.name in taken:
-            report.refused.append((key, f"the name {_quote(tool.spec.name)} is already taken "
-                                        f"by tool {_quote(taken[tool.spec.name])}"))
-            continue
-        taken[tool.spec.name] = key
-        tools.append(tool)
-        report.registered.append((key, tool.spec.name, rule.side_effect, mismatch))
-    if time.monotonic() > deadline:
+    try:                                 # whatever fails, the connection is closed
+        for key in sorted(pinned):
+            rule = rules.get(key)
+            if rule is None:
+                report.unclassified.append(key)
+                continue
+            try:
+                tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
+            except ConfigError as exc:
+                report.refused.append((key, str(exc)))
+                continue
+            if tool.spec.name in taken:
+                report.refused.append((key, f"the name {_quote(tool.spec.name)} is already "
+                                            f"taken by tool {_quote(taken[tool.spec.name])}"))
+                continue
+            taken[tool.spec.name] = key
+            tools.append(tool)
+            report.registered.append((key, tool.spec.name, rule.side_effect, mismatch))
+        if time.monotonic() > deadline:
+            raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
+                           f"{fmt_duration(server.connect_timeout)}")
+        if not tools:
+            raise MCPError(f"mcp: server {_quote(server.name)}: no tool registered", report)
+    except BaseException:
         await conn.close()
-        raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
-                       f"{fmt_duration(server.connect_timeout)}")
-    if not tools:
-        await conn.close()
-        raise MCPError(f"mcp: server {_quote(server.name)}: no tool registered", report)
+        raise
     return tools, report
 
 
@@ -7127,9 +7101,7 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     if schema.get("type") != "object":
         raise ConfigError('the input schema is not an object schema ("type":"object")')
     _self_contained(schema)
-    hidden = list(rule.deny) + [k for k, _ in rule.fixed]
-    _hideable(schema, hidden)
-    restricted = _restrict(schema, hidden)
+    restricted = _restrict(schema, list(rule.deny) + [k for k, _ in rule.fixed])
     spec = ToolSpec(name, rule.description or pin.description, restricted, rule.side_effect,
                     timeout, terminal=True)
     try:
@@ -7157,14 +7129,10 @@ def _self_contained(node: Any, at: str = "#", root: Any = None) -> None:
     it stands (in defaults and examples too): no URL is ever fetched."""
     root = node if root is None else root
     draft04 = isinstance(root, dict) and "draft-04" in str(root.get("$schema", ""))
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            _self_contained(item, f"{at}/{i}", root)
-        return
-    if not isinstance(node, dict):
-        return
-    for key in sorted(node):
-        value = node[key]
+    # An item of a list is no key: its index matches none of the keys below.
+    items = enumerate(node) if isinstance(node, list) else \
+        sorted(node.items()) if isinstance(node, dict) else ()
+    for key, value in items:
         if isinstance(value, str):
             outside = (
                 (key in ("$ref", "$dynamicRef", "$recursiveRef") and not value.startswith("#"))
@@ -7188,11 +7156,12 @@ def _mentions(node: Any, name: str) -> bool:
     return False
 
 
-def _hideable(schema: dict, hidden: list[str]) -> None:
-    """A hidden parameter must be a top-level property that nothing else in the schema could
+def _restrict(schema: dict, hidden: list[str]) -> bytes:
+    """The schema the model is offered: hidden names removed from properties and required.
+    A hidden parameter must be a top-level property that nothing else in the schema could
     still require or match; this over-refuses on purpose."""
     if not hidden:
-        return
+        return encode_canonical(schema)
     props = schema.get("properties")
     for name in hidden:
         if not isinstance(props, dict) or name not in props:
@@ -7202,17 +7171,10 @@ def _hideable(schema: dict, hidden: list[str]) -> None:
         raise ConfigError("the rule hides parameters and the input schema has "
                           "patternProperties, which could still match them")
     for keyword in _HIDE_CHECKED:
-        if keyword in schema:
-            for name in hidden:
-                if _mentions(schema[keyword], name):
-                    raise ConfigError(f"the rule hides {_quote(name)} and the input schema's "
-                                      f"{keyword} mentions it")
-
-
-def _restrict(schema: dict, hidden: list[str]) -> bytes:
-    """The schema the model is offered: hidden names removed from properties and required."""
-    if not hidden:
-        return encode_canonical(schema)
+        for name in hidden:
+            if keyword in schema and _mentions(schema[keyword], name):
+                raise ConfigError(f"the rule hides {_quote(name)} and the input schema's "
+                                  f"{keyword} mentions it")
     out = dict(schema)
     out["properties"] = {k: v for k, v in schema["properties"].items() if k not in hidden}
     if isinstance(schema.get("required"), list):
@@ -10838,6 +10800,8 @@ def result_text(obs: dict) -> str:
 # the requests that need the tools wait, in the order they came, until loading ends.
 
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
+SERVER_ABOUT = {"capabilities": {"tools": {"listChanged": True}}, "serverInfo": SERVER_INFO}
+UNCACHED = {"ttlMs": 0, "cacheScope": "private"}      # a modern host keeps no answer to reuse
 MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input waits
 READ_AHEAD_BYTES = 2 * MAX_FRAME       # the host's input read ahead of what is served
 READ_AHEAD_LINE_COST = 64              # ... counting what each line held costs beyond it
@@ -10895,12 +10859,6 @@ class HostServer:
         if len(self.waiting) >= MAX_WAITING or held > MAX_WAITING_BYTES:
             raise ProtocolError(STILL_LOADING)
         self.waiting.append(msg)
-
-    async def serve(self, lines: "AsyncIterator[bytes]") -> None:
-        async for line in lines:
-            if line.strip():
-                await self.take(line)
-        await self.shutdown()
 
     async def shutdown(self) -> None:
         """No new call is admitted; holds end at once; the calls in flight finish and are
@@ -10964,13 +10922,9 @@ class HostServer:
     def route(self, msg: Message) -> None:
         if "method" not in msg.doc:
             return                       # a response to nothing we asked: ignored
-        if "id" not in msg.doc:
-            self.notification(msg)
-            return
-        self.request(msg)
-
-    def notification(self, msg: Message) -> None:
-        if msg.method == "notifications/cancelled":
+        if "id" in msg.doc:
+            self.request(msg)
+        elif msg.method == "notifications/cancelled":
             key = _id_key(msg.raw("requestId", in_params=True))
             for event in self.cancelled.get(key, ()):
                 event.set()
@@ -11000,22 +10954,16 @@ class HostServer:
             self.hold(msg)
         elif method == "initialize" and not modern:
             asked = msg.params.get("protocolVersion")
-            version = asked if asked in LEGACY_VERSIONS else LEGACY_VERSIONS[0]
-            self.reply(msg, {"protocolVersion": version,
-                             "capabilities": {"tools": {"listChanged": True}},
-                             "serverInfo": SERVER_INFO}, False)
+            self.reply(msg, {"protocolVersion": asked if asked in LEGACY_VERSIONS
+                             else LEGACY_VERSIONS[0], **SERVER_ABOUT}, False)
         elif method == "server/discover":
-            self.reply(msg, {"supportedVersions": [MODERN_VERSION],
-                             "capabilities": {"tools": {"listChanged": True}},
-                             "serverInfo": SERVER_INFO, "ttlMs": 0, "cacheScope": "private"},
+            self.reply(msg, {"supportedVersions": [MODERN_VERSION], **SERVER_ABOUT, **UNCACHED},
                        True)
         elif method == "ping" and not modern:
             self.reply(msg, {}, False)
         elif method == "tools/list":
-            result: dict[str, Any] = {"tools": self.proxy.listing()}
-            if modern:
-                result.update(ttlMs=0, cacheScope="private")
-            self.reply(msg, result, modern)
+            self.reply(msg, {"tools": self.proxy.listing(), **(UNCACHED if modern else {})},
+                       modern)
         elif method == "tools/call":
             self.start_call(msg, modern)
         elif method == "subscriptions/listen" and modern:
@@ -11049,18 +10997,9 @@ class HostServer:
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
-    def _forget(self, msg: Message, event: asyncio.Event) -> None:
-        key = _id_key(msg.raw("id"))
-        events = self.cancelled.get(key, [])
-        if event in events:
-            events.remove(event)
-        if not events:
-            self.cancelled.pop(key, None)
-
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event, value: Any = NOT_PARSED) -> None:
-        meta = msg.params.get("_meta")
-        token = meta.get("progressToken") if isinstance(meta, dict) else None   # checked
+        token = msg.params.get("_meta", {}).get("progressToken")    # _check_call_params
 
         def progress(done: float, total: float) -> None:
             self.write(rpc_notification("notifications/progress", {
@@ -11077,7 +11016,10 @@ class HostServer:
             result = unavailable("complete this request",
                                  "Whether anything was executed is not known here.")
         finally:
-            self._forget(msg, cancelled)
+            key = _id_key(msg.raw("id"))  # start_call added this event; only this removes it
+            self.cancelled[key].remove(cancelled)
+            if not self.cancelled[key]:
+                del self.cancelled[key]
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
 
@@ -11116,32 +11058,19 @@ def _check_envelope(msg: Message) -> None:
     doc = msg.doc
     if "method" not in doc and ("result" in doc or "error" in doc):
         return                                       # a response: never answered
-    if doc.get("jsonrpc") != "2.0":
-        raise ProtocolError('not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"',
-                            INVALID_REQUEST)
-    if "method" not in doc:
-        raise ProtocolError("not a JSON-RPC message: no method, result or error",
-                            INVALID_REQUEST)
-    if not isinstance(doc["method"], str):
-        raise ProtocolError("the method is not a string", INVALID_REQUEST)
-    if "id" in doc and not isinstance(doc["id"], (str, Num)):
-        raise ProtocolError("the id is not a string or a number", INVALID_REQUEST)
-    if "params" in doc and not isinstance(doc["params"], (dict, list)):
-        raise ProtocolError("params is not an object or an array", INVALID_REQUEST)
-    outside = msg.text
-    span = msg.params_spans.get("arguments")
-    if span is not None:
-        outside = outside[:span[0]] + outside[span[1]:]
-    if _LONE_SURROGATE.search(outside):
-        raise JSONError("not valid UTF-8", msg.text.encode("utf-8", "surrogateescape"),
-                        0)
-
-
-def _is_token(value: Any) -> bool:
-    """MCP's progress token: a string or an integer, judged by its literal only."""
-    if isinstance(value, str):
-        return True
-    return isinstance(value, Num) and _INTEGER_LITERAL.fullmatch(value.text) is not None
+    for fault, reason in (
+            (doc.get("jsonrpc") != "2.0", 'not a JSON-RPC 2.0 message: "jsonrpc" must be "2.0"'),
+            ("method" not in doc, "not a JSON-RPC message: no method, result or error"),
+            (not isinstance(doc.get("method"), str), "the method is not a string"),
+            ("id" in doc and not isinstance(doc["id"], (str, Num)),
+             "the id is not a string or a number"),
+            ("params" in doc and not isinstance(doc["params"], (dict, list)),
+             "params is not an object or an array")):
+        if fault:
+            raise ProtocolError(reason, INVALID_REQUEST)
+    start, end = msg.params_spans.get("arguments", (0, 0))      # the text outside arguments
+    if _LONE_SURROGATE.search(msg.text, 0, start) or _LONE_SURROGATE.search(msg.text, end):
+        raise JSONError("not valid UTF-8", msg.text.encode("utf-8", "surrogateescape"), 0)
 
 
 _INTEGER_LITERAL = re.compile(r"-?(?:0|[1-9][0-9]*)")
@@ -11156,11 +11085,12 @@ def _check_call_params(msg: Message) -> None:
     args = params.get("arguments")
     if args is not None and not isinstance(args, dict):
         raise ProtocolError("tools/call arguments is not an object", INVALID_PARAMS)
-    meta = params.get("_meta")
-    if "_meta" in params and not isinstance(meta, dict):
+    meta = params.get("_meta", {})
+    if not isinstance(meta, dict):
         raise ProtocolError("_meta is not an object", INVALID_PARAMS)
-    if isinstance(meta, dict) and "progressToken" in meta and \
-            not _is_token(meta["progressToken"]):
+    token = meta.get("progressToken", "")          # judged by its literal only
+    if not (isinstance(token, str) or
+            isinstance(token, Num) and _INTEGER_LITERAL.fullmatch(token.text)):
         raise ProtocolError("the progress token is not a string or an integer", INVALID_PARAMS)
 
 

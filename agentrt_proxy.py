@@ -5978,8 +5978,9 @@ class Upstream:
         discover result declared tools.listChanged. It is never answered (its id is not
         awaited: an answer to it, an error included, is dropped); the server's notices on
         it arrive through _route. Legacy servers send their notices unasked."""
-        if not (self.modern and self.can_listen and _says_list_changed(self.caps)) or \
-                self.closed:
+        tools = self.caps.get("tools")
+        if self.closed or not (self.modern and self.can_listen and isinstance(tools, dict)
+                               and tools.get("listChanged") is True):
             return False
         self._next_id += 1
         await self._post(rpc_request(self._next_id, "subscriptions/listen", self._params(
@@ -5998,11 +5999,6 @@ DRIFT_NOTICES = ("notifications/tools/list_changed", "notifications/subscription
 def _declared(result: Any) -> dict:
     caps = result.get("capabilities") if isinstance(result, dict) else None
     return caps if isinstance(caps, dict) else {}
-
-
-def _says_list_changed(caps: dict) -> bool:
-    tools = caps.get("tools")
-    return isinstance(tools, dict) and tools.get("listChanged") is True
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -6030,9 +6026,8 @@ def _page_tools(result_raw: bytes) -> list[LiveTool]:
     entries = result.get("tools", [])
     if not isinstance(entries, list):
         raise UpstreamError("the listing's tools is not an array")
-    spans = member_spans(result_raw).get("tools", b"[]")
-    raw_entries = _array_items(spans)
     out = []
+    raw_entries = _array_items(member_spans(result_raw).get("tools", b"[]"))
     for entry, raw_entry in zip(entries, raw_entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             continue
@@ -6042,9 +6037,8 @@ def _page_tools(result_raw: bytes) -> list[LiveTool]:
         ann = entry.get("annotations")
         if ann is not None and not isinstance(ann, dict):
             raise UpstreamError(f"tool {_quote(entry['name'])}: annotations is not an object")
-        schema_raw = member_spans(raw_entry).get("inputSchema", b"null")
         try:
-            schema = canonical_schema(schema_raw)
+            schema = canonical_schema(member_spans(raw_entry).get("inputSchema", b"null"))
         except JSONError as exc:
             raise UpstreamError(f"tool {_quote(entry['name'])}: input schema: {exc}") from None
         out.append(LiveTool(entry["name"], desc, schema, _annotations(ann)))
@@ -6217,12 +6211,11 @@ class StdioUpstream(Upstream):
 
     async def _post(self, data: bytes, method: str = "") -> None:
         async with self._write_lock:
-            stdin = self.proc.stdin if self.proc is not None else None
-            if stdin is None or stdin.is_closing():
+            if self.proc is None or self.proc.stdin.is_closing():
                 raise UpstreamError("the server's input is closed")
-            stdin.write(data)
+            self.proc.stdin.write(data)
             try:
-                await stdin.drain()
+                await self.proc.stdin.drain()
             except (ConnectionError, BrokenPipeError) as exc:
                 raise UpstreamError(f"the server's input is closed: {exc}") from None
 
@@ -6433,10 +6426,8 @@ class HttpUpstream(Upstream):
             total += len(line)
             if total > MAX_FRAME:
                 raise UpstreamError(f"response body exceeds {MAX_FRAME} bytes")
-            at_end = not line
-            line = line.rstrip(b"\n").rstrip(b"\r")
-            if line and not at_end:
-                field, _, value = line.partition(b":")
+            field, colon, value = line.rstrip(b"\n").rstrip(b"\r").partition(b":")
+            if field or colon:            # not a blank line, nor the stream's end
                 value = value[1:] if value.startswith(b" ") else value
                 if field == b"data":
                     data.append(value)
@@ -6451,19 +6442,15 @@ class HttpUpstream(Upstream):
                                         f"{exc}") from None
                 if _answers(msg, msg_id):
                     return msg
-                self._refuse(msg, deadline)
+                refusal = self._route(msg)      # a request the server sent on the stream
+                if refusal is not None:         # answered within the stream's own deadline
+                    with contextlib.suppress(ProxyError, OSError, TimeoutError,
+                                             _http_client().HTTPException):
+                        self._round_trip(None, refusal, "", "",
+                                         min(deadline, time.monotonic() + DISCOVER_TIMEOUT))
             data, event = [], ""
-            if at_end:
+            if not line:
                 raise UpstreamError("the event stream ended before the answer")
-
-    def _refuse(self, msg: Message, deadline: float) -> None:
-        """Answer a request the server sent on a stream, within the stream's own deadline."""
-        refusal = self._route(msg)
-        if refusal is not None:
-            with contextlib.suppress(ProxyError, OSError, _http_client().HTTPException,
-                                     TimeoutError):
-                self._round_trip(None, refusal, "", "",
-                                 min(deadline, time.monotonic() + DISCOVER_TIMEOUT))
 
     async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
         try:

@@ -5804,10 +5804,7 @@ def child_env(inherit: Iterable[str], env: Iterable[str]) -> dict[str, str]:
     """A stdio server's whole environment: PATH, HOME and TMPDIR when set here, then the
     names the operator passes through, then the operator's NAME=value entries. Nothing else:
     not proxy variables, not credentials."""
-    out: dict[str, str] = {}
-    for name in (*_BASE_ENV, *inherit):
-        if name in os.environ:
-            out[name] = os.environ[name]
+    out = {name: os.environ[name] for name in (*_BASE_ENV, *inherit) if name in os.environ}
     for entry in env:
         name, _, value = entry.partition("=")
         out[name] = value
@@ -5927,8 +5924,7 @@ class Upstream:
         seen: set[str] = set()
         cursor = None
         for _page in range(MAX_TOOL_PAGES):
-            params = {} if cursor is None else {"cursor": cursor}
-            reply = await self.request("tools/list", params,
+            reply = await self.request("tools/list", {} if cursor is None else {"cursor": cursor},
                                        max(0.0, deadline - time.monotonic()))
             # request() holds a result; _page_tools refuses one that is not an object
             for tool in _page_tools(reply.raw("result")):
@@ -6069,7 +6065,7 @@ def _annotations(ann: dict | None) -> dict | None:
     if isinstance(ann.get("title"), str) and ann["title"]:
         out["title"] = ann["title"]
     for hint in _HINTS:
-        if hint in ann and ann[hint] is not None:
+        if ann.get(hint) is not None:
             if not isinstance(ann[hint], bool):
                 raise UpstreamError(f"annotation {hint} is not a boolean")
             out[hint] = ann[hint]
@@ -6303,13 +6299,6 @@ class HttpUpstream(Upstream):
         cls = client.HTTPSConnection if self.url.scheme == "https" else client.HTTPConnection
         return cls(self.url.hostname, self.url.port)
 
-    def _release(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
-        with self._pool_lock:
-            if reusable and not self.closed and len(self._idle) < HTTP_POOL:
-                self._idle.append(conn)
-                return
-        conn.close()
-
     def _headers(self, method: str, tool: str) -> dict[str, str]:
         headers = {"Content-Type": "application/json",
                    "Accept": "application/json, text/event-stream"}
@@ -6364,7 +6353,11 @@ class HttpUpstream(Upstream):
                     resp.close()
             with self._pool_lock:
                 self._active.discard(timed)
-            self._release(conn, reusable)
+                kept = reusable and not self.closed and len(self._idle) < HTTP_POOL
+                if kept:
+                    self._idle.append(conn)
+            if not kept:
+                conn.close()
 
     @staticmethod
     def _ready(conn: http.client.HTTPConnection, deadline: float) -> _TimedSocket:
@@ -6648,8 +6641,7 @@ def _peer_closed(conn: http.client.HTTPConnection) -> bool:
     if conn.sock is None:
         return True
     try:
-        readable, _, _ = select.select([conn.sock], [], [], 0)
-        return bool(readable)
+        return bool(select.select([conn.sock], [], [], 0)[0])
     except (OSError, ValueError):
         return True
 

@@ -6212,7 +6212,7 @@ class StdioUpstream(Upstream):
             self.proc.stdin.write(data)
             try:
                 await self.proc.stdin.drain()
-            except (ConnectionError, BrokenPipeError) as exc:
+            except ConnectionError as exc:           # a broken pipe among them
                 raise UpstreamError(f"the server's input is closed: {exc}") from None
 
     async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:

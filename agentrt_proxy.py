@@ -5776,10 +5776,7 @@ def child_env(inherit: Iterable[str], env: Iterable[str]) -> dict[str, str]:
     """A stdio server's whole environment: PATH, HOME and TMPDIR when set here, then the
     names the operator passes through, then the operator's NAME=value entries. Nothing else:
     not proxy variables, not credentials."""
-    out: dict[str, str] = {}
-    for name in (*_BASE_ENV, *inherit):
-        if name in os.environ:
-            out[name] = os.environ[name]
+    out = {name: os.environ[name] for name in (*_BASE_ENV, *inherit) if name in os.environ}
     for entry in env:
         name, _, value = entry.partition("=")
         out[name] = value
@@ -5795,6 +5792,7 @@ def _executable(argv0: str, cwd: str | None) -> str:
 
 
 _PRCTL: list = []                       # libc's prctl once looked up, or None
+PR_SET_PDEATHSIG = 1                    # prctl: the signal a child gets when its parent dies
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -5807,12 +5805,6 @@ def _prctl() -> Callable[..., int] | None:
         except (OSError, AttributeError):
             _PRCTL.append(None)
     return _PRCTL[0]
-
-
-def _contain_child(prctl: Callable[..., int] | None) -> None:
-    """Run in the child before exec (Linux): die when the proxy dies."""
-    if prctl is not None:
-        prctl(1, signal.SIGKILL)            # PR_SET_PDEATHSIG
 
 
 class Upstream:
@@ -5828,19 +5820,15 @@ class Upstream:
         self.change_notices = 0              # its tools/list_changed notices, ever
         self.on_tools_changed: Callable[[], None] | None = None    # section 25
 
-    # -- transport hooks --
-    async def _exchange(self, msg_id: int, method: str, payload: bytes,
-                        timeout: float, tool: str = "") -> Message:
-        raise NotImplementedError
-
-    async def _post(self, payload: bytes, method: str) -> None:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        raise NotImplementedError
-
+    # -- the transport's: _exchange(msg_id, method, payload, timeout, tool) -> the answer,
+    # _post(payload, method) a notification, close(); and stderr_tail() for its errors --
     def stderr_tail(self) -> str:
         return ""
+
+    def _cancelled(self, msg_id: int, timeout: float) -> bytes:
+        """The notice that the proxy stopped waiting for ``msg_id``."""
+        return rpc_notification("notifications/cancelled", {
+            "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"})
 
     # -- the protocol --
     def _params(self, params: dict) -> dict:
@@ -5876,12 +5864,10 @@ class Upstream:
         probe = min(DISCOVER_TIMEOUT, max(0.0, deadline - time.monotonic()) / 2)
         self.modern = True
         try:
-            reply = await self.request("server/discover", {}, probe)
-            versions = reply.doc["result"].get("supportedVersions", []) \
-                if isinstance(reply.doc["result"], dict) else []
-            if MODERN_VERSION in versions:
-                self.version = MODERN_VERSION
-                self.caps = _declared(reply.doc["result"])
+            result = (await self.request("server/discover", {}, probe)).doc["result"]
+            if MODERN_VERSION in (result.get("supportedVersions", [])
+                                  if isinstance(result, dict) else []):
+                self.version, self.caps = MODERN_VERSION, _declared(result)
                 return
         except ProtocolError as exc:
             supported = exc.data.get("supported") if isinstance(exc.data, dict) else None
@@ -5893,15 +5879,13 @@ class Upstream:
             if self.closed:
                 raise
         self.modern = False
-        reply = await self.request("initialize", {
+        result = (await self.request("initialize", {
             "protocolVersion": LEGACY_VERSIONS[0], "capabilities": {},
-            "clientInfo": CLIENT_INFO}, max(0.0, deadline - time.monotonic()))
-        result = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
-        version = result.get("protocolVersion")
+            "clientInfo": CLIENT_INFO}, max(0.0, deadline - time.monotonic()))).doc["result"]
+        version = result.get("protocolVersion") if isinstance(result, dict) else None
         if version not in LEGACY_VERSIONS:
             raise UpstreamError(f"unsupported protocol version: {_quote(str(version))}")
-        self.version = version
-        self.caps = _declared(result)
+        self.version, self.caps = version, _declared(result)
         await self._post(rpc_notification("notifications/initialized", {}),
                          "notifications/initialized")
 
@@ -5912,18 +5896,16 @@ class Upstream:
         seen: set[str] = set()
         cursor = None
         for _page in range(MAX_TOOL_PAGES):
-            params = {} if cursor is None else {"cursor": cursor}
-            reply = await self.request("tools/list", params,
+            reply = await self.request("tools/list", {} if cursor is None else {"cursor": cursor},
                                        max(0.0, deadline - time.monotonic()))
-            result_raw = reply.raw("result") or b"{}"
-            for tool in _page_tools(result_raw):
+            # request() holds a result; _page_tools refuses one that is not an object
+            for tool in _page_tools(reply.raw("result")):
                 if tool.name in tools:
                     raise UpstreamError(f"the server lists tool {_quote(tool.name)} twice")
                 if len(tools) >= MAX_TOOLS:
                     raise UpstreamError(f"more than {MAX_TOOLS} tools")
                 tools[tool.name] = tool
-            result = reply.doc.get("result")
-            cursor = result.get("nextCursor") if isinstance(result, dict) else None
+            cursor = reply.doc["result"].get("nextCursor")
             if not cursor:
                 return list(tools.values())
             if not isinstance(cursor, str):
@@ -5941,8 +5923,10 @@ class Upstream:
     def _route(self, msg: Message) -> bytes | None:
         """What to answer a message the server sent on its own: requests are refused (the
         proxy neither samples, elicits nor lists roots), ping is answered."""
-        if msg.method and not msg.has_id:
-            self._noticed(msg.method)
+        if msg.method in DRIFT_NOTICES and not msg.has_id:
+            self.change_notices += 1
+            if self.on_tools_changed is not None:
+                self.on_tools_changed()      # thread-safe: HTTP reads on worker threads
         if msg.method and msg.has_id:
             if msg.method == "ping" and not self.modern:
                 return rpc_result(msg.id_value(), {})
@@ -5957,20 +5941,14 @@ class Upstream:
     # forged or repeated one costs at most that bounded re-listing.
     can_listen = False                  # whether the transport keeps a listen open
 
-    def _noticed(self, method: str) -> None:
-        if method not in DRIFT_NOTICES:
-            return
-        self.change_notices += 1
-        if self.on_tools_changed is not None:
-            self.on_tools_changed()      # thread-safe: HTTP reads on worker threads
-
     async def listen(self) -> bool:
         """2026-07-28: open subscriptions/listen for tool changes, when the server's
         discover result declared tools.listChanged. It is never answered (its id is not
         awaited: an answer to it, an error included, is dropped); the server's notices on
         it arrive through _route. Legacy servers send their notices unasked."""
-        if not (self.modern and self.can_listen and _says_list_changed(self.caps)) or \
-                self.closed:
+        tools = self.caps.get("tools")
+        if self.closed or not (self.modern and self.can_listen and isinstance(tools, dict)
+                               and tools.get("listChanged") is True):
             return False
         self._next_id += 1
         await self._post(rpc_request(self._next_id, "subscriptions/listen", self._params(
@@ -5989,11 +5967,6 @@ DRIFT_NOTICES = ("notifications/tools/list_changed", "notifications/subscription
 def _declared(result: Any) -> dict:
     caps = result.get("capabilities") if isinstance(result, dict) else None
     return caps if isinstance(caps, dict) else {}
-
-
-def _says_list_changed(caps: dict) -> bool:
-    tools = caps.get("tools")
-    return isinstance(tools, dict) and tools.get("listChanged") is True
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -6021,9 +5994,8 @@ def _page_tools(result_raw: bytes) -> list[LiveTool]:
     entries = result.get("tools", [])
     if not isinstance(entries, list):
         raise UpstreamError("the listing's tools is not an array")
-    spans = member_spans(result_raw).get("tools", b"[]")
-    raw_entries = _array_items(spans)
     out = []
+    raw_entries = _array_items(member_spans(result_raw).get("tools", b"[]"))
     for entry, raw_entry in zip(entries, raw_entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             continue
@@ -6033,9 +6005,8 @@ def _page_tools(result_raw: bytes) -> list[LiveTool]:
         ann = entry.get("annotations")
         if ann is not None and not isinstance(ann, dict):
             raise UpstreamError(f"tool {_quote(entry['name'])}: annotations is not an object")
-        schema_raw = member_spans(raw_entry).get("inputSchema", b"null")
         try:
-            schema = canonical_schema(schema_raw)
+            schema = canonical_schema(member_spans(raw_entry).get("inputSchema", b"null"))
         except JSONError as exc:
             raise UpstreamError(f"tool {_quote(entry['name'])}: input schema: {exc}") from None
         out.append(LiveTool(entry["name"], desc, schema, _annotations(ann)))
@@ -6066,7 +6037,7 @@ def _annotations(ann: dict | None) -> dict | None:
     if isinstance(ann.get("title"), str) and ann["title"]:
         out["title"] = ann["title"]
     for hint in _HINTS:
-        if hint in ann and ann[hint] is not None:
+        if ann.get(hint) is not None:
             if not isinstance(ann[hint], bool):
                 raise UpstreamError(f"annotation {hint} is not a boolean")
             out[hint] = ann[hint]
@@ -6085,13 +6056,10 @@ def _plain_int(value: Any, max_digits: int, signed: bool = False) -> int | None:
     return int(value.text)
 
 
-def _answer_id(value: Any) -> int | None:
-    """The id of an answer as one the proxy may have sent, else None."""
-    return _plain_int(value, MAX_ID_DIGITS)
-
-
-def _same_id(got: Any, want: int | None) -> bool:
-    return want is not None and _answer_id(got) == want
+def _answers(msg: Message, msg_id: int | None) -> bool:
+    """Whether ``msg`` is the answer to the proxy's request ``msg_id``."""
+    return msg.method is None and msg_id is not None and \
+        _plain_int(msg.doc.get("id"), MAX_ID_DIGITS) == msg_id
 
 
 class _ServerPipes(asyncio.subprocess.SubprocessStreamProtocol):
@@ -6131,9 +6099,9 @@ class StdioUpstream(Upstream):
         is watched from then on (_ended)."""
         kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
                                   else {"start_new_session": True})
-        if sys.platform.startswith("linux"):
-            prctl = _prctl()
-            kwargs["preexec_fn"] = lambda: _contain_child(prctl)
+        prctl = _prctl() if sys.platform.startswith("linux") else None
+        if prctl is not None:       # run in the child before exec: die when the proxy dies
+            kwargs["preexec_fn"] = lambda: prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         loop = asyncio.get_running_loop()
         try:
             self._transport, pipes = await loop.subprocess_exec(
@@ -6201,45 +6169,39 @@ class StdioUpstream(Upstream):
 
     async def _dispatch(self, msg: Message) -> None:
         if msg.method is None:
-            fut = self._pending.pop(_answer_id(msg.doc.get("id")), None)
+            fut = self._pending.pop(_plain_int(msg.doc.get("id"), MAX_ID_DIGITS), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             return
         answer = self._route(msg)
         if answer is not None:
-            await self._write(answer)
+            await self._post(answer)
 
-    async def _write(self, data: bytes) -> None:
+    async def _post(self, data: bytes, method: str = "") -> None:
         async with self._write_lock:
-            stdin = self.proc.stdin if self.proc is not None else None
-            if stdin is None or stdin.is_closing():
+            if self.proc is None or self.proc.stdin.is_closing():
                 raise UpstreamError("the server's input is closed")
-            stdin.write(data)
+            self.proc.stdin.write(data)
             try:
-                await stdin.drain()
-            except (ConnectionError, BrokenPipeError) as exc:
+                await self.proc.stdin.drain()
+            except ConnectionError as exc:           # a broken pipe among them
                 raise UpstreamError(f"the server's input is closed: {exc}") from None
 
     async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
         try:
-            await self._write(payload)
+            await self._post(payload)
             return await in_time(fut, timeout)
         except asyncio.TimeoutError:
             if method == "server/discover":      # a legacy server must see initialize first
                 raise
             # Tell the server we stopped waiting; its late answer is dropped.
             with contextlib.suppress(ProxyError, OSError):
-                await self._write(rpc_notification(
-                    "notifications/cancelled",
-                    {"requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"}))
+                await self._post(self._cancelled(msg_id, timeout))
             raise
         finally:
             self._pending.pop(msg_id, None)
-
-    async def _post(self, payload: bytes, method: str) -> None:
-        await self._write(payload)
 
     async def close(self) -> None:
         """Close stdin, wait, SIGTERM, wait, SIGKILL, wait: the server's process group is
@@ -6309,25 +6271,6 @@ class HttpUpstream(Upstream):
         cls = client.HTTPSConnection if self.url.scheme == "https" else client.HTTPConnection
         return cls(self.url.hostname, self.url.port)
 
-    def _release(self, conn: http.client.HTTPConnection, reusable: bool) -> None:
-        with self._pool_lock:
-            if reusable and not self.closed and len(self._idle) < HTTP_POOL:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def _track(self, timed: _TimedSocket) -> None:
-        """Register a request's socket for close() to interrupt. Refused once closing, so
-        that no request starts after close() shut down the ones in flight."""
-        with self._pool_lock:
-            if self.closed:
-                raise NotSent(f"the connection to {self.name} is closed")
-            self._active.add(timed)
-
-    def _untrack(self, timed: _TimedSocket | None) -> None:
-        with self._pool_lock:
-            self._active.discard(timed)
-
     def _headers(self, method: str, tool: str) -> dict[str, str]:
         headers = {"Content-Type": "application/json",
                    "Accept": "application/json, text/event-stream"}
@@ -6351,7 +6294,12 @@ class HttpUpstream(Upstream):
         reusable, timed, resp = False, None, None
         try:
             timed = self._ready(conn, deadline)
-            self._track(timed)
+            with self._pool_lock:
+                # Refused once closing: no request starts after close() shut down the ones
+                # in flight.
+                if self.closed:
+                    raise NotSent(f"the connection to {self.name} is closed")
+                self._active.add(timed)
             conn.request("POST", self.path, body=payload, headers=self._headers(method, tool))
             resp = conn.getresponse()
             if method == "initialize" and resp.getheader("Mcp-Session-Id"):
@@ -6375,8 +6323,13 @@ class HttpUpstream(Upstream):
                 # event stream): closing it is what ends the stream, the modern cancel.
                 with contextlib.suppress(OSError):
                     resp.close()
-            self._untrack(timed)
-            self._release(conn, reusable)
+            with self._pool_lock:
+                self._active.discard(timed)
+                kept = reusable and not self.closed and len(self._idle) < HTTP_POOL
+                if kept:
+                    self._idle.append(conn)
+            if not kept:
+                conn.close()
 
     @staticmethod
     def _ready(conn: http.client.HTTPConnection, deadline: float) -> _TimedSocket:
@@ -6403,14 +6356,12 @@ class HttpUpstream(Upstream):
         if resp.length is not None and resp.length > MAX_FRAME:
             raise UpstreamError(f"response body of {resp.length} bytes exceeds {MAX_FRAME}")
         if 300 <= status < 400:
-            resp.close()
             raise UpstreamError(f"the server answered {status} (a redirect), "
                                 "which this proxy does not follow")
         if status == 202 and msg_id is None:
             _read_capped(resp)
             return None
         if status == 404 and self.session_id:
-            resp.close()
             self.closed = True
             raise UpstreamError("the server ended the session (404)")
         if ctype == "text/event-stream" and status == 200:
@@ -6440,10 +6391,8 @@ class HttpUpstream(Upstream):
             total += len(line)
             if total > MAX_FRAME:
                 raise UpstreamError(f"response body exceeds {MAX_FRAME} bytes")
-            at_end = not line
-            line = line.rstrip(b"\n").rstrip(b"\r")
-            if line and not at_end:
-                field, _, value = line.partition(b":")
+            field, colon, value = line.rstrip(b"\n").rstrip(b"\r").partition(b":")
+            if field or colon:            # not a blank line, nor the stream's end
                 value = value[1:] if value.startswith(b" ") else value
                 if field == b"data":
                     data.append(value)
@@ -6456,55 +6405,44 @@ class HttpUpstream(Upstream):
                 except (JSONError, ProtocolError) as exc:
                     raise UpstreamError(f"the server sent an event that is not JSON-RPC: "
                                         f"{exc}") from None
-                if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
+                if _answers(msg, msg_id):
                     return msg
-                self._refuse(msg, deadline)
+                refusal = self._route(msg)      # a request the server sent on the stream
+                if refusal is not None:         # answered within the stream's own deadline
+                    with contextlib.suppress(ProxyError, OSError, TimeoutError,
+                                             _http_client().HTTPException):
+                        self._round_trip(None, refusal, "", "",
+                                         min(deadline, time.monotonic() + DISCOVER_TIMEOUT))
             data, event = [], ""
-            if at_end:
+            if not line:
                 raise UpstreamError("the event stream ended before the answer")
 
-    def _refuse(self, msg: Message, deadline: float) -> None:
-        """Answer a request the server sent on a stream, within the stream's own deadline."""
-        refusal = self._route(msg)
-        if refusal is not None:
-            with contextlib.suppress(ProxyError, OSError, _http_client().HTTPException,
-                                     TimeoutError):
-                self._round_trip(None, refusal, "", "",
-                                 min(deadline, time.monotonic() + DISCOVER_TIMEOUT))
-
     async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
-        deadline = time.monotonic() + timeout
         try:
-            # The workers end the request at its deadline; this is only a backstop.
-            return await asyncio.wait_for(
-                self._workers.run(deadline, self._round_trip, msg_id, payload, method, tool,
-                                  deadline), timeout + HTTP_SLACK)
+            return await self._post(payload, method, timeout, msg_id, tool)
         except asyncio.TimeoutError:
-            if not self.modern:    # a legacy server does not read a dropped stream as a cancel
-                self._cancel_soon(msg_id, timeout)
+            if self.modern:    # a modern server reads the dropped stream as the cancel
+                raise
+            # Tell a legacy server we stopped waiting, in the background (within
+            # HTTP_SLACK): the caller's timeout comes at its deadline, not after a slow
+            # server took this too.
+            async def cancel() -> None:
+                with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
+                    await self._post(self._cancelled(msg_id, timeout),
+                                     "notifications/cancelled", HTTP_SLACK)
+            task = asyncio.get_running_loop().create_task(cancel())
+            self._notices.add(task)               # held until done: the loop keeps weak refs
+            task.add_done_callback(self._notices.discard)
             raise
 
-    def _cancel_soon(self, msg_id: int, timeout: float) -> None:
-        """Tell the server we stopped waiting, in the background (within HTTP_SLACK): the
-        caller's timeout comes at its deadline, not after a slow server took this too."""
-        note = rpc_notification("notifications/cancelled", {
-            "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"})
-
-        async def send() -> None:
-            with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
-                await self._notify(note, "notifications/cancelled", HTTP_SLACK)
-        task = asyncio.get_running_loop().create_task(send())
-        self._notices.add(task)                   # held until done: the loop keeps weak refs
-        task.add_done_callback(self._notices.discard)
-
-    async def _post(self, payload: bytes, method: str) -> None:
-        await self._notify(payload, method, DISCOVER_TIMEOUT)
-
-    async def _notify(self, payload: bytes, method: str, timeout: float) -> None:
+    async def _post(self, payload: bytes, method: str, timeout: float = DISCOVER_TIMEOUT,
+                    msg_id: int | None = None, tool: str = "") -> Message | None:
+        """One POST in this server's workers; the answer to ``msg_id``, when one is given."""
         deadline = time.monotonic() + timeout
-        await asyncio.wait_for(
-            self._workers.run(deadline, self._round_trip, None, payload, method, "", deadline),
-            timeout + HTTP_SLACK)
+        # The workers end the request at its deadline; this is only a backstop.
+        return await asyncio.wait_for(
+            self._workers.run(deadline, self._round_trip, msg_id, payload, method, tool,
+                              deadline), timeout + HTTP_SLACK)
 
     async def close(self) -> None:
         """Refuse new requests and interrupt those in flight (their sockets are shut down,
@@ -6654,7 +6592,7 @@ def _matched(msg: Message, msg_id: int) -> Message:
     """The answer to ``msg_id``, or a protocol error: an answer with another id, or none,
     belongs to another exchange (or is forged), and taking it would record another call's
     outcome as this one's. Not NotSent: the request was sent."""
-    if msg.method is None and _same_id(msg.doc.get("id"), msg_id):
+    if _answers(msg, msg_id):
         return msg
     got = msg.raw("id")
     shown = "no id" if got is None else \
@@ -6675,8 +6613,7 @@ def _peer_closed(conn: http.client.HTTPConnection) -> bool:
     if conn.sock is None:
         return True
     try:
-        readable, _, _ = select.select([conn.sock], [], [], 0)
-        return bool(readable)
+        return bool(select.select([conn.sock], [], [], 0)[0])
     except (OSError, ValueError):
         return True
 

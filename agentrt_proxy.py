@@ -9476,7 +9476,7 @@ class CallIndex:
 
     # Every query below is a search of one of _INDEX_SQL's indexes that reads a bounded
     # number of rows, however long the session's history: a call costs the same on the first
-    # day and after a million (tests/test_index_plans.py holds them to that).
+    # day and after a million (tests/test_rules_cost.py holds them to that).
 
     def open_row(self, key: str) -> CallRow | None:
         return next(iter(self._rows("session=? AND request_key=? AND open=1",

@@ -251,6 +251,11 @@ END_TO_END = {
     "escaped backslash, then a lone escape": b'{"to":"bob\\\\\\udc00","amount":25}',
     "invalid UTF-8": b'{"to":"bob\xff","amount":25}',
     "exponent past the bound": b'{"to":"bob","amount":25e10001}',
+    # past OFFLOAD_BYTES: the frame is read, and the arguments judged, on a worker thread
+    "repeated key, large": b'{"to":"' + b"b" * (2 * ap.OFFLOAD_BYTES) +
+                           b'","amount":25,"to":"eve"}',
+    "lone surrogate, large": b'{"to":"' + b"b" * (2 * ap.OFFLOAD_BYTES) +
+                             b'\\ud800\\\\udc00\\ud800","amount":25}',
 }
 
 

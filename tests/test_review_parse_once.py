@@ -10,8 +10,8 @@ parse_json of the arguments' bytes gives, and what the record (host_arguments) e
 parses back to it. Checked on named frames, on generated ones (fixed seed, a bounded number
 of frames), and end to end: a refused argument never reaches the schema check nor the server.
 
-Outcomes: every way an HTTP upstream call can end after its request may have reached the
-server is classed unknown (no_answer or timed_out), never answered / not_sent /
+Outcomes: every way an upstream call (HTTP or stdio) can end after its request may have
+reached the server is classed unknown (no_answer or timed_out), never answered / not_sent /
 invalid_content; the ways that sent nothing are not_sent.
 """
 
@@ -25,6 +25,7 @@ import threading
 import pytest
 
 from proxy_harness import ProxyHarness, ap
+from scripted_server import Scripted, arun, loaded, pin, tool_entry
 
 MAX_DEPTH = ap.MAX_DEPTH
 
@@ -476,3 +477,38 @@ def test_an_answer_is_answered():
                 await conn.close()
         obs = asyncio.run(asyncio.wait_for(run(), 60))
     assert obs["kind"] == ap.TOOL_RESULT and ap._known_outcome(obs)
+
+
+# ---- outcomes over stdio -------------------------------------------------------------------
+
+STDIO_ENDINGS = {
+    "exits after reading": ("exit", UNKNOWN),
+    "a line that is not JSON-RPC": ("garbage", UNKNOWN),
+    "a JSON-RPC error": ({"error": {"code": -32603, "message": "broke"}}, UNKNOWN),
+    "no answer in time": ("never", ("timed_out", "timed_out", False)),
+    "an answer": ({"result": {"content": [{"type": "text", "text": "paid"}]}},
+                  (None, None, True)),
+}
+
+
+@pytest.mark.parametrize("how, expected", STDIO_ENDINGS.values(), ids=STDIO_ENDINGS.keys())
+def test_a_stdio_call_that_reached_the_server_is_classed_from_what_came_back(script, tmp_path,
+                                                                            how, expected):
+    """Guard (held): the scripted stdio server reads the call, then exits, writes a line
+    that is not JSON-RPC, answers a JSON-RPC error or nothing: unknown; a result is known
+    (the control: its observation records no ending, a result)."""
+    s = Scripted(script, tmp_path, tools=[tool_entry("pay", {"type": "object"})],
+                 calls={"pay": how})
+
+    async def one_call():
+        pinned = await pin(s.server())
+        rules = {"pay": {"side_effect": "remote_mutation", "timeout": "1s"}}
+        async with loaded(s.server(rules), pinned) as (tools, _):
+            tool = tools["fs_pay"]
+            return tool, (await ap._call_tool(ap.Tool(tool.spec, tool.call), b"{}")).doc
+    tool, obs = arun(one_call())
+    content = obs["content"] if isinstance(obs["content"], dict) else {}
+    ending = content.get("ending") if obs["kind"] != ap.TOOL_RESULT else None
+    assert (ending, ap.unknown_ending(tool, obs), ap._known_outcome(obs)) == expected
+    assert [m["params"]["name"] for m in s.received() if m.get("method") == "tools/call"] \
+        == ["pay"]

@@ -7658,12 +7658,10 @@ class ProxyPolicy:
         attempt = self.rerun_of(request, view) if outcome != "deny" or through else None
         if outcome == "deny" and (attempt is None or _granted(request, view)):
             return PolicyDecision(outcome, reason)
-        if attempt is not None:
-            decision = self.interruption(tool, request.args, attempt, judged)
-            return covered(decision, request, view) if judged else decision
-        earlier = self.repeat_of(request, view)
-        if earlier is not None:
-            decision = self.repetition(tool, request.args, earlier, judged)
+        earlier = self.repeat_of(request, view) if attempt is None else None
+        if attempt is not None or earlier is not None:
+            decision = self.interruption(tool, request.args, attempt, judged) if earlier is None \
+                else self.repetition(tool, request.args, earlier, judged)
             return covered(decision, request, view) if judged else decision
         if outcome == "allow":
             return PolicyDecision(outcome, reason)
@@ -7676,9 +7674,8 @@ class ProxyPolicy:
                  **limits_shown(tool, request.args)}         # what views read the use by
         if not judged or not judged.asked:
             return need_approval(tool.spec.side_effect, reason, cap, shown)
-        cap["asked_by"] = judged.asked
-        return covered(need_approval(tool.spec.side_effect, reason, cap,
-                                     {**shown, "figures": judged.figures}), request, view)
+        cap["asked_by"], shown["figures"] = judged.asked, judged.figures
+        return covered(need_approval(tool.spec.side_effect, reason, cap, shown), request, view)
 
     def use_of(self) -> "UseOf | None":
         """How a limit's use is read: from the proxy's index of executions."""
@@ -7732,10 +7729,8 @@ class ProxyPolicy:
                   "Whether it took effect is unknown: it may have. Approving runs it again with "
                   "these arguments once the model calls it again. Rejecting ends this request, "
                   "and an identical call later asks an operator again, whatever the policy.")
-        question = f"May the model run {tool.remote} on server {tool.server} again with " \
-                   "these arguments?"
         return self._asking(INTERRUPTED_KIND, INTERRUPTED_REASON, tool, args,
-                            {"interrupted": at}, question, notice, judged)
+                            {"interrupted": at}, "again with these arguments", notice, judged)
 
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
         """The earlier execution this request repeats, if the rules found one: named by
@@ -7754,21 +7749,20 @@ class ProxyPolicy:
                   f"finished at {earlier.get('at')}; {earlier.get('outcome')}. Approving runs "
                   "it once more, with these arguments, when the model calls it again. "
                   "Rejecting refuses it, and the model is told your note.")
-        question = f"May the model run {tool.remote} on server {tool.server} once more with " \
-                   "the same arguments?"
         return self._asking(REPEAT_KIND, REPEAT_REASON, tool, args, {"repeat_of": earlier},
-                            question, notice, judged)
+                            "once more with the same arguments", notice, judged)
 
     def _asking(self, kind: str, reason: str, tool: "UpstreamTool", args: bytes, named: dict,
-                question: str, notice: str, judged: "Judgement | None") -> PolicyDecision:
+                how: str, notice: str, judged: "Judgement | None") -> PolicyDecision:
         """An approval the proxy asks whatever the policy says short of deny, naming what
-        it asks about (``named``) and any condition or limit that asks too."""
+        it asks about (``named``) and any condition or limit that asks too; the question is
+        whether the tool may run ``how``."""
         cap = {**self.capability(tool, args), **named}
         asked = judged.asked if judged is not None else []
         if asked:
             cap["asked_by"] = asked
-        shown = {"question": question, **cap, "reason": reason, "notice": notice,
-                 **limits_shown(tool, args)}
+        shown = {"question": f"May the model run {tool.remote} on server {tool.server} {how}?",
+                 **cap, "reason": reason, "notice": notice, **limits_shown(tool, args)}
         if asked:
             shown["figures"] = judged.figures
         if judged is not None and judged.outcome == "deny":     # asked through it (rule 6)
@@ -7921,17 +7915,12 @@ def blocked_interrupted(tool: str, approval_id: str, approved: bool = False) -> 
     for the identical call that collects the grant (the seed keeps the tool blocked until
     then), and saying "until an operator decides" would send the user to someone who
     already did."""
-    if approved:
-        return prose("BLOCKED", f"an earlier call to {tool} may have taken effect and its "
-                     f"outcome is unknown; an operator approved running it again (approval "
-                     f"{approval_id}), so no other call to {tool} that changes anything runs "
-                     "until that earlier call is made again with exactly the same arguments, "
-                     "which runs it once if the policy still allows it then. Nothing was executed. "
-                     "Tell the user.", True)
+    until = ("that earlier call is made again with exactly the same arguments, which runs it "
+             "once if the policy still allows it then") if approved else "an operator decides it"
     return prose("BLOCKED", f"an earlier call to {tool} may have taken effect and its outcome "
-                 f"is unknown (approval {approval_id}), so no other call to {tool} that "
-                 "changes anything runs until an operator decides it. Nothing was executed. "
-                 "Tell the user.", True)
+                 f"is unknown{'; an operator approved running it again' if approved else ''} "
+                 f"(approval {approval_id}), so no other call to {tool} that changes anything "
+                 f"runs until {until}. Nothing was executed. Tell the user.", True)
 
 
 def blocked_pending(limit: int) -> dict:
@@ -7959,19 +7948,15 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
                and i[1].run.status == WAITING]
     granted = [i for i in items if i[2].status == APPROVED and i[1].run.status == WAITING
                and (i[1].latest() is None or i[1].latest().id == i[2].id)]
-    if not waiting:
-        lines = ["no request in this session is waiting for an operator's approval."]
-    else:
-        head = "1 request in this session is waiting" if len(waiting) == 1 else \
-            f"{len(waiting)} requests in this session are waiting"
-        lines = [f"{head} for an operator's approval:"]
-        lines += ["- " + describe(proxy, i, items, now) for i in waiting]
-    if granted:
-        head = "1 approved request waits" if len(granted) == 1 else \
-            f"{len(granted)} approved requests wait"
-        lines.append(f"{head} for you to collect it: call the tool again with exactly the "
-                     "same arguments to run it:")
-        lines += ["- " + describe(proxy, i, items, now) for i in granted]
+    lines = [] if waiting else ["no request in this session is waiting for an operator's approval."]
+    for group, one, many, what in (
+            (waiting, "1 request in this session is waiting", "requests in this session are "
+             "waiting", "for an operator's approval:"),
+            (granted, "1 approved request waits", "approved requests wait", "for you to collect "
+             "it: call the tool again with exactly the same arguments to run it:")):
+        if group:
+            lines.append(f"{one if len(group) == 1 else f'{len(group)} {many}'} {what}")
+            lines += ["- " + describe(proxy, i, items, now) for i in group]
     limits = proxy.budgets.lines()
     if limits:
         lines.append("The limits on this session's tools, and what they have used (a call "

@@ -8004,21 +8004,20 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
             return who + (f"{'CLOSED' if a.status == PENDING else a.status.upper()}: it was "
                           f"not run again, and the earlier attempt it asked about "
                           f"{late.text()}{took}.")
-    if a.status == PENDING and state.run.reason == "operator_cancelled":
-        return who + "CANCELLED by the operator. It was not executed."
     if a.status == PENDING:
-        return who + "EXPIRED without a decision; it was not executed."
+        return who + ("CANCELLED by the operator. It was not executed." if state.run.reason
+                      == "operator_cancelled" else "EXPIRED without a decision; it was not "
+                      "executed.")
     if a.status == SETTLED_APPROVAL:
         late = late_outcome(proxy.store, a) or "finished after it was cut off"
         return who + (f"SETTLED: the earlier attempt it asked about {late}. It is not run "
                       "again; an identical call is answered with that outcome.")
-    if a.status == REJECTED:
-        return who + f"REJECTED by the operator.{_note(a.note)} It was not executed; do not " \
-                     "ask for it again."
-    if a.status == EXPIRED:
-        return who + "EXPIRED; it was not executed."
-    if a.status == CANCELLED_APPROVAL:
-        return who + f"CANCELLED by the operator.{_note(a.note)} It was not executed."
+    ended = {REJECTED: f"REJECTED by the operator.{_note(a.note)} It was not executed; do not "
+                       "ask for it again.", EXPIRED: "EXPIRED; it was not executed.",
+             CANCELLED_APPROVAL: f"CANCELLED by the operator.{_note(a.note)} It was not "
+                                 "executed."}
+    if a.status in ended:
+        return who + ended[a.status]
     step = next((s for s in state.steps if s.id == a.step_id), None)
     ran = _ran(proxy, row, state, step, items, a, now) if step is not None else ""
     if ran:
@@ -8143,24 +8142,23 @@ class Notifier:
         ``doc`` is built on the thread."""
         if not self.argv:
             return
-        if not drift:
-            label = f"approval {label}"
         if drift:
-            if not self._drift_slots.acquire(blocking=False):
+            if self._drift_slots.acquire(blocking=False):
+                self._start(label, doc, self._drift_slots)
+            else:
                 self.log(f"on_pending: {ON_PENDING_DRIFT_RUNNING} drift notices are still "
                          f"running; not started for {label}")
-                return
-            self._start(label, doc, self._drift_slots)
             return
+        label = f"approval {label}"
         with self._queue_lock:
             if self._closed:
                 return
             if not self._slots.acquire(blocking=False):
-                if len(self._queue) >= ON_PENDING_QUEUED:
+                if len(self._queue) < ON_PENDING_QUEUED:
+                    self._queue.append((label, doc))
+                else:
                     self.log(f"on_pending: {ON_PENDING_QUEUED} notices wait for one of "
                              f"{ON_PENDING_RUNNING} running; not started for {label}")
-                else:
-                    self._queue.append((label, doc))
                 return
         self._start(label, doc, self._slots)
 
@@ -8210,15 +8208,13 @@ class Notifier:
             self._kill(proc)
             with contextlib.suppress(subprocess.TimeoutExpired, OSError, ValueError):
                 proc.communicate(timeout=ON_PENDING_TIMEOUT)       # reaped: no zombie
-            self.log(f"on_pending: killed after {fmt_duration(ON_PENDING_TIMEOUT)} "
-                     f"({label})")
+            self.log(f"on_pending: killed after {fmt_duration(ON_PENDING_TIMEOUT)} ({label})")
             return
         finally:
             with self._lock:
                 self._running.pop(proc.pid, None)
         if proc.returncode != 0:
-            self.log(f"on_pending: exited with status {proc.returncode} "
-                     f"({label})")
+            self.log(f"on_pending: exited with status {proc.returncode} ({label})")
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:

@@ -2900,9 +2900,6 @@ class Tx:
         self._head: tuple[int, str] | None = None
         self._specs = specs if specs is not None else set()
 
-    def forget_head(self) -> None:
-        self._head = None
-
     def run(self, run_id: str) -> Run:
         row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
         if row is None:
@@ -3033,28 +3030,6 @@ def _approval_from_row(row: tuple) -> Approval:
     return Approval(*row[:4], row[4].encode(), row[5].encode(), *row[6:])
 
 
-class _Within:
-    """A state change inside the transaction this thread has open (Store.tx). No savepoint
-    is taken (nothing inside a transaction goes on after a failed change); instead a
-    failure marks the transaction failed, and it rolls back whole even if the failure was
-    caught inside it."""
-
-    __slots__ = ("store",)
-
-    def __init__(self, store: "Store"):
-        self.store = store
-
-    def __enter__(self) -> Tx:
-        return self.store._open
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is not None:
-            self.store._failed = True
-            if isinstance(exc, sqlite3.Error):
-                raise StoreError(f"{self.store.path}: write failed: {exc}") from None
-        return False
-
-
 class Store:
     """The database: opened once per process for writing, or read-only by an operator."""
 
@@ -3160,7 +3135,7 @@ class Store:
         the caller does next (answer the host, send a call's request upstream) rests on a
         record on disk. A tx() inside this thread's open transaction is part of it, at its
         level (several changes with nothing outside in between, one commit: a call's run,
-        step, decision and start), and a failure inside fails all of it (_Within); another
+        step, decision and start), and a failure inside fails all of it; another
         thread waits for the lock. A tool is never called inside an open transaction
         (Session.call_started).
 
@@ -3182,8 +3157,15 @@ class Store:
             raise StoreError(f"{self.path} is open read-only")
         with self._lock:                    # another thread's transaction is waited for
             if self._open is not None:      # this thread's own, whose lock it holds
-                with _Within(self) as tx:
-                    yield tx
+                # No savepoint (nothing inside goes on after a failed change): a failure
+                # marks the transaction failed, and it rolls back whole even if caught inside.
+                try:
+                    yield self._open
+                except BaseException as exc:
+                    self._failed = True
+                    if isinstance(exc, sqlite3.Error):
+                        raise StoreError(f"{self.path}: write failed: {exc}") from None
+                    raise
                 return
             self._check_wal()
             level = "FULL" if synced else "NORMAL"
@@ -3691,8 +3673,7 @@ class Gate:
         limits.validate()
         if not run_id:
             raise ValueError("a run id is required")
-        self._claim(run_id)
-        try:
+        with self._claiming(run_id):
             now, until = self.now(), self.wall() + self.lease_ttl
             record = limits.record()
             with self.store.tx() as tx:
@@ -3702,9 +3683,6 @@ class Gate:
                 tx.event(run_id, "", now, "run.created",
                          {"goal": goal, "limits": RawJSON(record.encode()), "tools": hashes})
                 tx.event(run_id, "", now, "run.started", {})
-        except BaseException:
-            self._release_claim(run_id)
-            raise
         self.leases.hold(run_id, until)
         return Session(self, run_id)
 
@@ -3801,18 +3779,21 @@ class Gate:
             raise RunStateError(f"run {run_id} is already {run.status}")
         if run.status == RUNNING:
             return self._take_over(run)
-        self._claim(run_id)
-        try:
+        with self._claiming(run_id):
             return self._resume_waiting(run)
-        except BaseException:
-            self._release_claim(run_id)
-            raise
 
-    def _claim(self, run_id: str) -> None:
+    @contextlib.contextmanager
+    def _claiming(self, run_id: str):
+        """This gate's claim on a run, let go when what runs under it fails."""
         with self._claim_lock:
             if run_id in self._claimed:
                 raise RunLeased(run_id, self.owner, "this session ends")
             self._claimed.add(run_id)
+        try:
+            yield
+        except BaseException:
+            self._release_claim(run_id)
+            raise
 
     def _release_claim(self, run_id: str) -> None:
         with self._claim_lock:
@@ -3855,12 +3836,8 @@ class Gate:
         wall = self.wall()
         if _lease_live(run, self.store.path, wall):
             raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
-        self._claim(run.id)
-        try:
+        with self._claiming(run.id):
             return self._take_over_claimed(run)
-        except BaseException:
-            self._release_claim(run.id)
-            raise
 
     def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         steps = self.store.list_steps(run.id)

@@ -2817,6 +2817,7 @@ _STEP_COLS = ("id, run_id, idx, status, decision_json, policy_json, observation_
               "observation_hash, started_at, finished_at, spec_hash, policy_id")
 _APPROVAL_COLS = ("id, run_id, step_id, kind, capability_json, presentation_json, request_json, "
                   "hash, status, created_at, decided_at, decided_by, note, expires_at")
+_EVENT_COLS = "seq, run_id, step_id, at, type, payload_json, hash"
 # Every approval of a waiting run that may still matter to an operator, oldest first: each
 # pending one, and an approved interruption grant that is its run's latest (it blocks its tool
 # until the identical call collects it). The runs come from the partial index runs_waiting and
@@ -2872,9 +2873,18 @@ def check_database_file(path: str, writer: bool) -> bool:
     return True
 
 
-def _sqlite_uri(path: str, mode: str) -> str:
+def _connection(path: str, mode: str) -> sqlite3.Connection:
+    """A connection to the database, set up as every connection of the proxy is (the store's,
+    and the lease heartbeat's own): writers sync every commit (synchronous=FULL)."""
     quoted = path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
-    return ("file://" if quoted.startswith("/") else "file:") + quoted + f"?mode={mode}"
+    uri = ("file://" if quoted.startswith("/") else "file:") + quoted + f"?mode={mode}"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+    for pragma in (f"busy_timeout={BUSY_TIMEOUT_MS}", "foreign_keys=ON", "trusted_schema=OFF",
+                   *(("synchronous=FULL",) if mode != "ro" else ())):
+        conn.execute(f"PRAGMA {pragma}")
+    if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
+        conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
+    return conn
 
 
 def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str,
@@ -2902,9 +2912,7 @@ class Tx:
 
     def run(self, run_id: str) -> Run:
         row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
-        if row is None:
-            raise NotFound(f"run {run_id} not found")
-        return _run_from_row(row)
+        return _run_from_row(_found(row, f"run {run_id}"))
 
     def require(self, run_id: str, statuses: tuple[str, ...], owner: str = "") -> Run:
         """The run, if its status is one of ``statuses`` and (with ``owner``) a RUNNING run
@@ -3030,6 +3038,12 @@ def _approval_from_row(row: tuple) -> Approval:
     return Approval(*row[:4], row[4].encode(), row[5].encode(), *row[6:])
 
 
+def _found(record: Any, what: str) -> Any:
+    if record is None:
+        raise NotFound(f"{what} not found")
+    return record
+
+
 class Store:
     """The database: opened once per process for writing, or read-only by an operator."""
 
@@ -3069,15 +3083,8 @@ class Store:
 
     def _connect(self, mode: str) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(_sqlite_uri(self.path, mode), uri=True,
-                                   isolation_level=None, check_same_thread=False)
-            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            conn.execute("PRAGMA foreign_keys=ON")
-            conn.execute("PRAGMA trusted_schema=OFF")
-            if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
-                conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
+            conn = _connection(self.path, mode)
             if mode != "ro":
-                conn.execute("PRAGMA synchronous=FULL")
                 _switch_to_wal(conn, self.path)
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open the database: {exc}") from None
@@ -3232,17 +3239,12 @@ class Store:
             except sqlite3.Error as exc:
                 raise StoreError(f"{self.path}: read failed: {exc}") from None
 
-    def get_run(self, run_id: str) -> Run:
-        rows = self._read(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,))
-        if not rows:
-            raise NotFound(f"run {run_id} not found")
-        return _run_from_row(rows[0])
-
     def find_run(self, run_id: str) -> Run | None:
-        try:
-            return self.get_run(run_id)
-        except NotFound:
-            return None
+        rows = self._read(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,))
+        return _run_from_row(rows[0]) if rows else None
+
+    def get_run(self, run_id: str) -> Run:
+        return _found(self.find_run(run_id), f"run {run_id}")
 
     def list_runs(self, limit: int, offset: int = 0) -> tuple[list[Run], int]:
         """Newest first, with the total count."""
@@ -3260,17 +3262,12 @@ class Store:
                           (run_id,))
         return [_approval_from_row(r) for r in rows]
 
-    def get_approval(self, approval_id: str) -> Approval:
-        rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,))
-        if not rows:
-            raise NotFound(f"approval {approval_id} not found")
-        return _approval_from_row(rows[0])
-
     def find_approval(self, approval_id: str) -> Approval | None:
-        try:
-            return self.get_approval(approval_id)
-        except NotFound:
-            return None
+        rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,))
+        return _approval_from_row(rows[0]) if rows else None
+
+    def get_approval(self, approval_id: str) -> Approval:
+        return _found(self.find_approval(approval_id), f"approval {approval_id}")
 
     def pending_approvals(self, run_id: str) -> list[Approval]:
         return [a for a in self.list_approvals(run_id) if a.status == PENDING]
@@ -3307,8 +3304,8 @@ class Store:
 
     def list_events(self, run_id: str, limit: int = -1, offset: int = 0) -> list[tuple]:
         """(seq, run_id, step_id, at, type, payload_json, hash) in seq order."""
-        return self._read("SELECT seq, run_id, step_id, at, type, payload_json, hash FROM events "
-                          "WHERE run_id=? ORDER BY seq LIMIT ? OFFSET ?", (run_id, limit, offset))
+        return self._read(f"SELECT {_EVENT_COLS} FROM events WHERE run_id=? ORDER BY seq "
+                          "LIMIT ? OFFSET ?", (run_id, limit, offset))
 
     def count_events(self, run_id: str) -> int:
         return self._read("SELECT COUNT(*) FROM events WHERE run_id=?", (run_id,))[0][0]
@@ -3355,9 +3352,8 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
         prev = rows[0][0] if rows else ""
     expect = first
     while expect <= last:
-        rows = store._read("SELECT seq, run_id, step_id, at, type, payload_json, hash FROM "
-                           "events WHERE seq>=? AND seq<=? ORDER BY seq LIMIT ?",
-                           (expect, last, VERIFY_PAGE))
+        rows = store._read(f"SELECT {_EVENT_COLS} FROM events WHERE seq>=? AND seq<=? "
+                           "ORDER BY seq LIMIT ?", (expect, last, VERIFY_PAGE))
         if not rows:
             break
         for seq, run_id, step_id, at, typ, payload, stored in rows:
@@ -3608,17 +3604,10 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
 
 
 def _policy_record(p: PolicyDecision, extra: dict | None = None) -> str:
-    doc: dict[str, Any] = {"outcome": p.outcome}
-    if p.reason:
-        doc["reason"] = p.reason
-    if p.kind:
-        doc["kind"] = p.kind
-    for name in ("capability", "presentation"):
-        raw = getattr(p, name).strip(JSON_WS)
-        if raw:
-            doc[name] = RawJSON(raw)
-    doc.update({k: v for k, v in (extra or {}).items() if v})
-    return dump_json(doc)
+    raws = {name: getattr(p, name).strip(JSON_WS) for name in ("capability", "presentation")}
+    doc = {"outcome": p.outcome, "reason": p.reason, "kind": p.kind,
+           **{name: RawJSON(raw) for name, raw in raws.items() if raw}, **(extra or {})}
+    return dump_json({k: v for k, v in doc.items() if v or k == "outcome"})
 
 
 class Gate:
@@ -3930,34 +3919,23 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
         raise ValueError("tool with empty name")
     if spec.name in seen:
         raise ValueError(f"duplicate tool {_quote(spec.name)}")
-    if spec.side_effect not in SIDE_EFFECTS:
-        raise ValueError(f"tool {_quote(spec.name)}: "
-                         f"invalid side effect {_quote(spec.side_effect)}")
-    if spec.timeout <= 0:
-        raise ValueError(f"tool {_quote(spec.name)}: timeout is required")
-    if not spec.input_schema.strip():
-        raise ValueError(f"tool {_quote(spec.name)}: input schema is required")
+    problem = (f"invalid side effect {_quote(spec.side_effect)}"
+               if spec.side_effect not in SIDE_EFFECTS else
+               "timeout is required" if spec.timeout <= 0 else
+               "input schema is required" if not spec.input_schema.strip() else "")
     try:
-        _schema_for(spec)
+        if not problem:
+            _schema_for(spec)       # compiled once here, and cached
     except (SchemaError, JSONError) as exc:
-        raise ValueError(f"tool {_quote(spec.name)}: {exc}") from None
+        problem = str(exc)
+    if problem:
+        raise ValueError(f"tool {_quote(spec.name)}: {problem}")
 
 
 # ==== 11.1 Leases and the holder file ====
 # A run's lease, renewed on a thread of its own (Leases), and the holder file whose lock
 # proves a serving proxy alive (Holder): what lets the gate take a crashed executor's run
 # over, once its lease runs out or at once when its holder is gone.
-
-def _lease_connection(path: str) -> sqlite3.Connection:
-    """The heartbeat's own connection, set up as every other connection is."""
-    conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None)
-    for pragma in (f"busy_timeout={BUSY_TIMEOUT_MS}", "foreign_keys=ON", "trusted_schema=OFF",
-                   "synchronous=FULL"):
-        conn.execute(f"PRAGMA {pragma}")
-    if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
-        conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
-    return conn
-
 
 # A serving proxy's holder file (DESIGN.md section 11). The proxy holds an exclusive flock on
 # a file of its own beside the database, <database>.holder-<32 hex>, created exclusively,
@@ -4032,9 +4010,7 @@ class Holder:
         no checker can read this proxy as gone from a file it finds unlocked."""
         if self.fd < 0:
             return
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.lstat(self.path), os.fstat(self.fd)):
-                os.unlink(self.path)
+        _unlink_locked(self.path, self.fd)
         os.close(self.fd)
         self.fd = -1
         _HELD.discard(self.name)
@@ -4095,13 +4071,17 @@ def remove_holder(database: str, owner: str) -> None:
     found = _locked_holder(database, owner)
     if found is None:
         return
-    fd, path = found
     try:
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.lstat(path), os.fstat(fd)):
-                os.unlink(path)
+        _unlink_locked(found[1], found[0])
     finally:
-        os.close(fd)
+        os.close(found[0])
+
+
+def _unlink_locked(path: str, fd: int) -> None:
+    """Remove ``path`` if it still names the file open (and locked) on ``fd``."""
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.lstat(path), os.fstat(fd)):
+            os.unlink(path)
 
 
 class Leases:
@@ -4144,7 +4124,7 @@ class Leases:
         try:
             while not self._stop.wait(self.ttl / LEASE_RENEW_FRACTION):
                 try:
-                    conn = conn or _lease_connection(self.path)
+                    conn = conn or _connection(self.path, "rw")
                     self.renew(conn)
                 except sqlite3.Error:
                     conn = None     # opened again at the next tick; ok() judges the expiry

@@ -3345,12 +3345,9 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
     report = ChainReport(first, last)
     if last < first:
         return report
-    prev = ""
-    if first > 1:
-        rows = store._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
-                           (first,))
-        prev = rows[0][0] if rows else ""
-    expect = first
+    rows = store._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
+                       (first,)) if first > 1 else []
+    prev, expect = rows[0][0] if rows else "", first
     while expect <= last:
         rows = store._read(f"SELECT {_EVENT_COLS} FROM events WHERE seq>=? AND seq<=? "
                            "ORDER BY seq LIMIT ?", (expect, last, VERIFY_PAGE))
@@ -3573,9 +3570,7 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
     """The decision as recorded: argument and result bytes verbatim when they are JSON,
     else kept as text (base64 when not UTF-8) under invalid_* and never as JSON. And the
     record as read back (loads_own), made from the values rather than parsed again."""
-    doc: dict[str, Any] = {"kind": d.kind}
-    if d.tool:
-        doc["tool"] = d.tool
+    doc: dict[str, Any] = {"kind": d.kind, **({"tool": d.tool} if d.tool else {})}
     bad: dict[str, bytes] = {}
     values: dict[str, Any] = {}
     for name, raw in (("args", d.args.strip(JSON_WS)), ("result", d.result.strip(JSON_WS))):
@@ -3587,10 +3582,7 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
             doc[name] = RawJSON(raw)
         except JSONError:
             bad[name] = raw
-    if d.message:
-        doc["message"] = d.message
-    if d.origin:
-        doc["origin"] = d.origin
+    doc.update({k: v for k, v in (("message", d.message), ("origin", d.origin)) if v})
     if bad:
         try:
             texts = {k: v.decode("utf-8") for k, v in bad.items()}

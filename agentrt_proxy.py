@@ -2817,6 +2817,7 @@ _STEP_COLS = ("id, run_id, idx, status, decision_json, policy_json, observation_
               "observation_hash, started_at, finished_at, spec_hash, policy_id")
 _APPROVAL_COLS = ("id, run_id, step_id, kind, capability_json, presentation_json, request_json, "
                   "hash, status, created_at, decided_at, decided_by, note, expires_at")
+_EVENT_COLS = "seq, run_id, step_id, at, type, payload_json, hash"
 # Every approval of a waiting run that may still matter to an operator, oldest first: each
 # pending one, and an approved interruption grant that is its run's latest (it blocks its tool
 # until the identical call collects it). The runs come from the partial index runs_waiting and
@@ -2872,9 +2873,18 @@ def check_database_file(path: str, writer: bool) -> bool:
     return True
 
 
-def _sqlite_uri(path: str, mode: str) -> str:
+def _connection(path: str, mode: str) -> sqlite3.Connection:
+    """A connection to the database, set up as every connection of the proxy is (the store's,
+    and the lease heartbeat's own): writers sync every commit (synchronous=FULL)."""
     quoted = path.replace("%", "%25").replace("?", "%3F").replace("#", "%23")
-    return ("file://" if quoted.startswith("/") else "file:") + quoted + f"?mode={mode}"
+    uri = ("file://" if quoted.startswith("/") else "file:") + quoted + f"?mode={mode}"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+    for pragma in (f"busy_timeout={BUSY_TIMEOUT_MS}", "foreign_keys=ON", "trusted_schema=OFF",
+                   *(("synchronous=FULL",) if mode != "ro" else ())):
+        conn.execute(f"PRAGMA {pragma}")
+    if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
+        conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
+    return conn
 
 
 def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str,
@@ -2900,14 +2910,9 @@ class Tx:
         self._head: tuple[int, str] | None = None
         self._specs = specs if specs is not None else set()
 
-    def forget_head(self) -> None:
-        self._head = None
-
     def run(self, run_id: str) -> Run:
         row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
-        if row is None:
-            raise NotFound(f"run {run_id} not found")
-        return _run_from_row(row)
+        return _run_from_row(_found(row, f"run {run_id}"))
 
     def require(self, run_id: str, statuses: tuple[str, ...], owner: str = "") -> Run:
         """The run, if its status is one of ``statuses`` and (with ``owner``) a RUNNING run
@@ -3033,26 +3038,10 @@ def _approval_from_row(row: tuple) -> Approval:
     return Approval(*row[:4], row[4].encode(), row[5].encode(), *row[6:])
 
 
-class _Within:
-    """A state change inside the transaction this thread has open (Store.tx). No savepoint
-    is taken (nothing inside a transaction goes on after a failed change); instead a
-    failure marks the transaction failed, and it rolls back whole even if the failure was
-    caught inside it."""
-
-    __slots__ = ("store",)
-
-    def __init__(self, store: "Store"):
-        self.store = store
-
-    def __enter__(self) -> Tx:
-        return self.store._open
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is not None:
-            self.store._failed = True
-            if isinstance(exc, sqlite3.Error):
-                raise StoreError(f"{self.store.path}: write failed: {exc}") from None
-        return False
+def _found(record: Any, what: str) -> Any:
+    if record is None:
+        raise NotFound(f"{what} not found")
+    return record
 
 
 class Store:
@@ -3094,15 +3083,8 @@ class Store:
 
     def _connect(self, mode: str) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(_sqlite_uri(self.path, mode), uri=True,
-                                   isolation_level=None, check_same_thread=False)
-            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            conn.execute("PRAGMA foreign_keys=ON")
-            conn.execute("PRAGMA trusted_schema=OFF")
-            if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
-                conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
+            conn = _connection(self.path, mode)
             if mode != "ro":
-                conn.execute("PRAGMA synchronous=FULL")
                 _switch_to_wal(conn, self.path)
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open the database: {exc}") from None
@@ -3160,7 +3142,7 @@ class Store:
         the caller does next (answer the host, send a call's request upstream) rests on a
         record on disk. A tx() inside this thread's open transaction is part of it, at its
         level (several changes with nothing outside in between, one commit: a call's run,
-        step, decision and start), and a failure inside fails all of it (_Within); another
+        step, decision and start), and a failure inside fails all of it; another
         thread waits for the lock. A tool is never called inside an open transaction
         (Session.call_started).
 
@@ -3182,8 +3164,15 @@ class Store:
             raise StoreError(f"{self.path} is open read-only")
         with self._lock:                    # another thread's transaction is waited for
             if self._open is not None:      # this thread's own, whose lock it holds
-                with _Within(self) as tx:
-                    yield tx
+                # No savepoint (nothing inside goes on after a failed change): a failure
+                # marks the transaction failed, and it rolls back whole even if caught inside.
+                try:
+                    yield self._open
+                except BaseException as exc:
+                    self._failed = True
+                    if isinstance(exc, sqlite3.Error):
+                        raise StoreError(f"{self.path}: write failed: {exc}") from None
+                    raise
                 return
             self._check_wal()
             level = "FULL" if synced else "NORMAL"
@@ -3250,17 +3239,12 @@ class Store:
             except sqlite3.Error as exc:
                 raise StoreError(f"{self.path}: read failed: {exc}") from None
 
-    def get_run(self, run_id: str) -> Run:
-        rows = self._read(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,))
-        if not rows:
-            raise NotFound(f"run {run_id} not found")
-        return _run_from_row(rows[0])
-
     def find_run(self, run_id: str) -> Run | None:
-        try:
-            return self.get_run(run_id)
-        except NotFound:
-            return None
+        rows = self._read(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,))
+        return _run_from_row(rows[0]) if rows else None
+
+    def get_run(self, run_id: str) -> Run:
+        return _found(self.find_run(run_id), f"run {run_id}")
 
     def list_runs(self, limit: int, offset: int = 0) -> tuple[list[Run], int]:
         """Newest first, with the total count."""
@@ -3278,17 +3262,12 @@ class Store:
                           (run_id,))
         return [_approval_from_row(r) for r in rows]
 
-    def get_approval(self, approval_id: str) -> Approval:
-        rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,))
-        if not rows:
-            raise NotFound(f"approval {approval_id} not found")
-        return _approval_from_row(rows[0])
-
     def find_approval(self, approval_id: str) -> Approval | None:
-        try:
-            return self.get_approval(approval_id)
-        except NotFound:
-            return None
+        rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,))
+        return _approval_from_row(rows[0]) if rows else None
+
+    def get_approval(self, approval_id: str) -> Approval:
+        return _found(self.find_approval(approval_id), f"approval {approval_id}")
 
     def pending_approvals(self, run_id: str) -> list[Approval]:
         return [a for a in self.list_approvals(run_id) if a.status == PENDING]
@@ -3325,8 +3304,8 @@ class Store:
 
     def list_events(self, run_id: str, limit: int = -1, offset: int = 0) -> list[tuple]:
         """(seq, run_id, step_id, at, type, payload_json, hash) in seq order."""
-        return self._read("SELECT seq, run_id, step_id, at, type, payload_json, hash FROM events "
-                          "WHERE run_id=? ORDER BY seq LIMIT ? OFFSET ?", (run_id, limit, offset))
+        return self._read(f"SELECT {_EVENT_COLS} FROM events WHERE run_id=? ORDER BY seq "
+                          "LIMIT ? OFFSET ?", (run_id, limit, offset))
 
     def count_events(self, run_id: str) -> int:
         return self._read("SELECT COUNT(*) FROM events WHERE run_id=?", (run_id,))[0][0]
@@ -3366,16 +3345,12 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
     report = ChainReport(first, last)
     if last < first:
         return report
-    prev = ""
-    if first > 1:
-        rows = store._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
-                           (first,))
-        prev = rows[0][0] if rows else ""
-    expect = first
+    rows = store._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
+                       (first,)) if first > 1 else []
+    prev, expect = rows[0][0] if rows else "", first
     while expect <= last:
-        rows = store._read("SELECT seq, run_id, step_id, at, type, payload_json, hash FROM "
-                           "events WHERE seq>=? AND seq<=? ORDER BY seq LIMIT ?",
-                           (expect, last, VERIFY_PAGE))
+        rows = store._read(f"SELECT {_EVENT_COLS} FROM events WHERE seq>=? AND seq<=? "
+                           "ORDER BY seq LIMIT ?", (expect, last, VERIFY_PAGE))
         if not rows:
             break
         for seq, run_id, step_id, at, typ, payload, stored in rows:
@@ -3595,9 +3570,7 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
     """The decision as recorded: argument and result bytes verbatim when they are JSON,
     else kept as text (base64 when not UTF-8) under invalid_* and never as JSON. And the
     record as read back (loads_own), made from the values rather than parsed again."""
-    doc: dict[str, Any] = {"kind": d.kind}
-    if d.tool:
-        doc["tool"] = d.tool
+    doc: dict[str, Any] = {"kind": d.kind, **({"tool": d.tool} if d.tool else {})}
     bad: dict[str, bytes] = {}
     values: dict[str, Any] = {}
     for name, raw in (("args", d.args.strip(JSON_WS)), ("result", d.result.strip(JSON_WS))):
@@ -3609,10 +3582,7 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
             doc[name] = RawJSON(raw)
         except JSONError:
             bad[name] = raw
-    if d.message:
-        doc["message"] = d.message
-    if d.origin:
-        doc["origin"] = d.origin
+    doc.update({k: v for k, v in (("message", d.message), ("origin", d.origin)) if v})
     if bad:
         try:
             texts = {k: v.decode("utf-8") for k, v in bad.items()}
@@ -3626,17 +3596,10 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
 
 
 def _policy_record(p: PolicyDecision, extra: dict | None = None) -> str:
-    doc: dict[str, Any] = {"outcome": p.outcome}
-    if p.reason:
-        doc["reason"] = p.reason
-    if p.kind:
-        doc["kind"] = p.kind
-    for name in ("capability", "presentation"):
-        raw = getattr(p, name).strip(JSON_WS)
-        if raw:
-            doc[name] = RawJSON(raw)
-    doc.update({k: v for k, v in (extra or {}).items() if v})
-    return dump_json(doc)
+    raws = {name: getattr(p, name).strip(JSON_WS) for name in ("capability", "presentation")}
+    doc = {"outcome": p.outcome, "reason": p.reason, "kind": p.kind,
+           **{name: RawJSON(raw) for name, raw in raws.items() if raw}, **(extra or {})}
+    return dump_json({k: v for k, v in doc.items() if v or k == "outcome"})
 
 
 class Gate:
@@ -3691,8 +3654,7 @@ class Gate:
         limits.validate()
         if not run_id:
             raise ValueError("a run id is required")
-        self._claim(run_id)
-        try:
+        with self._claiming(run_id):
             now, until = self.now(), self.wall() + self.lease_ttl
             record = limits.record()
             with self.store.tx() as tx:
@@ -3702,9 +3664,6 @@ class Gate:
                 tx.event(run_id, "", now, "run.created",
                          {"goal": goal, "limits": RawJSON(record.encode()), "tools": hashes})
                 tx.event(run_id, "", now, "run.started", {})
-        except BaseException:
-            self._release_claim(run_id)
-            raise
         self.leases.hold(run_id, until)
         return Session(self, run_id)
 
@@ -3801,18 +3760,21 @@ class Gate:
             raise RunStateError(f"run {run_id} is already {run.status}")
         if run.status == RUNNING:
             return self._take_over(run)
-        self._claim(run_id)
-        try:
+        with self._claiming(run_id):
             return self._resume_waiting(run)
-        except BaseException:
-            self._release_claim(run_id)
-            raise
 
-    def _claim(self, run_id: str) -> None:
+    @contextlib.contextmanager
+    def _claiming(self, run_id: str):
+        """This gate's claim on a run, let go when what runs under it fails."""
         with self._claim_lock:
             if run_id in self._claimed:
                 raise RunLeased(run_id, self.owner, "this session ends")
             self._claimed.add(run_id)
+        try:
+            yield
+        except BaseException:
+            self._release_claim(run_id)
+            raise
 
     def _release_claim(self, run_id: str) -> None:
         with self._claim_lock:
@@ -3855,12 +3817,8 @@ class Gate:
         wall = self.wall()
         if _lease_live(run, self.store.path, wall):
             raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
-        self._claim(run.id)
-        try:
+        with self._claiming(run.id):
             return self._take_over_claimed(run)
-        except BaseException:
-            self._release_claim(run.id)
-            raise
 
     def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         steps = self.store.list_steps(run.id)
@@ -3953,34 +3911,23 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
         raise ValueError("tool with empty name")
     if spec.name in seen:
         raise ValueError(f"duplicate tool {_quote(spec.name)}")
-    if spec.side_effect not in SIDE_EFFECTS:
-        raise ValueError(f"tool {_quote(spec.name)}: "
-                         f"invalid side effect {_quote(spec.side_effect)}")
-    if spec.timeout <= 0:
-        raise ValueError(f"tool {_quote(spec.name)}: timeout is required")
-    if not spec.input_schema.strip():
-        raise ValueError(f"tool {_quote(spec.name)}: input schema is required")
+    problem = (f"invalid side effect {_quote(spec.side_effect)}"
+               if spec.side_effect not in SIDE_EFFECTS else
+               "timeout is required" if spec.timeout <= 0 else
+               "input schema is required" if not spec.input_schema.strip() else "")
     try:
-        _schema_for(spec)
+        if not problem:
+            _schema_for(spec)       # compiled once here, and cached
     except (SchemaError, JSONError) as exc:
-        raise ValueError(f"tool {_quote(spec.name)}: {exc}") from None
+        problem = str(exc)
+    if problem:
+        raise ValueError(f"tool {_quote(spec.name)}: {problem}")
 
 
 # ==== 11.1 Leases and the holder file ====
 # A run's lease, renewed on a thread of its own (Leases), and the holder file whose lock
 # proves a serving proxy alive (Holder): what lets the gate take a crashed executor's run
 # over, once its lease runs out or at once when its holder is gone.
-
-def _lease_connection(path: str) -> sqlite3.Connection:
-    """The heartbeat's own connection, set up as every other connection is."""
-    conn = sqlite3.connect(_sqlite_uri(path, "rw"), uri=True, isolation_level=None)
-    for pragma in (f"busy_timeout={BUSY_TIMEOUT_MS}", "foreign_keys=ON", "trusted_schema=OFF",
-                   "synchronous=FULL"):
-        conn.execute(f"PRAGMA {pragma}")
-    if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):
-        conn.setconfig(sqlite3.SQLITE_DBCONFIG_DEFENSIVE, True)
-    return conn
-
 
 # A serving proxy's holder file (DESIGN.md section 11). The proxy holds an exclusive flock on
 # a file of its own beside the database, <database>.holder-<32 hex>, created exclusively,
@@ -4055,9 +4002,7 @@ class Holder:
         no checker can read this proxy as gone from a file it finds unlocked."""
         if self.fd < 0:
             return
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.lstat(self.path), os.fstat(self.fd)):
-                os.unlink(self.path)
+        _unlink_locked(self.path, self.fd)
         os.close(self.fd)
         self.fd = -1
         _HELD.discard(self.name)
@@ -4118,13 +4063,17 @@ def remove_holder(database: str, owner: str) -> None:
     found = _locked_holder(database, owner)
     if found is None:
         return
-    fd, path = found
     try:
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.lstat(path), os.fstat(fd)):
-                os.unlink(path)
+        _unlink_locked(found[1], found[0])
     finally:
-        os.close(fd)
+        os.close(found[0])
+
+
+def _unlink_locked(path: str, fd: int) -> None:
+    """Remove ``path`` if it still names the file open (and locked) on ``fd``."""
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.lstat(path), os.fstat(fd)):
+            os.unlink(path)
 
 
 class Leases:
@@ -4167,7 +4116,7 @@ class Leases:
         try:
             while not self._stop.wait(self.ttl / LEASE_RENEW_FRACTION):
                 try:
-                    conn = conn or _lease_connection(self.path)
+                    conn = conn or _connection(self.path, "rw")
                     self.renew(conn)
                 except sqlite3.Error:
                     conn = None     # opened again at the next tick; ok() judges the expiry

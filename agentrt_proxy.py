@@ -6155,28 +6155,31 @@ class StdioUpstream(Upstream):
     async def close(self) -> None:
         """Close stdin, wait, SIGTERM, wait, SIGKILL, wait: the server's process group is
         killed once it has exited (_ended). Safe to call twice and while a call is in
-        flight."""
+        flight; a close cancelled while it waits still closes the transport (which kills
+        the server)."""
         async with self._close_lock:
             proc, self.closed = self.proc, True
             if proc is None:
                 return
-            proc.stdin.close()
-            for sig in (None, signal.SIGTERM, signal.SIGKILL):
-                if self._exit.done():
-                    break
-                if sig is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(sig)
-                await asyncio.wait({self._exit}, timeout=CLOSE_WAIT)
-            for task in self._tasks:
-                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(task, STDERR_WAIT)
-            # A descendant may still hold the pipes: they are closed here, what the server
-            # never read dropped.
-            if proc.stdin.transport.get_write_buffer_size():
-                proc.stdin.transport.abort()
-            self._transport.close()
-            self.proc = None
+            try:
+                proc.stdin.close()
+                for sig in (None, signal.SIGTERM, signal.SIGKILL):
+                    if self._exit.done():
+                        break
+                    if sig is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(sig)
+                    await asyncio.wait({self._exit}, timeout=CLOSE_WAIT)
+                for task in self._tasks:
+                    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                        await asyncio.wait_for(task, STDERR_WAIT)
+            finally:
+                # A descendant may still hold the pipes: they are closed here, what the
+                # server never read dropped.
+                if proc.stdin.transport.get_write_buffer_size():
+                    proc.stdin.transport.abort()
+                self._transport.close()
+                self.proc = None
 
 
 # ==== 16. Upstream client over streamable HTTP ====

@@ -158,3 +158,28 @@ def test_a_server_that_exits_has_its_group_ended_at_once_and_never_at_close(tmp_
     pid, left = asyncio.run(scenario())
     assert not left                               # the child was killed, before close()
     assert signalled == [(pid, False)]            # once, at the exit; none at close
+
+
+# A server that outlives its stdin closing: close() waits on it (CLOSE_WAIT) before SIGTERM.
+IGNORES_EOF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+
+
+def test_a_close_cancelled_while_it_waits_still_closes_the_transport():
+    """A close cancelled in its wait for the server's exit (a load cancelled as it closes
+    its failed server, say) still closes the transport: the server is killed, and no
+    transport is left for the garbage collector to find unclosed after its loop is gone."""
+    async def scenario():
+        upstream = ap.StdioUpstream("stays", [sys.executable, "-c", IGNORES_EOF], {})
+        await upstream.start()
+        transport, proc = upstream._transport, upstream.proc
+        closing = asyncio.create_task(upstream.close())
+        await asyncio.sleep(0.2)                   # inside the wait after stdin closes
+        assert not closing.done()
+        closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        code = await asyncio.wait_for(proc.wait(), 10)
+        return transport.is_closing(), code, upstream.proc
+    closed, code, proc_left = asyncio.run(scenario())
+    assert closed
+    assert code == -9                              # killed by the transport's close
+    assert proc_left is None                       # a later close() has nothing to do

@@ -5605,7 +5605,7 @@ class Message:
         can echo."""
         ident = self.doc.get("id")
         return ident if isinstance(ident, Num) or (
-            isinstance(ident, str) and not _LONE_SURROGATE.search(ident)) else None
+            isinstance(ident, str) and not _SURROGATES.search(ident)) else None
 
 
 def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
@@ -5624,7 +5624,7 @@ def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
         text, bad = line.decode("utf-8"), []
     except UnicodeDecodeError:
         text = line.decode("utf-8", "surrogateescape")
-        bad = [m.start() for m in _LONE_SURROGATE.finditer(text)]
+        bad = [m.start() for m in _SURROGATES.finditer(text)]
     # the message's members' spans, and those of each of its objects
     clean: set[int] = set()
     doc, spans, inner = _read_object(line, text, 2, clean, "params")
@@ -5645,7 +5645,9 @@ def rpc_notification(method: str, params: Any) -> bytes:
     return (dump_json({"jsonrpc": "2.0", "method": method, "params": params}) + "\n").encode()
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# A lone surrogate in text decoded from JSON (the strict parser refuses one in the
+# arguments; elsewhere it is replaced before it is recorded or shown).
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def rpc_result(msg_id: Any, result: Any) -> bytes:
@@ -6919,7 +6921,6 @@ def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
     return _policy_str(prefix + TRUNCATION_MARKER).encode("utf-8"), True
 
 
-_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
@@ -10939,7 +10940,7 @@ def _check_envelope(msg: Message) -> None:
         if fault:
             raise ProtocolError(reason, INVALID_REQUEST)
     start, end = msg.params_spans.get("arguments", (0, 0))      # the text outside arguments
-    if _LONE_SURROGATE.search(msg.text, 0, start) or _LONE_SURROGATE.search(msg.text, end):
+    if _SURROGATES.search(msg.text, 0, start) or _SURROGATES.search(msg.text, end):
         raise JSONError("not valid UTF-8", msg.text.encode("utf-8", "surrogateescape"), 0)
 
 

@@ -6921,8 +6921,6 @@ def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
     return _policy_str(prefix + TRUNCATION_MARKER).encode("utf-8"), True
 
 
-
-
 async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
                       ) -> tuple[list[UpstreamTool], Report]:
     """Connect, list, and register what passes every check. Nothing registered is an

@@ -2478,6 +2478,18 @@ SPEC_CACHE_SIZE = 1024                # tool specs whose canonical form is kept
 LIMITS_CACHE_SIZE = 64                # limits records whose parse is kept
 
 
+def _kept(cache: dict, key: Any, make: Callable[[], Any], size: int) -> Any:
+    """``make()``, worked out once per ``key`` while ``cache`` holds fewer than ``size``
+    entries (then it is emptied): every cache of values derived from a frozen record."""
+    found = cache.get(key)
+    if found is None:
+        found = make()
+        if len(cache) >= size:
+            cache.clear()
+        cache[key] = found
+    return found
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class ToolSpec:
     """What a tool is. Its canonical JSON is hashed into every approval for it."""
@@ -2505,24 +2517,16 @@ class ToolSpec:
         return self._forms()[1]
 
     def _forms(self) -> tuple[bytes, str]:
-        found = _SPEC_FORMS.get(self)
-        if found is None:
-            if len(_SPEC_FORMS) >= SPEC_CACHE_SIZE:
-                _SPEC_FORMS.clear()
+        def forms() -> tuple[bytes, str]:
             canon = encode_canonical(self.as_value())
-            found = _SPEC_FORMS[self] = (canon, sha256_hex(canon))
-        return found
+            return canon, sha256_hex(canon)
+        return _kept(_SPEC_FORMS, self, forms, SPEC_CACHE_SIZE)
 
     def policy_form(self) -> "ToolSpec":
         """The spec as a policy is handed it, its input schema in policy form (policy_json),
         worked out once."""
-        found = _SPEC_POLICY_FORMS.get(self)
-        if found is None:
-            if len(_SPEC_POLICY_FORMS) >= SPEC_CACHE_SIZE:
-                _SPEC_POLICY_FORMS.clear()
-            found = _SPEC_POLICY_FORMS[self] = dataclasses.replace(
-                self, input_schema=policy_json(self.input_schema, False))
-        return found
+        return _kept(_SPEC_POLICY_FORMS, self, lambda: dataclasses.replace(
+            self, input_schema=policy_json(self.input_schema, False)), SPEC_CACHE_SIZE)
 
     @classmethod
     def from_json(cls, raw: bytes) -> "ToolSpec":
@@ -2605,32 +2609,22 @@ class Limits:
 
     def record(self) -> str:
         """Its record, written once per limits (every run of a proxy records the same)."""
-        found = _LIMITS_WRITTEN.get(self)
-        if found is None:
-            if len(_LIMITS_WRITTEN) >= LIMITS_CACHE_SIZE:
-                _LIMITS_WRITTEN.clear()
-            found = _LIMITS_WRITTEN[self] = dump_json({
-                "max_steps": self.max_steps,
-                "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
-                "loop_threshold": self.loop_threshold,
-                "approval_ttl": fmt_duration(self.approval_ttl),
-                "grant_ttl": fmt_duration(self.grant_ttl)})
-        return found
+        return _kept(_LIMITS_WRITTEN, self, lambda: dump_json({
+            "max_steps": self.max_steps,
+            "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
+            "loop_threshold": self.loop_threshold, "approval_ttl": fmt_duration(self.approval_ttl),
+            "grant_ttl": fmt_duration(self.grant_ttl)}), LIMITS_CACHE_SIZE)
 
     @classmethod
     def from_record(cls, text: str) -> "Limits":
         """The limits a run records (read once per text: every run of a proxy has the
         same, and every read of a run reads them)."""
-        found = _LIMITS_READ.get(text)
-        if found is None:
+        def read() -> "Limits":
             d = loads_own(text)
-            found = cls(d["max_steps"], d["max_consecutive_tool_failures"], d["loop_threshold"],
-                        parse_duration(d.get("approval_ttl", "0s")),
-                        parse_duration(d.get("grant_ttl", "0s")))
-            if len(_LIMITS_READ) >= LIMITS_CACHE_SIZE:
-                _LIMITS_READ.clear()
-            _LIMITS_READ[text] = found
-        return found
+            return cls(d["max_steps"], d["max_consecutive_tool_failures"], d["loop_threshold"],
+                       parse_duration(d.get("approval_ttl", "0s")),
+                       parse_duration(d.get("grant_ttl", "0s")))
+        return _kept(_LIMITS_READ, text, read, LIMITS_CACHE_SIZE)
 
     def validate(self) -> None:
         for name in ("max_steps", "max_consecutive_tool_failures", "loop_threshold"):

@@ -11045,15 +11045,14 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
     """Load every server as serving does; with ``emit``, every report line is handed to it,
     after a failure too. A failure closes what was opened; the reports made so far travel
     with the error."""
+    reports: list[Report] = []
     try:
         tools, reports = await _load_tools(cfg)
     except MCPError as exc:
-        for report in getattr(exc, "reports", []) if emit else []:
-            for line in report.lines():
-                emit(line)
+        reports = getattr(exc, "reports", [])
         raise
-    for report in reports if emit else []:
-        for line in report.lines():
+    finally:
+        for line in [line for report in reports for line in report.lines()] if emit else []:
             emit(line)
     return tools, reports
 
@@ -11101,13 +11100,13 @@ def check_rules_pinned(server: ServerConfig, pinned: dict[str, PinnedTool]) -> N
 
 def read_pinned(server: ServerConfig, config_path: str = "") -> dict[str, PinnedTool]:
     """The server's manifest, as loading takes it: it must exist and parse."""
-    if not os.path.lexists(server.manifest):
+    pinned, unread = previous_pin(server)
+    if unread:
+        raise MCPError(f"server {_quote(server.name)}: manifest: {unread}")
+    if pinned is None:
         raise MCPError(f"server {_quote(server.name)}: manifest {server.manifest} does not "
                        f"exist: run {_self_command()} pin -config {config_path or 'CONFIG'}")
-    try:
-        return read_manifest(server.manifest, server.name)
-    except ConfigError as exc:
-        raise MCPError(f"server {_quote(server.name)}: manifest: {exc}") from None
+    return pinned
 
 
 async def _load_one(server: ServerConfig, config_path: str = "",
@@ -11217,10 +11216,8 @@ def pin_changes(before: tuple[dict[str, PinnedTool] | None, str], tools: dict) -
 
 def _wrapped(text: str) -> list[str]:
     import textwrap                  # imported here: only pin needs it
-    out: list[str] = []
-    for para in text.split("\n"):
-        out += textwrap.wrap(para, PIN_WRAP_WIDTH) or [""]
-    return out
+    return [line for para in text.split("\n")
+            for line in textwrap.wrap(para, PIN_WRAP_WIDTH) or [""]]
 
 
 def _schema_lines(raw: bytes) -> list[str]:
@@ -11257,9 +11254,9 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
             CallIndex(store, cfg.session).migrate(time.time())
         finally:
             store.close()
-        for line in _table(_decisions(cfg, tools)):
-            out.line(line)
         policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
+        for line in _table(_decisions(cfg, tools, policy)):
+            out.line(line)
         for tool in tools:
             if policy.never_runs(tool):       # offered, yet every call the model makes is lost
                 out.line(f"{sanitize(tool.spec.name)}: denied on every call: remove its rule "
@@ -11269,18 +11266,18 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
         out.line(f"status tool: {sanitize(cfg.status_tool)}")
         out.line(f"session: {sanitize(cfg.session)}")
         out.line(f"database: {sanitize(cfg.database)}")
-        refused = [(r.server, t, why) for r in reports for t, why in r.refused]
-        for line in check_summary(tools, reports, policy, refused):
+        for line in check_summary(tools, reports, policy):
             out.line(line)
     finally:
         await close_tools(tools)
-    return 1 if strict and refused else 0
+    return 1 if strict and any(r.refused for r in reports) else 0
 
 
 def check_summary(tools: list[UpstreamTool], reports: list[Report], policy: "ProxyPolicy",
-                  refused: list[tuple[str, str, str]]) -> list[str]:
+                  ) -> list[str]:
     """check's last lines: the counts, then each refusal a rule met and each tool every
     call to which is denied, so that none hides among the lines above."""
+    refused = [(r.server, t, why) for r in reports for t, why in r.refused]
     never = [t for t in tools if policy.never_runs(t)]
     unclassified = sum(len(r.unclassified) for r in reports)
     out = [f"summary: {len(tools)} tool(s) offered ({len(never)} of them denied on every "
@@ -11295,11 +11292,11 @@ def check_summary(tools: list[UpstreamTool], reports: list[Report], policy: "Pro
     return out
 
 
-def _decisions(cfg: Config, tools: list[UpstreamTool]) -> list[list[str]]:
+def _decisions(cfg: Config, tools: list[UpstreamTool], policy: "ProxyPolicy",
+               ) -> list[list[str]]:
     """Each offered tool, its class, and what the configuration's policy makes of a call to
     it. A tool that changes something and is allowed only because no policy or rule said
     otherwise is marked: that is a default the operator never chose."""
-    policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
     rows = []
     for tool in tools:
         outcome, _ = policy.decide(tool)
@@ -11445,6 +11442,14 @@ async def _first_of(*events: asyncio.Event) -> None:
             w.cancel()
 
 
+def _fileno(stream) -> int:
+    """The stream's descriptor, or -1 when it has none (a test's in-memory stream)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return -1
+
+
 def _write_all(fd: int, data: bytes) -> None:
     """Write all of ``data``, waiting for room (this thread may wait): the descriptor may
     be non-blocking, set so by the host or another holder of it."""
@@ -11473,19 +11478,14 @@ class LineWriter:
         self.queue.put(data)
 
     def _run(self) -> None:
-        try:
-            fd = self.stream.fileno()
-        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-            fd = -1
+        fd = _fileno(self.stream)
         while True:
             data = self.queue.get()
             try:
-                if self.broken:
-                    pass
-                elif fd < 0:
+                if not self.broken and fd < 0:
                     self.stream.write(data)
                     self.stream.flush()
-                else:
+                elif not self.broken:
                     _write_all(fd, data)
             except (OSError, ValueError):
                 self.broken = True
@@ -11559,13 +11559,9 @@ class LineReader:
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
     def _chunks(self) -> Iterable[bytes]:
-        try:
-            fd = self.stream.fileno()
-        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-            fd = None
+        fd = _fileno(self.stream)
         while True:
-            chunk = os.read(fd, READ_CHUNK) if fd is not None else \
-                self.stream.readline(READ_CHUNK)
+            chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
             if not chunk:
                 return
             yield chunk

@@ -11077,7 +11077,17 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
                 raise
             reports.append(report)
             tools += got
-            _register(cfg, server, got, owners)
+            for tool in got:            # each name the model sees belongs to one tool
+                if tool.spec.name == cfg.status_tool:
+                    raise MCPError(
+                        f"server {_quote(server.name)}: tool {_quote(tool.remote)} registers "
+                        f"as {_quote(tool.spec.name)}, which is the status tool's name: "
+                        "rename one, through status_tool or the rule's rename")
+                if tool.spec.name in owners:
+                    raise MCPError(f"server {_quote(server.name)}: the name "
+                                   f"{_quote(tool.spec.name)} is already registered by another "
+                                   f"server, {_quote(owners[tool.spec.name])}")
+                owners[tool.spec.name] = server.name
     except BaseException as exc:
         for load in loads:
             load.cancel()
@@ -11112,22 +11122,6 @@ def read_pinned(server: ServerConfig, config_path: str = "") -> dict[str, Pinned
 async def _load_one(server: ServerConfig, config_path: str = "",
                     ) -> tuple[list[UpstreamTool], Report]:
     return await load_server(server, read_pinned(server, config_path))
-
-
-def _register(cfg: Config, server: ServerConfig, got: list[UpstreamTool],
-              owners: dict[str, str]) -> None:
-    """Each name the model sees belongs to one tool of one server."""
-    for tool in got:
-        if tool.spec.name == cfg.status_tool:
-            raise MCPError(
-                f"server {_quote(server.name)}: tool {_quote(tool.remote)} registers "
-                f"as {_quote(tool.spec.name)}, which is the status tool's name: rename "
-                "one, through status_tool or the rule's rename")
-        if tool.spec.name in owners:
-            raise MCPError(f"server {_quote(server.name)}: the name "
-                           f"{_quote(tool.spec.name)} is already registered by another "
-                           f"server, {_quote(owners[tool.spec.name])}")
-        owners[tool.spec.name] = server.name
 
 
 async def close_tools(tools: list[UpstreamTool]) -> None:
@@ -11255,18 +11249,15 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
         finally:
             store.close()
         policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
-        for line in _table(_decisions(cfg, tools, policy)):
-            out.line(line)
+        lines = _table(_decisions(cfg, tools, policy))
         for tool in tools:
             if policy.never_runs(tool):       # offered, yet every call the model makes is lost
-                out.line(f"{sanitize(tool.spec.name)}: denied on every call: remove its rule "
-                         "to stop offering it")
-            for line in rule_lines(tool, policy.decide(tool)[0]):
-                out.line(line)
-        out.line(f"status tool: {sanitize(cfg.status_tool)}")
-        out.line(f"session: {sanitize(cfg.session)}")
-        out.line(f"database: {sanitize(cfg.database)}")
-        for line in check_summary(tools, reports, policy):
+                lines.append(f"{sanitize(tool.spec.name)}: denied on every call: remove its "
+                             "rule to stop offering it")
+            lines += rule_lines(tool, policy.decide(tool)[0])
+        lines += [f"status tool: {sanitize(cfg.status_tool)}", f"session: {sanitize(cfg.session)}",
+                  f"database: {sanitize(cfg.database)}"]
+        for line in lines + check_summary(tools, reports, policy):
             out.line(line)
     finally:
         await close_tools(tools)
@@ -11415,16 +11406,9 @@ async def _close_opened(opening: "asyncio.Future[Store] | None") -> None:
     """Close the store a worker thread opened beside a start that is not going on. Its
     thread cannot be stopped, so it is waited for; if this wait is cancelled too, the
     store is closed when the thread has opened it."""
-    if opening is None:
-        return
-    try:
-        store = await asyncio.shield(opening)
-    except asyncio.CancelledError:
+    if opening is not None:
         opening.add_done_callback(_close_result)
-        raise
-    except Exception:                   # it failed to open: nothing to close
-        return
-    store.close()
+        await asyncio.wait({opening})
 
 
 def _close_result(opened: "asyncio.Future[Store]") -> None:
@@ -11513,16 +11497,14 @@ class _LineCutter:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         lines = []
-        start, end = 0, chunk.find(b"\n")
-        while end != -1:
+        *ended, tail = chunk.split(b"\n")
+        for line in ended:
             if not self.skipping:
-                lines.append(b"".join(self.parts) + chunk[start:end + 1])
+                lines.append(b"".join(self.parts) + line + b"\n")
             self.parts, self.size, self.skipping = [], 0, False
-            start = end + 1
-            end = chunk.find(b"\n", start)
-        if start < len(chunk) and not self.skipping:
-            self.parts.append(chunk[start:])
-            self.size += len(chunk) - start
+        if tail and not self.skipping:
+            self.parts.append(tail)
+            self.size += len(tail)
             if self.size > MAX_FRAME:
                 lines.append(b"".join(self.parts)[:MAX_FRAME + 1])
                 self.parts, self.size, self.skipping = [], 0, True

@@ -1213,16 +1213,12 @@ def _decode_lossy(data: bytes) -> str:
     return _BAD_BYTES.sub("\ufffd", data.decode("utf-8", "surrogateescape"))
 
 
-def _has_combining(text: str) -> bool:
-    return not text.isascii() and any(unicodedata.combining(c) or
-                                      unicodedata.category(c)[0] == "M" for c in text)
-
-
 def sanitize(text: str | bytes) -> str:
     """Make text safe to print on a terminal or quote to a model. Does not bound length."""
     if isinstance(text, bytes):
         text = _decode_lossy(text)
-    if not _NEEDS_WORK.search(text) and not _has_combining(text):
+    if not _NEEDS_WORK.search(text) and (text.isascii() or not any(
+            unicodedata.combining(c) or unicodedata.category(c)[0] == "M" for c in text)):
         return text
     # Lone surrogates in a str stand for bytes that were not UTF-8.
     text = re.sub("[\ud800-\udfff]+", "\ufffd", text)
@@ -11153,8 +11149,7 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
                  f"{sanitize(server.manifest)}; the hints below are the server's own and "
                  "classify nothing")
         for name, entry in tools.items():
-            desc = truncate(sanitize(" ".join(entry["description"].split())),
-                            PIN_DESCRIPTION_BYTES)
+            desc = clean(" ".join(entry["description"].split()), PIN_DESCRIPTION_BYTES)
             out.line(f"  {sanitize(name):<{PIN_NAME_WIDTH}} "
                      f"{_hints_text(entry.get('annotations')):<{PIN_HINTS_WIDTH}} {desc}")
         for line in pin_changes(before, tools):
@@ -11387,7 +11382,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
         store = (Store.open(cfg.database) if opening is None
                  else await asyncio.shield(opening))
     except BaseException:
-        if opening is not None and not opening.done():
+        if opening is not None:     # done or not: a store it opened is closed
             opening.add_done_callback(_close_result)
         await close_tools(tools)
         raise
@@ -11540,22 +11535,15 @@ class LineReader:
         self._room = threading.Condition()
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
-    def _chunks(self) -> Iterable[bytes]:
-        fd = _fileno(self.stream)
-        while True:
-            chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
-            if not chunk:
-                return
-            yield chunk
-
     def _run(self) -> None:
-        lines = _LineCutter()
+        fd, lines = _fileno(self.stream), _LineCutter()
         try:
-            for chunk in self._chunks():
-                for line in lines.feed(chunk):
+            while True:
+                chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
+                for line in lines.feed(chunk) if chunk else lines.rest():
                     self._put(line)
-            for line in lines.rest():
-                self._put(line)
+                if not chunk:                # the end of the input
+                    break
         except (OSError, ValueError):
             pass
         self._put(None)

@@ -1202,8 +1202,8 @@ def loads_own(text: str | bytes) -> Any:
 
 _INVISIBLE = ("\u202a-\u202e\u2066-\u2069\u061c\u200e\u200f\u200b-\u200d\u2060-\u2064"
               "\ufeff\u00ad\u180e\u2028\u2029\U000e0000-\U000e007f")
+_ESCAPED = re.compile(f"[\x00-\x1f\x7f-\x9f{_INVISIBLE}]")
 _NEEDS_WORK = re.compile(f"[\x00-\x1f\x7f-\x9f{_INVISIBLE}\ud800-\udfff]")
-_INVISIBLE_RE = re.compile(f"[{_INVISIBLE}]")
 _BAD_BYTES = re.compile("[\udc80-\udcff]+")
 MAX_COMBINING = 4
 
@@ -1220,31 +1220,24 @@ def sanitize(text: str | bytes) -> str:
     if not _NEEDS_WORK.search(text) and (text.isascii() or not any(
             unicodedata.combining(c) or unicodedata.category(c)[0] == "M" for c in text)):
         return text
-    # Lone surrogates in a str stand for bytes that were not UTF-8.
-    text = re.sub("[\ud800-\udfff]+", "\ufffd", text)
+    # Lone surrogates in a str stand for bytes that were not UTF-8. No escape is a mark and
+    # no mark is escaped, so escaping first leaves every run of marks as it was.
+    text = _ESCAPED.sub(_escape, re.sub("[\ud800-\udfff]+", "\ufffd", text))
     out: list[str] = []
-    marks = 0
-    for ch in text:
-        if unicodedata.category(ch)[0] == "M":
-            marks += 1
-            if marks <= MAX_COMBINING:
-                out.append(ch)
-            continue
-        if marks > MAX_COMBINING:
-            out.append(f"[+{marks - MAX_COMBINING} combining marks dropped]")
-        marks = 0
-        code = ord(ch)
-        if ch in "\r\n":
-            out.append(" ")
-        elif code < 0x20 or 0x7F <= code <= 0x9F:
-            out.append(f"\\x{code:02x}")
-        elif _INVISIBLE_RE.match(ch):
-            out.append(f"\\u{{{code:04x}}}")
-        else:
-            out.append(ch)
-    if marks > MAX_COMBINING:
-        out.append(f"[+{marks - MAX_COMBINING} combining marks dropped]")
+    for is_mark, run in itertools.groupby(text, lambda c: unicodedata.category(c)[0] == "M"):
+        run = "".join(run)
+        if is_mark and len(run) > MAX_COMBINING:
+            run = f"{run[:MAX_COMBINING]}[+{len(run) - MAX_COMBINING} combining marks dropped]"
+        out.append(run)
     return "".join(out)
+
+
+def _escape(found: re.Match) -> str:
+    """CR and LF as spaces, a C0, DEL or C1 control as \\xHH, any other \\u{hhhh}."""
+    code = ord(found.group())
+    if code in (0x0A, 0x0D):
+        return " "
+    return f"\\x{code:02x}" if code < 0x20 or 0x7F <= code <= 0x9F else f"\\u{{{code:04x}}}"
 
 
 def truncate(text: str, limit: int) -> str:

@@ -11544,8 +11544,7 @@ class LineReader:
     def _put(self, item: bytes | None) -> None:
         if item is not None:
             with self._room:
-                while self._ahead > READ_AHEAD_BYTES:
-                    self._room.wait()
+                self._room.wait_for(lambda: self._ahead <= READ_AHEAD_BYTES)
                 self._ahead += _read_ahead_cost(item)
         with contextlib.suppress(RuntimeError):     # the loop is closed: serving ended
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)

@@ -11032,22 +11032,9 @@ def _id_key(raw: bytes | None) -> str:
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
     """Load every server as serving does; with ``emit``, every report line is handed to it,
-    after a failure too. A failure closes what was opened; the reports made so far travel
-    with the error."""
-    reports: list[Report] = []
-    try:
-        tools, reports = await _load_tools(cfg)
-    except MCPError as exc:
-        reports = getattr(exc, "reports", [])
-        raise
-    finally:
-        for line in [line for report in reports for line in report.lines()] if emit else []:
-            emit(line)
-    return tools, reports
+    after a server's failure too.
 
-
-async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
-    """Every server is connected, listed and built at once, so start-up takes as long as the
+    Every server is connected, listed and built at once, so start-up takes as long as the
     slowest server, not the sum. The results are taken in configuration order: the reports,
     the names registered and the error a failure gives are those of loading the servers one
     after another. After a failure the servers later in the order are stopped, and every
@@ -11056,6 +11043,7 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     tools: list[UpstreamTool] = []
     reports: list[Report] = []
     owners: dict[str, str] = {}
+    failure: MCPError | None = None
     try:
         for server, load in zip(cfg.servers, loads):
             try:
@@ -11083,9 +11071,13 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
         done = await asyncio.gather(*loads, return_exceptions=True)
         await close_tools([t for result in done if isinstance(result, tuple)
                            for t in result[0]])
-        if isinstance(exc, MCPError):
-            exc.reports = reports
-        raise
+        if not isinstance(exc, MCPError):
+            raise
+        failure = exc
+    for line in [line for report in reports for line in report.lines()] if emit else []:
+        emit(line)
+    if failure is not None:
+        raise failure
     return tools, reports
 
 

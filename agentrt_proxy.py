@@ -1202,8 +1202,8 @@ def loads_own(text: str | bytes) -> Any:
 
 _INVISIBLE = ("\u202a-\u202e\u2066-\u2069\u061c\u200e\u200f\u200b-\u200d\u2060-\u2064"
               "\ufeff\u00ad\u180e\u2028\u2029\U000e0000-\U000e007f")
+_ESCAPED = re.compile(f"[\x00-\x1f\x7f-\x9f{_INVISIBLE}]")
 _NEEDS_WORK = re.compile(f"[\x00-\x1f\x7f-\x9f{_INVISIBLE}\ud800-\udfff]")
-_INVISIBLE_RE = re.compile(f"[{_INVISIBLE}]")
 _BAD_BYTES = re.compile("[\udc80-\udcff]+")
 MAX_COMBINING = 4
 
@@ -1213,42 +1213,31 @@ def _decode_lossy(data: bytes) -> str:
     return _BAD_BYTES.sub("\ufffd", data.decode("utf-8", "surrogateescape"))
 
 
-def _has_combining(text: str) -> bool:
-    return not text.isascii() and any(unicodedata.combining(c) or
-                                      unicodedata.category(c)[0] == "M" for c in text)
-
-
 def sanitize(text: str | bytes) -> str:
     """Make text safe to print on a terminal or quote to a model. Does not bound length."""
     if isinstance(text, bytes):
         text = _decode_lossy(text)
-    if not _NEEDS_WORK.search(text) and not _has_combining(text):
+    if not _NEEDS_WORK.search(text) and (text.isascii() or not any(
+            unicodedata.combining(c) or unicodedata.category(c)[0] == "M" for c in text)):
         return text
-    # Lone surrogates in a str stand for bytes that were not UTF-8.
-    text = re.sub("[\ud800-\udfff]+", "\ufffd", text)
+    # Lone surrogates in a str stand for bytes that were not UTF-8. No escape is a mark and
+    # no mark is escaped, so escaping first leaves every run of marks as it was.
+    text = _ESCAPED.sub(_escape, re.sub("[\ud800-\udfff]+", "\ufffd", text))
     out: list[str] = []
-    marks = 0
-    for ch in text:
-        if unicodedata.category(ch)[0] == "M":
-            marks += 1
-            if marks <= MAX_COMBINING:
-                out.append(ch)
-            continue
-        if marks > MAX_COMBINING:
-            out.append(f"[+{marks - MAX_COMBINING} combining marks dropped]")
-        marks = 0
-        code = ord(ch)
-        if ch in "\r\n":
-            out.append(" ")
-        elif code < 0x20 or 0x7F <= code <= 0x9F:
-            out.append(f"\\x{code:02x}")
-        elif _INVISIBLE_RE.match(ch):
-            out.append(f"\\u{{{code:04x}}}")
-        else:
-            out.append(ch)
-    if marks > MAX_COMBINING:
-        out.append(f"[+{marks - MAX_COMBINING} combining marks dropped]")
+    for is_mark, run in itertools.groupby(text, lambda c: unicodedata.category(c)[0] == "M"):
+        run = "".join(run)
+        if is_mark and len(run) > MAX_COMBINING:
+            run = f"{run[:MAX_COMBINING]}[+{len(run) - MAX_COMBINING} combining marks dropped]"
+        out.append(run)
     return "".join(out)
+
+
+def _escape(found: re.Match) -> str:
+    """CR and LF as spaces, a C0, DEL or C1 control as \\xHH, any other \\u{hhhh}."""
+    code = ord(found.group())
+    if code in (0x0A, 0x0D):
+        return " "
+    return f"\\x{code:02x}" if code < 0x20 or 0x7F <= code <= 0x9F else f"\\u{{{code:04x}}}"
 
 
 def truncate(text: str, limit: int) -> str:
@@ -2478,6 +2467,18 @@ SPEC_CACHE_SIZE = 1024                # tool specs whose canonical form is kept
 LIMITS_CACHE_SIZE = 64                # limits records whose parse is kept
 
 
+def _kept(cache: dict, key: Any, make: Callable[[], Any], size: int) -> Any:
+    """``make()``, worked out once per ``key`` while ``cache`` holds fewer than ``size``
+    entries (then it is emptied): every cache of values derived from a frozen record."""
+    found = cache.get(key)
+    if found is None:
+        found = make()
+        if len(cache) >= size:
+            cache.clear()
+        cache[key] = found
+    return found
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class ToolSpec:
     """What a tool is. Its canonical JSON is hashed into every approval for it."""
@@ -2505,24 +2506,16 @@ class ToolSpec:
         return self._forms()[1]
 
     def _forms(self) -> tuple[bytes, str]:
-        found = _SPEC_FORMS.get(self)
-        if found is None:
-            if len(_SPEC_FORMS) >= SPEC_CACHE_SIZE:
-                _SPEC_FORMS.clear()
+        def forms() -> tuple[bytes, str]:
             canon = encode_canonical(self.as_value())
-            found = _SPEC_FORMS[self] = (canon, sha256_hex(canon))
-        return found
+            return canon, sha256_hex(canon)
+        return _kept(_SPEC_FORMS, self, forms, SPEC_CACHE_SIZE)
 
     def policy_form(self) -> "ToolSpec":
         """The spec as a policy is handed it, its input schema in policy form (policy_json),
         worked out once."""
-        found = _SPEC_POLICY_FORMS.get(self)
-        if found is None:
-            if len(_SPEC_POLICY_FORMS) >= SPEC_CACHE_SIZE:
-                _SPEC_POLICY_FORMS.clear()
-            found = _SPEC_POLICY_FORMS[self] = dataclasses.replace(
-                self, input_schema=policy_json(self.input_schema, False))
-        return found
+        return _kept(_SPEC_POLICY_FORMS, self, lambda: dataclasses.replace(
+            self, input_schema=policy_json(self.input_schema, False)), SPEC_CACHE_SIZE)
 
     @classmethod
     def from_json(cls, raw: bytes) -> "ToolSpec":
@@ -2605,32 +2598,22 @@ class Limits:
 
     def record(self) -> str:
         """Its record, written once per limits (every run of a proxy records the same)."""
-        found = _LIMITS_WRITTEN.get(self)
-        if found is None:
-            if len(_LIMITS_WRITTEN) >= LIMITS_CACHE_SIZE:
-                _LIMITS_WRITTEN.clear()
-            found = _LIMITS_WRITTEN[self] = dump_json({
-                "max_steps": self.max_steps,
-                "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
-                "loop_threshold": self.loop_threshold,
-                "approval_ttl": fmt_duration(self.approval_ttl),
-                "grant_ttl": fmt_duration(self.grant_ttl)})
-        return found
+        return _kept(_LIMITS_WRITTEN, self, lambda: dump_json({
+            "max_steps": self.max_steps,
+            "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
+            "loop_threshold": self.loop_threshold, "approval_ttl": fmt_duration(self.approval_ttl),
+            "grant_ttl": fmt_duration(self.grant_ttl)}), LIMITS_CACHE_SIZE)
 
     @classmethod
     def from_record(cls, text: str) -> "Limits":
         """The limits a run records (read once per text: every run of a proxy has the
         same, and every read of a run reads them)."""
-        found = _LIMITS_READ.get(text)
-        if found is None:
+        def read() -> "Limits":
             d = loads_own(text)
-            found = cls(d["max_steps"], d["max_consecutive_tool_failures"], d["loop_threshold"],
-                        parse_duration(d.get("approval_ttl", "0s")),
-                        parse_duration(d.get("grant_ttl", "0s")))
-            if len(_LIMITS_READ) >= LIMITS_CACHE_SIZE:
-                _LIMITS_READ.clear()
-            _LIMITS_READ[text] = found
-        return found
+            return cls(d["max_steps"], d["max_consecutive_tool_failures"], d["loop_threshold"],
+                       parse_duration(d.get("approval_ttl", "0s")),
+                       parse_duration(d.get("grant_ttl", "0s")))
+        return _kept(_LIMITS_READ, text, read, LIMITS_CACHE_SIZE)
 
     def validate(self) -> None:
         for name in ("max_steps", "max_consecutive_tool_failures", "loop_threshold"):
@@ -10981,23 +10964,9 @@ def _id_key(raw: bytes | None) -> str:
 async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
                      ) -> tuple[list[UpstreamTool], list[Report]]:
     """Load every server as serving does; with ``emit``, every report line is handed to it,
-    after a failure too. A failure closes what was opened; the reports made so far travel
-    with the error."""
-    try:
-        tools, reports = await _load_tools(cfg)
-    except MCPError as exc:
-        for report in getattr(exc, "reports", []) if emit else []:
-            for line in report.lines():
-                emit(line)
-        raise
-    for report in reports if emit else []:
-        for line in report.lines():
-            emit(line)
-    return tools, reports
+    after a server's failure too.
 
-
-async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
-    """Every server is connected, listed and built at once, so start-up takes as long as the
+    Every server is connected, listed and built at once, so start-up takes as long as the
     slowest server, not the sum. The results are taken in configuration order: the reports,
     the names registered and the error a failure gives are those of loading the servers one
     after another. After a failure the servers later in the order are stopped, and every
@@ -11006,6 +10975,7 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
     tools: list[UpstreamTool] = []
     reports: list[Report] = []
     owners: dict[str, str] = {}
+    failure: MCPError | None = None
     try:
         for server, load in zip(cfg.servers, loads):
             try:
@@ -11016,16 +10986,30 @@ async def _load_tools(cfg: Config) -> tuple[list[UpstreamTool], list[Report]]:
                 raise
             reports.append(report)
             tools += got
-            _register(cfg, server, got, owners)
+            for tool in got:            # each name the model sees belongs to one tool
+                if tool.spec.name == cfg.status_tool:
+                    raise MCPError(
+                        f"server {_quote(server.name)}: tool {_quote(tool.remote)} registers "
+                        f"as {_quote(tool.spec.name)}, which is the status tool's name: "
+                        "rename one, through status_tool or the rule's rename")
+                if tool.spec.name in owners:
+                    raise MCPError(f"server {_quote(server.name)}: the name "
+                                   f"{_quote(tool.spec.name)} is already registered by another "
+                                   f"server, {_quote(owners[tool.spec.name])}")
+                owners[tool.spec.name] = server.name
     except BaseException as exc:
         for load in loads:
             load.cancel()
         done = await asyncio.gather(*loads, return_exceptions=True)
         await close_tools([t for result in done if isinstance(result, tuple)
                            for t in result[0]])
-        if isinstance(exc, MCPError):
-            exc.reports = reports
-        raise
+        if not isinstance(exc, MCPError):
+            raise
+        failure = exc
+    for line in [line for report in reports for line in report.lines()] if emit else []:
+        emit(line)
+    if failure is not None:
+        raise failure
     return tools, reports
 
 
@@ -11039,34 +11023,18 @@ def check_rules_pinned(server: ServerConfig, pinned: dict[str, PinnedTool]) -> N
 
 def read_pinned(server: ServerConfig, config_path: str = "") -> dict[str, PinnedTool]:
     """The server's manifest, as loading takes it: it must exist and parse."""
-    if not os.path.lexists(server.manifest):
+    pinned, unread = previous_pin(server)
+    if unread:
+        raise MCPError(f"server {_quote(server.name)}: manifest: {unread}")
+    if pinned is None:
         raise MCPError(f"server {_quote(server.name)}: manifest {server.manifest} does not "
                        f"exist: run {_self_command()} pin -config {config_path or 'CONFIG'}")
-    try:
-        return read_manifest(server.manifest, server.name)
-    except ConfigError as exc:
-        raise MCPError(f"server {_quote(server.name)}: manifest: {exc}") from None
+    return pinned
 
 
 async def _load_one(server: ServerConfig, config_path: str = "",
                     ) -> tuple[list[UpstreamTool], Report]:
     return await load_server(server, read_pinned(server, config_path))
-
-
-def _register(cfg: Config, server: ServerConfig, got: list[UpstreamTool],
-              owners: dict[str, str]) -> None:
-    """Each name the model sees belongs to one tool of one server."""
-    for tool in got:
-        if tool.spec.name == cfg.status_tool:
-            raise MCPError(
-                f"server {_quote(server.name)}: tool {_quote(tool.remote)} registers "
-                f"as {_quote(tool.spec.name)}, which is the status tool's name: rename "
-                "one, through status_tool or the rule's rename")
-        if tool.spec.name in owners:
-            raise MCPError(f"server {_quote(server.name)}: the name "
-                           f"{_quote(tool.spec.name)} is already registered by another "
-                           f"server, {_quote(owners[tool.spec.name])}")
-        owners[tool.spec.name] = server.name
 
 
 async def close_tools(tools: list[UpstreamTool]) -> None:
@@ -11098,8 +11066,7 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
                  f"{sanitize(server.manifest)}; the hints below are the server's own and "
                  "classify nothing")
         for name, entry in tools.items():
-            desc = truncate(sanitize(" ".join(entry["description"].split())),
-                            PIN_DESCRIPTION_BYTES)
+            desc = clean(" ".join(entry["description"].split()), PIN_DESCRIPTION_BYTES)
             out.line(f"  {sanitize(name):<{PIN_NAME_WIDTH}} "
                      f"{_hints_text(entry.get('annotations')):<{PIN_HINTS_WIDTH}} {desc}")
         for line in pin_changes(before, tools):
@@ -11155,10 +11122,8 @@ def pin_changes(before: tuple[dict[str, PinnedTool] | None, str], tools: dict) -
 
 def _wrapped(text: str) -> list[str]:
     import textwrap                  # imported here: only pin needs it
-    out: list[str] = []
-    for para in text.split("\n"):
-        out += textwrap.wrap(para, PIN_WRAP_WIDTH) or [""]
-    return out
+    return [line for para in text.split("\n")
+            for line in textwrap.wrap(para, PIN_WRAP_WIDTH) or [""]]
 
 
 def _schema_lines(raw: bytes) -> list[str]:
@@ -11195,30 +11160,27 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
             CallIndex(store, cfg.session).migrate(time.time())
         finally:
             store.close()
-        for line in _table(_decisions(cfg, tools)):
-            out.line(line)
         policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
+        lines = _table(_decisions(cfg, tools, policy))
         for tool in tools:
             if policy.never_runs(tool):       # offered, yet every call the model makes is lost
-                out.line(f"{sanitize(tool.spec.name)}: denied on every call: remove its rule "
-                         "to stop offering it")
-            for line in rule_lines(tool, policy.decide(tool)[0]):
-                out.line(line)
-        out.line(f"status tool: {sanitize(cfg.status_tool)}")
-        out.line(f"session: {sanitize(cfg.session)}")
-        out.line(f"database: {sanitize(cfg.database)}")
-        refused = [(r.server, t, why) for r in reports for t, why in r.refused]
-        for line in check_summary(tools, reports, policy, refused):
+                lines.append(f"{sanitize(tool.spec.name)}: denied on every call: remove its "
+                             "rule to stop offering it")
+            lines += rule_lines(tool, policy.decide(tool)[0])
+        lines += [f"status tool: {sanitize(cfg.status_tool)}", f"session: {sanitize(cfg.session)}",
+                  f"database: {sanitize(cfg.database)}"]
+        for line in lines + check_summary(tools, reports, policy):
             out.line(line)
     finally:
         await close_tools(tools)
-    return 1 if strict and refused else 0
+    return 1 if strict and any(r.refused for r in reports) else 0
 
 
 def check_summary(tools: list[UpstreamTool], reports: list[Report], policy: "ProxyPolicy",
-                  refused: list[tuple[str, str, str]]) -> list[str]:
+                  ) -> list[str]:
     """check's last lines: the counts, then each refusal a rule met and each tool every
     call to which is denied, so that none hides among the lines above."""
+    refused = [(r.server, t, why) for r in reports for t, why in r.refused]
     never = [t for t in tools if policy.never_runs(t)]
     unclassified = sum(len(r.unclassified) for r in reports)
     out = [f"summary: {len(tools)} tool(s) offered ({len(never)} of them denied on every "
@@ -11233,11 +11195,11 @@ def check_summary(tools: list[UpstreamTool], reports: list[Report], policy: "Pro
     return out
 
 
-def _decisions(cfg: Config, tools: list[UpstreamTool]) -> list[list[str]]:
+def _decisions(cfg: Config, tools: list[UpstreamTool], policy: "ProxyPolicy",
+               ) -> list[list[str]]:
     """Each offered tool, its class, and what the configuration's policy makes of a call to
     it. A tool that changes something and is allowed only because no policy or rule said
     otherwise is marked: that is a default the operator never chose."""
-    policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
     rows = []
     for tool in tools:
         outcome, _ = policy.decide(tool)
@@ -11337,7 +11299,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
         store = (Store.open(cfg.database) if opening is None
                  else await asyncio.shield(opening))
     except BaseException:
-        if opening is not None and not opening.done():
+        if opening is not None:     # done or not: a store it opened is closed
             opening.add_done_callback(_close_result)
         await close_tools(tools)
         raise
@@ -11356,16 +11318,9 @@ async def _close_opened(opening: "asyncio.Future[Store] | None") -> None:
     """Close the store a worker thread opened beside a start that is not going on. Its
     thread cannot be stopped, so it is waited for; if this wait is cancelled too, the
     store is closed when the thread has opened it."""
-    if opening is None:
-        return
-    try:
-        store = await asyncio.shield(opening)
-    except asyncio.CancelledError:
+    if opening is not None:
         opening.add_done_callback(_close_result)
-        raise
-    except Exception:                   # it failed to open: nothing to close
-        return
-    store.close()
+        await asyncio.wait({opening})
 
 
 def _close_result(opened: "asyncio.Future[Store]") -> None:
@@ -11381,6 +11336,14 @@ async def _first_of(*events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
+
+
+def _fileno(stream) -> int:
+    """The stream's descriptor, or -1 when it has none (a test's in-memory stream)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return -1
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -11411,19 +11374,14 @@ class LineWriter:
         self.queue.put(data)
 
     def _run(self) -> None:
-        try:
-            fd = self.stream.fileno()
-        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-            fd = -1
+        fd = _fileno(self.stream)
         while True:
             data = self.queue.get()
             try:
-                if self.broken:
-                    pass
-                elif fd < 0:
+                if not self.broken and fd < 0:
                     self.stream.write(data)
                     self.stream.flush()
-                else:
+                elif not self.broken:
                     _write_all(fd, data)
             except (OSError, ValueError):
                 self.broken = True
@@ -11451,16 +11409,14 @@ class _LineCutter:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         lines = []
-        start, end = 0, chunk.find(b"\n")
-        while end != -1:
+        *ended, tail = chunk.split(b"\n")
+        for line in ended:
             if not self.skipping:
-                lines.append(b"".join(self.parts) + chunk[start:end + 1])
+                lines.append(b"".join(self.parts) + line + b"\n")
             self.parts, self.size, self.skipping = [], 0, False
-            start = end + 1
-            end = chunk.find(b"\n", start)
-        if start < len(chunk) and not self.skipping:
-            self.parts.append(chunk[start:])
-            self.size += len(chunk) - start
+        if tail and not self.skipping:
+            self.parts.append(tail)
+            self.size += len(tail)
             if self.size > MAX_FRAME:
                 lines.append(b"".join(self.parts)[:MAX_FRAME + 1])
                 self.parts, self.size, self.skipping = [], 0, True
@@ -11496,26 +11452,15 @@ class LineReader:
         self._room = threading.Condition()
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
-    def _chunks(self) -> Iterable[bytes]:
-        try:
-            fd = self.stream.fileno()
-        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-            fd = None
-        while True:
-            chunk = os.read(fd, READ_CHUNK) if fd is not None else \
-                self.stream.readline(READ_CHUNK)
-            if not chunk:
-                return
-            yield chunk
-
     def _run(self) -> None:
-        lines = _LineCutter()
+        fd, lines = _fileno(self.stream), _LineCutter()
         try:
-            for chunk in self._chunks():
-                for line in lines.feed(chunk):
+            while True:
+                chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
+                for line in lines.feed(chunk) if chunk else lines.rest():
                     self._put(line)
-            for line in lines.rest():
-                self._put(line)
+                if not chunk:                # the end of the input
+                    break
         except (OSError, ValueError):
             pass
         self._put(None)
@@ -11523,8 +11468,7 @@ class LineReader:
     def _put(self, item: bytes | None) -> None:
         if item is not None:
             with self._room:
-                while self._ahead > READ_AHEAD_BYTES:
-                    self._room.wait()
+                self._room.wait_for(lambda: self._ahead <= READ_AHEAD_BYTES)
                 self._ahead += _read_ahead_cost(item)
         with contextlib.suppress(RuntimeError):     # the loop is closed: serving ended
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)

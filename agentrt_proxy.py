@@ -3127,7 +3127,7 @@ class Store:
         level (several changes with nothing outside in between, one commit: a call's run,
         step, decision and start), and a failure inside fails all of it; another
         thread waits for the lock. A tool is never called inside an open transaction
-        (Session.call_started).
+        (_StepExecution.call_started).
 
         ``synced=False`` commits under synchronous=NORMAL (written to the WAL, not synced),
         for two writes only, each measured to cost a sync the answer does not need: the

@@ -624,10 +624,12 @@ def test_webhook_a_slow_body_is_cut_off_at_the_request_deadline(tmp_path, harnes
 def test_webhook_idle_connections_in_every_slot_do_not_keep_a_signed_request_out(
         tmp_path, harness, hooks):
     """Idle connections never time out here (their head's deadline is NEVER): a signed
-    request that waited for one of their slots would get no answer within HTTP_SECONDS."""
+    request that waited for one of their slots would get no answer within HTTP_SECONDS.
+    Each connection a slot takes spends a token of the rate (judged before a byte is read),
+    so the burst is raised here: this test is about the slots, not the rate."""
     harness.waiting("run-1")
     hook = hooks(harness.path, write_secret(tmp_path),
-                 constants={"WEBHOOK_HEAD_SECONDS": NEVER})
+                 constants={"WEBHOOK_HEAD_SECONDS": NEVER, "WEBHOOK_BURST": 1000})
     idle = [socket.create_connection(("127.0.0.1", hook.port), timeout=HTTP_SECONDS)
             for _ in range(ap.WEBHOOK_MAX_CONNECTIONS + 4)]
     try:

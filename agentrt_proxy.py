@@ -70,8 +70,9 @@ that function, and the test that fails when that function gives the permissive a
 Trust boundaries
 ----------------
 - Bytes from the host (the model's arguments) and from upstream servers (results, schemas,
-  descriptions) are hostile. They are parsed by the strict parser of section 3, never by
-  Python's lenient ``json``; text from them is sanitised (section 5) before it reaches a
+  descriptions) are hostile. They are parsed by the strict parser of section 3 (the
+  runtime's json scanner under the proxy's own strictness), never by ``json`` as it comes,
+  which is lenient; text from them is sanitised (section 5) before it reaches a
   terminal or the model's prose answers.
 - The database, the configuration and the manifests are trusted only while no one else can
   write them: the store refuses files others can write, symbolic links, and schemas holding

@@ -12669,11 +12669,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(top, ("db", {}), ("config", {}), ("json", {"action": "store_true"}))
     sub = top.add_subparsers(dest="command", parser_class=_CommandLine)
     on, config = {"action": "store_true"}, ("config", {"default": argparse.SUPPRESS})
-    page = (("limit", {"type": int}), ("offset", {"type": int, "default": 0}))
+    offset = ("offset", {"type": int, "default": 0})
     decide = (("approval", {}), ("by", {}), ("note", {"default": ""}), ("yes", on))
     # Each command: its run argument ("?" when it may be left out), then its flags.
     for name, run, flags in (
-            ("runs", "", page), ("show", "run", page), ("events", "run", page),
+            ("runs", "", (("limit", {"type": int, "default": CLI_RUNS_LIMIT}), offset)),
+            ("show", "run", (("limit", {"type": int, "default": CLI_SHOW_LIMIT}), offset)),
+            ("events", "run", (("limit", {"type": int, "default": CLI_EVENTS_LIMIT}), offset)),
             ("approve", "?", decide),
             # what came of an interrupted attempt (section 13)
             ("reject", "?", decide + (("outcome", {"choices": OPERATOR_OUTCOMES}),)),
@@ -12716,6 +12718,10 @@ class Out:
         return or a reordering character in an edited row cannot redraw what the operator
         reads, even from a field a caller forgot (sanitising twice changes nothing)."""
         self.stdout.write(sanitize(line) + "\n")
+
+    def texts(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.text(line)
 
     def log(self, text: str) -> None:
         self.stderr.write(LOG_PREFIX + sanitize(text) + "\n")
@@ -12783,8 +12789,7 @@ def _run_word(store: Store, run: Run) -> dict | None:
     (only a rejection records one, and a rejection ends its run)."""
     if run.reason != "approval_rejected":
         return None
-    words = outcomes_of_run(store, run.id)
-    return next(iter(words.values()), None) if words else None
+    return next(iter(outcomes_of_run(store, run.id).values()), None)
 
 
 _CLOSED_WHY = {CLOSE_DENIED: "denied by policy", CLOSE_INVALID: "refused: invalid arguments",
@@ -12817,8 +12822,7 @@ def ended_why(store: Store, run: Run) -> str:
 
 
 def cmd_runs(store: Store, args, out: Out) -> int:
-    limit = CLI_RUNS_LIMIT if args.limit is None else args.limit
-    runs, total = store.list_runs(limit, args.offset)
+    runs, total = store.list_runs(args.limit, args.offset)
     if args.json:
         out.json({"runs": [_run_summary(store, r) for r in runs], "total": total})
         return 0
@@ -12830,8 +12834,7 @@ def cmd_runs(store: Store, args, out: Out) -> int:
         rows.append([r.id, r.status, r.reason or "-", str(r.step_count), _stamp(r.created_at),
                      _pending_id(store, r) or "-", _clip(r.goal, CLI_GOAL_WIDTH),
                      _clip(ended_why(store, r), CLI_GOAL_WIDTH) or "-"])
-    for line in _table(rows):
-        out.text(line)
+    out.texts(_table(rows))
     _more(out, "run", args.offset, len(runs), total)
     return 0
 
@@ -12999,8 +13002,7 @@ def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
 def cmd_show(store: Store, args, out: Out) -> int:
     run = _given_run(store, args.run)
     steps, approvals = store.list_steps(run.id), store.list_approvals(run.id)
-    limit = CLI_SHOW_LIMIT if args.limit is None else args.limit
-    page = steps[args.offset:args.offset + limit] if limit > 0 else steps[args.offset:]
+    page = steps[args.offset:args.offset + args.limit] if args.limit > 0 else steps[args.offset:]
     refusals = RefusalLog.of_run(store, run.id)
     words = outcomes_of_run(store, run.id)
     if args.json:
@@ -13021,12 +13023,10 @@ def cmd_show(store: Store, args, out: Out) -> int:
         said = OUTCOME_SAID.get(word["outcome"], "")
         out.text(f"outcome {word['outcome']}: {word['by']} said the attempt cut off in run "
                  f"{word['run_id']}, step {word['step_id']}: {said}")
-    for line in refusal_lines(refusals):
-        out.text(f"calls   {line}")
+    out.texts(f"calls   {line}" for line in refusal_lines(refusals))
     for a in approvals:
         if (a.status == PENDING and run.status == WAITING) or a.status == SETTLED_APPROVAL:
-            for line in approval_block(store, a, store.path):
-                out.text(line)
+            out.texts(approval_block(store, a, store.path))
     out.text()
     rows = [["STEP", "TOOL", "DECISION", "STATUS", "POLICY", "OBSERVATION", "SUMMARY"]]
     for s in page:
@@ -13035,16 +13035,14 @@ def cmd_show(store: Store, args, out: Out) -> int:
         rows.append([str(s.idx), str(r.get("tool", "-")), str(r.get("decision", "-")),
                      s.status, str(r.get("policy", "-")), str(r.get("observation", "-")),
                      _clip(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
-    for line in _table(rows):
-        out.text(line)
+    out.texts(_table(rows))
     _more(out, "step", args.offset, len(page), len(steps), tally=False)
     return 0
 
 
 def cmd_events(store: Store, args, out: Out) -> int:
     _given_run(store, args.run)
-    limit = CLI_EVENTS_LIMIT if args.limit is None else args.limit
-    rows = store.list_events(args.run, limit if limit > 0 else -1, args.offset)
+    rows = store.list_events(args.run, args.limit if args.limit > 0 else -1, args.offset)
     total = store.count_events(args.run)
     refusals = RefusalLog.of_run(store, args.run)
     if args.json:
@@ -13059,8 +13057,8 @@ def cmd_events(store: Store, args, out: Out) -> int:
             truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{over} more bytes]"
         out.text(f"{_stamp(at, millis=True)}  {sanitize(typ):<22} {sanitize(text)}")
     _more(out, "event", args.offset, len(rows), total)
-    for line in refusal_lines(refusals):      # counted beside the chain, not in it
-        out.text(f"calls of this request {line}")
+    # counted beside the chain, not in it
+    out.texts(f"calls of this request {line}" for line in refusal_lines(refusals))
     return 0
 
 
@@ -13208,15 +13206,10 @@ def _field_text(f: dict) -> str:
                                      if f["omitted_bytes"] else "")
 
 
-def args_summary(raw: bytes) -> str:
-    """A call's arguments on one line, sanitised: every field with the start of its value
-    (args_fields), then how many fields follow when they do not all fit; `approve`, `show`
-    and the inbox show them in full."""
-    return _summary(*args_fields(raw))
-
-
-def _summary(fields: list[dict], more: int) -> str:
-    """The one line of args_fields' fields, and the count of those that did not fit."""
+def args_summary(fields: list[dict], more: int) -> str:
+    """A call's arguments on one line, sanitised: every field args_fields gives, with the
+    start of its value, then how many fields follow when they do not all fit; `approve`,
+    `show` and the inbox show them in full."""
     text = "{" + ",".join(_field_text(f) for f in fields) + "}"
     if more:
         text += f" and {more} more field{'s' if more != 1 else ''} not shown here"
@@ -13249,7 +13242,7 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
             "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
             "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
-            "arguments": _summary(fields, more), "argument_fields": fields,
+            "arguments": args_summary(fields, more), "argument_fields": fields,
             "fields_not_shown": more,
             "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")
                                                for f in fields),
@@ -13264,11 +13257,14 @@ def approval_facts(approval: Approval, view: ApprovalView | None,
                    limits: list[dict] | None) -> dict:
     """What every channel tells of an approval beyond its row, sanitised: the conditions and
     limits that asked and their figures, the tool's limits as they stand now (limits_now),
-    the earlier execution a repeat approval names, and what its view adds (a late outcome of
-    the attempt it asks about)."""
+    the earlier execution a repeat approval names (section 10), as one line, and what its
+    view adds (a late outcome of the attempt it asks about)."""
+    earlier = repeat_in(approval) if approval.kind == REPEAT_KIND else None
+    repeat_of = "" if earlier is None else sanitize(
+        f"run {earlier.get('run_id')}, finished at {earlier.get('at')}: {earlier.get('outcome')}")
     return {"asked_by": [sanitize(a) for a in asked_by(approval.capability)],
-            "figures": _figures(approval), "limits": limits or [],
-            "repeat_of": _repeated(approval), **_late(view)}
+            "figures": _figures(approval), "limits": limits or [], "repeat_of": repeat_of,
+            **_late(view)}
 
 
 def _late(view: ApprovalView | None) -> dict:
@@ -13276,15 +13272,6 @@ def _late(view: ApprovalView | None) -> dict:
     late = view.late if view is not None else None
     return {"late_outcome": sanitize(late.text()) if late is not None else "",
             "late_outcome_known": bool(late is not None and late.known)}
-
-
-def _repeated(approval: Approval) -> str:
-    """The earlier execution a repeat approval names, as one line (section 10), or ''."""
-    earlier = repeat_in(approval) if approval.kind == REPEAT_KIND else None
-    if earlier is None:
-        return ""
-    return sanitize(f"run {earlier.get('run_id')}, finished at {earlier.get('at')}: "
-                    f"{earlier.get('outcome')}")
 
 
 def _figures(approval: Approval) -> list[str]:
@@ -13319,17 +13306,13 @@ def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
     return found
 
 
-def _since(stamp: str, now: float) -> int:
-    try:
-        return max(0, int(now - parse_time(stamp)))
-    except (ValueError, TypeError, OverflowError):
-        return 0
-
-
 def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dict:
     doc = waiting_doc(approval, store.path, view_of(store, approval),
                       limits_now(store._read, approval, now))
-    doc.update(status=sanitize(approval.status), age_seconds=_since(approval.created_at, now),
+    age = 0
+    with contextlib.suppress(ValueError, TypeError, OverflowError):
+        age = max(0, int(now - parse_time(approval.created_at)))
+    doc.update(status=sanitize(approval.status), age_seconds=age,
                blocks_tool=approval.kind == INTERRUPTED_KIND)
     if approval.status == APPROVED:      # decided; it waits for the identical call
         ttl, lapses = run.limits.grant_ttl, ""
@@ -13388,9 +13371,7 @@ def cmd_pending(store: Store, args, out: Out) -> int:
         out.text("no approval waits for an operator")
         return 0
     out.text(f"{len(entries)} waiting, oldest first:")
-    for entry in entries:
-        for line in _pending_lines(entry):
-            out.text(line)
+    out.texts(line for entry in entries for line in _pending_lines(entry))
     return 0
 
 
@@ -13456,8 +13437,7 @@ def cmd_decide(store: Store, args, out: Out) -> int:
         if args.json or not _is_terminal(out.stdin):
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
                              "terminal to confirm at; pass -approval <id> or -yes")
-        for line in collection_warnings(store, approval):
-            out.text(line)
+        out.texts(collection_warnings(store, approval))
         out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
         out.stdout.flush()
         answer = out.stdin.readline()
@@ -13627,15 +13607,13 @@ class Inbox:
     def offer(self, approval: Approval) -> bool:
         """Show one approval in full and act on the answer; False when the operator quits."""
         view = view_of(self.store, approval)          # read first, as cmd_decide does
-        for line in approval_block(self.store, approval, self.store.path):
-            self.out.text(line)
-        for line in collection_warnings(self.store, approval):
-            self.out.text(line)
+        self.out.texts(approval_block(self.store, approval, self.store.path)
+                       + collection_warnings(self.store, approval))
         if self.once:
             self.passed.add(approval.id)
         self.lines.discard_typed_ahead()
-        verb = self.choose(f"approval {approval.id}: a approve, r reject, s skip, q quit: ",
-                           INBOX_ANSWERS, "answer a, r, s or q, then Enter")
+        verb = self.ask(f"approval {approval.id}: a approve, r reject, s skip, q quit: ",
+                        INBOX_ANSWERS, "answer a, r, s or q, then Enter")
         if verb in (None, "quit"):
             return False
         if verb == "skip":
@@ -13646,32 +13624,29 @@ class Inbox:
             note = self.ask("note for the rejection (the model reads it; Enter for none): ")
             word = ""
             if note is not None and approval.kind == INTERRUPTED_KIND:  # as reject -outcome
-                word = self.choose("did the cut-off attempt take effect? e executed, n not "
-                                   "executed, u unknown (Enter: unknown): ", INBOX_OUTCOMES,
-                                   "answer e, n or u, then Enter")
+                word = self.ask("did the cut-off attempt take effect? e executed, n not "
+                                "executed, u unknown (Enter: unknown): ", INBOX_OUTCOMES,
+                                "answer e, n or u, then Enter")
             if note is None or word is None:
                 return False
             self.decide(view, False, note.strip(), word)
         return True
 
-    def choose(self, prompt: str, answers: dict, hint: str) -> str | None:
-        """The meaning of the first answer that has one, the hint said after each other;
-        None at EOF."""
+    def ask(self, prompt: str, answers: dict | None = None, hint: str = "") -> str | None:
+        """The line typed at ``prompt``; with ``answers``, the meaning of the first answer
+        that has one, the hint said after each other. None at EOF."""
         while True:
-            answer = self.ask(prompt)
-            if answer is None:
+            self.out.stdout.write(sanitize(prompt))
+            self.out.stdout.flush()
+            line = self.lines.read(None)
+            if line is None:
+                self.out.line()
                 return None
-            if answer.strip().lower() in answers:
-                return answers[answer.strip().lower()]
+            if answers is None:
+                return line
+            if line.strip().lower() in answers:
+                return answers[line.strip().lower()]
             self.out.text(hint)
-
-    def ask(self, prompt: str) -> str | None:
-        self.out.stdout.write(sanitize(prompt))
-        self.out.stdout.flush()
-        line = self.lines.read(None)
-        if line is None:
-            self.out.line()
-        return line
 
     def decide(self, view: ApprovalView, approve: bool, note: str, word: str = "") -> None:
         """Decide the approval as it was shown (its view); a refusal is said and the loop
@@ -13685,17 +13660,15 @@ class Inbox:
         except ApprovalChanged as exc:
             self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
                           f"decided ({exc})")
-            return
         except ProxyError as exc:
             self.out.text(f"approval {approval.id}: nothing was decided: "
                           f"{_describe_failure(exc, verb)}")
-            return
         except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
             self.out.text(f"approval {approval.id}: nothing was decided: its record could "
                           f"not be read ({type(exc).__name__})")
-            return
-        self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
-        self.out.text(f"run {run.id}: {decision_said(decided, run, word)}")
+        else:
+            self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
+            self.out.text(f"run {run.id}: {decision_said(decided, run, word)}")
 
 
 def cmd_inbox(store: Store, args, out: Out) -> int:
@@ -13720,9 +13693,8 @@ def _database_path(args) -> str:
         return args.db
     if args.config:             # read as serving reads it (owner checked, strict)
         return load_config(args.config).database
-    env = os.environ.get("AGENTRT_DB", "")
-    if env:
-        return env
+    if os.environ.get("AGENTRT_DB"):
+        return os.environ["AGENTRT_DB"]
     raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
                      "or set AGENTRT_DB")
 
@@ -13743,9 +13715,8 @@ def _describe_failure(exc: Exception, command: str) -> str:
 
 def _operator_name() -> str:
     """Who decides, when -by does not say: $USER, else this account's name."""
-    name = os.environ.get("USER", "")
-    if name:
-        return name
+    if os.environ.get("USER"):
+        return os.environ["USER"]
     try:
         import pwd                      # POSIX only; elsewhere -by or $USER names the operator
         return pwd.getpwuid(os.getuid()).pw_name
@@ -13756,7 +13727,7 @@ def _operator_name() -> str:
 def _check_arguments(args) -> None:
     """Every argument is judged before the database is touched."""
     if args.command in ("runs", "show", "events") and \
-            ((args.limit is not None and args.limit < 0) or args.offset < 0):
+            (args.limit < 0 or args.offset < 0):
         raise UsageError("-limit and -offset cannot be negative")
     if args.command in ("approve", "reject") and not (args.run or args.approval):
         raise UsageError(f"{args.command}: name the approval (-approval ID) or its run (RUN)")
@@ -13823,16 +13794,15 @@ def run_proxy_command(args, out: Out) -> int:
         return asyncio.run(cmd_recheck(cfg, args, out))
     if args.command == "pin":
         return asyncio.run(cmd_pin(cfg, out))
-    return asyncio.run(cmd_check(cfg, out, bool(getattr(args, "strict", False))))
+    return asyncio.run(cmd_check(cfg, out, args.strict))
 
 
 def _serve(args, out: Out) -> int:
     cfg = load_config(args.config)
     check_database_owner(cfg.database)
     check_reach(cfg)
-    stdin = getattr(out.stdin, "buffer", out.stdin)
-    stdout = getattr(out.stdout, "buffer", out.stdout)
-    return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
+    return asyncio.run(cmd_serve(cfg, out, getattr(out.stdin, "buffer", out.stdin),
+                                 getattr(out.stdout, "buffer", out.stdout)))
 
 
 # ==== 32. The webhook: the HTTP approval channel ====

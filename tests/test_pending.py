@@ -375,7 +375,7 @@ def test_pending_summary_is_in_canonical_order_so_padding_hides_no_field():
     # The model orders its members: padding a first field must not push the amount past
     # the cut of the one-line summary.
     raw = json.dumps({"zz_memo": "x" * 400, "amount": 9999, "to": "mallory"}).encode()
-    summary = ap.args_summary(raw)
+    summary = ap.args_summary(*ap.args_fields(raw))
     assert summary.startswith('{"amount":9999,"to":"mallory","zz_memo":"xxx'), summary
     assert len(summary.encode()) <= ap.PENDING_ARGS_BYTES + 16
 
@@ -459,7 +459,7 @@ def test_many_fields_are_counted_and_pointed_to_never_dropped_silently():
     raw = json.dumps({**{f"a{i:03d}": i for i in range(200)}, "to": "mallory"}).encode()
     fields, more = ap.args_fields(raw)
     assert more > 0 and len(fields) + more == 201
-    summary = ap.args_summary(raw)
+    summary = ap.args_summary(*ap.args_fields(raw))
     assert summary.endswith(f"and {more} more fields not shown here"), summary
     assert len(summary.encode()) <= ap.PENDING_ARGS_BYTES + 64
     long_key = json.dumps({"k" * 500: 1, "to": "mallory"}).encode()

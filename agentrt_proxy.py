@@ -12987,10 +12987,9 @@ def _step_row(s: Step) -> dict:
 
 
 def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
-    try:
+    tool = ""
+    with contextlib.suppress(ProxyError, KeyError, ValueError):
         tool = a.request().spec.name
-    except (ProxyError, KeyError, ValueError):
-        tool = ""
     row = {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
            "created_at": a.created_at, "expires_at": a.expires_at,
            "decided_by": a.decided_by, "note": a.note}
@@ -13296,11 +13295,10 @@ def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
         run = store.find_run(approval.run_id)
         if run is None or run.status != WAITING:
             continue
-        try:
+        lapsed = False
+        with contextlib.suppress(ValueError, TypeError, OverflowError):
             lapsed = _expired(approval, now) if approval.status == PENDING else \
                 _grant_stale(run, approval, now)
-        except (ValueError, TypeError, OverflowError):
-            lapsed = False
         if not lapsed:
             found.append((approval, run))
     return found
@@ -13746,14 +13744,13 @@ def _check_arguments(args) -> None:
                     not re.fullmatch(r"[0-9a-f]{64}", digest):
                 raise UsageError("-head is SEQ:HASH: a positive seq and the hash kept for it")
             args.head = int(seq), digest
-        if first < 0 or last < 0:
-            raise UsageError("-from and -to cannot be negative")
-        if last and last < first:
-            raise UsageError("-to is before -from")
-        if args.head and last and args.head[0] > last:
-            raise UsageError("-head is past -to")
-        if args.head and args.head[0] < first:
-            raise UsageError("-head is before -from")
+        head = args.head[0] if args.head else None
+        for wrong, message in ((first < 0 or last < 0, "-from and -to cannot be negative"),
+                               (last and last < first, "-to is before -from"),
+                               (head and last and head > last, "-head is past -to"),
+                               (head and head < first, "-head is before -from")):
+            if wrong:
+                raise UsageError(message)
 
 
 def open_database(path: str, readonly: bool) -> Store:

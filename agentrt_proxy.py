@@ -5118,11 +5118,9 @@ class LateRecord:
 
 
 def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> LateRecord | None:
-    if not isinstance(payload, str):
-        return None
-    try:
+    try:                                    # a payload not text: AttributeError
         doc, spans = read_members(payload.encode("utf-8"))    # not an object: JSONError
-    except (JSONError, UnicodeError):
+    except (JSONError, UnicodeError, AttributeError):
         return None
     obs, flag, start = doc.get("observation"), doc.get("known"), doc.get("started_at")
     if doc.get("late") is not True or "observation" not in spans or not isinstance(obs, dict):
@@ -5193,19 +5191,27 @@ def _end_run(tx: Tx, run_id: str, from_run: tuple, status: str, reason: str, det
     return run
 
 
+def _decided(tx: Tx, approval: Approval, status: str, at: str, by: str, note: str,
+             only: str = "", *held: Any, **said: Any) -> bool:
+    """Write a decision onto ``approval`` while ``only`` (a fixed condition, its values
+    ``held``) still holds of its row, with its approval.decided event (``said`` adds to
+    it); False, and nothing written, when it no longer held."""
+    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
+                  f"WHERE id=?{only}", (status, at, by, note, approval.id, *held))
+    if cur.rowcount == 1:
+        tx.event(approval.run_id, approval.step_id, at, "approval.decided",
+                 {"approval_id": approval.id, "by": by, "note": note, **said, "status": status})
+    return cur.rowcount == 1
+
+
 def settle_approval(tx: Tx, approval: Approval, late: LateRecord, at: str) -> None:
     """Mark an interruption approval settled by the late outcome, with an event naming it."""
     note = clean(f"the attempt it asks about {late.text()}", NOTE_BYTES)
-    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                  "WHERE id=? AND status IN (?,?)",
-                  (SETTLED_APPROVAL, at, SETTLED_BY, note, approval.id, PENDING, APPROVED))
-    if cur.rowcount != 1:
+    if not _decided(tx, approval, SETTLED_APPROVAL, at, SETTLED_BY, note,
+                    " AND status IN (?,?)", PENDING, APPROVED, late_outcome={
+                        "at": late.at, "run_id": late.run_id, "seq": late.seq,
+                        "step_id": late.step_id}):
         raise NotPending(f"approval {approval.id} is no longer pending or approved")
-    tx.event(approval.run_id, approval.step_id, at, "approval.decided",
-             {"approval_id": approval.id, "by": SETTLED_BY, "note": note,
-              "late_outcome": {"at": late.at, "run_id": late.run_id, "seq": late.seq,
-                               "step_id": late.step_id},
-              "status": SETTLED_APPROVAL})
 
 
 # Interruption approvals that may still lead to a re-run: pending or approved, each its
@@ -5435,14 +5441,10 @@ def _check_view(tx: Tx, approval: Approval, shown: "ApprovalView | str") -> None
 
 def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, note: str,
                at: str) -> None:
-    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                  "WHERE id=? AND status=? AND hash=?",
-                  (status, at, by, note, approval.id, PENDING, approval.hash))
-    if cur.rowcount != 1:
+    if not _decided(tx, approval, status, at, by, note, " AND status=? AND hash=?", PENDING,
+                    approval.hash):
         raise ApprovalChanged(f"approval {approval.id} changed after it was shown")
     run_id = approval.run_id
-    tx.event(run_id, approval.step_id, at, "approval.decided",
-             {"approval_id": approval.id, "by": by, "note": note, "status": status})
     if not approve:
         obs = _obs(POLICY_DENIED, {"approval_id": approval.id, "note": note},
                    f"approval rejected: {note}")
@@ -5482,13 +5484,9 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
         # so that nothing reads it as waiting (stricter than the reference: see
         # CANCELLED_APPROVAL). A grant already approved keeps its status: it was approved,
         # and the run's end says why it was never collected.
-        for approval_id, step_id in tx.rows("SELECT id, step_id FROM approvals WHERE run_id=? "
-                                            "AND status=? ORDER BY rowid", (run_id, PENDING)):
-            tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                    "WHERE id=?", (CANCELLED_APPROVAL, at, by, note, approval_id))
-            tx.event(run_id, step_id, at, "approval.decided",
-                     {"approval_id": approval_id, "by": by, "note": note,
-                      "status": CANCELLED_APPROVAL})
+        for row in tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? AND "
+                           "status=? ORDER BY rowid", (run_id, PENDING)):
+            _decided(tx, _approval_from_row(row), CANCELLED_APPROVAL, at, by, note)
         return _end_run(tx, run_id, (RUNNING, WAITING), CANCELLED, "operator_cancelled", note,
                         at, by=by)
 
@@ -6188,14 +6186,17 @@ class HttpUpstream(Upstream):
         self._notices: set[asyncio.Task] = set()         # cancellations being sent
 
     def _connection(self) -> http.client.HTTPConnection:
-        """An idle kept-alive connection the server has not closed, else a new one."""
+        """An idle kept-alive connection the server has not closed, else a new one. An idle
+        connection has nothing to read, so anything readable (the server's close, or stray
+        bytes) means it is not reused."""
         while True:
             with self._pool_lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 break
-            if not _peer_closed(conn):
-                return conn
+            with contextlib.suppress(OSError, ValueError):
+                if conn.sock is not None and not select.select([conn.sock], [], [], 0)[0]:
+                    return conn
             conn.close()
         client = _http_client()
         cls = client.HTTPSConnection if self.url.scheme == "https" else client.HTTPConnection
@@ -6525,17 +6526,6 @@ def _header_value(text: str) -> str:
     if text.isascii() and text.isprintable():
         return text
     return "=?base64?" + base64.b64encode(text.encode("utf-8")).decode() + "?="
-
-
-def _peer_closed(conn: http.client.HTTPConnection) -> bool:
-    """Whether an idle kept-alive connection is unusable: an idle connection has nothing to
-    read, so anything readable (the server's close, or stray bytes) means it is not reused."""
-    if conn.sock is None:
-        return True
-    try:
-        return bool(select.select([conn.sock], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
 
 
 def _read_capped(resp: http.client.HTTPResponse) -> bytes:

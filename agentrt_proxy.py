@@ -5106,9 +5106,8 @@ class LateRecord:
     doc: dict
 
     def outcome(self) -> str:
-        if self.doc.get("kind") == TOOL_RESULT:
-            return "it succeeded"
-        return f"it failed: {clean(error_text(self.doc), REASON_BYTES)}"
+        return "it succeeded" if self.doc.get("kind") == TOOL_RESULT else \
+            f"it failed: {clean(error_text(self.doc), REASON_BYTES)}"
 
     def text(self) -> str:
         try:
@@ -5119,11 +5118,9 @@ class LateRecord:
 
 
 def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> LateRecord | None:
-    if not isinstance(payload, str):
-        return None
-    try:
+    try:                                    # a payload not text: AttributeError
         doc, spans = read_members(payload.encode("utf-8"))    # not an object: JSONError
-    except (JSONError, UnicodeError):
+    except (JSONError, UnicodeError, AttributeError):
         return None
     obs, flag, start = doc.get("observation"), doc.get("known"), doc.get("started_at")
     if doc.get("late") is not True or "observation" not in spans or not isinstance(obs, dict):
@@ -5141,19 +5138,17 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
     attempt when the event names its start (a step re-run after an approval is another
     attempt of it). With ``known``, only an outcome that is known. None when there is none.
     The events of one run are few, read through the index events_run."""
-    if not attempt:
-        return None
-    run_id, step_id, started = (attempt.get(k) for k in ("run_id", "step_id", "started_at"))
+    run_id, step_id, started = ((attempt or {}).get(k)
+                                for k in ("run_id", "step_id", "started_at"))
     if not isinstance(run_id, str) or not isinstance(step_id, str):
         return None
     for seq, at, payload in q("SELECT seq, at, payload_json FROM events WHERE run_id=? AND "
                               "step_id=? AND type='step.tool_finished' ORDER BY seq DESC",
                               (run_id, step_id)):
         late = _late_of(seq, run_id, step_id, at, payload)
-        if late is None or (known and not late.known) or \
-                (late.started_at and isinstance(started, str) and late.started_at != started):
-            continue
-        return late
+        if late is not None and (late.known or not known) and not (
+                late.started_at and isinstance(started, str) and late.started_at != started):
+            return late
     return None
 
 
@@ -5196,19 +5191,27 @@ def _end_run(tx: Tx, run_id: str, from_run: tuple, status: str, reason: str, det
     return run
 
 
+def _decided(tx: Tx, approval: Approval, status: str, at: str, by: str, note: str,
+             only: str = "", *held: Any, **said: Any) -> bool:
+    """Write a decision onto ``approval`` while ``only`` (a fixed condition, its values
+    ``held``) still holds of its row, with its approval.decided event (``said`` adds to
+    it); False, and nothing written, when it no longer held."""
+    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
+                  f"WHERE id=?{only}", (status, at, by, note, approval.id, *held))
+    if cur.rowcount == 1:
+        tx.event(approval.run_id, approval.step_id, at, "approval.decided",
+                 {"approval_id": approval.id, "by": by, "note": note, **said, "status": status})
+    return cur.rowcount == 1
+
+
 def settle_approval(tx: Tx, approval: Approval, late: LateRecord, at: str) -> None:
     """Mark an interruption approval settled by the late outcome, with an event naming it."""
     note = clean(f"the attempt it asks about {late.text()}", NOTE_BYTES)
-    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                  "WHERE id=? AND status IN (?,?)",
-                  (SETTLED_APPROVAL, at, SETTLED_BY, note, approval.id, PENDING, APPROVED))
-    if cur.rowcount != 1:
+    if not _decided(tx, approval, SETTLED_APPROVAL, at, SETTLED_BY, note,
+                    " AND status IN (?,?)", PENDING, APPROVED, late_outcome={
+                        "at": late.at, "run_id": late.run_id, "seq": late.seq,
+                        "step_id": late.step_id}):
         raise NotPending(f"approval {approval.id} is no longer pending or approved")
-    tx.event(approval.run_id, approval.step_id, at, "approval.decided",
-             {"approval_id": approval.id, "by": SETTLED_BY, "note": note,
-              "late_outcome": {"at": late.at, "run_id": late.run_id, "seq": late.seq,
-                               "step_id": late.step_id},
-              "status": SETTLED_APPROVAL})
 
 
 # Interruption approvals that may still lead to a re-run: pending or approved, each its
@@ -5309,12 +5312,10 @@ class ApprovalView:
 
 def _step_reason(q: Query, step_id: str) -> str:
     rows = q("SELECT policy_json FROM steps WHERE id=?", (step_id,))
-    try:
-        policy = loads_own(rows[0][0]) if rows and rows[0][0] else {}
-    except (JSONError, TypeError, AttributeError):
-        return ""
-    reason = policy.get("reason", "") if isinstance(policy, dict) else ""
-    return reason if isinstance(reason, str) else ""
+    with contextlib.suppress(JSONError, TypeError, AttributeError):    # not an object: ""
+        reason = loads_own(rows[0][0]).get("reason", "") if rows and rows[0][0] else ""
+        return reason if isinstance(reason, str) else ""
+    return ""
 
 
 def approval_view(q: Query, approval: Approval) -> ApprovalView:
@@ -5440,14 +5441,10 @@ def _check_view(tx: Tx, approval: Approval, shown: "ApprovalView | str") -> None
 
 def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, note: str,
                at: str) -> None:
-    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                  "WHERE id=? AND status=? AND hash=?",
-                  (status, at, by, note, approval.id, PENDING, approval.hash))
-    if cur.rowcount != 1:
+    if not _decided(tx, approval, status, at, by, note, " AND status=? AND hash=?", PENDING,
+                    approval.hash):
         raise ApprovalChanged(f"approval {approval.id} changed after it was shown")
     run_id = approval.run_id
-    tx.event(run_id, approval.step_id, at, "approval.decided",
-             {"approval_id": approval.id, "by": by, "note": note, "status": status})
     if not approve:
         obs = _obs(POLICY_DENIED, {"approval_id": approval.id, "note": note},
                    f"approval rejected: {note}")
@@ -5480,21 +5477,16 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
     with store.tx() as tx:
         tx.require(run_id, (RUNNING, WAITING))
         obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
-        for step_id, in tx.rows("SELECT id FROM steps WHERE run_id=? AND status IN "
-                                "('deciding','awaiting_approval','executing')", (run_id,)):
-            tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
-                    "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, step_id))
+        tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
+                "finished_at=? WHERE run_id=? AND status IN ('deciding','awaiting_approval',"
+                "'executing')", (obs.json_text, obs.content_hash, at, run_id))
         # What a cancel ends: the run's pending approval is marked cancelled, with an event,
         # so that nothing reads it as waiting (stricter than the reference: see
         # CANCELLED_APPROVAL). A grant already approved keeps its status: it was approved,
         # and the run's end says why it was never collected.
-        for approval_id, step_id in tx.rows("SELECT id, step_id FROM approvals WHERE run_id=? "
-                                            "AND status=? ORDER BY rowid", (run_id, PENDING)):
-            tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                    "WHERE id=?", (CANCELLED_APPROVAL, at, by, note, approval_id))
-            tx.event(run_id, step_id, at, "approval.decided",
-                     {"approval_id": approval_id, "by": by, "note": note,
-                      "status": CANCELLED_APPROVAL})
+        for row in tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? AND "
+                           "status=? ORDER BY rowid", (run_id, PENDING)):
+            _decided(tx, _approval_from_row(row), CANCELLED_APPROVAL, at, by, note)
         return _end_run(tx, run_id, (RUNNING, WAITING), CANCELLED, "operator_cancelled", note,
                         at, by=by)
 
@@ -5647,10 +5639,9 @@ def error_code(exc: BaseException) -> int:
     """The one place a JSON-RPC error code is chosen for an exception."""
     if isinstance(exc, ProtocolError):
         return exc.code
-    for kinds, code in ((JSONError, PARSE_ERROR), ((SchemaError, ValueError), INVALID_PARAMS)):
-        if isinstance(exc, kinds):             # JSONError first: it is a ValueError too
-            return code
-    return INTERNAL_ERROR
+    if isinstance(exc, JSONError):             # first: it is a ValueError too
+        return PARSE_ERROR
+    return INVALID_PARAMS if isinstance(exc, (SchemaError, ValueError)) else INTERNAL_ERROR
 
 
 # ==== 15. Upstream client (stdio) ====
@@ -5766,12 +5757,14 @@ class Upstream:
             "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"})
 
     # -- the protocol --
-    def _params(self, params: dict) -> dict:
-        """Modern requests carry the protocol version and capabilities in every _meta."""
-        if not self.modern:
-            return params
-        meta = {META_VERSION: MODERN_VERSION, META_CAPABILITIES: {}, META_CLIENT: CLIENT_INFO}
-        return {**params, "_meta": meta}
+    def _frame(self, method: str, params: dict) -> tuple[int, bytes]:
+        """A new request's id and frame. Modern requests carry the protocol version and
+        capabilities in every _meta."""
+        self._next_id += 1
+        if self.modern:
+            params = {**params, "_meta": {META_VERSION: MODERN_VERSION, META_CAPABILITIES: {},
+                                          META_CLIENT: CLIENT_INFO}}
+        return self._next_id, rpc_request(self._next_id, method, params)
 
     async def request(self, method: str, params: dict, timeout: float,
                       tool: str = "") -> Message:
@@ -5779,9 +5772,7 @@ class Upstream:
         error answer, asyncio.TimeoutError when none came in time."""
         if self.closed:
             raise NotSent(f"the connection to {self.name} is closed")
-        self._next_id += 1
-        msg_id = self._next_id
-        payload = rpc_request(msg_id, method, self._params(params))
+        msg_id, payload = self._frame(method, params)
         reply = await self._exchange(msg_id, method, payload, timeout, tool)
         err = reply.doc.get("error")
         if err is not None:
@@ -5885,9 +5876,8 @@ class Upstream:
         if self.closed or not (self.modern and self.can_listen and isinstance(tools, dict)
                                and tools.get("listChanged") is True):
             return False
-        self._next_id += 1
-        await self._post(rpc_request(self._next_id, "subscriptions/listen", self._params(
-            {"notifications": {"toolsListChanged": True}})), "subscriptions/listen")
+        await self._post(self._frame("subscriptions/listen", {
+            "notifications": {"toolsListChanged": True}})[1], "subscriptions/listen")
         return True
 
 
@@ -6178,7 +6168,7 @@ class HttpUpstream(Upstream):
     answers, the session id and protocol version headers (legacy), the method and name
     headers (modern), no redirects, bodies capped at MAX_FRAME, connections kept alive.
     Every read and write waits only until its request's deadline (``_TimedSocket``), and the
-    blocking work runs in this server's own workers (``_Workers``), so one slow server can
+    blocking work runs in this server's own workers (``_post``), so one slow server can
     neither outlast a deadline nor starve the others."""
 
     def __init__(self, name: str, endpoint: str):
@@ -6192,18 +6182,21 @@ class HttpUpstream(Upstream):
         self._idle: list[http.client.HTTPConnection] = []
         self._active: set[_TimedSocket] = set()          # sockets of requests in flight
         self._pool_lock = threading.Lock()
-        self._workers = _Workers(HTTP_CONCURRENCY)
+        self._slots: asyncio.Semaphore | None = None     # made in the loop that uses them
         self._notices: set[asyncio.Task] = set()         # cancellations being sent
 
     def _connection(self) -> http.client.HTTPConnection:
-        """An idle kept-alive connection the server has not closed, else a new one."""
+        """An idle kept-alive connection the server has not closed, else a new one. An idle
+        connection has nothing to read, so anything readable (the server's close, or stray
+        bytes) means it is not reused."""
         while True:
             with self._pool_lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 break
-            if not _peer_closed(conn):
-                return conn
+            with contextlib.suppress(OSError, ValueError):
+                if conn.sock is not None and not select.select([conn.sock], [], [], 0)[0]:
+                    return conn
             conn.close()
         client = _http_client()
         cls = client.HTTPSConnection if self.url.scheme == "https" else client.HTTPConnection
@@ -6375,12 +6368,23 @@ class HttpUpstream(Upstream):
 
     async def _post(self, payload: bytes, method: str, timeout: float = DISCOVER_TIMEOUT,
                     msg_id: int | None = None, tool: str = "") -> Message | None:
-        """One POST in this server's workers; the answer to ``msg_id``, when one is given."""
+        """One POST in a worker of this server's own (_in_thread), once one of its
+        HTTP_CONCURRENCY slots is free; the answer to ``msg_id``, when one is given. A
+        server that never finishes an answer holds only its own slots, never the shared
+        default executor. A request still waiting for a slot at its deadline never left
+        the proxy: NotSent, never an unknown outcome."""
         deadline = time.monotonic() + timeout
-        # The workers end the request at its deadline; this is only a backstop.
-        return await asyncio.wait_for(
-            self._workers.run(deadline, self._round_trip, msg_id, payload, method, tool,
-                              deadline), timeout + HTTP_SLACK)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(HTTP_CONCURRENCY)
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise NotSent(f"all {HTTP_CONCURRENCY} connections to the server stayed busy "
+                          "until the deadline") from None
+        # The worker ends the request at its deadline; this is only a backstop.
+        return await asyncio.wait_for(_in_thread(
+            self._round_trip, msg_id, payload, method, tool, deadline,
+            on_done=self._slots.release), deadline + HTTP_SLACK - time.monotonic())
 
     async def close(self) -> None:
         """Refuse new requests and interrupt those in flight (their sockets are shut down,
@@ -6403,7 +6407,7 @@ class HttpUpstream(Upstream):
         deadline = time.monotonic() + HTTP_CLOSE_WAIT
         with contextlib.suppress(ProxyError, OSError, _http_client().HTTPException,
                                  asyncio.TimeoutError):
-            await asyncio.wait_for(_Workers.in_thread(self._delete, deadline),
+            await asyncio.wait_for(_in_thread(self._delete, deadline),
                                    HTTP_CLOSE_WAIT + HTTP_SLACK)
 
     def _delete(self, deadline: float) -> None:
@@ -6416,55 +6420,34 @@ class HttpUpstream(Upstream):
             conn.close()
 
 
-class _Workers:
-    """One HTTP server's blocking requests: at most ``limit`` at once, each in a daemon
-    thread of its own. A server that never finishes an answer holds only its own slots,
-    never the shared default executor, and a daemon thread never holds up the exit."""
+async def _in_thread(fn: Callable, *args: Any, on_done: Callable | None = None) -> Any:
+    """``fn(*args)`` in a new daemon thread (one never holds up the exit). ``on_done`` runs
+    in the loop when the thread ends, even when the caller stopped waiting: a slot is the
+    thread's until then."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._slots: asyncio.Semaphore | None = None      # made in the loop that uses it
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if on_done is not None:
+            on_done()
+        if done.done():                       # the caller stopped waiting
+            return
+        if exc is None:
+            done.set_result(result)
+        else:
+            done.set_exception(exc)
 
-    async def run(self, deadline: float, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` in a worker once a slot is free. A request still waiting for one
-        at ``deadline`` never left the proxy: NotSent, never an unknown outcome."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.limit)
+    def work() -> None:
+        result, exc = None, None
         try:
-            await asyncio.wait_for(self._slots.acquire(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise NotSent(f"all {self.limit} connections to the server stayed busy until "
-                          "the deadline") from None
-        return await self.in_thread(fn, *args, on_done=self._slots.release)
+            result = fn(*args)
+        except BaseException as err:          # every outcome goes back to the loop
+            exc = err
+        with contextlib.suppress(RuntimeError):        # the loop is already closed
+            loop.call_soon_threadsafe(settle, result, exc)
 
-    @staticmethod
-    async def in_thread(fn: Callable, *args: Any, on_done: Callable | None = None) -> Any:
-        """``fn(*args)`` in a new daemon thread. ``on_done`` runs in the loop when the thread
-        ends, even when the caller stopped waiting: a slot is the thread's until then."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def settle(result: Any, exc: BaseException | None) -> None:
-            if on_done is not None:
-                on_done()
-            if done.done():                       # the caller stopped waiting
-                return
-            if exc is None:
-                done.set_result(result)
-            else:
-                done.set_exception(exc)
-
-        def work() -> None:
-            result, exc = None, None
-            try:
-                result = fn(*args)
-            except BaseException as err:          # every outcome goes back to the loop
-                exc = err
-            with contextlib.suppress(RuntimeError):        # the loop is already closed
-                loop.call_soon_threadsafe(settle, result, exc)
-
-        threading.Thread(target=work, daemon=True).start()
-        return await done
+    threading.Thread(target=work, daemon=True).start()
+    return await done
 
 
 class _TimedSocket:
@@ -6543,17 +6526,6 @@ def _header_value(text: str) -> str:
     if text.isascii() and text.isprintable():
         return text
     return "=?base64?" + base64.b64encode(text.encode("utf-8")).decode() + "?="
-
-
-def _peer_closed(conn: http.client.HTTPConnection) -> bool:
-    """Whether an idle kept-alive connection is unusable: an idle connection has nothing to
-    read, so anything readable (the server's close, or stray bytes) means it is not reused."""
-    if conn.sock is None:
-        return True
-    try:
-        return bool(select.select([conn.sock], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
 
 
 def _read_capped(resp: http.client.HTTPResponse) -> bytes:

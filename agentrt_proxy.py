@@ -13944,11 +13944,9 @@ class SeenSignatures:
 
     def first_use(self, signature: str, until: float, now: float) -> bool:
         with self._lock:
-            if signature in self._until:
-                return False
             if len(self._until) >= self.limit:
                 self._until = {s: t for s, t in self._until.items() if t >= now}
-            if len(self._until) >= self.limit:
+            if signature in self._until or len(self._until) >= self.limit:
                 return False
             self._until[signature] = until
             return True
@@ -14036,10 +14034,9 @@ class _HookReader:
     """One request's bytes from a socket, every read under one deadline for the whole
     request: a client sending a byte at a time cannot hold a thread past it (slow loris)."""
 
-    def __init__(self, conn: socket.socket, deadline: float, head_deadline: float | None = None):
+    def __init__(self, conn: socket.socket, deadline: float, head_deadline: float):
         self.conn, self.buf = conn, b""
-        self.whole_deadline = deadline
-        self.deadline = deadline if head_deadline is None else min(deadline, head_deadline)
+        self.whole_deadline, self.deadline = deadline, min(deadline, head_deadline)
         self.head_done = False
 
     def head_read(self) -> None:
@@ -14083,7 +14080,20 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
     method, target = parts[0].decode("ascii"), parts[1].decode("latin-1")
     if not _HOOK_TARGET_RE.fullmatch(target):
         raise _bad("the request target is not a path of visible ASCII")
-    headers = _read_headers(reader)
+    headers: dict[str, str] = {}
+    for _ in range(WEBHOOK_MAX_HEADERS + 1):
+        line = reader.line()
+        if not line:
+            break
+        name, sep, value = line.partition(b":")
+        if not sep or not _HOOK_TOKEN_RE.fullmatch(name):
+            raise _bad("a header line is not NAME: VALUE")
+        key = name.decode("ascii").lower()
+        if key in headers and key in _HOOK_SINGLE:
+            raise _bad(f"header {key} is given twice")
+        headers.setdefault(key, value.strip(b" \t").decode("latin-1"))
+    else:
+        raise _bad(f"the request has more than {WEBHOOK_MAX_HEADERS} headers")
     reader.head_read()
     if "transfer-encoding" in headers:
         raise _bad("a chunked body is not accepted; send Content-Length")
@@ -14095,22 +14105,6 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
     if int(length) and headers.get("expect", "").lower() == "100-continue":
         reader.conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")   # else curl waits a second
     return HookRequest(method, target, headers, reader.exactly(int(length)))
-
-
-def _read_headers(reader: _HookReader) -> dict:
-    headers: dict[str, str] = {}
-    for _ in range(WEBHOOK_MAX_HEADERS + 1):
-        line = reader.line()
-        if not line:
-            return headers
-        name, sep, value = line.partition(b":")
-        if not sep or not _HOOK_TOKEN_RE.fullmatch(name):
-            raise _bad("a header line is not NAME: VALUE")
-        key = name.decode("ascii").lower()
-        if key in headers and key in _HOOK_SINGLE:
-            raise _bad(f"header {key} is given twice")
-        headers.setdefault(key, value.strip(b" \t").decode("latin-1"))
-    raise _bad(f"the request has more than {WEBHOOK_MAX_HEADERS} headers")
 
 
 def verify_hook_request(secret: bytes, req: HookRequest, now: float,
@@ -14213,10 +14207,12 @@ def _hook_row(a: Approval) -> dict:
     return row
 
 
-def _hook_record(data: bytes) -> Any:
+def _hook_record(read: Callable[[], bytes]) -> Any:
+    """A recorded JSON value of an approval, or why it could not be read."""
     try:
+        data = read()
         return read_own(data) if data.strip(JSON_WS) else {}
-    except JSONError as exc:
+    except (ProxyError, KeyError, ValueError) as exc:
         return {"unread": sanitize(str(exc))}
 
 
@@ -14232,12 +14228,9 @@ def _hook_view(view: ApprovalView) -> dict:
 def _hook_approval(store: Store, a: Approval) -> dict:
     """One approval in full: its state, everything its hash binds, and its view."""
     view = view_of(store, a)
-    try:
-        args = _hook_record(a.request().args)
-    except (ProxyError, KeyError, ValueError) as exc:
-        args = {"unread": sanitize(str(exc))}
-    doc = dict(_hook_row(a), **_hook_view(view), arguments=args,
-               capability=_hook_record(a.capability), presentation=_hook_record(a.presentation))
+    doc = dict(_hook_row(a), **_hook_view(view), arguments=_hook_record(lambda: a.request().args),
+               capability=_hook_record(lambda: a.capability),
+               presentation=_hook_record(lambda: a.presentation))
     doc.update(approval_facts(a, view, limits_now(store._read, a, time.time())))
     return doc
 

@@ -8077,27 +8077,21 @@ class Notifier:
         ``doc`` is built on the thread."""
         if not self.argv:
             return
-        if drift:
-            if self._drift_slots.acquire(blocking=False):
-                self._start(label, doc, self._drift_slots)
-            else:
-                self.log(f"on_pending: {ON_PENDING_DRIFT_RUNNING} drift notices are still "
-                         f"running; not started for {label}")
-            return
-        label = f"approval {label}"
+        slots = self._drift_slots if drift else self._slots
+        label = label if drift else f"approval {label}"
         with self._queue_lock:
             if self._closed:
                 return
-            if not self._slots.acquire(blocking=False):
-                if len(self._queue) < ON_PENDING_QUEUED:
+            if not slots.acquire(blocking=False):
+                if drift:
+                    self.log(f"on_pending: {ON_PENDING_DRIFT_RUNNING} drift notices are still "
+                             f"running; not started for {label}")
+                elif len(self._queue) < ON_PENDING_QUEUED:
                     self._queue.append((label, doc))
                 else:
                     self.log(f"on_pending: {ON_PENDING_QUEUED} notices wait for one of "
                              f"{ON_PENDING_RUNNING} running; not started for {label}")
                 return
-        self._start(label, doc, self._slots)
-
-    def _start(self, label: str, doc: Callable[[], dict], slots) -> None:
         try:
             threading.Thread(target=self._run, args=(label, doc, slots), daemon=True,
                              name="on_pending").start()
@@ -12050,36 +12044,6 @@ def _manifest_stamp(path: str) -> tuple | None:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-def offer(proxy: Proxy, server: str, offered: list[UpstreamTool],
-          withheld: dict[str, str]) -> tuple[list[str], list[str]]:
-    """Make ``offered`` the server's tools in the proxy, the gate and the listing; withhold
-    the rest. A tool whose spec changed (a pin since) is the gate's new tool from here on,
-    its spec stored first. Returns the names offered anew or changed, and those removed."""
-    before = {n: t.spec for n, t in proxy.tools.items() if t.server == server}
-    now: dict[str, UpstreamTool] = {}
-    for tool in offered:
-        name = tool.spec.name
-        held = proxy.gate.tools.get(name)
-        if held is None or held.spec != tool.spec:
-            try:
-                proxy.store.ensure_spec(tool.spec)
-            except ProxyError as exc:
-                withheld[name] = f"its spec could not be recorded: {exc}"
-                continue
-            proxy.gate.tools[name] = Tool(tool.spec, tool.call)
-        now[name] = tool
-    proxy.order += [n for n in now if n not in proxy.order]
-    tools = {n: t for n, t in proxy.tools.items() if t.server != server}
-    tools.update(now)
-    proxy.tools.clear()                  # in place: the policy holds this same dict
-    proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
-    proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
-    proxy.withheld.update({n: (server, why) for n, why in withheld.items()
-                           if n in proxy.order and n not in now})   # names a host may have seen
-    return ([n for n, t in now.items() if before.get(n) != t.spec],
-            [n for n in before if n not in now])
-
-
 class DriftWatch:
     """One ServerWatch per server that registered tools, each a task of its own."""
 
@@ -12239,8 +12203,35 @@ class ServerWatch:
                                    drift=True)
 
     def apply(self, offered: list[UpstreamTool], withheld: dict[str, str]) -> None:
-        added, removed = offer(self.proxy, self.server.name, offered, withheld)
-        q = _quote(self.server.name)
+        """Make ``offered`` the server's tools in the proxy, the gate and the listing; withhold
+        the rest. A tool whose spec changed (a pin since) is the gate's new tool from here on,
+        its spec stored first. The operator hears of the names offered anew or changed, and
+        of those removed; the host, that its list changed."""
+        proxy, server = self.proxy, self.server.name
+        before = {n: t.spec for n, t in proxy.tools.items() if t.server == server}
+        now: dict[str, UpstreamTool] = {}
+        for tool in offered:
+            name = tool.spec.name
+            held = proxy.gate.tools.get(name)
+            if held is None or held.spec != tool.spec:
+                try:
+                    proxy.store.ensure_spec(tool.spec)
+                except ProxyError as exc:
+                    withheld[name] = f"its spec could not be recorded: {exc}"
+                    continue
+                proxy.gate.tools[name] = Tool(tool.spec, tool.call)
+            now[name] = tool
+        proxy.order += [n for n in now if n not in proxy.order]
+        tools = {n: t for n, t in proxy.tools.items() if t.server != server}
+        tools.update(now)
+        proxy.tools.clear()                  # in place: the policy holds this same dict
+        proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
+        proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
+        proxy.withheld.update({n: (server, why) for n, why in withheld.items()
+                               if n in proxy.order and n not in now})   # names a host may have seen
+        added = [n for n, t in now.items() if before.get(n) != t.spec]
+        removed = [n for n in before if n not in now]
+        q = _quote(server)
         if removed:
             self.log(f"drift: server {q}: withheld: {', '.join(removed)}")
         if added:

@@ -8123,9 +8123,8 @@ class Notifier:
             if self._closed:
                 return
             try:
-                proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
+                proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
             except OSError as exc:
                 self.log(f"on_pending: {self.argv[0]} could not be started for "
                          f"{label}: {exc.strerror or exc}")
@@ -12017,21 +12016,21 @@ def withheld_answer(why: str) -> dict:
                  "executed. Tell the user.", True)
 
 
-def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> list[tuple[str, str]]:
+def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> dict[str, str]:
     """Each tool whose listing differs from its pin, by the hashes loading compares, and
     how: in name order."""
-    out = []
+    out = {}
     for name in sorted(set(pinned) | set(live)):
         pin, now = pinned.get(name), live.get(name)
         if pin is None or now is None:
-            out.append((name, DRIFT_NEW if pin is None else DRIFT_GONE))
+            out[name] = DRIFT_NEW if pin is None else DRIFT_GONE
             continue
         what = [w for w, same in (
             ("the description", same_digest(hash_string(now.description), pin.description_hash)),
             ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
             if not same]
         if what:
-            out.append((name, f"{' and '.join(what)} changed since the pin"))
+            out[name] = f"{' and '.join(what)} changed since the pin"
     return out
 
 
@@ -12050,9 +12049,9 @@ class DriftWatch:
     def __init__(self, cfg: Config, proxy: Proxy, tools: list[UpstreamTool],
                  log: Callable[[str], None], announce: Callable[[], None]):
         conns = {t.server: t.conn for t in tools}
-        self.tasks = [asyncio.create_task(ServerWatch(cfg, s, conns[s.name], proxy, log,
-                                                      announce).run())
-                      for s in cfg.servers if s.name in conns]
+        self.tasks = [asyncio.create_task(
+            ServerWatch(cfg, s, conns[s.name], proxy, log, announce).run())
+            for s in cfg.servers if s.name in conns]
 
     async def close(self) -> None:
         """Cancel the watches and wait for them, at most CLOSE_WAIT: a watch that took a
@@ -12124,8 +12123,7 @@ class ServerWatch:
         server, wait = self.server, self.server.connect_timeout
         self.stamp = _manifest_stamp(server.manifest)
         try:
-            live_list = await asyncio.wait_for(self.conn.list_tools(time.monotonic() + wait),
-                                               wait)
+            live_list = await asyncio.wait_for(self.conn.list_tools(time.monotonic() + wait), wait)
             pinned = read_manifest(server.manifest, server.name)
         except asyncio.TimeoutError:
             return self._withhold_all(f"timed out after {fmt_duration(wait)}")
@@ -12139,8 +12137,7 @@ class ServerWatch:
         changes = drift_of(pinned, live)
         # A tool offered before and refused now for what the hashes do not cover (the
         # server's hints now dispute its class) is drift too.
-        seen = {t for t, _ in changes}
-        self.tell(changes + sorted((k, why) for k, why in refused.items() if k not in seen))
+        self.tell([*changes.items(), *sorted(r for r in refused.items() if r[0] not in changes)])
         self.apply(offered, withheld)
 
     def _withhold_all(self, why: str) -> None:
@@ -12149,8 +12146,7 @@ class ServerWatch:
         self.failed, self.told = True, ()
         names = [n for n, t in self.proxy.tools.items() if t.server == self.server.name]
         names += [n for n, v in self.proxy.withheld.items() if v[0] == self.server.name]
-        self.apply([], {n: f"its server's tools could not be listed again ({why})"
-                        for n in names})
+        self.apply([], {n: f"its server's tools could not be listed again ({why})" for n in names})
 
     def judge(self, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
               ) -> tuple[list[UpstreamTool], dict[str, str], dict[str, str]]:
@@ -12193,14 +12189,12 @@ class ServerWatch:
                   "why": sanitize(why)} for t, why in changes[:DRIFT_SHOWN]]
         more = len(changes) - len(shown)
         pin = f"{_self_command()} pin -config {self.cfg.path}"
-        self.log(f"drift: server {q} changed its tools since the pin: " +
-                 "; ".join(f"{e['tool']}: {e['why']}" for e in shown) +
-                 (f"; and {more} more" if more else ""))
+        self.log(f"drift: server {q} changed its tools since the pin: " + "; ".join(
+            f"{e['tool']}: {e['why']}" for e in shown) + (f"; and {more} more" if more else ""))
         self.log(f"  withheld until pinned again; pin with: {sanitize(pin)}")
         doc = {"kind": "drift", "server": sanitize(self.server.name), "withheld": shown,
                "more": more, "pin": sanitize(pin), "at": fmt_time(time.time())}
-        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc,
-                                   drift=True)
+        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc, drift=True)
 
     def apply(self, offered: list[UpstreamTool], withheld: dict[str, str]) -> None:
         """Make ``offered`` the server's tools in the proxy, the gate and the listing; withhold
@@ -12251,12 +12245,12 @@ class ServerWatch:
 RECHECK_LIMIT = 50
 RECHECK_TEXT = 240                     # bytes of one value in a report line
 RECHECK_SCOPE = (
-    "A re-check covers the gate's policy: the policy map, each rule's outcome, its fixed "
-    "values, its rename, its conditions, and its limits as counted from the executions "
-    "recorded before each decision. It does not cover the rules applied before the policy (the "
-    "duplicate rule, the repeat window, max_pending, the refusal of a rejected or expired "
-    "approval) or any call refused before the gate; without -current-tools it covers no "
-    "change to a tool's schema or denied parameters either.")
+    "A re-check covers the gate's policy: the policy map, each rule's outcome, its fixed values, "
+    "its rename, its conditions, and its limits as counted from the executions recorded before "
+    "each decision. It does not cover the rules applied before the policy (the duplicate rule, "
+    "the repeat window, max_pending, the refusal of a rejected or expired approval) or any call "
+    "refused before the gate; without -current-tools it covers no change to a tool's schema or "
+    "denied parameters either.")
 
 
 @dataclasses.dataclass(repr=False)
@@ -12302,13 +12296,11 @@ class RecheckReport:
 
     def as_json(self) -> dict:
         differ, skipped = self.count("different"), self.count("not_recheckable")
-        return {"run_id": self.run_id, "run_status": self.run_status,
-                "policy_id": self.policy_id, "identity": self.identity,
-                "spec_source": self.spec_source, "notes": self.notes,
+        return {"run_id": self.run_id, "run_status": self.run_status, "policy_id": self.policy_id,
+                "identity": self.identity, "spec_source": self.spec_source, "notes": self.notes,
                 "evaluations": [dataclasses.asdict(e) for e in self.evaluations],
-                "same": differ == 0, "differences": differ,
-                "rechecked": self.count("same", "different"), "not_recheckable": skipped,
-                "complete": skipped == 0}
+                "same": differ == 0, "differences": differ, "complete": skipped == 0,
+                "rechecked": self.count("same", "different"), "not_recheckable": skipped}
 
     def lines(self) -> list[str]:
         asked = sorted({e.policy_id for e in self.evaluations
@@ -12324,13 +12316,10 @@ class RecheckReport:
             where = f"step {e.step_index} seq {e.seq} {_bound(e.tool) or '-'}" + \
                 (" (on resume)" if e.on_resume else "")
             detail = f": {_bound(e.detail)}" if e.detail else ""
-            if e.result == "same":
-                out.append(f"same      {where}: {_bound(e.recorded)}{detail}")
-            elif e.result == "different":
-                out.append(f"DIFFERENT {where}: {_bound(e.recorded)} -> "
-                           f"{_bound(e.rechecked) or 'none'}{detail}")
-            else:
-                out.append(f"skipped   {where}: {_bound(e.detail)}")
+            said = {"same": f"same      {where}: {_bound(e.recorded)}{detail}",
+                    "different": f"DIFFERENT {where}: {_bound(e.recorded)} -> "
+                                 f"{_bound(e.rechecked) or 'none'}{detail}"}
+            out.append(said.get(e.result, f"skipped   {where}: {_bound(e.detail)}"))
         return out + [f"note: {_bound(n)}" for n in self.notes]
 
 
@@ -12387,8 +12376,7 @@ def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
     report = RecheckReport(run_id, run.status, policy.policy_id,
                            "current" if current is not None else "recorded")
     if run.status not in TERMINAL:
-        report.notes.append(f"the run is {run.status}; it was re-checked up to its current "
-                            "state")
+        report.notes.append(f"the run is {run.status}; it was re-checked up to its current state")
     for i, event in enumerate(events):
         seq, _r, step_id, _at, typ, payload, _h = event
         step = steps.get(step_id)
@@ -12410,14 +12398,12 @@ def _approvals_as_of(approvals: list[Approval], events: list, seq: int,
                      count: int) -> list[Approval]:
     """The first ``count`` approvals, each with the status it had at event ``seq``."""
     shown = approvals[:count]
-    decided = [loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided"] \
-        if shown else []
-    out = []
-    for a in shown:
-        doc = next((d for d in reversed(decided) if d.get("approval_id") == a.id), None)
-        out.append(dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
-                   if doc is None else dataclasses.replace(a, status=doc.get("status", PENDING)))
-    return out
+    decided = {d.get("approval_id"): d.get("status", PENDING) for d in (  # the last decision
+        loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided")} \
+        if shown else {}
+    return [dataclasses.replace(a, status=decided[a.id]) if a.id in decided else
+            dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
+            for a in shown]
 
 
 def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step: Step | None,
@@ -12456,8 +12442,7 @@ def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step:
                                reason_detail="", finished_at="", result_json="")
     handed_view = RunView(then, whole.steps[:n_steps],
                           _approvals_as_of(whole.approvals, events, seq, n_approvals))
-    approvals = whole.approvals
-    policy.following = approvals[n_approvals] if n_approvals < len(approvals) else None
+    policy.following = next(iter(whole.approvals[n_approvals:]), None)
     policy.as_of = (seq, parse_time(at)) if at else None
     try:
         schema = policy_json(spec.input_schema, False)
@@ -12535,8 +12520,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
                 "re-checked")
         return 1
     if rechecked == 0:
-        out.log(f"recheck: no decision of the policy was re-checked ({skipped} not "
-                "re-checkable)")
+        out.log(f"recheck: no decision of the policy was re-checked ({skipped} not re-checkable)")
         return 1
     return 1 if differ else 0
 
@@ -13881,8 +13865,7 @@ _HOOK_SINGLE = frozenset({"content-length", "transfer-encoding", "accept", "expe
                           HOOK_TIMESTAMP.lower(), HOOK_NONCE.lower(), HOOK_SIGNATURE.lower()})
 _HOOK_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized",
                  404: "Not Found", 409: "Conflict", 410: "Gone", 413: "Payload Too Large",
-                 429: "Too Many Requests", 500: "Internal Server Error",
-                 503: "Service Unavailable"}
+                 429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
 _HOOK_JSON, _HOOK_TEXT = "application/json", "text/plain; charset=utf-8"
 _DECISION_FIELDS = ("run_id", "approval_id", "hash", "by", "note", "view", "outcome")
 _CANCEL_FIELDS = ("run_id", "by", "note")
@@ -14107,8 +14090,7 @@ def verify_hook_request(secret: bytes, req: HookRequest, now: float,
     if not (stamp and nonce and signature):
         raise _unauthorized(f"{HOOK_TIMESTAMP}, {HOOK_NONCE} and {HOOK_SIGNATURE} are required")
     if not _HOOK_TIMESTAMP_RE.fullmatch(stamp) or abs(now - int(stamp)) > WEBHOOK_SKEW:
-        raise _unauthorized(f"{HOOK_TIMESTAMP} is not within {WEBHOOK_SKEW} seconds of "
-                            "this clock")
+        raise _unauthorized(f"{HOOK_TIMESTAMP} is not within {WEBHOOK_SKEW} seconds of this clock")
     if not _HOOK_NONCE_RE.fullmatch(nonce):
         raise _unauthorized(f"{HOOK_NONCE} is 1 to {WEBHOOK_MAX_NONCE} visible characters")
     want = "v1=" + hook_signature(secret, stamp, nonce, req.method, req.target, req.body)
@@ -14166,10 +14148,9 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
 # Each outcome of the store, in the error table; the first class that matches decides.
 _HOOK_OUTCOMES = ((NotFound, 404, "not_found"), (ApprovalExpired, 410, "expired"),
                   (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"),
-                  (ApprovalChanged, 409, "approval_changed"),
-                  (ApprovalHashMismatch, 409, "approval_hash"),
-                  (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"),
-                  (UsageError, 400, "bad_request"))
+                  (ApprovalChanged, 409, "approval_changed"), (UsageError, 400, "bad_request"),
+                  (ApprovalHashMismatch, 409, "approval_hash"), (StoreError, 503, "unavailable"),
+                  (RunStateError, 409, "run_not_waiting"))
 
 
 def _hook_refusal(exc: ProxyError, route: HookRoute) -> WebhookRefusal:
@@ -14338,8 +14319,7 @@ class Webhook:
         except ProxyError as exc:
             return self._error(_hook_refusal(exc, route))
         except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
-            self.log(f"webhook: run {route.run}: a record could not be read "
-                     f"({type(exc).__name__})")
+            self.log(f"webhook: run {route.run}: a record could not be read ({type(exc).__name__})")
             return self._error(WebhookRefusal(500, "internal", "a record of this run could "
                                                                "not be read"))
         finally:
@@ -14471,8 +14451,7 @@ def cmd_sign(args, out: Out) -> int:
         with open(args.body_file, "rb") as f:
             body = f.read(WEBHOOK_MAX_BODY + 1)
     if len(body) > WEBHOOK_MAX_BODY:
-        raise UsageError(f"sign: the body is over {WEBHOOK_MAX_BODY} bytes; the webhook "
-                         "refuses it")
+        raise UsageError(f"sign: the body is over {WEBHOOK_MAX_BODY} bytes; the webhook refuses it")
     headers = sign_request(read_hook_secret(args.secret_file), args.method, args.path, body,
                            time.time())
     if args.json:

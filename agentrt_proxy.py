@@ -14005,17 +14005,18 @@ class HookRoute:
 
 
 class _HookReader:
-    """One request's bytes from a socket, every read under one deadline for the whole
-    request: a client sending a byte at a time cannot hold a thread past it (slow loris)."""
+    """One request's bytes from a socket accepted at ``accepted``, every read under one
+    deadline for the whole request: a client sending a byte at a time cannot hold a thread
+    past it (slow loris). Until the head is whole, the head's own deadline applies."""
 
-    def __init__(self, conn: socket.socket, deadline: float, head_deadline: float):
-        self.conn, self.buf = conn, b""
-        self.whole_deadline, self.deadline = deadline, min(deadline, head_deadline)
+    def __init__(self, conn: socket.socket, accepted: float):
+        self.conn, self.buf, self.accepted = conn, b"", accepted
+        self.deadline = accepted + min(WEBHOOK_HEAD_SECONDS, WEBHOOK_REQUEST_SECONDS)
         self.head_done = False
 
     def head_read(self) -> None:
         """The head is whole: the body has the rest of the request's deadline."""
-        self.head_done, self.deadline = True, self.whole_deadline
+        self.head_done, self.deadline = True, self.accepted + WEBHOOK_REQUEST_SECONDS
 
     def _more(self) -> None:
         left = self.deadline - time.monotonic()
@@ -14211,12 +14212,11 @@ def _hook_run(run: Run) -> dict:
     return {"id": run.id, "status": sanitize(run.status), "reason": sanitize(run.reason)}
 
 
-def _approval_under(store: Store, route: HookRoute) -> Approval:
-    store.get_run(route.run)
-    approval = store.get_approval(route.approval)
+def _approval_under(store: Store, route: HookRoute) -> tuple[Run, Approval]:
+    run, approval = store.get_run(route.run), store.get_approval(route.approval)
     if approval.run_id != route.run:
         raise NotFound(f"approval {route.approval} is not an approval of run {route.run}")
-    return approval
+    return run, approval
 
 
 class Webhook:
@@ -14230,7 +14230,7 @@ class Webhook:
         self.seen = SeenSignatures(WEBHOOK_SEEN_MAX)
         self.slots = threading.BoundedSemaphore(WEBHOOK_MAX_CONNECTIONS)
         self._log, self._log_lock = log, threading.Lock()
-        self._open: dict[socket.socket, tuple[float, "_HookReader | None"]] = {}
+        self._open: dict[socket.socket, _HookReader] = {}       # by connection, until closed
         self._open_lock = threading.Lock()
 
     def log(self, text: str) -> None:
@@ -14254,7 +14254,7 @@ class Webhook:
                     conn.close()        # every slot busy with a whole request: dropped unread
                     continue
             with self._open_lock:
-                self._open[conn] = (time.monotonic(), None)
+                self._open[conn] = _HookReader(conn, time.monotonic())
             threading.Thread(target=self.handle_connection, args=(conn,), daemon=True).start()
         deadline = time.monotonic() + WEBHOOK_REQUEST_SECONDS + WEBHOOK_SEND_SECONDS
         for _ in range(WEBHOOK_MAX_CONNECTIONS):
@@ -14265,11 +14265,10 @@ class Webhook:
         """Every slot is taken: end the oldest connection that has not sent a whole head
         (its thread then gives its slot back)."""
         with self._open_lock:
-            stalled = [(since, conn) for conn, (since, reader) in self._open.items()
-                       if reader is None or not reader.head_done]
+            stalled = [reader for reader in self._open.values() if not reader.head_done]
         if stalled:
             with contextlib.suppress(OSError):
-                min(stalled, key=lambda item: item[0])[1].shutdown(socket.SHUT_RDWR)
+                min(stalled, key=lambda reader: reader.accepted).conn.shutdown(socket.SHUT_RDWR)
 
     def handle_connection(self, conn: socket.socket) -> None:
         """Answer one accepted connection, close it, and give back the slot its caller took."""
@@ -14290,11 +14289,8 @@ class Webhook:
             if not self.bucket.take():
                 # Judged before a byte is read: a flood costs no parsing, no HMAC, no database.
                 raise WebhookRefusal(429, "rate_limited", "too many requests: try again later")
-            with self._open_lock:
-                accepted = self._open.get(conn, (time.monotonic(), None))[0]
-                reader = _HookReader(conn, accepted + WEBHOOK_REQUEST_SECONDS,
-                                     accepted + WEBHOOK_HEAD_SECONDS)
-                self._open[conn] = (accepted, reader)
+            with self._open_lock:       # accepted by serve(), or handed in by a caller
+                reader = self._open.setdefault(conn, _HookReader(conn, time.monotonic()))
             req = read_hook_request(reader)
         except WebhookRefusal as refusal:
             self._send(conn, *self._error(refusal))
@@ -14338,10 +14334,9 @@ class Webhook:
                                  for a in pending[:WEBHOOK_LIST_LIMIT]]})
 
     def _do_show(self, store: Store, route: HookRoute, req: HookRequest):
-        approval = _approval_under(store, route)
+        run, approval = _approval_under(store, route)
         if approval.status == PENDING:
             approval.verify()           # a row edited behind the proxy's back is not shown
-            run = store.get_run(route.run)
             if run.status != WAITING:
                 raise WebhookRefusal(409, "run_finished" if run.status in TERMINAL else
                                      "run_not_waiting", f"run {run.id} is {run.status}: "
@@ -14361,7 +14356,7 @@ class Webhook:
         approve = route.action == "approve"
         # The operator's word on a cut-off attempt, as reject -outcome takes it (unknown
         # unless given); an outcome on any other decision is refused before it is made.
-        word = operator_word(_approval_under(store, route), approve, doc.get("outcome"))
+        word = operator_word(_approval_under(store, route)[1], approve, doc.get("outcome"))
         approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
                                         doc.get("note", ""), doc["hash"], self.clock(),
                                         view=doc.get("view", ""), outcome=word)

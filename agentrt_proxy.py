@@ -12313,18 +12313,15 @@ class RecheckReport:
                         f"{self.count('same', 'different')} re-checked decision(s) differ; "
                         f"{identity}; {self.spec_source} specs")]
         for e in sorted(self.evaluations, key=lambda e: e.result != "different"):
-            where = f"step {e.step_index} seq {e.seq} {_bound(e.tool) or '-'}" + \
+            tool, was, now, why = (clean(t, RECHECK_TEXT)
+                                   for t in (e.tool, e.recorded, e.rechecked, e.detail))
+            where = f"step {e.step_index} seq {e.seq} {tool or '-'}" + \
                 (" (on resume)" if e.on_resume else "")
-            detail = f": {_bound(e.detail)}" if e.detail else ""
-            said = {"same": f"same      {where}: {_bound(e.recorded)}{detail}",
-                    "different": f"DIFFERENT {where}: {_bound(e.recorded)} -> "
-                                 f"{_bound(e.rechecked) or 'none'}{detail}"}
-            out.append(said.get(e.result, f"skipped   {where}: {_bound(e.detail)}"))
-        return out + [f"note: {_bound(n)}" for n in self.notes]
-
-
-def _bound(text: str) -> str:
-    return truncate(sanitize(text), RECHECK_TEXT)
+            detail = f": {why}" if e.detail else ""
+            said = {"same": f"same      {where}: {was}{detail}",
+                    "different": f"DIFFERENT {where}: {was} -> {now or 'none'}{detail}"}
+            out.append(said.get(e.result, f"skipped   {where}: {why}"))
+        return out + [f"note: {clean(n, RECHECK_TEXT)}" for n in self.notes]
 
 
 class _RecordedPolicy(ProxyPolicy):

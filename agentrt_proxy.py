@@ -12225,11 +12225,9 @@ class ServerWatch:
                                if n in proxy.order and n not in now})   # names a host may have seen
         added = [n for n, t in now.items() if before.get(n) != t.spec]
         removed = [n for n in before if n not in now]
-        q = _quote(server)
-        if removed:
-            self.log(f"drift: server {q}: withheld: {', '.join(removed)}")
-        if added:
-            self.log(f"drift: server {q}: offered: {', '.join(added)}")
+        for word, names in (("withheld", removed), ("offered", added)):
+            if names:
+                self.log(f"drift: server {_quote(server)}: {word}: {', '.join(names)}")
         if added or removed:
             self.announce()
 
@@ -14382,26 +14380,24 @@ def _linger(conn: socket.socket) -> None:
     """After answering a request left unread, drop what the client still sends, for a
     bounded time: closing with unread bytes resets the connection, and the client could
     lose the answer."""
-    try:
+    with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_WR)
         deadline, dropped = time.monotonic() + WEBHOOK_LINGER_SECONDS, 0
         while dropped < WEBHOOK_LINGER_BYTES and time.monotonic() < deadline:
             conn.settimeout(max(0.0, deadline - time.monotonic()))
             data = conn.recv(WEBHOOK_RECV)
             if not data:
-                return
+                break
             dropped += len(data)
-    except OSError:
-        return
 
 
 @contextlib.contextmanager
 def _stop_on_signals(stop: threading.Event):
-    """SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    """SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving; only the
+    main thread can set a handler, so served from another thread, none is set."""
+    on_main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.signal(s, lambda *_: stop.set())
+             for s in ((signal.SIGTERM, signal.SIGINT) if on_main else ())}
     try:
         yield
     finally:

@@ -8049,27 +8049,21 @@ class Notifier:
         ``doc`` is built on the thread."""
         if not self.argv:
             return
-        if drift:
-            if self._drift_slots.acquire(blocking=False):
-                self._start(label, doc, self._drift_slots)
-            else:
-                self.log(f"on_pending: {ON_PENDING_DRIFT_RUNNING} drift notices are still "
-                         f"running; not started for {label}")
-            return
-        label = f"approval {label}"
+        slots = self._drift_slots if drift else self._slots
+        label = label if drift else f"approval {label}"
         with self._queue_lock:
             if self._closed:
                 return
-            if not self._slots.acquire(blocking=False):
-                if len(self._queue) < ON_PENDING_QUEUED:
+            if not slots.acquire(blocking=False):
+                if drift:
+                    self.log(f"on_pending: {ON_PENDING_DRIFT_RUNNING} drift notices are still "
+                             f"running; not started for {label}")
+                elif len(self._queue) < ON_PENDING_QUEUED:
                     self._queue.append((label, doc))
                 else:
                     self.log(f"on_pending: {ON_PENDING_QUEUED} notices wait for one of "
                              f"{ON_PENDING_RUNNING} running; not started for {label}")
                 return
-        self._start(label, doc, self._slots)
-
-    def _start(self, label: str, doc: Callable[[], dict], slots) -> None:
         try:
             threading.Thread(target=self._run, args=(label, doc, slots), daemon=True,
                              name="on_pending").start()
@@ -8101,9 +8095,8 @@ class Notifier:
             if self._closed:
                 return
             try:
-                proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
+                proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
             except OSError as exc:
                 self.log(f"on_pending: {self.argv[0]} could not be started for "
                          f"{label}: {exc.strerror or exc}")
@@ -11995,21 +11988,21 @@ def withheld_answer(why: str) -> dict:
                  "executed. Tell the user.", True)
 
 
-def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> list[tuple[str, str]]:
+def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> dict[str, str]:
     """Each tool whose listing differs from its pin, by the hashes loading compares, and
     how: in name order."""
-    out = []
+    out = {}
     for name in sorted(set(pinned) | set(live)):
         pin, now = pinned.get(name), live.get(name)
         if pin is None or now is None:
-            out.append((name, DRIFT_NEW if pin is None else DRIFT_GONE))
+            out[name] = DRIFT_NEW if pin is None else DRIFT_GONE
             continue
         what = [w for w, same in (
             ("the description", same_digest(hash_string(now.description), pin.description_hash)),
             ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
             if not same]
         if what:
-            out.append((name, f"{' and '.join(what)} changed since the pin"))
+            out[name] = f"{' and '.join(what)} changed since the pin"
     return out
 
 
@@ -12022,45 +12015,15 @@ def _manifest_stamp(path: str) -> tuple | None:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-def offer(proxy: Proxy, server: str, offered: list[UpstreamTool],
-          withheld: dict[str, str]) -> tuple[list[str], list[str]]:
-    """Make ``offered`` the server's tools in the proxy, the gate and the listing; withhold
-    the rest. A tool whose spec changed (a pin since) is the gate's new tool from here on,
-    its spec stored first. Returns the names offered anew or changed, and those removed."""
-    before = {n: t.spec for n, t in proxy.tools.items() if t.server == server}
-    now: dict[str, UpstreamTool] = {}
-    for tool in offered:
-        name = tool.spec.name
-        held = proxy.gate.tools.get(name)
-        if held is None or held.spec != tool.spec:
-            try:
-                proxy.store.ensure_spec(tool.spec)
-            except ProxyError as exc:
-                withheld[name] = f"its spec could not be recorded: {exc}"
-                continue
-            proxy.gate.tools[name] = Tool(tool.spec, tool.call)
-        now[name] = tool
-    proxy.order += [n for n in now if n not in proxy.order]
-    tools = {n: t for n, t in proxy.tools.items() if t.server != server}
-    tools.update(now)
-    proxy.tools.clear()                  # in place: the policy holds this same dict
-    proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
-    proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
-    proxy.withheld.update({n: (server, why) for n, why in withheld.items()
-                           if n in proxy.order and n not in now})   # names a host may have seen
-    return ([n for n, t in now.items() if before.get(n) != t.spec],
-            [n for n in before if n not in now])
-
-
 class DriftWatch:
     """One ServerWatch per server that registered tools, each a task of its own."""
 
     def __init__(self, cfg: Config, proxy: Proxy, tools: list[UpstreamTool],
                  log: Callable[[str], None], announce: Callable[[], None]):
         conns = {t.server: t.conn for t in tools}
-        self.tasks = [asyncio.create_task(ServerWatch(cfg, s, conns[s.name], proxy, log,
-                                                      announce).run())
-                      for s in cfg.servers if s.name in conns]
+        self.tasks = [asyncio.create_task(
+            ServerWatch(cfg, s, conns[s.name], proxy, log, announce).run())
+            for s in cfg.servers if s.name in conns]
 
     async def close(self) -> None:
         """Cancel the watches and wait for them, at most CLOSE_WAIT: a watch that took a
@@ -12132,8 +12095,7 @@ class ServerWatch:
         server, wait = self.server, self.server.connect_timeout
         self.stamp = _manifest_stamp(server.manifest)
         try:
-            live_list = await asyncio.wait_for(self.conn.list_tools(time.monotonic() + wait),
-                                               wait)
+            live_list = await asyncio.wait_for(self.conn.list_tools(time.monotonic() + wait), wait)
             pinned = read_manifest(server.manifest, server.name)
         except asyncio.TimeoutError:
             return self._withhold_all(f"timed out after {fmt_duration(wait)}")
@@ -12147,8 +12109,7 @@ class ServerWatch:
         changes = drift_of(pinned, live)
         # A tool offered before and refused now for what the hashes do not cover (the
         # server's hints now dispute its class) is drift too.
-        seen = {t for t, _ in changes}
-        self.tell(changes + sorted((k, why) for k, why in refused.items() if k not in seen))
+        self.tell([*changes.items(), *sorted(r for r in refused.items() if r[0] not in changes)])
         self.apply(offered, withheld)
 
     def _withhold_all(self, why: str) -> None:
@@ -12157,8 +12118,7 @@ class ServerWatch:
         self.failed, self.told = True, ()
         names = [n for n, t in self.proxy.tools.items() if t.server == self.server.name]
         names += [n for n, v in self.proxy.withheld.items() if v[0] == self.server.name]
-        self.apply([], {n: f"its server's tools could not be listed again ({why})"
-                        for n in names})
+        self.apply([], {n: f"its server's tools could not be listed again ({why})" for n in names})
 
     def judge(self, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
               ) -> tuple[list[UpstreamTool], dict[str, str], dict[str, str]]:
@@ -12201,22 +12161,45 @@ class ServerWatch:
                   "why": sanitize(why)} for t, why in changes[:DRIFT_SHOWN]]
         more = len(changes) - len(shown)
         pin = f"{_self_command()} pin -config {self.cfg.path}"
-        self.log(f"drift: server {q} changed its tools since the pin: " +
-                 "; ".join(f"{e['tool']}: {e['why']}" for e in shown) +
-                 (f"; and {more} more" if more else ""))
+        self.log(f"drift: server {q} changed its tools since the pin: " + "; ".join(
+            f"{e['tool']}: {e['why']}" for e in shown) + (f"; and {more} more" if more else ""))
         self.log(f"  withheld until pinned again; pin with: {sanitize(pin)}")
         doc = {"kind": "drift", "server": sanitize(self.server.name), "withheld": shown,
                "more": more, "pin": sanitize(pin), "at": fmt_time(time.time())}
-        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc,
-                                   drift=True)
+        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc, drift=True)
 
     def apply(self, offered: list[UpstreamTool], withheld: dict[str, str]) -> None:
-        added, removed = offer(self.proxy, self.server.name, offered, withheld)
-        q = _quote(self.server.name)
-        if removed:
-            self.log(f"drift: server {q}: withheld: {', '.join(removed)}")
-        if added:
-            self.log(f"drift: server {q}: offered: {', '.join(added)}")
+        """Make ``offered`` the server's tools in the proxy, the gate and the listing; withhold
+        the rest. A tool whose spec changed (a pin since) is the gate's new tool from here on,
+        its spec stored first. The operator hears of the names offered anew or changed, and
+        of those removed; the host, that its list changed."""
+        proxy, server = self.proxy, self.server.name
+        before = {n: t.spec for n, t in proxy.tools.items() if t.server == server}
+        now: dict[str, UpstreamTool] = {}
+        for tool in offered:
+            name = tool.spec.name
+            held = proxy.gate.tools.get(name)
+            if held is None or held.spec != tool.spec:
+                try:
+                    proxy.store.ensure_spec(tool.spec)
+                except ProxyError as exc:
+                    withheld[name] = f"its spec could not be recorded: {exc}"
+                    continue
+                proxy.gate.tools[name] = Tool(tool.spec, tool.call)
+            now[name] = tool
+        proxy.order += [n for n in now if n not in proxy.order]
+        tools = {n: t for n, t in proxy.tools.items() if t.server != server}
+        tools.update(now)
+        proxy.tools.clear()                  # in place: the policy holds this same dict
+        proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
+        proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
+        proxy.withheld.update({n: (server, why) for n, why in withheld.items()
+                               if n in proxy.order and n not in now})   # names a host may have seen
+        added = [n for n, t in now.items() if before.get(n) != t.spec]
+        removed = [n for n in before if n not in now]
+        for word, names in (("withheld", removed), ("offered", added)):
+            if names:
+                self.log(f"drift: server {_quote(server)}: {word}: {', '.join(names)}")
         if added or removed:
             self.announce()
 
@@ -12232,12 +12215,12 @@ class ServerWatch:
 RECHECK_LIMIT = 50
 RECHECK_TEXT = 240                     # bytes of one value in a report line
 RECHECK_SCOPE = (
-    "A re-check covers the gate's policy: the policy map, each rule's outcome, its fixed "
-    "values, its rename, its conditions, and its limits as counted from the executions "
-    "recorded before each decision. It does not cover the rules applied before the policy (the "
-    "duplicate rule, the repeat window, max_pending, the refusal of a rejected or expired "
-    "approval) or any call refused before the gate; without -current-tools it covers no "
-    "change to a tool's schema or denied parameters either.")
+    "A re-check covers the gate's policy: the policy map, each rule's outcome, its fixed values, "
+    "its rename, its conditions, and its limits as counted from the executions recorded before "
+    "each decision. It does not cover the rules applied before the policy (the duplicate rule, "
+    "the repeat window, max_pending, the refusal of a rejected or expired approval) or any call "
+    "refused before the gate; without -current-tools it covers no change to a tool's schema or "
+    "denied parameters either.")
 
 
 @dataclasses.dataclass(repr=False)
@@ -12283,13 +12266,11 @@ class RecheckReport:
 
     def as_json(self) -> dict:
         differ, skipped = self.count("different"), self.count("not_recheckable")
-        return {"run_id": self.run_id, "run_status": self.run_status,
-                "policy_id": self.policy_id, "identity": self.identity,
-                "spec_source": self.spec_source, "notes": self.notes,
+        return {"run_id": self.run_id, "run_status": self.run_status, "policy_id": self.policy_id,
+                "identity": self.identity, "spec_source": self.spec_source, "notes": self.notes,
                 "evaluations": [dataclasses.asdict(e) for e in self.evaluations],
-                "same": differ == 0, "differences": differ,
-                "rechecked": self.count("same", "different"), "not_recheckable": skipped,
-                "complete": skipped == 0}
+                "same": differ == 0, "differences": differ, "complete": skipped == 0,
+                "rechecked": self.count("same", "different"), "not_recheckable": skipped}
 
     def lines(self) -> list[str]:
         asked = sorted({e.policy_id for e in self.evaluations
@@ -12302,21 +12283,15 @@ class RecheckReport:
                         f"{self.count('same', 'different')} re-checked decision(s) differ; "
                         f"{identity}; {self.spec_source} specs")]
         for e in sorted(self.evaluations, key=lambda e: e.result != "different"):
-            where = f"step {e.step_index} seq {e.seq} {_bound(e.tool) or '-'}" + \
+            tool, was, now, why = (clean(t, RECHECK_TEXT)
+                                   for t in (e.tool, e.recorded, e.rechecked, e.detail))
+            where = f"step {e.step_index} seq {e.seq} {tool or '-'}" + \
                 (" (on resume)" if e.on_resume else "")
-            detail = f": {_bound(e.detail)}" if e.detail else ""
-            if e.result == "same":
-                out.append(f"same      {where}: {_bound(e.recorded)}{detail}")
-            elif e.result == "different":
-                out.append(f"DIFFERENT {where}: {_bound(e.recorded)} -> "
-                           f"{_bound(e.rechecked) or 'none'}{detail}")
-            else:
-                out.append(f"skipped   {where}: {_bound(e.detail)}")
-        return out + [f"note: {_bound(n)}" for n in self.notes]
-
-
-def _bound(text: str) -> str:
-    return truncate(sanitize(text), RECHECK_TEXT)
+            detail = f": {why}" if e.detail else ""
+            said = {"same": f"same      {where}: {was}{detail}",
+                    "different": f"DIFFERENT {where}: {was} -> {now or 'none'}{detail}"}
+            out.append(said.get(e.result, f"skipped   {where}: {why}"))
+        return out + [f"note: {clean(n, RECHECK_TEXT)}" for n in self.notes]
 
 
 class _RecordedPolicy(ProxyPolicy):
@@ -12368,8 +12343,7 @@ def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
     report = RecheckReport(run_id, run.status, policy.policy_id,
                            "current" if current is not None else "recorded")
     if run.status not in TERMINAL:
-        report.notes.append(f"the run is {run.status}; it was re-checked up to its current "
-                            "state")
+        report.notes.append(f"the run is {run.status}; it was re-checked up to its current state")
     for i, event in enumerate(events):
         seq, _r, step_id, _at, typ, payload, _h = event
         step = steps.get(step_id)
@@ -12391,14 +12365,12 @@ def _approvals_as_of(approvals: list[Approval], events: list, seq: int,
                      count: int) -> list[Approval]:
     """The first ``count`` approvals, each with the status it had at event ``seq``."""
     shown = approvals[:count]
-    decided = [loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided"] \
-        if shown else []
-    out = []
-    for a in shown:
-        doc = next((d for d in reversed(decided) if d.get("approval_id") == a.id), None)
-        out.append(dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
-                   if doc is None else dataclasses.replace(a, status=doc.get("status", PENDING)))
-    return out
+    decided = {d.get("approval_id"): d.get("status", PENDING) for d in (  # the last decision
+        loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided")} \
+        if shown else {}
+    return [dataclasses.replace(a, status=decided[a.id]) if a.id in decided else
+            dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
+            for a in shown]
 
 
 def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step: Step | None,
@@ -12437,8 +12409,7 @@ def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step:
                                reason_detail="", finished_at="", result_json="")
     handed_view = RunView(then, whole.steps[:n_steps],
                           _approvals_as_of(whole.approvals, events, seq, n_approvals))
-    approvals = whole.approvals
-    policy.following = approvals[n_approvals] if n_approvals < len(approvals) else None
+    policy.following = next(iter(whole.approvals[n_approvals:]), None)
     policy.as_of = (seq, parse_time(at)) if at else None
     try:
         schema = policy_json(spec.input_schema, False)
@@ -12516,8 +12487,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
                 "re-checked")
         return 1
     if rechecked == 0:
-        out.log(f"recheck: no decision of the policy was re-checked ({skipped} not "
-                "re-checkable)")
+        out.log(f"recheck: no decision of the policy was re-checked ({skipped} not re-checkable)")
         return 1
     return 1 if differ else 0
 
@@ -13829,8 +13799,7 @@ _HOOK_SINGLE = frozenset({"content-length", "transfer-encoding", "accept", "expe
                           HOOK_TIMESTAMP.lower(), HOOK_NONCE.lower(), HOOK_SIGNATURE.lower()})
 _HOOK_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized",
                  404: "Not Found", 409: "Conflict", 410: "Gone", 413: "Payload Too Large",
-                 429: "Too Many Requests", 500: "Internal Server Error",
-                 503: "Service Unavailable"}
+                 429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
 _HOOK_JSON, _HOOK_TEXT = "application/json", "text/plain; charset=utf-8"
 _DECISION_FIELDS = ("run_id", "approval_id", "hash", "by", "note", "view", "outcome")
 _CANCEL_FIELDS = ("run_id", "by", "note")
@@ -13883,11 +13852,9 @@ class SeenSignatures:
 
     def first_use(self, signature: str, until: float, now: float) -> bool:
         with self._lock:
-            if signature in self._until:
-                return False
             if len(self._until) >= self.limit:
                 self._until = {s: t for s, t in self._until.items() if t >= now}
-            if len(self._until) >= self.limit:
+            if signature in self._until or len(self._until) >= self.limit:
                 return False
             self._until[signature] = until
             return True
@@ -13972,18 +13939,18 @@ class HookRoute:
 
 
 class _HookReader:
-    """One request's bytes from a socket, every read under one deadline for the whole
-    request: a client sending a byte at a time cannot hold a thread past it (slow loris)."""
+    """One request's bytes from a socket accepted at ``accepted``, every read under one
+    deadline for the whole request: a client sending a byte at a time cannot hold a thread
+    past it (slow loris). Until the head is whole, the head's own deadline applies."""
 
-    def __init__(self, conn: socket.socket, deadline: float, head_deadline: float | None = None):
-        self.conn, self.buf = conn, b""
-        self.whole_deadline = deadline
-        self.deadline = deadline if head_deadline is None else min(deadline, head_deadline)
+    def __init__(self, conn: socket.socket, accepted: float):
+        self.conn, self.buf, self.accepted = conn, b"", accepted
+        self.deadline = accepted + min(WEBHOOK_HEAD_SECONDS, WEBHOOK_REQUEST_SECONDS)
         self.head_done = False
 
     def head_read(self) -> None:
         """The head is whole: the body has the rest of the request's deadline."""
-        self.head_done, self.deadline = True, self.whole_deadline
+        self.head_done, self.deadline = True, self.accepted + WEBHOOK_REQUEST_SECONDS
 
     def _more(self) -> None:
         left = self.deadline - time.monotonic()
@@ -14022,7 +13989,20 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
     method, target = parts[0].decode("ascii"), parts[1].decode("latin-1")
     if not _HOOK_TARGET_RE.fullmatch(target):
         raise _bad("the request target is not a path of visible ASCII")
-    headers = _read_headers(reader)
+    headers: dict[str, str] = {}
+    for _ in range(WEBHOOK_MAX_HEADERS + 1):
+        line = reader.line()
+        if not line:
+            break
+        name, sep, value = line.partition(b":")
+        if not sep or not _HOOK_TOKEN_RE.fullmatch(name):
+            raise _bad("a header line is not NAME: VALUE")
+        key = name.decode("ascii").lower()
+        if key in headers and key in _HOOK_SINGLE:
+            raise _bad(f"header {key} is given twice")
+        headers.setdefault(key, value.strip(b" \t").decode("latin-1"))
+    else:
+        raise _bad(f"the request has more than {WEBHOOK_MAX_HEADERS} headers")
     reader.head_read()
     if "transfer-encoding" in headers:
         raise _bad("a chunked body is not accepted; send Content-Length")
@@ -14036,22 +14016,6 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
     return HookRequest(method, target, headers, reader.exactly(int(length)))
 
 
-def _read_headers(reader: _HookReader) -> dict:
-    headers: dict[str, str] = {}
-    for _ in range(WEBHOOK_MAX_HEADERS + 1):
-        line = reader.line()
-        if not line:
-            return headers
-        name, sep, value = line.partition(b":")
-        if not sep or not _HOOK_TOKEN_RE.fullmatch(name):
-            raise _bad("a header line is not NAME: VALUE")
-        key = name.decode("ascii").lower()
-        if key in headers and key in _HOOK_SINGLE:
-            raise _bad(f"header {key} is given twice")
-        headers.setdefault(key, value.strip(b" \t").decode("latin-1"))
-    raise _bad(f"the request has more than {WEBHOOK_MAX_HEADERS} headers")
-
-
 def verify_hook_request(secret: bytes, req: HookRequest, now: float,
                         seen: SeenSignatures) -> None:
     """Refuse a request that is unsigned, signed under another secret or over other bytes,
@@ -14061,8 +14025,7 @@ def verify_hook_request(secret: bytes, req: HookRequest, now: float,
     if not (stamp and nonce and signature):
         raise _unauthorized(f"{HOOK_TIMESTAMP}, {HOOK_NONCE} and {HOOK_SIGNATURE} are required")
     if not _HOOK_TIMESTAMP_RE.fullmatch(stamp) or abs(now - int(stamp)) > WEBHOOK_SKEW:
-        raise _unauthorized(f"{HOOK_TIMESTAMP} is not within {WEBHOOK_SKEW} seconds of "
-                            "this clock")
+        raise _unauthorized(f"{HOOK_TIMESTAMP} is not within {WEBHOOK_SKEW} seconds of this clock")
     if not _HOOK_NONCE_RE.fullmatch(nonce):
         raise _unauthorized(f"{HOOK_NONCE} is 1 to {WEBHOOK_MAX_NONCE} visible characters")
     want = "v1=" + hook_signature(secret, stamp, nonce, req.method, req.target, req.body)
@@ -14120,10 +14083,9 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
 # Each outcome of the store, in the error table; the first class that matches decides.
 _HOOK_OUTCOMES = ((NotFound, 404, "not_found"), (ApprovalExpired, 410, "expired"),
                   (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"),
-                  (ApprovalChanged, 409, "approval_changed"),
-                  (ApprovalHashMismatch, 409, "approval_hash"),
-                  (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"),
-                  (UsageError, 400, "bad_request"))
+                  (ApprovalChanged, 409, "approval_changed"), (UsageError, 400, "bad_request"),
+                  (ApprovalHashMismatch, 409, "approval_hash"), (StoreError, 503, "unavailable"),
+                  (RunStateError, 409, "run_not_waiting"))
 
 
 def _hook_refusal(exc: ProxyError, route: HookRoute) -> WebhookRefusal:
@@ -14152,10 +14114,12 @@ def _hook_row(a: Approval) -> dict:
     return row
 
 
-def _hook_record(data: bytes) -> Any:
+def _hook_record(read: Callable[[], bytes]) -> Any:
+    """A recorded JSON value of an approval, or why it could not be read."""
     try:
+        data = read()
         return read_own(data) if data.strip(JSON_WS) else {}
-    except JSONError as exc:
+    except (ProxyError, KeyError, ValueError) as exc:
         return {"unread": sanitize(str(exc))}
 
 
@@ -14171,12 +14135,9 @@ def _hook_view(view: ApprovalView) -> dict:
 def _hook_approval(store: Store, a: Approval) -> dict:
     """One approval in full: its state, everything its hash binds, and its view."""
     view = view_of(store, a)
-    try:
-        args = _hook_record(a.request().args)
-    except (ProxyError, KeyError, ValueError) as exc:
-        args = {"unread": sanitize(str(exc))}
-    doc = dict(_hook_row(a), **_hook_view(view), arguments=args,
-               capability=_hook_record(a.capability), presentation=_hook_record(a.presentation))
+    doc = dict(_hook_row(a), **_hook_view(view), arguments=_hook_record(lambda: a.request().args),
+               capability=_hook_record(lambda: a.capability),
+               presentation=_hook_record(lambda: a.presentation))
     doc.update(approval_facts(a, view, limits_now(store._read, a, time.time())))
     return doc
 
@@ -14185,12 +14146,11 @@ def _hook_run(run: Run) -> dict:
     return {"id": run.id, "status": sanitize(run.status), "reason": sanitize(run.reason)}
 
 
-def _approval_under(store: Store, route: HookRoute) -> Approval:
-    store.get_run(route.run)
-    approval = store.get_approval(route.approval)
+def _approval_under(store: Store, route: HookRoute) -> tuple[Run, Approval]:
+    run, approval = store.get_run(route.run), store.get_approval(route.approval)
     if approval.run_id != route.run:
         raise NotFound(f"approval {route.approval} is not an approval of run {route.run}")
-    return approval
+    return run, approval
 
 
 class Webhook:
@@ -14204,7 +14164,7 @@ class Webhook:
         self.seen = SeenSignatures(WEBHOOK_SEEN_MAX)
         self.slots = threading.BoundedSemaphore(WEBHOOK_MAX_CONNECTIONS)
         self._log, self._log_lock = log, threading.Lock()
-        self._open: dict[socket.socket, tuple[float, "_HookReader | None"]] = {}
+        self._open: dict[socket.socket, _HookReader] = {}       # by connection, until closed
         self._open_lock = threading.Lock()
 
     def log(self, text: str) -> None:
@@ -14228,7 +14188,7 @@ class Webhook:
                     conn.close()        # every slot busy with a whole request: dropped unread
                     continue
             with self._open_lock:
-                self._open[conn] = (time.monotonic(), None)
+                self._open[conn] = _HookReader(conn, time.monotonic())
             threading.Thread(target=self.handle_connection, args=(conn,), daemon=True).start()
         deadline = time.monotonic() + WEBHOOK_REQUEST_SECONDS + WEBHOOK_SEND_SECONDS
         for _ in range(WEBHOOK_MAX_CONNECTIONS):
@@ -14239,11 +14199,10 @@ class Webhook:
         """Every slot is taken: end the oldest connection that has not sent a whole head
         (its thread then gives its slot back)."""
         with self._open_lock:
-            stalled = [(since, conn) for conn, (since, reader) in self._open.items()
-                       if reader is None or not reader.head_done]
+            stalled = [reader for reader in self._open.values() if not reader.head_done]
         if stalled:
             with contextlib.suppress(OSError):
-                min(stalled, key=lambda item: item[0])[1].shutdown(socket.SHUT_RDWR)
+                min(stalled, key=lambda reader: reader.accepted).conn.shutdown(socket.SHUT_RDWR)
 
     def handle_connection(self, conn: socket.socket) -> None:
         """Answer one accepted connection, close it, and give back the slot its caller took."""
@@ -14264,11 +14223,8 @@ class Webhook:
             if not self.bucket.take():
                 # Judged before a byte is read: a flood costs no parsing, no HMAC, no database.
                 raise WebhookRefusal(429, "rate_limited", "too many requests: try again later")
-            with self._open_lock:
-                accepted = self._open.get(conn, (time.monotonic(), None))[0]
-                reader = _HookReader(conn, accepted + WEBHOOK_REQUEST_SECONDS,
-                                     accepted + WEBHOOK_HEAD_SECONDS)
-                self._open[conn] = (accepted, reader)
+            with self._open_lock:       # accepted by serve(), or handed in by a caller
+                reader = self._open.setdefault(conn, _HookReader(conn, time.monotonic()))
             req = read_hook_request(reader)
         except WebhookRefusal as refusal:
             self._send(conn, *self._error(refusal))
@@ -14293,8 +14249,7 @@ class Webhook:
         except ProxyError as exc:
             return self._error(_hook_refusal(exc, route))
         except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
-            self.log(f"webhook: run {route.run}: a record could not be read "
-                     f"({type(exc).__name__})")
+            self.log(f"webhook: run {route.run}: a record could not be read ({type(exc).__name__})")
             return self._error(WebhookRefusal(500, "internal", "a record of this run could "
                                                                "not be read"))
         finally:
@@ -14313,10 +14268,9 @@ class Webhook:
                                  for a in pending[:WEBHOOK_LIST_LIMIT]]})
 
     def _do_show(self, store: Store, route: HookRoute, req: HookRequest):
-        approval = _approval_under(store, route)
+        run, approval = _approval_under(store, route)
         if approval.status == PENDING:
             approval.verify()           # a row edited behind the proxy's back is not shown
-            run = store.get_run(route.run)
             if run.status != WAITING:
                 raise WebhookRefusal(409, "run_finished" if run.status in TERMINAL else
                                      "run_not_waiting", f"run {run.id} is {run.status}: "
@@ -14336,7 +14290,7 @@ class Webhook:
         approve = route.action == "approve"
         # The operator's word on a cut-off attempt, as reject -outcome takes it (unknown
         # unless given); an outcome on any other decision is refused before it is made.
-        word = operator_word(_approval_under(store, route), approve, doc.get("outcome"))
+        word = operator_word(_approval_under(store, route)[1], approve, doc.get("outcome"))
         approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
                                         doc.get("note", ""), doc["hash"], self.clock(),
                                         view=doc.get("view", ""), outcome=word)
@@ -14365,26 +14319,24 @@ def _linger(conn: socket.socket) -> None:
     """After answering a request left unread, drop what the client still sends, for a
     bounded time: closing with unread bytes resets the connection, and the client could
     lose the answer."""
-    try:
+    with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_WR)
         deadline, dropped = time.monotonic() + WEBHOOK_LINGER_SECONDS, 0
         while dropped < WEBHOOK_LINGER_BYTES and time.monotonic() < deadline:
             conn.settimeout(max(0.0, deadline - time.monotonic()))
             data = conn.recv(WEBHOOK_RECV)
             if not data:
-                return
+                break
             dropped += len(data)
-    except OSError:
-        return
 
 
 @contextlib.contextmanager
 def _stop_on_signals(stop: threading.Event):
-    """SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    """SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving; only the
+    main thread can set a handler, so served from another thread, none is set."""
+    on_main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.signal(s, lambda *_: stop.set())
+             for s in ((signal.SIGTERM, signal.SIGINT) if on_main else ())}
     try:
         yield
     finally:
@@ -14426,8 +14378,7 @@ def cmd_sign(args, out: Out) -> int:
         with open(args.body_file, "rb") as f:
             body = f.read(WEBHOOK_MAX_BODY + 1)
     if len(body) > WEBHOOK_MAX_BODY:
-        raise UsageError(f"sign: the body is over {WEBHOOK_MAX_BODY} bytes; the webhook "
-                         "refuses it")
+        raise UsageError(f"sign: the body is over {WEBHOOK_MAX_BODY} bytes; the webhook refuses it")
     headers = sign_request(read_hook_secret(args.secret_file), args.method, args.path, body,
                            time.time())
     if args.json:

@@ -7533,10 +7533,7 @@ def result_of(obs: dict) -> dict:
     recorded (not escaped: it is data), or its error text."""
     content = obs.get("content")
     if obs.get("kind") == TOOL_RESULT:
-        text = obs.get("text")          # the server's text beside its structured content
-        if not isinstance(text, str) or isinstance(content, str):
-            text = content if isinstance(content, str) else dump_json(content)
-        out = {"content": [{"type": "text", "text": text}], "isError": False}
+        out = {"content": [{"type": "text", "text": result_text(obs)}], "isError": False}
         if isinstance(content, dict):
             out["structuredContent"] = content
         return out
@@ -9537,31 +9534,15 @@ class RunState:
 # The rules in the seed's order, then at most one hold for an approval and at most one
 # execution. What executes is always what the gate recorded.
 
-@dataclasses.dataclass(repr=False)
-class Answer:
-    """Serving's reply to a call: the result the host gets."""
-    result: dict
-
-
-@dataclasses.dataclass(repr=False)
-class Pending:
-    """Serving's reply to a call held for approval: the approval it waits on."""
-    approval: Approval
-
-
-@dataclasses.dataclass(repr=False)
-class Repeat:
-    """An identical call within the window, where the rule asks about a repeat: it goes on
-    to be begun, asking the operator with an approval naming ``earlier`` (section 10)."""
-    earlier: dict
-
-
-@dataclasses.dataclass(repr=False)
-class Execute:
-    """Run what the session's gate allowed: the recorded request, never this call's bytes."""
-    session: Session
-    tool: "UpstreamTool"
-    last_approval: str = ""
+# Serving's reply to a call: the result the host gets.
+Answer = collections.namedtuple("Answer", "result")
+# Serving's reply to a call held for approval: the approval it waits on.
+Pending = collections.namedtuple("Pending", "approval")
+# An identical call within the window, where the rule asks about a repeat: it goes on to be
+# begun, asking the operator with an approval naming ``earlier`` (section 10).
+Repeat = collections.namedtuple("Repeat", "earlier")
+# Run what the session's gate allowed: the recorded request, never this call's bytes.
+Execute = collections.namedtuple("Execute", "session tool last_approval", defaults=("",))
 
 
 class Retry:
@@ -9600,7 +9581,12 @@ class Proxy:
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
         self.budgets.catch_up()
-        self.holder = self._hold(store, log)
+        try:                        # this proxy's holder file (section 11), held while it serves
+            self.holder: Holder | None = Holder.take(store.path)
+        except OSError as exc:
+            log(f"error: no holder file beside the database ({exc}): if this "
+                "proxy dies, its calls are taken over only when their leases run out")
+            self.holder = None
         try:
             self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy,
                              now=clock, lease_owner=f"agentrt-proxy:{cfg.session}",
@@ -9622,16 +9608,6 @@ class Proxy:
         self.executor = Executor(self)
         self.resume = Resume(self)
         self.rules = Rules(self)
-
-    @staticmethod
-    def _hold(store: Store, log: Callable[[str], None]) -> Holder | None:
-        """This proxy's holder file (section 11), locked for as long as it serves."""
-        try:
-            return Holder.take(store.path)
-        except OSError as exc:
-            log(f"error: no holder file beside the database ({exc}): if this "
-                "proxy dies, its calls are taken over only when their leases run out")
-            return None
 
     def close(self) -> None:
         self.notifier.close()
@@ -9773,30 +9749,24 @@ class Proxy:
         """What became of the session's approvals, from the database: never a write."""
         try:
             doc = parse_json(raw.strip(JSON_WS) or b"{}")
-            if doc is None:
-                doc = {}
-            if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
-                    not isinstance(doc.get("approval_id", ""), str):
-                raise ValueError("unexpected field")
-        except (JSONError, ValueError):
+        except ValueError:
+            doc = []                        # refused below, as a wrong shape is
+        doc = {} if doc is None else doc
+        if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
+                not isinstance(doc.get("approval_id", ""), str):
             return prose("INVALID", "the arguments do not match the tool's input schema: its "
                                     "only argument is approval_id, a string. Nothing was "
                                     "executed. Correct the arguments and call again.", True)
-        wanted = doc.get("approval_id", "").strip()
+        items: list[tuple[CallRow, RunState, Approval]] = []
         try:
-            items = self.status_items()
-            return status_answer(self, items, wanted)
+            for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
+                state = self.inspect(row.run_id)
+                if state is not None:
+                    items += [(row, state, a) for a in state.approvals]
+            return status_answer(self, items, doc.get("approval_id", "").strip())
         except StoreError as exc:
             self.log(f"error: {exc}")
             return unavailable("read its records", "")
-
-    def status_items(self) -> list[tuple[CallRow, RunState, Approval]]:
-        items = []
-        for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
-            state = self.inspect(row.run_id)
-            if state is not None:
-                items += [(row, state, a) for a in state.approvals]
-        return items
 
 
 class Resume:
@@ -10021,15 +9991,11 @@ class Rules:
             if found is None or found[2] < since:
                 continue
             run_id, at, moment, said = found
-            if self.asks_repeat(tool):
+            if (tool.rule.repeat or self.cfg.repeat) == "ask":      # section 10, not DUPLICATE
                 return Repeat({"run_id": run_id, "at": at,
                                "outcome": truncate(said, REPEAT_QUOTE_BYTES)})
             return self.refused(row.run_id, row.key, duplicate(moment, window, said))
         return None
-
-    def asks_repeat(self, tool) -> bool:
-        """Whether an identical call within the window asks (section 10), not DUPLICATE."""
-        return (tool.rule.repeat or self.cfg.repeat) == "ask"
 
     def refused(self, run_id: str, key: str, result: dict) -> Answer:
         """The answer that refuses a call, counted against the run it names (RefusalLog).
@@ -10569,37 +10535,28 @@ def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
         decision = step.decision or {}
         if decision.get("kind") != "tool_call":
             continue
-        tool = proxy.tools.get(decision.get("tool", ""))
+        cut = _attempt(state.run.id, step, "cut_off")
         previous = step.obs_content.get("previous_status")
-        if step.status == "interrupted" and step.obs_kind == INTERRUPTED_OBS:
+        if step.status == "interrupted" and step.obs_kind == INTERRUPTED_OBS and previous:
             if previous == "executing":
-                return UNKNOWN, _attempt(state.run.id, step, "cut_off")
-            if previous:
-                continue                                  # cut off before its tool ran
+                return UNKNOWN, cut
+            continue                                      # cut off before its tool ran
         if step.obs_kind == TOOL_RESULT:
             return KNOWN, None
-        if step.obs_kind == INTERRUPTED_OBS and "by" in step.obs_content:
-            # An operator cancelled the run at this step: an attempt only if its tool started;
-            # else, when it waited on a question about an unknown outcome, that outcome is
-            # what the run is about (its cancel resolves it, as a rejection would).
-            if not _tool_started(proxy.store, state.run.id, step.id):
-                approval = by_step.get(step.id)
-                if approval is None or approval.kind != INTERRUPTED_KIND:
-                    continue
-                return UNKNOWN, _interrupted_attempt(approval) or \
-                    _attempt(state.run.id, step, "cut_off")
-            return UNKNOWN, _attempt(state.run.id, step, "cut_off")
-        if step.obs_kind == INTERRUPTED_OBS:
-            return UNKNOWN, _attempt(state.run.id, step, "cut_off")
         if step.obs_kind == TOOL_ERROR:
-            ended = unknown_ending(tool, step.observation)
-            if ended is not None:
-                return UNKNOWN, _attempt(state.run.id, step, ended)
-            return KNOWN, None
+            ended = unknown_ending(proxy.tools.get(decision.get("tool", "")), step.observation)
+            return (KNOWN, None) if ended is None else \
+                (UNKNOWN, _attempt(state.run.id, step, ended))
+        # An operator cancelled the run at this step ("by"): an attempt only if its tool
+        # started; else, when it waited on a question about an unknown outcome, that outcome
+        # is what the run is about (its cancel resolves it, as a rejection would).
+        if step.obs_kind == INTERRUPTED_OBS and ("by" not in step.obs_content or
+                                                 _tool_started(proxy.store, state.run.id,
+                                                               step.id)):
+            return UNKNOWN, cut
         approval = by_step.get(step.id)
         if approval is not None and approval.kind == INTERRUPTED_KIND:
-            return UNKNOWN, _interrupted_attempt(approval) or \
-                _attempt(state.run.id, step, "cut_off")
+            return UNKNOWN, _interrupted_attempt(approval) or cut
     return NO_ATTEMPT, None
 
 
@@ -10631,8 +10588,9 @@ def known_outcome(step: Step) -> str:
 
 
 def result_text(obs: dict) -> str:
-    """The text the model first read of a result: the server's text beside structured
-    content (as result_of gives it), else the content itself."""
+    """The text the model reads of a result (result_of): the server's text beside
+    structured content, else the content itself. Only structured content, an object, has
+    text beside it (the upstream client takes no other)."""
     content, text = obs.get("content"), obs.get("text")
     if isinstance(content, dict) and isinstance(text, str):
         return text

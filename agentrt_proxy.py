@@ -9826,16 +9826,8 @@ class Resume:
         if not isinstance(attached, tuple):
             return attached
         session, verdict = attached
-        if verdict.kind == "allowed":
-            latest = state.latest()
-            return Execute(session, tool, latest.id if latest else "")
-        if verdict.kind == "pending":
-            self.hold.hint(row.run_id, verdict.approval)
-            return Pending(verdict.approval)
-        if verdict.kind == "denied":
-            latest = state.latest()
-            rerun = latest is not None and latest.kind == INTERRUPTED_KIND
-            return Answer(self.executor.denied(session, verdict.observation, rerun))
+        if verdict.kind in ("allowed", "pending", "denied"):
+            return self.executor.verdict(session, verdict, tool, state.latest())
         if verdict.kind == "ended":
             return None
         if verdict.kind == "settled":        # the attempt it re-runs has a recorded outcome
@@ -9925,12 +9917,8 @@ class Rules:
         window = self.window(tool)
         if window <= 0:
             return None
-        for row in recent:
-            state = ended if ended is not None and ended.run.id == row.run_id else \
-                self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            action = self.refused_again(row, state, now, window)
+        for row, state, outcome, _ in self.finished(recent, ended):
+            action = self.refused_again(row, state, outcome, now, window)
             if action is not None:
                 return action
             ended = state                    # read once: rule 5 may judge it too
@@ -9939,18 +9927,16 @@ class Rules:
             return None
         return self.executed_within(tool, key, now, window, ended)
 
-    def refused_again(self, row: CallRow, state: RunState, now: float, window: float):
+    def refused_again(self, row: CallRow, state: RunState, outcome: int, now: float,
+                      window: float):
         """Rule 4: the request was rejected, expired or cancelled within the window, or its
         approved re-run was denied at collection (which resolves it as a rejection does).
         Not when the store knows, late, that the attempt it asked about took effect: then it
         executed (rule 5), and the model is told that, never "not executed"."""
-        outcome, _ = last_attempt(self.proxy, state)
-        self.executor.settle(row, outcome)
         end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
         reason, latest = state.run.reason, state.latest()
-        if not end or end < now - window or not (reason in (
-                "approval_rejected", "approval_expired", "operator_cancelled") or
-                state.run.reason_detail == CLOSE_DENIED_RERUN):
+        if not end or end < now - window or not (resolved_by_operator(state.run) or
+                                                 reason == "approval_expired"):
             return None
         if outcome == KNOWN and late_of(self.proxy, state) is not None:
             return None
@@ -9978,13 +9964,7 @@ class Rules:
         denied re-run, one denied at collection) is passed over, so it never hides an
         execution behind it. ``read``: a run the caller read already."""
         since = now - window
-        for row in self.index.executions(key, since):
-            state = read if read is not None and read.run.id == row.run_id else \
-                self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, _ = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        for row, state, outcome, _ in self.finished(self.index.executions(key, since), read):
             if outcome == UNKNOWN:
                 return None
             found = execution_of(self.proxy, state) if outcome == KNOWN else None
@@ -9996,6 +9976,18 @@ class Rules:
                                "outcome": truncate(said, REPEAT_QUOTE_BYTES)})
             return self.refused(row.run_id, row.key, duplicate(moment, window, said))
         return None
+
+    def finished(self, rows: Iterable[CallRow], read: RunState | None = None):
+        """Each row whose run has ended, with that run and what its last attempt came to
+        (last_attempt), the row settled by it as it is read. ``read``: a run the caller
+        read already, not read again."""
+        for row in rows:
+            state = read if read is not None and read.run.id == row.run_id else \
+                self.inspect(row.run_id)
+            if state is not None and state.terminal:
+                outcome, at = last_attempt(self.proxy, state)
+                self.executor.settle(row, outcome)
+                yield row, state, outcome, at
 
     def refused(self, run_id: str, key: str, result: dict) -> Answer:
         """The answer that refuses a call, counted against the run it names (RefusalLog).
@@ -10009,14 +10001,8 @@ class Rules:
     # rule 6: an unknown outcome of this request, at any age
 
     def unresolved(self, key: str) -> dict | None:
-        for row in self.index.attempts(key):
-            if row.outcome == KNOWN:
-                return None
-            state = self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, at = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        rows = itertools.takewhile(lambda row: row.outcome != KNOWN, self.index.attempts(key))
+        for _, _, outcome, at in self.finished(rows):
             if outcome == KNOWN:
                 return None
             if outcome == UNKNOWN:
@@ -10080,12 +10066,8 @@ class Rules:
         approval expired): ask again in a fresh run of that request, and refuse this one."""
         if self.policy.never_runs(tool):
             return None
-        for row in self.index.unknown_for_tool(tool.spec.name, key):
-            state = self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, at = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        for row, state, outcome, at in self.finished(
+                self.index.unknown_for_tool(tool.spec.name, key)):
             if outcome != UNKNOWN or resolved_by_operator(state.run):
                 continue
             args = _last_args(state)
@@ -10135,17 +10117,14 @@ class Executor:
             return None
         try:
             open_row = self.index.open_row(key)
-            reuse = False
-            if open_row is not None:
-                state = self.inspect(open_row.run_id)
-                if state is None:
-                    reuse = True
-                elif not state.terminal:
-                    self.log(f"error: run {at.get('run_id')}: asking again about an unknown "
-                             f"outcome failed: the request's run {open_row.run_id} has not "
-                             "finished")
-                    return None
-            action = self.begin(tool, key, args, open_row, reuse, at, origin="operator")
+            state = self.inspect(open_row.run_id) if open_row is not None else None
+            if state is not None and not state.terminal:
+                self.log(f"error: run {at.get('run_id')}: asking again about an unknown "
+                         f"outcome failed: the request's run {open_row.run_id} has not "
+                         "finished")
+                return None
+            action = self.begin(tool, key, args, open_row, open_row is not None and state is None,
+                                at, origin="operator")
         except StoreError as exc:
             self.log(f"error: {exc}")
             return None
@@ -10192,14 +10171,17 @@ class Executor:
             self.repeats.pop(run_id, None)
         return self.verdict(session, verdict, tool)
 
-    def verdict(self, session: Session, verdict: Verdict, tool):
+    def verdict(self, session: Session, verdict: Verdict, tool, latest: Approval | None = None):
+        """Act on the gate's verdict; ``latest``: the approval a collected run was granted
+        (an approved re-run of an unknown outcome, denied at collection, is told so)."""
         if verdict.kind == "allowed":
-            return Execute(session, tool)
+            return Execute(session, tool, latest.id if latest else "")
         if verdict.kind == "pending":
             self.hold.hint(session.run_id, verdict.approval)
             return Pending(verdict.approval)
         if verdict.kind == "denied":
-            return Answer(self.denied(session, verdict.observation))
+            return Answer(self.denied(session, verdict.observation,
+                                      latest is not None and latest.kind == INTERRUPTED_KIND))
         session.close()
         self.settle_run(session.run_id)
         if verdict.kind == "settled":     # the attempt it asks about has a recorded outcome:
@@ -10356,25 +10338,22 @@ class Executor:
         except ProxyError as exc:
             self.log(f"error: run {run_id}: no step for the re-run: {exc}")
             step = None
-        if step is None:
-            session.close()
-            self.settle_run(run_id)
-            approval = self.reopen(tool, request_key(tool.spec.name, args), args, at)
-            return unknown_outcome(ended, text, approval.id if approval else "")
-        self.reruns[run_id] = at
-        try:
-            verdict = session.propose(Decision("tool_call", tool.spec.name, args,
-                                               origin="operator"))
-        except ProxyError as exc:
-            self.log(f"error: run {run_id}: proposing the re-run: {exc}")
-            session.close()
-            return unknown_outcome(ended, text, "")
-        finally:
-            self.reruns.pop(run_id, None)
-        if verdict.kind == "pending":
+        verdict = None
+        if step is not None:            # else, or when it ended, asked in a fresh run (reopen)
+            self.reruns[run_id] = at
+            try:
+                verdict = session.propose(Decision("tool_call", tool.spec.name, args,
+                                                   origin="operator"))
+            except ProxyError as exc:
+                self.log(f"error: run {run_id}: proposing the re-run: {exc}")
+                session.close()
+                return unknown_outcome(ended, text, "")
+            finally:
+                self.reruns.pop(run_id, None)
+        if verdict is not None and verdict.kind == "pending":
             self.hold.hint(run_id, verdict.approval)
             return unknown_outcome(ended, text, verdict.approval.id)
-        if verdict.kind == "denied":
+        if verdict is not None and verdict.kind == "denied":
             self.denied(session, verdict.observation)
             return unknown_outcome(ended, text, "")
         session.close()

@@ -7901,8 +7901,7 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     """One approval: which call, then the first state that holds."""
     row, state, a = item
     try:
-        args = a.request().args
-        args = encode_canonical(parse_json(args, strict=False)).decode()
+        args = encode_canonical(parse_json(a.request().args, strict=False)).decode()
     except (ProxyError, KeyError, ValueError):
         args = ""
     who = f"approval {a.id}, {clean(row.tool, TOOL_NAME_SHOWN)} with {clean(args, ARGS_SHOWN)}: "
@@ -8016,10 +8015,8 @@ def _ran_unknown(row, items: list, a: Approval, ended: str, now: float) -> str:
 # search is read-only and open), so they claim nothing, and a host reads MCP's default.
 CLASS_ANNOTATIONS = {
     "read_only": {"readOnlyHint": True, "destructiveHint": False},
-    "local_mutation": {"readOnlyHint": False, "destructiveHint": False,
-                       "openWorldHint": False},
-    "remote_mutation": {"readOnlyHint": False, "destructiveHint": False,
-                        "openWorldHint": True},
+    "local_mutation": {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": False},
+    "remote_mutation": {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": True},
     "destructive": {"readOnlyHint": False, "destructiveHint": True},
 }
 
@@ -9823,7 +9820,7 @@ class Resume:
         """The operator approved: the gate evaluates the policy again on the recorded request
         and judges the grant's age; what executes is the recorded request."""
         attached = self._attach(row.run_id, "collect the approved request")
-        if not isinstance(attached, tuple):
+        if isinstance(attached, (Answer, Retry)):
             return attached
         session, verdict = attached
         if verdict.kind in ("allowed", "pending", "denied"):
@@ -9839,7 +9836,7 @@ class Resume:
         """A run left running by a call that is gone: take it over. A mutating step cut off
         while executing waits for an operator; otherwise nothing is left to execute."""
         attached = self._attach(row.run_id, "recover an earlier attempt of this request")
-        if not isinstance(attached, tuple):
+        if isinstance(attached, (Answer, Retry)):
             return attached
         session, verdict = attached
         if verdict.kind == "pending":
@@ -10282,40 +10279,38 @@ class Executor:
             session.close()
             self.log(f"run {run_id}: {tool.spec.name} returned after its run was taken over; "
                      "its outcome is recorded as a late event")
-            return self.late_answer(tool, late.observation)
+            return self.answer(tool, late.observation)
         except ProxyError as exc:           # the tool ran: whatever failed, it may have acted
             session.close()
             self.log(f"error: {exc}")
             return unavailable("record the outcome of this request",
                                "It was executed, so it may have taken effect; do not call it "
                                "again to retry.")
+        ended = unknown_ending(tool, obs)
+        if ended is not None:
+            try:
+                return self.rerun(session, tool, ended, obs)
+            except ProxyError as exc:
+                # The run is let go of: the next call to this tool takes it over and
+                # asks an operator, so nothing runs again unseen.
+                self.log(f"error: run {session.run_id}: asking about the unknown outcome: "
+                         f"{exc}")
+                session.close()
+                return unknown_outcome(ended, error_text(obs), "")
         if obs.get("kind") == TOOL_ERROR:
-            ended = unknown_ending(tool, obs)
-            if ended is not None:
-                try:
-                    return self.rerun(session, tool, ended, obs)
-                except ProxyError as exc:
-                    # The run is let go of: the next call to this tool takes it over and
-                    # asks an operator, so nothing runs again unseen.
-                    self.log(f"error: run {session.run_id}: asking about the unknown outcome: "
-                             f"{exc}")
-                    session.close()
-                    return unknown_outcome(ended, error_text(obs), "")
-            if _unrecorded(tool, obs):
-                self.finish(session, CLOSE_UNRECORDED)
-                self.settle_run(run_id)
-                return unrecorded_answer(error_text(obs), self.window(tool))
-            self.finish(session, CLOSE_TOOL_ERROR)
+            self.finish(session, CLOSE_UNRECORDED if _unrecorded(tool, obs) else CLOSE_TOOL_ERROR)
         else:
             session.close()
-        if not settled:
+        if not settled:                     # a result's row was settled as it was recorded
             self.settle_run(run_id)
-        return result_of(obs)
+        return self.answer(tool, obs)
 
-    def late_answer(self, tool, obs: dict) -> dict:
-        """A call whose tool returned after its run was taken over: the model gets what the
-        tool returned, as it was recorded; the run itself is the new owner's."""
-        ended = unknown_ending(tool, obs) if obs.get("kind") == TOOL_ERROR else None
+    def answer(self, tool, obs: dict) -> dict:
+        """What the model is told of a recorded outcome that is not asked about now: an
+        unknown one, an unrecorded answer, or what the tool returned as it was recorded. A
+        tool that returned after its run was taken over is answered so too; the run itself
+        is the new owner's."""
+        ended = unknown_ending(tool, obs)
         if ended is not None:
             return unknown_outcome(ended, error_text(obs), "")
         if _unrecorded(tool, obs):

@@ -10105,8 +10105,7 @@ class Executor:
             proxy.limits
         self.clock, self.log, self.inspect, self.window = proxy.clock, proxy.log, \
             proxy.inspect, proxy.window
-        self.new_run_id, self.reruns, self.repeats = proxy.new_run_id, proxy.reruns, \
-            proxy.repeats
+        self.reruns, self.repeats = proxy.reruns, proxy.repeats
 
     def reopen(self, tool, key: str | None, args: bytes, at: dict) -> Approval | None:
         """Ask about an unknown outcome again, in a fresh run of that request."""
@@ -10138,18 +10137,14 @@ class Executor:
     def begin(self, tool, key: str | None, args: bytes, open_row: CallRow | None,
               reuse: bool, prior: dict | None, origin: str = "model",
               repeat: dict | None = None, value: Any = NOT_PARSED):
-        run_id = open_row.run_id if reuse else self.new_run_id()
-        claim = None
-        if not reuse:
-            row_key = key or f"invalid:{run_id}"
-            prev = open_row if key else None
-            claim = lambda: self.index.claim(row_key, tool.spec.name, tool.spec.side_effect,
-                                             run_id, prev, self.clock())
-        also = claim or (lambda: self.index.unsettle(run_id))
-        if prior is not None:
-            self.reruns[run_id] = prior
-        if repeat is not None:
-            self.repeats[run_id] = repeat
+        run_id = open_row.run_id if reuse else self.proxy.new_run_id()
+        if reuse:
+            also = lambda: self.index.unsettle(run_id)
+        else:                           # an invalid request has a row of its own
+            also = lambda: self.index.claim(key or f"invalid:{run_id}", tool.spec.name,
+                                            tool.spec.side_effect, run_id,
+                                            open_row if key else None, self.clock())
+        self.reruns[run_id], self.repeats[run_id] = prior, repeat  # the policy reads them
         try:
             session, verdict = self.gate.start(
                 run_id, f"call {tool.spec.name}", self.limits,
@@ -10161,8 +10156,7 @@ class Executor:
             if self.store.find_run(run_id) is not None:
                 return Retry()              # another call began this row's run
             self.log(f"error: run {run_id}: {exc}")
-            return Answer(unavailable("start this request" if reuse or not claim
-                                      else "record this request"))
+            return Answer(unavailable("start this request" if reuse else "record this request"))
         finally:
             self.reruns.pop(run_id, None)
             self.repeats.pop(run_id, None)
@@ -10473,15 +10467,18 @@ def execution_of(proxy: Proxy, state: RunState) -> tuple[str, str, float, str] |
     cut off before a re-run in the same run). None when the run knows no known outcome."""
     end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
     last, own = late_of(proxy, state), newest_late(proxy.store._read, state.run.id)
-    moment = max([end] + [_recorded(x, end) for x in (last, own) if x is not None])
+    moment = end
+    for late in (x for x in (last, own) if x is not None):
+        with contextlib.suppress(ValueError, TypeError, OverflowError):   # an edited time:
+            moment = max(moment, parse_time(late.at))                    # verify reports it
     if last is not None:
-        return last.run_id, last.at, moment, late_known_outcome(last)
+        return last.run_id, last.at, moment, known_outcome(last.doc, late=True)
     step = next((s for s in reversed(state.steps) if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)),
                 None)
     if step is not None and end:
-        return state.run.id, state.run.finished_at, moment, known_outcome(step)
+        return state.run.id, state.run.finished_at, moment, known_outcome(step.observation)
     if own is not None:
-        return own.run_id, own.at, moment, late_known_outcome(own)
+        return own.run_id, own.at, moment, known_outcome(own.doc, late=True)
     return None
 
 
@@ -10494,13 +10491,6 @@ def newest_late(q: Query, run_id: str) -> LateRecord | None:
         if late is not None and late.known:
             return late
     return None
-
-
-def _recorded(late: LateRecord, default: float) -> float:
-    try:
-        return parse_time(late.at)
-    except (ValueError, TypeError, OverflowError):
-        return default                   # an edited time: verify reports it
 
 
 def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
@@ -10540,25 +10530,19 @@ def _tool_started(store: Store, run_id: str, step_id: str) -> bool:
                             "type='step.tool_started' LIMIT 1", (run_id, step_id)))
 
 
-def late_known_outcome(late: LateRecord) -> str:
-    """A late outcome, as a DUPLICATE quotes it."""
-    obs = late.doc
+def known_outcome(obs: dict, late: bool = False) -> str:
+    """An earlier call's known outcome, as a DUPLICATE quotes it; ``late``: one that arrived
+    after the call was cut off (a LateRecord's doc)."""
     if obs.get("kind") == TOOL_RESULT:
-        return "it succeeded (its result arrived after it was cut off): " + \
-            clean(result_text(obs), MAX_RESULT_BYTES)
-    return "it failed (its answer arrived after it was cut off): " + \
-        clean(error_text(obs), MAX_RESULT_BYTES)
-
-
-def known_outcome(step: Step) -> str:
-    """The earlier call's outcome, as a DUPLICATE quotes it."""
-    content = step.obs_content
-    if step.obs_kind == TOOL_RESULT:
-        return "it succeeded: " + clean(result_text(step.observation), MAX_RESULT_BYTES)
-    if content.get("failure") == "invalid_content":
+        said = "it succeeded (its result arrived after it was cut off): " if late else \
+            "it succeeded: "
+        return said + clean(result_text(obs), MAX_RESULT_BYTES)
+    content = obs.get("content")
+    if not late and isinstance(content, dict) and content.get("failure") == "invalid_content":
         return ("the server answered, but its result could not be recorded: " +
-                clean(error_text(step.observation), REASON_BYTES))
-    return "it failed: " + clean(error_text(step.observation), MAX_RESULT_BYTES)
+                clean(error_text(obs), REASON_BYTES))
+    said = "it failed (its answer arrived after it was cut off): " if late else "it failed: "
+    return said + clean(error_text(obs), MAX_RESULT_BYTES)
 
 
 def result_text(obs: dict) -> str:

@@ -7600,9 +7600,8 @@ class ProxyPolicy:
         if outcome != "require_approval":
             return PolicyDecision("deny", f"unknown outcome {_quote(outcome)}")
         cap = self.capability(tool, request.args)
-        question = f"May the model call {tool.remote} on server {tool.server} with these " \
-                   "arguments?"
-        shown = {"question": question, **cap, "reason": reason,
+        shown = {"question": f"May the model call {tool.remote} on server {tool.server} with "
+                             "these arguments?", **cap, "reason": reason,
                  **limits_shown(tool, request.args)}         # what views read the use by
         if not judged or not judged.asked:
             return need_approval(tool.spec.side_effect, reason, cap, shown)
@@ -7647,9 +7646,7 @@ class ProxyPolicy:
                              if s.id == request.step_id), None)
             if step is not None:
                 return _attempt(request.run_id, step, "cut_off")
-        if self.proxy is not None:
-            return self.proxy.reruns.get(request.run_id)
-        return None
+        return self.proxy.reruns.get(request.run_id) if self.proxy is not None else None
 
     def interruption(self, tool: "UpstreamTool", args: bytes, at: dict,
                      judged: "Judgement | None" = None) -> PolicyDecision:
@@ -7872,10 +7869,9 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
     now = proxy.clock()
     if wanted:
         item = next((i for i in items if i[2].id == wanted), None)
-        if item is None:
-            return prose("GATE_STATUS", f"no approval {clean(wanted, ID_SHOWN)} is known in this "
-                                        "session from the last hour.", False)
-        return prose("GATE_STATUS", describe(proxy, item, items, now), False)
+        return prose("GATE_STATUS", describe(proxy, item, items, now) if item is not None else
+                     f"no approval {clean(wanted, ID_SHOWN)} is known in this session from the "
+                     "last hour.", False)
     waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)
                and i[1].run.status == WAITING]
     granted = [i for i in items if i[2].status == APPROVED and i[1].run.status == WAITING
@@ -9621,12 +9617,10 @@ class Proxy:
         annotations say what the operator's class says, never what the server hinted: a
         host that prompts before a destructive tool, or trusts a read-only one, is told the
         class that the gate enforces."""
-        out = [{"name": t.spec.name, "description": t.spec.description,
-                "inputSchema": RawJSON(t.spec.input_schema),
-                "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
-               for t in self.tools.values()]
-        out.append(status_tool_entry(self.cfg.status_tool))
-        return out
+        return [{"name": t.spec.name, "description": t.spec.description,
+                 "inputSchema": RawJSON(t.spec.input_schema),
+                 "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
+                for t in self.tools.values()] + [status_tool_entry(self.cfg.status_tool)]
 
     def new_run_id(self) -> str:
         return f"{self.cfg.session}.{secrets.token_hex(RUN_SUFFIX_BYTES)}"
@@ -9649,9 +9643,8 @@ class Proxy:
 
     def inspect(self, run_id: str) -> RunState | None:
         run = self.store.find_run(run_id)
-        if run is None:
-            return None
-        return RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
+        return None if run is None else \
+            RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
 
     # -- a call --
 
@@ -9784,14 +9777,12 @@ class Resume:
                 return Answer(in_progress())                     # rule 2
             return self.recover(tool, row)                        # rule 3
         latest = state.latest()                                   # rule 1
-        if latest is None:
-            return Answer(in_progress())
-        if latest.status == PENDING:
+        if latest is not None and latest.status == PENDING:
             if not _expired(latest, self.clock()):
                 return Pending(latest)
             self.attach_and_close(row.run_id)      # the gate expires it and ends the run
             return None
-        if latest.status == APPROVED:
+        if latest is not None and latest.status == APPROVED:
             return self.collect(tool, row, state)
         return Answer(in_progress())
 
@@ -10193,9 +10184,7 @@ class Executor:
         self.settle_run(session.run_id)
         if invalid:
             return invalid_answer(str(content.get("error", "")))
-        if rerun:
-            return denied_rerun_answer(str(content.get("reason", "")))
-        return denied_answer(str(content.get("reason", "")))
+        return (denied_rerun_answer if rerun else denied_answer)(str(content.get("reason", "")))
 
     def finish(self, session: Session, why: str) -> None:
         """End a run the proxy has nothing more to do in, with a fail decision."""

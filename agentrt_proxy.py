@@ -9710,10 +9710,9 @@ class Proxy:
             try:
                 state = self.inspect(row.run_id)
                 tool = self.tools.get(row.tool)
-                if state is None or state.run.status != RUNNING or tool is None or \
-                        _lease_live(state.run, self.store.path):
-                    continue
-                self.resume.recover(tool, row)
+                if state is not None and state.run.status == RUNNING and tool is not None and \
+                        not _lease_live(state.run, self.store.path):
+                    self.resume.recover(tool, row)
             except ProxyError as exc:        # the next identical call takes it over instead
                 self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
 
@@ -10040,13 +10039,12 @@ class Rules:
                         tool.spec.name, action.approval.id))
                 if action is not None:
                     return Answer(in_progress())
-        if mutating and outcome != "deny":       # a call denied anyway is the gate's to deny
-            action = self.unknown_block(tool, key)
-            if action is not None:
-                return action
-        if needs_approval and pending >= self.cfg.max_pending:    # counted against the
-            return self.refused(oldest, key, blocked_pending(self.cfg.max_pending))  # oldest
-        return None
+        # A call denied anyway is the gate's to deny; max_pending is counted against the
+        # oldest waiting run.
+        action = self.unknown_block(tool, key) if mutating and outcome != "deny" else None
+        if action is None and needs_approval and pending >= self.cfg.max_pending:
+            action = self.refused(oldest, key, blocked_pending(self.cfg.max_pending))
+        return action
 
     def unknown_block(self, tool, key: str):
         """Another request to this tool has an unknown outcome with nothing waiting for an

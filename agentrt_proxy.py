@@ -7592,8 +7592,7 @@ class ProxyPolicy:
             return PolicyDecision(outcome, reason)
         earlier = self.repeat_of(request, view) if attempt is None else None
         if attempt is not None or earlier is not None:
-            decision = self.interruption(tool, request.args, attempt, judged) if earlier is None \
-                else self.repetition(tool, request.args, earlier, judged)
+            decision = self.asking(tool, request.args, attempt, earlier, judged)
             return covered(decision, request, view) if judged else decision
         if outcome == "allow":
             return PolicyDecision(outcome, reason)
@@ -7648,19 +7647,6 @@ class ProxyPolicy:
                 return _attempt(request.run_id, step, "cut_off")
         return self.proxy.reruns.get(request.run_id) if self.proxy is not None else None
 
-    def interruption(self, tool: "UpstreamTool", args: bytes, at: dict,
-                     judged: "Judgement | None" = None) -> PolicyDecision:
-        """Built only from its inputs, so the pause, the collection and a re-check of the
-        record hash alike. A condition or limit that asks too is named in it."""
-        ended = HOW.get(at.get("ended"), HOW["cut_off"])
-        notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in run "
-                  f"{at.get('run_id')}, ended as follows: {ended}. "
-                  "Whether it took effect is unknown: it may have. Approving runs it again with "
-                  "these arguments once the model calls it again. Rejecting ends this request, "
-                  "and an identical call later asks an operator again, whatever the policy.")
-        return self._asking(INTERRUPTED_KIND, INTERRUPTED_REASON, tool, args,
-                            {"interrupted": at}, "again with these arguments", notice, judged)
-
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
         """The earlier execution this request repeats, if the rules found one: named by
         the step's own repeat approval, or by the proxy as it proposes the call."""
@@ -7669,23 +7655,31 @@ class ProxyPolicy:
             return repeat_in(mine[-1]) if mine[-1].kind == REPEAT_KIND else None
         return self.proxy.repeats.get(request.run_id) if self.proxy is not None else None
 
-    def repetition(self, tool: "UpstreamTool", args: bytes, earlier: dict,
-                   judged: "Judgement | None" = None) -> PolicyDecision:
-        """Built only from its inputs, like an interruption approval: the earlier
-        execution's run, time and outcome are in the capability, so the collection and a
-        re-check of the record hash alike."""
-        notice = (f"This exact request already executed, in run {earlier.get('run_id')}, "
-                  f"finished at {earlier.get('at')}; {earlier.get('outcome')}. Approving runs "
-                  "it once more, with these arguments, when the model calls it again. "
-                  "Rejecting refuses it, and the model is told your note.")
-        return self._asking(REPEAT_KIND, REPEAT_REASON, tool, args, {"repeat_of": earlier},
-                            "once more with the same arguments", notice, judged)
-
-    def _asking(self, kind: str, reason: str, tool: "UpstreamTool", args: bytes, named: dict,
-                how: str, notice: str, judged: "Judgement | None") -> PolicyDecision:
-        """An approval the proxy asks whatever the policy says short of deny, naming what
-        it asks about (``named``) and any condition or limit that asks too; the question is
-        whether the tool may run ``how``."""
+    def asking(self, tool: "UpstreamTool", args: bytes, at: dict | None = None,
+               earlier: dict | None = None, judged: "Judgement | None" = None
+               ) -> PolicyDecision:
+        """An approval the proxy asks whatever the policy says short of deny: an
+        interruption approval about an earlier attempt of unknown outcome (``at``), else a
+        repeat approval about an earlier execution (``earlier``: its run, time and outcome).
+        Built only from its inputs, which its capability names, so the pause, the
+        collection and a re-check of the record hash alike. A condition or limit that asks
+        too is named in it; the question is whether the tool may run again, or once more."""
+        if at is not None:
+            kind, reason, named = INTERRUPTED_KIND, INTERRUPTED_REASON, {"interrupted": at}
+            how, ended = "again with these arguments", HOW.get(at.get("ended"), HOW["cut_off"])
+            notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in "
+                      f"run {at.get('run_id')}, ended as follows: {ended}. "
+                      "Whether it took effect is unknown: it may have. Approving runs it again "
+                      "with these arguments once the model calls it again. Rejecting ends this "
+                      "request, and an identical call later asks an operator again, whatever "
+                      "the policy.")
+        else:
+            kind, reason, named = REPEAT_KIND, REPEAT_REASON, {"repeat_of": earlier}
+            how = "once more with the same arguments"
+            notice = (f"This exact request already executed, in run {earlier.get('run_id')}, "
+                      f"finished at {earlier.get('at')}; {earlier.get('outcome')}. Approving "
+                      "runs it once more, with these arguments, when the model calls it again. "
+                      "Rejecting refuses it, and the model is told your note.")
         cap = {**self.capability(tool, args), **named}
         asked = judged.asked if judged is not None else []
         if asked:
@@ -9729,7 +9723,7 @@ class Proxy:
         if tool.spec.side_effect == "read_only":
             return Reconciliation("continue")
         attempt = _attempt(view.run.id, step, "cut_off")
-        return Reconciliation("waiting", self.policy.interruption(
+        return Reconciliation("waiting", self.policy.asking(
             tool, policy_json(step.args or b"{}"), attempt))
 
     # the status tool

@@ -7976,13 +7976,11 @@ def _ran(proxy: "Proxy", row, state: RunState, step: Step, items: list, a: Appro
         return "an operator cancelled its run while it executed, so it may have taken effect."
     if step.obs_kind != TOOL_ERROR:
         return ""
-    if tool is None:
-        return _ran_unknown(row, items, a, "no_answer", now)
     err = clean(error_text(step.observation), REASON_BYTES)
-    if _unrecorded(tool, step.observation):
+    if tool is not None and _unrecorded(tool, step.observation):
         return (f"the server answered but its result could not be recorded ({err}); it may "
                 "have taken effect.")
-    ended = unknown_ending(tool, step.observation)
+    ended = unknown_ending(tool, step.observation)      # NO_ANSWER: a tool no longer offered
     if ended is None:
         return f"the server reported a failure: {err}"
     return _ran_unknown(row, items, a, ended, now)
@@ -9722,9 +9720,8 @@ class Proxy:
             return Reconciliation("waiting", detail="the tool is no longer offered")
         if tool.spec.side_effect == "read_only":
             return Reconciliation("continue")
-        attempt = _attempt(view.run.id, step, "cut_off")
         return Reconciliation("waiting", self.policy.asking(
-            tool, policy_json(step.args or b"{}"), attempt))
+            tool, policy_json(step.args or b"{}"), _attempt(view.run.id, step, "cut_off")))
 
     # the status tool
 
@@ -9737,9 +9734,7 @@ class Proxy:
         doc = {} if doc is None else doc
         if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
                 not isinstance(doc.get("approval_id", ""), str):
-            return prose("INVALID", "the arguments do not match the tool's input schema: its "
-                                    "only argument is approval_id, a string. Nothing was "
-                                    "executed. Correct the arguments and call again.", True)
+            return invalid_answer("its only argument is approval_id, a string")
         items: list[tuple[CallRow, RunState, Approval]] = []
         try:
             for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
@@ -9765,10 +9760,9 @@ class Resume:
         self.gate, self.log, self.clock = proxy.gate, proxy.log, proxy.clock
 
     def unfinished(self, tool, row: CallRow, state: RunState):
-        if state.run.status == RUNNING:
-            if _lease_live(state.run, self.store.path):
-                return Answer(in_progress())                     # rule 2
-            return self.recover(tool, row)                        # rule 3
+        if state.run.status == RUNNING:                           # rule 2, else rule 3
+            return Answer(in_progress()) if _lease_live(state.run, self.store.path) else \
+                self.recover(tool, row)
         latest = state.latest()                                   # rule 1
         if latest is not None and latest.status == PENDING:
             if not _expired(latest, self.clock()):
@@ -10207,9 +10201,8 @@ class Executor:
     async def execute(self, action: Execute) -> dict:
         """Run the allowed request once (outside the rules) and answer with what the gate
         recorded. An outcome that may have taken effect unseen is asked about at once."""
-        session, tool = action.session, action.tool
+        session, tool, settled = action.session, action.tool, []
         run_id = session.run_id
-        settled = []
 
         def settle_known(obs: dict) -> None:
             """A result completes the run: its index row is settled in the same commit."""
@@ -10358,8 +10351,7 @@ class Hold:
     async def wait(self, approval: Approval, progress, cancelled) -> bool:
         """Hold until the approval is decided (True), or the hold ends, the host cancels, or
         the proxy stops (False). A progress notification about once a second."""
-        began = time.monotonic()
-        last = began
+        began = last = time.monotonic()
         while True:
             await asyncio.sleep(self.poll)
             now = time.monotonic()

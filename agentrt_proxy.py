@@ -9619,12 +9619,10 @@ class Proxy:
 
     def known(self, name: str, obs: dict) -> bool:
         """Whether a tool's observation is a known outcome: a result, or an error the server
-        answered (or a refusal before sending); a timeout or no answer is not."""
-        if obs.get("kind") == TOOL_RESULT:
-            return True
-        tool = self.tools.get(name)
-        return obs.get("kind") == TOOL_ERROR and tool is not None and \
-            unknown_ending(tool, obs) is None
+        answered (or a refusal before sending); a timeout or no answer is not, nor an error
+        of a tool no longer offered (unknown_ending)."""
+        return obs.get("kind") == TOOL_RESULT or (
+            obs.get("kind") == TOOL_ERROR and unknown_ending(self.tools.get(name), obs) is None)
 
     def _settled(self, tx: Tx, run_ids: list[str]) -> None:
         """Runs a late outcome settled, or ended: their index rows are known, in the same
@@ -10402,10 +10400,8 @@ def _is_set(event: asyncio.Event | None) -> bool:
 
 
 def _last_args(state: RunState) -> bytes:
-    for step in reversed(state.steps):
-        if (step.decision or {}).get("kind") == "tool_call":
-            return step.args or b"{}"
-    return b"{}"
+    return next((s.args for s in reversed(state.steps)
+                 if (s.decision or {}).get("kind") == "tool_call"), None) or b"{}"
 
 
 def _unrecorded(tool, obs: dict) -> bool:

@@ -7505,10 +7505,7 @@ def result_of(obs: dict) -> dict:
     recorded (not escaped: it is data), or its error text."""
     content = obs.get("content")
     if obs.get("kind") == TOOL_RESULT:
-        text = obs.get("text")          # the server's text beside its structured content
-        if not isinstance(text, str) or isinstance(content, str):
-            text = content if isinstance(content, str) else dump_json(content)
-        out = {"content": [{"type": "text", "text": text}], "isError": False}
+        out = {"content": [{"type": "text", "text": result_text(obs)}], "isError": False}
         if isinstance(content, dict):
             out["structuredContent"] = content
         return out
@@ -7567,17 +7564,15 @@ class ProxyPolicy:
             return PolicyDecision(outcome, reason)
         earlier = self.repeat_of(request, view) if attempt is None else None
         if attempt is not None or earlier is not None:
-            decision = self.interruption(tool, request.args, attempt, judged) if earlier is None \
-                else self.repetition(tool, request.args, earlier, judged)
+            decision = self.asking(tool, request.args, attempt, earlier, judged)
             return covered(decision, request, view) if judged else decision
         if outcome == "allow":
             return PolicyDecision(outcome, reason)
         if outcome != "require_approval":
             return PolicyDecision("deny", f"unknown outcome {_quote(outcome)}")
         cap = self.capability(tool, request.args)
-        question = f"May the model call {tool.remote} on server {tool.server} with these " \
-                   "arguments?"
-        shown = {"question": question, **cap, "reason": reason,
+        shown = {"question": f"May the model call {tool.remote} on server {tool.server} with "
+                             "these arguments?", **cap, "reason": reason,
                  **limits_shown(tool, request.args)}         # what views read the use by
         if not judged or not judged.asked:
             return need_approval(tool.spec.side_effect, reason, cap, shown)
@@ -7622,22 +7617,7 @@ class ProxyPolicy:
                              if s.id == request.step_id), None)
             if step is not None:
                 return _attempt(request.run_id, step, "cut_off")
-        if self.proxy is not None:
-            return self.proxy.reruns.get(request.run_id)
-        return None
-
-    def interruption(self, tool: "UpstreamTool", args: bytes, at: dict,
-                     judged: "Judgement | None" = None) -> PolicyDecision:
-        """Built only from its inputs, so the pause, the collection and a re-check of the
-        record hash alike. A condition or limit that asks too is named in it."""
-        ended = HOW.get(at.get("ended"), HOW["cut_off"])
-        notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in run "
-                  f"{at.get('run_id')}, ended as follows: {ended}. "
-                  "Whether it took effect is unknown: it may have. Approving runs it again with "
-                  "these arguments once the model calls it again. Rejecting ends this request, "
-                  "and an identical call later asks an operator again, whatever the policy.")
-        return self._asking(INTERRUPTED_KIND, INTERRUPTED_REASON, tool, args,
-                            {"interrupted": at}, "again with these arguments", notice, judged)
+        return self.proxy.reruns.get(request.run_id) if self.proxy is not None else None
 
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
         """The earlier execution this request repeats, if the rules found one: named by
@@ -7647,23 +7627,31 @@ class ProxyPolicy:
             return repeat_in(mine[-1]) if mine[-1].kind == REPEAT_KIND else None
         return self.proxy.repeats.get(request.run_id) if self.proxy is not None else None
 
-    def repetition(self, tool: "UpstreamTool", args: bytes, earlier: dict,
-                   judged: "Judgement | None" = None) -> PolicyDecision:
-        """Built only from its inputs, like an interruption approval: the earlier
-        execution's run, time and outcome are in the capability, so the collection and a
-        re-check of the record hash alike."""
-        notice = (f"This exact request already executed, in run {earlier.get('run_id')}, "
-                  f"finished at {earlier.get('at')}; {earlier.get('outcome')}. Approving runs "
-                  "it once more, with these arguments, when the model calls it again. "
-                  "Rejecting refuses it, and the model is told your note.")
-        return self._asking(REPEAT_KIND, REPEAT_REASON, tool, args, {"repeat_of": earlier},
-                            "once more with the same arguments", notice, judged)
-
-    def _asking(self, kind: str, reason: str, tool: "UpstreamTool", args: bytes, named: dict,
-                how: str, notice: str, judged: "Judgement | None") -> PolicyDecision:
-        """An approval the proxy asks whatever the policy says short of deny, naming what
-        it asks about (``named``) and any condition or limit that asks too; the question is
-        whether the tool may run ``how``."""
+    def asking(self, tool: "UpstreamTool", args: bytes, at: dict | None = None,
+               earlier: dict | None = None, judged: "Judgement | None" = None
+               ) -> PolicyDecision:
+        """An approval the proxy asks whatever the policy says short of deny: an
+        interruption approval about an earlier attempt of unknown outcome (``at``), else a
+        repeat approval about an earlier execution (``earlier``: its run, time and outcome).
+        Built only from its inputs, which its capability names, so the pause, the
+        collection and a re-check of the record hash alike. A condition or limit that asks
+        too is named in it; the question is whether the tool may run again, or once more."""
+        if at is not None:
+            kind, reason, named = INTERRUPTED_KIND, INTERRUPTED_REASON, {"interrupted": at}
+            how, ended = "again with these arguments", HOW.get(at.get("ended"), HOW["cut_off"])
+            notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in "
+                      f"run {at.get('run_id')}, ended as follows: {ended}. "
+                      "Whether it took effect is unknown: it may have. Approving runs it again "
+                      "with these arguments once the model calls it again. Rejecting ends this "
+                      "request, and an identical call later asks an operator again, whatever "
+                      "the policy.")
+        else:
+            kind, reason, named = REPEAT_KIND, REPEAT_REASON, {"repeat_of": earlier}
+            how = "once more with the same arguments"
+            notice = (f"This exact request already executed, in run {earlier.get('run_id')}, "
+                      f"finished at {earlier.get('at')}; {earlier.get('outcome')}. Approving "
+                      "runs it once more, with these arguments, when the model calls it again. "
+                      "Rejecting refuses it, and the model is told your note.")
         cap = {**self.capability(tool, args), **named}
         asked = judged.asked if judged is not None else []
         if asked:
@@ -7847,10 +7835,9 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
     now = proxy.clock()
     if wanted:
         item = next((i for i in items if i[2].id == wanted), None)
-        if item is None:
-            return prose("GATE_STATUS", f"no approval {clean(wanted, ID_SHOWN)} is known in this "
-                                        "session from the last hour.", False)
-        return prose("GATE_STATUS", describe(proxy, item, items, now), False)
+        return prose("GATE_STATUS", describe(proxy, item, items, now) if item is not None else
+                     f"no approval {clean(wanted, ID_SHOWN)} is known in this session from the "
+                     "last hour.", False)
     waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)
                and i[1].run.status == WAITING]
     granted = [i for i in items if i[2].status == APPROVED and i[1].run.status == WAITING
@@ -7876,8 +7863,7 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     """One approval: which call, then the first state that holds."""
     row, state, a = item
     try:
-        args = a.request().args
-        args = encode_canonical(parse_json(args, strict=False)).decode()
+        args = encode_canonical(parse_json(a.request().args, strict=False)).decode()
     except (ProxyError, KeyError, ValueError):
         args = ""
     who = f"approval {a.id}, {clean(row.tool, TOOL_NAME_SHOWN)} with {clean(args, ARGS_SHOWN)}: "
@@ -7962,13 +7948,11 @@ def _ran(proxy: "Proxy", row, state: RunState, step: Step, items: list, a: Appro
         return "an operator cancelled its run while it executed, so it may have taken effect."
     if step.obs_kind != TOOL_ERROR:
         return ""
-    if tool is None:
-        return _ran_unknown(row, items, a, "no_answer", now)
     err = clean(error_text(step.observation), REASON_BYTES)
-    if _unrecorded(tool, step.observation):
+    if tool is not None and _unrecorded(tool, step.observation):
         return (f"the server answered but its result could not be recorded ({err}); it may "
                 "have taken effect.")
-    ended = unknown_ending(tool, step.observation)
+    ended = unknown_ending(tool, step.observation)      # NO_ANSWER: a tool no longer offered
     if ended is None:
         return f"the server reported a failure: {err}"
     return _ran_unknown(row, items, a, ended, now)
@@ -7991,10 +7975,8 @@ def _ran_unknown(row, items: list, a: Approval, ended: str, now: float) -> str:
 # search is read-only and open), so they claim nothing, and a host reads MCP's default.
 CLASS_ANNOTATIONS = {
     "read_only": {"readOnlyHint": True, "destructiveHint": False},
-    "local_mutation": {"readOnlyHint": False, "destructiveHint": False,
-                       "openWorldHint": False},
-    "remote_mutation": {"readOnlyHint": False, "destructiveHint": False,
-                        "openWorldHint": True},
+    "local_mutation": {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": False},
+    "remote_mutation": {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": True},
     "destructive": {"readOnlyHint": False, "destructiveHint": True},
 }
 
@@ -9502,31 +9484,15 @@ class RunState:
 # The rules in the seed's order, then at most one hold for an approval and at most one
 # execution. What executes is always what the gate recorded.
 
-@dataclasses.dataclass(repr=False)
-class Answer:
-    """Serving's reply to a call: the result the host gets."""
-    result: dict
-
-
-@dataclasses.dataclass(repr=False)
-class Pending:
-    """Serving's reply to a call held for approval: the approval it waits on."""
-    approval: Approval
-
-
-@dataclasses.dataclass(repr=False)
-class Repeat:
-    """An identical call within the window, where the rule asks about a repeat: it goes on
-    to be begun, asking the operator with an approval naming ``earlier`` (section 10)."""
-    earlier: dict
-
-
-@dataclasses.dataclass(repr=False)
-class Execute:
-    """Run what the session's gate allowed: the recorded request, never this call's bytes."""
-    session: Session
-    tool: "UpstreamTool"
-    last_approval: str = ""
+# Serving's reply to a call: the result the host gets.
+Answer = collections.namedtuple("Answer", "result")
+# Serving's reply to a call held for approval: the approval it waits on.
+Pending = collections.namedtuple("Pending", "approval")
+# An identical call within the window, where the rule asks about a repeat: it goes on to be
+# begun, asking the operator with an approval naming ``earlier`` (section 10).
+Repeat = collections.namedtuple("Repeat", "earlier")
+# Run what the session's gate allowed: the recorded request, never this call's bytes.
+Execute = collections.namedtuple("Execute", "session tool last_approval", defaults=("",))
 
 
 class Retry:
@@ -9565,7 +9531,12 @@ class Proxy:
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
         self.budgets.catch_up()
-        self.holder = self._hold(store, log)
+        try:                        # this proxy's holder file (section 11), held while it serves
+            self.holder: Holder | None = Holder.take(store.path)
+        except OSError as exc:
+            log(f"error: no holder file beside the database ({exc}): if this "
+                "proxy dies, its calls are taken over only when their leases run out")
+            self.holder = None
         try:
             self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy,
                              now=clock, lease_owner=f"agentrt-proxy:{cfg.session}",
@@ -9588,16 +9559,6 @@ class Proxy:
         self.resume = Resume(self)
         self.rules = Rules(self)
 
-    @staticmethod
-    def _hold(store: Store, log: Callable[[str], None]) -> Holder | None:
-        """This proxy's holder file (section 11), locked for as long as it serves."""
-        try:
-            return Holder.take(store.path)
-        except OSError as exc:
-            log(f"error: no holder file beside the database ({exc}): if this "
-                "proxy dies, its calls are taken over only when their leases run out")
-            return None
-
     def close(self) -> None:
         self.notifier.close()
         self.gate.close()
@@ -9613,24 +9574,20 @@ class Proxy:
         annotations say what the operator's class says, never what the server hinted: a
         host that prompts before a destructive tool, or trusts a read-only one, is told the
         class that the gate enforces."""
-        out = [{"name": t.spec.name, "description": t.spec.description,
-                "inputSchema": RawJSON(t.spec.input_schema),
-                "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
-               for t in self.tools.values()]
-        out.append(status_tool_entry(self.cfg.status_tool))
-        return out
+        return [{"name": t.spec.name, "description": t.spec.description,
+                 "inputSchema": RawJSON(t.spec.input_schema),
+                 "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
+                for t in self.tools.values()] + [status_tool_entry(self.cfg.status_tool)]
 
     def new_run_id(self) -> str:
         return f"{self.cfg.session}.{secrets.token_hex(RUN_SUFFIX_BYTES)}"
 
     def known(self, name: str, obs: dict) -> bool:
         """Whether a tool's observation is a known outcome: a result, or an error the server
-        answered (or a refusal before sending); a timeout or no answer is not."""
-        if obs.get("kind") == TOOL_RESULT:
-            return True
-        tool = self.tools.get(name)
-        return obs.get("kind") == TOOL_ERROR and tool is not None and \
-            unknown_ending(tool, obs) is None
+        answered (or a refusal before sending); a timeout or no answer is not, nor an error
+        of a tool no longer offered (unknown_ending)."""
+        return obs.get("kind") == TOOL_RESULT or (
+            obs.get("kind") == TOOL_ERROR and unknown_ending(self.tools.get(name), obs) is None)
 
     def _settled(self, tx: Tx, run_ids: list[str]) -> None:
         """Runs a late outcome settled, or ended: their index rows are known, in the same
@@ -9641,9 +9598,8 @@ class Proxy:
 
     def inspect(self, run_id: str) -> RunState | None:
         run = self.store.find_run(run_id)
-        if run is None:
-            return None
-        return RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
+        return None if run is None else \
+            RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
 
     # -- a call --
 
@@ -9709,10 +9665,9 @@ class Proxy:
             try:
                 state = self.inspect(row.run_id)
                 tool = self.tools.get(row.tool)
-                if state is None or state.run.status != RUNNING or tool is None or \
-                        _lease_live(state.run, self.store.path):
-                    continue
-                self.resume.recover(tool, row)
+                if state is not None and state.run.status == RUNNING and tool is not None and \
+                        not _lease_live(state.run, self.store.path):
+                    self.resume.recover(tool, row)
             except ProxyError as exc:        # the next identical call takes it over instead
                 self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
 
@@ -9728,9 +9683,8 @@ class Proxy:
             return Reconciliation("waiting", detail="the tool is no longer offered")
         if tool.spec.side_effect == "read_only":
             return Reconciliation("continue")
-        attempt = _attempt(view.run.id, step, "cut_off")
-        return Reconciliation("waiting", self.policy.interruption(
-            tool, policy_json(step.args or b"{}"), attempt))
+        return Reconciliation("waiting", self.policy.asking(
+            tool, policy_json(step.args or b"{}"), _attempt(view.run.id, step, "cut_off")))
 
     # the status tool
 
@@ -9738,30 +9692,22 @@ class Proxy:
         """What became of the session's approvals, from the database: never a write."""
         try:
             doc = parse_json(raw.strip(JSON_WS) or b"{}")
-            if doc is None:
-                doc = {}
-            if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
-                    not isinstance(doc.get("approval_id", ""), str):
-                raise ValueError("unexpected field")
-        except (JSONError, ValueError):
-            return prose("INVALID", "the arguments do not match the tool's input schema: its "
-                                    "only argument is approval_id, a string. Nothing was "
-                                    "executed. Correct the arguments and call again.", True)
-        wanted = doc.get("approval_id", "").strip()
+        except ValueError:
+            doc = []                        # refused below, as a wrong shape is
+        doc = {} if doc is None else doc
+        if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
+                not isinstance(doc.get("approval_id", ""), str):
+            return invalid_answer("its only argument is approval_id, a string")
+        items: list[tuple[CallRow, RunState, Approval]] = []
         try:
-            items = self.status_items()
-            return status_answer(self, items, wanted)
+            for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
+                state = self.inspect(row.run_id)
+                if state is not None:
+                    items += [(row, state, a) for a in state.approvals]
+            return status_answer(self, items, doc.get("approval_id", "").strip())
         except StoreError as exc:
             self.log(f"error: {exc}")
             return unavailable("read its records", "")
-
-    def status_items(self) -> list[tuple[CallRow, RunState, Approval]]:
-        items = []
-        for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
-            state = self.inspect(row.run_id)
-            if state is not None:
-                items += [(row, state, a) for a in state.approvals]
-        return items
 
 
 class Resume:
@@ -9777,19 +9723,16 @@ class Resume:
         self.gate, self.log, self.clock = proxy.gate, proxy.log, proxy.clock
 
     def unfinished(self, tool, row: CallRow, state: RunState):
-        if state.run.status == RUNNING:
-            if _lease_live(state.run, self.store.path):
-                return Answer(in_progress())                     # rule 2
-            return self.recover(tool, row)                        # rule 3
+        if state.run.status == RUNNING:                           # rule 2, else rule 3
+            return Answer(in_progress()) if _lease_live(state.run, self.store.path) else \
+                self.recover(tool, row)
         latest = state.latest()                                   # rule 1
-        if latest is None:
-            return Answer(in_progress())
-        if latest.status == PENDING:
+        if latest is not None and latest.status == PENDING:
             if not _expired(latest, self.clock()):
                 return Pending(latest)
             self.attach_and_close(row.run_id)      # the gate expires it and ends the run
             return None
-        if latest.status == APPROVED:
+        if latest is not None and latest.status == APPROVED:
             return self.collect(tool, row, state)
         return Answer(in_progress())
 
@@ -9818,19 +9761,11 @@ class Resume:
         """The operator approved: the gate evaluates the policy again on the recorded request
         and judges the grant's age; what executes is the recorded request."""
         attached = self._attach(row.run_id, "collect the approved request")
-        if not isinstance(attached, tuple):
+        if isinstance(attached, (Answer, Retry)):
             return attached
         session, verdict = attached
-        if verdict.kind == "allowed":
-            latest = state.latest()
-            return Execute(session, tool, latest.id if latest else "")
-        if verdict.kind == "pending":
-            self.hold.hint(row.run_id, verdict.approval)
-            return Pending(verdict.approval)
-        if verdict.kind == "denied":
-            latest = state.latest()
-            rerun = latest is not None and latest.kind == INTERRUPTED_KIND
-            return Answer(self.executor.denied(session, verdict.observation, rerun))
+        if verdict.kind in ("allowed", "pending", "denied"):
+            return self.executor.verdict(session, verdict, tool, state.latest())
         if verdict.kind == "ended":
             return None
         if verdict.kind == "settled":        # the attempt it re-runs has a recorded outcome
@@ -9842,7 +9777,7 @@ class Resume:
         """A run left running by a call that is gone: take it over. A mutating step cut off
         while executing waits for an operator; otherwise nothing is left to execute."""
         attached = self._attach(row.run_id, "recover an earlier attempt of this request")
-        if not isinstance(attached, tuple):
+        if isinstance(attached, (Answer, Retry)):
             return attached
         session, verdict = attached
         if verdict.kind == "pending":
@@ -9920,12 +9855,8 @@ class Rules:
         window = self.window(tool)
         if window <= 0:
             return None
-        for row in recent:
-            state = ended if ended is not None and ended.run.id == row.run_id else \
-                self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            action = self.refused_again(row, state, now, window)
+        for row, state, outcome, _ in self.finished(recent, ended):
+            action = self.refused_again(row, state, outcome, now, window)
             if action is not None:
                 return action
             ended = state                    # read once: rule 5 may judge it too
@@ -9934,18 +9865,16 @@ class Rules:
             return None
         return self.executed_within(tool, key, now, window, ended)
 
-    def refused_again(self, row: CallRow, state: RunState, now: float, window: float):
+    def refused_again(self, row: CallRow, state: RunState, outcome: int, now: float,
+                      window: float):
         """Rule 4: the request was rejected, expired or cancelled within the window, or its
         approved re-run was denied at collection (which resolves it as a rejection does).
         Not when the store knows, late, that the attempt it asked about took effect: then it
         executed (rule 5), and the model is told that, never "not executed"."""
-        outcome, _ = last_attempt(self.proxy, state)
-        self.executor.settle(row, outcome)
         end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
         reason, latest = state.run.reason, state.latest()
-        if not end or end < now - window or not (reason in (
-                "approval_rejected", "approval_expired", "operator_cancelled") or
-                state.run.reason_detail == CLOSE_DENIED_RERUN):
+        if not end or end < now - window or not (resolved_by_operator(state.run) or
+                                                 reason == "approval_expired"):
             return None
         if outcome == KNOWN and late_of(self.proxy, state) is not None:
             return None
@@ -9973,28 +9902,30 @@ class Rules:
         denied re-run, one denied at collection) is passed over, so it never hides an
         execution behind it. ``read``: a run the caller read already."""
         since = now - window
-        for row in self.index.executions(key, since):
-            state = read if read is not None and read.run.id == row.run_id else \
-                self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, _ = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        for row, state, outcome, _ in self.finished(self.index.executions(key, since), read):
             if outcome == UNKNOWN:
                 return None
             found = execution_of(self.proxy, state) if outcome == KNOWN else None
             if found is None or found[2] < since:
                 continue
             run_id, at, moment, said = found
-            if self.asks_repeat(tool):
+            if (tool.rule.repeat or self.cfg.repeat) == "ask":      # section 10, not DUPLICATE
                 return Repeat({"run_id": run_id, "at": at,
                                "outcome": truncate(said, REPEAT_QUOTE_BYTES)})
             return self.refused(row.run_id, row.key, duplicate(moment, window, said))
         return None
 
-    def asks_repeat(self, tool) -> bool:
-        """Whether an identical call within the window asks (section 10), not DUPLICATE."""
-        return (tool.rule.repeat or self.cfg.repeat) == "ask"
+    def finished(self, rows: Iterable[CallRow], read: RunState | None = None):
+        """Each row whose run has ended, with that run and what its last attempt came to
+        (last_attempt), the row settled by it as it is read. ``read``: a run the caller
+        read already, not read again."""
+        for row in rows:
+            state = read if read is not None and read.run.id == row.run_id else \
+                self.inspect(row.run_id)
+            if state is not None and state.terminal:
+                outcome, at = last_attempt(self.proxy, state)
+                self.executor.settle(row, outcome)
+                yield row, state, outcome, at
 
     def refused(self, run_id: str, key: str, result: dict) -> Answer:
         """The answer that refuses a call, counted against the run it names (RefusalLog).
@@ -10008,14 +9939,8 @@ class Rules:
     # rule 6: an unknown outcome of this request, at any age
 
     def unresolved(self, key: str) -> dict | None:
-        for row in self.index.attempts(key):
-            if row.outcome == KNOWN:
-                return None
-            state = self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, at = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        rows = itertools.takewhile(lambda row: row.outcome != KNOWN, self.index.attempts(key))
+        for _, _, outcome, at in self.finished(rows):
             if outcome == KNOWN:
                 return None
             if outcome == UNKNOWN:
@@ -10065,13 +9990,12 @@ class Rules:
                         tool.spec.name, action.approval.id))
                 if action is not None:
                     return Answer(in_progress())
-        if mutating and outcome != "deny":       # a call denied anyway is the gate's to deny
-            action = self.unknown_block(tool, key)
-            if action is not None:
-                return action
-        if needs_approval and pending >= self.cfg.max_pending:    # counted against the
-            return self.refused(oldest, key, blocked_pending(self.cfg.max_pending))  # oldest
-        return None
+        # A call denied anyway is the gate's to deny; max_pending is counted against the
+        # oldest waiting run.
+        action = self.unknown_block(tool, key) if mutating and outcome != "deny" else None
+        if action is None and needs_approval and pending >= self.cfg.max_pending:
+            action = self.refused(oldest, key, blocked_pending(self.cfg.max_pending))
+        return action
 
     def unknown_block(self, tool, key: str):
         """Another request to this tool has an unknown outcome with nothing waiting for an
@@ -10079,12 +10003,8 @@ class Rules:
         approval expired): ask again in a fresh run of that request, and refuse this one."""
         if self.policy.never_runs(tool):
             return None
-        for row in self.index.unknown_for_tool(tool.spec.name, key):
-            state = self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, at = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        for row, state, outcome, at in self.finished(
+                self.index.unknown_for_tool(tool.spec.name, key)):
             if outcome != UNKNOWN or resolved_by_operator(state.run):
                 continue
             args = _last_args(state)
@@ -10125,8 +10045,7 @@ class Executor:
             proxy.limits
         self.clock, self.log, self.inspect, self.window = proxy.clock, proxy.log, \
             proxy.inspect, proxy.window
-        self.new_run_id, self.reruns, self.repeats = proxy.new_run_id, proxy.reruns, \
-            proxy.repeats
+        self.reruns, self.repeats = proxy.reruns, proxy.repeats
 
     def reopen(self, tool, key: str | None, args: bytes, at: dict) -> Approval | None:
         """Ask about an unknown outcome again, in a fresh run of that request."""
@@ -10134,17 +10053,14 @@ class Executor:
             return None
         try:
             open_row = self.index.open_row(key)
-            reuse = False
-            if open_row is not None:
-                state = self.inspect(open_row.run_id)
-                if state is None:
-                    reuse = True
-                elif not state.terminal:
-                    self.log(f"error: run {at.get('run_id')}: asking again about an unknown "
-                             f"outcome failed: the request's run {open_row.run_id} has not "
-                             "finished")
-                    return None
-            action = self.begin(tool, key, args, open_row, reuse, at, origin="operator")
+            state = self.inspect(open_row.run_id) if open_row is not None else None
+            if state is not None and not state.terminal:
+                self.log(f"error: run {at.get('run_id')}: asking again about an unknown "
+                         f"outcome failed: the request's run {open_row.run_id} has not "
+                         "finished")
+                return None
+            action = self.begin(tool, key, args, open_row, open_row is not None and state is None,
+                                at, origin="operator")
         except StoreError as exc:
             self.log(f"error: {exc}")
             return None
@@ -10161,18 +10077,14 @@ class Executor:
     def begin(self, tool, key: str | None, args: bytes, open_row: CallRow | None,
               reuse: bool, prior: dict | None, origin: str = "model",
               repeat: dict | None = None, value: Any = NOT_PARSED):
-        run_id = open_row.run_id if reuse else self.new_run_id()
-        claim = None
-        if not reuse:
-            row_key = key or f"invalid:{run_id}"
-            prev = open_row if key else None
-            claim = lambda: self.index.claim(row_key, tool.spec.name, tool.spec.side_effect,
-                                             run_id, prev, self.clock())
-        also = claim or (lambda: self.index.unsettle(run_id))
-        if prior is not None:
-            self.reruns[run_id] = prior
-        if repeat is not None:
-            self.repeats[run_id] = repeat
+        run_id = open_row.run_id if reuse else self.proxy.new_run_id()
+        if reuse:
+            also = lambda: self.index.unsettle(run_id)
+        else:                           # an invalid request has a row of its own
+            also = lambda: self.index.claim(key or f"invalid:{run_id}", tool.spec.name,
+                                            tool.spec.side_effect, run_id,
+                                            open_row if key else None, self.clock())
+        self.reruns[run_id], self.repeats[run_id] = prior, repeat  # the policy reads them
         try:
             session, verdict = self.gate.start(
                 run_id, f"call {tool.spec.name}", self.limits,
@@ -10184,21 +10096,23 @@ class Executor:
             if self.store.find_run(run_id) is not None:
                 return Retry()              # another call began this row's run
             self.log(f"error: run {run_id}: {exc}")
-            return Answer(unavailable("start this request" if reuse or not claim
-                                      else "record this request"))
+            return Answer(unavailable("start this request" if reuse else "record this request"))
         finally:
             self.reruns.pop(run_id, None)
             self.repeats.pop(run_id, None)
         return self.verdict(session, verdict, tool)
 
-    def verdict(self, session: Session, verdict: Verdict, tool):
+    def verdict(self, session: Session, verdict: Verdict, tool, latest: Approval | None = None):
+        """Act on the gate's verdict; ``latest``: the approval a collected run was granted
+        (an approved re-run of an unknown outcome, denied at collection, is told so)."""
         if verdict.kind == "allowed":
-            return Execute(session, tool)
+            return Execute(session, tool, latest.id if latest else "")
         if verdict.kind == "pending":
             self.hold.hint(session.run_id, verdict.approval)
             return Pending(verdict.approval)
         if verdict.kind == "denied":
-            return Answer(self.denied(session, verdict.observation))
+            return Answer(self.denied(session, verdict.observation,
+                                      latest is not None and latest.kind == INTERRUPTED_KIND))
         session.close()
         self.settle_run(session.run_id)
         if verdict.kind == "settled":     # the attempt it asks about has a recorded outcome:
@@ -10219,9 +10133,7 @@ class Executor:
         self.settle_run(session.run_id)
         if invalid:
             return invalid_answer(str(content.get("error", "")))
-        if rerun:
-            return denied_rerun_answer(str(content.get("reason", "")))
-        return denied_answer(str(content.get("reason", "")))
+        return (denied_rerun_answer if rerun else denied_answer)(str(content.get("reason", "")))
 
     def finish(self, session: Session, why: str) -> None:
         """End a run the proxy has nothing more to do in, with a fail decision."""
@@ -10252,9 +10164,8 @@ class Executor:
     async def execute(self, action: Execute) -> dict:
         """Run the allowed request once (outside the rules) and answer with what the gate
         recorded. An outcome that may have taken effect unseen is asked about at once."""
-        session, tool = action.session, action.tool
+        session, tool, settled = action.session, action.tool, []
         run_id = session.run_id
-        settled = []
 
         def settle_known(obs: dict) -> None:
             """A result completes the run: its index row is settled in the same commit."""
@@ -10299,40 +10210,38 @@ class Executor:
             session.close()
             self.log(f"run {run_id}: {tool.spec.name} returned after its run was taken over; "
                      "its outcome is recorded as a late event")
-            return self.late_answer(tool, late.observation)
+            return self.answer(tool, late.observation)
         except ProxyError as exc:           # the tool ran: whatever failed, it may have acted
             session.close()
             self.log(f"error: {exc}")
             return unavailable("record the outcome of this request",
                                "It was executed, so it may have taken effect; do not call it "
                                "again to retry.")
+        ended = unknown_ending(tool, obs)
+        if ended is not None:
+            try:
+                return self.rerun(session, tool, ended, obs)
+            except ProxyError as exc:
+                # The run is let go of: the next call to this tool takes it over and
+                # asks an operator, so nothing runs again unseen.
+                self.log(f"error: run {session.run_id}: asking about the unknown outcome: "
+                         f"{exc}")
+                session.close()
+                return unknown_outcome(ended, error_text(obs), "")
         if obs.get("kind") == TOOL_ERROR:
-            ended = unknown_ending(tool, obs)
-            if ended is not None:
-                try:
-                    return self.rerun(session, tool, ended, obs)
-                except ProxyError as exc:
-                    # The run is let go of: the next call to this tool takes it over and
-                    # asks an operator, so nothing runs again unseen.
-                    self.log(f"error: run {session.run_id}: asking about the unknown outcome: "
-                             f"{exc}")
-                    session.close()
-                    return unknown_outcome(ended, error_text(obs), "")
-            if _unrecorded(tool, obs):
-                self.finish(session, CLOSE_UNRECORDED)
-                self.settle_run(run_id)
-                return unrecorded_answer(error_text(obs), self.window(tool))
-            self.finish(session, CLOSE_TOOL_ERROR)
+            self.finish(session, CLOSE_UNRECORDED if _unrecorded(tool, obs) else CLOSE_TOOL_ERROR)
         else:
             session.close()
-        if not settled:
+        if not settled:                     # a result's row was settled as it was recorded
             self.settle_run(run_id)
-        return result_of(obs)
+        return self.answer(tool, obs)
 
-    def late_answer(self, tool, obs: dict) -> dict:
-        """A call whose tool returned after its run was taken over: the model gets what the
-        tool returned, as it was recorded; the run itself is the new owner's."""
-        ended = unknown_ending(tool, obs) if obs.get("kind") == TOOL_ERROR else None
+    def answer(self, tool, obs: dict) -> dict:
+        """What the model is told of a recorded outcome that is not asked about now: an
+        unknown one, an unrecorded answer, or what the tool returned as it was recorded. A
+        tool that returned after its run was taken over is answered so too; the run itself
+        is the new owner's."""
+        ended = unknown_ending(tool, obs)
         if ended is not None:
             return unknown_outcome(ended, error_text(obs), "")
         if _unrecorded(tool, obs):
@@ -10355,25 +10264,22 @@ class Executor:
         except ProxyError as exc:
             self.log(f"error: run {run_id}: no step for the re-run: {exc}")
             step = None
-        if step is None:
-            session.close()
-            self.settle_run(run_id)
-            approval = self.reopen(tool, request_key(tool.spec.name, args), args, at)
-            return unknown_outcome(ended, text, approval.id if approval else "")
-        self.reruns[run_id] = at
-        try:
-            verdict = session.propose(Decision("tool_call", tool.spec.name, args,
-                                               origin="operator"))
-        except ProxyError as exc:
-            self.log(f"error: run {run_id}: proposing the re-run: {exc}")
-            session.close()
-            return unknown_outcome(ended, text, "")
-        finally:
-            self.reruns.pop(run_id, None)
-        if verdict.kind == "pending":
+        verdict = None
+        if step is not None:            # else, or when it ended, asked in a fresh run (reopen)
+            self.reruns[run_id] = at
+            try:
+                verdict = session.propose(Decision("tool_call", tool.spec.name, args,
+                                                   origin="operator"))
+            except ProxyError as exc:
+                self.log(f"error: run {run_id}: proposing the re-run: {exc}")
+                session.close()
+                return unknown_outcome(ended, text, "")
+            finally:
+                self.reruns.pop(run_id, None)
+        if verdict is not None and verdict.kind == "pending":
             self.hold.hint(run_id, verdict.approval)
             return unknown_outcome(ended, text, verdict.approval.id)
-        if verdict.kind == "denied":
+        if verdict is not None and verdict.kind == "denied":
             self.denied(session, verdict.observation)
             return unknown_outcome(ended, text, "")
         session.close()
@@ -10408,8 +10314,7 @@ class Hold:
     async def wait(self, approval: Approval, progress, cancelled) -> bool:
         """Hold until the approval is decided (True), or the hold ends, the host cancels, or
         the proxy stops (False). A progress notification about once a second."""
-        began = time.monotonic()
-        last = began
+        began = last = time.monotonic()
         while True:
             await asyncio.sleep(self.poll)
             now = time.monotonic()
@@ -10460,10 +10365,8 @@ def _is_set(event: asyncio.Event | None) -> bool:
 
 
 def _last_args(state: RunState) -> bytes:
-    for step in reversed(state.steps):
-        if (step.decision or {}).get("kind") == "tool_call":
-            return step.args or b"{}"
-    return b"{}"
+    return next((s.args for s in reversed(state.steps)
+                 if (s.decision or {}).get("kind") == "tool_call"), None) or b"{}"
 
 
 def _unrecorded(tool, obs: dict) -> bool:
@@ -10498,15 +10401,18 @@ def execution_of(proxy: Proxy, state: RunState) -> tuple[str, str, float, str] |
     cut off before a re-run in the same run). None when the run knows no known outcome."""
     end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
     last, own = late_of(proxy, state), newest_late(proxy.store._read, state.run.id)
-    moment = max([end] + [_recorded(x, end) for x in (last, own) if x is not None])
+    moment = end
+    for late in (x for x in (last, own) if x is not None):
+        with contextlib.suppress(ValueError, TypeError, OverflowError):   # an edited time:
+            moment = max(moment, parse_time(late.at))                    # verify reports it
     if last is not None:
-        return last.run_id, last.at, moment, late_known_outcome(last)
+        return last.run_id, last.at, moment, known_outcome(last.doc, late=True)
     step = next((s for s in reversed(state.steps) if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)),
                 None)
     if step is not None and end:
-        return state.run.id, state.run.finished_at, moment, known_outcome(step)
+        return state.run.id, state.run.finished_at, moment, known_outcome(step.observation)
     if own is not None:
-        return own.run_id, own.at, moment, late_known_outcome(own)
+        return own.run_id, own.at, moment, known_outcome(own.doc, late=True)
     return None
 
 
@@ -10521,50 +10427,34 @@ def newest_late(q: Query, run_id: str) -> LateRecord | None:
     return None
 
 
-def _recorded(late: LateRecord, default: float) -> float:
-    try:
-        return parse_time(late.at)
-    except (ValueError, TypeError, OverflowError):
-        return default                   # an edited time: verify reports it
-
-
 def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
     by_step = {a.step_id: a for a in state.approvals}      # the latest per step
     for step in reversed(state.steps):
         decision = step.decision or {}
         if decision.get("kind") != "tool_call":
             continue
-        tool = proxy.tools.get(decision.get("tool", ""))
+        cut = _attempt(state.run.id, step, "cut_off")
         previous = step.obs_content.get("previous_status")
-        if step.status == "interrupted" and step.obs_kind == INTERRUPTED_OBS:
+        if step.status == "interrupted" and step.obs_kind == INTERRUPTED_OBS and previous:
             if previous == "executing":
-                return UNKNOWN, _attempt(state.run.id, step, "cut_off")
-            if previous:
-                continue                                  # cut off before its tool ran
+                return UNKNOWN, cut
+            continue                                      # cut off before its tool ran
         if step.obs_kind == TOOL_RESULT:
             return KNOWN, None
-        if step.obs_kind == INTERRUPTED_OBS and "by" in step.obs_content:
-            # An operator cancelled the run at this step: an attempt only if its tool started;
-            # else, when it waited on a question about an unknown outcome, that outcome is
-            # what the run is about (its cancel resolves it, as a rejection would).
-            if not _tool_started(proxy.store, state.run.id, step.id):
-                approval = by_step.get(step.id)
-                if approval is None or approval.kind != INTERRUPTED_KIND:
-                    continue
-                return UNKNOWN, _interrupted_attempt(approval) or \
-                    _attempt(state.run.id, step, "cut_off")
-            return UNKNOWN, _attempt(state.run.id, step, "cut_off")
-        if step.obs_kind == INTERRUPTED_OBS:
-            return UNKNOWN, _attempt(state.run.id, step, "cut_off")
         if step.obs_kind == TOOL_ERROR:
-            ended = unknown_ending(tool, step.observation)
-            if ended is not None:
-                return UNKNOWN, _attempt(state.run.id, step, ended)
-            return KNOWN, None
+            ended = unknown_ending(proxy.tools.get(decision.get("tool", "")), step.observation)
+            return (KNOWN, None) if ended is None else \
+                (UNKNOWN, _attempt(state.run.id, step, ended))
+        # An operator cancelled the run at this step ("by"): an attempt only if its tool
+        # started; else, when it waited on a question about an unknown outcome, that outcome
+        # is what the run is about (its cancel resolves it, as a rejection would).
+        if step.obs_kind == INTERRUPTED_OBS and ("by" not in step.obs_content or
+                                                 _tool_started(proxy.store, state.run.id,
+                                                               step.id)):
+            return UNKNOWN, cut
         approval = by_step.get(step.id)
         if approval is not None and approval.kind == INTERRUPTED_KIND:
-            return UNKNOWN, _interrupted_attempt(approval) or \
-                _attempt(state.run.id, step, "cut_off")
+            return UNKNOWN, _interrupted_attempt(approval) or cut
     return NO_ATTEMPT, None
 
 
@@ -10574,30 +10464,25 @@ def _tool_started(store: Store, run_id: str, step_id: str) -> bool:
                             "type='step.tool_started' LIMIT 1", (run_id, step_id)))
 
 
-def late_known_outcome(late: LateRecord) -> str:
-    """A late outcome, as a DUPLICATE quotes it."""
-    obs = late.doc
+def known_outcome(obs: dict, late: bool = False) -> str:
+    """An earlier call's known outcome, as a DUPLICATE quotes it; ``late``: one that arrived
+    after the call was cut off (a LateRecord's doc)."""
     if obs.get("kind") == TOOL_RESULT:
-        return "it succeeded (its result arrived after it was cut off): " + \
-            clean(result_text(obs), MAX_RESULT_BYTES)
-    return "it failed (its answer arrived after it was cut off): " + \
-        clean(error_text(obs), MAX_RESULT_BYTES)
-
-
-def known_outcome(step: Step) -> str:
-    """The earlier call's outcome, as a DUPLICATE quotes it."""
-    content = step.obs_content
-    if step.obs_kind == TOOL_RESULT:
-        return "it succeeded: " + clean(result_text(step.observation), MAX_RESULT_BYTES)
-    if content.get("failure") == "invalid_content":
+        said = "it succeeded (its result arrived after it was cut off): " if late else \
+            "it succeeded: "
+        return said + clean(result_text(obs), MAX_RESULT_BYTES)
+    content = obs.get("content")
+    if not late and isinstance(content, dict) and content.get("failure") == "invalid_content":
         return ("the server answered, but its result could not be recorded: " +
-                clean(error_text(step.observation), REASON_BYTES))
-    return "it failed: " + clean(error_text(step.observation), MAX_RESULT_BYTES)
+                clean(error_text(obs), REASON_BYTES))
+    said = "it failed (its answer arrived after it was cut off): " if late else "it failed: "
+    return said + clean(error_text(obs), MAX_RESULT_BYTES)
 
 
 def result_text(obs: dict) -> str:
-    """The text the model first read of a result: the server's text beside structured
-    content (as result_of gives it), else the content itself."""
+    """The text the model reads of a result (result_of): the server's text beside
+    structured content, else the content itself. Only structured content, an object, has
+    text beside it (the upstream client takes no other)."""
     content, text = obs.get("content"), obs.get("text")
     if isinstance(content, dict) and isinstance(text, str):
         return text

@@ -12573,15 +12573,11 @@ def _stamp(text: str, millis: bool = False) -> str:
     try:
         local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
     except (ValueError, TypeError, AttributeError, OverflowError, OSError):
-        return "(not a time) " + _clip(str(text), CLI_BAD_TIME_WIDTH)
+        return "(not a time) " + clean(str(text), CLI_BAD_TIME_WIDTH)
     stamp = local.strftime("%Y-%m-%d %H:%M:%S")
     if millis:
         stamp += f".{local.microsecond // 1000:03d}"
     return stamp + local.strftime(" %z")
-
-
-def _clip(text: str, width: int) -> str:
-    return truncate(sanitize(text), width)
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -12659,8 +12655,8 @@ def cmd_runs(store: Store, args, out: Out) -> int:
     rows = [["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL", "WHY"]]
     for r in runs:
         rows.append([r.id, r.status, r.reason or "-", str(r.step_count), _stamp(r.created_at),
-                     _pending_id(store, r) or "-", _clip(r.goal, CLI_GOAL_WIDTH),
-                     _clip(ended_why(store, r), CLI_GOAL_WIDTH) or "-"])
+                     _pending_id(store, r) or "-", clean(r.goal, CLI_GOAL_WIDTH),
+                     clean(ended_why(store, r), CLI_GOAL_WIDTH) or "-"])
     out.texts(_table(rows))
     _more(out, "run", args.offset, len(runs), total)
     return 0
@@ -12699,8 +12695,8 @@ def _fields(raw: bytes) -> list[str]:
     try:
         value = parse_json(raw.strip(JSON_WS), strict=False)
     except JSONError:
-        return ["  value (not JSON)", "    " + _clip(raw.decode("utf-8", "replace"),
-                                                    CLI_FIELD_BYTES)]
+        return ["  value (not JSON)", "    " + clean(raw.decode("utf-8", "replace"),
+                                                   CLI_FIELD_BYTES)]
     if not isinstance(value, dict):
         value = {"value": value}
     if not value:
@@ -12769,7 +12765,7 @@ def approval_block(store: Store, approval: Approval, db_path: str,
                      "   (or reject)")
     elif approval.decided_by or approval.note:
         lines.append(f"decided by    {sanitize(approval.decided_by) or '-'}"
-                     + (f": {_clip(approval.note, CLI_FIELD_BYTES)}" if approval.note else ""))
+                     + (f": {clean(approval.note, CLI_FIELD_BYTES)}" if approval.note else ""))
     lines.append(f"---- end of approval {approval.id} for tool {request.spec.name} ----")
     # The ids and names are a stored row's, and the command line above is one to paste.
     return [sanitize(line) for line in lines]
@@ -12838,7 +12834,7 @@ def cmd_show(store: Store, args, out: Out) -> int:
                   "refusals": refusals})
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
-        (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
+        (f": {clean(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
     finished = f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""
     for line in (f"run     {run.id}", f"goal    {sanitize(run.goal)}", f"status  {status}",
                  f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"):
@@ -12860,7 +12856,7 @@ def cmd_show(store: Store, args, out: Out) -> int:
         # The step's decision and observation are parsed JSON: any type an edit left there.
         rows.append([str(s.idx), str(r.get("tool", "-")), str(r.get("decision", "-")),
                      s.status, str(r.get("policy", "-")), str(r.get("observation", "-")),
-                     _clip(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
+                     clean(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
     out.texts(_table(rows))
     _more(out, "step", args.offset, len(page), len(steps), tally=False)
     return 0

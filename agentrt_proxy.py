@@ -437,6 +437,9 @@ _LITERALS = (("true", True), ("false", False), ("null", None))
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                                r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 SURROGATE_ESCAPE_LEN = 6                 # a \uXXXX escape, and its U+FFFD stand-in \ufffd
+# The same, and an escaped backslash: read from the left, so that one is never the start of
+# an escape.
+_ESCAPE_RUN = re.compile(r"\\\\|" + _SURROGATE_ESCAPE.pattern)
 # The nesting pre-check reads the bytes with escaped backslashes and quotes masked by two
 # spaces (the same length: offsets hold), so that a string runs from one quote to the next,
 # matched by a single-character repeat: no stack grows with a string's length.
@@ -560,7 +563,7 @@ def _parse_text(raw: bytes, text: str, strict: bool = True, bounds: bool = True,
     our bounds (and with ``float_range`` a float overflow in a container) are refused."""
     lone = _lone_surrogates(text)
     if lone and not strict:
-        text = _without_surrogates(text, lone)
+        text = _without_surrogates(text)
     bounds = strict or bounds
     hooks = _Hooks(strict, bounds, strict or (bounds and float_range))
     value, end = None, -1
@@ -710,35 +713,20 @@ class _Walk:
 
 
 def _lone_surrogates(text: str) -> list[int]:
-    """Where each unpaired surrogate escape of ``text`` begins. A backslash that is itself
-    escaped (an odd run of backslashes ends just before it) begins no escape. Exact in a
-    document the scanner accepts, where every backslash is inside a string; one search of
-    the runtime's when there is no surrogate escape at all."""
-    found: list[int] = []
-    pos = 0
-    while True:
-        m = _SURROGATE_ESCAPE.search(text, pos)
-        if m is None:
-            return found
-        at = run = m.start()
-        while run and text[run - 1] == "\\":
-            run -= 1
-        if (at - run) % 2:
-            pos = at + 1
-            continue
-        if m.end() - at == SURROGATE_ESCAPE_LEN:
-            found.append(at)
-        pos = m.end()
+    """Where each unpaired surrogate escape of ``text`` begins. Escapes are read from the
+    left, an escaped backslash as one, so a backslash that is itself escaped begins no
+    escape. Exact in a document the scanner accepts, where every backslash is inside a
+    string; one search of the runtime's when there is no surrogate escape at all."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return []
+    return [m.start() for m in _ESCAPE_RUN.finditer(text)
+            if len(m.group()) == SURROGATE_ESCAPE_LEN]
 
 
-def _without_surrogates(text: str, lone: list[int]) -> str:
+def _without_surrogates(text: str) -> str:
     """``text`` with each unpaired surrogate escape written \\ufffd: the same length."""
-    parts, last = [], 0
-    for at in lone:
-        parts += (text[last:at], "\\ufffd")
-        last = at + SURROGATE_ESCAPE_LEN
-    parts.append(text[last:])
-    return "".join(parts)
+    return _ESCAPE_RUN.sub(lambda m: "\\ufffd" if len(m.group()) == SURROGATE_ESCAPE_LEN
+                           else m.group(), text)
 
 
 def _number_problem(lit: str) -> str | None:
@@ -862,7 +850,7 @@ def _read_object(raw: bytes, text: str, levels: int, clean: set[int] | None = No
     is left to _parse_text, which returns it or raises its exact refusal."""
     clean = set() if clean is None else clean
     lone = _lone_surrogates(text)
-    text = _without_surrogates(text, lone) if lone else text
+    text = _without_surrogates(text) if lone else text
     pos = _WS.match(text).end()
     if text.startswith("{", pos):
         try:
@@ -1063,7 +1051,7 @@ def content_hash(raw: bytes) -> str:
         return sha256_hex(raw)
     lone = _lone_surrogates(text)
     try:
-        value = _Hooks().scan(_without_surrogates(text, lone) if lone else text, pos)[0]
+        value = _Hooks().scan(_without_surrogates(text) if lone else text, pos)[0]
     except (ValueError, StopIteration):
         return sha256_hex(raw)
     return sha256_hex(encode_canonical(value))

@@ -485,9 +485,6 @@ class Num:
             return self._normal
 
     def is_integer(self) -> bool:
-        text = self.text
-        if "." not in text and "e" not in text and "E" not in text:
-            return True             # most literals: digits alone, decided without a pass
         sign, _, exponent = self.normal()
         return sign == 0 or exponent >= 0
 
@@ -929,6 +926,7 @@ def _value_end(text: str, pos: int) -> int:
 _HTML_SAFE = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
               ("\u2029", "\\u2029"))
 _HTML_CHARS = re.compile("[<>&\u2028\u2029]")
+_LITERAL_TEXT = {value: word for word, value in _LITERALS}     # True, False, None: by identity
 
 
 def _canon_str(text: str) -> str:
@@ -941,12 +939,8 @@ def _canon_str(text: str) -> str:
     return out
 
 
-def _policy_str(text: str) -> str:
-    """A string in policy form: only '"', '\\' and C0 controls escaped."""
-    return _json_str(text)
-
-
 _json_str = json.encoder.encode_basestring   # ensure_ascii off: other characters stay raw
+_policy_str = _json_str                       # policy form: only '"', '\\' and C0 controls escaped
 
 
 _KEY_CACHE: dict[tuple[Callable, str], str] = {}
@@ -990,12 +984,8 @@ def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
                 out.append(",")
             _encode(item, out, quote)
         out.append("]")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif value is None:
-        out.append("null")
+    elif value is True or value is False or value is None:
+        out.append(_LITERAL_TEXT[value])
     else:
         raise TypeError(f"not a JSON value: {type(value).__name__}")
 
@@ -1134,22 +1124,15 @@ def _dump(value: Any, out: list[str]) -> None:
                 out.append(",")
             _dump(item, out)
         out.append("]")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif value is None:
-        out.append("null")
-    elif kind is int:
-        out.append(str(value))
-    elif kind is float:
-        raise TypeError("floats are not written into records; use Num or int")
-    elif isinstance(value, str):
-        out.append(_wire_str(str(value)))
+    elif value is True or value is False or value is None:
+        out.append(_LITERAL_TEXT[value])
     elif isinstance(value, int):
         out.append(str(int(value)))
+    elif isinstance(value, str):
+        out.append(_wire_str(str(value)))
     else:
-        raise TypeError(f"not a JSON value: {type(value).__name__}")
+        raise TypeError("floats are not written into records; use Num or int" if kind is float
+                        else f"not a JSON value: {kind.__name__}")
 
 
 def to_plain(value: Any) -> Any:
@@ -2489,16 +2472,12 @@ class ToolSpec:
 
     def canonical(self) -> bytes:
         """Its canonical JSON, worked out once per spec: every run and step names it."""
-        return self._forms()[0]
+        return _kept(_SPEC_FORMS, self, lambda: encode_canonical(self.as_value()),
+                     SPEC_CACHE_SIZE)
 
     def hash(self) -> str:
-        return self._forms()[1]
-
-    def _forms(self) -> tuple[bytes, str]:
-        def forms() -> tuple[bytes, str]:
-            canon = encode_canonical(self.as_value())
-            return canon, sha256_hex(canon)
-        return _kept(_SPEC_FORMS, self, forms, SPEC_CACHE_SIZE)
+        """The hash of its canonical JSON, worked out once per spec too."""
+        return _kept(_SPEC_HASHES, self, lambda: sha256_hex(self.canonical()), SPEC_CACHE_SIZE)
 
     def policy_form(self) -> "ToolSpec":
         """The spec as a policy is handed it, its input schema in policy form (policy_json),
@@ -2514,7 +2493,8 @@ class ToolSpec:
                    doc.get("terminal", False))
 
 
-_SPEC_FORMS: dict[ToolSpec, tuple[bytes, str]] = {}
+_SPEC_FORMS: dict[ToolSpec, bytes] = {}
+_SPEC_HASHES: dict[ToolSpec, str] = {}
 _SPEC_POLICY_FORMS: dict[ToolSpec, ToolSpec] = {}
 
 
@@ -2588,9 +2568,7 @@ class Limits:
     def record(self) -> str:
         """Its record, written once per limits (every run of a proxy records the same)."""
         return _kept(_LIMITS_WRITTEN, self, lambda: dump_json({
-            "max_steps": self.max_steps,
-            "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
-            "loop_threshold": self.loop_threshold, "approval_ttl": fmt_duration(self.approval_ttl),
+            **dataclasses.asdict(self), "approval_ttl": fmt_duration(self.approval_ttl),
             "grant_ttl": fmt_duration(self.grant_ttl)}), LIMITS_CACHE_SIZE)
 
     @classmethod

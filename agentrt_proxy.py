@@ -943,20 +943,6 @@ _json_str = json.encoder.encode_basestring   # ensure_ascii off: other character
 _policy_str = _json_str                       # policy form: only '"', '\\' and C0 controls escaped
 
 
-_KEY_CACHE: dict[tuple[Callable, str], str] = {}
-KEY_CACHE_SIZE = 4096
-
-
-def _quote_key(quote: Callable[[str], str], key: str) -> str:
-    """Object keys repeat across documents and calls; their quoted forms are cached."""
-    found = _KEY_CACHE.get((quote, key))
-    if found is None:
-        if len(_KEY_CACHE) >= KEY_CACHE_SIZE:
-            _KEY_CACHE.clear()
-        found = _KEY_CACHE[(quote, key)] = quote(key)
-    return found
-
-
 def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
     kind = type(value)
     if kind is str:
@@ -967,15 +953,8 @@ def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
         out.append("{")
         # Python orders str by code point, which for scalar values is UTF-8 byte order.
         for i, key in enumerate(sorted(value)):
-            item = value[key]
-            head = ("," if i else "") + _quote_key(quote, key) + ":"
-            if type(item) is str:          # scalars inline: most members are
-                out.append(head + quote(item))
-            elif type(item) is Num:
-                out.append(head + item.text)
-            else:
-                out.append(head)
-                _encode(item, out, quote)
+            out.append(("," if i else "") + quote(key) + ":")
+            _encode(value[key], out, quote)
         out.append("}")
     elif kind is list:
         out.append("[")

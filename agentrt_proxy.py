@@ -126,15 +126,10 @@ PYTHON_SOURCES = ("on macOS, /usr/bin/python3 from the Command Line Tools (xcode
                   "install python), or the installer from https://www.python.org/downloads/")
 
 
-def too_old_message(program: str) -> str:
-    """The one line an interpreter older than MIN_PYTHON prints before it stops."""
-    return "%s needs Python %d.%d or newer; this is Python %s (%s). Get one: %s" % (
-        program, MIN_PYTHON[0], MIN_PYTHON[1], sys.version.split()[0], sys.executable,
-        PYTHON_SOURCES)
-
-
 if sys.version_info < MIN_PYTHON:
-    sys.exit(too_old_message("agentrt_proxy.py"))
+    sys.exit("agentrt_proxy.py needs Python %d.%d or newer; this is Python %s (%s). Get one: %s"
+             % (MIN_PYTHON[0], MIN_PYTHON[1], sys.version.split()[0], sys.executable,
+                PYTHON_SOURCES))
 
 # Run as a module (python3 -m agentrt_proxy), the interpreter loads its cached compiled form
 # of this file instead of compiling it at every start, as it does a script. But -m also puts
@@ -772,13 +767,9 @@ def _depth_exceeds(raw: bytes, limit: int) -> int | None:
         return None
     depth = 0
     for m in _DEPTH_TOKENS.finditer(masked):
-        tok = m.group()
-        if tok in (b"[", b"{"):
-            depth += 1
-            if depth > limit:
-                return m.start()
-        elif tok in (b"]", b"}"):
-            depth -= 1
+        depth += _BRACKET_STEP.get(m.group()[0], 0)     # a string's quote steps by 0
+        if depth > limit:
+            return m.start()
     return None
 
 
@@ -853,9 +844,8 @@ def _read_object(raw: bytes, text: str, levels: int, clean: set[int] | None = No
         try:
             end, doc, spans, inner = _members(_Hooks(), text, pos, levels, clean,
                                               {judged: _Hooks(True, True, True)})
-            clean.difference_update(a for a, b in spans.values() if _any_in(lone, a, b))
-            clean.difference_update(a for member in inner.values()
-                                    for a, b in member.values() if _any_in(lone, a, b))
+            for member in (spans, *inner.values()):
+                clean.difference_update(a for a, b in member.values() if _any_in(lone, a, b))
             if _WS.match(text, end).end() == len(text):
                 return doc, spans, inner
         except (ValueError, StopIteration):
@@ -959,8 +949,7 @@ def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
     elif kind is list:
         out.append("[")
         for i, item in enumerate(value):
-            if i:
-                out.append(",")
+            out.append("," if i else "")
             _encode(item, out, quote)
         out.append("]")
     elif value is True or value is False or value is None:
@@ -1001,10 +990,8 @@ def same_digest(a: Any, b: Any) -> bool:
     """Two hashes compared in constant time, as bytes: one of them is read from a file or a
     row that may have been edited, and compare_digest raises on a str that is not ASCII (or
     on anything that is not text), where a hash that does not match must simply not match."""
-    if not isinstance(a, str) or not isinstance(b, str):
-        return False
-    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"),
-                               b.encode("utf-8", "surrogatepass"))
+    return isinstance(a, str) and isinstance(b, str) and hmac.compare_digest(
+        a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
 
 
 def content_hash(raw: bytes) -> str:
@@ -1099,8 +1086,7 @@ def _dump(value: Any, out: list[str]) -> None:
     elif kind is list or kind is tuple:
         out.append("[")
         for i, item in enumerate(value):
-            if i:
-                out.append(",")
+            out.append("," if i else "")
             _dump(item, out)
         out.append("]")
     elif value is True or value is False or value is None:
@@ -2441,13 +2427,11 @@ class ToolSpec:
     terminal: bool = False
 
     def as_value(self) -> dict:
-        doc = {"name": self.name, "description": self.description,
-               "input_schema": parse_json(self.input_schema, strict=False),
-               "side_effect": self.side_effect,
-               "timeout": Num(str(round(self.timeout * NANOS)))}      # integer nanoseconds
-        if self.terminal:
-            doc["terminal"] = True
-        return doc
+        return {"name": self.name, "description": self.description,
+                "input_schema": parse_json(self.input_schema, strict=False),
+                "side_effect": self.side_effect,
+                "timeout": Num(str(round(self.timeout * NANOS))),     # integer nanoseconds
+                **({"terminal": True} if self.terminal else {})}
 
     def canonical(self) -> bytes:
         """Its canonical JSON, worked out once per spec: every run and step names it."""

@@ -488,10 +488,6 @@ def _normal_form(text: str) -> tuple[int, str, int]:
     """Num.normal from a well-formed literal, in time linear in its length: no big integer
     is built, so a 10,000-character literal costs microseconds, not seconds."""
     sign = -1 if text.startswith("-") else 1
-    if "." not in text and "e" not in text and "E" not in text:    # digits alone: most
-        digits = text.lstrip("-").lstrip("0")
-        kept = digits.rstrip("0")
-        return (sign, kept, len(digits) - len(kept)) if digits else (0, "", 0)
     mantissa, _, written = text.lstrip("-").replace("E", "e").partition("e")
     whole, _, fraction = mantissa.partition(".")
     digits = (whole + fraction).lstrip("0") if fraction else whole.lstrip("0")
@@ -972,7 +968,7 @@ def canonical_json(raw: bytes) -> bytes:
 
 def policy_json(raw: bytes, strict: bool = True) -> bytes:
     """The canonical form without HTML escaping: what a policy is handed. Never hashed."""
-    return encode_policy(parse_json(raw) if strict else parse_json(raw, False))
+    return encode_policy(parse_json(raw, strict))
 
 
 def encode_policy(value: Any) -> bytes:
@@ -1121,8 +1117,6 @@ def to_plain(value: Any) -> Any:
 def read_own(text: str | bytes) -> Any:
     """Parse a record this module wrote, number literals kept, with the allowance for the
     levels a record adds around the data it holds."""
-    if isinstance(text, str):
-        text = text.encode("utf-8")
     return parse_json(text, strict=False, max_depth=RECORD_DEPTH, bounds=False)
 
 

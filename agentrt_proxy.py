@@ -929,7 +929,11 @@ _json_str = json.encoder.encode_basestring   # ensure_ascii off: other character
 _policy_str = _json_str                       # policy form: only '"', '\\' and C0 controls escaped
 
 
-def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
+def _encode(value: Any, out: list[str], quote: Callable[[str], str], own: bool = False) -> None:
+    """The JSON text of ``value`` appended to ``out``, its strings and keys written by
+    ``quote``. The canonical and policy forms sort keys and take parsed values alone; the
+    proxy's own encoding (``own``, dump_json) keeps members in the order given and also takes
+    tuples, ints and ``RawJSON`` fragments, so no fragment ever reaches a hashed form."""
     kind = type(value)
     if kind is str:
         out.append(quote(value))
@@ -938,20 +942,27 @@ def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
     elif kind is dict:
         out.append("{")
         # Python orders str by code point, which for scalar values is UTF-8 byte order.
-        for i, key in enumerate(sorted(value)):
+        for i, key in enumerate(value if own else sorted(value)):
             out.append(("," if i else "") + quote(key) + ":")
-            _encode(value[key], out, quote)
+            _encode(value[key], out, quote, own)
         out.append("}")
-    elif kind is list:
+    elif kind is list or (own and kind is tuple):
         out.append("[")
         for i, item in enumerate(value):
             out.append("," if i else "")
-            _encode(item, out, quote)
+            _encode(item, out, quote, own)
         out.append("]")
     elif value is True or value is False or value is None:
         out.append(_LITERAL_TEXT[value])
+    elif own and kind is RawJSON:
+        out.append(_raw_text(value.data))
+    elif own and isinstance(value, int):
+        out.append(str(int(value)))
+    elif own and isinstance(value, str):
+        out.append(quote(str(value)))
     else:
-        raise TypeError(f"not a JSON value: {type(value).__name__}")
+        raise TypeError("floats are not written into records; use Num or int"
+                        if own and kind is float else f"not a JSON value: {kind.__name__}")
 
 
 def encode_canonical(value: Any) -> bytes:
@@ -1047,7 +1058,7 @@ def dump_json(value: Any) -> str:
     """The proxy's own compact JSON text of a value built by this module (dicts keep their
     order; ``RawJSON`` fragments, already in this encoding, are embedded as they are)."""
     out: list[str] = []
-    _dump(value, out)
+    _encode(value, out, _wire_str, True)
     return "".join(out)
 
 
@@ -1063,37 +1074,6 @@ def _raw_text(data: bytes) -> str:
     if any(brk in data for brk in _LINE_BREAKS):
         return dump_json(parse_json(data, strict=False, max_depth=RECORD_DEPTH, bounds=False))
     return data.decode("utf-8")
-
-
-def _dump(value: Any, out: list[str]) -> None:
-    kind = type(value)
-    if kind is str:
-        out.append(_wire_str(value))
-    elif kind is Num:
-        out.append(value.text)
-    elif kind is RawJSON:
-        out.append(_raw_text(value.data))
-    elif kind is dict:
-        out.append("{")
-        for i, (key, item) in enumerate(value.items()):
-            out.append(("," if i else "") + _wire_str(key) + ":")
-            _dump(item, out)
-        out.append("}")
-    elif kind is list or kind is tuple:
-        out.append("[")
-        for i, item in enumerate(value):
-            out.append("," if i else "")
-            _dump(item, out)
-        out.append("]")
-    elif value is True or value is False or value is None:
-        out.append(_LITERAL_TEXT[value])
-    elif isinstance(value, int):
-        out.append(str(int(value)))
-    elif isinstance(value, str):
-        out.append(_wire_str(str(value)))
-    else:
-        raise TypeError("floats are not written into records; use Num or int" if kind is float
-                        else f"not a JSON value: {kind.__name__}")
 
 
 def to_plain(value: Any) -> Any:

@@ -427,7 +427,7 @@ if _SCANNER is None or _SCAN_STRING is None:
     raise ImportError("agentrt_proxy needs the json module's C scanner (_json)")
 _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_LITERALS = (("true", True), ("false", False), ("null", None))
+_LITERALS = {True: "true", False: "false", None: "null"}      # looked up by identity
 # A surrogate escape: a high one with the low one after it, or either alone.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                                r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -616,7 +616,7 @@ class _Walk:
             return self.string(pos)[1]
         if ch == "-" or "0" <= ch <= "9":
             return self.num(pos, inside)
-        for word, _ in _LITERALS:
+        for word in _LITERALS.values():
             if src.startswith(word, pos):
                 return pos + len(word)
         raise self.syntax(f"unexpected character {_show_char(ch)}" if ch else
@@ -912,7 +912,6 @@ def _value_end(text: str, pos: int) -> int:
 _HTML_SAFE = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
               ("\u2029", "\\u2029"))
 _HTML_CHARS = re.compile("[<>&\u2028\u2029]")
-_LITERAL_TEXT = {value: word for word, value in _LITERALS}     # True, False, None: by identity
 
 
 def _canon_str(text: str) -> str:
@@ -953,7 +952,7 @@ def _encode(value: Any, out: list[str], quote: Callable[[str], str], own: bool =
             _encode(item, out, quote, own)
         out.append("]")
     elif value is True or value is False or value is None:
-        out.append(_LITERAL_TEXT[value])
+        out.append(_LITERALS[value])
     elif own and kind is RawJSON:
         out.append(_raw_text(value.data))
     elif own and isinstance(value, int):

@@ -126,15 +126,10 @@ PYTHON_SOURCES = ("on macOS, /usr/bin/python3 from the Command Line Tools (xcode
                   "install python), or the installer from https://www.python.org/downloads/")
 
 
-def too_old_message(program: str) -> str:
-    """The one line an interpreter older than MIN_PYTHON prints before it stops."""
-    return "%s needs Python %d.%d or newer; this is Python %s (%s). Get one: %s" % (
-        program, MIN_PYTHON[0], MIN_PYTHON[1], sys.version.split()[0], sys.executable,
-        PYTHON_SOURCES)
-
-
 if sys.version_info < MIN_PYTHON:
-    sys.exit(too_old_message("agentrt_proxy.py"))
+    sys.exit("agentrt_proxy.py needs Python %d.%d or newer; this is Python %s (%s). Get one: %s"
+             % (MIN_PYTHON[0], MIN_PYTHON[1], sys.version.split()[0], sys.executable,
+                PYTHON_SOURCES))
 
 # Run as a module (python3 -m agentrt_proxy), the interpreter loads its cached compiled form
 # of this file instead of compiling it at every start, as it does a script. But -m also puts
@@ -432,11 +427,14 @@ if _SCANNER is None or _SCAN_STRING is None:
     raise ImportError("agentrt_proxy needs the json module's C scanner (_json)")
 _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_LITERALS = (("true", True), ("false", False), ("null", None))
+_LITERALS = {True: "true", False: "false", None: "null"}      # looked up by identity
 # A surrogate escape: a high one with the low one after it, or either alone.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                                r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 SURROGATE_ESCAPE_LEN = 6                 # a \uXXXX escape, and its U+FFFD stand-in \ufffd
+# The same, and an escaped backslash: read from the left, so that one is never the start of
+# an escape.
+_ESCAPE_RUN = re.compile(r"\\\\|" + _SURROGATE_ESCAPE.pattern)
 # The nesting pre-check reads the bytes with escaped backslashes and quotes masked by two
 # spaces (the same length: offsets hold), so that a string runs from one quote to the next,
 # matched by a single-character repeat: no stack grows with a string's length.
@@ -482,9 +480,6 @@ class Num:
             return self._normal
 
     def is_integer(self) -> bool:
-        text = self.text
-        if "." not in text and "e" not in text and "E" not in text:
-            return True             # most literals: digits alone, decided without a pass
         sign, _, exponent = self.normal()
         return sign == 0 or exponent >= 0
 
@@ -493,10 +488,6 @@ def _normal_form(text: str) -> tuple[int, str, int]:
     """Num.normal from a well-formed literal, in time linear in its length: no big integer
     is built, so a 10,000-character literal costs microseconds, not seconds."""
     sign = -1 if text.startswith("-") else 1
-    if "." not in text and "e" not in text and "E" not in text:    # digits alone: most
-        digits = text.lstrip("-").lstrip("0")
-        kept = digits.rstrip("0")
-        return (sign, kept, len(digits) - len(kept)) if digits else (0, "", 0)
     mantissa, _, written = text.lstrip("-").replace("E", "e").partition("e")
     whole, _, fraction = mantissa.partition(".")
     digits = (whole + fraction).lstrip("0") if fraction else whole.lstrip("0")
@@ -560,7 +551,7 @@ def _parse_text(raw: bytes, text: str, strict: bool = True, bounds: bool = True,
     our bounds (and with ``float_range`` a float overflow in a container) are refused."""
     lone = _lone_surrogates(text)
     if lone and not strict:
-        text = _without_surrogates(text, lone)
+        text = _without_surrogates(text)
     bounds = strict or bounds
     hooks = _Hooks(strict, bounds, strict or (bounds and float_range))
     value, end = None, -1
@@ -625,7 +616,7 @@ class _Walk:
             return self.string(pos)[1]
         if ch == "-" or "0" <= ch <= "9":
             return self.num(pos, inside)
-        for word, _ in _LITERALS:
+        for word in _LITERALS.values():
             if src.startswith(word, pos):
                 return pos + len(word)
         raise self.syntax(f"unexpected character {_show_char(ch)}" if ch else
@@ -710,35 +701,20 @@ class _Walk:
 
 
 def _lone_surrogates(text: str) -> list[int]:
-    """Where each unpaired surrogate escape of ``text`` begins. A backslash that is itself
-    escaped (an odd run of backslashes ends just before it) begins no escape. Exact in a
-    document the scanner accepts, where every backslash is inside a string; one search of
-    the runtime's when there is no surrogate escape at all."""
-    found: list[int] = []
-    pos = 0
-    while True:
-        m = _SURROGATE_ESCAPE.search(text, pos)
-        if m is None:
-            return found
-        at = run = m.start()
-        while run and text[run - 1] == "\\":
-            run -= 1
-        if (at - run) % 2:
-            pos = at + 1
-            continue
-        if m.end() - at == SURROGATE_ESCAPE_LEN:
-            found.append(at)
-        pos = m.end()
+    """Where each unpaired surrogate escape of ``text`` begins. Escapes are read from the
+    left, an escaped backslash as one, so a backslash that is itself escaped begins no
+    escape. Exact in a document the scanner accepts, where every backslash is inside a
+    string; one search of the runtime's when there is no surrogate escape at all."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return []
+    return [m.start() for m in _ESCAPE_RUN.finditer(text)
+            if len(m.group()) == SURROGATE_ESCAPE_LEN]
 
 
-def _without_surrogates(text: str, lone: list[int]) -> str:
+def _without_surrogates(text: str) -> str:
     """``text`` with each unpaired surrogate escape written \\ufffd: the same length."""
-    parts, last = [], 0
-    for at in lone:
-        parts += (text[last:at], "\\ufffd")
-        last = at + SURROGATE_ESCAPE_LEN
-    parts.append(text[last:])
-    return "".join(parts)
+    return _ESCAPE_RUN.sub(lambda m: "\\ufffd" if len(m.group()) == SURROGATE_ESCAPE_LEN
+                           else m.group(), text)
 
 
 def _number_problem(lit: str) -> str | None:
@@ -787,13 +763,9 @@ def _depth_exceeds(raw: bytes, limit: int) -> int | None:
         return None
     depth = 0
     for m in _DEPTH_TOKENS.finditer(masked):
-        tok = m.group()
-        if tok in (b"[", b"{"):
-            depth += 1
-            if depth > limit:
-                return m.start()
-        elif tok in (b"]", b"}"):
-            depth -= 1
+        depth += _BRACKET_STEP.get(m.group()[0], 0)     # a string's quote steps by 0
+        if depth > limit:
+            return m.start()
     return None
 
 
@@ -862,15 +834,14 @@ def _read_object(raw: bytes, text: str, levels: int, clean: set[int] | None = No
     is left to _parse_text, which returns it or raises its exact refusal."""
     clean = set() if clean is None else clean
     lone = _lone_surrogates(text)
-    text = _without_surrogates(text, lone) if lone else text
+    text = _without_surrogates(text) if lone else text
     pos = _WS.match(text).end()
     if text.startswith("{", pos):
         try:
             end, doc, spans, inner = _members(_Hooks(), text, pos, levels, clean,
                                               {judged: _Hooks(True, True, True)})
-            clean.difference_update(a for a, b in spans.values() if _any_in(lone, a, b))
-            clean.difference_update(a for member in inner.values()
-                                    for a, b in member.values() if _any_in(lone, a, b))
+            for member in (spans, *inner.values()):
+                clean.difference_update(a for a, b in member.values() if _any_in(lone, a, b))
             if _WS.match(text, end).end() == len(text):
                 return doc, spans, inner
         except (ValueError, StopIteration):
@@ -953,29 +924,15 @@ def _canon_str(text: str) -> str:
     return out
 
 
-def _policy_str(text: str) -> str:
-    """A string in policy form: only '"', '\\' and C0 controls escaped."""
-    return _json_str(text)
-
-
 _json_str = json.encoder.encode_basestring   # ensure_ascii off: other characters stay raw
+_policy_str = _json_str                       # policy form: only '"', '\\' and C0 controls escaped
 
 
-_KEY_CACHE: dict[tuple[Callable, str], str] = {}
-KEY_CACHE_SIZE = 4096
-
-
-def _quote_key(quote: Callable[[str], str], key: str) -> str:
-    """Object keys repeat across documents and calls; their quoted forms are cached."""
-    found = _KEY_CACHE.get((quote, key))
-    if found is None:
-        if len(_KEY_CACHE) >= KEY_CACHE_SIZE:
-            _KEY_CACHE.clear()
-        found = _KEY_CACHE[(quote, key)] = quote(key)
-    return found
-
-
-def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
+def _encode(value: Any, out: list[str], quote: Callable[[str], str], own: bool = False) -> None:
+    """The JSON text of ``value`` appended to ``out``, its strings and keys written by
+    ``quote``. The canonical and policy forms sort keys and take parsed values alone; the
+    proxy's own encoding (``own``, dump_json) keeps members in the order given and also takes
+    tuples, ints and ``RawJSON`` fragments, so no fragment ever reaches a hashed form."""
     kind = type(value)
     if kind is str:
         out.append(quote(value))
@@ -984,32 +941,27 @@ def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
     elif kind is dict:
         out.append("{")
         # Python orders str by code point, which for scalar values is UTF-8 byte order.
-        for i, key in enumerate(sorted(value)):
-            item = value[key]
-            head = ("," if i else "") + _quote_key(quote, key) + ":"
-            if type(item) is str:          # scalars inline: most members are
-                out.append(head + quote(item))
-            elif type(item) is Num:
-                out.append(head + item.text)
-            else:
-                out.append(head)
-                _encode(item, out, quote)
+        for i, key in enumerate(value if own else sorted(value)):
+            out.append(("," if i else "") + quote(key) + ":")
+            _encode(value[key], out, quote, own)
         out.append("}")
-    elif kind is list:
+    elif kind is list or (own and kind is tuple):
         out.append("[")
         for i, item in enumerate(value):
-            if i:
-                out.append(",")
-            _encode(item, out, quote)
+            out.append("," if i else "")
+            _encode(item, out, quote, own)
         out.append("]")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif value is None:
-        out.append("null")
+    elif value is True or value is False or value is None:
+        out.append(_LITERALS[value])
+    elif own and kind is RawJSON:
+        out.append(_raw_text(value.data))
+    elif own and isinstance(value, int):
+        out.append(str(int(value)))
+    elif own and isinstance(value, str):
+        out.append(quote(str(value)))
     else:
-        raise TypeError(f"not a JSON value: {type(value).__name__}")
+        raise TypeError("floats are not written into records; use Num or int"
+                        if own and kind is float else f"not a JSON value: {kind.__name__}")
 
 
 def encode_canonical(value: Any) -> bytes:
@@ -1026,7 +978,7 @@ def canonical_json(raw: bytes) -> bytes:
 
 def policy_json(raw: bytes, strict: bool = True) -> bytes:
     """The canonical form without HTML escaping: what a policy is handed. Never hashed."""
-    return encode_policy(parse_json(raw) if strict else parse_json(raw, False))
+    return encode_policy(parse_json(raw, strict))
 
 
 def encode_policy(value: Any) -> bytes:
@@ -1044,10 +996,8 @@ def same_digest(a: Any, b: Any) -> bool:
     """Two hashes compared in constant time, as bytes: one of them is read from a file or a
     row that may have been edited, and compare_digest raises on a str that is not ASCII (or
     on anything that is not text), where a hash that does not match must simply not match."""
-    if not isinstance(a, str) or not isinstance(b, str):
-        return False
-    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"),
-                               b.encode("utf-8", "surrogatepass"))
+    return isinstance(a, str) and isinstance(b, str) and hmac.compare_digest(
+        a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
 
 
 def content_hash(raw: bytes) -> str:
@@ -1063,7 +1013,7 @@ def content_hash(raw: bytes) -> str:
         return sha256_hex(raw)
     lone = _lone_surrogates(text)
     try:
-        value = _Hooks().scan(_without_surrogates(text, lone) if lone else text, pos)[0]
+        value = _Hooks().scan(_without_surrogates(text) if lone else text, pos)[0]
     except (ValueError, StopIteration):
         return sha256_hex(raw)
     return sha256_hex(encode_canonical(value))
@@ -1107,7 +1057,7 @@ def dump_json(value: Any) -> str:
     """The proxy's own compact JSON text of a value built by this module (dicts keep their
     order; ``RawJSON`` fragments, already in this encoding, are embedded as they are)."""
     out: list[str] = []
-    _dump(value, out)
+    _encode(value, out, _wire_str, True)
     return "".join(out)
 
 
@@ -1123,45 +1073,6 @@ def _raw_text(data: bytes) -> str:
     if any(brk in data for brk in _LINE_BREAKS):
         return dump_json(parse_json(data, strict=False, max_depth=RECORD_DEPTH, bounds=False))
     return data.decode("utf-8")
-
-
-def _dump(value: Any, out: list[str]) -> None:
-    kind = type(value)
-    if kind is str:
-        out.append(_wire_str(value))
-    elif kind is Num:
-        out.append(value.text)
-    elif kind is RawJSON:
-        out.append(_raw_text(value.data))
-    elif kind is dict:
-        out.append("{")
-        for i, (key, item) in enumerate(value.items()):
-            out.append(("," if i else "") + _wire_str(key) + ":")
-            _dump(item, out)
-        out.append("}")
-    elif kind is list or kind is tuple:
-        out.append("[")
-        for i, item in enumerate(value):
-            if i:
-                out.append(",")
-            _dump(item, out)
-        out.append("]")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif value is None:
-        out.append("null")
-    elif kind is int:
-        out.append(str(value))
-    elif kind is float:
-        raise TypeError("floats are not written into records; use Num or int")
-    elif isinstance(value, str):
-        out.append(_wire_str(str(value)))
-    elif isinstance(value, int):
-        out.append(str(int(value)))
-    else:
-        raise TypeError(f"not a JSON value: {type(value).__name__}")
 
 
 def to_plain(value: Any) -> Any:
@@ -1185,8 +1096,6 @@ def to_plain(value: Any) -> Any:
 def read_own(text: str | bytes) -> Any:
     """Parse a record this module wrote, number literals kept, with the allowance for the
     levels a record adds around the data it holds."""
-    if isinstance(text, str):
-        text = text.encode("utf-8")
     return parse_json(text, strict=False, max_depth=RECORD_DEPTH, bounds=False)
 
 
@@ -2491,26 +2400,20 @@ class ToolSpec:
     terminal: bool = False
 
     def as_value(self) -> dict:
-        doc = {"name": self.name, "description": self.description,
-               "input_schema": parse_json(self.input_schema, strict=False),
-               "side_effect": self.side_effect,
-               "timeout": Num(str(round(self.timeout * NANOS)))}      # integer nanoseconds
-        if self.terminal:
-            doc["terminal"] = True
-        return doc
+        return {"name": self.name, "description": self.description,
+                "input_schema": parse_json(self.input_schema, strict=False),
+                "side_effect": self.side_effect,
+                "timeout": Num(str(round(self.timeout * NANOS))),     # integer nanoseconds
+                **({"terminal": True} if self.terminal else {})}
 
     def canonical(self) -> bytes:
         """Its canonical JSON, worked out once per spec: every run and step names it."""
-        return self._forms()[0]
+        return _kept(_SPEC_FORMS, self, lambda: encode_canonical(self.as_value()),
+                     SPEC_CACHE_SIZE)
 
     def hash(self) -> str:
-        return self._forms()[1]
-
-    def _forms(self) -> tuple[bytes, str]:
-        def forms() -> tuple[bytes, str]:
-            canon = encode_canonical(self.as_value())
-            return canon, sha256_hex(canon)
-        return _kept(_SPEC_FORMS, self, forms, SPEC_CACHE_SIZE)
+        """The hash of its canonical JSON, worked out once per spec too."""
+        return _kept(_SPEC_HASHES, self, lambda: sha256_hex(self.canonical()), SPEC_CACHE_SIZE)
 
     def policy_form(self) -> "ToolSpec":
         """The spec as a policy is handed it, its input schema in policy form (policy_json),
@@ -2526,7 +2429,8 @@ class ToolSpec:
                    doc.get("terminal", False))
 
 
-_SPEC_FORMS: dict[ToolSpec, tuple[bytes, str]] = {}
+_SPEC_FORMS: dict[ToolSpec, bytes] = {}
+_SPEC_HASHES: dict[ToolSpec, str] = {}
 _SPEC_POLICY_FORMS: dict[ToolSpec, ToolSpec] = {}
 
 
@@ -2600,9 +2504,7 @@ class Limits:
     def record(self) -> str:
         """Its record, written once per limits (every run of a proxy records the same)."""
         return _kept(_LIMITS_WRITTEN, self, lambda: dump_json({
-            "max_steps": self.max_steps,
-            "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
-            "loop_threshold": self.loop_threshold, "approval_ttl": fmt_duration(self.approval_ttl),
+            **dataclasses.asdict(self), "approval_ttl": fmt_duration(self.approval_ttl),
             "grant_ttl": fmt_duration(self.grant_ttl)}), LIMITS_CACHE_SIZE)
 
     @classmethod

@@ -8234,10 +8234,8 @@ class Condition:
         return f"when[{self.index}]"
 
     def written(self) -> dict:
-        doc: dict[str, Any] = {"if": RawJSON(self.schema_json), "outcome": self.outcome}
-        if self.why:
-            doc["why"] = self.why
-        return doc
+        why = {"why": self.why} if self.why else {}
+        return {"if": RawJSON(self.schema_json), "outcome": self.outcome, **why}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -8270,14 +8268,10 @@ class Limit:
         return dump_json(where + [what])
 
     def written(self) -> dict:
-        doc: dict[str, Any] = {"per": fmt_duration(self.per), "over": self.over}
-        if self.name:
-            doc["name"] = self.name
-        if self.calls:
-            doc["calls"] = Num(str(self.calls))
-        else:
-            doc.update({"sum": self.pointer, "max": fmt_units(self.max_units)})
-        return doc
+        named = {"name": self.name} if self.name else {}
+        most = {"calls": Num(str(self.calls))} if self.calls else \
+            {"sum": self.pointer, "max": fmt_units(self.max_units)}
+        return {"per": fmt_duration(self.per), "over": self.over, **named, **most}
 
     def what(self) -> str:
         return "calls" if self.calls else f"sum of {self.pointer}"
@@ -8381,10 +8375,7 @@ def _check_typed(schema: Schema, at: str) -> None:
             continue
         named = node.get("type", [])
         given = set(named if isinstance(named, list) else [named])
-        for key in node:
-            kind = _KEYWORD_TYPE.get(key)
-            if kind is None:
-                continue
+        for key, kind in [(key, _KEYWORD_TYPE[key]) for key in node if key in _KEYWORD_TYPE]:
             uses = (f"{at}: the schema at {shown} uses {_quote(key)}, which constrains "
                     f"only {kind}s")
             if not given:
@@ -8466,9 +8457,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
     seen: dict[str, tuple[str, bytes]] = {}
     for server in servers:
         for tool, rule in server.rules:
-            for limit in rule.limits:
-                if not limit.name:
-                    continue
+            for limit in [limit for limit in rule.limits if limit.name]:
                 where = f"server {_quote(server.name)}: tool {_quote(tool)}: limits[{limit.index}]"
                 spelled = encode_canonical(limit.written())
                 first = seen.setdefault(limit.name, (where, spelled))
@@ -8495,10 +8484,9 @@ class LimitUse:
 
     def figures(self, tool: str) -> str:
         lim = self.limit
-        unit = " calls" if lim.calls else ""
         return (f"{lim.label} of {tool}: {lim.shown(self.used)} of {lim.shown(lim.most())}"
-                f"{unit} in the last {fmt_duration(lim.per)}; this call adds "
-                f"{lim.shown(self.adds)}")
+                f"{' calls' if lim.calls else ''} in the last {fmt_duration(lim.per)}; this "
+                f"call adds {lim.shown(self.adds)}")
 
 
 @dataclasses.dataclass(repr=False)
@@ -8588,8 +8576,6 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     if refused:                      # refused unsent at the call: denied before it counts
         return Judgement("deny", refused, [], [])
     value = _with_fixed(tool, given)
-    asked: list[str] = []
-    figures: list[str] = []
     cond = first_condition(tool, value, args, seen) if rule.when else None
     if isinstance(cond, str):
         return Judgement("deny", f"{cond} of {name} could not be evaluated within "
@@ -8597,9 +8583,8 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     if cond is not None:
         outcome = cond.outcome
         reason = f"{cond.label} of {name}" + (f": {cond.why}" if cond.why else " matched")
-        if outcome == "require_approval":
-            asked.append(cond.label)
-            figures.append(reason)
+    asks = cond is not None and outcome == "require_approval"
+    asked, figures = ([cond.label], [reason]) if asks else ([], [])
     if outcome == "deny" or use_of is None:
         by = cond.label if cond is not None and outcome == "deny" else ""
         return Judgement(outcome, reason, asked, figures, by)
@@ -8617,8 +8602,7 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
         if limit.over == "deny":
             shown = f"{use.figures(name)}, over its max of {limit.shown(limit.most())} " \
                 f"({limit.what()})"
-            return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref,
-                             shown)
+            return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref, shown)
         if outcome == "allow":
             outcome, base = "require_approval", ""
         asked.append(limit.ref)
@@ -8626,13 +8610,6 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     if outcome == "require_approval" and figures:
         reason = "; ".join(([base] if base else []) + figures)
     return Judgement(outcome, reason, asked, figures)
-
-
-def _granted(request: ToolRequest, view: RunView) -> "Approval | None":
-    """The step's latest approval when it is approved (the request's step is being
-    collected); None otherwise."""
-    mine = [a for a in view.approvals if a.step_id == request.step_id]
-    return mine[-1] if mine and mine[-1].status == APPROVED else None
 
 
 def _room(tool: "UpstreamTool", value: Any,
@@ -8676,8 +8653,9 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
     call, the grant's own capability and presentation are the decision, so the gate finds it
     (the presentation's figures were the window's when it asked). A new reason to ask, such
     as a limit crossed since, asks again."""
-    grant = _granted(request, view)
-    if grant is None or grant.kind != fresh.kind:
+    mine = [a for a in view.approvals if a.step_id == request.step_id]   # being collected
+    grant = mine[-1] if mine else None
+    if grant is None or grant.status != APPROVED or grant.kind != fresh.kind:
         return fresh
     try:
         had, now = read_own(grant.capability), read_own(fresh.capability)
@@ -8685,7 +8663,7 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
         return fresh
     if not isinstance(had, dict) or not isinstance(now, dict):
         return fresh
-    had_asked, now_asked = asked_by(grant.capability), now.pop("asked_by", [])
+    had_asked, now_asked = _strings(had, "asked_by"), now.pop("asked_by", [])
     had.pop("asked_by", None)
     if encode_canonical(had) != encode_canonical(now) or not set(now_asked) <= set(had_asked):
         return fresh
@@ -8825,12 +8803,12 @@ class Budgets:
     def _catch_up(self, key: str, limit: Limit, tools: dict, since: str) -> None:
         mark_sql = "SELECT seq, n FROM proxy_limit_marks WHERE key=?"
         mark = tuple(next(iter(self.store._read(mark_sql, (key,))), (0, 0)))
-        top = self.store._read("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
+        top = self.store._read("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0]
         ran = _executions(self.store._read, tools, limit, mark[0], top, since)
         with self.store.tx() as tx:
             if tuple(next(iter(tx.rows(mark_sql, (key,))), (0, 0))) != mark:
                 return                       # another proxy caught it up meanwhile
-            now_top = tx.rows("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
+            now_top = tx.rows("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0]
             ran += _executions(tx.rows, tools, limit, top, now_top, since)
             # An attempt the operator said did not execute is neither an execution to count
             # nor a row that counted one (uncount_attempt zeroed it): read here, under the
@@ -9291,8 +9269,7 @@ def record_outcome(tx: Tx, approval: Approval, attempt: dict | None, outcome: st
     to have executed stops counting toward limits in the same transaction."""
     named = {k: str((attempt or {}).get(k, "")) for k in ("run_id", "step_id", "started_at")}
     seq = tx.event(approval.run_id, approval.step_id, at, OUTCOME_EVENT,
-                   {"approval_id": approval.id, "attempt": named, "by": by,
-                    "outcome": outcome})
+                   {"approval_id": approval.id, "attempt": named, "by": by, "outcome": outcome})
     tx.exec("INSERT INTO proxy_operator_outcomes VALUES (?,?,?,?,?,?,?,?,?)",
             (approval.id, approval.run_id, named["run_id"], named["step_id"],
              named["started_at"], outcome, by, parse_time(at), seq))
@@ -9475,13 +9452,12 @@ class CallIndex:
             # A key has at most one open row (the unique index proxy_calls_open): ``prev``
             # still open is still the open row; with no ``prev``, an open row inserted by
             # another call meanwhile makes the insert a no-op. Either way nothing is written.
-            if prev is not None and tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE "
-                                            "id=? AND open=1", (now, prev.id)).rowcount != 1:
-                raise IndexRace("proxy: the request's index row changed")
-            if tx.exec("INSERT INTO proxy_calls (session, request_key, tool, side_effect, "
-                       "run_id, created_at) VALUES (?,?,?,?,?,?) ON CONFLICT (session, "
-                       "request_key) WHERE open=1 DO NOTHING",
-                       (self.session, key, tool, cls, run_id, now)).rowcount != 1:
+            closed = prev is None or tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE "
+                                             "id=? AND open=1", (now, prev.id)).rowcount == 1
+            if not closed or tx.exec("INSERT INTO proxy_calls (session, request_key, tool, "
+                                     "side_effect, run_id, created_at) VALUES (?,?,?,?,?,?) ON "
+                                     "CONFLICT (session, request_key) WHERE open=1 DO NOTHING",
+                                     (self.session, key, tool, cls, run_id, now)).rowcount != 1:
                 raise IndexRace("proxy: the request's index row changed")
 
     def settle(self, row: CallRow, outcome: int, now: float) -> None:

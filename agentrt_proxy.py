@@ -8612,6 +8612,13 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     return Judgement(outcome, reason, asked, figures)
 
 
+def _granted(request: ToolRequest, view: RunView) -> "Approval | None":
+    """The step's latest approval when it is approved (the request's step is being
+    collected); None otherwise."""
+    mine = [a for a in view.approvals if a.step_id == request.step_id]
+    return mine[-1] if mine and mine[-1].status == APPROVED else None
+
+
 def _room(tool: "UpstreamTool", value: Any,
           frees: "Callable[[str, Limit, int], float | None] | None") -> str:
     """When the windows have room for a call a deny limit refuses, as the model reads it:
@@ -8653,9 +8660,8 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
     call, the grant's own capability and presentation are the decision, so the gate finds it
     (the presentation's figures were the window's when it asked). A new reason to ask, such
     as a limit crossed since, asks again."""
-    mine = [a for a in view.approvals if a.step_id == request.step_id]   # being collected
-    grant = mine[-1] if mine else None
-    if grant is None or grant.status != APPROVED or grant.kind != fresh.kind:
+    grant = _granted(request, view)
+    if grant is None or grant.kind != fresh.kind:
         return fresh
     try:
         had, now = read_own(grant.capability), read_own(fresh.capability)
@@ -9052,14 +9058,11 @@ def limits_shown(tool: "UpstreamTool", args: bytes) -> dict:
     if not tool.rule.limits:
         return {}
     value = server_value(tool, args)
-    out = []
-    for limit in tool.rule.limits:
-        adds, problem = counted_value(limit, value)
-        if problem:                  # judge denies such a call: it never asks
-            continue
-        out.append({"key": limit.key(tool.server, tool.remote), "index": limit.index,
-                    "limit": limit.written(), "adds": str(adds)})
-    return {"limits": out}
+    counted = [(limit, *counted_value(limit, value)) for limit in tool.rule.limits]
+    return {"limits": [{"key": limit.key(tool.server, tool.remote), "index": limit.index,
+                        "limit": limit.written(), "adds": str(adds)}
+                       for limit, adds, problem in counted
+                       if not problem]}         # judge denies such a call: it never asks
 
 
 def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
@@ -9110,12 +9113,9 @@ def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
     lim = use.limit
     deny = use.over and lim.over == "deny"
     again = use.over and not deny and lim.ref not in asked
-    text = use.figures(tool)
-    if deny:
-        text += ": over its max, so collecting it will be DENIED unless room frees first"
-    elif again:
-        text += (": over its max, so collecting it will ask an operator again unless room "
-                 "frees first")
+    then = "be DENIED" if deny else "ask an operator again" if again else ""
+    text = use.figures(tool) + (f": over its max, so collecting it will {then} unless room "
+                                "frees first" if then else "")
     return {"limit": sanitize(lim.ref), "what": sanitize(lim.what()),
             "used": lim.shown(use.used), "max": lim.shown(lim.most()),
             "adds": lim.shown(use.adds), "per": fmt_duration(lim.per), "over": lim.over,

@@ -8474,7 +8474,6 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
 class LimitUse:
     """One limit as one call finds it: its use in the window, and what the call adds."""
     limit: Limit
-    key: str
     used: int
     adds: int
 
@@ -8547,8 +8546,7 @@ def first_condition(tool: "UpstreamTool", value: Any, args: bytes,
     evaluated twice (its rules, then its policy) pays once."""
     if seen is not None and seen.get("tool") is tool and seen.get("args") == args:
         return seen["found"]
-    found: Condition | str | None = None
-    budget = MAX_SCHEMA_EVALUATIONS
+    found, budget = None, MAX_SCHEMA_EVALUATIONS    # found: a Condition, or a label
     for cond in tool.rule.when:
         try:
             hit, budget = cond.schema.test(value, budget)
@@ -8592,11 +8590,9 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     for limit in rule.limits:
         adds, problem = counted_value(limit, value)
         if problem:
-            return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
-                             f"{problem}; the value must be a number of at least 0", [], [],
-                             limit.ref)
-        key = limit.key(tool.server, tool.remote)
-        use = LimitUse(limit, key, use_of(key, limit), adds)
+            return Judgement("deny", f"{limit.label} of {name} cannot count this call: {problem}; "
+                             "the value must be a number of at least 0", [], [], limit.ref)
+        use = LimitUse(limit, use_of(limit.key(tool.server, tool.remote), limit), adds)
         if not use.over:
             continue
         if limit.over == "deny":
@@ -9105,7 +9101,7 @@ def _recorded_use(entry: Any, read: Query, now: float) -> LimitUse | None:
     except ConfigError:
         return None
     limit = dataclasses.replace(limit, index=int(index.text))
-    return LimitUse(limit, key, _use(read, key, limit, now)[1], min(int(adds), _CAP))
+    return LimitUse(limit, _use(read, key, limit, now)[1], min(int(adds), _CAP))
 
 
 def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
@@ -9283,8 +9279,7 @@ def outcomes_of_run(store: Store, run_id: str) -> dict[str, dict]:
     """The words recorded on the rejections of a run's interruption approvals, by approval
     id."""
     rows = _proxy_rows(store, "SELECT approval_id, outcome, decided_by, attempt_run_id, "
-                              "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?",
-                       (run_id,))
+                       "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?", (run_id,))
     return {a: {"outcome": o, "by": b, "run_id": r, "step_id": s} for a, o, b, r, s in rows}
 
 
@@ -9343,16 +9338,14 @@ class CallIndex:
         with self.store.tx() as tx:
             tx.exec("CREATE TABLE IF NOT EXISTS proxy_schema_migrations "
                     "(version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
-            have = tx.exec("SELECT COALESCE(MAX(version),0) FROM proxy_schema_migrations"
-                           ).fetchone()[0]
+            have = tx.rows("SELECT COALESCE(MAX(version),0) FROM proxy_schema_migrations")[0][0]
             if have > PROXY_SCHEMA_VERSION:
                 raise SchemaVersionError(
                     f"the call index in {self.store.path} has version {have}, newer than "
                     f"version {PROXY_SCHEMA_VERSION} this build knows; a newer proxy wrote it")
         for version in range(have + 1, PROXY_SCHEMA_VERSION + 1):
             with self.store.tx() as tx:
-                if tx.exec("SELECT 1 FROM proxy_schema_migrations WHERE version=?",
-                           (version,)).fetchone():
+                if tx.rows("SELECT 1 FROM proxy_schema_migrations WHERE version=?", (version,)):
                     continue                 # another process migrated it meanwhile
                 for sql in _INDEX_MIGRATIONS[version]:
                     tx.exec(sql)
@@ -9415,9 +9408,8 @@ class CallIndex:
         caller stops at the first it can judge, which is almost always the first."""
         before = MAX_ROW_ID
         while True:
-            page = self._rows("session=? AND request_key=? AND outcome!=? AND id<? "
-                              "ORDER BY id DESC LIMIT ?", (self.session, key, NO_ATTEMPT,
-                                                          before, RULE_ROWS))
+            page = self._rows("session=? AND request_key=? AND outcome!=? AND id<? ORDER BY id "
+                              "DESC LIMIT ?", (self.session, key, NO_ATTEMPT, before, RULE_ROWS))
             yield from page
             if len(page) < RULE_ROWS:
                 return
@@ -9484,14 +9476,12 @@ class CallIndex:
 
     def settle_empty(self, row: CallRow, now: float) -> None:
         """A row whose run never began: nothing started (checked in the same statement)."""
-        self._write("settled_at=?, outcome=? WHERE id=? AND settled_at=0 AND NOT EXISTS "
-                    "(SELECT 1 FROM runs WHERE runs.id=proxy_calls.run_id)",
-                    (now, NO_ATTEMPT, row.id))
+        self._write("settled_at=?, outcome=? WHERE id=? AND settled_at=0 AND NOT EXISTS (SELECT "
+                    "1 FROM runs WHERE runs.id=proxy_calls.run_id)", (now, NO_ATTEMPT, row.id))
 
     def unsettle(self, run_id: str) -> None:
         """A run began under a row a scan had settled as empty: it is unseen again."""
-        self._write("settled_at=0, outcome=? WHERE run_id=? AND settled_at!=0",
-                    (UNSEEN, run_id))
+        self._write("settled_at=0, outcome=? WHERE run_id=? AND settled_at!=0", (UNSEEN, run_id))
 
 
 @dataclasses.dataclass(repr=False)

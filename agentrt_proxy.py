@@ -8362,9 +8362,8 @@ def _check_typed(schema: Schema, at: str) -> None:
     match a value it does not check. Every subschema the validator compiled is looked at.
     The root is exempt, as it checks the arguments, always an object; not when a $ref names
     it, since it then checks a nested value too."""
-    for where, node in schema.located():
-        if not isinstance(node, dict):
-            continue
+    for where, node in [(where, node) for where, node in schema.located()
+                        if isinstance(node, dict)]:
         shown = "#" + _pointer(where)
         if "format" in node:
             raise ConfigError(f'{at}: the schema at {shown} uses "format", which constrains '
@@ -8901,10 +8900,9 @@ def _executions(read: Query, tools: dict, limit: Limit, after: int,
         try:
             doc = read_own(payload)          # one read: the arguments as recorded
             tool = tools.get(doc.get("tool"))
-            if tool is None:
-                continue
-            out.append((parse_time(at), run_id, step_id,
-                        counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
+            if tool is not None:
+                out.append((parse_time(at), run_id, step_id,
+                            counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
         except (ProxyError, AttributeError, ValueError):
             continue                 # an edited row: the chain's verify reports it
     return out
@@ -9069,8 +9067,8 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     sanitised; an entry that does not read as limits_shown writes it is left out. An approval
     that no call can collect any more (decided otherwise, expired, its run no longer
     waiting) has nothing to weigh: none."""
-    rows = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
-    if approval.status not in (PENDING, APPROVED) or not rows or rows[0][0] != WAITING:
+    run = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
+    if approval.status not in (PENDING, APPROVED) or run != [(WAITING,)]:
         return []
     try:
         pres = read_own(approval.presentation)

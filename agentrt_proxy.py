@@ -9406,8 +9406,9 @@ class CallIndex:
         caller stops at the first it can judge, which is almost always the first."""
         before = MAX_ROW_ID
         while True:
-            page = self._rows("session=? AND request_key=? AND outcome!=? AND id<? ORDER BY id "
-                              "DESC LIMIT ?", (self.session, key, NO_ATTEMPT, before, RULE_ROWS))
+            page = self._rows("session=? AND request_key=? AND outcome!=? AND id<? "
+                              "ORDER BY id DESC LIMIT ?", (self.session, key, NO_ATTEMPT,
+                                                          before, RULE_ROWS))
             yield from page
             if len(page) < RULE_ROWS:
                 return

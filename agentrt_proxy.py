@@ -8083,10 +8083,8 @@ class Condition:
         return f"when[{self.index}]"
 
     def written(self) -> dict:
-        doc: dict[str, Any] = {"if": RawJSON(self.schema_json), "outcome": self.outcome}
-        if self.why:
-            doc["why"] = self.why
-        return doc
+        why = {"why": self.why} if self.why else {}
+        return {"if": RawJSON(self.schema_json), "outcome": self.outcome, **why}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -8119,14 +8117,10 @@ class Limit:
         return dump_json(where + [what])
 
     def written(self) -> dict:
-        doc: dict[str, Any] = {"per": fmt_duration(self.per), "over": self.over}
-        if self.name:
-            doc["name"] = self.name
-        if self.calls:
-            doc["calls"] = Num(str(self.calls))
-        else:
-            doc.update({"sum": self.pointer, "max": fmt_units(self.max_units)})
-        return doc
+        named = {"name": self.name} if self.name else {}
+        most = {"calls": Num(str(self.calls))} if self.calls else \
+            {"sum": self.pointer, "max": fmt_units(self.max_units)}
+        return {"per": fmt_duration(self.per), "over": self.over, **named, **most}
 
     def what(self) -> str:
         return "calls" if self.calls else f"sum of {self.pointer}"
@@ -8217,9 +8211,8 @@ def _check_typed(schema: Schema, at: str) -> None:
     match a value it does not check. Every subschema the validator compiled is looked at.
     The root is exempt, as it checks the arguments, always an object; not when a $ref names
     it, since it then checks a nested value too."""
-    for where, node in schema.located():
-        if not isinstance(node, dict):
-            continue
+    for where, node in [(where, node) for where, node in schema.located()
+                        if isinstance(node, dict)]:
         shown = "#" + _pointer(where)
         if "format" in node:
             raise ConfigError(f'{at}: the schema at {shown} uses "format", which constrains '
@@ -8230,10 +8223,7 @@ def _check_typed(schema: Schema, at: str) -> None:
             continue
         named = node.get("type", [])
         given = set(named if isinstance(named, list) else [named])
-        for key in node:
-            kind = _KEYWORD_TYPE.get(key)
-            if kind is None:
-                continue
+        for key, kind in [(key, _KEYWORD_TYPE[key]) for key in node if key in _KEYWORD_TYPE]:
             uses = (f"{at}: the schema at {shown} uses {_quote(key)}, which constrains "
                     f"only {kind}s")
             if not given:
@@ -8315,9 +8305,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
     seen: dict[str, tuple[str, bytes]] = {}
     for server in servers:
         for tool, rule in server.rules:
-            for limit in rule.limits:
-                if not limit.name:
-                    continue
+            for limit in [limit for limit in rule.limits if limit.name]:
                 where = f"server {_quote(server.name)}: tool {_quote(tool)}: limits[{limit.index}]"
                 spelled = encode_canonical(limit.written())
                 first = seen.setdefault(limit.name, (where, spelled))
@@ -8334,7 +8322,6 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
 class LimitUse:
     """One limit as one call finds it: its use in the window, and what the call adds."""
     limit: Limit
-    key: str
     used: int
     adds: int
 
@@ -8344,10 +8331,9 @@ class LimitUse:
 
     def figures(self, tool: str) -> str:
         lim = self.limit
-        unit = " calls" if lim.calls else ""
         return (f"{lim.label} of {tool}: {lim.shown(self.used)} of {lim.shown(lim.most())}"
-                f"{unit} in the last {fmt_duration(lim.per)}; this call adds "
-                f"{lim.shown(self.adds)}")
+                f"{' calls' if lim.calls else ''} in the last {fmt_duration(lim.per)}; this "
+                f"call adds {lim.shown(self.adds)}")
 
 
 @dataclasses.dataclass(repr=False)
@@ -8408,8 +8394,7 @@ def first_condition(tool: "UpstreamTool", value: Any, args: bytes,
     evaluated twice (its rules, then its policy) pays once."""
     if seen is not None and seen.get("tool") is tool and seen.get("args") == args:
         return seen["found"]
-    found: Condition | str | None = None
-    budget = MAX_SCHEMA_EVALUATIONS
+    found, budget = None, MAX_SCHEMA_EVALUATIONS    # found: a Condition, or a label
     for cond in tool.rule.when:
         try:
             hit, budget = cond.schema.test(value, budget)
@@ -8437,8 +8422,6 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     if refused:                      # refused unsent at the call: denied before it counts
         return Judgement("deny", refused, [], [])
     value = _with_fixed(tool, given)
-    asked: list[str] = []
-    figures: list[str] = []
     cond = first_condition(tool, value, args, seen) if rule.when else None
     if isinstance(cond, str):
         return Judgement("deny", f"{cond} of {name} could not be evaluated within "
@@ -8446,9 +8429,8 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     if cond is not None:
         outcome = cond.outcome
         reason = f"{cond.label} of {name}" + (f": {cond.why}" if cond.why else " matched")
-        if outcome == "require_approval":
-            asked.append(cond.label)
-            figures.append(reason)
+    asks = cond is not None and outcome == "require_approval"
+    asked, figures = ([cond.label], [reason]) if asks else ([], [])
     if outcome == "deny" or use_of is None:
         by = cond.label if cond is not None and outcome == "deny" else ""
         return Judgement(outcome, reason, asked, figures, by)
@@ -8456,18 +8438,15 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     for limit in rule.limits:
         adds, problem = counted_value(limit, value)
         if problem:
-            return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
-                             f"{problem}; the value must be a number of at least 0", [], [],
-                             limit.ref)
-        key = limit.key(tool.server, tool.remote)
-        use = LimitUse(limit, key, use_of(key, limit), adds)
+            return Judgement("deny", f"{limit.label} of {name} cannot count this call: {problem}; "
+                             "the value must be a number of at least 0", [], [], limit.ref)
+        use = LimitUse(limit, use_of(limit.key(tool.server, tool.remote), limit), adds)
         if not use.over:
             continue
         if limit.over == "deny":
             shown = f"{use.figures(name)}, over its max of {limit.shown(limit.most())} " \
                 f"({limit.what()})"
-            return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref,
-                             shown)
+            return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref, shown)
         if outcome == "allow":
             outcome, base = "require_approval", ""
         asked.append(limit.ref)
@@ -8534,7 +8513,7 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
         return fresh
     if not isinstance(had, dict) or not isinstance(now, dict):
         return fresh
-    had_asked, now_asked = asked_by(grant.capability), now.pop("asked_by", [])
+    had_asked, now_asked = _strings(had, "asked_by"), now.pop("asked_by", [])
     had.pop("asked_by", None)
     if encode_canonical(had) != encode_canonical(now) or not set(now_asked) <= set(had_asked):
         return fresh
@@ -8674,12 +8653,12 @@ class Budgets:
     def _catch_up(self, key: str, limit: Limit, tools: dict, since: str) -> None:
         mark_sql = "SELECT seq, n FROM proxy_limit_marks WHERE key=?"
         mark = tuple(next(iter(self.store._read(mark_sql, (key,))), (0, 0)))
-        top = self.store._read("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
+        top = self.store._read("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0]
         ran = _executions(self.store._read, tools, limit, mark[0], top, since)
         with self.store.tx() as tx:
             if tuple(next(iter(tx.rows(mark_sql, (key,))), (0, 0))) != mark:
                 return                       # another proxy caught it up meanwhile
-            now_top = tx.rows("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
+            now_top = tx.rows("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0]
             ran += _executions(tx.rows, tools, limit, top, now_top, since)
             # An attempt the operator said did not execute is neither an execution to count
             # nor a row that counted one (uncount_attempt zeroed it): read here, under the
@@ -8770,10 +8749,9 @@ def _executions(read: Query, tools: dict, limit: Limit, after: int,
         try:
             doc = read_own(payload)          # one read: the arguments as recorded
             tool = tools.get(doc.get("tool"))
-            if tool is None:
-                continue
-            out.append((parse_time(at), run_id, step_id,
-                        counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
+            if tool is not None:
+                out.append((parse_time(at), run_id, step_id,
+                            counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
         except (ProxyError, AttributeError, ValueError):
             continue                 # an edited row: the chain's verify reports it
     return out
@@ -8923,14 +8901,11 @@ def limits_shown(tool: "UpstreamTool", args: bytes) -> dict:
     if not tool.rule.limits:
         return {}
     value = server_value(tool, args)
-    out = []
-    for limit in tool.rule.limits:
-        adds, problem = counted_value(limit, value)
-        if problem:                  # judge denies such a call: it never asks
-            continue
-        out.append({"key": limit.key(tool.server, tool.remote), "index": limit.index,
-                    "limit": limit.written(), "adds": str(adds)})
-    return {"limits": out}
+    counted = [(limit, *counted_value(limit, value)) for limit in tool.rule.limits]
+    return {"limits": [{"key": limit.key(tool.server, tool.remote), "index": limit.index,
+                        "limit": limit.written(), "adds": str(adds)}
+                       for limit, adds, problem in counted
+                       if not problem]}         # judge denies such a call: it never asks
 
 
 def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
@@ -8941,8 +8916,8 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     sanitised; an entry that does not read as limits_shown writes it is left out. An approval
     that no call can collect any more (decided otherwise, expired, its run no longer
     waiting) has nothing to weigh: none."""
-    rows = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
-    if approval.status not in (PENDING, APPROVED) or not rows or rows[0][0] != WAITING:
+    run = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
+    if approval.status not in (PENDING, APPROVED) or run != [(WAITING,)]:
         return []
     try:
         pres = read_own(approval.presentation)
@@ -8973,7 +8948,7 @@ def _recorded_use(entry: Any, read: Query, now: float) -> LimitUse | None:
     except ConfigError:
         return None
     limit = dataclasses.replace(limit, index=int(index.text))
-    return LimitUse(limit, key, _use(read, key, limit, now)[1], min(int(adds), _CAP))
+    return LimitUse(limit, _use(read, key, limit, now)[1], min(int(adds), _CAP))
 
 
 def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
@@ -8981,12 +8956,9 @@ def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
     lim = use.limit
     deny = use.over and lim.over == "deny"
     again = use.over and not deny and lim.ref not in asked
-    text = use.figures(tool)
-    if deny:
-        text += ": over its max, so collecting it will be DENIED unless room frees first"
-    elif again:
-        text += (": over its max, so collecting it will ask an operator again unless room "
-                 "frees first")
+    then = "be DENIED" if deny else "ask an operator again" if again else ""
+    text = use.figures(tool) + (f": over its max, so collecting it will {then} unless room "
+                                "frees first" if then else "")
     return {"limit": sanitize(lim.ref), "what": sanitize(lim.what()),
             "used": lim.shown(use.used), "max": lim.shown(lim.most()),
             "adds": lim.shown(use.adds), "per": fmt_duration(lim.per), "over": lim.over,
@@ -9140,8 +9112,7 @@ def record_outcome(tx: Tx, approval: Approval, attempt: dict | None, outcome: st
     to have executed stops counting toward limits in the same transaction."""
     named = {k: str((attempt or {}).get(k, "")) for k in ("run_id", "step_id", "started_at")}
     seq = tx.event(approval.run_id, approval.step_id, at, OUTCOME_EVENT,
-                   {"approval_id": approval.id, "attempt": named, "by": by,
-                    "outcome": outcome})
+                   {"approval_id": approval.id, "attempt": named, "by": by, "outcome": outcome})
     tx.exec("INSERT INTO proxy_operator_outcomes VALUES (?,?,?,?,?,?,?,?,?)",
             (approval.id, approval.run_id, named["run_id"], named["step_id"],
              named["started_at"], outcome, by, parse_time(at), seq))
@@ -9155,8 +9126,7 @@ def outcomes_of_run(store: Store, run_id: str) -> dict[str, dict]:
     """The words recorded on the rejections of a run's interruption approvals, by approval
     id."""
     rows = _proxy_rows(store, "SELECT approval_id, outcome, decided_by, attempt_run_id, "
-                              "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?",
-                       (run_id,))
+                       "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?", (run_id,))
     return {a: {"outcome": o, "by": b, "run_id": r, "step_id": s} for a, o, b, r, s in rows}
 
 
@@ -9215,16 +9185,14 @@ class CallIndex:
         with self.store.tx() as tx:
             tx.exec("CREATE TABLE IF NOT EXISTS proxy_schema_migrations "
                     "(version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
-            have = tx.exec("SELECT COALESCE(MAX(version),0) FROM proxy_schema_migrations"
-                           ).fetchone()[0]
+            have = tx.rows("SELECT COALESCE(MAX(version),0) FROM proxy_schema_migrations")[0][0]
             if have > PROXY_SCHEMA_VERSION:
                 raise SchemaVersionError(
                     f"the call index in {self.store.path} has version {have}, newer than "
                     f"version {PROXY_SCHEMA_VERSION} this build knows; a newer proxy wrote it")
         for version in range(have + 1, PROXY_SCHEMA_VERSION + 1):
             with self.store.tx() as tx:
-                if tx.exec("SELECT 1 FROM proxy_schema_migrations WHERE version=?",
-                           (version,)).fetchone():
+                if tx.rows("SELECT 1 FROM proxy_schema_migrations WHERE version=?", (version,)):
                     continue                 # another process migrated it meanwhile
                 for sql in _INDEX_MIGRATIONS[version]:
                     tx.exec(sql)
@@ -9324,13 +9292,12 @@ class CallIndex:
             # A key has at most one open row (the unique index proxy_calls_open): ``prev``
             # still open is still the open row; with no ``prev``, an open row inserted by
             # another call meanwhile makes the insert a no-op. Either way nothing is written.
-            if prev is not None and tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE "
-                                            "id=? AND open=1", (now, prev.id)).rowcount != 1:
-                raise IndexRace("proxy: the request's index row changed")
-            if tx.exec("INSERT INTO proxy_calls (session, request_key, tool, side_effect, "
-                       "run_id, created_at) VALUES (?,?,?,?,?,?) ON CONFLICT (session, "
-                       "request_key) WHERE open=1 DO NOTHING",
-                       (self.session, key, tool, cls, run_id, now)).rowcount != 1:
+            closed = prev is None or tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE "
+                                             "id=? AND open=1", (now, prev.id)).rowcount == 1
+            if not closed or tx.exec("INSERT INTO proxy_calls (session, request_key, tool, "
+                                     "side_effect, run_id, created_at) VALUES (?,?,?,?,?,?) ON "
+                                     "CONFLICT (session, request_key) WHERE open=1 DO NOTHING",
+                                     (self.session, key, tool, cls, run_id, now)).rowcount != 1:
                 raise IndexRace("proxy: the request's index row changed")
 
     def settle(self, row: CallRow, outcome: int, now: float) -> None:
@@ -9357,14 +9324,12 @@ class CallIndex:
 
     def settle_empty(self, row: CallRow, now: float) -> None:
         """A row whose run never began: nothing started (checked in the same statement)."""
-        self._write("settled_at=?, outcome=? WHERE id=? AND settled_at=0 AND NOT EXISTS "
-                    "(SELECT 1 FROM runs WHERE runs.id=proxy_calls.run_id)",
-                    (now, NO_ATTEMPT, row.id))
+        self._write("settled_at=?, outcome=? WHERE id=? AND settled_at=0 AND NOT EXISTS (SELECT "
+                    "1 FROM runs WHERE runs.id=proxy_calls.run_id)", (now, NO_ATTEMPT, row.id))
 
     def unsettle(self, run_id: str) -> None:
         """A run began under a row a scan had settled as empty: it is unseen again."""
-        self._write("settled_at=0, outcome=? WHERE run_id=? AND settled_at!=0",
-                    (UNSEEN, run_id))
+        self._write("settled_at=0, outcome=? WHERE run_id=? AND settled_at!=0", (UNSEEN, run_id))
 
 
 @dataclasses.dataclass(repr=False)

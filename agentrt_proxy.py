@@ -153,6 +153,7 @@ if __name__ == "__main__" and globals().get("__spec__") is not None and \
 import argparse
 import asyncio
 import base64
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -1274,8 +1275,11 @@ PATTERN_VISITS_PER_EVALUATION = 4
 PATTERN_MEMO_STEPS = 10_000          # memoised steps kept per pattern before the memo empties
 PATTERN_MEMO_STATES = 100_000        # instructions held in memoised states, likewise
 MAX_CODE_POINT = 0x10FFFF
-_SET, _SPLIT, _JMP, _ASSERT, _MATCH = range(5)
-_AT_START, _AT_END, _PREV_WORD, _NEXT_WORD = 1, 2, 4, 8
+_SET, _JUMP, _ASSERT, _MATCH = range(4)
+_AT_START, _AT_END, _PREV_WORD, _NEXT_WORD, _BOUNDARY = 1, 2, 4, 8, 16
+# Each assertion: the bit of a position's context it reads, and the value that bit must have.
+_ASSERTIONS = {"^": (_AT_START, True), "$": (_AT_END, True),
+               "b": (_BOUNDARY, True), "B": (_BOUNDARY, False)}
 _SYNTAX_CHARS = frozenset("^$\\.*+?()[]{}|")
 # A quantifier, and the counts it stands for ('{' reads its own).
 _REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1), "{": None}
@@ -1324,7 +1328,7 @@ _DOT = _complement(_LINE_TERMINATORS)
 
 class _PatternParser:
     """ECMA-262 pattern syntax, read as with the u flag, to a tree of tuples: ("set", ranges),
-    ("assert", "^" | "$" | "b" | "B"), ("cat", [nodes]), ("alt", [nodes]),
+    ("assert", (bit, value)) from _ASSERTIONS, ("cat", [nodes]), ("alt", [nodes]),
     ("repeat", node, min, max or None). Anything else raises SchemaError saying why."""
 
     def __init__(self, text: str):
@@ -1368,7 +1372,7 @@ class _PatternParser:
             self.pos += 1 + (ch == "\\")
             if self.peek() in _REPEATS:
                 raise self.fail("an assertion cannot be repeated")
-            return ("assert", self.text[self.pos - 1])
+            return ("assert", _ASSERTIONS[self.text[self.pos - 1]])
         return self.quantified(self.atom())
 
     def quantified(self, atom: tuple) -> tuple:
@@ -1543,8 +1547,8 @@ def _program_size(node: tuple) -> int:
 
 
 def _emit(node: tuple, prog: list) -> None:
-    """Append ``node``'s instructions to ``prog``; a SPLIT or JMP is held as None until the
-    end it jumps to is known."""
+    """Append ``node``'s instructions to ``prog``: a JUMP goes on at each of its targets (one,
+    or two for a split), and is held as None until the end it jumps to is known."""
     kind = node[0]
     if kind in ("set", "assert"):
         prog.append((_SET if kind == "set" else _ASSERT, node[1]))
@@ -1559,10 +1563,10 @@ def _emit(node: tuple, prog: list) -> None:
             _emit(branch, prog)
             jumps.append(len(prog))
             prog.append(None)
-            prog[split] = (_SPLIT, split + 1, len(prog))
+            prog[split] = (_JUMP, split + 1, len(prog))
         _emit(node[1][-1], prog)
         for at in jumps:
-            prog[at] = (_JMP, len(prog))
+            prog[at] = (_JUMP, len(prog))
     else:
         _, body, low, high = node
         for _ in range(low):
@@ -1571,8 +1575,8 @@ def _emit(node: tuple, prog: list) -> None:
             loop = len(prog)
             prog.append(None)
             _emit(body, prog)
-            prog.append((_JMP, loop))
-            prog[loop] = (_SPLIT, loop + 1, len(prog))
+            prog.append((_JUMP, loop))
+            prog[loop] = (_JUMP, loop + 1, len(prog))
             return
         splits = []
         for _ in range(high - low):     # each optional copy may be skipped to the end
@@ -1580,20 +1584,12 @@ def _emit(node: tuple, prog: list) -> None:
             prog.append(None)
             _emit(body, prog)
         for at in splits:
-            prog[at] = (_SPLIT, at + 1, len(prog))
+            prog[at] = (_JUMP, at + 1, len(prog))
 
 
 def _in_ranges(ranges: tuple, cp: int) -> bool:
-    lo, hi = 0, len(ranges)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ranges[mid][1] < cp:
-            lo = mid + 1
-        elif ranges[mid][0] > cp:
-            hi = mid
-        else:
-            return True
-    return False
+    at = bisect.bisect_right(ranges, (cp, MAX_CODE_POINT)) - 1    # the last range from cp down
+    return at >= 0 and ranges[at][1] >= cp
 
 
 class Pattern:
@@ -1631,11 +1627,11 @@ class Pattern:
             raise SchemaError(f"the pattern needs {size} instructions, more than "
                               f"{MAX_PATTERN_PROGRAM}")
         # A search: "[^]*" first, so a match may start anywhere.
-        prog: list = [(_SPLIT, 3, 1), (_SET, _ALL), (_JMP, 0)]
+        prog: list = [(_JUMP, 3, 1), (_SET, _ALL), (_JUMP, 0)]
         _emit(tree, prog)
         prog.append((_MATCH,))
         self.text, self._prog, self._match = text, prog, len(prog) - 1
-        self._words = any(op[0] == _ASSERT and op[1] in "bB" for op in prog)
+        self._words = any(op[0] == _ASSERT and op[1][0] == _BOUNDARY for op in prog)
         self._memo: dict[tuple, frozenset] = {}
         self._states: dict[frozenset, frozenset] = {}
         self._memo_states = 0
@@ -1665,8 +1661,9 @@ class Pattern:
     def _context(self, s: str, i: int) -> int:
         ctx = (_AT_START if i == 0 else 0) | (_AT_END if i == len(s) else 0)
         if self._words:
-            ctx |= (_PREV_WORD if i and s[i - 1] in _WORD_CHARS else 0) | \
-                   (_NEXT_WORD if i < len(s) and s[i] in _WORD_CHARS else 0)
+            prev, nxt = i > 0 and s[i - 1] in _WORD_CHARS, i < len(s) and s[i] in _WORD_CHARS
+            ctx |= (_PREV_WORD if prev else 0) | (_NEXT_WORD if nxt else 0) | \
+                   (_BOUNDARY if prev != nxt else 0)
         return ctx
 
     def _step(self, state: frozenset, ch: str, ctx: int, work: list) -> frozenset:
@@ -1695,12 +1692,10 @@ class Pattern:
                 continue
             seen.add(pc)
             op = prog[pc]
-            if op[0] == _SPLIT:
-                stack += (op[1], op[2])
-            elif op[0] == _JMP:
-                stack.append(op[1])
+            if op[0] == _JUMP:
+                stack += op[1:]
             elif op[0] == _ASSERT:
-                if _holds(op[1], ctx):
+                if bool(ctx & op[1][0]) == op[1][1]:
                     stack.append(pc + 1)
             else:
                 out.append(pc)
@@ -1713,15 +1708,6 @@ class Pattern:
         if work[0] > work[1]:
             raise PatternTooCostly(f"the string is too costly to match against pattern "
                                    f"{_quote(self.text)}")
-
-
-def _holds(kind: str, ctx: int) -> bool:
-    if kind == "^":
-        return bool(ctx & _AT_START)
-    if kind == "$":
-        return bool(ctx & _AT_END)
-    boundary = bool(ctx & _PREV_WORD) != bool(ctx & _NEXT_WORD)
-    return boundary if kind == "b" else not boundary
 
 
 # ==== 7. Schema validation ====

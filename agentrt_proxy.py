@@ -1796,28 +1796,13 @@ def _pointer(path: Iterable[str | int]) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
+_KINDS = {bool: "boolean", type(None): "null", dict: "object", list: "array", str: "string"}
+
+
 def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
     if isinstance(value, Num):
         return "integer" if value.is_integer() else "number"
-    return {dict: "object", list: "array", str: "string"}[type(value)]
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """JSON equality: numbers by exact value (their normal forms), objects without regard to
-    order. Costs at most the size of the smaller value."""
-    if isinstance(a, Num) and isinstance(b, Num):
-        return a.normal() == b.normal()
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return a == b
+    return _KINDS[type(value)]
 
 
 def _compare(a: tuple[int, str, int], b: tuple[int, str, int]) -> int:
@@ -1889,11 +1874,10 @@ class Schema:
         self.patterns: dict[str, Pattern] = {}     # each compiled once, by its text
         self._schemas: dict[tuple, Any] = {}        # every compiled subschema, by location
         self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
-        # By the id of each schema object (the tree is kept, so ids stay unique): where it
-        # is, and what one evaluation of it costs (fixed, per member of the value) and runs
+        # By the id of each schema object (the tree is kept, so ids stay unique): what one
+        # evaluation of it costs (fixed, per member of the value), runs, and where it is
         # (_plan); by the id of each enum and const value, how a mismatch shows it.
-        self.where: dict[int, tuple] = {}
-        self.plans: dict[int, tuple[int, int, tuple]] = {}
+        self.plans: dict[int, tuple[int, int, tuple, tuple]] = {}
         self.shown: dict[int, str] = {}
         self._compile(self.root, ())
         self._check_refs()
@@ -1973,8 +1957,7 @@ class Schema:
                 raise SchemaError(f"schema at {where} uses {_quote(key)}, "
                                   "a keyword this validator does not implement")
             self._keyword(key, val, at + (key,))
-        self.where[id(node)] = at
-        self.plans[id(node)] = _plan(node)
+        self.plans[id(node)] = _plan(node, at)
 
     def _keyword(self, key: str, val: Any, at: tuple) -> None:
         where = "#" + _pointer(at)
@@ -2003,18 +1986,15 @@ class Schema:
                 self._regex(place[0], where)
             self._compile(sub, at + place)
 
-    def _regex(self, pattern: str, where: str) -> Pattern:
-        """The pattern compiled once per schema (by its text), or SchemaError naming where
-        it is and why it is refused."""
-        found = self.patterns.get(pattern)
-        if found is None:
+    def _regex(self, pattern: str, where: str) -> None:
+        """Compile the pattern once per schema (by its text), or raise SchemaError naming
+        where it is and why it is refused."""
+        if pattern not in self.patterns:
             try:
-                found = Pattern(pattern)
+                self.patterns[pattern] = Pattern(pattern)
             except SchemaError as exc:
                 raise SchemaError(f"{where}: pattern does not compile: {_quote(pattern)}: "
                                   f"{exc}") from None
-            self.patterns[pattern] = found
-        return found
 
     def _resolve(self, ref: str) -> tuple:
         """The location a local reference names (RFC 6901 within this document).
@@ -2022,12 +2002,11 @@ class Schema:
         if not ref.startswith("#"):
             raise SchemaError(f"$ref {_quote(ref)} is outside the schema; "
                               "only references within the schema are resolved")
-        frag = ref[1:]
-        frag = urllib.parse.unquote(frag)
+        frag = urllib.parse.unquote(ref[1:])
         if frag and not frag.startswith("/"):
             raise SchemaError(f"$ref {_quote(ref)} is not a JSON pointer")
         node, at = self.root, ()
-        for part in frag.split("/")[1:] if frag else []:
+        for part in frag.split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and part in node:
                 node, at = node[part], at + (part,)
@@ -2108,7 +2087,7 @@ class _Check:
                 errors.add(path, "no value is allowed here")
             return
         try:
-            fixed, per_member, plan = self.schema.plans[id(node)]
+            fixed, per_member, plan, at = self.schema.plans[id(node)]
             # deep in a value, each member's path (a list) is copied: that costs too
             fixed += len(path) // LEVELS_PER_EVALUATION
             loops = per_member and type(value) in (list, dict)
@@ -2119,7 +2098,7 @@ class _Check:
         except CheckTooCostly as exc:
             # Spent inside this schema object or a boolean schema under it: name this one.
             # Never caught on the way up (not, anyOf, ...): it is never read as a mismatch.
-            exc.at = self.schema.where[id(node)] if exc.at is None else exc.at
+            exc.at = at if exc.at is None else exc.at
             raise
 
     def spend(self, units: int, path: list) -> None:
@@ -2150,10 +2129,11 @@ class _Check:
         return found
 
     def key(self, value: Any) -> Any:
-        """A key that is equal for two values exactly when they are _equal: numbers by
-        normal form, arrays and objects interned to a number once per call (by the id of the
-        parsed value, alive for the call), so checking uniqueItems of the same array again
-        never walks or hashes its contents again."""
+        """A key that is equal for two values exactly when they are equal as JSON: numbers by
+        exact value (their normal forms), objects without regard to order. Arrays and objects
+        are interned to a number once per call (by the id of the parsed value or the schema's
+        value, alive for the call), so comparing the same array again (uniqueItems, enum,
+        const) never walks or hashes its contents again."""
         kind = type(value)
         if kind is Num:
             return ("n",) + value.normal()
@@ -2177,11 +2157,12 @@ class _Check:
         errors.add(path, f"got {kind}, want {' or '.join(names)}")
 
     def check_enum(self, node, options, value, path, errors):
-        if not any(_equal(value, o) for o in options):
+        key = self.key(value)
+        if all(self.key(o) != key for o in options):
             errors.add(path, "value must be one of " + self.schema.shown[id(options)])
 
     def check_const(self, node, const, value, path, errors):
-        if not _equal(value, const):
+        if self.key(value) != self.key(const):
             errors.add(path, f"value must be {self.schema.shown[id(const)]}")
 
     def check_range(self, node, _unused, value, path, errors):
@@ -2368,12 +2349,12 @@ _CHECKS: dict[str, tuple[Callable, type]] = {
 }
 
 
-def _plan(node: dict) -> tuple[int, int, tuple]:
-    """What one evaluation of a schema object costs, fixed (one per keyword that checks
-    anything, at least one, and one per value its keywords compare with or name they
+def _plan(node: dict, at: tuple) -> tuple[int, int, tuple, tuple]:
+    """What one evaluation of the schema object at ``at`` costs, fixed (one per keyword that
+    checks anything, at least one, and one per value its keywords compare with or name they
     require) and per member of the value when a keyword loops over them (one, and one per
-    patternProperties regex); and the checks it runs, in order: (check, the type of value it
-    constrains, the keyword's value)."""
+    patternProperties regex); the checks it runs, in order: (check, the type of value it
+    constrains, the keyword's value); and ``at``, named when checking runs out of budget."""
     fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
     fixed += sum(_size(o) for o in node.get("enum", ()))
     fixed += _size(node["const"]) if "const" in node else 0
@@ -2386,7 +2367,7 @@ def _plan(node: dict) -> tuple[int, int, tuple]:
         entry = _CHECKS.get(key)
         if entry:       # keywords read together once; dependent* each, by their keyword
             checks.setdefault(entry if entry in _TOGETHER.values() else key, (*entry, val))
-    return fixed, per_member, tuple(checks.values())
+    return fixed, per_member, tuple(checks.values()), at
 
 
 def compile_schema(raw: bytes) -> Schema:

@@ -1347,6 +1347,12 @@ class _PatternParser:
         self.pos += 1
         return ch
 
+    def accept(self, ch: str) -> bool:
+        """Whether ``ch`` comes next; if it does, it is consumed."""
+        found = self.peek() == ch
+        self.pos += found
+        return found
+
     def parse(self) -> tuple:
         node = self.disjunction()
         if self.pos < len(self.text):       # only a ')' ends a disjunction early
@@ -1355,8 +1361,7 @@ class _PatternParser:
 
     def disjunction(self) -> tuple:
         branches = [self.alternative()]
-        while self.peek() == "|":
-            self.pos += 1
+        while self.accept("|"):
             branches.append(self.alternative())
         return branches[0] if len(branches) == 1 else ("alt", branches)
 
@@ -1381,19 +1386,16 @@ class _PatternParser:
             return atom
         self.pos += 1
         low, high = _REPEATS[ch] or self.counts()
-        if self.peek() == "?":      # lazy: the same strings match, only captures differ
-            self.pos += 1
+        self.accept("?")        # lazy: the same strings match, only captures differ
         return ("repeat", atom, low, high)
 
     def counts(self) -> tuple[int, int | None]:
         low = self.number()
         high: int | None = low
-        if self.peek() == ",":
-            self.pos += 1
+        if self.accept(","):
             high = None if self.peek() == "}" else self.number()
-        if self.peek() != "}":
+        if not self.accept("}"):
             raise self.fail("expected '}'")
-        self.pos += 1
         if high is not None and high < low:
             raise self.fail("the numbers of {n,m} are out of order")
         return low, high
@@ -1439,45 +1441,36 @@ class _PatternParser:
             raise self.fail(f"groups nest deeper than {MAX_PATTERN_NESTING}")
         node = self.disjunction()
         self.depth -= 1
-        if self.peek() != ")":
+        if not self.accept(")"):
             raise self.fail("a group is not closed")
-        self.pos += 1
         return node
 
     def escape(self, in_class: bool) -> int | tuple:
-        """After a backslash: a class escape's ranges, or one code point."""
-        ch = self.peek()
-        if ch in _CLASS_ESCAPES:
-            self.pos += 1
-            return _CLASS_ESCAPES[ch]
-        if ch in _DECIMAL and ch != "0":
-            raise self.fail("a backreference is not allowed in a class" if in_class else
-                            "a backreference is not supported")
-        if in_class and ch in ("b", "-"):
-            self.pos += 1
-            return 0x08 if ch == "b" else ord("-")
-        if ch == "k" and not in_class:
-            raise self.fail("a named backreference is not supported")
-        return self.char_escape()
-
-    def char_escape(self) -> int:
-        """The code point of a CharacterEscape (after the backslash)."""
+        """After a backslash: a class escape's ranges, or the code point of a character
+        escape. A refusal names where the escape's letter is, or an octal or property
+        escape's end."""
         ch = self.take()
+        if ch in _CLASS_ESCAPES:
+            return _CLASS_ESCAPES[ch]
         if ch in _CHAR_ESCAPES:
             return _CHAR_ESCAPES[ch]
-        if ch == "0":
-            if self.peek() in _DECIMAL:
-                raise self.fail("an octal escape is not allowed")
+        if in_class and ch in ("b", "-"):
+            return 0x08 if ch == "b" else ord("-")
+        if ch == "0" and self.peek() not in _DECIMAL:
             return 0
         if ch == "c" and self.peek().isascii() and self.peek().isalpha():
             return ord(self.take()) % 32
-        if ch == "x":
-            return self.hex_digits(2)
-        if ch == "u":
-            return self.unicode_escape()
-        if ch in ("p", "P"):
-            raise self.fail("a Unicode property escape is not supported")
+        if ch in ("x", "u"):
+            return self.hex_digits(2) if ch == "x" else self.unicode_escape()
+        if ch in ("0", "p", "P"):
+            raise self.fail("an octal escape is not allowed" if ch == "0" else
+                            "a Unicode property escape is not supported")
         self.pos -= 1
+        if ch in _DECIMAL:
+            raise self.fail("a backreference is not allowed in a class" if in_class else
+                            "a backreference is not supported")
+        if ch == "k" and not in_class:
+            raise self.fail("a named backreference is not supported")
         raise self.fail(f"the escape \\{ch} is not allowed")
 
     def hex_digits(self, count: int) -> int:
@@ -1505,8 +1498,7 @@ class _PatternParser:
         return cp
 
     def char_class(self) -> tuple:
-        negated = self.peek() == "^"
-        self.pos += negated
+        negated = self.accept("^")
         ranges: list[tuple[int, int]] = []
         while self.peek() != "]":
             low = self.class_atom()

@@ -2020,7 +2020,7 @@ class Schema:
         if value is NOT_PARSED:
             value = parse_json(raw)
         try:
-            errors = _Check(self, MAX_SCHEMA_EVALUATIONS).run(value)
+            errors = _Check(self, MAX_SCHEMA_EVALUATIONS).failures(self.root, value, [])
         except RecursionError:      # a refusal, never an acceptance
             raise SchemaError("the arguments are nested too deeply to check against this "
                               "schema") from None
@@ -2037,7 +2037,7 @@ class Schema:
         CheckTooCostly when the budget runs out, never answering either way."""
         check = _Check(self, budget)
         try:
-            errors = check.run(value)
+            errors = check.failures(self.root, value, [])
         except RecursionError:
             raise CheckTooCostly((), "") from None
         return not errors, check.left
@@ -2067,9 +2067,10 @@ class _Check:
         self._keys: dict[int, int] = {}
         self._interned: dict[tuple, int] = {}
 
-    def run(self, value: Any) -> _Failures:
+    def failures(self, node: Any, value: Any, path: list) -> _Failures:
+        """How the value at ``path`` fails ``node``: none when it passes."""
         errors = _Failures()
-        self.validate(self.schema.root, value, [], errors)
+        self.validate(node, value, path, errors)
         return errors
 
     def validate(self, node: Any, value: Any, path: list, errors: _Failures) -> None:
@@ -2097,11 +2098,6 @@ class _Check:
         self.left -= units
         if self.left < 0:
             raise CheckTooCostly(None, _pointer(path))
-
-    def passes(self, node: Any, value: Any, path: list) -> bool:
-        errors = _Failures()
-        self.validate(node, value, path, errors)
-        return not errors
 
     def found(self, pattern: str, text: str, path: list, errors: _Failures) -> bool:
         """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
@@ -2144,9 +2140,8 @@ class _Check:
     def check_type(self, node, want, value, path, errors):
         names = want if isinstance(want, list) else [want]
         kind = _kind(value)
-        if kind in names or (kind == "integer" and "number" in names):
-            return
-        errors.add(path, f"got {kind}, want {' or '.join(names)}")
+        if kind not in names and not (kind == "integer" and "number" in names):
+            errors.add(path, f"got {kind}, want {' or '.join(names)}")
 
     def check_enum(self, node, options, value, path, errors):
         key = self.key(value)
@@ -2217,7 +2212,7 @@ class _Check:
 
     def check_property_names(self, node, sub, value, path, errors):
         for name in value:
-            if not self.passes(sub, name, path):
+            if self.failures(sub, name, path):
                 errors.add(path, f"property name {_quote(name)} is not allowed")
 
     def check_items(self, node, _unused, value, path, errors):
@@ -2235,11 +2230,10 @@ class _Check:
             self.validate(sub, item, path + [i], errors)
 
     def check_contains(self, node, sub, value, path, errors):
-        n = sum(1 for i, item in enumerate(value) if self.passes(sub, item, path + [i]))
-        low = node.get("minContains")
-        if (_compare_count(n, low) < 0) if low is not None else n < 1:
-            want = low.text if low is not None else "1"
-            errors.add(path, f"contains: {n} items match, want at least {want}")
+        n = sum(1 for i, item in enumerate(value) if not self.failures(sub, item, path + [i]))
+        low = node.get("minContains", _ONE)
+        if _compare_count(n, low) < 0:
+            errors.add(path, f"contains: {n} items match, want at least {low.text}")
         if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
             errors.add(path, f"contains: {n} items match, want at most {node['maxContains'].text}")
 
@@ -2257,20 +2251,20 @@ class _Check:
             self.validate(sub, value, path, errors)
 
     def check_any_of(self, node, subs, value, path, errors):
-        if not any(self.passes(sub, value, path) for sub in subs):
+        if all(self.failures(sub, value, path) for sub in subs):
             errors.add(path, "does not match any schema of anyOf")
 
     def check_one_of(self, node, subs, value, path, errors):
-        n = sum(1 for sub in subs if self.passes(sub, value, path))
+        n = sum(1 for sub in subs if not self.failures(sub, value, path))
         if n != 1:
             errors.add(path, f"matches {n} schemas of oneOf, want exactly one")
 
     def check_not(self, node, sub, value, path, errors):
-        if self.passes(sub, value, path):
+        if not self.failures(sub, value, path):
             errors.add(path, "matches a schema it must not match")
 
     def check_if(self, node, cond, value, path, errors):
-        branch = node.get("then") if self.passes(cond, value, path) else node.get("else")
+        branch = node.get("else") if self.failures(cond, value, path) else node.get("then")
         if branch is not None:
             self.validate(branch, value, path, errors)
 
@@ -2279,13 +2273,11 @@ class _Check:
 
     def check_dependent(self, node, deps, value, path, errors):
         for name, dep in deps.items():
-            if name not in value:
-                continue
-            if isinstance(dep, list):
+            if name in value and isinstance(dep, list):
                 for need in dep:
                     if need not in value:
                         errors.add(path, f"property {_quote(need)} is required with {_quote(name)}")
-            else:
+            elif name in value:
                 self.validate(dep, value, path, errors)
 
 
@@ -2307,6 +2299,7 @@ class _Failures(list):
 
 
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
+_ONE = Num("1")         # the matching items contains wants, unless minContains says
 
 
 def _show(value: Any) -> str:

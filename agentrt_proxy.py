@@ -1878,50 +1878,44 @@ class Schema:
         """Every $ref names a subschema we compiled, and following $refs and the keywords
         that apply to the same value (allOf, not, if, ...) never comes back to where it
         started, nor runs longer than MAX_SCHEMA_CHAIN: a schema that could recurse
-        without consuming input is refused here, not discovered while checking."""
+        without consuming input is refused here, not discovered while checking. Nor does
+        one value get checked against more than MAX_SCHEMA_FAN_OUT subschemas that way."""
         for ref, target in self._refs.items():
             if target not in self._schemas:
                 raise SchemaError(f"$ref {_quote(ref)} does not name a schema")
         longest: dict[tuple, int | None] = {}
-        for start in self._schemas:
-            self._chain(start, longest)
         fan: dict[tuple, int] = {}
         for start in self._schemas:
-            self._fan_out(start, fan)
-
-    def _fan_out(self, at: tuple, fan: dict) -> int:
-        """How many subschemas one value checked against ``at`` is checked against, through
-        the keywords that apply to the same value: a count over the graph of references,
-        memoised (it has no cycle, _chain saw to that). The depth of a chain is bounded, its
-        breadth is not: 31 levels each an allOf of two $refs to the next, 1.3 KB, check every
-        value 2^32 times."""
-        found = fan.get(at)
-        if found is None:
-            found = 1 + sum(self._fan_out(nxt, fan)
-                            for nxt in self._same_value_children(at, self._schemas[at]))
+            self._chain(start, longest, fan)
+        # The depth of a chain is bounded, its breadth is not: 31 levels each an allOf of two
+        # $refs to the next, 1.3 KB, check every value 2^32 times. The first location the
+        # walk finished past the limit is named.
+        for at, found in fan.items():
             if found > MAX_SCHEMA_FAN_OUT:
                 raise SchemaError(
                     f"the schema at #{_pointer(at)} makes one value be checked against more "
                     f"than {MAX_SCHEMA_FAN_OUT} subschemas (through $ref, allOf, anyOf, oneOf, "
                     "not, if, then, else and dependentSchemas)")
-            fan[at] = found
-        return found
 
-    def _chain(self, at: tuple, longest: dict) -> int:
+    def _chain(self, at: tuple, longest: dict, fan: dict) -> int:
         """The longest chain from ``at`` through the keywords that apply to the same value;
-        ``longest`` holds it for each location done, and None for each on the way to it."""
+        ``longest`` holds it for each location done, and None for each on the way to it.
+        ``fan`` gets, for each location done, how many subschemas one value checked against
+        it is checked against through those keywords: a count over the graph, never a walk
+        of every path."""
         if at in longest:
             if longest[at] is None:
                 raise SchemaError(f"the schema at #{_pointer(at)} refers to itself through "
                                   "$ref without consuming input")
             return longest[at]
         longest[at] = None
-        depth = max((1 + self._chain(nxt, longest)
-                     for nxt in self._same_value_children(at, self._schemas[at])), default=0)
+        children = self._same_value_children(at, self._schemas[at])
+        depth = max((1 + self._chain(nxt, longest, fan) for nxt in children), default=0)
         if depth > MAX_SCHEMA_CHAIN:
             raise SchemaError(f"the schema at #{_pointer(at)} chains more than "
                               f"{MAX_SCHEMA_CHAIN} references and combinators")
         longest[at] = depth
+        fan[at] = 1 + sum(fan[nxt] for nxt in children)
         return depth
 
     def _same_value_children(self, at: tuple, node: Any) -> list[tuple]:

@@ -1429,13 +1429,12 @@ class _PatternParser:
         return ("set", ((ord(ch), ord(ch)),))
 
     def group(self) -> tuple:
-        if self.peek() == "?":
-            if self.peek(1) != ":":
-                kind = {"=": "a lookahead", "!": "a lookahead", "<": "a lookbehind"}
-                if self.peek(1) == "<" and self.peek(2) not in ("=", "!"):
-                    raise self.fail("a named group is not supported")
-                raise self.fail(f"{kind.get(self.peek(1), 'this group')} is not supported")
-            self.pos += 2
+        if self.peek() == "?" and self.peek(1) != ":":
+            named = self.peek(1) == "<" and self.peek(2) not in ("=", "!")
+            kind = {"=": "a lookahead", "!": "a lookahead", "<": "a lookbehind"}
+            raise self.fail("a named group is not supported" if named else
+                            f"{kind.get(self.peek(1), 'this group')} is not supported")
+        self.pos += 2 if self.peek() == "?" else 0      # past the "?:" of (?:...)
         self.depth += 1
         if self.depth > MAX_PATTERN_NESTING:
             raise self.fail(f"groups nest deeper than {MAX_PATTERN_NESTING}")
@@ -2279,10 +2278,7 @@ class _Failures(list):
     """The failures of one check, as (pointer, detail): the first MAX_SCHEMA_ERRORS kept and
     the rest only counted. A check may fail hundreds of thousands of times within its budget,
     each detail quoting a 10,000-character number; holding them all would take gigabytes."""
-
-    def __init__(self):
-        super().__init__()
-        self.more = 0
+    more = 0        # the failures past the first MAX_SCHEMA_ERRORS
 
     def add(self, path: list, detail: str) -> None:
         """Record that the value at ``path`` fails, for ``detail``."""

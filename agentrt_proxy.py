@@ -1579,7 +1579,7 @@ def _emit(node: tuple, prog: list) -> None:
 
 
 def _in_ranges(ranges: tuple, cp: int) -> bool:
-    at = bisect.bisect_right(ranges, (cp, MAX_CODE_POINT)) - 1    # the last range from cp down
+    at = bisect.bisect_right(ranges, (cp, MAX_CODE_POINT)) - 1    # the last to start at cp or below
     return at >= 0 and ranges[at][1] >= cp
 
 

@@ -1627,11 +1627,6 @@ class Pattern:
         self._states: dict[frozenset, frozenset] = {}
         self._memo_states = 0
 
-    def search(self, s: str) -> bool:
-        """Whether the pattern matches somewhere in ``s``. A string that would take more
-        than MAX_PATTERN_WORK instruction visits is refused with SchemaError."""
-        return self.search_costed(s, MAX_PATTERN_WORK)[0]
-
     def search_costed(self, s: str, limit: int) -> tuple[bool, int]:
         """Whether the pattern matches somewhere in ``s``, and the instruction visits that
         took; past ``limit`` visits, PatternTooCostly."""

@@ -2046,8 +2046,8 @@ class Schema:
 
 class _Check:
     """One check of a value against a compiled Schema, which every call of its tool shares:
-    what is left of the budget this check spends (see Schema), and the keys uniqueItems
-    gave the arrays and objects of the value. Its check_ methods are the keyword checks,
+    what is left of the budget this check spends (see Schema), and the keys (``key``) given
+    to the arrays and objects compared so far. Its check_ methods are the keyword checks,
     one for each keyword or family of keywords read together (_CHECKS)."""
 
     def __init__(self, schema: Schema, budget: int):
@@ -2162,10 +2162,9 @@ class _Check:
     def check_counts(self, node, _unused, value, path, errors):
         low, high, noun = _COUNTED[type(value)]
         n = len(value)
-        if low in node and _compare_count(n, node[low]) < 0:
-            errors.add(path, f"{low}: got {n} {noun}, want {node[low].text}")
-        if high in node and _compare_count(n, node[high]) > 0:
-            errors.add(path, f"{high}: got {n} {noun}, want {node[high].text}")
+        for key, outside in ((low, -1), (high, 1)):     # below the least, above the most
+            if key in node and _compare_count(n, node[key]) == outside:
+                errors.add(path, f"{key}: got {n} {noun}, want {node[key].text}")
 
     def check_required(self, node, names, value, path, errors):
         missing = [name for name in names if name not in value]

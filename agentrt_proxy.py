@@ -148,6 +148,7 @@ if __name__ == "__main__" and globals().get("__spec__") is not None and \
 import argparse
 import asyncio
 import base64
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -1183,8 +1184,11 @@ PATTERN_VISITS_PER_EVALUATION = 4
 PATTERN_MEMO_STEPS = 10_000          # memoised steps kept per pattern before the memo empties
 PATTERN_MEMO_STATES = 100_000        # instructions held in memoised states, likewise
 MAX_CODE_POINT = 0x10FFFF
-_SET, _SPLIT, _JMP, _ASSERT, _MATCH = range(5)
-_AT_START, _AT_END, _PREV_WORD, _NEXT_WORD = 1, 2, 4, 8
+_SET, _JUMP, _ASSERT, _MATCH = range(4)
+_AT_START, _AT_END, _PREV_WORD, _NEXT_WORD, _BOUNDARY = 1, 2, 4, 8, 16
+# Each assertion: the bit of a position's context it reads, and the value that bit must have.
+_ASSERTIONS = {"^": (_AT_START, True), "$": (_AT_END, True),
+               "b": (_BOUNDARY, True), "B": (_BOUNDARY, False)}
 _SYNTAX_CHARS = frozenset("^$\\.*+?()[]{}|")
 # A quantifier, and the counts it stands for ('{' reads its own).
 _REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1), "{": None}
@@ -1233,7 +1237,7 @@ _DOT = _complement(_LINE_TERMINATORS)
 
 class _PatternParser:
     """ECMA-262 pattern syntax, read as with the u flag, to a tree of tuples: ("set", ranges),
-    ("assert", "^" | "$" | "b" | "B"), ("cat", [nodes]), ("alt", [nodes]),
+    ("assert", (bit, value)) from _ASSERTIONS, ("cat", [nodes]), ("alt", [nodes]),
     ("repeat", node, min, max or None). Anything else raises SchemaError saying why."""
 
     def __init__(self, text: str):
@@ -1252,6 +1256,12 @@ class _PatternParser:
         self.pos += 1
         return ch
 
+    def accept(self, ch: str) -> bool:
+        """Whether ``ch`` comes next; if it does, it is consumed."""
+        found = self.peek() == ch
+        self.pos += found
+        return found
+
     def parse(self) -> tuple:
         node = self.disjunction()
         if self.pos < len(self.text):       # only a ')' ends a disjunction early
@@ -1260,8 +1270,7 @@ class _PatternParser:
 
     def disjunction(self) -> tuple:
         branches = [self.alternative()]
-        while self.peek() == "|":
-            self.pos += 1
+        while self.accept("|"):
             branches.append(self.alternative())
         return branches[0] if len(branches) == 1 else ("alt", branches)
 
@@ -1277,7 +1286,7 @@ class _PatternParser:
             self.pos += 1 + (ch == "\\")
             if self.peek() in _REPEATS:
                 raise self.fail("an assertion cannot be repeated")
-            return ("assert", self.text[self.pos - 1])
+            return ("assert", _ASSERTIONS[self.text[self.pos - 1]])
         return self.quantified(self.atom())
 
     def quantified(self, atom: tuple) -> tuple:
@@ -1286,19 +1295,16 @@ class _PatternParser:
             return atom
         self.pos += 1
         low, high = _REPEATS[ch] or self.counts()
-        if self.peek() == "?":      # lazy: the same strings match, only captures differ
-            self.pos += 1
+        self.accept("?")        # lazy: the same strings match, only captures differ
         return ("repeat", atom, low, high)
 
     def counts(self) -> tuple[int, int | None]:
         low = self.number()
         high: int | None = low
-        if self.peek() == ",":
-            self.pos += 1
+        if self.accept(","):
             high = None if self.peek() == "}" else self.number()
-        if self.peek() != "}":
+        if not self.accept("}"):
             raise self.fail("expected '}'")
-        self.pos += 1
         if high is not None and high < low:
             raise self.fail("the numbers of {n,m} are out of order")
         return low, high
@@ -1332,57 +1338,47 @@ class _PatternParser:
         return ("set", ((ord(ch), ord(ch)),))
 
     def group(self) -> tuple:
-        if self.peek() == "?":
-            if self.peek(1) != ":":
-                kind = {"=": "a lookahead", "!": "a lookahead", "<": "a lookbehind"}
-                if self.peek(1) == "<" and self.peek(2) not in ("=", "!"):
-                    raise self.fail("a named group is not supported")
-                raise self.fail(f"{kind.get(self.peek(1), 'this group')} is not supported")
-            self.pos += 2
+        if self.peek() == "?" and self.peek(1) != ":":
+            named = self.peek(1) == "<" and self.peek(2) not in ("=", "!")
+            kind = {"=": "a lookahead", "!": "a lookahead", "<": "a lookbehind"}
+            raise self.fail("a named group is not supported" if named else
+                            f"{kind.get(self.peek(1), 'this group')} is not supported")
+        self.pos += 2 if self.peek() == "?" else 0      # past the "?:" of (?:...)
         self.depth += 1
         if self.depth > MAX_PATTERN_NESTING:
             raise self.fail(f"groups nest deeper than {MAX_PATTERN_NESTING}")
         node = self.disjunction()
         self.depth -= 1
-        if self.peek() != ")":
+        if not self.accept(")"):
             raise self.fail("a group is not closed")
-        self.pos += 1
         return node
 
     def escape(self, in_class: bool) -> int | tuple:
-        """After a backslash: a class escape's ranges, or one code point."""
-        ch = self.peek()
-        if ch in _CLASS_ESCAPES:
-            self.pos += 1
-            return _CLASS_ESCAPES[ch]
-        if ch in _DECIMAL and ch != "0":
-            raise self.fail("a backreference is not allowed in a class" if in_class else
-                            "a backreference is not supported")
-        if in_class and ch in ("b", "-"):
-            self.pos += 1
-            return 0x08 if ch == "b" else ord("-")
-        if ch == "k" and not in_class:
-            raise self.fail("a named backreference is not supported")
-        return self.char_escape()
-
-    def char_escape(self) -> int:
-        """The code point of a CharacterEscape (after the backslash)."""
+        """After a backslash: a class escape's ranges, or the code point of a character
+        escape. A refusal names where the escape's letter is, or an octal or property
+        escape's end."""
         ch = self.take()
+        if ch in _CLASS_ESCAPES:
+            return _CLASS_ESCAPES[ch]
         if ch in _CHAR_ESCAPES:
             return _CHAR_ESCAPES[ch]
-        if ch == "0":
-            if self.peek() in _DECIMAL:
-                raise self.fail("an octal escape is not allowed")
+        if in_class and ch in ("b", "-"):
+            return 0x08 if ch == "b" else ord("-")
+        if ch == "0" and self.peek() not in _DECIMAL:
             return 0
         if ch == "c" and self.peek().isascii() and self.peek().isalpha():
             return ord(self.take()) % 32
-        if ch == "x":
-            return self.hex_digits(2)
-        if ch == "u":
-            return self.unicode_escape()
-        if ch in ("p", "P"):
-            raise self.fail("a Unicode property escape is not supported")
+        if ch in ("x", "u"):
+            return self.hex_digits(2) if ch == "x" else self.unicode_escape()
+        if ch in ("0", "p", "P"):
+            raise self.fail("an octal escape is not allowed" if ch == "0" else
+                            "a Unicode property escape is not supported")
         self.pos -= 1
+        if ch in _DECIMAL:
+            raise self.fail("a backreference is not allowed in a class" if in_class else
+                            "a backreference is not supported")
+        if ch == "k" and not in_class:
+            raise self.fail("a named backreference is not supported")
         raise self.fail(f"the escape \\{ch} is not allowed")
 
     def hex_digits(self, count: int) -> int:
@@ -1410,8 +1406,7 @@ class _PatternParser:
         return cp
 
     def char_class(self) -> tuple:
-        negated = self.peek() == "^"
-        self.pos += negated
+        negated = self.accept("^")
         ranges: list[tuple[int, int]] = []
         while self.peek() != "]":
             low = self.class_atom()
@@ -1452,8 +1447,8 @@ def _program_size(node: tuple) -> int:
 
 
 def _emit(node: tuple, prog: list) -> None:
-    """Append ``node``'s instructions to ``prog``; a SPLIT or JMP is held as None until the
-    end it jumps to is known."""
+    """Append ``node``'s instructions to ``prog``: a JUMP goes on at each of its targets (one,
+    or two for a split), and is held as None until the end it jumps to is known."""
     kind = node[0]
     if kind in ("set", "assert"):
         prog.append((_SET if kind == "set" else _ASSERT, node[1]))
@@ -1468,10 +1463,10 @@ def _emit(node: tuple, prog: list) -> None:
             _emit(branch, prog)
             jumps.append(len(prog))
             prog.append(None)
-            prog[split] = (_SPLIT, split + 1, len(prog))
+            prog[split] = (_JUMP, split + 1, len(prog))
         _emit(node[1][-1], prog)
         for at in jumps:
-            prog[at] = (_JMP, len(prog))
+            prog[at] = (_JUMP, len(prog))
     else:
         _, body, low, high = node
         for _ in range(low):
@@ -1480,8 +1475,8 @@ def _emit(node: tuple, prog: list) -> None:
             loop = len(prog)
             prog.append(None)
             _emit(body, prog)
-            prog.append((_JMP, loop))
-            prog[loop] = (_SPLIT, loop + 1, len(prog))
+            prog.append((_JUMP, loop))
+            prog[loop] = (_JUMP, loop + 1, len(prog))
             return
         splits = []
         for _ in range(high - low):     # each optional copy may be skipped to the end
@@ -1489,20 +1484,12 @@ def _emit(node: tuple, prog: list) -> None:
             prog.append(None)
             _emit(body, prog)
         for at in splits:
-            prog[at] = (_SPLIT, at + 1, len(prog))
+            prog[at] = (_JUMP, at + 1, len(prog))
 
 
 def _in_ranges(ranges: tuple, cp: int) -> bool:
-    lo, hi = 0, len(ranges)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ranges[mid][1] < cp:
-            lo = mid + 1
-        elif ranges[mid][0] > cp:
-            hi = mid
-        else:
-            return True
-    return False
+    at = bisect.bisect_right(ranges, (cp, MAX_CODE_POINT)) - 1    # the last to start at cp or below
+    return at >= 0 and ranges[at][1] >= cp
 
 
 class Pattern:
@@ -1540,19 +1527,14 @@ class Pattern:
             raise SchemaError(f"the pattern needs {size} instructions, more than "
                               f"{MAX_PATTERN_PROGRAM}")
         # A search: "[^]*" first, so a match may start anywhere.
-        prog: list = [(_SPLIT, 3, 1), (_SET, _ALL), (_JMP, 0)]
+        prog: list = [(_JUMP, 3, 1), (_SET, _ALL), (_JUMP, 0)]
         _emit(tree, prog)
         prog.append((_MATCH,))
         self.text, self._prog, self._match = text, prog, len(prog) - 1
-        self._words = any(op[0] == _ASSERT and op[1] in "bB" for op in prog)
+        self._words = any(op[0] == _ASSERT and op[1][0] == _BOUNDARY for op in prog)
         self._memo: dict[tuple, frozenset] = {}
         self._states: dict[frozenset, frozenset] = {}
         self._memo_states = 0
-
-    def search(self, s: str) -> bool:
-        """Whether the pattern matches somewhere in ``s``. A string that would take more
-        than MAX_PATTERN_WORK instruction visits is refused with SchemaError."""
-        return self.search_costed(s, MAX_PATTERN_WORK)[0]
 
     def search_costed(self, s: str, limit: int) -> tuple[bool, int]:
         """Whether the pattern matches somewhere in ``s``, and the instruction visits that
@@ -1574,8 +1556,9 @@ class Pattern:
     def _context(self, s: str, i: int) -> int:
         ctx = (_AT_START if i == 0 else 0) | (_AT_END if i == len(s) else 0)
         if self._words:
-            ctx |= (_PREV_WORD if i and s[i - 1] in _WORD_CHARS else 0) | \
-                   (_NEXT_WORD if i < len(s) and s[i] in _WORD_CHARS else 0)
+            prev, nxt = i > 0 and s[i - 1] in _WORD_CHARS, i < len(s) and s[i] in _WORD_CHARS
+            ctx |= (_PREV_WORD if prev else 0) | (_NEXT_WORD if nxt else 0) | \
+                   (_BOUNDARY if prev != nxt else 0)
         return ctx
 
     def _step(self, state: frozenset, ch: str, ctx: int, work: list) -> frozenset:
@@ -1604,12 +1587,10 @@ class Pattern:
                 continue
             seen.add(pc)
             op = prog[pc]
-            if op[0] == _SPLIT:
-                stack += (op[1], op[2])
-            elif op[0] == _JMP:
-                stack.append(op[1])
+            if op[0] == _JUMP:
+                stack += op[1:]
             elif op[0] == _ASSERT:
-                if _holds(op[1], ctx):
+                if bool(ctx & op[1][0]) == op[1][1]:
                     stack.append(pc + 1)
             else:
                 out.append(pc)
@@ -1622,15 +1603,6 @@ class Pattern:
         if work[0] > work[1]:
             raise PatternTooCostly(f"the string is too costly to match against pattern "
                                    f"{_quote(self.text)}")
-
-
-def _holds(kind: str, ctx: int) -> bool:
-    if kind == "^":
-        return bool(ctx & _AT_START)
-    if kind == "$":
-        return bool(ctx & _AT_END)
-    boundary = bool(ctx & _PREV_WORD) != bool(ctx & _NEXT_WORD)
-    return boundary if kind == "b" else not boundary
 
 
 # ==== 7. Schema validation ====
@@ -1719,28 +1691,13 @@ def _pointer(path: Iterable[str | int]) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
+_KINDS = {bool: "boolean", type(None): "null", dict: "object", list: "array", str: "string"}
+
+
 def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
     if isinstance(value, Num):
         return "integer" if value.is_integer() else "number"
-    return {dict: "object", list: "array", str: "string"}[type(value)]
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """JSON equality: numbers by exact value (their normal forms), objects without regard to
-    order. Costs at most the size of the smaller value."""
-    if isinstance(a, Num) and isinstance(b, Num):
-        return a.normal() == b.normal()
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return a == b
+    return _KINDS[type(value)]
 
 
 def _compare(a: tuple[int, str, int], b: tuple[int, str, int]) -> int:
@@ -1812,11 +1769,10 @@ class Schema:
         self.patterns: dict[str, Pattern] = {}     # each compiled once, by its text
         self._schemas: dict[tuple, Any] = {}        # every compiled subschema, by location
         self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
-        # By the id of each schema object (the tree is kept, so ids stay unique): where it
-        # is, and what one evaluation of it costs (fixed, per member of the value) and runs
+        # By the id of each schema object (the tree is kept, so ids stay unique): what one
+        # evaluation of it costs (fixed, per member of the value), runs, and where it is
         # (_plan); by the id of each enum and const value, how a mismatch shows it.
-        self.where: dict[int, tuple] = {}
-        self.plans: dict[int, tuple[int, int, tuple]] = {}
+        self.plans: dict[int, tuple[int, int, tuple, tuple]] = {}
         self.shown: dict[int, str] = {}
         self._compile(self.root, ())
         self._check_refs()
@@ -1825,50 +1781,44 @@ class Schema:
         """Every $ref names a subschema we compiled, and following $refs and the keywords
         that apply to the same value (allOf, not, if, ...) never comes back to where it
         started, nor runs longer than MAX_SCHEMA_CHAIN: a schema that could recurse
-        without consuming input is refused here, not discovered while checking."""
+        without consuming input is refused here, not discovered while checking. Nor does
+        one value get checked against more than MAX_SCHEMA_FAN_OUT subschemas that way."""
         for ref, target in self._refs.items():
             if target not in self._schemas:
                 raise SchemaError(f"$ref {_quote(ref)} does not name a schema")
         longest: dict[tuple, int | None] = {}
-        for start in self._schemas:
-            self._chain(start, longest)
         fan: dict[tuple, int] = {}
         for start in self._schemas:
-            self._fan_out(start, fan)
-
-    def _fan_out(self, at: tuple, fan: dict) -> int:
-        """How many subschemas one value checked against ``at`` is checked against, through
-        the keywords that apply to the same value: a count over the graph of references,
-        memoised (it has no cycle, _chain saw to that). The depth of a chain is bounded, its
-        breadth is not: 31 levels each an allOf of two $refs to the next, 1.3 KB, check every
-        value 2^32 times."""
-        found = fan.get(at)
-        if found is None:
-            found = 1 + sum(self._fan_out(nxt, fan)
-                            for nxt in self._same_value_children(at, self._schemas[at]))
+            self._chain(start, longest, fan)
+        # The depth of a chain is bounded, its breadth is not: 31 levels each an allOf of two
+        # $refs to the next, 1.3 KB, check every value 2^32 times. The first location the
+        # walk finished past the limit is named.
+        for at, found in fan.items():
             if found > MAX_SCHEMA_FAN_OUT:
                 raise SchemaError(
                     f"the schema at #{_pointer(at)} makes one value be checked against more "
                     f"than {MAX_SCHEMA_FAN_OUT} subschemas (through $ref, allOf, anyOf, oneOf, "
                     "not, if, then, else and dependentSchemas)")
-            fan[at] = found
-        return found
 
-    def _chain(self, at: tuple, longest: dict) -> int:
+    def _chain(self, at: tuple, longest: dict, fan: dict) -> int:
         """The longest chain from ``at`` through the keywords that apply to the same value;
-        ``longest`` holds it for each location done, and None for each on the way to it."""
+        ``longest`` holds it for each location done, and None for each on the way to it.
+        ``fan`` gets, for each location done, how many subschemas one value checked against
+        it is checked against through those keywords: a count over the graph, never a walk
+        of every path."""
         if at in longest:
             if longest[at] is None:
                 raise SchemaError(f"the schema at #{_pointer(at)} refers to itself through "
                                   "$ref without consuming input")
             return longest[at]
         longest[at] = None
-        depth = max((1 + self._chain(nxt, longest)
-                     for nxt in self._same_value_children(at, self._schemas[at])), default=0)
+        children = self._same_value_children(at, self._schemas[at])
+        depth = max((1 + self._chain(nxt, longest, fan) for nxt in children), default=0)
         if depth > MAX_SCHEMA_CHAIN:
             raise SchemaError(f"the schema at #{_pointer(at)} chains more than "
                               f"{MAX_SCHEMA_CHAIN} references and combinators")
         longest[at] = depth
+        fan[at] = 1 + sum(fan[nxt] for nxt in children)
         return depth
 
     def _same_value_children(self, at: tuple, node: Any) -> list[tuple]:
@@ -1896,8 +1846,7 @@ class Schema:
                 raise SchemaError(f"schema at {where} uses {_quote(key)}, "
                                   "a keyword this validator does not implement")
             self._keyword(key, val, at + (key,))
-        self.where[id(node)] = at
-        self.plans[id(node)] = _plan(node)
+        self.plans[id(node)] = _plan(node, at)
 
     def _keyword(self, key: str, val: Any, at: tuple) -> None:
         where = "#" + _pointer(at)
@@ -1926,18 +1875,15 @@ class Schema:
                 self._regex(place[0], where)
             self._compile(sub, at + place)
 
-    def _regex(self, pattern: str, where: str) -> Pattern:
-        """The pattern compiled once per schema (by its text), or SchemaError naming where
-        it is and why it is refused."""
-        found = self.patterns.get(pattern)
-        if found is None:
+    def _regex(self, pattern: str, where: str) -> None:
+        """Compile the pattern once per schema (by its text), or raise SchemaError naming
+        where it is and why it is refused."""
+        if pattern not in self.patterns:
             try:
-                found = Pattern(pattern)
+                self.patterns[pattern] = Pattern(pattern)
             except SchemaError as exc:
                 raise SchemaError(f"{where}: pattern does not compile: {_quote(pattern)}: "
                                   f"{exc}") from None
-            self.patterns[pattern] = found
-        return found
 
     def _resolve(self, ref: str) -> tuple:
         """The location a local reference names (RFC 6901 within this document).
@@ -1945,12 +1891,11 @@ class Schema:
         if not ref.startswith("#"):
             raise SchemaError(f"$ref {_quote(ref)} is outside the schema; "
                               "only references within the schema are resolved")
-        frag = ref[1:]
-        frag = urllib.parse.unquote(frag)
+        frag = urllib.parse.unquote(ref[1:])
         if frag and not frag.startswith("/"):
             raise SchemaError(f"$ref {_quote(ref)} is not a JSON pointer")
         node, at = self.root, ()
-        for part in frag.split("/")[1:] if frag else []:
+        for part in frag.split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and part in node:
                 node, at = node[part], at + (part,)
@@ -1972,7 +1917,7 @@ class Schema:
         if value is NOT_PARSED:
             value = parse_json(raw)
         try:
-            errors = _Check(self, MAX_SCHEMA_EVALUATIONS).run(value)
+            errors = _Check(self, MAX_SCHEMA_EVALUATIONS).failures(self.root, value, [])
         except RecursionError:      # a refusal, never an acceptance
             raise SchemaError("the arguments are nested too deeply to check against this "
                               "schema") from None
@@ -1989,7 +1934,7 @@ class Schema:
         CheckTooCostly when the budget runs out, never answering either way."""
         check = _Check(self, budget)
         try:
-            errors = check.run(value)
+            errors = check.failures(self.root, value, [])
         except RecursionError:
             raise CheckTooCostly((), "") from None
         return not errors, check.left
@@ -2010,8 +1955,8 @@ class Schema:
 
 class _Check:
     """One check of a value against a compiled Schema, which every call of its tool shares:
-    what is left of the budget this check spends (see Schema), and the keys uniqueItems
-    gave the arrays and objects of the value. Its check_ methods are the keyword checks,
+    what is left of the budget this check spends (see Schema), and the keys (``key``) given
+    to the arrays and objects compared so far. Its check_ methods are the keyword checks,
     one for each keyword or family of keywords read together (_CHECKS)."""
 
     def __init__(self, schema: Schema, budget: int):
@@ -2019,9 +1964,10 @@ class _Check:
         self._keys: dict[int, int] = {}
         self._interned: dict[tuple, int] = {}
 
-    def run(self, value: Any) -> _Failures:
+    def failures(self, node: Any, value: Any, path: list) -> _Failures:
+        """How the value at ``path`` fails ``node``: none when it passes."""
         errors = _Failures()
-        self.validate(self.schema.root, value, [], errors)
+        self.validate(node, value, path, errors)
         return errors
 
     def validate(self, node: Any, value: Any, path: list, errors: _Failures) -> None:
@@ -2031,7 +1977,7 @@ class _Check:
                 errors.add(path, "no value is allowed here")
             return
         try:
-            fixed, per_member, plan = self.schema.plans[id(node)]
+            fixed, per_member, plan, at = self.schema.plans[id(node)]
             # deep in a value, each member's path (a list) is copied: that costs too
             fixed += len(path) // LEVELS_PER_EVALUATION
             loops = per_member and type(value) in (list, dict)
@@ -2042,18 +1988,13 @@ class _Check:
         except CheckTooCostly as exc:
             # Spent inside this schema object or a boolean schema under it: name this one.
             # Never caught on the way up (not, anyOf, ...): it is never read as a mismatch.
-            exc.at = self.schema.where[id(node)] if exc.at is None else exc.at
+            exc.at = at if exc.at is None else exc.at
             raise
 
     def spend(self, units: int, path: list) -> None:
         self.left -= units
         if self.left < 0:
             raise CheckTooCostly(None, _pointer(path))
-
-    def passes(self, node: Any, value: Any, path: list) -> bool:
-        errors = _Failures()
-        self.validate(node, value, path, errors)
-        return not errors
 
     def found(self, pattern: str, text: str, path: list, errors: _Failures) -> bool:
         """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
@@ -2073,10 +2014,11 @@ class _Check:
         return found
 
     def key(self, value: Any) -> Any:
-        """A key that is equal for two values exactly when they are _equal: numbers by
-        normal form, arrays and objects interned to a number once per call (by the id of the
-        parsed value, alive for the call), so checking uniqueItems of the same array again
-        never walks or hashes its contents again."""
+        """A key that is equal for two values exactly when they are equal as JSON: numbers by
+        exact value (their normal forms), objects without regard to order. Arrays and objects
+        are interned to a number once per call (by the id of the parsed value or the schema's
+        value, alive for the call), so comparing the same array again (uniqueItems, enum,
+        const) never walks or hashes its contents again."""
         kind = type(value)
         if kind is Num:
             return ("n",) + value.normal()
@@ -2095,16 +2037,16 @@ class _Check:
     def check_type(self, node, want, value, path, errors):
         names = want if isinstance(want, list) else [want]
         kind = _kind(value)
-        if kind in names or (kind == "integer" and "number" in names):
-            return
-        errors.add(path, f"got {kind}, want {' or '.join(names)}")
+        if kind not in names and not (kind == "integer" and "number" in names):
+            errors.add(path, f"got {kind}, want {' or '.join(names)}")
 
     def check_enum(self, node, options, value, path, errors):
-        if not any(_equal(value, o) for o in options):
+        key = self.key(value)
+        if all(self.key(o) != key for o in options):
             errors.add(path, "value must be one of " + self.schema.shown[id(options)])
 
     def check_const(self, node, const, value, path, errors):
-        if not _equal(value, const):
+        if self.key(value) != self.key(const):
             errors.add(path, f"value must be {self.schema.shown[id(const)]}")
 
     def check_range(self, node, _unused, value, path, errors):
@@ -2129,10 +2071,9 @@ class _Check:
     def check_counts(self, node, _unused, value, path, errors):
         low, high, noun = _COUNTED[type(value)]
         n = len(value)
-        if low in node and _compare_count(n, node[low]) < 0:
-            errors.add(path, f"{low}: got {n} {noun}, want {node[low].text}")
-        if high in node and _compare_count(n, node[high]) > 0:
-            errors.add(path, f"{high}: got {n} {noun}, want {node[high].text}")
+        for key, outside in ((low, -1), (high, 1)):     # below the least, above the most
+            if key in node and _compare_count(n, node[key]) == outside:
+                errors.add(path, f"{key}: got {n} {noun}, want {node[key].text}")
 
     def check_required(self, node, names, value, path, errors):
         missing = [name for name in names if name not in value]
@@ -2167,7 +2108,7 @@ class _Check:
 
     def check_property_names(self, node, sub, value, path, errors):
         for name in value:
-            if not self.passes(sub, name, path):
+            if self.failures(sub, name, path):
                 errors.add(path, f"property name {_quote(name)} is not allowed")
 
     def check_items(self, node, _unused, value, path, errors):
@@ -2185,11 +2126,10 @@ class _Check:
             self.validate(sub, item, path + [i], errors)
 
     def check_contains(self, node, sub, value, path, errors):
-        n = sum(1 for i, item in enumerate(value) if self.passes(sub, item, path + [i]))
-        low = node.get("minContains")
-        if (_compare_count(n, low) < 0) if low is not None else n < 1:
-            want = low.text if low is not None else "1"
-            errors.add(path, f"contains: {n} items match, want at least {want}")
+        n = sum(1 for i, item in enumerate(value) if not self.failures(sub, item, path + [i]))
+        low = node.get("minContains", _ONE)
+        if _compare_count(n, low) < 0:
+            errors.add(path, f"contains: {n} items match, want at least {low.text}")
         if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
             errors.add(path, f"contains: {n} items match, want at most {node['maxContains'].text}")
 
@@ -2207,20 +2147,20 @@ class _Check:
             self.validate(sub, value, path, errors)
 
     def check_any_of(self, node, subs, value, path, errors):
-        if not any(self.passes(sub, value, path) for sub in subs):
+        if all(self.failures(sub, value, path) for sub in subs):
             errors.add(path, "does not match any schema of anyOf")
 
     def check_one_of(self, node, subs, value, path, errors):
-        n = sum(1 for sub in subs if self.passes(sub, value, path))
+        n = sum(1 for sub in subs if not self.failures(sub, value, path))
         if n != 1:
             errors.add(path, f"matches {n} schemas of oneOf, want exactly one")
 
     def check_not(self, node, sub, value, path, errors):
-        if self.passes(sub, value, path):
+        if not self.failures(sub, value, path):
             errors.add(path, "matches a schema it must not match")
 
     def check_if(self, node, cond, value, path, errors):
-        branch = node.get("then") if self.passes(cond, value, path) else node.get("else")
+        branch = node.get("else") if self.failures(cond, value, path) else node.get("then")
         if branch is not None:
             self.validate(branch, value, path, errors)
 
@@ -2229,13 +2169,11 @@ class _Check:
 
     def check_dependent(self, node, deps, value, path, errors):
         for name, dep in deps.items():
-            if name not in value:
-                continue
-            if isinstance(dep, list):
+            if name in value and isinstance(dep, list):
                 for need in dep:
                     if need not in value:
                         errors.add(path, f"property {_quote(need)} is required with {_quote(name)}")
-            else:
+            elif name in value:
                 self.validate(dep, value, path, errors)
 
 
@@ -2243,10 +2181,7 @@ class _Failures(list):
     """The failures of one check, as (pointer, detail): the first MAX_SCHEMA_ERRORS kept and
     the rest only counted. A check may fail hundreds of thousands of times within its budget,
     each detail quoting a 10,000-character number; holding them all would take gigabytes."""
-
-    def __init__(self):
-        super().__init__()
-        self.more = 0
+    more = 0        # the failures past the first MAX_SCHEMA_ERRORS
 
     def add(self, path: list, detail: str) -> None:
         """Record that the value at ``path`` fails, for ``detail``."""
@@ -2257,6 +2192,7 @@ class _Failures(list):
 
 
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
+_ONE = Num("1")         # the matching items contains wants, unless minContains says
 
 
 def _show(value: Any) -> str:
@@ -2291,12 +2227,12 @@ _CHECKS: dict[str, tuple[Callable, type]] = {
 }
 
 
-def _plan(node: dict) -> tuple[int, int, tuple]:
-    """What one evaluation of a schema object costs, fixed (one per keyword that checks
-    anything, at least one, and one per value its keywords compare with or name they
+def _plan(node: dict, at: tuple) -> tuple[int, int, tuple, tuple]:
+    """What one evaluation of the schema object at ``at`` costs, fixed (one per keyword that
+    checks anything, at least one, and one per value its keywords compare with or name they
     require) and per member of the value when a keyword loops over them (one, and one per
-    patternProperties regex); and the checks it runs, in order: (check, the type of value it
-    constrains, the keyword's value)."""
+    patternProperties regex); the checks it runs, in order: (check, the type of value it
+    constrains, the keyword's value); and ``at``, named when checking runs out of budget."""
     fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
     fixed += sum(_size(o) for o in node.get("enum", ()))
     fixed += _size(node["const"]) if "const" in node else 0
@@ -2309,7 +2245,7 @@ def _plan(node: dict) -> tuple[int, int, tuple]:
         entry = _CHECKS.get(key)
         if entry:       # keywords read together once; dependent* each, by their keyword
             checks.setdefault(entry if entry in _TOGETHER.values() else key, (*entry, val))
-    return fixed, per_member, tuple(checks.values())
+    return fixed, per_member, tuple(checks.values()), at
 
 
 def compile_schema(raw: bytes) -> Schema:

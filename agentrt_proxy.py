@@ -11516,12 +11516,8 @@ WRAP_NO_WINDOW = "0s"                  # the repeat_window suggested for an idem
 WRAP_OFFER_OUTCOME = "require_approval"  # in the rule that offers a tool wrap left out
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
-class WrappedEntry:
-    """One entry of the host's servers: the proxy's server entry, or why there is none."""
-    key: str
-    server: dict | None
-    why: str = ""
+# One entry of the host's servers: the proxy's server entry, or None and why there is none.
+WrappedEntry = collections.namedtuple("WrappedEntry", "key server why", defaults=("",))
 
 
 def host_config_paths(host: str, platform: str = sys.platform, environ=None,
@@ -11572,25 +11568,24 @@ def read_host_config(host: str, path: str) -> tuple[bytes, dict]:
 def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
     """Every server entry of the host's file, translated or with why it is not."""
     found, names = [], set()
-    variables = _host_variables(host, path)
+    # The host's ${...} variables whose value is known here: VS Code's workspace folder for
+    # a workspace's .vscode/mcp.json, and the user's home.
+    variables = {"userHome": os.path.expanduser("~")}
+    parent = os.path.dirname(path)
+    if host == "vscode" and os.path.basename(parent) == ".vscode":
+        variables["workspaceFolder"] = os.path.dirname(parent)
     for key, entry in doc[_HOST_SERVERS[host]].items():
         try:
             server = _translate_entry(key, entry, variables)
         except ConfigError as exc:
             found.append(WrappedEntry(key, None, str(exc)))
             continue
-        found.append(WrappedEntry(key, {"name": _unique_name(key, names), **server}))
+        # The host's name as a proxy server name: letters, digits, _ and - only, short enough
+        # that its tools' names fit, and not one already taken.
+        name = _unused_name(_WRAP_UNSAFE.sub("_", key)[:WRAP_NAME_LEN] or "server", names)
+        names.add(name)
+        found.append(WrappedEntry(key, {"name": name, **server}))
     return found
-
-
-def _host_variables(host: str, path: str) -> dict[str, str]:
-    """The host's ${...} variables whose value is known here: VS Code's workspace folder
-    for a workspace's .vscode/mcp.json, and the user's home."""
-    known = {"userHome": os.path.expanduser("~")}
-    parent = os.path.dirname(path)
-    if host == "vscode" and os.path.basename(parent) == ".vscode":
-        known["workspaceFolder"] = os.path.dirname(parent)
-    return known
 
 
 def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
@@ -11618,13 +11613,9 @@ def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
     command += [_host_text(arg, f"args[{i}]", variables) for i, arg in enumerate(args)]
     if not command[0]:
         raise ConfigError("command is empty")
-    server: dict[str, Any] = {"command": command}
     env, inherit = _host_env(entry.get("env", {}), variables)
-    if env:
-        server["env"] = env
-    if inherit:
-        server["inherit_env"] = inherit
-    return server
+    given = {"command": command, "env": env, "inherit_env": inherit}
+    return {field: value for field, value in given.items() if value}
 
 
 def _host_text(value: Any, field: str, variables: dict[str, str]) -> str:
@@ -11656,15 +11647,12 @@ def _host_env(env: Any, variables: dict[str, str]) -> tuple[list[str], list[str]
     return entries, inherit
 
 
-def _unique_name(key: str, taken: set[str]) -> str:
-    """The host's name as a proxy server name: letters, digits, _ and - only, short enough
-    that its tools' names fit, and not one already taken."""
-    base = _WRAP_UNSAFE.sub("_", key)[:WRAP_NAME_LEN] or "server"
+def _unused_name(base: str, taken: Iterable[str]) -> str:
+    """``base``, or the first of base-2, base-3, ... not taken, cut to WRAP_NAME_LEN."""
     name, n = base, 1
     while name in taken:
         n += 1
         name = f"{base[:WRAP_NAME_LEN - len(str(n)) - 1]}-{n}"
-    taken.add(name)
     return name
 
 
@@ -11674,9 +11662,8 @@ def suggest_class(ann: Any) -> tuple[str, str]:
     hints = _read_hints(ann)
 
     def said(hint: str) -> str:
-        if _hint(ann, hint) is None:
-            return f"missing (MCP's default: {dump_json(hints[hint])})"
-        return dump_json(hints[hint])
+        shown = dump_json(hints[hint])
+        return shown if _hint(ann, hint) is not None else f"missing (MCP's default: {shown})"
     if hints["readOnlyHint"]:
         return "read_only", "readOnlyHint is true"
     if hints["destructiveHint"]:
@@ -11748,9 +11735,7 @@ def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
         if server and name.startswith(server + "_") and name not in taken:
             rule["rename"] = name
         out[name] = rule
-    if policy is None:
-        return out
-    dropped = left_out(out, server, policy)
+    dropped = left_out(out, server, policy) if policy is not None else {}
     return {name: rule for name, rule in out.items() if name not in dropped}
 
 
@@ -11758,11 +11743,8 @@ def left_out(rules: dict[str, dict], server: str, policy: "ProxyPolicy") -> dict
     """The suggested rules whose tool ``policy`` denies on every call (ProxyPolicy.never_runs),
     each as the rule that offers it with every call asking. Written as suggested, such a rule
     would offer the model a tool it can never use, and it would waste its calls on it."""
-    out = {}
-    for name, rule in rules.items():
-        if policy.never_runs(rule_tool(server, name, _parse_rule(rule, f"rules.{name}"))):
-            out[name] = {**rule, "outcome": WRAP_OFFER_OUTCOME}
-    return out
+    return {name: {**rule, "outcome": WRAP_OFFER_OUTCOME} for name, rule in rules.items()
+            if policy.never_runs(rule_tool(server, name, _parse_rule(rule, f"rules.{name}")))}
 
 
 def _rule_line(name: str, rule: dict) -> str:
@@ -11815,13 +11797,7 @@ def gated_host_doc(host: str, doc: dict, wrapped: Iterable[str], entry: dict) ->
     top-level keys and the servers not wrapped are kept as they are."""
     key = _HOST_SERVERS[host]
     kept = {k: v for k, v in doc[key].items() if k not in set(wrapped)}
-    name, n = WRAP_ENTRY, 1
-    while name in kept:
-        n += 1
-        name = f"{WRAP_ENTRY}-{n}"
-    out = dict(doc)
-    out[key] = {name: entry, **kept}
-    return out
+    return {**doc, key: {_unused_name(WRAP_ENTRY, kept): entry, **kept}}
 
 
 def write_host_config(path: str, read: bytes, doc: dict, now: float) -> str:
@@ -11963,9 +11939,7 @@ async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, d
         except (ProxyError, OSError) as exc:
             out.line(f"server {_quote(server.name)}: not pinned: {sanitize(str(exc))}; "
                      f"run pin once it starts")
-    for server in cfg.servers:
-        if server.name not in pins:
-            continue
+    for server in [s for s in cfg.servers if s.name in pins]:
         tools = pins[server.name]["tools"]
         out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "

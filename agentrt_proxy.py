@@ -11022,20 +11022,16 @@ def check_rules_pinned(server: ServerConfig, pinned: dict[str, PinnedTool]) -> N
                        f"does not pin: {', '.join(unknown)}")
 
 
-def read_pinned(server: ServerConfig, config_path: str = "") -> dict[str, PinnedTool]:
-    """The server's manifest, as loading takes it: it must exist and parse."""
+async def _load_one(server: ServerConfig, config_path: str,
+                    ) -> tuple[list[UpstreamTool], Report]:
+    """Load the server against its manifest, which must exist and parse."""
     pinned, unread = previous_pin(server)
     if unread:
         raise MCPError(f"server {_quote(server.name)}: manifest: {unread}")
     if pinned is None:
         raise MCPError(f"server {_quote(server.name)}: manifest {server.manifest} does not "
                        f"exist: run {_self_command()} pin -config {config_path or 'CONFIG'}")
-    return pinned
-
-
-async def _load_one(server: ServerConfig, config_path: str = "",
-                    ) -> tuple[list[UpstreamTool], Report]:
-    return await load_server(server, read_pinned(server, config_path))
+    return await load_server(server, pinned)
 
 
 async def close_tools(tools: list[UpstreamTool]) -> None:
@@ -11049,10 +11045,7 @@ async def close_tools(tools: list[UpstreamTool]) -> None:
 def _hints_text(ann: dict | None) -> str:
     if ann is None:
         return "no annotations"
-    flags = [label for hint, label in (("readOnlyHint", "readOnly"),
-                                       ("destructiveHint", "destructive"),
-                                       ("idempotentHint", "idempotent"),
-                                       ("openWorldHint", "openWorld")) if ann.get(hint) is True]
+    flags = [hint[:-len("Hint")] for hint in _MCP_HINTS if ann.get(hint) is True]
     return ",".join(flags) or "claims nothing"
 
 
@@ -11430,11 +11423,6 @@ class _LineCutter:
         return rest
 
 
-def _read_ahead_cost(line: bytes) -> int:
-    """What a line read ahead counts against READ_AHEAD_BYTES."""
-    return len(line) + READ_AHEAD_LINE_COST
-
-
 class LineReader:
     """Lines of the host's input, read by a daemon thread of their own, so that a signal can
     end serving while a read is blocked. The descriptor is read directly: a thread blocked
@@ -11470,7 +11458,7 @@ class LineReader:
         if item is not None:
             with self._room:
                 self._room.wait_for(lambda: self._ahead <= READ_AHEAD_BYTES)
-                self._ahead += _read_ahead_cost(item)
+                self._ahead += len(item) + READ_AHEAD_LINE_COST
         with contextlib.suppress(RuntimeError):     # the loop is closed: serving ended
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -11478,7 +11466,7 @@ class LineReader:
         item = await self.queue.get()
         if item is not None:
             with self._room:
-                self._ahead -= _read_ahead_cost(item)
+                self._ahead -= len(item) + READ_AHEAD_LINE_COST
                 self._room.notify()
         return item
 

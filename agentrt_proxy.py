@@ -7245,6 +7245,11 @@ class _ConfigObject:
     def obj(self, name: str) -> dict:
         return self._get(name, (dict,), "an object", {})
 
+    def repeat(self) -> str:
+        """What an identical call within the window meets; "" where the field is not given."""
+        return self._get("repeat", (str,), '"refuse" or "ask"', "",
+                         lambda value: value in ("", *REPEATS))
+
 
 # The fields a file may give: the records' own, less those the loader itself fills in.
 _TOP_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"path", "policy_given"}
@@ -7310,7 +7315,7 @@ def parse_config(raw: bytes, path: str) -> Config:
         servers=tuple(servers), policy=tuple(policy.items()),
         hold=top.duration("hold", DEFAULT_HOLD),
         repeat_window=top.duration("repeat_window", DEFAULT_REPEAT_WINDOW),
-        repeat=_parse_repeat(top) or "refuse",
+        repeat=top.repeat() or "refuse",
         max_pending=max_pending or DEFAULT_MAX_PENDING,
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
@@ -7365,17 +7370,18 @@ def check_reach(cfg: Config) -> None:
     reaches by other means."""
     # SQLite names the sidecars after the path it opened: beside the name given and beside
     # the file it resolves to. A server that can rewrite the proxy's own code rewrites the gate.
-    db = (cfg.database, _real_path(cfg.database)) if cfg.database else ()
+    # os.path.realpath resolves a path that does not exist yet through its directory.
+    db = (cfg.database, os.path.realpath(cfg.database)) if cfg.database else ()
     here = os.path.abspath(__file__)
     protected = [p for p in (cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
-                             *(s.manifest for s in cfg.servers), here, _real_path(here)) if p]
+                             *(s.manifest for s in cfg.servers), here, os.path.realpath(here)) if p]
     base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
     idents: dict[tuple[int, int], str] = {}     # a protected file, or a directory holding one
     unborn: dict[str, str] = {}                 # one that does not exist yet, by its real path
     for path in protected:
         if not os.path.lexists(path):
-            unborn.setdefault(_real_path(path), path)
-        for start in (os.path.abspath(path), _real_path(path)):
+            unborn.setdefault(os.path.realpath(path), path)
+        for start in (os.path.abspath(path), os.path.realpath(path)):
             for ancestor in _ancestors(start):
                 with contextlib.suppress(OSError):
                     st = os.stat(ancestor)
@@ -7388,7 +7394,7 @@ def check_reach(cfg: Config) -> None:
                 st = os.stat(candidate)
                 hit = idents.get((st.st_dev, st.st_ino))
             except OSError:
-                hit = unborn.get(_real_path(candidate))
+                hit = unborn.get(os.path.realpath(candidate))
             if hit:
                 raise ConfigError(
                     f"server {_quote(server.name)}: the argument {_quote(arg)} reaches "
@@ -7401,15 +7407,6 @@ def _ancestors(path: str) -> list[str]:
     while os.path.dirname(out[-1]) != out[-1]:
         out.append(os.path.dirname(out[-1]))
     return out
-
-
-def _real_path(path: str) -> str:
-    """Absolute, symbolic links resolved; a path that does not exist yet is resolved through
-    its directory."""
-    path = os.path.abspath(path)
-    if os.path.lexists(path):
-        return os.path.realpath(path)
-    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
 def _reach_candidates(arg: str) -> list[str]:
@@ -7462,13 +7459,6 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
         skip_path_check=f.flag("skip_path_check"), cwd=base)
 
 
-def _parse_repeat(f: _ConfigObject) -> str:
-    repeat = f.doc.get("repeat", "")
-    if repeat != "" and not (isinstance(repeat, str) and repeat in REPEATS):
-        raise ConfigError(f'{f.where}: repeat must be "refuse" or "ask"')
-    return repeat
-
-
 def _parse_rule(doc: Any, where: str) -> Rule:
     f = _ConfigObject(doc, where, _RULE_FIELDS)
     outcome = f.text("outcome")
@@ -7484,7 +7474,7 @@ def _parse_rule(doc: Any, where: str) -> Rule:
                 terminal=f.flag("terminal"), description=f.text("description"),
                 deny=f.texts("deny"), fixed=fixed, rename=f.text("rename"),
                 allow_hint_mismatch=f.flag("allow_hint_mismatch"), outcome=outcome,
-                repeat_window=f.duration("repeat_window", None), repeat=_parse_repeat(f),
+                repeat_window=f.duration("repeat_window", None), repeat=f.repeat(),
                 when=parse_conditions(f.doc.get("when"), where),
                 limits=parse_limits(f.doc.get("limits"), where))
 
@@ -10973,9 +10963,7 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
     after another. After a failure the servers later in the order are stopped, and every
     server opened is closed."""
     loads = [asyncio.create_task(_load_one(server, cfg.path)) for server in cfg.servers]
-    tools: list[UpstreamTool] = []
-    reports: list[Report] = []
-    owners: dict[str, str] = {}
+    tools, reports, owners = [], [], {}      # owners: each name's server
     failure: MCPError | None = None
     try:
         for server, load in zip(cfg.servers, loads):
@@ -11225,10 +11213,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     ended = asyncio.Event()              # the host closed its input
 
     async def feed() -> None:
-        while True:
-            line = await lines.next()
-            if line is None:
-                break
+        while (line := await lines.next()) is not None:
             if line.strip():
                 await host.take(line)
             await host.room(writer.queue.qsize)
@@ -11418,9 +11403,7 @@ class _LineCutter:
 
     def rest(self) -> list[bytes]:
         """At the end of the input: a last line without its line end."""
-        rest = [b"".join(self.parts)] if self.parts and not self.skipping else []
-        self.parts, self.size = [], 0
-        return rest
+        return [b"".join(self.parts)] if self.parts and not self.skipping else []
 
 
 class LineReader:
@@ -11882,8 +11865,7 @@ async def cmd_wrap(args, out: Out) -> int:
                  "wrap again with -rules suggested)")
     entry = host_entry(args.host, config_path)
     out.line(f"the {args.host} entry that starts the proxy instead of the servers it wraps:")
-    out.line(_JSON_INERT.sub(_json_escape, _pretty(
-        {_HOST_SERVERS[args.host]: {WRAP_ENTRY: entry}}, cut=False)))
+    out.json({_HOST_SERVERS[args.host]: {WRAP_ENTRY: entry}})
     pinned_all = len(pins) == len(servers)
     if not written:
         out.line("nothing was written; run again with -write to write it")

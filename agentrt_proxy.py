@@ -11143,15 +11143,26 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
         finally:
             store.close()
         policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
-        lines = _table(_decisions(cfg, tools, policy))
+        rows, lines = [], []
         for tool in tools:
+            # Each offered tool, its class, and what the configuration's policy makes of a
+            # call to it. A tool that changes something and is allowed only because no policy
+            # or rule said otherwise is marked: that is a default the operator never chose.
+            outcome, _ = policy.decide(tool)
+            cls = tool.spec.side_effect
+            why = ("by its rule" if tool.rule.outcome else
+                   "by the policy" if cls in cfg.policy_given else "by the default policy")
+            note = "  (a mutating tool allowed by default: set policy or outcome to change it)" \
+                if outcome == "allow" and cls != "read_only" and why == "by the default policy" \
+                else ""
+            rows.append([tool.spec.name, cls, f"-> {outcome}", why + note])
             if policy.never_runs(tool):       # offered, yet every call the model makes is lost
                 lines.append(f"{sanitize(tool.spec.name)}: denied on every call: remove its "
                              "rule to stop offering it")
-            lines += rule_lines(tool, policy.decide(tool)[0])
+            lines += rule_lines(tool, outcome)
         lines += [f"status tool: {sanitize(cfg.status_tool)}", f"session: {sanitize(cfg.session)}",
                   f"database: {sanitize(cfg.database)}"]
-        for line in lines + check_summary(tools, reports, policy):
+        for line in _table(rows) + lines + check_summary(tools, reports, policy):
             out.line(line)
     finally:
         await close_tools(tools)
@@ -11175,24 +11186,6 @@ def check_summary(tools: list[UpstreamTool], reports: list[Report], policy: "Pro
             f"its class {t.spec.side_effect}, which the policy denies"
         out.append(f"DENIED ON EVERY CALL {s(t.spec.name)}: by {by}")
     return out
-
-
-def _decisions(cfg: Config, tools: list[UpstreamTool], policy: "ProxyPolicy",
-               ) -> list[list[str]]:
-    """Each offered tool, its class, and what the configuration's policy makes of a call to
-    it. A tool that changes something and is allowed only because no policy or rule said
-    otherwise is marked: that is a default the operator never chose."""
-    rows = []
-    for tool in tools:
-        outcome, _ = policy.decide(tool)
-        cls = tool.spec.side_effect
-        why = ("by its rule" if tool.rule.outcome else
-               "by the policy" if cls in cfg.policy_given else "by the default policy")
-        note = "  (a mutating tool allowed by default: set policy or outcome to change it)" \
-            if outcome == "allow" and cls != "read_only" and why == "by the default policy" \
-            else ""
-        rows.append([tool.spec.name, cls, f"-> {outcome}", why + note])
-    return rows
 
 
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
@@ -11511,18 +11504,14 @@ def host_config_paths(host: str, platform: str = sys.platform, environ=None,
     return [os.path.join(cwd, ".cursor", "mcp.json"), os.path.join(home, ".cursor", "mcp.json")]
 
 
-def find_host_config(host: str, given: str | None) -> str:
-    if given:
-        return os.path.abspath(given)
-    paths = host_config_paths(host)
-    for path in paths:
-        if os.path.lexists(path):
-            return path
-    raise ConfigError(f"no {host} configuration at {' or '.join(paths)}: name it with "
-                      "-host-config PATH")
-
-
-def read_host_config(host: str, path: str) -> tuple[bytes, dict]:
+def read_host_config(host: str, given: str | None) -> tuple[str, bytes, dict]:
+    """The file named, or else the first of the host's that exists: its path, its bytes,
+    and the document they hold, which keeps the host's servers."""
+    paths = [os.path.abspath(given)] if given else host_config_paths(host)
+    path = next((p for p in paths if given or os.path.lexists(p)), "")
+    if not path:
+        raise ConfigError(f"no {host} configuration at {' or '.join(paths)}: name it with "
+                          "-host-config PATH")
     raw = read_owned(path)
     try:
         doc = parse_json(raw)
@@ -11533,7 +11522,7 @@ def read_host_config(host: str, path: str) -> tuple[bytes, dict]:
     if not isinstance(doc, dict) or not isinstance(doc.get(key), dict) or not doc[key]:
         raise ConfigError(f"{path}: no servers: a {host} configuration keeps them in an "
                           f"object named {_quote(key)}")
-    return raw, doc
+    return path, raw, doc
 
 
 def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
@@ -11674,10 +11663,9 @@ def suggests_no_window(ann: Any) -> str:
     destructiveHint false (default: true). Such a call repeated changes nothing more, yet the
     duplicate rule refuses it: an edit, add and commit loop's second git_add was DUPLICATE
     and staged nothing. The window also holds the seed's rule 4, so the text says that goes
-    too; both rest on hints, which the operator reads as claims."""
-    hints = _read_hints(ann)
-    if suggest_class(ann)[0] != "local_mutation" or not hints["idempotentHint"] or \
-            hints["destructiveHint"]:
+    too; both rest on hints, which the operator reads as claims. (A local_mutation is
+    suggested only where destructiveHint is false.)"""
+    if suggest_class(ann)[0] != "local_mutation" or not _read_hints(ann)["idempotentHint"]:
         return ""
     return (f'repeat_window "{WRAP_NO_WINDOW}": idempotentHint is true and destructiveHint '
             "is false, so an identical call runs again instead of answering DUPLICATE; this "
@@ -11807,8 +11795,7 @@ async def cmd_wrap(args, out: Out) -> int:
     entry. Without -write nothing is written: it shows what -write would write. With -write
     it writes the configuration (the suggested rules in it with -rules suggested), the
     manifests, and, once every server is pinned, the host's file."""
-    host_path = find_host_config(args.host, args.host_config)
-    raw, doc = read_host_config(args.host, host_path)
+    host_path, raw, doc = read_host_config(args.host, args.host_config)
     found = translate_host(args.host, host_path, doc)
     servers = [f.server for f in found if f.server]
     if not servers:
@@ -11824,10 +11811,9 @@ async def cmd_wrap(args, out: Out) -> int:
     check_reach(cfg)                    # before anything is written or started
     out.line(f"read {sanitize(host_path)}: {len(servers)} server(s) to wrap" +
              ("" if args.write else "; nothing is written without -write"))
-    for f in found:
-        if f.server is None:
-            out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still "
-                     "starts it directly, outside the gate")
+    for f in [f for f in found if f.server is None]:
+        out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still starts "
+                 "it directly, outside the gate")
     policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
     pins = await _wrap_pin(cfg, out, policy)
     notify = suggested_on_pending(cfg.database)
@@ -11838,20 +11824,17 @@ async def cmd_wrap(args, out: Out) -> int:
                   ", to paste at the top level of the configuration:"))
         out.line(_JSON_INERT.sub(_json_escape, f'  "on_pending": {dump_json(notify)}'))
     if suggested:
-        for server in servers:
-            if server["name"] in pins:
-                server["rules"] = suggested_rules(pins[server["name"]]["tools"],
-                                                  server["name"],
-                                                  names_elsewhere(pins, server["name"]), policy)
+        for server, name in [(s, s["name"]) for s in servers if s["name"] in pins]:
+            server["rules"] = suggested_rules(pins[name]["tools"], name,
+                                              names_elsewhere(pins, name), policy)
         if notify:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
     parse_config(text.encode("utf-8"), config_path)     # what is written loads as written
     if written:
         write_new_owned(config_path, text.encode("utf-8"))
-        for server in cfg.servers:
-            if server.name in pins:
-                write_manifest(server.manifest, pins[server.name])
+        for server in [s for s in cfg.servers if s.name in pins]:
+            write_manifest(server.manifest, pins[server.name])
         out.line(f"wrote {sanitize(config_path)} (0600) and {len(pins)} manifest(s)")
     else:
         out.line(f"-write would write {sanitize(config_path)} (0600):")

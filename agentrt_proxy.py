@@ -11419,15 +11419,13 @@ class LineReader:
 
     def _run(self) -> None:
         fd, lines = _fileno(self.stream), _LineCutter()
-        try:
+        with contextlib.suppress(OSError, ValueError):      # the input is gone: its end
             while True:
                 chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
                 for line in lines.feed(chunk) if chunk else lines.rest():
                     self._put(line)
                 if not chunk:                # the end of the input
                     break
-        except (OSError, ValueError):
-            pass
         self._put(None)
 
     def _put(self, item: bytes | None) -> None:
@@ -11607,7 +11605,7 @@ def _host_env(env: Any, variables: dict[str, str]) -> tuple[list[str], list[str]
     return entries, inherit
 
 
-def _unused_name(base: str, taken: Iterable[str]) -> str:
+def _unused_name(base: str, taken: set[str] | dict[str, Any]) -> str:
     """``base``, or the first of base-2, base-3, ... not taken, cut to WRAP_NAME_LEN."""
     name, n = base, 1
     while name in taken:

@@ -7153,17 +7153,14 @@ class Config:
         merged) and, per server by name, each rule's class, outcome, fixed values, rename,
         conditions and limits, each given only when set. Descriptions, timeouts, hold,
         windows, TTLs and paths leave it unchanged."""
-        servers = []
-        for server in sorted(self.servers, key=lambda s: s.name):
-            rules = {}
-            for tool, rule in server.rules:
-                given = {"outcome": rule.outcome, "rename": rule.rename,
-                         "fixed": {k: RawJSON(v) for k, v in rule.fixed},
-                         "when": [c.written() for c in rule.when],
-                         "limits": [lim.written() for lim in rule.limits]}
-                rules[tool] = {"side_effect": rule.side_effect,
-                               **{k: v for k, v in given.items() if v}}
-            servers.append({"name": server.name, "rules": rules})
+        def written(rule: Rule) -> dict:
+            given = {"outcome": rule.outcome, "rename": rule.rename,
+                     "fixed": {k: RawJSON(v) for k, v in rule.fixed},
+                     "when": [c.written() for c in rule.when],
+                     "limits": [lim.written() for lim in rule.limits]}
+            return {"side_effect": rule.side_effect, **{k: v for k, v in given.items() if v}}
+        servers = [{"name": s.name, "rules": {tool: written(rule) for tool, rule in s.rules}}
+                   for s in sorted(self.servers, key=lambda s: s.name)]
         doc = dump_json({"policy": self.policy_map, "servers": servers}).encode()
         return POLICY_ID_PREFIX + sha256_hex(canonical_json(doc))
 

@@ -6963,17 +6963,14 @@ class Config:
         merged) and, per server by name, each rule's class, outcome, fixed values, rename,
         conditions and limits, each given only when set. Descriptions, timeouts, hold,
         windows, TTLs and paths leave it unchanged."""
-        servers = []
-        for server in sorted(self.servers, key=lambda s: s.name):
-            rules = {}
-            for tool, rule in server.rules:
-                given = {"outcome": rule.outcome, "rename": rule.rename,
-                         "fixed": {k: RawJSON(v) for k, v in rule.fixed},
-                         "when": [c.written() for c in rule.when],
-                         "limits": [lim.written() for lim in rule.limits]}
-                rules[tool] = {"side_effect": rule.side_effect,
-                               **{k: v for k, v in given.items() if v}}
-            servers.append({"name": server.name, "rules": rules})
+        def written(rule: Rule) -> dict:
+            given = {"outcome": rule.outcome, "rename": rule.rename,
+                     "fixed": {k: RawJSON(v) for k, v in rule.fixed},
+                     "when": [c.written() for c in rule.when],
+                     "limits": [lim.written() for lim in rule.limits]}
+            return {"side_effect": rule.side_effect, **{k: v for k, v in given.items() if v}}
+        servers = [{"name": s.name, "rules": {tool: written(rule) for tool, rule in s.rules}}
+                   for s in sorted(self.servers, key=lambda s: s.name)]
         doc = dump_json({"policy": self.policy_map, "servers": servers}).encode()
         return POLICY_ID_PREFIX + sha256_hex(canonical_json(doc))
 
@@ -7055,6 +7052,11 @@ class _ConfigObject:
     def obj(self, name: str) -> dict:
         return self._get(name, (dict,), "an object", {})
 
+    def repeat(self) -> str:
+        """What an identical call within the window meets; "" where the field is not given."""
+        return self._get("repeat", (str,), '"refuse" or "ask"', "",
+                         lambda value: value in ("", *REPEATS))
+
 
 # The fields a file may give: the records' own, less those the loader itself fills in.
 _TOP_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"path", "policy_given"}
@@ -7120,7 +7122,7 @@ def parse_config(raw: bytes, path: str) -> Config:
         servers=tuple(servers), policy=tuple(policy.items()),
         hold=top.duration("hold", DEFAULT_HOLD),
         repeat_window=top.duration("repeat_window", DEFAULT_REPEAT_WINDOW),
-        repeat=_parse_repeat(top) or "refuse",
+        repeat=top.repeat() or "refuse",
         max_pending=max_pending or DEFAULT_MAX_PENDING,
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
@@ -7175,17 +7177,18 @@ def check_reach(cfg: Config) -> None:
     reaches by other means."""
     # SQLite names the sidecars after the path it opened: beside the name given and beside
     # the file it resolves to. A server that can rewrite the proxy's own code rewrites the gate.
-    db = (cfg.database, _real_path(cfg.database)) if cfg.database else ()
+    # os.path.realpath resolves a path that does not exist yet through its directory.
+    db = (cfg.database, os.path.realpath(cfg.database)) if cfg.database else ()
     here = os.path.abspath(__file__)
     protected = [p for p in (cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
-                             *(s.manifest for s in cfg.servers), here, _real_path(here)) if p]
+                             *(s.manifest for s in cfg.servers), here, os.path.realpath(here)) if p]
     base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
     idents: dict[tuple[int, int], str] = {}     # a protected file, or a directory holding one
     unborn: dict[str, str] = {}                 # one that does not exist yet, by its real path
     for path in protected:
         if not os.path.lexists(path):
-            unborn.setdefault(_real_path(path), path)
-        for start in (os.path.abspath(path), _real_path(path)):
+            unborn.setdefault(os.path.realpath(path), path)
+        for start in (os.path.abspath(path), os.path.realpath(path)):
             for ancestor in _ancestors(start):
                 with contextlib.suppress(OSError):
                     st = os.stat(ancestor)
@@ -7198,7 +7201,7 @@ def check_reach(cfg: Config) -> None:
                 st = os.stat(candidate)
                 hit = idents.get((st.st_dev, st.st_ino))
             except OSError:
-                hit = unborn.get(_real_path(candidate))
+                hit = unborn.get(os.path.realpath(candidate))
             if hit:
                 raise ConfigError(
                     f"server {_quote(server.name)}: the argument {_quote(arg)} reaches "
@@ -7211,15 +7214,6 @@ def _ancestors(path: str) -> list[str]:
     while os.path.dirname(out[-1]) != out[-1]:
         out.append(os.path.dirname(out[-1]))
     return out
-
-
-def _real_path(path: str) -> str:
-    """Absolute, symbolic links resolved; a path that does not exist yet is resolved through
-    its directory."""
-    path = os.path.abspath(path)
-    if os.path.lexists(path):
-        return os.path.realpath(path)
-    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
 def _reach_candidates(arg: str) -> list[str]:
@@ -7272,13 +7266,6 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
         skip_path_check=f.flag("skip_path_check"), cwd=base)
 
 
-def _parse_repeat(f: _ConfigObject) -> str:
-    repeat = f.doc.get("repeat", "")
-    if repeat != "" and not (isinstance(repeat, str) and repeat in REPEATS):
-        raise ConfigError(f'{f.where}: repeat must be "refuse" or "ask"')
-    return repeat
-
-
 def _parse_rule(doc: Any, where: str) -> Rule:
     f = _ConfigObject(doc, where, _RULE_FIELDS)
     outcome = f.text("outcome")
@@ -7294,7 +7281,7 @@ def _parse_rule(doc: Any, where: str) -> Rule:
                 terminal=f.flag("terminal"), description=f.text("description"),
                 deny=f.texts("deny"), fixed=fixed, rename=f.text("rename"),
                 allow_hint_mismatch=f.flag("allow_hint_mismatch"), outcome=outcome,
-                repeat_window=f.duration("repeat_window", None), repeat=_parse_repeat(f),
+                repeat_window=f.duration("repeat_window", None), repeat=f.repeat(),
                 when=parse_conditions(f.doc.get("when"), where),
                 limits=parse_limits(f.doc.get("limits"), where))
 
@@ -10626,9 +10613,7 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
     after another. After a failure the servers later in the order are stopped, and every
     server opened is closed."""
     loads = [asyncio.create_task(_load_one(server, cfg.path)) for server in cfg.servers]
-    tools: list[UpstreamTool] = []
-    reports: list[Report] = []
-    owners: dict[str, str] = {}
+    tools, reports, owners = [], [], {}      # owners: each name's server
     failure: MCPError | None = None
     try:
         for server, load in zip(cfg.servers, loads):
@@ -10675,20 +10660,16 @@ def check_rules_pinned(server: ServerConfig, pinned: dict[str, PinnedTool]) -> N
                        f"does not pin: {', '.join(unknown)}")
 
 
-def read_pinned(server: ServerConfig, config_path: str = "") -> dict[str, PinnedTool]:
-    """The server's manifest, as loading takes it: it must exist and parse."""
+async def _load_one(server: ServerConfig, config_path: str,
+                    ) -> tuple[list[UpstreamTool], Report]:
+    """Load the server against its manifest, which must exist and parse."""
     pinned, unread = previous_pin(server)
     if unread:
         raise MCPError(f"server {_quote(server.name)}: manifest: {unread}")
     if pinned is None:
         raise MCPError(f"server {_quote(server.name)}: manifest {server.manifest} does not "
                        f"exist: run {_self_command()} pin -config {config_path or 'CONFIG'}")
-    return pinned
-
-
-async def _load_one(server: ServerConfig, config_path: str = "",
-                    ) -> tuple[list[UpstreamTool], Report]:
-    return await load_server(server, read_pinned(server, config_path))
+    return await load_server(server, pinned)
 
 
 async def close_tools(tools: list[UpstreamTool]) -> None:
@@ -10702,10 +10683,7 @@ async def close_tools(tools: list[UpstreamTool]) -> None:
 def _hints_text(ann: dict | None) -> str:
     if ann is None:
         return "no annotations"
-    flags = [label for hint, label in (("readOnlyHint", "readOnly"),
-                                       ("destructiveHint", "destructive"),
-                                       ("idempotentHint", "idempotent"),
-                                       ("openWorldHint", "openWorld")) if ann.get(hint) is True]
+    flags = [hint[:-len("Hint")] for hint in _MCP_HINTS if ann.get(hint) is True]
     return ",".join(flags) or "claims nothing"
 
 
@@ -10815,15 +10793,26 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
         finally:
             store.close()
         policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
-        lines = _table(_decisions(cfg, tools, policy))
+        rows, lines = [], []
         for tool in tools:
+            # Each offered tool, its class, and what the configuration's policy makes of a
+            # call to it. A tool that changes something and is allowed only because no policy
+            # or rule said otherwise is marked: that is a default the operator never chose.
+            outcome, _ = policy.decide(tool)
+            cls = tool.spec.side_effect
+            why = ("by its rule" if tool.rule.outcome else
+                   "by the policy" if cls in cfg.policy_given else "by the default policy")
+            note = "  (a mutating tool allowed by default: set policy or outcome to change it)" \
+                if outcome == "allow" and cls != "read_only" and why == "by the default policy" \
+                else ""
+            rows.append([tool.spec.name, cls, f"-> {outcome}", why + note])
             if policy.never_runs(tool):       # offered, yet every call the model makes is lost
                 lines.append(f"{sanitize(tool.spec.name)}: denied on every call: remove its "
                              "rule to stop offering it")
-            lines += rule_lines(tool, policy.decide(tool)[0])
+            lines += rule_lines(tool, outcome)
         lines += [f"status tool: {sanitize(cfg.status_tool)}", f"session: {sanitize(cfg.session)}",
                   f"database: {sanitize(cfg.database)}"]
-        for line in lines + check_summary(tools, reports, policy):
+        for line in _table(rows) + lines + check_summary(tools, reports, policy):
             out.line(line)
     finally:
         await close_tools(tools)
@@ -10849,24 +10838,6 @@ def check_summary(tools: list[UpstreamTool], reports: list[Report], policy: "Pro
     return out
 
 
-def _decisions(cfg: Config, tools: list[UpstreamTool], policy: "ProxyPolicy",
-               ) -> list[list[str]]:
-    """Each offered tool, its class, and what the configuration's policy makes of a call to
-    it. A tool that changes something and is allowed only because no policy or rule said
-    otherwise is marked: that is a default the operator never chose."""
-    rows = []
-    for tool in tools:
-        outcome, _ = policy.decide(tool)
-        cls = tool.spec.side_effect
-        why = ("by its rule" if tool.rule.outcome else
-               "by the policy" if cls in cfg.policy_given else "by the default policy")
-        note = "  (a mutating tool allowed by default: set policy or outcome to change it)" \
-            if outcome == "allow" and cls != "read_only" and why == "by the default policy" \
-            else ""
-        rows.append([tool.spec.name, cls, f"-> {outcome}", why + note])
-    return rows
-
-
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     """Serve the host on stdin and stdout until EOF or a signal. The host is read from the
     start: the handshake is answered while the servers load, and the requests for tools
@@ -10885,10 +10856,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     ended = asyncio.Event()              # the host closed its input
 
     async def feed() -> None:
-        while True:
-            line = await lines.next()
-            if line is None:
-                break
+        while (line := await lines.next()) is not None:
             if line.strip():
                 await host.take(line)
             await host.room(writer.queue.qsize)
@@ -11078,14 +11046,7 @@ class _LineCutter:
 
     def rest(self) -> list[bytes]:
         """At the end of the input: a last line without its line end."""
-        rest = [b"".join(self.parts)] if self.parts and not self.skipping else []
-        self.parts, self.size = [], 0
-        return rest
-
-
-def _read_ahead_cost(line: bytes) -> int:
-    """What a line read ahead counts against READ_AHEAD_BYTES."""
-    return len(line) + READ_AHEAD_LINE_COST
+        return [b"".join(self.parts)] if self.parts and not self.skipping else []
 
 
 class LineReader:
@@ -11108,22 +11069,20 @@ class LineReader:
 
     def _run(self) -> None:
         fd, lines = _fileno(self.stream), _LineCutter()
-        try:
+        with contextlib.suppress(OSError, ValueError):      # the input is gone: its end
             while True:
                 chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
                 for line in lines.feed(chunk) if chunk else lines.rest():
                     self._put(line)
                 if not chunk:                # the end of the input
                     break
-        except (OSError, ValueError):
-            pass
         self._put(None)
 
     def _put(self, item: bytes | None) -> None:
         if item is not None:
             with self._room:
                 self._room.wait_for(lambda: self._ahead <= READ_AHEAD_BYTES)
-                self._ahead += _read_ahead_cost(item)
+                self._ahead += len(item) + READ_AHEAD_LINE_COST
         with contextlib.suppress(RuntimeError):     # the loop is closed: serving ended
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -11131,7 +11090,7 @@ class LineReader:
         item = await self.queue.get()
         if item is not None:
             with self._room:
-                self._ahead -= _read_ahead_cost(item)
+                self._ahead -= len(item) + READ_AHEAD_LINE_COST
                 self._room.notify()
         return item
 
@@ -11169,12 +11128,8 @@ WRAP_NO_WINDOW = "0s"                  # the repeat_window suggested for an idem
 WRAP_OFFER_OUTCOME = "require_approval"  # in the rule that offers a tool wrap left out
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
-class WrappedEntry:
-    """One entry of the host's servers: the proxy's server entry, or why there is none."""
-    key: str
-    server: dict | None
-    why: str = ""
+# One entry of the host's servers: the proxy's server entry, or None and why there is none.
+WrappedEntry = collections.namedtuple("WrappedEntry", "key server why", defaults=("",))
 
 
 def host_config_paths(host: str, platform: str = sys.platform, environ=None,
@@ -11197,18 +11152,14 @@ def host_config_paths(host: str, platform: str = sys.platform, environ=None,
     return [os.path.join(cwd, ".cursor", "mcp.json"), os.path.join(home, ".cursor", "mcp.json")]
 
 
-def find_host_config(host: str, given: str | None) -> str:
-    if given:
-        return os.path.abspath(given)
-    paths = host_config_paths(host)
-    for path in paths:
-        if os.path.lexists(path):
-            return path
-    raise ConfigError(f"no {host} configuration at {' or '.join(paths)}: name it with "
-                      "-host-config PATH")
-
-
-def read_host_config(host: str, path: str) -> tuple[bytes, dict]:
+def read_host_config(host: str, given: str | None) -> tuple[str, bytes, dict]:
+    """The file named, or else the first of the host's that exists: its path, its bytes,
+    and the document they hold, which keeps the host's servers."""
+    paths = [os.path.abspath(given)] if given else host_config_paths(host)
+    path = next((p for p in paths if given or os.path.lexists(p)), "")
+    if not path:
+        raise ConfigError(f"no {host} configuration at {' or '.join(paths)}: name it with "
+                          "-host-config PATH")
     raw = read_owned(path)
     try:
         doc = parse_json(raw)
@@ -11219,31 +11170,30 @@ def read_host_config(host: str, path: str) -> tuple[bytes, dict]:
     if not isinstance(doc, dict) or not isinstance(doc.get(key), dict) or not doc[key]:
         raise ConfigError(f"{path}: no servers: a {host} configuration keeps them in an "
                           f"object named {_quote(key)}")
-    return raw, doc
+    return path, raw, doc
 
 
 def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
     """Every server entry of the host's file, translated or with why it is not."""
     found, names = [], set()
-    variables = _host_variables(host, path)
+    # The host's ${...} variables whose value is known here: VS Code's workspace folder for
+    # a workspace's .vscode/mcp.json, and the user's home.
+    variables = {"userHome": os.path.expanduser("~")}
+    parent = os.path.dirname(path)
+    if host == "vscode" and os.path.basename(parent) == ".vscode":
+        variables["workspaceFolder"] = os.path.dirname(parent)
     for key, entry in doc[_HOST_SERVERS[host]].items():
         try:
             server = _translate_entry(key, entry, variables)
         except ConfigError as exc:
             found.append(WrappedEntry(key, None, str(exc)))
             continue
-        found.append(WrappedEntry(key, {"name": _unique_name(key, names), **server}))
+        # The host's name as a proxy server name: letters, digits, _ and - only, short enough
+        # that its tools' names fit, and not one already taken.
+        name = _unused_name(_WRAP_UNSAFE.sub("_", key)[:WRAP_NAME_LEN] or "server", names)
+        names.add(name)
+        found.append(WrappedEntry(key, {"name": name, **server}))
     return found
-
-
-def _host_variables(host: str, path: str) -> dict[str, str]:
-    """The host's ${...} variables whose value is known here: VS Code's workspace folder
-    for a workspace's .vscode/mcp.json, and the user's home."""
-    known = {"userHome": os.path.expanduser("~")}
-    parent = os.path.dirname(path)
-    if host == "vscode" and os.path.basename(parent) == ".vscode":
-        known["workspaceFolder"] = os.path.dirname(parent)
-    return known
 
 
 def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
@@ -11271,13 +11221,9 @@ def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
     command += [_host_text(arg, f"args[{i}]", variables) for i, arg in enumerate(args)]
     if not command[0]:
         raise ConfigError("command is empty")
-    server: dict[str, Any] = {"command": command}
     env, inherit = _host_env(entry.get("env", {}), variables)
-    if env:
-        server["env"] = env
-    if inherit:
-        server["inherit_env"] = inherit
-    return server
+    given = {"command": command, "env": env, "inherit_env": inherit}
+    return {field: value for field, value in given.items() if value}
 
 
 def _host_text(value: Any, field: str, variables: dict[str, str]) -> str:
@@ -11309,15 +11255,12 @@ def _host_env(env: Any, variables: dict[str, str]) -> tuple[list[str], list[str]
     return entries, inherit
 
 
-def _unique_name(key: str, taken: set[str]) -> str:
-    """The host's name as a proxy server name: letters, digits, _ and - only, short enough
-    that its tools' names fit, and not one already taken."""
-    base = _WRAP_UNSAFE.sub("_", key)[:WRAP_NAME_LEN] or "server"
+def _unused_name(base: str, taken: set[str] | dict[str, Any]) -> str:
+    """``base``, or the first of base-2, base-3, ... not taken, cut to WRAP_NAME_LEN."""
     name, n = base, 1
     while name in taken:
         n += 1
         name = f"{base[:WRAP_NAME_LEN - len(str(n)) - 1]}-{n}"
-    taken.add(name)
     return name
 
 
@@ -11327,9 +11270,8 @@ def suggest_class(ann: Any) -> tuple[str, str]:
     hints = _read_hints(ann)
 
     def said(hint: str) -> str:
-        if _hint(ann, hint) is None:
-            return f"missing (MCP's default: {dump_json(hints[hint])})"
-        return dump_json(hints[hint])
+        shown = dump_json(hints[hint])
+        return shown if _hint(ann, hint) is not None else f"missing (MCP's default: {shown})"
     if hints["readOnlyHint"]:
         return "read_only", "readOnlyHint is true"
     if hints["destructiveHint"]:
@@ -11369,10 +11311,9 @@ def suggests_no_window(ann: Any) -> str:
     destructiveHint false (default: true). Such a call repeated changes nothing more, yet the
     duplicate rule refuses it: an edit, add and commit loop's second git_add was DUPLICATE
     and staged nothing. The window also holds the seed's rule 4, so the text says that goes
-    too; both rest on hints, which the operator reads as claims."""
-    hints = _read_hints(ann)
-    if suggest_class(ann)[0] != "local_mutation" or not hints["idempotentHint"] or \
-            hints["destructiveHint"]:
+    too; both rest on hints, which the operator reads as claims. (A local_mutation is
+    suggested only where destructiveHint is false.)"""
+    if suggest_class(ann)[0] != "local_mutation" or not _read_hints(ann)["idempotentHint"]:
         return ""
     return (f'repeat_window "{WRAP_NO_WINDOW}": idempotentHint is true and destructiveHint '
             "is false, so an identical call runs again instead of answering DUPLICATE; this "
@@ -11401,9 +11342,7 @@ def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
         if server and name.startswith(server + "_") and name not in taken:
             rule["rename"] = name
         out[name] = rule
-    if policy is None:
-        return out
-    dropped = left_out(out, server, policy)
+    dropped = left_out(out, server, policy) if policy is not None else {}
     return {name: rule for name, rule in out.items() if name not in dropped}
 
 
@@ -11411,11 +11350,8 @@ def left_out(rules: dict[str, dict], server: str, policy: "ProxyPolicy") -> dict
     """The suggested rules whose tool ``policy`` denies on every call (ProxyPolicy.never_runs),
     each as the rule that offers it with every call asking. Written as suggested, such a rule
     would offer the model a tool it can never use, and it would waste its calls on it."""
-    out = {}
-    for name, rule in rules.items():
-        if policy.never_runs(rule_tool(server, name, _parse_rule(rule, f"rules.{name}"))):
-            out[name] = {**rule, "outcome": WRAP_OFFER_OUTCOME}
-    return out
+    return {name: {**rule, "outcome": WRAP_OFFER_OUTCOME} for name, rule in rules.items()
+            if policy.never_runs(rule_tool(server, name, _parse_rule(rule, f"rules.{name}")))}
 
 
 def _rule_line(name: str, rule: dict) -> str:
@@ -11468,13 +11404,7 @@ def gated_host_doc(host: str, doc: dict, wrapped: Iterable[str], entry: dict) ->
     top-level keys and the servers not wrapped are kept as they are."""
     key = _HOST_SERVERS[host]
     kept = {k: v for k, v in doc[key].items() if k not in set(wrapped)}
-    name, n = WRAP_ENTRY, 1
-    while name in kept:
-        n += 1
-        name = f"{WRAP_ENTRY}-{n}"
-    out = dict(doc)
-    out[key] = {name: entry, **kept}
-    return out
+    return {**doc, key: {_unused_name(WRAP_ENTRY, kept): entry, **kept}}
 
 
 def write_host_config(path: str, read: bytes, doc: dict, now: float) -> str:
@@ -11513,8 +11443,7 @@ async def cmd_wrap(args, out: Out) -> int:
     entry. Without -write nothing is written: it shows what -write would write. With -write
     it writes the configuration (the suggested rules in it with -rules suggested), the
     manifests, and, once every server is pinned, the host's file."""
-    host_path = find_host_config(args.host, args.host_config)
-    raw, doc = read_host_config(args.host, host_path)
+    host_path, raw, doc = read_host_config(args.host, args.host_config)
     found = translate_host(args.host, host_path, doc)
     servers = [f.server for f in found if f.server]
     if not servers:
@@ -11530,10 +11459,9 @@ async def cmd_wrap(args, out: Out) -> int:
     check_reach(cfg)                    # before anything is written or started
     out.line(f"read {sanitize(host_path)}: {len(servers)} server(s) to wrap" +
              ("" if args.write else "; nothing is written without -write"))
-    for f in found:
-        if f.server is None:
-            out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still "
-                     "starts it directly, outside the gate")
+    for f in [f for f in found if f.server is None]:
+        out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still starts "
+                 "it directly, outside the gate")
     policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
     pins = await _wrap_pin(cfg, out, policy)
     notify = suggested_on_pending(cfg.database)
@@ -11544,20 +11472,17 @@ async def cmd_wrap(args, out: Out) -> int:
                   ", to paste at the top level of the configuration:"))
         out.line(_JSON_INERT.sub(_json_escape, f'  "on_pending": {dump_json(notify)}'))
     if suggested:
-        for server in servers:
-            if server["name"] in pins:
-                server["rules"] = suggested_rules(pins[server["name"]]["tools"],
-                                                  server["name"],
-                                                  names_elsewhere(pins, server["name"]), policy)
+        for server, name in [(s, s["name"]) for s in servers if s["name"] in pins]:
+            server["rules"] = suggested_rules(pins[name]["tools"], name,
+                                              names_elsewhere(pins, name), policy)
         if notify:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
     parse_config(text.encode("utf-8"), config_path)     # what is written loads as written
     if written:
         write_new_owned(config_path, text.encode("utf-8"))
-        for server in cfg.servers:
-            if server.name in pins:
-                write_manifest(server.manifest, pins[server.name])
+        for server in [s for s in cfg.servers if s.name in pins]:
+            write_manifest(server.manifest, pins[server.name])
         out.line(f"wrote {sanitize(config_path)} (0600) and {len(pins)} manifest(s)")
     else:
         out.line(f"-write would write {sanitize(config_path)} (0600):")
@@ -11571,8 +11496,7 @@ async def cmd_wrap(args, out: Out) -> int:
                  "wrap again with -rules suggested)")
     entry = host_entry(args.host, config_path)
     out.line(f"the {args.host} entry that starts the proxy instead of the servers it wraps:")
-    out.line(_JSON_INERT.sub(_json_escape, _pretty(
-        {_HOST_SERVERS[args.host]: {WRAP_ENTRY: entry}}, cut=False)))
+    out.json({_HOST_SERVERS[args.host]: {WRAP_ENTRY: entry}})
     pinned_all = len(pins) == len(servers)
     if not written:
         out.line("nothing was written; run again with -write to write it")
@@ -11616,9 +11540,7 @@ async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, d
         except (ProxyError, OSError) as exc:
             out.line(f"server {_quote(server.name)}: not pinned: {sanitize(str(exc))}; "
                      f"run pin once it starts")
-    for server in cfg.servers:
-        if server.name not in pins:
-            continue
+    for server in [s for s in cfg.servers if s.name in pins]:
         tools = pins[server.name]["tools"]
         out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "

@@ -908,20 +908,18 @@ def _value_end(text: str, pos: int) -> int:
 # strings escaped one fixed way, number literals verbatim. Hashes and request keys are taken
 # over this form, so key order and escape spelling never matter and literals always do.
 
-# Each replaced by the runtime's replace, one pass a character: a translation table would
-# cost a lookup for every character of a long string that holds one of these.
+# Each replaced by the runtime's replace, one pass a character (a pass that finds none is a
+# fast search): a translation table or a pattern costs a step for every character.
 _HTML_SAFE = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
               ("\u2029", "\\u2029"))
-_HTML_CHARS = re.compile("[<>&\u2028\u2029]")
 
 
 def _canon_str(text: str) -> str:
     """A string in canonical form: the stdlib's escaping of '"', '\\' and C0 controls
     (named escapes, else \\u00xx in lower case), then <, >, &, U+2028, U+2029 escaped."""
     out = _json_str(text)
-    if _HTML_CHARS.search(out):
-        for char, escape in _HTML_SAFE:
-            out = out.replace(char, escape)
+    for char, escape in _HTML_SAFE:
+        out = out.replace(char, escape)
     return out
 
 
@@ -1051,6 +1049,8 @@ _LINE_BREAKS = (b"\n", b"\r", b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
 
 def _wire_str(text: str) -> str:
     out = _json_str(text)
+    if out.isascii():                     # known without reading it: DEL alone may need one
+        return out.replace("\x7f", "\\u007f")
     return out.translate(_WIRE_ESCAPES) if _WIRE_SPECIAL.search(out) else out
 
 
@@ -1071,7 +1071,8 @@ class RawJSON:
 
 
 def _raw_text(data: bytes) -> str:
-    if any(brk in data for brk in _LINE_BREAKS):
+    breaks = _LINE_BREAKS[:2] if data.isascii() else _LINE_BREAKS   # the rest are not ASCII
+    if any(brk in data for brk in breaks):
         return dump_json(parse_json(data, strict=False, max_depth=RECORD_DEPTH, bounds=False))
     return data.decode("utf-8")
 

@@ -3499,10 +3499,6 @@ class _AllowedRequest:
     granted: Approval | None
 
 
-def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
-    return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
-
-
 def new_hex_id() -> str:
     return secrets.token_hex(ID_BYTES)
 
@@ -3681,17 +3677,16 @@ class Gate:
 
     def _unsynced_read(self, decision: Decision, judged: "_ProposalCheck") -> bool:
         """Whether a call's start may commit unsynced (Store.tx): a read-only call the
-        policy allows outright and no limit counts."""
-        tool = tool_of(self, decision)
-        return tool is not None and tool.spec.side_effect == "read_only" and \
-            not judged.problem and judged.error is None and judged.decision is not None and \
-            judged.decision.outcome == "allow" and \
+        policy allows outright and no limit counts. A policy decision is there only for a
+        known tool's valid call (_prejudge)."""
+        return judged.decision is not None and judged.decision.outcome == "allow" and \
+            self.tools[decision.tool].spec.side_effect == "read_only" and \
             not (self.budget is not None and self.budget.counts(decision.tool))
 
     def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
                   decision: Decision) -> "_ProposalCheck":
         """What propose would find for this decision as the first step of a new run."""
-        tool = tool_of(self, decision)
+        tool = self.tools.get(decision.tool) if decision.kind == "tool_call" else None
         problem = self.invalid_reason(decision, tool)
         if problem or tool is None:
             return _ProposalCheck(problem)
@@ -3708,23 +3703,21 @@ class Gate:
         """Why a decision cannot be acted on, or ''."""
         if d.origin not in ORIGINS:
             return f"unknown decision origin {_quote(d.origin)}"
-        if d.kind == "fail":
-            return ""
-        if d.kind == "complete":
-            result = d.result.strip(JSON_WS)
-            try:
-                if result:
-                    check_json(result)
-            except JSONError as exc:
-                return f"result is not usable JSON: {exc}"
-            return ""
-        if d.kind != "tool_call":
+        if d.kind == "tool_call":
+            if not d.tool:
+                return "tool_call without a tool name"
+            if tool is None:
+                return f"unknown tool {_quote(d.tool)}"
+            return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
+        if d.kind not in ("complete", "fail"):
             return f"unknown decision kind {_quote(d.kind)}" if d.kind else "decision has no kind"
-        if not d.tool:
-            return "tool_call without a tool name"
-        if tool is None:
-            return f"unknown tool {_quote(d.tool)}"
-        return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
+        result = d.result.strip(JSON_WS)
+        try:
+            if d.kind == "complete" and result:
+                check_json(result)
+        except JSONError as exc:
+            return f"result is not usable JSON: {exc}"
+        return ""
 
     async def call(self, run_id: str, goal: str, limits: Limits,
                    decision: Decision) -> tuple["Session", Verdict, dict | None]:
@@ -3742,9 +3735,11 @@ class Gate:
         run = self.store.get_run(run_id)
         if run.status in TERMINAL:
             raise RunStateError(f"run {run_id} is already {run.status}")
-        if run.status == RUNNING:
-            return self._take_over(run)
+        if run.status == RUNNING and _lease_live(run, self.store.path, self.wall()):
+            raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
         with self._claiming(run_id):
+            if run.status == RUNNING:
+                return self._take_over_claimed(run)
             return self._resume_waiting(run)
 
     @contextlib.contextmanager
@@ -3795,16 +3790,9 @@ class Gate:
         return session, session.decider._resume(request, step, steps, approvals, granted,
                                                 fmt_time(resumed))
 
-    def _take_over(self, run: Run) -> tuple["Session | None", Verdict]:
+    def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
         interrupted; a non-read-only tool cut off while executing waits for an operator."""
-        wall = self.wall()
-        if _lease_live(run, self.store.path, wall):
-            raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
-        with self._claiming(run.id):
-            return self._take_over_claimed(run)
-
-    def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         steps = self.store.list_steps(run.id)
         now, wall = self.now(), self.wall()
         until = wall + self.lease_ttl
@@ -3838,7 +3826,7 @@ class Gate:
                 tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
         self.leases.hold(run.id, until)
         if gone:
-            remove_holder(self.store.path, current.lease_owner)
+            holder_gone(self.store.path, current.lease_owner, remove=True)
         session = Session(self, run.id)
         try:
             steps = self.store.list_steps(run.id)
@@ -4006,51 +3994,35 @@ def _lock_also_taken(path: str) -> bool:
         os.close(probe)
 
 
-def _locked_holder(database: str, owner: str) -> tuple[int, str] | None:
-    """The holder file a lease owner names, opened and under a shared lock, when its holder
-    is gone: (descriptor, path), the caller closes it. None whenever it cannot be checked."""
+def holder_gone(database: str, owner: str, remove: bool = False) -> bool:
+    """Whether the lease owner names a holder file beside the database whose lock can be
+    taken: the proxy that held it is gone. The one judgment of a holder's death: every
+    "is this lease live" goes through _lease_live, which asks this. With ``remove``, a gone
+    holder's file is removed, under the shared lock taken to judge it, and only that file.
+    False whenever it cannot be checked."""
     named = HOLDER_IN_OWNER.search(owner)
     if named is None or fcntl is None or named.group(1) in _HELD:
-        return None
+        return False
     path = f"{database}.{named.group(1)}"
     try:                                # O_NONBLOCK: a FIFO put in its place does not hang us
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
                      getattr(os, "O_NOCTTY", 0))
     except OSError:
-        return None                     # missing, a symbolic link, not ours to read
+        return False                    # missing, a symbolic link, not ours to read
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and \
-                stat.S_IMODE(st.st_mode) == 0o600 and \
-                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3):
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd, path
+        if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and
+                stat.S_IMODE(st.st_mode) == 0o600 and
+                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3)):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        if remove:
+            _unlink_locked(path, fd)
+        return True
     except OSError:
-        pass                            # held: its proxy runs, or is stopped
-    os.close(fd)
-    return None
-
-
-def holder_gone(database: str, owner: str) -> bool:
-    """Whether the lease owner names a holder file beside the database whose lock can be
-    taken: the proxy that held it is gone. The one judgment of a holder's death: every
-    "is this lease live" goes through _lease_live, which asks this."""
-    found = _locked_holder(database, owner)
-    if found is None:
-        return False
-    os.close(found[0])
-    return True
-
-
-def remove_holder(database: str, owner: str) -> None:
-    """Remove a gone holder's file, under its lock, and only the file that was locked."""
-    found = _locked_holder(database, owner)
-    if found is None:
-        return
-    try:
-        _unlink_locked(found[1], found[0])
+        return False                    # held: its proxy runs, or is stopped
     finally:
-        os.close(found[0])
+        os.close(fd)
 
 
 def _unlink_locked(path: str, fd: int) -> None:

@@ -3569,8 +3569,7 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
         except UnicodeDecodeError:
             texts = {k: base64.b64encode(v).decode() for k, v in bad.items()}
             doc["invalid_base64"] = True
-        for name, text in texts.items():
-            doc["invalid_" + name] = text
+        doc.update({"invalid_" + name: text for name, text in texts.items()})
     return dump_json(doc), to_plain({k: _SURROGATES.sub("\ufffd", v) if type(v) is str else v
                                      for k, v in {**doc, **values}.items()})
 
@@ -3724,9 +3723,8 @@ class Gate:
         """start(), then run the tool when allowed: two commits for an allowed call.
         Returns the session, the verdict, and the observation if the tool ran."""
         session, verdict = self.start(run_id, goal, limits, decision)
-        if verdict.kind != "allowed":
-            return session, verdict, None
-        return session, verdict, await session.run_started()
+        ran = await session.run_started() if verdict.kind == "allowed" else None
+        return session, verdict, ran
 
     def attach(self, run_id: str) -> tuple["Session | None", Verdict]:
         """Continue a run left waiting or running: collect an approved grant (the policy is
@@ -3761,14 +3759,12 @@ class Gate:
 
     def _resume_waiting(self, run: Run) -> tuple["Session | None", Verdict]:
         steps, approvals = self.store.list_steps(run.id), self.store.list_approvals(run.id)
-        waiting = [s for s in steps if s.status == "awaiting_approval"]
-        if not waiting:
+        step = next((s for s in reversed(steps) if s.status == "awaiting_approval"), None)
+        if step is None:
             raise RunStateError(f"run {run.id} is waiting but has no awaiting step")
-        step = waiting[-1]
-        mine = [a for a in approvals if a.step_id == step.id]
-        if not mine:
+        granted = next((a for a in reversed(approvals) if a.step_id == step.id), None)
+        if granted is None:
             raise RunStateError(f"run {run.id}: step {step.id} has no approval")
-        granted = mine[-1]
         if granted.status == PENDING and _expired(granted, self.clock()):
             self._release_claim(run.id)
             return None, Verdict("ended", run=expire_approval(self.store, granted, self.now()))
@@ -3821,8 +3817,7 @@ class Gate:
                 content = {"previous_status": s.status}
                 obs = _obs(INTERRUPTED_OBS, content, f"step interrupted while {s.status}")
                 tx.update_step(s.id, (s.status,), status="interrupted", finished_at=now,
-                               observation_json=obs.json_text,
-                               observation_hash=obs.content_hash)
+                               observation_json=obs.json_text, observation_hash=obs.content_hash)
                 tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
         self.leases.hold(run.id, until)
         if gone:
@@ -3872,10 +3867,9 @@ _SCHEMAS: dict[bytes, Schema] = {}
 
 def _schema_for(spec: ToolSpec) -> Schema:
     """Compiled schemas, cached by their bytes (registration compiled each already)."""
-    found = _SCHEMAS.get(spec.input_schema)
-    if found is None:
-        found = _SCHEMAS[spec.input_schema] = compile_schema(spec.input_schema)
-    return found
+    if spec.input_schema not in _SCHEMAS:
+        _SCHEMAS[spec.input_schema] = compile_schema(spec.input_schema)
+    return _SCHEMAS[spec.input_schema]
 
 
 def _check_tool(spec: ToolSpec, seen: dict) -> None:
@@ -3941,6 +3935,7 @@ class Holder:
         self.name = path.rsplit(".", 1)[1]          # holder-<hex>
         st = os.fstat(fd)
         self.ident = f"{self.name}:{st.st_dev}:{st.st_ino}"     # as the leases name it
+        _HELD.add(self.name)
 
     @classmethod
     def take(cls, database: str) -> "Holder | None":
@@ -3964,9 +3959,7 @@ class Holder:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
                 raise
-            holder = cls(path, fd)
-            _HELD.add(holder.name)
-            return holder
+            return cls(path, fd)
         raise OSError(f"no fresh name for a holder file beside {database}")
 
     def close(self) -> None:

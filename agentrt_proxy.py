@@ -3563,13 +3563,12 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
         except JSONError:
             bad[name] = raw
     doc.update({k: v for k, v in (("message", d.message), ("origin", d.origin)) if v})
-    if bad:
-        try:
-            texts = {k: v.decode("utf-8") for k, v in bad.items()}
-        except UnicodeDecodeError:
-            texts = {k: base64.b64encode(v).decode() for k, v in bad.items()}
-            doc["invalid_base64"] = True
-        doc.update({"invalid_" + name: text for name, text in texts.items()})
+    try:
+        texts = {k: v.decode("utf-8") for k, v in bad.items()}
+    except UnicodeDecodeError:
+        texts = {k: base64.b64encode(v).decode() for k, v in bad.items()}
+        doc["invalid_base64"] = True
+    doc.update({"invalid_" + name: text for name, text in texts.items()})
     return dump_json(doc), to_plain({k: _SURROGATES.sub("\ufffd", v) if type(v) is str else v
                                      for k, v in {**doc, **values}.items()})
 
@@ -3615,10 +3614,10 @@ class Gate:
         self.policy_id = check_policy_id(getattr(policy, "policy_id", "") or "")
         self.leases = Leases(store.path, self.owner, self.lease_ttl, wall)
         self._claimed: set[str] = set()
+        self._claim_lock = threading.Lock()
         if not store.readonly:      # once stored, a run's or step's spec is not written again
             for tool in self.tools.values():
                 store.ensure_spec(tool.spec)
-        self._claim_lock = threading.Lock()
 
     def now(self) -> str:
         return fmt_time(self.clock())

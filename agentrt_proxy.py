@@ -3920,8 +3920,8 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
 # a save by rename), which the holder never locked, is not the holder's file, and the lease
 # decides. While the holder lives it keeps the file open, so no other file has its inode.
 # And a proxy on a file system where flock locks nothing (some network and virtual file
-# systems) names no file: Holder.take finds that a second open description of its own
-# file can take the lock it holds, and gives the file up; the lease decides there too.
+# systems) names no file: Holder.take finds that holder_gone, judging its own file while it
+# holds the lock, reads it as gone, and gives the file up; the lease decides there too.
 HOLDER_IN_OWNER = re.compile(r";(holder-[0-9a-f]{32}):([0-9]{1,20}):([0-9]{1,20})\Z")
 _HELD: set[str] = set()         # holder names this process locks: alive, never opened again
 
@@ -3934,7 +3934,6 @@ class Holder:
         self.name = path.rsplit(".", 1)[1]          # holder-<hex>
         st = os.fstat(fd)
         self.ident = f"{self.name}:{st.st_dev}:{st.st_ino}"     # as the leases name it
-        _HELD.add(self.name)
 
     @classmethod
     def take(cls, database: str) -> "Holder | None":
@@ -3951,14 +3950,19 @@ class Holder:
             try:
                 os.fchmod(fd, 0o600)    # whatever the umask took: checkers want exactly 0600
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _lock_also_taken(path):
+                holder = cls(path, fd)
+                # The checkers' own judgment must find this file, locked, held: where flock
+                # locks nothing (or is emulated with the process's record locks, which a
+                # second description of the same process shares) it finds it gone.
+                if holder_gone(database, ";" + holder.ident):
                     raise OSError(f"flock locks nothing on the file system of {path}")
             except OSError:
                 os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(path)
                 raise
-            return cls(path, fd)
+            _HELD.add(holder.name)
+            return holder
         raise OSError(f"no fresh name for a holder file beside {database}")
 
     def close(self) -> None:
@@ -3970,20 +3974,6 @@ class Holder:
         os.close(self.fd)
         self.fd = -1
         _HELD.discard(self.name)
-
-
-def _lock_also_taken(path: str) -> bool:
-    """Whether another open description of ``path`` can take a shared lock while this
-    process holds the exclusive one: flock does not lock there (or is emulated with the
-    process's record locks, which a second description of the same process shares)."""
-    probe = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(probe)
 
 
 def holder_gone(database: str, owner: str, remove: bool = False) -> bool:

@@ -3338,10 +3338,6 @@ class _AllowedRequest:
     granted: Approval | None
 
 
-def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
-    return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
-
-
 def new_hex_id() -> str:
     return secrets.token_hex(ID_BYTES)
 
@@ -3406,14 +3402,12 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
         except JSONError:
             bad[name] = raw
     doc.update({k: v for k, v in (("message", d.message), ("origin", d.origin)) if v})
-    if bad:
-        try:
-            texts = {k: v.decode("utf-8") for k, v in bad.items()}
-        except UnicodeDecodeError:
-            texts = {k: base64.b64encode(v).decode() for k, v in bad.items()}
-            doc["invalid_base64"] = True
-        for name, text in texts.items():
-            doc["invalid_" + name] = text
+    try:
+        texts = {k: v.decode("utf-8") for k, v in bad.items()}
+    except UnicodeDecodeError:
+        texts = {k: base64.b64encode(v).decode() for k, v in bad.items()}
+        doc["invalid_base64"] = True
+    doc.update({"invalid_" + name: text for name, text in texts.items()})
     return dump_json(doc), to_plain({k: _SURROGATES.sub("\ufffd", v) if type(v) is str else v
                                      for k, v in {**doc, **values}.items()})
 
@@ -3459,10 +3453,10 @@ class Gate:
         self.policy_id = check_policy_id(getattr(policy, "policy_id", "") or "")
         self.leases = Leases(store.path, self.owner, self.lease_ttl, wall)
         self._claimed: set[str] = set()
+        self._claim_lock = threading.Lock()
         if not store.readonly:      # once stored, a run's or step's spec is not written again
             for tool in self.tools.values():
                 store.ensure_spec(tool.spec)
-        self._claim_lock = threading.Lock()
 
     def now(self) -> str:
         return fmt_time(self.clock())
@@ -3520,17 +3514,16 @@ class Gate:
 
     def _unsynced_read(self, decision: Decision, judged: "_ProposalCheck") -> bool:
         """Whether a call's start may commit unsynced (Store.tx): a read-only call the
-        policy allows outright and no limit counts."""
-        tool = tool_of(self, decision)
-        return tool is not None and tool.spec.side_effect == "read_only" and \
-            not judged.problem and judged.error is None and judged.decision is not None and \
-            judged.decision.outcome == "allow" and \
+        policy allows outright and no limit counts. A policy decision is there only for a
+        known tool's valid call (_prejudge)."""
+        return judged.decision is not None and judged.decision.outcome == "allow" and \
+            self.tools[decision.tool].spec.side_effect == "read_only" and \
             not (self.budget is not None and self.budget.counts(decision.tool))
 
     def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
                   decision: Decision) -> "_ProposalCheck":
         """What propose would find for this decision as the first step of a new run."""
-        tool = tool_of(self, decision)
+        tool = self.tools.get(decision.tool) if decision.kind == "tool_call" else None
         problem = self.invalid_reason(decision, tool)
         if problem or tool is None:
             return _ProposalCheck(problem)
@@ -3547,32 +3540,29 @@ class Gate:
         """Why a decision cannot be acted on, or ''."""
         if d.origin not in ORIGINS:
             return f"unknown decision origin {_quote(d.origin)}"
-        if d.kind == "fail":
-            return ""
-        if d.kind == "complete":
-            result = d.result.strip(JSON_WS)
-            try:
-                if result:
-                    check_json(result)
-            except JSONError as exc:
-                return f"result is not usable JSON: {exc}"
-            return ""
-        if d.kind != "tool_call":
+        if d.kind == "tool_call":
+            if not d.tool:
+                return "tool_call without a tool name"
+            if tool is None:
+                return f"unknown tool {_quote(d.tool)}"
+            return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
+        if d.kind not in ("complete", "fail"):
             return f"unknown decision kind {_quote(d.kind)}" if d.kind else "decision has no kind"
-        if not d.tool:
-            return "tool_call without a tool name"
-        if tool is None:
-            return f"unknown tool {_quote(d.tool)}"
-        return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
+        result = d.result.strip(JSON_WS)
+        try:
+            if d.kind == "complete" and result:
+                check_json(result)
+        except JSONError as exc:
+            return f"result is not usable JSON: {exc}"
+        return ""
 
     async def call(self, run_id: str, goal: str, limits: Limits,
                    decision: Decision) -> tuple["Session", Verdict, dict | None]:
         """start(), then run the tool when allowed: two commits for an allowed call.
         Returns the session, the verdict, and the observation if the tool ran."""
         session, verdict = self.start(run_id, goal, limits, decision)
-        if verdict.kind != "allowed":
-            return session, verdict, None
-        return session, verdict, await session.run_started()
+        ran = await session.run_started() if verdict.kind == "allowed" else None
+        return session, verdict, ran
 
     def attach(self, run_id: str) -> tuple["Session | None", Verdict]:
         """Continue a run left waiting or running: collect an approved grant (the policy is
@@ -3581,9 +3571,11 @@ class Gate:
         run = self.store.get_run(run_id)
         if run.status in TERMINAL:
             raise RunStateError(f"run {run_id} is already {run.status}")
-        if run.status == RUNNING:
-            return self._take_over(run)
+        if run.status == RUNNING and _lease_live(run, self.store.path, self.wall()):
+            raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
         with self._claiming(run_id):
+            if run.status == RUNNING:
+                return self._take_over_claimed(run)
             return self._resume_waiting(run)
 
     @contextlib.contextmanager
@@ -3605,14 +3597,12 @@ class Gate:
 
     def _resume_waiting(self, run: Run) -> tuple["Session | None", Verdict]:
         steps, approvals = self.store.list_steps(run.id), self.store.list_approvals(run.id)
-        waiting = [s for s in steps if s.status == "awaiting_approval"]
-        if not waiting:
+        step = next((s for s in reversed(steps) if s.status == "awaiting_approval"), None)
+        if step is None:
             raise RunStateError(f"run {run.id} is waiting but has no awaiting step")
-        step = waiting[-1]
-        mine = [a for a in approvals if a.step_id == step.id]
-        if not mine:
+        granted = next((a for a in reversed(approvals) if a.step_id == step.id), None)
+        if granted is None:
             raise RunStateError(f"run {run.id}: step {step.id} has no approval")
-        granted = mine[-1]
         if granted.status == PENDING and _expired(granted, self.clock()):
             self._release_claim(run.id)
             return None, Verdict("ended", run=expire_approval(self.store, granted, self.now()))
@@ -3634,16 +3624,9 @@ class Gate:
         return session, session.decider._resume(request, step, steps, approvals, granted,
                                                 fmt_time(resumed))
 
-    def _take_over(self, run: Run) -> tuple["Session | None", Verdict]:
+    def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
         interrupted; a non-read-only tool cut off while executing waits for an operator."""
-        wall = self.wall()
-        if _lease_live(run, self.store.path, wall):
-            raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
-        with self._claiming(run.id):
-            return self._take_over_claimed(run)
-
-    def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         steps = self.store.list_steps(run.id)
         now, wall = self.now(), self.wall()
         until = wall + self.lease_ttl
@@ -3672,12 +3655,11 @@ class Gate:
                 content = {"previous_status": s.status}
                 obs = _obs(INTERRUPTED_OBS, content, f"step interrupted while {s.status}")
                 tx.update_step(s.id, (s.status,), status="interrupted", finished_at=now,
-                               observation_json=obs.json_text,
-                               observation_hash=obs.content_hash)
+                               observation_json=obs.json_text, observation_hash=obs.content_hash)
                 tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
         self.leases.hold(run.id, until)
         if gone:
-            remove_holder(self.store.path, current.lease_owner)
+            holder_gone(self.store.path, current.lease_owner, remove=True)
         session = Session(self, run.id)
         try:
             steps = self.store.list_steps(run.id)
@@ -3723,10 +3705,9 @@ _SCHEMAS: dict[bytes, Schema] = {}
 
 def _schema_for(spec: ToolSpec) -> Schema:
     """Compiled schemas, cached by their bytes (registration compiled each already)."""
-    found = _SCHEMAS.get(spec.input_schema)
-    if found is None:
-        found = _SCHEMAS[spec.input_schema] = compile_schema(spec.input_schema)
-    return found
+    if spec.input_schema not in _SCHEMAS:
+        _SCHEMAS[spec.input_schema] = compile_schema(spec.input_schema)
+    return _SCHEMAS[spec.input_schema]
 
 
 def _check_tool(spec: ToolSpec, seen: dict) -> None:
@@ -3778,8 +3759,8 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
 # a save by rename), which the holder never locked, is not the holder's file, and the lease
 # decides. While the holder lives it keeps the file open, so no other file has its inode.
 # And a proxy on a file system where flock locks nothing (some network and virtual file
-# systems) names no file: Holder.take finds that a second open description of its own
-# file can take the lock it holds, and gives the file up; the lease decides there too.
+# systems) names no file: Holder.take finds that holder_gone, judging its own file while it
+# holds the lock, reads it as gone, and gives the file up; the lease decides there too.
 HOLDER_IN_OWNER = re.compile(r";(holder-[0-9a-f]{32}):([0-9]{1,20}):([0-9]{1,20})\Z")
 _HELD: set[str] = set()         # holder names this process locks: alive, never opened again
 
@@ -3808,14 +3789,17 @@ class Holder:
             try:
                 os.fchmod(fd, 0o600)    # whatever the umask took: checkers want exactly 0600
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _lock_also_taken(path):
+                holder = cls(path, fd)
+                # The checkers' own judgment must find this file, locked, held: where flock
+                # locks nothing (or is emulated with the process's record locks, which a
+                # second description of the same process shares) it finds it gone.
+                if holder_gone(database, ";" + holder.ident):
                     raise OSError(f"flock locks nothing on the file system of {path}")
             except OSError:
                 os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(path)
                 raise
-            holder = cls(path, fd)
             _HELD.add(holder.name)
             return holder
         raise OSError(f"no fresh name for a holder file beside {database}")
@@ -3831,65 +3815,35 @@ class Holder:
         _HELD.discard(self.name)
 
 
-def _lock_also_taken(path: str) -> bool:
-    """Whether another open description of ``path`` can take a shared lock while this
-    process holds the exclusive one: flock does not lock there (or is emulated with the
-    process's record locks, which a second description of the same process shares)."""
-    probe = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(probe)
-
-
-def _locked_holder(database: str, owner: str) -> tuple[int, str] | None:
-    """The holder file a lease owner names, opened and under a shared lock, when its holder
-    is gone: (descriptor, path), the caller closes it. None whenever it cannot be checked."""
+def holder_gone(database: str, owner: str, remove: bool = False) -> bool:
+    """Whether the lease owner names a holder file beside the database whose lock can be
+    taken: the proxy that held it is gone. The one judgment of a holder's death: every
+    "is this lease live" goes through _lease_live, which asks this. With ``remove``, a gone
+    holder's file is removed, under the shared lock taken to judge it, and only that file.
+    False whenever it cannot be checked."""
     named = HOLDER_IN_OWNER.search(owner)
     if named is None or fcntl is None or named.group(1) in _HELD:
-        return None
+        return False
     path = f"{database}.{named.group(1)}"
     try:                                # O_NONBLOCK: a FIFO put in its place does not hang us
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
                      getattr(os, "O_NOCTTY", 0))
     except OSError:
-        return None                     # missing, a symbolic link, not ours to read
+        return False                    # missing, a symbolic link, not ours to read
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and \
-                stat.S_IMODE(st.st_mode) == 0o600 and \
-                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3):
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd, path
+        if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and
+                stat.S_IMODE(st.st_mode) == 0o600 and
+                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3)):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        if remove:
+            _unlink_locked(path, fd)
+        return True
     except OSError:
-        pass                            # held: its proxy runs, or is stopped
-    os.close(fd)
-    return None
-
-
-def holder_gone(database: str, owner: str) -> bool:
-    """Whether the lease owner names a holder file beside the database whose lock can be
-    taken: the proxy that held it is gone. The one judgment of a holder's death: every
-    "is this lease live" goes through _lease_live, which asks this."""
-    found = _locked_holder(database, owner)
-    if found is None:
-        return False
-    os.close(found[0])
-    return True
-
-
-def remove_holder(database: str, owner: str) -> None:
-    """Remove a gone holder's file, under its lock, and only the file that was locked."""
-    found = _locked_holder(database, owner)
-    if found is None:
-        return
-    try:
-        _unlink_locked(found[1], found[0])
+        return False                    # held: its proxy runs, or is stopped
     finally:
-        os.close(found[0])
+        os.close(fd)
 
 
 def _unlink_locked(path: str, fd: int) -> None:

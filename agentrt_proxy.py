@@ -4175,7 +4175,10 @@ class Session:
         steps = self.store.list_steps(self.run_id) if run.step_count else []
         hit = _limit_hit(run, steps)
         if hit:
-            return self._over(self._end_by_limit(*hit))
+            reason, detail, loop = hit
+            pre = [("loop.detected", self.gate.now(), loop)] if loop else []
+            self._settle(None, (), "", None, FAILED, reason, detail, pre=pre)
+            return None
         now, step_id = self.gate.now(), step_id or self.gate.new_id()
         with self.store.tx() as tx:
             if not tx.count_step(self.run_id, run.step_count, self.gate.owner):
@@ -4226,15 +4229,6 @@ class Session:
                 payload.update(content_hash=obs.content_hash, observation=obs.doc["kind"])
             tx.event(self.run_id, step.id, now, "step.failed", payload)
 
-    def _end_invalid(self, step: Step, problem: str, label: str) -> Verdict:
-        obs = _obs(INVALID_DECISION, {"error": problem}, f"{label}: {problem}")
-        now = self.gate.now()
-        with self.store.tx() as tx:
-            tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            self._end_step(tx, step, ("deciding",), "failed", obs, now, detail=problem)
-        self.current = None
-        return Verdict("denied", observation=obs.doc)
-
     def _settle(self, step: Step | None, from_steps: tuple, step_status: str,
                 obs: Observation | None, status: str, reason: str, detail: str,
                 result: str = "", *,
@@ -4259,22 +4253,6 @@ class Session:
                      {"detail": detail, "reason": reason, "status": status,
                       "steps": run.step_count})
         self._finish("ended", run)
-        return run
-
-    def _end_by_limit(self, reason: str, detail: str, loop: dict | None) -> Run:
-        at = self.gate.now()
-        with self.store.tx() as tx:
-            tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            if loop:
-                tx.event(self.run_id, "", at, "loop.detected", loop)
-            else:
-                tx.event(self.run_id, "", at, "limit.exceeded",
-                         {"detail": detail, "reason": reason})
-            run = tx.transition(self.run_id, (RUNNING,), FAILED, reason=reason, detail=detail,
-                                finished_at=at)
-            tx.event(self.run_id, "", at, "run.finished",
-                     {"detail": detail, "reason": reason, "status": FAILED,
-                      "steps": run.step_count})
         return run
 
     def fail(self, detail: str) -> Run:
@@ -4361,7 +4339,8 @@ class _Decider:
             step, decision=recorded, args=decision.args.strip(JSON_WS), spec_hash=spec_hash)
         problem = judged.problem if judged else self.gate.invalid_reason(decision, tool)
         if problem:
-            return self.session._end_invalid(step, problem, "invalid decision")
+            obs = _obs(INVALID_DECISION, {"error": problem}, f"invalid decision: {problem}")
+            return self._refuse(step, ("deciding",), None, obs, detail=problem)
         if decision.kind in ("complete", "fail"):
             status = COMPLETED if decision.kind == "complete" else FAILED
             reason = "goal_completed" if status == COMPLETED else "goal_failed"
@@ -4403,15 +4382,14 @@ class _Decider:
         extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
                  "view": view_doc}
         for name in ("capability", "presentation"):
-            raw = getattr(decision, name).strip(JSON_WS)
             try:
-                if raw:                     # it wraps the arguments: the records' allowance
-                    parse_json(raw, max_depth=RECORD_DEPTH)
+                if getattr(decision, name):     # it wraps the arguments: the records' allowance
+                    parse_json(getattr(decision, name), max_depth=RECORD_DEPTH)
             except JSONError as exc:
-                bare = PolicyDecision(decision.outcome, decision.reason, decision.kind)
-                return self._policy_failure(step, from_steps, origin,
-                                            f"{name} is not usable JSON: {exc}", bare, extra,
-                                            policy_at)
+                return self._policy_failure(
+                    step, from_steps, origin, f"{name} is not usable JSON: {exc}",
+                    PolicyDecision(decision.outcome, decision.reason, decision.kind), extra,
+                    policy_at)
         try:
             allowed = decision.outcome == "allow" or (
                 granted is not None and grant_covers(granted, decision, request))
@@ -4422,14 +4400,13 @@ class _Decider:
             self.session._allowed = _AllowedRequest(request, decision, policy_at, view_doc,
                                                     granted)
             return Verdict("allowed", approval=granted)
+        if decision.outcome in ("deny", "abort"):
+            done = f"denied{on_resume}" if decision.outcome == "deny" else "aborted"
+            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
+                       f"{done}: {decision.reason}")
         if decision.outcome == "deny":
-            summary = f"denied{on_resume}: {decision.reason}"
-            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
-                       summary)
-            return self._deny(step, from_steps, granted, decision, extra, policy_at, obs)
+            return self._refuse(step, from_steps, granted, obs, decision, extra, policy_at)
         if decision.outcome == "abort":
-            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
-                       f"aborted: {decision.reason}")
             pre = [("step.policy", policy_at, _policy_record(decision, extra))]
             run = self.session._settle(step, from_steps, "failed", obs, FAILED, "policy_abort",
                                        decision.reason, origin=origin, pre=pre,
@@ -4450,8 +4427,12 @@ class _Decider:
                                    policy_json=_policy_record(decision) if decision else "")
         return Verdict("ended", run=run)
 
-    def _deny(self, step, from_steps, granted, decision, extra, policy_at, obs) -> Verdict:
+    def _refuse(self, step, from_steps, granted, obs, decision=None, extra=None, policy_at="",
+                detail="") -> Verdict:
+        """End the step failed and the run goes on (resumed, on a ``granted`` one): an invalid
+        decision, or the policy's deny (``decision``, recorded with the step)."""
         now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
+        cols = {}
         with self.store.tx() as tx:
             if granted:
                 tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
@@ -4459,11 +4440,12 @@ class _Decider:
                 tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
             else:
                 tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            tx.event(self.run_id, step.id, policy_at, "step.policy",
-                     _policy_record(decision, extra))
-            self.session._end_step(tx, step, from_steps, "failed", obs, now,
-                                   policy_json=_policy_record(decision),
-                                   policy_id=self.gate.policy_id)
+            if decision is not None:
+                tx.event(self.run_id, step.id, policy_at, "step.policy",
+                         _policy_record(decision, extra))
+                cols = {"policy_json": _policy_record(decision), "policy_id": self.gate.policy_id}
+            self.session._end_step(tx, step, from_steps, "failed", obs, now, detail=detail,
+                                   **cols)
         if granted:
             self.gate.leases.hold(self.run_id, until)
         self.session.current = None
@@ -4497,33 +4479,28 @@ class _Decider:
                                     fmt_time(now), request.spec.terminal, owner)
                 if self.gate.on_settled is not None:
                     self.gate.on_settled(tx, [self.run_id])
-            else:
-                self._ask(tx, approval, request, step, from_steps, origin, decision, extra)
+            else:                           # the run waits, its step waits, the approval is asked
+                tx.transition(self.run_id, (origin,), WAITING, owner=owner)
+                tx.update_step(step.id, from_steps, status="awaiting_approval",
+                               policy_json=_policy_record(decision), spec_hash=step.spec_hash
+                               or request.spec.hash(), policy_id=extra.get("policy_id", ""),
+                               observation_json="", observation_hash="", finished_at="")
+                tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
+                        f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
+                        (approval.id, approval.run_id, approval.step_id, approval.kind,
+                         approval.capability.decode(), approval.presentation.decode(),
+                         approval.request_json, approval.hash, PENDING, approval.created_at,
+                         "", "", "", approval.expires_at))
+                tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
+                         {"approval_id": approval.id, "capability": RawJSON(approval.capability),
+                          "hash": approval.hash, "kind": approval.kind,
+                          "presentation": RawJSON(approval.presentation),
+                          "reason": decision.reason})
         if late is not None:
             self.session._finish("ended", run)
             return Verdict("settled", run=run)
         self.session._finish("paused", None)
         return Verdict("pending", approval=approval)
-
-    def _ask(self, tx: Tx, approval: Approval, request, step, from_steps, origin, decision,
-             extra) -> None:
-        """The writes of a pause: the run waits, its step waits, the approval is asked."""
-        tx.transition(self.run_id, (origin,), WAITING,
-                      owner=self.gate.owner if origin == RUNNING else "")
-        tx.update_step(step.id, from_steps, status="awaiting_approval",
-                       policy_json=_policy_record(decision), spec_hash=step.spec_hash or
-                       request.spec.hash(), policy_id=extra.get("policy_id", ""),
-                       observation_json="", observation_hash="", finished_at="")
-        tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
-                f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
-                (approval.id, approval.run_id, approval.step_id, approval.kind,
-                 approval.capability.decode(), approval.presentation.decode(),
-                 approval.request_json, approval.hash, PENDING, approval.created_at,
-                 "", "", "", approval.expires_at))
-        tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
-                 {"approval_id": approval.id, "capability": RawJSON(approval.capability),
-                  "hash": approval.hash, "kind": approval.kind,
-                  "presentation": RawJSON(approval.presentation), "reason": decision.reason})
 
     def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
         """An approved step: check the recorded arguments against today's schema, then
@@ -4534,15 +4511,7 @@ class _Decider:
         if problem:
             detail = f"invalid decision on resume: {problem}"
             obs = _obs(INVALID_DECISION, {"error": problem}, detail)
-            now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
-            with self.store.tx() as tx:
-                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
-                              lease_until=fmt_time(until))
-                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
-                self.session._end_step(tx, step, ("awaiting_approval",), "failed", obs, now)
-            self.gate.leases.hold(self.run_id, until)
-            self.session.current = None
-            return Verdict("denied", observation=obs.doc)
+            return self._refuse(step, ("awaiting_approval",), granted, obs)
         run = self.store.get_run(self.run_id)
         prior = [s for s in steps if s.idx < step.idx]
         return self._apply(request, step, RunView(run, prior, approvals), granted, resumed_at)
@@ -4550,7 +4519,8 @@ class _Decider:
     def _after_interruption(self, step: Step, steps: list[Step], now: str) -> Verdict | None:
         """A step cut off while executing: ask the reconcile hook, or, without one, pause a
         tool that is not read-only on an interrupted_side_effect approval. None: go on."""
-        tool = self.gate.tools.get((step.decision or {}).get("tool", ""))
+        name, args = (step.decision or {}).get("tool", ""), step.args or b"{}"
+        tool = self.gate.tools.get(name)
         run = self.store.get_run(self.run_id)
         if self.gate.reconcile is not None:
             rec = self.gate.reconcile(RunView(run, steps, self.store.list_approvals(self.run_id)))
@@ -4561,20 +4531,17 @@ class _Decider:
             decision = rec.pause
         elif tool is not None and tool.spec.side_effect == "read_only":
             return None
-        else:
-            args = step.args or b"{}"
-            cap = {"args": RawJSON(args), "tool": (step.decision or {}).get("tool", "")}
-            pres = dict(cap, notice=INTERRUPTED_NOTICE,
-                        side_effect=tool.spec.side_effect if tool else "")
-            decision = need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON,
-                                     {k: cap[k] for k in sorted(cap)},
-                                     {k: pres[k] for k in sorted(pres)})
+        else:                               # keys in sorted order, as canonical JSON has them
+            decision = need_approval(
+                INTERRUPTED_KIND, INTERRUPTED_REASON, {"args": RawJSON(args), "tool": name},
+                {"args": RawJSON(args), "notice": INTERRUPTED_NOTICE,
+                 "side_effect": tool.spec.side_effect if tool else "", "tool": name})
         if tool is None:
             return self._conflict(step, "the tool is no longer offered")
-        problem = self.gate.check_args(tool, step.args or b"{}")
+        problem = self.gate.check_args(tool, args)
         if problem:
             return self._conflict(step, problem)
-        request = ToolRequest(self.run_id, step.id, tool.spec, step.args or b"{}")
+        request = ToolRequest(self.run_id, step.id, tool.spec, args)
         return self._pause(request, step, ("interrupted",), RUNNING, decision,
                            {"spec_hash": tool.spec.hash()}, now)
 
@@ -4607,13 +4574,16 @@ class _StepExecution:
             raise RunStateError(f"run {self.run_id}: nothing is allowed to execute")
         self.session._allowed = None
         gate, granted = self.gate, allowed.granted
+        # The grant's age is judged again just before executing: a stale grant is expired here
+        # (its run cancelled).
         if granted is not None:
-            run = self.store.get_run(self.run_id)
-            if self._expire_if_stale(run, granted):
+            run, at = self.store.get_run(self.run_id), gate.clock()
+            if _grant_stale(run, granted, at):
+                self.session._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
                 raise ApprovalExpired(
                     f"approval {granted.id} was granted at {granted.decided_at} and its grant "
                     f"expired ({fmt_duration(run.limits.grant_ttl)}) before it was executed")
-        if granted is None and not gate.leases.ok(self.run_id):
+        elif not gate.leases.ok(self.run_id):
             raise self.session._lose()
         start_at = gate.now() if granted else allowed.policy_at
         until = gate.wall() + gate.lease_ttl
@@ -4631,14 +4601,12 @@ class _StepExecution:
                 else:
                     _require_live_lease(tx, self.run_id, gate.owner, gate.store.path,
                                         gate.wall())
-                cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
-                        "policy_id": gate.policy_id}
-                if granted:
-                    cols["started_at"] = start_at
                 if gate.budget is not None:
                     gate.budget.admit(tx, request, allowed.decision, start_at)
                 tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",),
-                               **cols)
+                               status="executing", policy_json=_policy_record(allowed.decision),
+                               policy_id=gate.policy_id,
+                               **({"started_at": start_at} if granted else {}))
                 tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
                          _policy_record(allowed.decision, {"policy_id": gate.policy_id,
                                                           "spec_hash": spec.hash(),
@@ -4691,32 +4659,20 @@ class _StepExecution:
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
         except asyncio.CancelledError as exc:
-            self._record_or_let_go(_observe(spec.name, spec.timeout, exc), began)
+            self.record_outcome((_observe(spec.name, spec.timeout, exc), began))
             raise
         return obs, began
 
     def record_outcome(self, called: tuple[Observation, float]) -> dict:
         """Record what call_started observed; the observation, as recorded."""
-        return self._record_or_let_go(*called)
-
-    def _record_or_let_go(self, obs: Observation, began: float) -> dict:
         try:
-            return self._record(obs, began)
+            return self._record(*called)
         except (LeaseLost, RunStateError):
             raise
         except Exception as exc:
             self.session._let_go()
             raise OutcomeNotRecorded(f"run {self.run_id}: the tool ran, and its outcome "
                                      f"could not be recorded: {exc}") from exc
-
-    def _expire_if_stale(self, run: Run, granted: Approval) -> bool:
-        """Judge the grant's age again just before executing; a stale grant is expired here
-        (its run cancelled) and True returned."""
-        at = self.gate.clock()
-        if not _grant_stale(run, granted, at):
-            return False
-        self.session._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
-        return True
 
     def _record(self, obs: Observation, began: float) -> dict:
         """Record a finished tool call. Needs only that this gate still owns the lease, not

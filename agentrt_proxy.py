@@ -4235,8 +4235,7 @@ class Session:
                 origin: str = RUNNING, pre: list | None = None, step_detail: str = "",
                 finished_event: dict | None = None, **cols: Any) -> Run:
         """End the run (and its open step) in one transaction."""
-        step_at = self.gate.now()
-        run_at = self.gate.now()
+        step_at, run_at = self.gate.now(), self.gate.now()
         with self.store.tx() as tx:
             tx.require(self.run_id, (origin,), self.gate.owner if origin == RUNNING else "")
             for typ, at, payload in pre or []:
@@ -4341,14 +4340,13 @@ class _Decider:
         if problem:
             obs = _obs(INVALID_DECISION, {"error": problem}, f"invalid decision: {problem}")
             return self._refuse(step, ("deciding",), None, obs, detail=problem)
-        if decision.kind in ("complete", "fail"):
-            status = COMPLETED if decision.kind == "complete" else FAILED
-            reason = "goal_completed" if status == COMPLETED else "goal_failed"
-            run = self.session._settle(
-                step, ("deciding",), "done", None, status, reason,
-                decision.message if status == FAILED else "",
-                decision.result.strip(JSON_WS).decode() if status == COMPLETED else "")
-            return Verdict("ended", run=run)
+        if decision.kind == "complete":
+            return Verdict("ended", run=self.session._settle(
+                step, ("deciding",), "done", None, COMPLETED, "goal_completed", "",
+                decision.result.strip(JSON_WS).decode()))
+        if decision.kind == "fail":
+            return Verdict("ended", run=self.session._settle(
+                step, ("deciding",), "done", None, FAILED, "goal_failed", decision.message))
         request = ToolRequest(self.run_id, step.id, tool.spec,
                               decision.args.strip(JSON_WS) or b"{}", decision.value)
         if judged is not None and judged.view is not None and step.idx == 0:
@@ -4598,9 +4596,11 @@ class _StepExecution:
                     tx.event(self.run_id, step.id, start_at, "run.resumed",
                              {"approval_id": granted.id})
                     started = {"approval_id": granted.id, **started}
-                else:
-                    _require_live_lease(tx, self.run_id, gate.owner, gate.store.path,
-                                        gate.wall())
+                else:       # starting a side effect needs the lease unexpired, judged here
+                    run = tx.require(self.run_id, (RUNNING,), gate.owner)
+                    if not _lease_live(run, gate.store.path, gate.wall()):
+                        raise LeaseLost(f"run {self.run_id}: the lease expired at "
+                                        f"{run.lease_expires_at or '-'}")
                 if gate.budget is not None:
                     gate.budget.admit(tx, request, allowed.decision, start_at)
                 tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",),
@@ -4681,9 +4681,9 @@ class _StepExecution:
         spec = self.gate.tools[step.decision["tool"]].spec
         elapsed = int((time.monotonic() - began) * 1000)
         ok = doc["kind"] == TOOL_RESULT
-        finished = {"duration_ms": elapsed, "tool": spec.name}
-        finished.update({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
-                        else {"error": doc["summary"]})
+        finished = {"duration_ms": elapsed, "tool": spec.name,
+                    **({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
+                       else {"error": doc["summary"]})}
         try:
             # The outcome, and the caller's own write with it, in one commit.
             with self.store.tx():
@@ -4812,13 +4812,6 @@ def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
         raise RunStateError(f"approval {granted.id} is no longer the step's grant")
 
 
-def _require_live_lease(tx: Tx, run_id: str, owner: str, database: str, wall: float) -> None:
-    """Starting a side effect needs the lease unexpired, checked inside the transaction."""
-    run = tx.require(run_id, (RUNNING,), owner)
-    if not _lease_live(run, database, wall):
-        raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
-
-
 async def in_time(aw: Awaitable, seconds: float) -> Any:
     """``await aw`` under a deadline: its result, or asyncio.TimeoutError once ``seconds``
     have passed, with what it waited for cancelled (a coroutine runs as a task of its own).
@@ -4867,11 +4860,8 @@ async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observ
     try:
         return _observe(name, tool.spec.timeout, outcome)
     except Exception as exc:
-        return _obs(TOOL_ERROR, {"ending": UNREADABLE,
-                                 "error": f"the answer could not be recorded "
-                                          f"({type(exc).__name__})",
-                                 "failure": "invalid_content", "tool": name},
-                    f"{name} answered, and its answer could not be recorded")
+        return _observe(name, tool.spec.timeout, AnswerUnreadable(
+            f"the answer could not be recorded ({type(exc).__name__})"))
 
 
 def _observe(name: str, timeout: float, result: Any) -> Observation:
@@ -4947,9 +4937,8 @@ def unknown_ending(tool, obs: dict) -> str | None:
     (written before endings were) is NO_ANSWER: an operator is asked."""
     if tool is None:
         return NO_ANSWER
-    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR:
-        return None
-    if _known_outcome(obs):
+    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR or \
+            _known_outcome(obs):
         return None
     content = obs.get("content")
     return TIMED_OUT if isinstance(content, dict) and content.get("ending") == TIMED_OUT \
@@ -4961,11 +4950,8 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
     lim = run.limits
     if run.step_count >= lim.max_steps:
         return "limit_steps", f"step limit {lim.max_steps} reached", None
-    failures = 0
-    for s in reversed(steps):
-        if s.observation is None or s.obs_kind == TOOL_RESULT:
-            break
-        failures += 1
+    failures = next((i for i, s in enumerate(reversed(steps))
+                     if s.observation is None or s.obs_kind == TOOL_RESULT), len(steps))
     if failures >= lim.max_consecutive_tool_failures:
         return "repeated_tool_failures", f"{failures} consecutive failed steps", None
     sigs = []
@@ -4975,11 +4961,7 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
                 s.obs_kind == INVALID_DECISION:
             break
         sigs.append((d.get("tool", ""), content_hash(s.args or b"{}"), s.observation_hash))
-    repeats = 0
-    for sig in sigs:
-        if sig != sigs[0]:
-            break
-        repeats += 1
+    repeats = next((i for i, sig in enumerate(sigs) if sig != sigs[0]), len(sigs))
     if sigs and repeats >= lim.loop_threshold:
         tool, args_hash, obs_hash = sigs[0]
         return "loop_detected", (f"tool {tool} produced the same observation {repeats} times "

@@ -4272,7 +4272,6 @@ class Session:
 
     def _over(self, run: Run) -> None:
         self._finish("ended" if run.status in TERMINAL else "paused", run)
-        return None
 
     def _finish(self, state: str, run: Run | None) -> None:
         self.state, self.final, self.current, self._allowed = state, run, None, None
@@ -4654,8 +4653,7 @@ class _StepExecution:
         if self.store.in_tx():
             raise RunStateError("a tool never runs inside an open transaction: its start "
                                 "must be committed first")
-        spec = request.spec
-        began = time.monotonic()
+        spec, began = request.spec, time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
         except asyncio.CancelledError as exc:
@@ -4679,9 +4677,8 @@ class _StepExecution:
         that it is unexpired; a run taken over meanwhile keeps what its new owner wrote."""
         doc, step = obs.doc, self.session.current
         spec = self.gate.tools[step.decision["tool"]].spec
-        elapsed = int((time.monotonic() - began) * 1000)
         ok = doc["kind"] == TOOL_RESULT
-        finished = {"duration_ms": elapsed, "tool": spec.name,
+        finished = {"duration_ms": int((time.monotonic() - began) * 1000), "tool": spec.name,
                     **({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
                        else {"error": doc["summary"]})}
         try:
@@ -4746,9 +4743,8 @@ class _StepExecution:
 def _content_bytes(obs: Observation) -> bytes:
     """The exact bytes of an observation's content member: kept by _obs, else read from
     its stored JSON (an observation read back from a record)."""
-    if obs.content is not None:
-        return obs.content
-    return member_spans(obs.json_text.encode()).get("content", b"{}")
+    return obs.content if obs.content is not None else \
+        member_spans(obs.json_text.encode()).get("content", b"{}")
 
 
 def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
@@ -4762,10 +4758,9 @@ def _lease_live(run: Run, database: str, wall: float | None = None) -> bool:
     proxy's, and its holder (section 11) not gone. Every reader asks this one function (the
     rules across calls, the gate's take-over inside its transaction, the start of a side
     effect), so that none can find a lease live that another finds gone."""
-    if not run.lease_owner or not run.lease_expires_at or \
-            parse_time(run.lease_expires_at) <= (time.time() if wall is None else wall):
-        return False
-    return not holder_gone(database, run.lease_owner)
+    return bool(run.lease_owner and run.lease_expires_at) and \
+        parse_time(run.lease_expires_at) > (time.time() if wall is None else wall) and \
+        not holder_gone(database, run.lease_owner)
 
 
 def _expired(approval: Approval, now: float) -> bool:

@@ -4451,16 +4451,13 @@ class _Decider:
     def _pause(self, request, step, from_steps, origin, decision, extra, policy_at) -> Verdict:
         """Wait on a new approval bound by hash to exactly this request."""
         now = self.gate.clock()
-        run = self.store.get_run(self.run_id)
-        ttl = run.limits.approval_ttl
-        approval = Approval(
-            self.gate.new_id(), self.run_id, step.id, decision.kind,
-            decision.capability.strip(JSON_WS) or b"{}",
-            decision.presentation.strip(JSON_WS) or b"{}",
-            request.record(), "", PENDING, fmt_time(now), "", "", "",
-            fmt_time(now + ttl) if ttl > 0 else "")
-        approval = dataclasses.replace(approval, hash=approval_hash(
-            approval.kind, approval.capability, approval.presentation, request))
+        ttl = self.store.get_run(self.run_id).limits.approval_ttl
+        cap = decision.capability.strip(JSON_WS) or b"{}"
+        pres = decision.presentation.strip(JSON_WS) or b"{}"
+        approval = Approval(self.gate.new_id(), self.run_id, step.id, decision.kind, cap, pres,
+                            request.record(), approval_hash(decision.kind, cap, pres, request),
+                            PENDING, fmt_time(now), "", "", "",
+                            fmt_time(now + ttl) if ttl > 0 else "")
         owner = self.gate.owner if origin == RUNNING else ""
         with self.store.tx() as tx:
             attempt = asked_attempt(approval, tx.rows)
@@ -4482,12 +4479,10 @@ class _Decider:
                                policy_json=_policy_record(decision), spec_hash=step.spec_hash
                                or request.spec.hash(), policy_id=extra.get("policy_id", ""),
                                observation_json="", observation_hash="", finished_at="")
-                tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
+                tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "  # every field, in order
                         f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
-                        (approval.id, approval.run_id, approval.step_id, approval.kind,
-                         approval.capability.decode(), approval.presentation.decode(),
-                         approval.request_json, approval.hash, PENDING, approval.created_at,
-                         "", "", "", approval.expires_at))
+                        [v.decode() if isinstance(v, bytes) else v
+                         for v in dataclasses.astuple(approval)])
                 tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
                          {"approval_id": approval.id, "capability": RawJSON(approval.capability),
                           "hash": approval.hash, "kind": approval.kind,

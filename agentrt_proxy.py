@@ -4405,10 +4405,9 @@ class _Decider:
             return self._refuse(step, from_steps, granted, obs, decision, extra, policy_at)
         if decision.outcome == "abort":
             pre = [("step.policy", policy_at, _policy_record(decision, extra))]
-            run = self.session._settle(step, from_steps, "failed", obs, FAILED, "policy_abort",
-                                       decision.reason, origin=origin, pre=pre,
-                                       policy_json=_policy_record(decision))
-            return Verdict("ended", run=run)
+            return Verdict("ended", run=self.session._settle(
+                step, from_steps, "failed", obs, FAILED, "policy_abort", decision.reason,
+                origin=origin, pre=pre, policy_json=_policy_record(decision)))
         if decision.outcome == "require_approval":
             return self._pause(request, step, from_steps, origin, decision, extra, policy_at)
         return self._policy_failure(step, from_steps, origin,
@@ -4418,11 +4417,10 @@ class _Decider:
     def _policy_failure(self, step, from_steps, origin, detail, decision=None, extra=None,
                         policy_at=""):
         pre = [("step.policy", policy_at, _policy_record(decision, extra))] if decision else []
-        run = self.session._settle(step, from_steps, "failed", None, FAILED, "internal_error",
-                                   f"policy: {detail}", origin=origin, pre=pre,
-                                   step_detail=f"policy error: {detail}",
-                                   policy_json=_policy_record(decision) if decision else "")
-        return Verdict("ended", run=run)
+        return Verdict("ended", run=self.session._settle(
+            step, from_steps, "failed", None, FAILED, "internal_error", f"policy: {detail}",
+            origin=origin, pre=pre, step_detail=f"policy error: {detail}",
+            policy_json=_policy_record(decision) if decision else ""))
 
     def _refuse(self, step, from_steps, granted, obs, decision=None, extra=None, policy_at="",
                 detail="") -> Verdict:
@@ -4540,8 +4538,8 @@ class _Decider:
     def _conflict(self, step: Step, why: str) -> Verdict:
         detail = (f"step {step.idx} was interrupted while executing a tool call whose outcome "
                   f"is unknown and cannot wait for an operator ({why})")
-        run = self.session._settle(None, (), "", None, FAILED, "reconcile_conflict", detail)
-        return Verdict("ended", run=run)
+        return Verdict("ended", run=self.session._settle(None, (), "", None, FAILED,
+                                                         "reconcile_conflict", detail))
 
 
 # ==== 12.1 Executing a step: its start, the tool's call, and its outcome ====
@@ -4727,12 +4725,11 @@ class _StepExecution:
                     if ended and gate.on_settled is not None:
                         gate.on_settled(tx, ended)
         run = self.store.get_run(self.run_id)
-        if run.status == CANCELLED and run.reason == "operator_cancelled":
-            self.session._finish("ended", run)
-            return
-        self.session._finish("lost", run)
-        raise LateOutcome(f"run {self.run_id}: the tool returned after the run was taken "
-                          "over; its outcome is recorded as a late event", doc)
+        cancelled = run.status == CANCELLED and run.reason == "operator_cancelled"
+        self.session._finish("ended" if cancelled else "lost", run)
+        if not cancelled:
+            raise LateOutcome(f"run {self.run_id}: the tool returned after the run was "
+                              "taken over; its outcome is recorded as a late event", doc)
 
 
 def _content_bytes(obs: Observation) -> bytes:

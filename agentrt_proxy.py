@@ -3968,7 +3968,10 @@ class Session:
         steps = self.store.list_steps(self.run_id) if run.step_count else []
         hit = _limit_hit(run, steps)
         if hit:
-            return self._over(self._end_by_limit(*hit))
+            reason, detail, loop = hit
+            pre = [("loop.detected", self.gate.now(), loop)] if loop else []
+            self._settle(None, (), "", None, FAILED, reason, detail, pre=pre)
+            return None
         now, step_id = self.gate.now(), step_id or self.gate.new_id()
         with self.store.tx() as tx:
             if not tx.count_step(self.run_id, run.step_count, self.gate.owner):
@@ -4019,23 +4022,13 @@ class Session:
                 payload.update(content_hash=obs.content_hash, observation=obs.doc["kind"])
             tx.event(self.run_id, step.id, now, "step.failed", payload)
 
-    def _end_invalid(self, step: Step, problem: str, label: str) -> Verdict:
-        obs = _obs(INVALID_DECISION, {"error": problem}, f"{label}: {problem}")
-        now = self.gate.now()
-        with self.store.tx() as tx:
-            tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            self._end_step(tx, step, ("deciding",), "failed", obs, now, detail=problem)
-        self.current = None
-        return Verdict("denied", observation=obs.doc)
-
     def _settle(self, step: Step | None, from_steps: tuple, step_status: str,
                 obs: Observation | None, status: str, reason: str, detail: str,
                 result: str = "", *,
                 origin: str = RUNNING, pre: list | None = None, step_detail: str = "",
                 finished_event: dict | None = None, **cols: Any) -> Run:
         """End the run (and its open step) in one transaction."""
-        step_at = self.gate.now()
-        run_at = self.gate.now()
+        step_at, run_at = self.gate.now(), self.gate.now()
         with self.store.tx() as tx:
             tx.require(self.run_id, (origin,), self.gate.owner if origin == RUNNING else "")
             for typ, at, payload in pre or []:
@@ -4052,22 +4045,6 @@ class Session:
                      {"detail": detail, "reason": reason, "status": status,
                       "steps": run.step_count})
         self._finish("ended", run)
-        return run
-
-    def _end_by_limit(self, reason: str, detail: str, loop: dict | None) -> Run:
-        at = self.gate.now()
-        with self.store.tx() as tx:
-            tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            if loop:
-                tx.event(self.run_id, "", at, "loop.detected", loop)
-            else:
-                tx.event(self.run_id, "", at, "limit.exceeded",
-                         {"detail": detail, "reason": reason})
-            run = tx.transition(self.run_id, (RUNNING,), FAILED, reason=reason, detail=detail,
-                                finished_at=at)
-            tx.event(self.run_id, "", at, "run.finished",
-                     {"detail": detail, "reason": reason, "status": FAILED,
-                      "steps": run.step_count})
         return run
 
     def fail(self, detail: str) -> Run:
@@ -4088,7 +4065,6 @@ class Session:
 
     def _over(self, run: Run) -> None:
         self._finish("ended" if run.status in TERMINAL else "paused", run)
-        return None
 
     def _finish(self, state: str, run: Run | None) -> None:
         self.state, self.final, self.current, self._allowed = state, run, None, None
@@ -4154,15 +4130,15 @@ class _Decider:
             step, decision=recorded, args=decision.args.strip(JSON_WS), spec_hash=spec_hash)
         problem = judged.problem if judged else self.gate.invalid_reason(decision, tool)
         if problem:
-            return self.session._end_invalid(step, problem, "invalid decision")
-        if decision.kind in ("complete", "fail"):
-            status = COMPLETED if decision.kind == "complete" else FAILED
-            reason = "goal_completed" if status == COMPLETED else "goal_failed"
-            run = self.session._settle(
-                step, ("deciding",), "done", None, status, reason,
-                decision.message if status == FAILED else "",
-                decision.result.strip(JSON_WS).decode() if status == COMPLETED else "")
-            return Verdict("ended", run=run)
+            obs = _obs(INVALID_DECISION, {"error": problem}, f"invalid decision: {problem}")
+            return self._refuse(step, ("deciding",), None, obs, detail=problem)
+        if decision.kind == "complete":
+            return Verdict("ended", run=self.session._settle(
+                step, ("deciding",), "done", None, COMPLETED, "goal_completed", "",
+                decision.result.strip(JSON_WS).decode()))
+        if decision.kind == "fail":
+            return Verdict("ended", run=self.session._settle(
+                step, ("deciding",), "done", None, FAILED, "goal_failed", decision.message))
         request = ToolRequest(self.run_id, step.id, tool.spec,
                               decision.args.strip(JSON_WS) or b"{}", decision.value)
         if judged is not None and judged.view is not None and step.idx == 0:
@@ -4196,15 +4172,14 @@ class _Decider:
         extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
                  "view": view_doc}
         for name in ("capability", "presentation"):
-            raw = getattr(decision, name).strip(JSON_WS)
             try:
-                if raw:                     # it wraps the arguments: the records' allowance
-                    parse_json(raw, max_depth=RECORD_DEPTH)
+                if getattr(decision, name):     # it wraps the arguments: the records' allowance
+                    parse_json(getattr(decision, name), max_depth=RECORD_DEPTH)
             except JSONError as exc:
-                bare = PolicyDecision(decision.outcome, decision.reason, decision.kind)
-                return self._policy_failure(step, from_steps, origin,
-                                            f"{name} is not usable JSON: {exc}", bare, extra,
-                                            policy_at)
+                return self._policy_failure(
+                    step, from_steps, origin, f"{name} is not usable JSON: {exc}",
+                    PolicyDecision(decision.outcome, decision.reason, decision.kind), extra,
+                    policy_at)
         try:
             allowed = decision.outcome == "allow" or (
                 granted is not None and grant_covers(granted, decision, request))
@@ -4215,19 +4190,17 @@ class _Decider:
             self.session._allowed = _AllowedRequest(request, decision, policy_at, view_doc,
                                                     granted)
             return Verdict("allowed", approval=granted)
+        if decision.outcome in ("deny", "abort"):
+            done = f"denied{on_resume}" if decision.outcome == "deny" else "aborted"
+            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
+                       f"{done}: {decision.reason}")
         if decision.outcome == "deny":
-            summary = f"denied{on_resume}: {decision.reason}"
-            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
-                       summary)
-            return self._deny(step, from_steps, granted, decision, extra, policy_at, obs)
+            return self._refuse(step, from_steps, granted, obs, decision, extra, policy_at)
         if decision.outcome == "abort":
-            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
-                       f"aborted: {decision.reason}")
             pre = [("step.policy", policy_at, _policy_record(decision, extra))]
-            run = self.session._settle(step, from_steps, "failed", obs, FAILED, "policy_abort",
-                                       decision.reason, origin=origin, pre=pre,
-                                       policy_json=_policy_record(decision))
-            return Verdict("ended", run=run)
+            return Verdict("ended", run=self.session._settle(
+                step, from_steps, "failed", obs, FAILED, "policy_abort", decision.reason,
+                origin=origin, pre=pre, policy_json=_policy_record(decision)))
         if decision.outcome == "require_approval":
             return self._pause(request, step, from_steps, origin, decision, extra, policy_at)
         return self._policy_failure(step, from_steps, origin,
@@ -4237,14 +4210,17 @@ class _Decider:
     def _policy_failure(self, step, from_steps, origin, detail, decision=None, extra=None,
                         policy_at=""):
         pre = [("step.policy", policy_at, _policy_record(decision, extra))] if decision else []
-        run = self.session._settle(step, from_steps, "failed", None, FAILED, "internal_error",
-                                   f"policy: {detail}", origin=origin, pre=pre,
-                                   step_detail=f"policy error: {detail}",
-                                   policy_json=_policy_record(decision) if decision else "")
-        return Verdict("ended", run=run)
+        return Verdict("ended", run=self.session._settle(
+            step, from_steps, "failed", None, FAILED, "internal_error", f"policy: {detail}",
+            origin=origin, pre=pre, step_detail=f"policy error: {detail}",
+            policy_json=_policy_record(decision) if decision else ""))
 
-    def _deny(self, step, from_steps, granted, decision, extra, policy_at, obs) -> Verdict:
+    def _refuse(self, step, from_steps, granted, obs, decision=None, extra=None, policy_at="",
+                detail="") -> Verdict:
+        """End the step failed and the run goes on (resumed, on a ``granted`` one): an invalid
+        decision, or the policy's deny (``decision``, recorded with the step)."""
         now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
+        cols = {}
         with self.store.tx() as tx:
             if granted:
                 tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
@@ -4252,11 +4228,12 @@ class _Decider:
                 tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
             else:
                 tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            tx.event(self.run_id, step.id, policy_at, "step.policy",
-                     _policy_record(decision, extra))
-            self.session._end_step(tx, step, from_steps, "failed", obs, now,
-                                   policy_json=_policy_record(decision),
-                                   policy_id=self.gate.policy_id)
+            if decision is not None:
+                tx.event(self.run_id, step.id, policy_at, "step.policy",
+                         _policy_record(decision, extra))
+                cols = {"policy_json": _policy_record(decision), "policy_id": self.gate.policy_id}
+            self.session._end_step(tx, step, from_steps, "failed", obs, now, detail=detail,
+                                   **cols)
         if granted:
             self.gate.leases.hold(self.run_id, until)
         self.session.current = None
@@ -4265,16 +4242,13 @@ class _Decider:
     def _pause(self, request, step, from_steps, origin, decision, extra, policy_at) -> Verdict:
         """Wait on a new approval bound by hash to exactly this request."""
         now = self.gate.clock()
-        run = self.store.get_run(self.run_id)
-        ttl = run.limits.approval_ttl
-        approval = Approval(
-            self.gate.new_id(), self.run_id, step.id, decision.kind,
-            decision.capability.strip(JSON_WS) or b"{}",
-            decision.presentation.strip(JSON_WS) or b"{}",
-            request.record(), "", PENDING, fmt_time(now), "", "", "",
-            fmt_time(now + ttl) if ttl > 0 else "")
-        approval = dataclasses.replace(approval, hash=approval_hash(
-            approval.kind, approval.capability, approval.presentation, request))
+        ttl = self.store.get_run(self.run_id).limits.approval_ttl
+        cap = decision.capability.strip(JSON_WS) or b"{}"
+        pres = decision.presentation.strip(JSON_WS) or b"{}"
+        approval = Approval(self.gate.new_id(), self.run_id, step.id, decision.kind, cap, pres,
+                            request.record(), approval_hash(decision.kind, cap, pres, request),
+                            PENDING, fmt_time(now), "", "", "",
+                            fmt_time(now + ttl) if ttl > 0 else "")
         owner = self.gate.owner if origin == RUNNING else ""
         with self.store.tx() as tx:
             attempt = asked_attempt(approval, tx.rows)
@@ -4290,33 +4264,26 @@ class _Decider:
                                     fmt_time(now), request.spec.terminal, owner)
                 if self.gate.on_settled is not None:
                     self.gate.on_settled(tx, [self.run_id])
-            else:
-                self._ask(tx, approval, request, step, from_steps, origin, decision, extra)
+            else:                           # the run waits, its step waits, the approval is asked
+                tx.transition(self.run_id, (origin,), WAITING, owner=owner)
+                tx.update_step(step.id, from_steps, status="awaiting_approval",
+                               policy_json=_policy_record(decision), spec_hash=step.spec_hash
+                               or request.spec.hash(), policy_id=extra.get("policy_id", ""),
+                               observation_json="", observation_hash="", finished_at="")
+                tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "  # every field, in order
+                        f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
+                        [v.decode() if isinstance(v, bytes) else v
+                         for v in dataclasses.astuple(approval)])
+                tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
+                         {"approval_id": approval.id, "capability": RawJSON(approval.capability),
+                          "hash": approval.hash, "kind": approval.kind,
+                          "presentation": RawJSON(approval.presentation),
+                          "reason": decision.reason})
         if late is not None:
             self.session._finish("ended", run)
             return Verdict("settled", run=run)
         self.session._finish("paused", None)
         return Verdict("pending", approval=approval)
-
-    def _ask(self, tx: Tx, approval: Approval, request, step, from_steps, origin, decision,
-             extra) -> None:
-        """The writes of a pause: the run waits, its step waits, the approval is asked."""
-        tx.transition(self.run_id, (origin,), WAITING,
-                      owner=self.gate.owner if origin == RUNNING else "")
-        tx.update_step(step.id, from_steps, status="awaiting_approval",
-                       policy_json=_policy_record(decision), spec_hash=step.spec_hash or
-                       request.spec.hash(), policy_id=extra.get("policy_id", ""),
-                       observation_json="", observation_hash="", finished_at="")
-        tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
-                f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
-                (approval.id, approval.run_id, approval.step_id, approval.kind,
-                 approval.capability.decode(), approval.presentation.decode(),
-                 approval.request_json, approval.hash, PENDING, approval.created_at,
-                 "", "", "", approval.expires_at))
-        tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
-                 {"approval_id": approval.id, "capability": RawJSON(approval.capability),
-                  "hash": approval.hash, "kind": approval.kind,
-                  "presentation": RawJSON(approval.presentation), "reason": decision.reason})
 
     def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
         """An approved step: check the recorded arguments against today's schema, then
@@ -4327,15 +4294,7 @@ class _Decider:
         if problem:
             detail = f"invalid decision on resume: {problem}"
             obs = _obs(INVALID_DECISION, {"error": problem}, detail)
-            now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
-            with self.store.tx() as tx:
-                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
-                              lease_until=fmt_time(until))
-                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
-                self.session._end_step(tx, step, ("awaiting_approval",), "failed", obs, now)
-            self.gate.leases.hold(self.run_id, until)
-            self.session.current = None
-            return Verdict("denied", observation=obs.doc)
+            return self._refuse(step, ("awaiting_approval",), granted, obs)
         run = self.store.get_run(self.run_id)
         prior = [s for s in steps if s.idx < step.idx]
         return self._apply(request, step, RunView(run, prior, approvals), granted, resumed_at)
@@ -4343,7 +4302,8 @@ class _Decider:
     def _after_interruption(self, step: Step, steps: list[Step], now: str) -> Verdict | None:
         """A step cut off while executing: ask the reconcile hook, or, without one, pause a
         tool that is not read-only on an interrupted_side_effect approval. None: go on."""
-        tool = self.gate.tools.get((step.decision or {}).get("tool", ""))
+        name, args = (step.decision or {}).get("tool", ""), step.args or b"{}"
+        tool = self.gate.tools.get(name)
         run = self.store.get_run(self.run_id)
         if self.gate.reconcile is not None:
             rec = self.gate.reconcile(RunView(run, steps, self.store.list_approvals(self.run_id)))
@@ -4354,28 +4314,25 @@ class _Decider:
             decision = rec.pause
         elif tool is not None and tool.spec.side_effect == "read_only":
             return None
-        else:
-            args = step.args or b"{}"
-            cap = {"args": RawJSON(args), "tool": (step.decision or {}).get("tool", "")}
-            pres = dict(cap, notice=INTERRUPTED_NOTICE,
-                        side_effect=tool.spec.side_effect if tool else "")
-            decision = need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON,
-                                     {k: cap[k] for k in sorted(cap)},
-                                     {k: pres[k] for k in sorted(pres)})
+        else:                               # keys in sorted order, as canonical JSON has them
+            decision = need_approval(
+                INTERRUPTED_KIND, INTERRUPTED_REASON, {"args": RawJSON(args), "tool": name},
+                {"args": RawJSON(args), "notice": INTERRUPTED_NOTICE,
+                 "side_effect": tool.spec.side_effect if tool else "", "tool": name})
         if tool is None:
             return self._conflict(step, "the tool is no longer offered")
-        problem = self.gate.check_args(tool, step.args or b"{}")
+        problem = self.gate.check_args(tool, args)
         if problem:
             return self._conflict(step, problem)
-        request = ToolRequest(self.run_id, step.id, tool.spec, step.args or b"{}")
+        request = ToolRequest(self.run_id, step.id, tool.spec, args)
         return self._pause(request, step, ("interrupted",), RUNNING, decision,
                            {"spec_hash": tool.spec.hash()}, now)
 
     def _conflict(self, step: Step, why: str) -> Verdict:
         detail = (f"step {step.idx} was interrupted while executing a tool call whose outcome "
                   f"is unknown and cannot wait for an operator ({why})")
-        run = self.session._settle(None, (), "", None, FAILED, "reconcile_conflict", detail)
-        return Verdict("ended", run=run)
+        return Verdict("ended", run=self.session._settle(None, (), "", None, FAILED,
+                                                         "reconcile_conflict", detail))
 
 
 # ==== 12.1 Executing a step: its start, the tool's call, and its outcome ====
@@ -4400,13 +4357,16 @@ class _StepExecution:
             raise RunStateError(f"run {self.run_id}: nothing is allowed to execute")
         self.session._allowed = None
         gate, granted = self.gate, allowed.granted
+        # The grant's age is judged again just before executing: a stale grant is expired here
+        # (its run cancelled).
         if granted is not None:
-            run = self.store.get_run(self.run_id)
-            if self._expire_if_stale(run, granted):
+            run, at = self.store.get_run(self.run_id), gate.clock()
+            if _grant_stale(run, granted, at):
+                self.session._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
                 raise ApprovalExpired(
                     f"approval {granted.id} was granted at {granted.decided_at} and its grant "
                     f"expired ({fmt_duration(run.limits.grant_ttl)}) before it was executed")
-        if granted is None and not gate.leases.ok(self.run_id):
+        elif not gate.leases.ok(self.run_id):
             raise self.session._lose()
         start_at = gate.now() if granted else allowed.policy_at
         until = gate.wall() + gate.lease_ttl
@@ -4421,17 +4381,17 @@ class _StepExecution:
                     tx.event(self.run_id, step.id, start_at, "run.resumed",
                              {"approval_id": granted.id})
                     started = {"approval_id": granted.id, **started}
-                else:
-                    _require_live_lease(tx, self.run_id, gate.owner, gate.store.path,
-                                        gate.wall())
-                cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
-                        "policy_id": gate.policy_id}
-                if granted:
-                    cols["started_at"] = start_at
+                else:       # starting a side effect needs the lease unexpired, judged here
+                    run = tx.require(self.run_id, (RUNNING,), gate.owner)
+                    if not _lease_live(run, gate.store.path, gate.wall()):
+                        raise LeaseLost(f"run {self.run_id}: the lease expired at "
+                                        f"{run.lease_expires_at or '-'}")
                 if gate.budget is not None:
                     gate.budget.admit(tx, request, allowed.decision, start_at)
                 tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",),
-                               **cols)
+                               status="executing", policy_json=_policy_record(allowed.decision),
+                               policy_id=gate.policy_id,
+                               **({"started_at": start_at} if granted else {}))
                 tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
                          _policy_record(allowed.decision, {"policy_id": gate.policy_id,
                                                           "spec_hash": spec.hash(),
@@ -4479,22 +4439,18 @@ class _StepExecution:
         if self.store.in_tx():
             raise RunStateError("a tool never runs inside an open transaction: its start "
                                 "must be committed first")
-        spec = request.spec
-        began = time.monotonic()
+        spec, began = request.spec, time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
         except asyncio.CancelledError as exc:
-            self._record_or_let_go(_observe(spec.name, spec.timeout, exc), began)
+            self.record_outcome((_observe(spec.name, spec.timeout, exc), began))
             raise
         return obs, began
 
     def record_outcome(self, called: tuple[Observation, float]) -> dict:
         """Record what call_started observed; the observation, as recorded."""
-        return self._record_or_let_go(*called)
-
-    def _record_or_let_go(self, obs: Observation, began: float) -> dict:
         try:
-            return self._record(obs, began)
+            return self._record(*called)
         except (LeaseLost, RunStateError):
             raise
         except Exception as exc:
@@ -4502,25 +4458,15 @@ class _StepExecution:
             raise OutcomeNotRecorded(f"run {self.run_id}: the tool ran, and its outcome "
                                      f"could not be recorded: {exc}") from exc
 
-    def _expire_if_stale(self, run: Run, granted: Approval) -> bool:
-        """Judge the grant's age again just before executing; a stale grant is expired here
-        (its run cancelled) and True returned."""
-        at = self.gate.clock()
-        if not _grant_stale(run, granted, at):
-            return False
-        self.session._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
-        return True
-
     def _record(self, obs: Observation, began: float) -> dict:
         """Record a finished tool call. Needs only that this gate still owns the lease, not
         that it is unexpired; a run taken over meanwhile keeps what its new owner wrote."""
         doc, step = obs.doc, self.session.current
         spec = self.gate.tools[step.decision["tool"]].spec
-        elapsed = int((time.monotonic() - began) * 1000)
         ok = doc["kind"] == TOOL_RESULT
-        finished = {"duration_ms": elapsed, "tool": spec.name}
-        finished.update({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
-                        else {"error": doc["summary"]})
+        finished = {"duration_ms": int((time.monotonic() - began) * 1000), "tool": spec.name,
+                    **({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
+                       else {"error": doc["summary"]})}
         try:
             # The outcome, and the caller's own write with it, in one commit.
             with self.store.tx():
@@ -4572,20 +4518,18 @@ class _StepExecution:
                     if ended and gate.on_settled is not None:
                         gate.on_settled(tx, ended)
         run = self.store.get_run(self.run_id)
-        if run.status == CANCELLED and run.reason == "operator_cancelled":
-            self.session._finish("ended", run)
-            return
-        self.session._finish("lost", run)
-        raise LateOutcome(f"run {self.run_id}: the tool returned after the run was taken "
-                          "over; its outcome is recorded as a late event", doc)
+        cancelled = run.status == CANCELLED and run.reason == "operator_cancelled"
+        self.session._finish("ended" if cancelled else "lost", run)
+        if not cancelled:
+            raise LateOutcome(f"run {self.run_id}: the tool returned after the run was "
+                              "taken over; its outcome is recorded as a late event", doc)
 
 
 def _content_bytes(obs: Observation) -> bytes:
     """The exact bytes of an observation's content member: kept by _obs, else read from
     its stored JSON (an observation read back from a record)."""
-    if obs.content is not None:
-        return obs.content
-    return member_spans(obs.json_text.encode()).get("content", b"{}")
+    return obs.content if obs.content is not None else \
+        member_spans(obs.json_text.encode()).get("content", b"{}")
 
 
 def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
@@ -4599,10 +4543,9 @@ def _lease_live(run: Run, database: str, wall: float | None = None) -> bool:
     proxy's, and its holder (section 11) not gone. Every reader asks this one function (the
     rules across calls, the gate's take-over inside its transaction, the start of a side
     effect), so that none can find a lease live that another finds gone."""
-    if not run.lease_owner or not run.lease_expires_at or \
-            parse_time(run.lease_expires_at) <= (time.time() if wall is None else wall):
-        return False
-    return not holder_gone(database, run.lease_owner)
+    return bool(run.lease_owner and run.lease_expires_at) and \
+        parse_time(run.lease_expires_at) > (time.time() if wall is None else wall) and \
+        not holder_gone(database, run.lease_owner)
 
 
 def _expired(approval: Approval, now: float) -> bool:
@@ -4647,13 +4590,6 @@ def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
     if row is None or row[0] != granted.id or row[1] != APPROVED or \
             not same_digest(row[2], granted.hash):
         raise RunStateError(f"approval {granted.id} is no longer the step's grant")
-
-
-def _require_live_lease(tx: Tx, run_id: str, owner: str, database: str, wall: float) -> None:
-    """Starting a side effect needs the lease unexpired, checked inside the transaction."""
-    run = tx.require(run_id, (RUNNING,), owner)
-    if not _lease_live(run, database, wall):
-        raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
 
 
 async def in_time(aw: Awaitable, seconds: float) -> Any:
@@ -4704,11 +4640,8 @@ async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observ
     try:
         return _observe(name, tool.spec.timeout, outcome)
     except Exception as exc:
-        return _obs(TOOL_ERROR, {"ending": UNREADABLE,
-                                 "error": f"the answer could not be recorded "
-                                          f"({type(exc).__name__})",
-                                 "failure": "invalid_content", "tool": name},
-                    f"{name} answered, and its answer could not be recorded")
+        return _observe(name, tool.spec.timeout, AnswerUnreadable(
+            f"the answer could not be recorded ({type(exc).__name__})"))
 
 
 def _observe(name: str, timeout: float, result: Any) -> Observation:
@@ -4784,9 +4717,8 @@ def unknown_ending(tool, obs: dict) -> str | None:
     (written before endings were) is NO_ANSWER: an operator is asked."""
     if tool is None:
         return NO_ANSWER
-    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR:
-        return None
-    if _known_outcome(obs):
+    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR or \
+            _known_outcome(obs):
         return None
     content = obs.get("content")
     return TIMED_OUT if isinstance(content, dict) and content.get("ending") == TIMED_OUT \
@@ -4798,11 +4730,8 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
     lim = run.limits
     if run.step_count >= lim.max_steps:
         return "limit_steps", f"step limit {lim.max_steps} reached", None
-    failures = 0
-    for s in reversed(steps):
-        if s.observation is None or s.obs_kind == TOOL_RESULT:
-            break
-        failures += 1
+    failures = next((i for i, s in enumerate(reversed(steps))
+                     if s.observation is None or s.obs_kind == TOOL_RESULT), len(steps))
     if failures >= lim.max_consecutive_tool_failures:
         return "repeated_tool_failures", f"{failures} consecutive failed steps", None
     sigs = []
@@ -4812,11 +4741,7 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
                 s.obs_kind == INVALID_DECISION:
             break
         sigs.append((d.get("tool", ""), content_hash(s.args or b"{}"), s.observation_hash))
-    repeats = 0
-    for sig in sigs:
-        if sig != sigs[0]:
-            break
-        repeats += 1
+    repeats = next((i for i, sig in enumerate(sigs) if sig != sigs[0]), len(sigs))
     if sigs and repeats >= lim.loop_threshold:
         tool, args_hash, obs_hash = sigs[0]
         return "loop_detected", (f"tool {tool} produced the same observation {repeats} times "

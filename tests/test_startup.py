@@ -240,54 +240,6 @@ def test_a_signal_while_loading_answers_what_waited_and_exits_0(boot):
     assert d.noted("slow", "answered") is None
 
 
-class _Served:
-    """What HostServer needs of a proxy to answer tools/list."""
-
-    def __init__(self):
-        self.log = lambda line: None
-
-    def listing(self) -> list:
-        return [{"name": "t", "inputSchema": {"type": "object"}}]
-
-
-def _line(ident, method: str, params=None) -> bytes:
-    msg = {"jsonrpc": "2.0", "id": ident, "method": method}
-    if params is not None:
-        msg["params"] = params
-    return json.dumps(msg).encode() + b"\n"
-
-
-def test_requests_wait_in_order_boundedly_and_a_cancelled_one_is_dropped():
-    out: list[bytes] = []
-    host = ap.HostServer(None, out.append, lambda line: None)
-    host.handle(_line(0, "initialize", INITIALIZE))
-    assert [json.loads(o)["id"] for o in out] == [0]          # answered at once
-    for i in range(1, ap.MAX_WAITING + 2):
-        host.handle(_line(i, "tools/list"))
-    refused = [json.loads(o) for o in out[1:]]
-    assert [(r["id"], r["error"]["message"]) for r in refused] == \
-        [(ap.MAX_WAITING + 1, ap.STILL_LOADING)]
-    host.handle(json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
-                            "params": {"requestId": 2}}).encode() + b"\n")
-    del out[:]
-    host.ready(_Served())
-    answered = [json.loads(o) for o in out]
-    assert [a["id"] for a in answered] == [1] + list(range(3, ap.MAX_WAITING + 1))
-    assert all(a["result"]["tools"][0]["name"] == "t" for a in answered)
-
-
-def test_requests_held_while_loading_are_bounded_in_bytes():
-    out: list[bytes] = []
-    host = ap.HostServer(None, out.append, lambda line: None)
-    # Each call is a third of the bound: two are held, the third is refused at once.
-    filler = "x" * (ap.MAX_WAITING_BYTES // 3)
-    for i in range(3):
-        host.handle(_line(i, "tools/call", {"name": "t", "arguments": {"note": filler}}))
-    assert [(json.loads(o)["id"], json.loads(o)["error"]["message"]) for o in out] == \
-        [(2, ap.STILL_LOADING)]
-    assert [m.doc["id"] for m in host.waiting] == [ap.Num("0"), ap.Num("1")]
-
-
 def test_import_leaves_http_client_and_fractions_unimported():
     p = subprocess.run([PYTHON, "-c", "import agentrt_proxy, sys; "
                         "print('http.client' in sys.modules, 'fractions' in sys.modules)"],
@@ -371,7 +323,6 @@ class _Start:
                 stop.set()
             return await ap._start_serving(self.cfg, self.out, stop)
         return asyncio.run(go())
-
 
 
 def test_an_existing_database_is_opened_on_a_worker_while_the_servers_load(monkeypatch,

@@ -18,8 +18,6 @@
 
 import asyncio
 import os
-import sys
-import threading
 import time
 
 import pytest
@@ -27,7 +25,6 @@ import pytest
 from proxy_harness import ProxyHarness, ap
 from test_rules_cost import InstantServer, instant_proxy
 
-BOUND = 10.0               # no wait in these tests is longer
 RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
          "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
          "refund": {"side_effect": "destructive", "timeout": "10s"}}
@@ -174,38 +171,6 @@ def test_an_outside_cancel_cancels_the_answer_awaited():
             await waiting
         return fut.cancelled()
     assert asyncio.run(trial())
-
-
-
-
-def test_another_threads_transaction_waits_for_a_batch_and_is_not_part_of_it(tmp_path):
-    store = ap.Store.open(str(tmp_path / "runs.db"))
-    joined, order = threading.Event(), []
-    insert = "INSERT INTO tool_specs (hash, spec_json) VALUES (?, '{}')"
-
-    def other():
-        joined.wait(BOUND)
-        with store.tx() as tx:
-            order.append("other")
-            tx.exec(insert, ("other",))
-    t = threading.Thread(target=other)
-    t.start()
-    try:
-        with pytest.raises(RuntimeError):
-            with store.tx():
-                with store.tx() as tx:
-                    tx.exec(insert, ("batch",))
-                joined.set()
-                time.sleep(0.3)             # the other thread is waiting meanwhile
-                order.append("batch ends")
-                raise RuntimeError("the batch fails: rolled back whole")
-        t.join(BOUND)
-        assert order == ["batch ends", "other"]
-        kept = [r[0] for r in store._read("SELECT hash FROM tool_specs ORDER BY hash")]
-        assert kept == ["other"]
-    finally:
-        t.join(BOUND)
-        store.close()
 
 
 def test_a_duplicate_reads_the_earlier_run_once(tmp_path):

@@ -173,25 +173,6 @@ def test_an_outside_cancel_cancels_the_answer_awaited():
     assert asyncio.run(trial())
 
 
-def test_a_duplicate_reads_the_earlier_run_once(tmp_path):
-    h = ProxyHarness(tmp_path, rules=RULES)
-    upstream = InstantServer()
-    proxy = instant_proxy(h, upstream)
-    statements: list[str] = []
-    try:
-        first = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
-        assert not first["isError"], first
-        h.store.conn.set_trace_callback(statements.append)
-        again = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
-        h.store.conn.set_trace_callback(None)
-    finally:
-        proxy.close()
-        h.close()
-    assert h.prefix(again) == "DUPLICATE" and upstream.calls == 1, again
-    reads = [s for s in statements if s.startswith("SELECT") and " FROM runs " in s]
-    assert len(reads) == 1, reads
-
-
 ARGUMENTS = [
     b'{"account":"A-1"}',
     b'{ "account" : "A-\\u00e9",\r\n "n": [1.50, -0, 2E+3, {"x": null}] }',

@@ -12,32 +12,10 @@
 
 import pytest
 
-from proxy_harness import ProxyHarness, ap
-from test_rules_cost import InstantServer, instant_proxy
+from proxy_harness import ap
 
 RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
          "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
-
-
-def test_a_new_run_reads_no_steps_and_the_rules_read_the_index_once(tmp_path):
-    h = ProxyHarness(tmp_path, rules=RULES)
-    proxy = instant_proxy(h, InstantServer())
-    statements: list[str] = []
-    try:
-        h.run(proxy.call("bank_balance", b'{"account":"A-0"}'))
-        h.store.conn.set_trace_callback(statements.append)
-        result = h.run(proxy.call("bank_balance", b'{"account":"A-1"}'))
-        h.store.conn.set_trace_callback(None)
-    finally:
-        proxy.close()
-        h.close()
-    assert not result["isError"], result
-    begin = statements.index("BEGIN IMMEDIATE")
-    step_reads = [s for s in statements if s.startswith("SELECT") and " FROM steps " in s]
-    index_reads = [s for s in statements if s.startswith("SELECT") and "proxy_calls" in s]
-    assert step_reads == [], step_reads
-    assert len(index_reads) == 1 and statements.index(index_reads[0]) < begin
-    assert len(statements) <= 31, "\n".join(statements)   # 2 of them set the sync level
 
 
 # -- a frame's spans, recorded while it is parsed --

@@ -204,8 +204,8 @@ def test_a_new_run_reads_no_steps_and_the_rules_read_the_index_once(tmp_path):
 
 
 PAY_ALLOW = {"balance": {"side_effect": "read_only", "timeout": "10s"},
-         "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
-         "refund": {"side_effect": "destructive", "timeout": "10s"}}
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
+             "refund": {"side_effect": "destructive", "timeout": "10s"}}
 
 
 def test_a_duplicate_reads_the_earlier_run_once(tmp_path):

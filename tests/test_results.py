@@ -4,6 +4,7 @@ A result returns the server's text blocks as text, as the model would read them 
 from the server, with the server's structured content beside it as structuredContent when
 both fit the cap; both are recorded. Past the cap the text alone is returned and recorded.
 
+- A DUPLICATE of a structured result quotes the text the model read.
 - An observation keeps the exact bytes of its content member, as the record holds them
   (line breaks written again by the encoder), so that a terminal tool's result is never
   parsed out of the record just built; one read back from a record is parsed as before.
@@ -351,6 +352,28 @@ def test_a_terminal_tools_result_is_its_recorded_content(tmp_path):
     finally:
         proxy.close()
         h.close()
+
+
+# ---- A duplicate's answer quotes the result the model read -----------------------------------
+
+PAY = "bank_pay"
+
+
+@pytest.fixture
+def make(harnesses):
+    return harnesses
+
+
+def test_a_duplicate_of_a_structured_result_quotes_the_text_the_model_read(make):
+    h = make(rules={"pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                            "outcome": "allow"}})
+    args = {"to": "bob", "amount": 5, "mode": "structured"}
+    first = h.call(PAY, args)
+    assert h.text(first) == "paid 5.00 to bob" and "structuredContent" in first, first
+    r = h.call(PAY, args)
+    assert h.prefix(r) == "DUPLICATE", h.text(r)
+    assert h.text(r).endswith("The earlier call's outcome: it succeeded: paid 5.00 to bob"), \
+        h.text(r)
 
 
 # ---- Results, faults found in review ---------------------------------------------------------

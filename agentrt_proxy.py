@@ -54,7 +54,7 @@ that function, and the test that fails when that function gives the permissive a
 6. An identical mutating call is not executed twice within the window, unless the operator
    approves a repeat. CallIndex.claim (21) with Rules.refusal (22): claim's compare-and-set
    on the key's one open row lets one call at a time decide a key, across processes; refusal
-   judges that call against the key's finished runs (rules 4 and 5). tests/test_statements.py
+   judges that call against the key's finished runs (rules 4 and 5). tests/test_store.py
    ::test_a_claim_over_an_open_row_it_did_not_read_writes_nothing (claim);
    tests/test_proxy_rules.py::test_unknown_server_error_is_a_known_failure (refusal).
 7. The bytes sent upstream are derived from the record, and nothing else builds them.

@@ -6569,13 +6569,22 @@ class MCPError(ProxyError):
         self.report = report
 
 
+def offered_name(server: str, remote: str, rule: Rule) -> str:
+    """The name the host is offered a tool by: the rule's rename, else server_tool."""
+    return rule.rename or f"{server}_{remote}"
+
+
 def hash_string(text: str) -> str:
     """A description's hash: of its JSON form, quotes included."""
     return sha256_hex(encode_canonical(text))
 
 
-async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
-    """Start or reach the server and settle its era, all within ``deadline``."""
+async def open_upstream(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
+    """Start or reach the server, settle its era and list its tools, all within its
+    connect_timeout: the connection, the tools, and that deadline. A step not done by the
+    deadline, or failed, closes the connection and is an MCPError naming the step, with the
+    tail of the server's stderr."""
+    deadline = time.monotonic() + server.connect_timeout
     if server.command:
         stdio = StdioUpstream(server.name, list(server.command),
                               child_env(server.inherit_env, server.env), server.cwd)
@@ -6587,16 +6596,12 @@ async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
             raise
     else:
         conn = HttpUpstream(server.name, server.endpoint)
-    await _step(server, conn, "connect", conn.connect(deadline), deadline)
-    return conn
-
-
-async def _step(server: ServerConfig, conn: Upstream, step: str, work: Awaitable[Any],
-                deadline: float) -> Any:
-    """``work`` done by ``deadline``; else the connection is closed and the failure is an
-    MCPError naming the step, with the tail of the server's stderr."""
+    step = "connect"
     try:
-        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+        await asyncio.wait_for(conn.connect(deadline), max(0.0, deadline - time.monotonic()))
+        step = "list tools"
+        tools = await asyncio.wait_for(conn.list_tools(deadline),
+                                       max(0.0, deadline - time.monotonic()))
     except BaseException as exc:
         await conn.close()
         if isinstance(exc, asyncio.TimeoutError):
@@ -6606,18 +6611,12 @@ async def _step(server: ServerConfig, conn: Upstream, step: str, work: Awaitable
         tail = conn.stderr_tail()
         raise MCPError(f"mcp: server {_quote(server.name)}: {step}: {text}" +
                        (f"; stderr: {_quote(tail)}" if tail else "")) from exc
-
-
-async def _connect_and_list(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
-    deadline = time.monotonic() + server.connect_timeout
-    conn = await open_upstream(server, deadline)
-    return conn, await _step(server, conn, "list tools", conn.list_tools(deadline),
-                             deadline), deadline
+    return conn, tools, deadline
 
 
 async def pin_server(server: ServerConfig, now: float) -> dict:
     """Connect, list every tool, and return the manifest (nothing is written here)."""
-    conn, tools, _ = await _connect_and_list(server)
+    conn, tools, _ = await open_upstream(server)
     await conn.close()
     entries = {tool.name: {
         "name": tool.name, "description": tool.description,
@@ -6693,13 +6692,12 @@ class Report:
 
     def lines(self) -> list[str]:
         s = sanitize
-        out = [f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
-               (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else "")
-               for tool, name, cls, mismatch in self.registered]
-        out += [f"{s(self.server)}: refused {s(t)}: {s(r)}" for t, r in self.refused]
-        out += [f"{s(self.server)}: unclassified {s(t)}: no rule" for t in self.unclassified]
-        out += [f"{s(self.server)}: unpinned {s(t)}: not in the manifest" for t in self.unpinned]
-        return out
+        return [f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
+                (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else "")
+                for tool, name, cls, mismatch in self.registered] + \
+            [f"{s(self.server)}: refused {s(t)}: {s(r)}" for t, r in self.refused] + \
+            [f"{s(self.server)}: unclassified {s(t)}: no rule" for t in self.unclassified] + \
+            [f"{s(self.server)}: unpinned {s(t)}: not in the manifest" for t in self.unpinned]
 
     def __str__(self) -> str:
         return "".join(line + "\n" for line in self.lines())
@@ -6883,29 +6881,26 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     error that carries the report."""
     check_rules_pinned(server, pinned)
     rules = server.rule_map
-    conn, live_list, deadline = await _connect_and_list(server)
+    conn, live_list, deadline = await open_upstream(server)
     live = {t.name: t for t in live_list}
-    report = Report(server.name, unpinned=sorted(set(live) - set(pinned)))
+    report = Report(server.name, unpinned=sorted(set(live) - set(pinned)),
+                    unclassified=sorted(set(pinned) - set(rules)))
     tools: list[UpstreamTool] = []
     taken: dict[str, str] = {}
     try:                                 # whatever fails, the connection is closed
-        for key in sorted(pinned):
-            rule = rules.get(key)
-            if rule is None:
-                report.unclassified.append(key)
-                continue
+        for key in sorted(set(pinned) & set(rules)):
             try:
-                tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
+                tool, mismatch = _build(server, pinned[key], live.get(key), rules[key], conn)
+                name = tool.spec.name
+                if name in taken:
+                    raise ConfigError(f"the name {_quote(name)} is already taken by tool "
+                                      f"{_quote(taken[name])}")
             except ConfigError as exc:
                 report.refused.append((key, str(exc)))
                 continue
-            if tool.spec.name in taken:
-                report.refused.append((key, f"the name {_quote(tool.spec.name)} is already "
-                                            f"taken by tool {_quote(taken[tool.spec.name])}"))
-                continue
-            taken[tool.spec.name] = key
+            taken[name] = key
             tools.append(tool)
-            report.registered.append((key, tool.spec.name, rule.side_effect, mismatch))
+            report.registered.append((key, name, rules[key].side_effect, mismatch))
         if time.monotonic() > deadline:
             raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
                            f"{fmt_duration(server.connect_timeout)}")
@@ -6936,7 +6931,7 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     timeout = rule.timeout or server.default_timeout
     if timeout <= 0:
         raise ConfigError("no timeout: set the rule's timeout or the server's default_timeout")
-    name = rule.rename or f"{server.name}_{pin.name}"
+    name = offered_name(server.name, pin.name, rule)
     if not _NAME_RE.fullmatch(name):
         raise ConfigError(f"the name {_quote(name)} does not match ^[a-zA-Z0-9_-]{{1,64}}$")
     schema = parse_json(pin.schema, strict=False)
@@ -7016,17 +7011,14 @@ def _restrict(schema: dict, hidden: list[str]) -> bytes:
                           "patternProperties, which could still match them")
     for keyword in _HIDE_CHECKED:
         for name in hidden:
-            if keyword in schema and _mentions(schema[keyword], name):
+            if _mentions(schema.get(keyword), name):
                 raise ConfigError(f"the rule hides {_quote(name)} and the input schema's "
                                   f"{keyword} mentions it")
-    out = dict(schema)
-    out["properties"] = {k: v for k, v in schema["properties"].items() if k not in hidden}
+    out = {**schema, "properties": {k: v for k, v in props.items() if k not in hidden}}
     if isinstance(schema.get("required"), list):
-        required = [r for r in schema["required"] if r not in hidden]
-        if required:
-            out["required"] = required
-        else:
-            out.pop("required")
+        out["required"] = [r for r in schema["required"] if r not in hidden]
+        if not out["required"]:
+            del out["required"]
     return encode_canonical(out)
 
 
@@ -8716,7 +8708,7 @@ class BudgetMoved(ProxyError):
 def rule_tool(server: str, remote: str, rule: Rule) -> "UpstreamTool":
     """A tool as its rule alone describes it, with no server behind it: enough for the
     policy's judgement of it (ProxyPolicy.decide, never_runs), never for a call."""
-    name = rule.rename or f"{server}_{remote}"
+    name = offered_name(server, remote, rule)
     spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
     return UpstreamTool(spec, server, remote, rule, None)
 
@@ -10540,7 +10532,7 @@ class HostServer:
         self.initialized = False         # a legacy host sent notifications/initialized
         self.listens: dict[str, Any] = {}    # a modern host's subscriptions/listen, by id
 
-    def ready(self, proxy: Proxy) -> None:
+    def ready(self, proxy: Proxy | None) -> None:
         """Loading is done: serve, first the requests that waited, in the order they came."""
         self.proxy = proxy
         waiting, self.waiting = self.waiting, []
@@ -10549,11 +10541,9 @@ class HostServer:
 
     def refuse(self, reason: str) -> None:
         """Loading failed or was stopped: each request that waited is answered with an
-        error, as is every later one."""
+        error, as is every later one: with no proxy, hold refuses each."""
         self.refusal = reason
-        waiting, self.waiting = self.waiting, []
-        for msg in waiting:
-            self.write(rpc_error(msg.id_value(), INTERNAL_ERROR, reason))
+        self.ready(None)
 
     def hold(self, msg: Message) -> None:
         if self.refusal:
@@ -10583,10 +10573,8 @@ class HostServer:
         """handle(), with a long line parsed on a worker thread so that the event loop goes
         on meanwhile; lines are still taken in order (the next is read once this one is
         routed)."""
-        if len(line) <= OFFLOAD_BYTES:
-            self.handle(line)
-            return
-        msg = await asyncio.to_thread(self.read, line)
+        msg = self.read(line) if len(line) <= OFFLOAD_BYTES else \
+            await asyncio.to_thread(self.read, line)
         if msg is not None:
             self.dispatch(msg)
 
@@ -10703,17 +10691,14 @@ class HostServer:
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event, value: Any = NOT_PARSED) -> None:
         token = msg.params.get("_meta", {}).get("progressToken")    # _check_call_params
-
-        def progress(done: float, total: float) -> None:
-            self.write(rpc_notification("notifications/progress", {
-                "progressToken": token, "progress": Num(f"{done:.3f}"),
-                "total": Num(f"{total:.3f}"),
-                "message": "waiting for an operator's approval"}))
+        progress = None if token is None else lambda done, total: self.write(rpc_notification(
+            "notifications/progress", {"progressToken": token, "progress": Num(f"{done:.3f}"),
+                                       "total": Num(f"{total:.3f}"),
+                                       "message": "waiting for an operator's approval"}))
         try:
             # Awaited in this task, which nothing cancels: a host's cancel sets ``cancelled``,
             # which ends a hold, never the gate's work or an upstream call.
-            result = await self.proxy.call(name, args, progress if token is not None else None,
-                                           cancelled, value)
+            result = await self.proxy.call(name, args, progress, cancelled, value)
         except Exception as exc:            # an answer is owed even when something broke
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",
@@ -12013,7 +11998,7 @@ class ServerWatch:
         withheld, refused = {}, {}
         taken = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
         for key, rule in sorted(self.server.rule_map.items()):
-            name = rule.rename or f"{self.server.name}_{key}"
+            name = offered_name(self.server.name, key, rule)
             try:
                 if key not in pinned:
                     raise ConfigError("it is not in the manifest")
@@ -12042,7 +12027,7 @@ class ServerWatch:
             return
         rules = self.server.rule_map
         shown = [{"tool": clean(t, DRIFT_NAME_BYTES),
-                  "name": (rules[t].rename or f"{self.server.name}_{t}") if t in rules else "",
+                  "name": offered_name(self.server.name, t, rules[t]) if t in rules else "",
                   "why": sanitize(why)} for t, why in changes[:DRIFT_SHOWN]]
         more = len(changes) - len(shown)
         pin = f"{_self_command()} pin -config {self.cfg.path}"
@@ -14279,15 +14264,6 @@ _HOOK_COMMANDS = {"webhook": cmd_webhook, "sign": cmd_sign}
 
 # ==== 33. main ====
 
-def _stdout_to_devnull(out: Out) -> None:
-    """Point a closed stdout at /dev/null, so that the interpreter's last flush of what is
-    still buffered does not print a traceback of its own."""
-    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, out.stdout.fileno())
-        os.close(fd)
-
-
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -14313,7 +14289,12 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
         out.stderr.write(USAGE + "\n")
         return 2
     except BrokenPipeError:             # `runs | head`: the reader went away; end quietly
-        _stdout_to_devnull(out)
+        # stdout is pointed at /dev/null, so that the interpreter's last flush of what is
+        # still buffered does not print a traceback of its own.
+        with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, out.stdout.fileno())
+            os.close(fd)
         return 1
     except (ProxyError, ValueError, OSError) as exc:
         out.log("error: " + _describe_failure(exc, getattr(args, "command", "")))

@@ -6803,10 +6803,8 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     # record would say the model was given what it was not.
     if structured is not None and structured.lstrip(JSON_WS)[:1] == b"{":
         try:
-            out: list[str] = []
-            _encode(parse_json(structured, strict=False, max_depth=MAX_DEPTH, float_range=True),
-                    out, _policy_str)
-            encoded = "".join(out).encode("utf-8")
+            encoded = encode_policy(parse_json(structured, strict=False, max_depth=MAX_DEPTH,
+                                               float_range=True))
         except JSONError as exc:
             # Nested too deep: handed on as sent, so the gate refuses it as content it cannot
             # record and the call counts as executed. A number we cannot keep: the text
@@ -6824,12 +6822,11 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
         (", truncated" if truncated else "") + \
         (f", structured content of {dropped} bytes dropped for the text" if dropped else "")
     if result.get("isError") is True:
-        try:
-            shown = parse_json(content, strict=False, max_depth=UPSTREAM_DEPTH, bounds=False)
-        except JSONError:
-            shown = None
-        if not isinstance(shown, str):
-            shown = beside or content.decode("utf-8", "replace")
+        # The text the model is told: the JSON string cap_text made, read back (it has no
+        # lone surrogate and no bound to break); else the text blocks beside the structured
+        # content, or that content itself when there are none.
+        shown = parse_json(content, strict=False, bounds=False) if beside is None else \
+            beside or content.decode("utf-8", "replace")
         raise ToolFailure(f"{summary}, error: {shown}")
     return ToolResult(content, summary, beside)
 
@@ -6860,7 +6857,7 @@ def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
     # A character takes a byte or more: what lies past ``limit`` characters is never written.
     text = _SURROGATES.sub("\ufffd", text[:limit + 1])
     if len(text) <= limit and _wire_len(text) <= limit:
-        return _policy_str(text).encode("utf-8"), False
+        return encode_policy(text), False
     room = max(limit, _wire_len(TRUNCATION_MARKER)) - _wire_len(TRUNCATION_MARKER)
     # The cut, in one pass: the prefix of at most ``room`` characters as written, cut at
     # ``room`` bytes, less a character or an escape the cut split, read back as text.
@@ -6872,7 +6869,7 @@ def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
         if run % 2 == 0 and len(written) - escape < whole:
             written = written[:escape]
     prefix = json.loads('"' + written + '"')
-    return _policy_str(prefix + TRUNCATION_MARKER).encode("utf-8"), True
+    return encode_policy(prefix + TRUNCATION_MARKER), True
 
 
 async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
@@ -6888,9 +6885,9 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     tools: list[UpstreamTool] = []
     taken: dict[str, str] = {}
     try:                                 # whatever fails, the connection is closed
-        for key in sorted(set(pinned) & set(rules)):
+        for key, rule in sorted(rules.items()):      # each is pinned: check_rules_pinned
             try:
-                tool, mismatch = _build(server, pinned[key], live.get(key), rules[key], conn)
+                tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
                 name = tool.spec.name
                 if name in taken:
                     raise ConfigError(f"the name {_quote(name)} is already taken by tool "
@@ -6900,7 +6897,7 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
                 continue
             taken[name] = key
             tools.append(tool)
-            report.registered.append((key, name, rules[key].side_effect, mismatch))
+            report.registered.append((key, name, rule.side_effect, mismatch))
         if time.monotonic() > deadline:
             raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
                            f"{fmt_duration(server.connect_timeout)}")
@@ -10580,11 +10577,10 @@ class HostServer:
 
     def read(self, line: bytes) -> Message | None:
         """The message on a line, or None when it was answered as not one."""
-        if len(line) > MAX_FRAME:        # cut by the reader: not parsed at all
-            self.write(rpc_error(None, PARSE_ERROR, f"a message longer than {MAX_FRAME} "
-                                                    "bytes is not read"))
-            return None
         try:
+            if len(line) > MAX_FRAME:    # cut by the reader: not parsed at all
+                raise ProtocolError(f"a message longer than {MAX_FRAME} bytes is not read",
+                                    PARSE_ERROR)
             msg = parse_message(line)
             _check_envelope(msg)
         except (JSONError, ProtocolError) as exc:

@@ -6787,9 +6787,8 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     # string reads as U+FFFD where text is taken from it), and only the structured content
     # is read again, from its own bytes, when it may fit.
     result = reply.doc.get("result")
-    if not isinstance(result, dict):
-        result = {}
-    spans = reply.inner_spans("result") if result else {}
+    result, spans = (result, reply.inner_spans("result")) if isinstance(result, dict) else \
+        ({}, {})
     if result.get("resultType") == "input_required":
         raise ToolFailure(f"{tool.spec.name}: the server asked for more input, which this "
                           "proxy does not support")

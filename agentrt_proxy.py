@@ -6586,13 +6586,12 @@ async def open_upstream(server: ServerConfig) -> tuple[Upstream, list[LiveTool],
     tail of the server's stderr."""
     deadline = time.monotonic() + server.connect_timeout
     if server.command:
-        stdio = StdioUpstream(server.name, list(server.command),
-                              child_env(server.inherit_env, server.env), server.cwd)
-        conn: Upstream = stdio
+        conn: Upstream = StdioUpstream(server.name, list(server.command),
+                                       child_env(server.inherit_env, server.env), server.cwd)
         try:
-            await stdio.start()
+            await conn.start()
         except BaseException:
-            await stdio.close()
+            await conn.close()
             raise
     else:
         conn = HttpUpstream(server.name, server.endpoint)
@@ -6918,10 +6917,9 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     if not same_digest(hash_string(live.description), pin.description_hash):
         raise ConfigError("the description changed since the pin; a description is model "
                           "input, so the tool must be pinned again")
-    mismatch = _hint_mismatch(rule.side_effect, pin.annotations)
-    if not mismatch:                   # the pinned hints first, then what the server says now
-        now_says = _hint_mismatch(rule.side_effect, live.annotations)
-        mismatch = f"the server now says: {now_says}" if now_says else ""
+    # The pinned hints first, then what the server says now.
+    mismatch = _hint_mismatch(rule.side_effect, pin.annotations) or \
+        _hint_mismatch(rule.side_effect, live.annotations, "the server now says: ")
     if mismatch and not rule.allow_hint_mismatch:
         raise ConfigError(mismatch)
     timeout = rule.timeout or server.default_timeout
@@ -6943,19 +6941,19 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
         _check_tool(spec, {})
     except ValueError as exc:
         raise ConfigError(f"the runtime refuses it: {exc}") from None
-    return UpstreamTool(spec, server.name, pin.name, rule, conn), mismatch or ""
+    return UpstreamTool(spec, server.name, pin.name, rule, conn), mismatch
 
 
-def _hint_mismatch(cls: str, ann: dict | None) -> str:
-    """A hint the server asserts that disputes the operator's class. Silence claims nothing;
-    a hint can dispute a class, never relax one."""
+def _hint_mismatch(cls: str, ann: dict | None, said: str = "") -> str:
+    """A hint the server asserts that disputes the operator's class, after ``said``; or ''.
+    Silence claims nothing; a hint can dispute a class, never relax one."""
     if ann is None:
         return ""
     if cls == "read_only" and ann.get("readOnlyHint") is not True:
-        return "classified read_only, but the server does not claim readOnlyHint"
+        return f"{said}classified read_only, but the server does not claim readOnlyHint"
     if cls != "destructive" and ann.get("readOnlyHint") is not True and \
             ann.get("destructiveHint") is True:
-        return f"classified {cls}, but the server claims destructiveHint"
+        return f"{said}classified {cls}, but the server claims destructiveHint"
     return ""
 
 

@@ -6770,9 +6770,7 @@ def wire_arguments(raw: bytes, value: dict, fixed: tuple) -> bytes:
     record and rule give the same bytes, in any process, at any time."""
     if not fixed:
         return raw
-    sent = dict(value)
-    for param, given in fixed:
-        sent[param] = parse_json(given)
+    sent = {**value, **{param: parse_json(given) for param, given in fixed}}
     return dump_json(sent).encode("utf-8")
 
 
@@ -6833,9 +6831,7 @@ def _wire_len(value: "bytes | str") -> int:
     """The bytes a text, or JSON bytes in the proxy's encoding, take in a frame or record,
     where line breaks of every reader and C1 controls are escaped (six bytes each): the cap
     holds for what is written, not only for the value."""
-    if isinstance(value, str):
-        return len(_wire_str(value).encode("utf-8"))
-    return len(dump_json(RawJSON(value)).encode("utf-8"))
+    return len(dump_json(value if isinstance(value, str) else RawJSON(value)).encode("utf-8"))
 
 
 def _joined_text(blocks: Any) -> str:

@@ -10710,10 +10710,12 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     ended = asyncio.Event()              # the host closed its input
 
     async def feed() -> None:
-        while (line := await lines.next()) is not None:
+        line = await lines.next()
+        while line is not None:
             if line.strip():
                 await host.take(line)
             await host.room(writer.queue.qsize)
+            line = await lines.next()
         ended.set()
     reader = asyncio.create_task(feed())
     try:

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from echo_server import INVALID_PARAMS, answer, frame, serve
+from echo_server import INVALID_PARAMS, answer, serve
 
 SERVER_INFO = {"name": "files", "version": "1.0.0"}
 MAX_ENTRIES = 100_000

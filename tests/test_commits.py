@@ -14,7 +14,6 @@
 """
 
 import re
-import sqlite3
 
 import pytest
 

@@ -366,7 +366,7 @@ def test_a_refused_question_whose_attempt_finished_is_never_told_not_executed(tm
     """The operator rejected the re-run before the late success arrived: the identical call
     is answered with the recorded payment (a DUPLICATE), and the status tool says it took
     effect, never "it was not executed"."""
-    from process_helpers import eventually, prefix, text
+    from process_helpers import prefix, text
 
     d = procs(tmp_path, allow_pay=True, lease_ttl="3s", repeat_window="10m")
     args = {"to": "rob", "amount": 25, "mode": "block"}

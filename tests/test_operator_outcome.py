@@ -228,7 +228,7 @@ def test_recheck_counts_an_attempt_as_the_word_stood_at_the_decision(make):
 
 def test_the_inbox_asks_what_came_of_the_attempt(make):
     h = make(rules=rules(SPEND))
-    a = cut_off(h, amount=30)
+    cut_off(h, amount=30)
     out, err = io.StringIO(), io.StringIO()
     code = ap.main(["-db", h.cfg.database, "inbox", "-once", "-tty-not-required", "-by", "op"],
                    stdin=io.StringIO("r\nit bounced\nn\n"), stdout=out, stderr=err)

@@ -3201,14 +3201,7 @@ class Store:
             if self._synced < 0:
                 raise StoreError(f"{self.path}: a sync of the WAL failed before")
             try:
-                fd = os.open(self.path + "-wal", os.O_RDONLY)
-                try:
-                    st = os.fstat(fd)
-                    if (st.st_dev, st.st_ino) != self._wal:
-                        raise OSError("the WAL file was replaced")
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _sync_file(self.path + "-wal", self._wal)
             except OSError as exc:
                 self._synced = -1
                 raise StoreError(f"{self.path}: cannot sync the WAL: {exc}") from None
@@ -3329,7 +3322,10 @@ class Store:
         return (rows[0][0], rows[0][1]) if rows else (0, "")
 
     def close(self) -> None:
+        """Close the connection, after syncing what is owed: no answer rested on it yet."""
         with self._lock:
+            with contextlib.suppress(StoreError):
+                self.sync()
             self.conn.close()
 
 
@@ -3409,6 +3405,18 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
+
+
+def _sync_file(path: str, identity: tuple[int, int] | None) -> None:
+    """fsync the file at ``path``, if it is still the file of that identity."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != identity:
+            raise OSError(f"{path} was replaced")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:

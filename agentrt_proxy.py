@@ -54,7 +54,7 @@ that function, and the test that fails when that function gives the permissive a
 6. An identical mutating call is not executed twice within the window, unless the operator
    approves a repeat. CallIndex.claim (21) with Rules.refusal (22): claim's compare-and-set
    on the key's one open row lets one call at a time decide a key, across processes; refusal
-   judges that call against the key's finished runs (rules 4 and 5). tests/test_statements.py
+   judges that call against the key's finished runs (rules 4 and 5). tests/test_store.py
    ::test_a_claim_over_an_open_row_it_did_not_read_writes_nothing (claim);
    tests/test_proxy_rules.py::test_unknown_server_error_is_a_known_failure (refusal).
 7. The bytes sent upstream are derived from the record, and nothing else builds them.
@@ -126,15 +126,10 @@ PYTHON_SOURCES = ("on macOS, /usr/bin/python3 from the Command Line Tools (xcode
                   "install python), or the installer from https://www.python.org/downloads/")
 
 
-def too_old_message(program: str) -> str:
-    """The one line an interpreter older than MIN_PYTHON prints before it stops."""
-    return "%s needs Python %d.%d or newer; this is Python %s (%s). Get one: %s" % (
-        program, MIN_PYTHON[0], MIN_PYTHON[1], sys.version.split()[0], sys.executable,
-        PYTHON_SOURCES)
-
-
 if sys.version_info < MIN_PYTHON:
-    sys.exit(too_old_message("agentrt_proxy.py"))
+    sys.exit("agentrt_proxy.py needs Python %d.%d or newer; this is Python %s (%s). Get one: %s"
+             % (MIN_PYTHON[0], MIN_PYTHON[1], sys.version.split()[0], sys.executable,
+                PYTHON_SOURCES))
 
 # Run as a module (python3 -m agentrt_proxy), the interpreter loads its cached compiled form
 # of this file instead of compiling it at every start, as it does a script. But -m also puts
@@ -153,6 +148,7 @@ if __name__ == "__main__" and globals().get("__spec__") is not None and \
 import argparse
 import asyncio
 import base64
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -432,11 +428,14 @@ if _SCANNER is None or _SCAN_STRING is None:
     raise ImportError("agentrt_proxy needs the json module's C scanner (_json)")
 _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_LITERALS = (("true", True), ("false", False), ("null", None))
+_LITERALS = {True: "true", False: "false", None: "null"}      # looked up by identity
 # A surrogate escape: a high one with the low one after it, or either alone.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                                r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 SURROGATE_ESCAPE_LEN = 6                 # a \uXXXX escape, and its U+FFFD stand-in \ufffd
+# The same, and an escaped backslash: read from the left, so that one is never the start of
+# an escape.
+_ESCAPE_RUN = re.compile(r"\\\\|" + _SURROGATE_ESCAPE.pattern)
 # The nesting pre-check reads the bytes with escaped backslashes and quotes masked by two
 # spaces (the same length: offsets hold), so that a string runs from one quote to the next,
 # matched by a single-character repeat: no stack grows with a string's length.
@@ -482,9 +481,6 @@ class Num:
             return self._normal
 
     def is_integer(self) -> bool:
-        text = self.text
-        if "." not in text and "e" not in text and "E" not in text:
-            return True             # most literals: digits alone, decided without a pass
         sign, _, exponent = self.normal()
         return sign == 0 or exponent >= 0
 
@@ -493,10 +489,6 @@ def _normal_form(text: str) -> tuple[int, str, int]:
     """Num.normal from a well-formed literal, in time linear in its length: no big integer
     is built, so a 10,000-character literal costs microseconds, not seconds."""
     sign = -1 if text.startswith("-") else 1
-    if "." not in text and "e" not in text and "E" not in text:    # digits alone: most
-        digits = text.lstrip("-").lstrip("0")
-        kept = digits.rstrip("0")
-        return (sign, kept, len(digits) - len(kept)) if digits else (0, "", 0)
     mantissa, _, written = text.lstrip("-").replace("E", "e").partition("e")
     whole, _, fraction = mantissa.partition(".")
     digits = (whole + fraction).lstrip("0") if fraction else whole.lstrip("0")
@@ -560,7 +552,7 @@ def _parse_text(raw: bytes, text: str, strict: bool = True, bounds: bool = True,
     our bounds (and with ``float_range`` a float overflow in a container) are refused."""
     lone = _lone_surrogates(text)
     if lone and not strict:
-        text = _without_surrogates(text, lone)
+        text = _without_surrogates(text)
     bounds = strict or bounds
     hooks = _Hooks(strict, bounds, strict or (bounds and float_range))
     value, end = None, -1
@@ -625,7 +617,7 @@ class _Walk:
             return self.string(pos)[1]
         if ch == "-" or "0" <= ch <= "9":
             return self.num(pos, inside)
-        for word, _ in _LITERALS:
+        for word in _LITERALS.values():
             if src.startswith(word, pos):
                 return pos + len(word)
         raise self.syntax(f"unexpected character {_show_char(ch)}" if ch else
@@ -710,35 +702,20 @@ class _Walk:
 
 
 def _lone_surrogates(text: str) -> list[int]:
-    """Where each unpaired surrogate escape of ``text`` begins. A backslash that is itself
-    escaped (an odd run of backslashes ends just before it) begins no escape. Exact in a
-    document the scanner accepts, where every backslash is inside a string; one search of
-    the runtime's when there is no surrogate escape at all."""
-    found: list[int] = []
-    pos = 0
-    while True:
-        m = _SURROGATE_ESCAPE.search(text, pos)
-        if m is None:
-            return found
-        at = run = m.start()
-        while run and text[run - 1] == "\\":
-            run -= 1
-        if (at - run) % 2:
-            pos = at + 1
-            continue
-        if m.end() - at == SURROGATE_ESCAPE_LEN:
-            found.append(at)
-        pos = m.end()
+    """Where each unpaired surrogate escape of ``text`` begins. Escapes are read from the
+    left, an escaped backslash as one, so a backslash that is itself escaped begins no
+    escape. Exact in a document the scanner accepts, where every backslash is inside a
+    string; one search of the runtime's when there is no surrogate escape at all."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return []
+    return [m.start() for m in _ESCAPE_RUN.finditer(text)
+            if len(m.group()) == SURROGATE_ESCAPE_LEN]
 
 
-def _without_surrogates(text: str, lone: list[int]) -> str:
+def _without_surrogates(text: str) -> str:
     """``text`` with each unpaired surrogate escape written \\ufffd: the same length."""
-    parts, last = [], 0
-    for at in lone:
-        parts += (text[last:at], "\\ufffd")
-        last = at + SURROGATE_ESCAPE_LEN
-    parts.append(text[last:])
-    return "".join(parts)
+    return _ESCAPE_RUN.sub(lambda m: "\\ufffd" if len(m.group()) == SURROGATE_ESCAPE_LEN
+                           else m.group(), text)
 
 
 def _number_problem(lit: str) -> str | None:
@@ -787,13 +764,9 @@ def _depth_exceeds(raw: bytes, limit: int) -> int | None:
         return None
     depth = 0
     for m in _DEPTH_TOKENS.finditer(masked):
-        tok = m.group()
-        if tok in (b"[", b"{"):
-            depth += 1
-            if depth > limit:
-                return m.start()
-        elif tok in (b"]", b"}"):
-            depth -= 1
+        depth += _BRACKET_STEP.get(m.group()[0], 0)     # a string's quote steps by 0
+        if depth > limit:
+            return m.start()
     return None
 
 
@@ -862,15 +835,14 @@ def _read_object(raw: bytes, text: str, levels: int, clean: set[int] | None = No
     is left to _parse_text, which returns it or raises its exact refusal."""
     clean = set() if clean is None else clean
     lone = _lone_surrogates(text)
-    text = _without_surrogates(text, lone) if lone else text
+    text = _without_surrogates(text) if lone else text
     pos = _WS.match(text).end()
     if text.startswith("{", pos):
         try:
             end, doc, spans, inner = _members(_Hooks(), text, pos, levels, clean,
                                               {judged: _Hooks(True, True, True)})
-            clean.difference_update(a for a, b in spans.values() if _any_in(lone, a, b))
-            clean.difference_update(a for member in inner.values()
-                                    for a, b in member.values() if _any_in(lone, a, b))
+            for member in (spans, *inner.values()):
+                clean.difference_update(a for a, b in member.values() if _any_in(lone, a, b))
             if _WS.match(text, end).end() == len(text):
                 return doc, spans, inner
         except (ValueError, StopIteration):
@@ -936,46 +908,30 @@ def _value_end(text: str, pos: int) -> int:
 # strings escaped one fixed way, number literals verbatim. Hashes and request keys are taken
 # over this form, so key order and escape spelling never matter and literals always do.
 
-# Each replaced by the runtime's replace, one pass a character: a translation table would
-# cost a lookup for every character of a long string that holds one of these.
+# Each replaced by the runtime's replace, one pass a character (a pass that finds none is a
+# fast search): a translation table or a pattern costs a step for every character.
 _HTML_SAFE = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
               ("\u2029", "\\u2029"))
-_HTML_CHARS = re.compile("[<>&\u2028\u2029]")
 
 
 def _canon_str(text: str) -> str:
     """A string in canonical form: the stdlib's escaping of '"', '\\' and C0 controls
     (named escapes, else \\u00xx in lower case), then <, >, &, U+2028, U+2029 escaped."""
     out = _json_str(text)
-    if _HTML_CHARS.search(out):
-        for char, escape in _HTML_SAFE:
-            out = out.replace(char, escape)
+    for char, escape in _HTML_SAFE:
+        out = out.replace(char, escape)
     return out
 
 
-def _policy_str(text: str) -> str:
-    """A string in policy form: only '"', '\\' and C0 controls escaped."""
-    return _json_str(text)
-
-
 _json_str = json.encoder.encode_basestring   # ensure_ascii off: other characters stay raw
+_policy_str = _json_str                       # policy form: only '"', '\\' and C0 controls escaped
 
 
-_KEY_CACHE: dict[tuple[Callable, str], str] = {}
-KEY_CACHE_SIZE = 4096
-
-
-def _quote_key(quote: Callable[[str], str], key: str) -> str:
-    """Object keys repeat across documents and calls; their quoted forms are cached."""
-    found = _KEY_CACHE.get((quote, key))
-    if found is None:
-        if len(_KEY_CACHE) >= KEY_CACHE_SIZE:
-            _KEY_CACHE.clear()
-        found = _KEY_CACHE[(quote, key)] = quote(key)
-    return found
-
-
-def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
+def _encode(value: Any, out: list[str], quote: Callable[[str], str], own: bool = False) -> None:
+    """The JSON text of ``value`` appended to ``out``, its strings and keys written by
+    ``quote``. The canonical and policy forms sort keys and take parsed values alone; the
+    proxy's own encoding (``own``, dump_json) keeps members in the order given and also takes
+    tuples, ints and ``RawJSON`` fragments, so no fragment ever reaches a hashed form."""
     kind = type(value)
     if kind is str:
         out.append(quote(value))
@@ -984,32 +940,27 @@ def _encode(value: Any, out: list[str], quote: Callable[[str], str]) -> None:
     elif kind is dict:
         out.append("{")
         # Python orders str by code point, which for scalar values is UTF-8 byte order.
-        for i, key in enumerate(sorted(value)):
-            item = value[key]
-            head = ("," if i else "") + _quote_key(quote, key) + ":"
-            if type(item) is str:          # scalars inline: most members are
-                out.append(head + quote(item))
-            elif type(item) is Num:
-                out.append(head + item.text)
-            else:
-                out.append(head)
-                _encode(item, out, quote)
+        for i, key in enumerate(value if own else sorted(value)):
+            out.append(("," if i else "") + quote(key) + ":")
+            _encode(value[key], out, quote, own)
         out.append("}")
-    elif kind is list:
+    elif kind is list or (own and kind is tuple):
         out.append("[")
         for i, item in enumerate(value):
-            if i:
-                out.append(",")
-            _encode(item, out, quote)
+            out.append("," if i else "")
+            _encode(item, out, quote, own)
         out.append("]")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif value is None:
-        out.append("null")
+    elif value is True or value is False or value is None:
+        out.append(_LITERALS[value])
+    elif own and kind is RawJSON:
+        out.append(_raw_text(value.data))
+    elif own and isinstance(value, int):
+        out.append(str(int(value)))
+    elif own and isinstance(value, str):
+        out.append(quote(str(value)))
     else:
-        raise TypeError(f"not a JSON value: {type(value).__name__}")
+        raise TypeError("floats are not written into records; use Num or int"
+                        if own and kind is float else f"not a JSON value: {kind.__name__}")
 
 
 def encode_canonical(value: Any) -> bytes:
@@ -1026,7 +977,7 @@ def canonical_json(raw: bytes) -> bytes:
 
 def policy_json(raw: bytes, strict: bool = True) -> bytes:
     """The canonical form without HTML escaping: what a policy is handed. Never hashed."""
-    return encode_policy(parse_json(raw) if strict else parse_json(raw, False))
+    return encode_policy(parse_json(raw, strict))
 
 
 def encode_policy(value: Any) -> bytes:
@@ -1044,10 +995,8 @@ def same_digest(a: Any, b: Any) -> bool:
     """Two hashes compared in constant time, as bytes: one of them is read from a file or a
     row that may have been edited, and compare_digest raises on a str that is not ASCII (or
     on anything that is not text), where a hash that does not match must simply not match."""
-    if not isinstance(a, str) or not isinstance(b, str):
-        return False
-    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"),
-                               b.encode("utf-8", "surrogatepass"))
+    return isinstance(a, str) and isinstance(b, str) and hmac.compare_digest(
+        a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
 
 
 def content_hash(raw: bytes) -> str:
@@ -1063,7 +1012,7 @@ def content_hash(raw: bytes) -> str:
         return sha256_hex(raw)
     lone = _lone_surrogates(text)
     try:
-        value = _Hooks().scan(_without_surrogates(text, lone) if lone else text, pos)[0]
+        value = _Hooks().scan(_without_surrogates(text) if lone else text, pos)[0]
     except (ValueError, StopIteration):
         return sha256_hex(raw)
     return sha256_hex(encode_canonical(value))
@@ -1100,6 +1049,8 @@ _LINE_BREAKS = (b"\n", b"\r", b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
 
 def _wire_str(text: str) -> str:
     out = _json_str(text)
+    if out.isascii():                     # known without reading it: DEL alone may need one
+        return out.replace("\x7f", "\\u007f")
     return out.translate(_WIRE_ESCAPES) if _WIRE_SPECIAL.search(out) else out
 
 
@@ -1107,7 +1058,7 @@ def dump_json(value: Any) -> str:
     """The proxy's own compact JSON text of a value built by this module (dicts keep their
     order; ``RawJSON`` fragments, already in this encoding, are embedded as they are)."""
     out: list[str] = []
-    _dump(value, out)
+    _encode(value, out, _wire_str, True)
     return "".join(out)
 
 
@@ -1120,48 +1071,10 @@ class RawJSON:
 
 
 def _raw_text(data: bytes) -> str:
-    if any(brk in data for brk in _LINE_BREAKS):
+    breaks = _LINE_BREAKS[:2] if data.isascii() else _LINE_BREAKS   # the rest are not ASCII
+    if any(brk in data for brk in breaks):
         return dump_json(parse_json(data, strict=False, max_depth=RECORD_DEPTH, bounds=False))
     return data.decode("utf-8")
-
-
-def _dump(value: Any, out: list[str]) -> None:
-    kind = type(value)
-    if kind is str:
-        out.append(_wire_str(value))
-    elif kind is Num:
-        out.append(value.text)
-    elif kind is RawJSON:
-        out.append(_raw_text(value.data))
-    elif kind is dict:
-        out.append("{")
-        for i, (key, item) in enumerate(value.items()):
-            out.append(("," if i else "") + _wire_str(key) + ":")
-            _dump(item, out)
-        out.append("}")
-    elif kind is list or kind is tuple:
-        out.append("[")
-        for i, item in enumerate(value):
-            if i:
-                out.append(",")
-            _dump(item, out)
-        out.append("]")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif value is None:
-        out.append("null")
-    elif kind is int:
-        out.append(str(value))
-    elif kind is float:
-        raise TypeError("floats are not written into records; use Num or int")
-    elif isinstance(value, str):
-        out.append(_wire_str(str(value)))
-    elif isinstance(value, int):
-        out.append(str(int(value)))
-    else:
-        raise TypeError(f"not a JSON value: {type(value).__name__}")
 
 
 def to_plain(value: Any) -> Any:
@@ -1185,8 +1098,6 @@ def to_plain(value: Any) -> Any:
 def read_own(text: str | bytes) -> Any:
     """Parse a record this module wrote, number literals kept, with the allowance for the
     levels a record adds around the data it holds."""
-    if isinstance(text, str):
-        text = text.encode("utf-8")
     return parse_json(text, strict=False, max_depth=RECORD_DEPTH, bounds=False)
 
 
@@ -1274,8 +1185,11 @@ PATTERN_VISITS_PER_EVALUATION = 4
 PATTERN_MEMO_STEPS = 10_000          # memoised steps kept per pattern before the memo empties
 PATTERN_MEMO_STATES = 100_000        # instructions held in memoised states, likewise
 MAX_CODE_POINT = 0x10FFFF
-_SET, _SPLIT, _JMP, _ASSERT, _MATCH = range(5)
-_AT_START, _AT_END, _PREV_WORD, _NEXT_WORD = 1, 2, 4, 8
+_SET, _JUMP, _ASSERT, _MATCH = range(4)
+_AT_START, _AT_END, _PREV_WORD, _NEXT_WORD, _BOUNDARY = 1, 2, 4, 8, 16
+# Each assertion: the bit of a position's context it reads, and the value that bit must have.
+_ASSERTIONS = {"^": (_AT_START, True), "$": (_AT_END, True),
+               "b": (_BOUNDARY, True), "B": (_BOUNDARY, False)}
 _SYNTAX_CHARS = frozenset("^$\\.*+?()[]{}|")
 # A quantifier, and the counts it stands for ('{' reads its own).
 _REPEATS = {"*": (0, None), "+": (1, None), "?": (0, 1), "{": None}
@@ -1324,7 +1238,7 @@ _DOT = _complement(_LINE_TERMINATORS)
 
 class _PatternParser:
     """ECMA-262 pattern syntax, read as with the u flag, to a tree of tuples: ("set", ranges),
-    ("assert", "^" | "$" | "b" | "B"), ("cat", [nodes]), ("alt", [nodes]),
+    ("assert", (bit, value)) from _ASSERTIONS, ("cat", [nodes]), ("alt", [nodes]),
     ("repeat", node, min, max or None). Anything else raises SchemaError saying why."""
 
     def __init__(self, text: str):
@@ -1343,6 +1257,12 @@ class _PatternParser:
         self.pos += 1
         return ch
 
+    def accept(self, ch: str) -> bool:
+        """Whether ``ch`` comes next; if it does, it is consumed."""
+        found = self.peek() == ch
+        self.pos += found
+        return found
+
     def parse(self) -> tuple:
         node = self.disjunction()
         if self.pos < len(self.text):       # only a ')' ends a disjunction early
@@ -1351,8 +1271,7 @@ class _PatternParser:
 
     def disjunction(self) -> tuple:
         branches = [self.alternative()]
-        while self.peek() == "|":
-            self.pos += 1
+        while self.accept("|"):
             branches.append(self.alternative())
         return branches[0] if len(branches) == 1 else ("alt", branches)
 
@@ -1368,7 +1287,7 @@ class _PatternParser:
             self.pos += 1 + (ch == "\\")
             if self.peek() in _REPEATS:
                 raise self.fail("an assertion cannot be repeated")
-            return ("assert", self.text[self.pos - 1])
+            return ("assert", _ASSERTIONS[self.text[self.pos - 1]])
         return self.quantified(self.atom())
 
     def quantified(self, atom: tuple) -> tuple:
@@ -1377,19 +1296,16 @@ class _PatternParser:
             return atom
         self.pos += 1
         low, high = _REPEATS[ch] or self.counts()
-        if self.peek() == "?":      # lazy: the same strings match, only captures differ
-            self.pos += 1
+        self.accept("?")        # lazy: the same strings match, only captures differ
         return ("repeat", atom, low, high)
 
     def counts(self) -> tuple[int, int | None]:
         low = self.number()
         high: int | None = low
-        if self.peek() == ",":
-            self.pos += 1
+        if self.accept(","):
             high = None if self.peek() == "}" else self.number()
-        if self.peek() != "}":
+        if not self.accept("}"):
             raise self.fail("expected '}'")
-        self.pos += 1
         if high is not None and high < low:
             raise self.fail("the numbers of {n,m} are out of order")
         return low, high
@@ -1423,57 +1339,47 @@ class _PatternParser:
         return ("set", ((ord(ch), ord(ch)),))
 
     def group(self) -> tuple:
-        if self.peek() == "?":
-            if self.peek(1) != ":":
-                kind = {"=": "a lookahead", "!": "a lookahead", "<": "a lookbehind"}
-                if self.peek(1) == "<" and self.peek(2) not in ("=", "!"):
-                    raise self.fail("a named group is not supported")
-                raise self.fail(f"{kind.get(self.peek(1), 'this group')} is not supported")
-            self.pos += 2
+        if self.peek() == "?" and self.peek(1) != ":":
+            named = self.peek(1) == "<" and self.peek(2) not in ("=", "!")
+            kind = {"=": "a lookahead", "!": "a lookahead", "<": "a lookbehind"}
+            raise self.fail("a named group is not supported" if named else
+                            f"{kind.get(self.peek(1), 'this group')} is not supported")
+        self.pos += 2 if self.peek() == "?" else 0      # past the "?:" of (?:...)
         self.depth += 1
         if self.depth > MAX_PATTERN_NESTING:
             raise self.fail(f"groups nest deeper than {MAX_PATTERN_NESTING}")
         node = self.disjunction()
         self.depth -= 1
-        if self.peek() != ")":
+        if not self.accept(")"):
             raise self.fail("a group is not closed")
-        self.pos += 1
         return node
 
     def escape(self, in_class: bool) -> int | tuple:
-        """After a backslash: a class escape's ranges, or one code point."""
-        ch = self.peek()
-        if ch in _CLASS_ESCAPES:
-            self.pos += 1
-            return _CLASS_ESCAPES[ch]
-        if ch in _DECIMAL and ch != "0":
-            raise self.fail("a backreference is not allowed in a class" if in_class else
-                            "a backreference is not supported")
-        if in_class and ch in ("b", "-"):
-            self.pos += 1
-            return 0x08 if ch == "b" else ord("-")
-        if ch == "k" and not in_class:
-            raise self.fail("a named backreference is not supported")
-        return self.char_escape()
-
-    def char_escape(self) -> int:
-        """The code point of a CharacterEscape (after the backslash)."""
+        """After a backslash: a class escape's ranges, or the code point of a character
+        escape. A refusal names where the escape's letter is, or an octal or property
+        escape's end."""
         ch = self.take()
+        if ch in _CLASS_ESCAPES:
+            return _CLASS_ESCAPES[ch]
         if ch in _CHAR_ESCAPES:
             return _CHAR_ESCAPES[ch]
-        if ch == "0":
-            if self.peek() in _DECIMAL:
-                raise self.fail("an octal escape is not allowed")
+        if in_class and ch in ("b", "-"):
+            return 0x08 if ch == "b" else ord("-")
+        if ch == "0" and self.peek() not in _DECIMAL:
             return 0
         if ch == "c" and self.peek().isascii() and self.peek().isalpha():
             return ord(self.take()) % 32
-        if ch == "x":
-            return self.hex_digits(2)
-        if ch == "u":
-            return self.unicode_escape()
-        if ch in ("p", "P"):
-            raise self.fail("a Unicode property escape is not supported")
+        if ch in ("x", "u"):
+            return self.hex_digits(2) if ch == "x" else self.unicode_escape()
+        if ch in ("0", "p", "P"):
+            raise self.fail("an octal escape is not allowed" if ch == "0" else
+                            "a Unicode property escape is not supported")
         self.pos -= 1
+        if ch in _DECIMAL:
+            raise self.fail("a backreference is not allowed in a class" if in_class else
+                            "a backreference is not supported")
+        if ch == "k" and not in_class:
+            raise self.fail("a named backreference is not supported")
         raise self.fail(f"the escape \\{ch} is not allowed")
 
     def hex_digits(self, count: int) -> int:
@@ -1501,8 +1407,7 @@ class _PatternParser:
         return cp
 
     def char_class(self) -> tuple:
-        negated = self.peek() == "^"
-        self.pos += negated
+        negated = self.accept("^")
         ranges: list[tuple[int, int]] = []
         while self.peek() != "]":
             low = self.class_atom()
@@ -1543,8 +1448,8 @@ def _program_size(node: tuple) -> int:
 
 
 def _emit(node: tuple, prog: list) -> None:
-    """Append ``node``'s instructions to ``prog``; a SPLIT or JMP is held as None until the
-    end it jumps to is known."""
+    """Append ``node``'s instructions to ``prog``: a JUMP goes on at each of its targets (one,
+    or two for a split), and is held as None until the end it jumps to is known."""
     kind = node[0]
     if kind in ("set", "assert"):
         prog.append((_SET if kind == "set" else _ASSERT, node[1]))
@@ -1559,10 +1464,10 @@ def _emit(node: tuple, prog: list) -> None:
             _emit(branch, prog)
             jumps.append(len(prog))
             prog.append(None)
-            prog[split] = (_SPLIT, split + 1, len(prog))
+            prog[split] = (_JUMP, split + 1, len(prog))
         _emit(node[1][-1], prog)
         for at in jumps:
-            prog[at] = (_JMP, len(prog))
+            prog[at] = (_JUMP, len(prog))
     else:
         _, body, low, high = node
         for _ in range(low):
@@ -1571,8 +1476,8 @@ def _emit(node: tuple, prog: list) -> None:
             loop = len(prog)
             prog.append(None)
             _emit(body, prog)
-            prog.append((_JMP, loop))
-            prog[loop] = (_SPLIT, loop + 1, len(prog))
+            prog.append((_JUMP, loop))
+            prog[loop] = (_JUMP, loop + 1, len(prog))
             return
         splits = []
         for _ in range(high - low):     # each optional copy may be skipped to the end
@@ -1580,20 +1485,12 @@ def _emit(node: tuple, prog: list) -> None:
             prog.append(None)
             _emit(body, prog)
         for at in splits:
-            prog[at] = (_SPLIT, at + 1, len(prog))
+            prog[at] = (_JUMP, at + 1, len(prog))
 
 
 def _in_ranges(ranges: tuple, cp: int) -> bool:
-    lo, hi = 0, len(ranges)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ranges[mid][1] < cp:
-            lo = mid + 1
-        elif ranges[mid][0] > cp:
-            hi = mid
-        else:
-            return True
-    return False
+    at = bisect.bisect_right(ranges, (cp, MAX_CODE_POINT)) - 1    # the last to start at cp or below
+    return at >= 0 and ranges[at][1] >= cp
 
 
 class Pattern:
@@ -1631,19 +1528,14 @@ class Pattern:
             raise SchemaError(f"the pattern needs {size} instructions, more than "
                               f"{MAX_PATTERN_PROGRAM}")
         # A search: "[^]*" first, so a match may start anywhere.
-        prog: list = [(_SPLIT, 3, 1), (_SET, _ALL), (_JMP, 0)]
+        prog: list = [(_JUMP, 3, 1), (_SET, _ALL), (_JUMP, 0)]
         _emit(tree, prog)
         prog.append((_MATCH,))
         self.text, self._prog, self._match = text, prog, len(prog) - 1
-        self._words = any(op[0] == _ASSERT and op[1] in "bB" for op in prog)
+        self._words = any(op[0] == _ASSERT and op[1][0] == _BOUNDARY for op in prog)
         self._memo: dict[tuple, frozenset] = {}
         self._states: dict[frozenset, frozenset] = {}
         self._memo_states = 0
-
-    def search(self, s: str) -> bool:
-        """Whether the pattern matches somewhere in ``s``. A string that would take more
-        than MAX_PATTERN_WORK instruction visits is refused with SchemaError."""
-        return self.search_costed(s, MAX_PATTERN_WORK)[0]
 
     def search_costed(self, s: str, limit: int) -> tuple[bool, int]:
         """Whether the pattern matches somewhere in ``s``, and the instruction visits that
@@ -1665,8 +1557,9 @@ class Pattern:
     def _context(self, s: str, i: int) -> int:
         ctx = (_AT_START if i == 0 else 0) | (_AT_END if i == len(s) else 0)
         if self._words:
-            ctx |= (_PREV_WORD if i and s[i - 1] in _WORD_CHARS else 0) | \
-                   (_NEXT_WORD if i < len(s) and s[i] in _WORD_CHARS else 0)
+            prev, nxt = i > 0 and s[i - 1] in _WORD_CHARS, i < len(s) and s[i] in _WORD_CHARS
+            ctx |= (_PREV_WORD if prev else 0) | (_NEXT_WORD if nxt else 0) | \
+                   (_BOUNDARY if prev != nxt else 0)
         return ctx
 
     def _step(self, state: frozenset, ch: str, ctx: int, work: list) -> frozenset:
@@ -1695,12 +1588,10 @@ class Pattern:
                 continue
             seen.add(pc)
             op = prog[pc]
-            if op[0] == _SPLIT:
-                stack += (op[1], op[2])
-            elif op[0] == _JMP:
-                stack.append(op[1])
+            if op[0] == _JUMP:
+                stack += op[1:]
             elif op[0] == _ASSERT:
-                if _holds(op[1], ctx):
+                if bool(ctx & op[1][0]) == op[1][1]:
                     stack.append(pc + 1)
             else:
                 out.append(pc)
@@ -1713,15 +1604,6 @@ class Pattern:
         if work[0] > work[1]:
             raise PatternTooCostly(f"the string is too costly to match against pattern "
                                    f"{_quote(self.text)}")
-
-
-def _holds(kind: str, ctx: int) -> bool:
-    if kind == "^":
-        return bool(ctx & _AT_START)
-    if kind == "$":
-        return bool(ctx & _AT_END)
-    boundary = bool(ctx & _PREV_WORD) != bool(ctx & _NEXT_WORD)
-    return boundary if kind == "b" else not boundary
 
 
 # ==== 7. Schema validation ====
@@ -1810,28 +1692,13 @@ def _pointer(path: Iterable[str | int]) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
+_KINDS = {bool: "boolean", type(None): "null", dict: "object", list: "array", str: "string"}
+
+
 def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
     if isinstance(value, Num):
         return "integer" if value.is_integer() else "number"
-    return {dict: "object", list: "array", str: "string"}[type(value)]
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """JSON equality: numbers by exact value (their normal forms), objects without regard to
-    order. Costs at most the size of the smaller value."""
-    if isinstance(a, Num) and isinstance(b, Num):
-        return a.normal() == b.normal()
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return a == b
+    return _KINDS[type(value)]
 
 
 def _compare(a: tuple[int, str, int], b: tuple[int, str, int]) -> int:
@@ -1903,11 +1770,10 @@ class Schema:
         self.patterns: dict[str, Pattern] = {}     # each compiled once, by its text
         self._schemas: dict[tuple, Any] = {}        # every compiled subschema, by location
         self._refs: dict[str, tuple] = {}           # each $ref, resolved to a location
-        # By the id of each schema object (the tree is kept, so ids stay unique): where it
-        # is, and what one evaluation of it costs (fixed, per member of the value) and runs
+        # By the id of each schema object (the tree is kept, so ids stay unique): what one
+        # evaluation of it costs (fixed, per member of the value), runs, and where it is
         # (_plan); by the id of each enum and const value, how a mismatch shows it.
-        self.where: dict[int, tuple] = {}
-        self.plans: dict[int, tuple[int, int, tuple]] = {}
+        self.plans: dict[int, tuple[int, int, tuple, tuple]] = {}
         self.shown: dict[int, str] = {}
         self._compile(self.root, ())
         self._check_refs()
@@ -1916,50 +1782,44 @@ class Schema:
         """Every $ref names a subschema we compiled, and following $refs and the keywords
         that apply to the same value (allOf, not, if, ...) never comes back to where it
         started, nor runs longer than MAX_SCHEMA_CHAIN: a schema that could recurse
-        without consuming input is refused here, not discovered while checking."""
+        without consuming input is refused here, not discovered while checking. Nor does
+        one value get checked against more than MAX_SCHEMA_FAN_OUT subschemas that way."""
         for ref, target in self._refs.items():
             if target not in self._schemas:
                 raise SchemaError(f"$ref {_quote(ref)} does not name a schema")
         longest: dict[tuple, int | None] = {}
-        for start in self._schemas:
-            self._chain(start, longest)
         fan: dict[tuple, int] = {}
         for start in self._schemas:
-            self._fan_out(start, fan)
-
-    def _fan_out(self, at: tuple, fan: dict) -> int:
-        """How many subschemas one value checked against ``at`` is checked against, through
-        the keywords that apply to the same value: a count over the graph of references,
-        memoised (it has no cycle, _chain saw to that). The depth of a chain is bounded, its
-        breadth is not: 31 levels each an allOf of two $refs to the next, 1.3 KB, check every
-        value 2^32 times."""
-        found = fan.get(at)
-        if found is None:
-            found = 1 + sum(self._fan_out(nxt, fan)
-                            for nxt in self._same_value_children(at, self._schemas[at]))
+            self._chain(start, longest, fan)
+        # The depth of a chain is bounded, its breadth is not: 31 levels each an allOf of two
+        # $refs to the next, 1.3 KB, check every value 2^32 times. The first location the
+        # walk finished past the limit is named.
+        for at, found in fan.items():
             if found > MAX_SCHEMA_FAN_OUT:
                 raise SchemaError(
                     f"the schema at #{_pointer(at)} makes one value be checked against more "
                     f"than {MAX_SCHEMA_FAN_OUT} subschemas (through $ref, allOf, anyOf, oneOf, "
                     "not, if, then, else and dependentSchemas)")
-            fan[at] = found
-        return found
 
-    def _chain(self, at: tuple, longest: dict) -> int:
+    def _chain(self, at: tuple, longest: dict, fan: dict) -> int:
         """The longest chain from ``at`` through the keywords that apply to the same value;
-        ``longest`` holds it for each location done, and None for each on the way to it."""
+        ``longest`` holds it for each location done, and None for each on the way to it.
+        ``fan`` gets, for each location done, how many subschemas one value checked against
+        it is checked against through those keywords: a count over the graph, never a walk
+        of every path."""
         if at in longest:
             if longest[at] is None:
                 raise SchemaError(f"the schema at #{_pointer(at)} refers to itself through "
                                   "$ref without consuming input")
             return longest[at]
         longest[at] = None
-        depth = max((1 + self._chain(nxt, longest)
-                     for nxt in self._same_value_children(at, self._schemas[at])), default=0)
+        children = self._same_value_children(at, self._schemas[at])
+        depth = max((1 + self._chain(nxt, longest, fan) for nxt in children), default=0)
         if depth > MAX_SCHEMA_CHAIN:
             raise SchemaError(f"the schema at #{_pointer(at)} chains more than "
                               f"{MAX_SCHEMA_CHAIN} references and combinators")
         longest[at] = depth
+        fan[at] = 1 + sum(fan[nxt] for nxt in children)
         return depth
 
     def _same_value_children(self, at: tuple, node: Any) -> list[tuple]:
@@ -1987,8 +1847,7 @@ class Schema:
                 raise SchemaError(f"schema at {where} uses {_quote(key)}, "
                                   "a keyword this validator does not implement")
             self._keyword(key, val, at + (key,))
-        self.where[id(node)] = at
-        self.plans[id(node)] = _plan(node)
+        self.plans[id(node)] = _plan(node, at)
 
     def _keyword(self, key: str, val: Any, at: tuple) -> None:
         where = "#" + _pointer(at)
@@ -2017,18 +1876,15 @@ class Schema:
                 self._regex(place[0], where)
             self._compile(sub, at + place)
 
-    def _regex(self, pattern: str, where: str) -> Pattern:
-        """The pattern compiled once per schema (by its text), or SchemaError naming where
-        it is and why it is refused."""
-        found = self.patterns.get(pattern)
-        if found is None:
+    def _regex(self, pattern: str, where: str) -> None:
+        """Compile the pattern once per schema (by its text), or raise SchemaError naming
+        where it is and why it is refused."""
+        if pattern not in self.patterns:
             try:
-                found = Pattern(pattern)
+                self.patterns[pattern] = Pattern(pattern)
             except SchemaError as exc:
                 raise SchemaError(f"{where}: pattern does not compile: {_quote(pattern)}: "
                                   f"{exc}") from None
-            self.patterns[pattern] = found
-        return found
 
     def _resolve(self, ref: str) -> tuple:
         """The location a local reference names (RFC 6901 within this document).
@@ -2036,12 +1892,11 @@ class Schema:
         if not ref.startswith("#"):
             raise SchemaError(f"$ref {_quote(ref)} is outside the schema; "
                               "only references within the schema are resolved")
-        frag = ref[1:]
-        frag = urllib.parse.unquote(frag)
+        frag = urllib.parse.unquote(ref[1:])
         if frag and not frag.startswith("/"):
             raise SchemaError(f"$ref {_quote(ref)} is not a JSON pointer")
         node, at = self.root, ()
-        for part in frag.split("/")[1:] if frag else []:
+        for part in frag.split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and part in node:
                 node, at = node[part], at + (part,)
@@ -2063,7 +1918,7 @@ class Schema:
         if value is NOT_PARSED:
             value = parse_json(raw)
         try:
-            errors = _Check(self, MAX_SCHEMA_EVALUATIONS).run(value)
+            errors = _Check(self, MAX_SCHEMA_EVALUATIONS).failures(self.root, value, [])
         except RecursionError:      # a refusal, never an acceptance
             raise SchemaError("the arguments are nested too deeply to check against this "
                               "schema") from None
@@ -2080,7 +1935,7 @@ class Schema:
         CheckTooCostly when the budget runs out, never answering either way."""
         check = _Check(self, budget)
         try:
-            errors = check.run(value)
+            errors = check.failures(self.root, value, [])
         except RecursionError:
             raise CheckTooCostly((), "") from None
         return not errors, check.left
@@ -2101,8 +1956,8 @@ class Schema:
 
 class _Check:
     """One check of a value against a compiled Schema, which every call of its tool shares:
-    what is left of the budget this check spends (see Schema), and the keys uniqueItems
-    gave the arrays and objects of the value. Its check_ methods are the keyword checks,
+    what is left of the budget this check spends (see Schema), and the keys (``key``) given
+    to the arrays and objects compared so far. Its check_ methods are the keyword checks,
     one for each keyword or family of keywords read together (_CHECKS)."""
 
     def __init__(self, schema: Schema, budget: int):
@@ -2110,9 +1965,10 @@ class _Check:
         self._keys: dict[int, int] = {}
         self._interned: dict[tuple, int] = {}
 
-    def run(self, value: Any) -> _Failures:
+    def failures(self, node: Any, value: Any, path: list) -> _Failures:
+        """How the value at ``path`` fails ``node``: none when it passes."""
         errors = _Failures()
-        self.validate(self.schema.root, value, [], errors)
+        self.validate(node, value, path, errors)
         return errors
 
     def validate(self, node: Any, value: Any, path: list, errors: _Failures) -> None:
@@ -2122,7 +1978,7 @@ class _Check:
                 errors.add(path, "no value is allowed here")
             return
         try:
-            fixed, per_member, plan = self.schema.plans[id(node)]
+            fixed, per_member, plan, at = self.schema.plans[id(node)]
             # deep in a value, each member's path (a list) is copied: that costs too
             fixed += len(path) // LEVELS_PER_EVALUATION
             loops = per_member and type(value) in (list, dict)
@@ -2133,18 +1989,13 @@ class _Check:
         except CheckTooCostly as exc:
             # Spent inside this schema object or a boolean schema under it: name this one.
             # Never caught on the way up (not, anyOf, ...): it is never read as a mismatch.
-            exc.at = self.schema.where[id(node)] if exc.at is None else exc.at
+            exc.at = at if exc.at is None else exc.at
             raise
 
     def spend(self, units: int, path: list) -> None:
         self.left -= units
         if self.left < 0:
             raise CheckTooCostly(None, _pointer(path))
-
-    def passes(self, node: Any, value: Any, path: list) -> bool:
-        errors = _Failures()
-        self.validate(node, value, path, errors)
-        return not errors
 
     def found(self, pattern: str, text: str, path: list, errors: _Failures) -> bool:
         """Whether ``pattern`` (compiled at load) matches in ``text``, the matching charged
@@ -2164,10 +2015,11 @@ class _Check:
         return found
 
     def key(self, value: Any) -> Any:
-        """A key that is equal for two values exactly when they are _equal: numbers by
-        normal form, arrays and objects interned to a number once per call (by the id of the
-        parsed value, alive for the call), so checking uniqueItems of the same array again
-        never walks or hashes its contents again."""
+        """A key that is equal for two values exactly when they are equal as JSON: numbers by
+        exact value (their normal forms), objects without regard to order. Arrays and objects
+        are interned to a number once per call (by the id of the parsed value or the schema's
+        value, alive for the call), so comparing the same array again (uniqueItems, enum,
+        const) never walks or hashes its contents again."""
         kind = type(value)
         if kind is Num:
             return ("n",) + value.normal()
@@ -2186,16 +2038,16 @@ class _Check:
     def check_type(self, node, want, value, path, errors):
         names = want if isinstance(want, list) else [want]
         kind = _kind(value)
-        if kind in names or (kind == "integer" and "number" in names):
-            return
-        errors.add(path, f"got {kind}, want {' or '.join(names)}")
+        if kind not in names and not (kind == "integer" and "number" in names):
+            errors.add(path, f"got {kind}, want {' or '.join(names)}")
 
     def check_enum(self, node, options, value, path, errors):
-        if not any(_equal(value, o) for o in options):
+        key = self.key(value)
+        if all(self.key(o) != key for o in options):
             errors.add(path, "value must be one of " + self.schema.shown[id(options)])
 
     def check_const(self, node, const, value, path, errors):
-        if not _equal(value, const):
+        if self.key(value) != self.key(const):
             errors.add(path, f"value must be {self.schema.shown[id(const)]}")
 
     def check_range(self, node, _unused, value, path, errors):
@@ -2220,10 +2072,9 @@ class _Check:
     def check_counts(self, node, _unused, value, path, errors):
         low, high, noun = _COUNTED[type(value)]
         n = len(value)
-        if low in node and _compare_count(n, node[low]) < 0:
-            errors.add(path, f"{low}: got {n} {noun}, want {node[low].text}")
-        if high in node and _compare_count(n, node[high]) > 0:
-            errors.add(path, f"{high}: got {n} {noun}, want {node[high].text}")
+        for key, outside in ((low, -1), (high, 1)):     # below the least, above the most
+            if key in node and _compare_count(n, node[key]) == outside:
+                errors.add(path, f"{key}: got {n} {noun}, want {node[key].text}")
 
     def check_required(self, node, names, value, path, errors):
         missing = [name for name in names if name not in value]
@@ -2258,7 +2109,7 @@ class _Check:
 
     def check_property_names(self, node, sub, value, path, errors):
         for name in value:
-            if not self.passes(sub, name, path):
+            if self.failures(sub, name, path):
                 errors.add(path, f"property name {_quote(name)} is not allowed")
 
     def check_items(self, node, _unused, value, path, errors):
@@ -2276,11 +2127,10 @@ class _Check:
             self.validate(sub, item, path + [i], errors)
 
     def check_contains(self, node, sub, value, path, errors):
-        n = sum(1 for i, item in enumerate(value) if self.passes(sub, item, path + [i]))
-        low = node.get("minContains")
-        if (_compare_count(n, low) < 0) if low is not None else n < 1:
-            want = low.text if low is not None else "1"
-            errors.add(path, f"contains: {n} items match, want at least {want}")
+        n = sum(1 for i, item in enumerate(value) if not self.failures(sub, item, path + [i]))
+        low = node.get("minContains", _ONE)
+        if _compare_count(n, low) < 0:
+            errors.add(path, f"contains: {n} items match, want at least {low.text}")
         if "maxContains" in node and _compare_count(n, node["maxContains"]) > 0:
             errors.add(path, f"contains: {n} items match, want at most {node['maxContains'].text}")
 
@@ -2298,20 +2148,20 @@ class _Check:
             self.validate(sub, value, path, errors)
 
     def check_any_of(self, node, subs, value, path, errors):
-        if not any(self.passes(sub, value, path) for sub in subs):
+        if all(self.failures(sub, value, path) for sub in subs):
             errors.add(path, "does not match any schema of anyOf")
 
     def check_one_of(self, node, subs, value, path, errors):
-        n = sum(1 for sub in subs if self.passes(sub, value, path))
+        n = sum(1 for sub in subs if not self.failures(sub, value, path))
         if n != 1:
             errors.add(path, f"matches {n} schemas of oneOf, want exactly one")
 
     def check_not(self, node, sub, value, path, errors):
-        if self.passes(sub, value, path):
+        if not self.failures(sub, value, path):
             errors.add(path, "matches a schema it must not match")
 
     def check_if(self, node, cond, value, path, errors):
-        branch = node.get("then") if self.passes(cond, value, path) else node.get("else")
+        branch = node.get("else") if self.failures(cond, value, path) else node.get("then")
         if branch is not None:
             self.validate(branch, value, path, errors)
 
@@ -2320,13 +2170,11 @@ class _Check:
 
     def check_dependent(self, node, deps, value, path, errors):
         for name, dep in deps.items():
-            if name not in value:
-                continue
-            if isinstance(dep, list):
+            if name in value and isinstance(dep, list):
                 for need in dep:
                     if need not in value:
                         errors.add(path, f"property {_quote(need)} is required with {_quote(name)}")
-            else:
+            elif name in value:
                 self.validate(dep, value, path, errors)
 
 
@@ -2334,10 +2182,7 @@ class _Failures(list):
     """The failures of one check, as (pointer, detail): the first MAX_SCHEMA_ERRORS kept and
     the rest only counted. A check may fail hundreds of thousands of times within its budget,
     each detail quoting a 10,000-character number; holding them all would take gigabytes."""
-
-    def __init__(self):
-        super().__init__()
-        self.more = 0
+    more = 0        # the failures past the first MAX_SCHEMA_ERRORS
 
     def add(self, path: list, detail: str) -> None:
         """Record that the value at ``path`` fails, for ``detail``."""
@@ -2348,6 +2193,7 @@ class _Failures(list):
 
 
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
+_ONE = Num("1")         # the matching items contains wants, unless minContains says
 
 
 def _show(value: Any) -> str:
@@ -2382,12 +2228,12 @@ _CHECKS: dict[str, tuple[Callable, type]] = {
 }
 
 
-def _plan(node: dict) -> tuple[int, int, tuple]:
-    """What one evaluation of a schema object costs, fixed (one per keyword that checks
-    anything, at least one, and one per value its keywords compare with or name they
+def _plan(node: dict, at: tuple) -> tuple[int, int, tuple, tuple]:
+    """What one evaluation of the schema object at ``at`` costs, fixed (one per keyword that
+    checks anything, at least one, and one per value its keywords compare with or name they
     require) and per member of the value when a keyword loops over them (one, and one per
-    patternProperties regex); and the checks it runs, in order: (check, the type of value it
-    constrains, the keyword's value)."""
+    patternProperties regex); the checks it runs, in order: (check, the type of value it
+    constrains, the keyword's value); and ``at``, named when checking runs out of budget."""
     fixed = max(1, sum(1 for key in node if key in _CHECKS)) + len(node.get("required", ()))
     fixed += sum(_size(o) for o in node.get("enum", ()))
     fixed += _size(node["const"]) if "const" in node else 0
@@ -2400,7 +2246,7 @@ def _plan(node: dict) -> tuple[int, int, tuple]:
         entry = _CHECKS.get(key)
         if entry:       # keywords read together once; dependent* each, by their keyword
             checks.setdefault(entry if entry in _TOGETHER.values() else key, (*entry, val))
-    return fixed, per_member, tuple(checks.values())
+    return fixed, per_member, tuple(checks.values()), at
 
 
 def compile_schema(raw: bytes) -> Schema:
@@ -2491,26 +2337,20 @@ class ToolSpec:
     terminal: bool = False
 
     def as_value(self) -> dict:
-        doc = {"name": self.name, "description": self.description,
-               "input_schema": parse_json(self.input_schema, strict=False),
-               "side_effect": self.side_effect,
-               "timeout": Num(str(round(self.timeout * NANOS)))}      # integer nanoseconds
-        if self.terminal:
-            doc["terminal"] = True
-        return doc
+        return {"name": self.name, "description": self.description,
+                "input_schema": parse_json(self.input_schema, strict=False),
+                "side_effect": self.side_effect,
+                "timeout": Num(str(round(self.timeout * NANOS))),     # integer nanoseconds
+                **({"terminal": True} if self.terminal else {})}
 
     def canonical(self) -> bytes:
         """Its canonical JSON, worked out once per spec: every run and step names it."""
-        return self._forms()[0]
+        return _kept(_SPEC_FORMS, self, lambda: encode_canonical(self.as_value()),
+                     SPEC_CACHE_SIZE)
 
     def hash(self) -> str:
-        return self._forms()[1]
-
-    def _forms(self) -> tuple[bytes, str]:
-        def forms() -> tuple[bytes, str]:
-            canon = encode_canonical(self.as_value())
-            return canon, sha256_hex(canon)
-        return _kept(_SPEC_FORMS, self, forms, SPEC_CACHE_SIZE)
+        """The hash of its canonical JSON, worked out once per spec too."""
+        return _kept(_SPEC_HASHES, self, lambda: sha256_hex(self.canonical()), SPEC_CACHE_SIZE)
 
     def policy_form(self) -> "ToolSpec":
         """The spec as a policy is handed it, its input schema in policy form (policy_json),
@@ -2526,7 +2366,8 @@ class ToolSpec:
                    doc.get("terminal", False))
 
 
-_SPEC_FORMS: dict[ToolSpec, tuple[bytes, str]] = {}
+_SPEC_FORMS: dict[ToolSpec, bytes] = {}
+_SPEC_HASHES: dict[ToolSpec, str] = {}
 _SPEC_POLICY_FORMS: dict[ToolSpec, ToolSpec] = {}
 
 
@@ -2600,9 +2441,7 @@ class Limits:
     def record(self) -> str:
         """Its record, written once per limits (every run of a proxy records the same)."""
         return _kept(_LIMITS_WRITTEN, self, lambda: dump_json({
-            "max_steps": self.max_steps,
-            "max_consecutive_tool_failures": self.max_consecutive_tool_failures,
-            "loop_threshold": self.loop_threshold, "approval_ttl": fmt_duration(self.approval_ttl),
+            **dataclasses.asdict(self), "approval_ttl": fmt_duration(self.approval_ttl),
             "grant_ttl": fmt_duration(self.grant_ttl)}), LIMITS_CACHE_SIZE)
 
     @classmethod
@@ -3537,10 +3376,6 @@ class _AllowedRequest:
     granted: Approval | None
 
 
-def tool_of(gate: "Gate", decision: Decision) -> "Tool | None":
-    return gate.tools.get(decision.tool) if decision.kind == "tool_call" else None
-
-
 def new_hex_id() -> str:
     return secrets.token_hex(ID_BYTES)
 
@@ -3605,14 +3440,12 @@ def _decision_record(d: Decision) -> tuple[str, dict]:
         except JSONError:
             bad[name] = raw
     doc.update({k: v for k, v in (("message", d.message), ("origin", d.origin)) if v})
-    if bad:
-        try:
-            texts = {k: v.decode("utf-8") for k, v in bad.items()}
-        except UnicodeDecodeError:
-            texts = {k: base64.b64encode(v).decode() for k, v in bad.items()}
-            doc["invalid_base64"] = True
-        for name, text in texts.items():
-            doc["invalid_" + name] = text
+    try:
+        texts = {k: v.decode("utf-8") for k, v in bad.items()}
+    except UnicodeDecodeError:
+        texts = {k: base64.b64encode(v).decode() for k, v in bad.items()}
+        doc["invalid_base64"] = True
+    doc.update({"invalid_" + name: text for name, text in texts.items()})
     return dump_json(doc), to_plain({k: _SURROGATES.sub("\ufffd", v) if type(v) is str else v
                                      for k, v in {**doc, **values}.items()})
 
@@ -3658,10 +3491,10 @@ class Gate:
         self.policy_id = check_policy_id(getattr(policy, "policy_id", "") or "")
         self.leases = Leases(store.path, self.owner, self.lease_ttl, wall)
         self._claimed: set[str] = set()
+        self._claim_lock = threading.Lock()
         if not store.readonly:      # once stored, a run's or step's spec is not written again
             for tool in self.tools.values():
                 store.ensure_spec(tool.spec)
-        self._claim_lock = threading.Lock()
 
     def now(self) -> str:
         return fmt_time(self.clock())
@@ -3719,17 +3552,16 @@ class Gate:
 
     def _unsynced_read(self, decision: Decision, judged: "_ProposalCheck") -> bool:
         """Whether a call's start may commit unsynced (Store.tx): a read-only call the
-        policy allows outright and no limit counts."""
-        tool = tool_of(self, decision)
-        return tool is not None and tool.spec.side_effect == "read_only" and \
-            not judged.problem and judged.error is None and judged.decision is not None and \
-            judged.decision.outcome == "allow" and \
+        policy allows outright and no limit counts. A policy decision is there only for a
+        known tool's valid call (_prejudge)."""
+        return judged.decision is not None and judged.decision.outcome == "allow" and \
+            self.tools[decision.tool].spec.side_effect == "read_only" and \
             not (self.budget is not None and self.budget.counts(decision.tool))
 
     def _prejudge(self, run_id: str, step_id: str, goal: str, limits: Limits,
                   decision: Decision) -> "_ProposalCheck":
         """What propose would find for this decision as the first step of a new run."""
-        tool = tool_of(self, decision)
+        tool = self.tools.get(decision.tool) if decision.kind == "tool_call" else None
         problem = self.invalid_reason(decision, tool)
         if problem or tool is None:
             return _ProposalCheck(problem)
@@ -3746,32 +3578,29 @@ class Gate:
         """Why a decision cannot be acted on, or ''."""
         if d.origin not in ORIGINS:
             return f"unknown decision origin {_quote(d.origin)}"
-        if d.kind == "fail":
-            return ""
-        if d.kind == "complete":
-            result = d.result.strip(JSON_WS)
-            try:
-                if result:
-                    check_json(result)
-            except JSONError as exc:
-                return f"result is not usable JSON: {exc}"
-            return ""
-        if d.kind != "tool_call":
+        if d.kind == "tool_call":
+            if not d.tool:
+                return "tool_call without a tool name"
+            if tool is None:
+                return f"unknown tool {_quote(d.tool)}"
+            return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
+        if d.kind not in ("complete", "fail"):
             return f"unknown decision kind {_quote(d.kind)}" if d.kind else "decision has no kind"
-        if not d.tool:
-            return "tool_call without a tool name"
-        if tool is None:
-            return f"unknown tool {_quote(d.tool)}"
-        return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
+        result = d.result.strip(JSON_WS)
+        try:
+            if d.kind == "complete" and result:
+                check_json(result)
+        except JSONError as exc:
+            return f"result is not usable JSON: {exc}"
+        return ""
 
     async def call(self, run_id: str, goal: str, limits: Limits,
                    decision: Decision) -> tuple["Session", Verdict, dict | None]:
         """start(), then run the tool when allowed: two commits for an allowed call.
         Returns the session, the verdict, and the observation if the tool ran."""
         session, verdict = self.start(run_id, goal, limits, decision)
-        if verdict.kind != "allowed":
-            return session, verdict, None
-        return session, verdict, await session.run_started()
+        ran = await session.run_started() if verdict.kind == "allowed" else None
+        return session, verdict, ran
 
     def attach(self, run_id: str) -> tuple["Session | None", Verdict]:
         """Continue a run left waiting or running: collect an approved grant (the policy is
@@ -3780,9 +3609,11 @@ class Gate:
         run = self.store.get_run(run_id)
         if run.status in TERMINAL:
             raise RunStateError(f"run {run_id} is already {run.status}")
-        if run.status == RUNNING:
-            return self._take_over(run)
+        if run.status == RUNNING and _lease_live(run, self.store.path, self.wall()):
+            raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
         with self._claiming(run_id):
+            if run.status == RUNNING:
+                return self._take_over_claimed(run)
             return self._resume_waiting(run)
 
     @contextlib.contextmanager
@@ -3804,14 +3635,12 @@ class Gate:
 
     def _resume_waiting(self, run: Run) -> tuple["Session | None", Verdict]:
         steps, approvals = self.store.list_steps(run.id), self.store.list_approvals(run.id)
-        waiting = [s for s in steps if s.status == "awaiting_approval"]
-        if not waiting:
+        step = next((s for s in reversed(steps) if s.status == "awaiting_approval"), None)
+        if step is None:
             raise RunStateError(f"run {run.id} is waiting but has no awaiting step")
-        step = waiting[-1]
-        mine = [a for a in approvals if a.step_id == step.id]
-        if not mine:
+        granted = next((a for a in reversed(approvals) if a.step_id == step.id), None)
+        if granted is None:
             raise RunStateError(f"run {run.id}: step {step.id} has no approval")
-        granted = mine[-1]
         if granted.status == PENDING and _expired(granted, self.clock()):
             self._release_claim(run.id)
             return None, Verdict("ended", run=expire_approval(self.store, granted, self.now()))
@@ -3833,16 +3662,9 @@ class Gate:
         return session, session.decider._resume(request, step, steps, approvals, granted,
                                                 fmt_time(resumed))
 
-    def _take_over(self, run: Run) -> tuple["Session | None", Verdict]:
+    def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
         interrupted; a non-read-only tool cut off while executing waits for an operator."""
-        wall = self.wall()
-        if _lease_live(run, self.store.path, wall):
-            raise RunLeased(run.id, run.lease_owner, run.lease_expires_at)
-        with self._claiming(run.id):
-            return self._take_over_claimed(run)
-
-    def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         steps = self.store.list_steps(run.id)
         now, wall = self.now(), self.wall()
         until = wall + self.lease_ttl
@@ -3871,12 +3693,11 @@ class Gate:
                 content = {"previous_status": s.status}
                 obs = _obs(INTERRUPTED_OBS, content, f"step interrupted while {s.status}")
                 tx.update_step(s.id, (s.status,), status="interrupted", finished_at=now,
-                               observation_json=obs.json_text,
-                               observation_hash=obs.content_hash)
+                               observation_json=obs.json_text, observation_hash=obs.content_hash)
                 tx.event(run.id, s.id, now, "step.interrupted", {"previous_status": content})
         self.leases.hold(run.id, until)
         if gone:
-            remove_holder(self.store.path, current.lease_owner)
+            holder_gone(self.store.path, current.lease_owner, remove=True)
         session = Session(self, run.id)
         try:
             steps = self.store.list_steps(run.id)
@@ -3922,10 +3743,9 @@ _SCHEMAS: dict[bytes, Schema] = {}
 
 def _schema_for(spec: ToolSpec) -> Schema:
     """Compiled schemas, cached by their bytes (registration compiled each already)."""
-    found = _SCHEMAS.get(spec.input_schema)
-    if found is None:
-        found = _SCHEMAS[spec.input_schema] = compile_schema(spec.input_schema)
-    return found
+    if spec.input_schema not in _SCHEMAS:
+        _SCHEMAS[spec.input_schema] = compile_schema(spec.input_schema)
+    return _SCHEMAS[spec.input_schema]
 
 
 def _check_tool(spec: ToolSpec, seen: dict) -> None:
@@ -3977,8 +3797,8 @@ def _check_tool(spec: ToolSpec, seen: dict) -> None:
 # a save by rename), which the holder never locked, is not the holder's file, and the lease
 # decides. While the holder lives it keeps the file open, so no other file has its inode.
 # And a proxy on a file system where flock locks nothing (some network and virtual file
-# systems) names no file: Holder.take finds that a second open description of its own
-# file can take the lock it holds, and gives the file up; the lease decides there too.
+# systems) names no file: Holder.take finds that holder_gone, judging its own file while it
+# holds the lock, reads it as gone, and gives the file up; the lease decides there too.
 HOLDER_IN_OWNER = re.compile(r";(holder-[0-9a-f]{32}):([0-9]{1,20}):([0-9]{1,20})\Z")
 _HELD: set[str] = set()         # holder names this process locks: alive, never opened again
 
@@ -4007,14 +3827,17 @@ class Holder:
             try:
                 os.fchmod(fd, 0o600)    # whatever the umask took: checkers want exactly 0600
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _lock_also_taken(path):
+                holder = cls(path, fd)
+                # The checkers' own judgment must find this file, locked, held: where flock
+                # locks nothing (or is emulated with the process's record locks, which a
+                # second description of the same process shares) it finds it gone.
+                if holder_gone(database, ";" + holder.ident):
                     raise OSError(f"flock locks nothing on the file system of {path}")
             except OSError:
                 os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(path)
                 raise
-            holder = cls(path, fd)
             _HELD.add(holder.name)
             return holder
         raise OSError(f"no fresh name for a holder file beside {database}")
@@ -4030,65 +3853,35 @@ class Holder:
         _HELD.discard(self.name)
 
 
-def _lock_also_taken(path: str) -> bool:
-    """Whether another open description of ``path`` can take a shared lock while this
-    process holds the exclusive one: flock does not lock there (or is emulated with the
-    process's record locks, which a second description of the same process shares)."""
-    probe = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(probe)
-
-
-def _locked_holder(database: str, owner: str) -> tuple[int, str] | None:
-    """The holder file a lease owner names, opened and under a shared lock, when its holder
-    is gone: (descriptor, path), the caller closes it. None whenever it cannot be checked."""
+def holder_gone(database: str, owner: str, remove: bool = False) -> bool:
+    """Whether the lease owner names a holder file beside the database whose lock can be
+    taken: the proxy that held it is gone. The one judgment of a holder's death: every
+    "is this lease live" goes through _lease_live, which asks this. With ``remove``, a gone
+    holder's file is removed, under the shared lock taken to judge it, and only that file.
+    False whenever it cannot be checked."""
     named = HOLDER_IN_OWNER.search(owner)
     if named is None or fcntl is None or named.group(1) in _HELD:
-        return None
+        return False
     path = f"{database}.{named.group(1)}"
     try:                                # O_NONBLOCK: a FIFO put in its place does not hang us
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
                      getattr(os, "O_NOCTTY", 0))
     except OSError:
-        return None                     # missing, a symbolic link, not ours to read
+        return False                    # missing, a symbolic link, not ours to read
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and \
-                stat.S_IMODE(st.st_mode) == 0o600 and \
-                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3):
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd, path
+        if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and
+                stat.S_IMODE(st.st_mode) == 0o600 and
+                (str(st.st_dev), str(st.st_ino)) == named.group(2, 3)):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        if remove:
+            _unlink_locked(path, fd)
+        return True
     except OSError:
-        pass                            # held: its proxy runs, or is stopped
-    os.close(fd)
-    return None
-
-
-def holder_gone(database: str, owner: str) -> bool:
-    """Whether the lease owner names a holder file beside the database whose lock can be
-    taken: the proxy that held it is gone. The one judgment of a holder's death: every
-    "is this lease live" goes through _lease_live, which asks this."""
-    found = _locked_holder(database, owner)
-    if found is None:
-        return False
-    os.close(found[0])
-    return True
-
-
-def remove_holder(database: str, owner: str) -> None:
-    """Remove a gone holder's file, under its lock, and only the file that was locked."""
-    found = _locked_holder(database, owner)
-    if found is None:
-        return
-    try:
-        _unlink_locked(found[1], found[0])
+        return False                    # held: its proxy runs, or is stopped
     finally:
-        os.close(found[0])
+        os.close(fd)
 
 
 def _unlink_locked(path: str, fd: int) -> None:
@@ -4213,7 +4006,10 @@ class Session:
         steps = self.store.list_steps(self.run_id) if run.step_count else []
         hit = _limit_hit(run, steps)
         if hit:
-            return self._over(self._end_by_limit(*hit))
+            reason, detail, loop = hit
+            pre = [("loop.detected", self.gate.now(), loop)] if loop else []
+            self._settle(None, (), "", None, FAILED, reason, detail, pre=pre)
+            return None
         now, step_id = self.gate.now(), step_id or self.gate.new_id()
         with self.store.tx() as tx:
             if not tx.count_step(self.run_id, run.step_count, self.gate.owner):
@@ -4264,23 +4060,13 @@ class Session:
                 payload.update(content_hash=obs.content_hash, observation=obs.doc["kind"])
             tx.event(self.run_id, step.id, now, "step.failed", payload)
 
-    def _end_invalid(self, step: Step, problem: str, label: str) -> Verdict:
-        obs = _obs(INVALID_DECISION, {"error": problem}, f"{label}: {problem}")
-        now = self.gate.now()
-        with self.store.tx() as tx:
-            tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            self._end_step(tx, step, ("deciding",), "failed", obs, now, detail=problem)
-        self.current = None
-        return Verdict("denied", observation=obs.doc)
-
     def _settle(self, step: Step | None, from_steps: tuple, step_status: str,
                 obs: Observation | None, status: str, reason: str, detail: str,
                 result: str = "", *,
                 origin: str = RUNNING, pre: list | None = None, step_detail: str = "",
                 finished_event: dict | None = None, **cols: Any) -> Run:
         """End the run (and its open step) in one transaction."""
-        step_at = self.gate.now()
-        run_at = self.gate.now()
+        step_at, run_at = self.gate.now(), self.gate.now()
         with self.store.tx() as tx:
             tx.require(self.run_id, (origin,), self.gate.owner if origin == RUNNING else "")
             for typ, at, payload in pre or []:
@@ -4297,22 +4083,6 @@ class Session:
                      {"detail": detail, "reason": reason, "status": status,
                       "steps": run.step_count})
         self._finish("ended", run)
-        return run
-
-    def _end_by_limit(self, reason: str, detail: str, loop: dict | None) -> Run:
-        at = self.gate.now()
-        with self.store.tx() as tx:
-            tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            if loop:
-                tx.event(self.run_id, "", at, "loop.detected", loop)
-            else:
-                tx.event(self.run_id, "", at, "limit.exceeded",
-                         {"detail": detail, "reason": reason})
-            run = tx.transition(self.run_id, (RUNNING,), FAILED, reason=reason, detail=detail,
-                                finished_at=at)
-            tx.event(self.run_id, "", at, "run.finished",
-                     {"detail": detail, "reason": reason, "status": FAILED,
-                      "steps": run.step_count})
         return run
 
     def fail(self, detail: str) -> Run:
@@ -4333,7 +4103,6 @@ class Session:
 
     def _over(self, run: Run) -> None:
         self._finish("ended" if run.status in TERMINAL else "paused", run)
-        return None
 
     def _finish(self, state: str, run: Run | None) -> None:
         self.state, self.final, self.current, self._allowed = state, run, None, None
@@ -4399,15 +4168,15 @@ class _Decider:
             step, decision=recorded, args=decision.args.strip(JSON_WS), spec_hash=spec_hash)
         problem = judged.problem if judged else self.gate.invalid_reason(decision, tool)
         if problem:
-            return self.session._end_invalid(step, problem, "invalid decision")
-        if decision.kind in ("complete", "fail"):
-            status = COMPLETED if decision.kind == "complete" else FAILED
-            reason = "goal_completed" if status == COMPLETED else "goal_failed"
-            run = self.session._settle(
-                step, ("deciding",), "done", None, status, reason,
-                decision.message if status == FAILED else "",
-                decision.result.strip(JSON_WS).decode() if status == COMPLETED else "")
-            return Verdict("ended", run=run)
+            obs = _obs(INVALID_DECISION, {"error": problem}, f"invalid decision: {problem}")
+            return self._refuse(step, ("deciding",), None, obs, detail=problem)
+        if decision.kind == "complete":
+            return Verdict("ended", run=self.session._settle(
+                step, ("deciding",), "done", None, COMPLETED, "goal_completed", "",
+                decision.result.strip(JSON_WS).decode()))
+        if decision.kind == "fail":
+            return Verdict("ended", run=self.session._settle(
+                step, ("deciding",), "done", None, FAILED, "goal_failed", decision.message))
         request = ToolRequest(self.run_id, step.id, tool.spec,
                               decision.args.strip(JSON_WS) or b"{}", decision.value)
         if judged is not None and judged.view is not None and step.idx == 0:
@@ -4441,15 +4210,14 @@ class _Decider:
         extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
                  "view": view_doc}
         for name in ("capability", "presentation"):
-            raw = getattr(decision, name).strip(JSON_WS)
             try:
-                if raw:                     # it wraps the arguments: the records' allowance
-                    parse_json(raw, max_depth=RECORD_DEPTH)
+                if getattr(decision, name):     # it wraps the arguments: the records' allowance
+                    parse_json(getattr(decision, name), max_depth=RECORD_DEPTH)
             except JSONError as exc:
-                bare = PolicyDecision(decision.outcome, decision.reason, decision.kind)
-                return self._policy_failure(step, from_steps, origin,
-                                            f"{name} is not usable JSON: {exc}", bare, extra,
-                                            policy_at)
+                return self._policy_failure(
+                    step, from_steps, origin, f"{name} is not usable JSON: {exc}",
+                    PolicyDecision(decision.outcome, decision.reason, decision.kind), extra,
+                    policy_at)
         try:
             allowed = decision.outcome == "allow" or (
                 granted is not None and grant_covers(granted, decision, request))
@@ -4460,19 +4228,17 @@ class _Decider:
             self.session._allowed = _AllowedRequest(request, decision, policy_at, view_doc,
                                                     granted)
             return Verdict("allowed", approval=granted)
+        if decision.outcome in ("deny", "abort"):
+            done = f"denied{on_resume}" if decision.outcome == "deny" else "aborted"
+            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
+                       f"{done}: {decision.reason}")
         if decision.outcome == "deny":
-            summary = f"denied{on_resume}: {decision.reason}"
-            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
-                       summary)
-            return self._deny(step, from_steps, granted, decision, extra, policy_at, obs)
+            return self._refuse(step, from_steps, granted, obs, decision, extra, policy_at)
         if decision.outcome == "abort":
-            obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
-                       f"aborted: {decision.reason}")
             pre = [("step.policy", policy_at, _policy_record(decision, extra))]
-            run = self.session._settle(step, from_steps, "failed", obs, FAILED, "policy_abort",
-                                       decision.reason, origin=origin, pre=pre,
-                                       policy_json=_policy_record(decision))
-            return Verdict("ended", run=run)
+            return Verdict("ended", run=self.session._settle(
+                step, from_steps, "failed", obs, FAILED, "policy_abort", decision.reason,
+                origin=origin, pre=pre, policy_json=_policy_record(decision)))
         if decision.outcome == "require_approval":
             return self._pause(request, step, from_steps, origin, decision, extra, policy_at)
         return self._policy_failure(step, from_steps, origin,
@@ -4482,14 +4248,17 @@ class _Decider:
     def _policy_failure(self, step, from_steps, origin, detail, decision=None, extra=None,
                         policy_at=""):
         pre = [("step.policy", policy_at, _policy_record(decision, extra))] if decision else []
-        run = self.session._settle(step, from_steps, "failed", None, FAILED, "internal_error",
-                                   f"policy: {detail}", origin=origin, pre=pre,
-                                   step_detail=f"policy error: {detail}",
-                                   policy_json=_policy_record(decision) if decision else "")
-        return Verdict("ended", run=run)
+        return Verdict("ended", run=self.session._settle(
+            step, from_steps, "failed", None, FAILED, "internal_error", f"policy: {detail}",
+            origin=origin, pre=pre, step_detail=f"policy error: {detail}",
+            policy_json=_policy_record(decision) if decision else ""))
 
-    def _deny(self, step, from_steps, granted, decision, extra, policy_at, obs) -> Verdict:
+    def _refuse(self, step, from_steps, granted, obs, decision=None, extra=None, policy_at="",
+                detail="") -> Verdict:
+        """End the step failed and the run goes on (resumed, on a ``granted`` one): an invalid
+        decision, or the policy's deny (``decision``, recorded with the step)."""
         now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
+        cols = {}
         with self.store.tx() as tx:
             if granted:
                 tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
@@ -4497,11 +4266,12 @@ class _Decider:
                 tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
             else:
                 tx.require(self.run_id, (RUNNING,), self.gate.owner)
-            tx.event(self.run_id, step.id, policy_at, "step.policy",
-                     _policy_record(decision, extra))
-            self.session._end_step(tx, step, from_steps, "failed", obs, now,
-                                   policy_json=_policy_record(decision),
-                                   policy_id=self.gate.policy_id)
+            if decision is not None:
+                tx.event(self.run_id, step.id, policy_at, "step.policy",
+                         _policy_record(decision, extra))
+                cols = {"policy_json": _policy_record(decision), "policy_id": self.gate.policy_id}
+            self.session._end_step(tx, step, from_steps, "failed", obs, now, detail=detail,
+                                   **cols)
         if granted:
             self.gate.leases.hold(self.run_id, until)
         self.session.current = None
@@ -4510,16 +4280,13 @@ class _Decider:
     def _pause(self, request, step, from_steps, origin, decision, extra, policy_at) -> Verdict:
         """Wait on a new approval bound by hash to exactly this request."""
         now = self.gate.clock()
-        run = self.store.get_run(self.run_id)
-        ttl = run.limits.approval_ttl
-        approval = Approval(
-            self.gate.new_id(), self.run_id, step.id, decision.kind,
-            decision.capability.strip(JSON_WS) or b"{}",
-            decision.presentation.strip(JSON_WS) or b"{}",
-            request.record(), "", PENDING, fmt_time(now), "", "", "",
-            fmt_time(now + ttl) if ttl > 0 else "")
-        approval = dataclasses.replace(approval, hash=approval_hash(
-            approval.kind, approval.capability, approval.presentation, request))
+        ttl = self.store.get_run(self.run_id).limits.approval_ttl
+        cap = decision.capability.strip(JSON_WS) or b"{}"
+        pres = decision.presentation.strip(JSON_WS) or b"{}"
+        approval = Approval(self.gate.new_id(), self.run_id, step.id, decision.kind, cap, pres,
+                            request.record(), approval_hash(decision.kind, cap, pres, request),
+                            PENDING, fmt_time(now), "", "", "",
+                            fmt_time(now + ttl) if ttl > 0 else "")
         owner = self.gate.owner if origin == RUNNING else ""
         with self.store.tx() as tx:
             attempt = asked_attempt(approval, tx.rows)
@@ -4535,33 +4302,26 @@ class _Decider:
                                     fmt_time(now), request.spec.terminal, owner)
                 if self.gate.on_settled is not None:
                     self.gate.on_settled(tx, [self.run_id])
-            else:
-                self._ask(tx, approval, request, step, from_steps, origin, decision, extra)
+            else:                           # the run waits, its step waits, the approval is asked
+                tx.transition(self.run_id, (origin,), WAITING, owner=owner)
+                tx.update_step(step.id, from_steps, status="awaiting_approval",
+                               policy_json=_policy_record(decision), spec_hash=step.spec_hash
+                               or request.spec.hash(), policy_id=extra.get("policy_id", ""),
+                               observation_json="", observation_hash="", finished_at="")
+                tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "  # every field, in order
+                        f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
+                        [v.decode() if isinstance(v, bytes) else v
+                         for v in dataclasses.astuple(approval)])
+                tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
+                         {"approval_id": approval.id, "capability": RawJSON(approval.capability),
+                          "hash": approval.hash, "kind": approval.kind,
+                          "presentation": RawJSON(approval.presentation),
+                          "reason": decision.reason})
         if late is not None:
             self.session._finish("ended", run)
             return Verdict("settled", run=run)
         self.session._finish("paused", None)
         return Verdict("pending", approval=approval)
-
-    def _ask(self, tx: Tx, approval: Approval, request, step, from_steps, origin, decision,
-             extra) -> None:
-        """The writes of a pause: the run waits, its step waits, the approval is asked."""
-        tx.transition(self.run_id, (origin,), WAITING,
-                      owner=self.gate.owner if origin == RUNNING else "")
-        tx.update_step(step.id, from_steps, status="awaiting_approval",
-                       policy_json=_policy_record(decision), spec_hash=step.spec_hash or
-                       request.spec.hash(), policy_id=extra.get("policy_id", ""),
-                       observation_json="", observation_hash="", finished_at="")
-        tx.exec(f"INSERT INTO approvals ({_APPROVAL_COLS}) VALUES "
-                f"({','.join('?' * len(_APPROVAL_COLS.split(',')))})",
-                (approval.id, approval.run_id, approval.step_id, approval.kind,
-                 approval.capability.decode(), approval.presentation.decode(),
-                 approval.request_json, approval.hash, PENDING, approval.created_at,
-                 "", "", "", approval.expires_at))
-        tx.event(self.run_id, step.id, approval.created_at, "approval.requested",
-                 {"approval_id": approval.id, "capability": RawJSON(approval.capability),
-                  "hash": approval.hash, "kind": approval.kind,
-                  "presentation": RawJSON(approval.presentation), "reason": decision.reason})
 
     def _resume(self, request, step, steps, approvals, granted, resumed_at) -> Verdict:
         """An approved step: check the recorded arguments against today's schema, then
@@ -4572,15 +4332,7 @@ class _Decider:
         if problem:
             detail = f"invalid decision on resume: {problem}"
             obs = _obs(INVALID_DECISION, {"error": problem}, detail)
-            now, until = self.gate.now(), self.gate.wall() + self.gate.lease_ttl
-            with self.store.tx() as tx:
-                tx.transition(self.run_id, (WAITING,), RUNNING, owner=self.gate.owner,
-                              lease_until=fmt_time(until))
-                tx.event(self.run_id, step.id, now, "run.resumed", {"approval_id": granted.id})
-                self.session._end_step(tx, step, ("awaiting_approval",), "failed", obs, now)
-            self.gate.leases.hold(self.run_id, until)
-            self.session.current = None
-            return Verdict("denied", observation=obs.doc)
+            return self._refuse(step, ("awaiting_approval",), granted, obs)
         run = self.store.get_run(self.run_id)
         prior = [s for s in steps if s.idx < step.idx]
         return self._apply(request, step, RunView(run, prior, approvals), granted, resumed_at)
@@ -4588,7 +4340,8 @@ class _Decider:
     def _after_interruption(self, step: Step, steps: list[Step], now: str) -> Verdict | None:
         """A step cut off while executing: ask the reconcile hook, or, without one, pause a
         tool that is not read-only on an interrupted_side_effect approval. None: go on."""
-        tool = self.gate.tools.get((step.decision or {}).get("tool", ""))
+        name, args = (step.decision or {}).get("tool", ""), step.args or b"{}"
+        tool = self.gate.tools.get(name)
         run = self.store.get_run(self.run_id)
         if self.gate.reconcile is not None:
             rec = self.gate.reconcile(RunView(run, steps, self.store.list_approvals(self.run_id)))
@@ -4599,28 +4352,25 @@ class _Decider:
             decision = rec.pause
         elif tool is not None and tool.spec.side_effect == "read_only":
             return None
-        else:
-            args = step.args or b"{}"
-            cap = {"args": RawJSON(args), "tool": (step.decision or {}).get("tool", "")}
-            pres = dict(cap, notice=INTERRUPTED_NOTICE,
-                        side_effect=tool.spec.side_effect if tool else "")
-            decision = need_approval(INTERRUPTED_KIND, INTERRUPTED_REASON,
-                                     {k: cap[k] for k in sorted(cap)},
-                                     {k: pres[k] for k in sorted(pres)})
+        else:                               # keys in sorted order, as canonical JSON has them
+            decision = need_approval(
+                INTERRUPTED_KIND, INTERRUPTED_REASON, {"args": RawJSON(args), "tool": name},
+                {"args": RawJSON(args), "notice": INTERRUPTED_NOTICE,
+                 "side_effect": tool.spec.side_effect if tool else "", "tool": name})
         if tool is None:
             return self._conflict(step, "the tool is no longer offered")
-        problem = self.gate.check_args(tool, step.args or b"{}")
+        problem = self.gate.check_args(tool, args)
         if problem:
             return self._conflict(step, problem)
-        request = ToolRequest(self.run_id, step.id, tool.spec, step.args or b"{}")
+        request = ToolRequest(self.run_id, step.id, tool.spec, args)
         return self._pause(request, step, ("interrupted",), RUNNING, decision,
                            {"spec_hash": tool.spec.hash()}, now)
 
     def _conflict(self, step: Step, why: str) -> Verdict:
         detail = (f"step {step.idx} was interrupted while executing a tool call whose outcome "
                   f"is unknown and cannot wait for an operator ({why})")
-        run = self.session._settle(None, (), "", None, FAILED, "reconcile_conflict", detail)
-        return Verdict("ended", run=run)
+        return Verdict("ended", run=self.session._settle(None, (), "", None, FAILED,
+                                                         "reconcile_conflict", detail))
 
 
 # ==== 12.1 Executing a step: its start, the tool's call, and its outcome ====
@@ -4645,13 +4395,16 @@ class _StepExecution:
             raise RunStateError(f"run {self.run_id}: nothing is allowed to execute")
         self.session._allowed = None
         gate, granted = self.gate, allowed.granted
+        # The grant's age is judged again just before executing: a stale grant is expired here
+        # (its run cancelled).
         if granted is not None:
-            run = self.store.get_run(self.run_id)
-            if self._expire_if_stale(run, granted):
+            run, at = self.store.get_run(self.run_id), gate.clock()
+            if _grant_stale(run, granted, at):
+                self.session._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
                 raise ApprovalExpired(
                     f"approval {granted.id} was granted at {granted.decided_at} and its grant "
                     f"expired ({fmt_duration(run.limits.grant_ttl)}) before it was executed")
-        if granted is None and not gate.leases.ok(self.run_id):
+        elif not gate.leases.ok(self.run_id):
             raise self.session._lose()
         start_at = gate.now() if granted else allowed.policy_at
         until = gate.wall() + gate.lease_ttl
@@ -4666,17 +4419,17 @@ class _StepExecution:
                     tx.event(self.run_id, step.id, start_at, "run.resumed",
                              {"approval_id": granted.id})
                     started = {"approval_id": granted.id, **started}
-                else:
-                    _require_live_lease(tx, self.run_id, gate.owner, gate.store.path,
-                                        gate.wall())
-                cols = {"status": "executing", "policy_json": _policy_record(allowed.decision),
-                        "policy_id": gate.policy_id}
-                if granted:
-                    cols["started_at"] = start_at
+                else:       # starting a side effect needs the lease unexpired, judged here
+                    run = tx.require(self.run_id, (RUNNING,), gate.owner)
+                    if not _lease_live(run, gate.store.path, gate.wall()):
+                        raise LeaseLost(f"run {self.run_id}: the lease expired at "
+                                        f"{run.lease_expires_at or '-'}")
                 if gate.budget is not None:
                     gate.budget.admit(tx, request, allowed.decision, start_at)
                 tx.update_step(step.id, ("awaiting_approval",) if granted else ("deciding",),
-                               **cols)
+                               status="executing", policy_json=_policy_record(allowed.decision),
+                               policy_id=gate.policy_id,
+                               **({"started_at": start_at} if granted else {}))
                 tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
                          _policy_record(allowed.decision, {"policy_id": gate.policy_id,
                                                           "spec_hash": spec.hash(),
@@ -4724,22 +4477,18 @@ class _StepExecution:
         if self.store.in_tx():
             raise RunStateError("a tool never runs inside an open transaction: its start "
                                 "must be committed first")
-        spec = request.spec
-        began = time.monotonic()
+        spec, began = request.spec, time.monotonic()
         try:
             obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
         except asyncio.CancelledError as exc:
-            self._record_or_let_go(_observe(spec.name, spec.timeout, exc), began)
+            self.record_outcome((_observe(spec.name, spec.timeout, exc), began))
             raise
         return obs, began
 
     def record_outcome(self, called: tuple[Observation, float]) -> dict:
         """Record what call_started observed; the observation, as recorded."""
-        return self._record_or_let_go(*called)
-
-    def _record_or_let_go(self, obs: Observation, began: float) -> dict:
         try:
-            return self._record(obs, began)
+            return self._record(*called)
         except (LeaseLost, RunStateError):
             raise
         except Exception as exc:
@@ -4747,25 +4496,15 @@ class _StepExecution:
             raise OutcomeNotRecorded(f"run {self.run_id}: the tool ran, and its outcome "
                                      f"could not be recorded: {exc}") from exc
 
-    def _expire_if_stale(self, run: Run, granted: Approval) -> bool:
-        """Judge the grant's age again just before executing; a stale grant is expired here
-        (its run cancelled) and True returned."""
-        at = self.gate.clock()
-        if not _grant_stale(run, granted, at):
-            return False
-        self.session._finish("ended", expire_approval(self.store, granted, fmt_time(at)))
-        return True
-
     def _record(self, obs: Observation, began: float) -> dict:
         """Record a finished tool call. Needs only that this gate still owns the lease, not
         that it is unexpired; a run taken over meanwhile keeps what its new owner wrote."""
         doc, step = obs.doc, self.session.current
         spec = self.gate.tools[step.decision["tool"]].spec
-        elapsed = int((time.monotonic() - began) * 1000)
         ok = doc["kind"] == TOOL_RESULT
-        finished = {"duration_ms": elapsed, "tool": spec.name}
-        finished.update({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
-                        else {"error": doc["summary"]})
+        finished = {"duration_ms": int((time.monotonic() - began) * 1000), "tool": spec.name,
+                    **({"content_hash": obs.content_hash, "summary": doc["summary"]} if ok
+                       else {"error": doc["summary"]})}
         try:
             # The outcome, and the caller's own write with it, in one commit.
             with self.store.tx(synced=False):       # synced before the answer leaves
@@ -4817,20 +4556,18 @@ class _StepExecution:
                     if ended and gate.on_settled is not None:
                         gate.on_settled(tx, ended)
         run = self.store.get_run(self.run_id)
-        if run.status == CANCELLED and run.reason == "operator_cancelled":
-            self.session._finish("ended", run)
-            return
-        self.session._finish("lost", run)
-        raise LateOutcome(f"run {self.run_id}: the tool returned after the run was taken "
-                          "over; its outcome is recorded as a late event", doc)
+        cancelled = run.status == CANCELLED and run.reason == "operator_cancelled"
+        self.session._finish("ended" if cancelled else "lost", run)
+        if not cancelled:
+            raise LateOutcome(f"run {self.run_id}: the tool returned after the run was "
+                              "taken over; its outcome is recorded as a late event", doc)
 
 
 def _content_bytes(obs: Observation) -> bytes:
     """The exact bytes of an observation's content member: kept by _obs, else read from
     its stored JSON (an observation read back from a record)."""
-    if obs.content is not None:
-        return obs.content
-    return member_spans(obs.json_text.encode()).get("content", b"{}")
+    return obs.content if obs.content is not None else \
+        member_spans(obs.json_text.encode()).get("content", b"{}")
 
 
 def _grant_stale(run: Run, approval: Approval, now: float) -> bool:
@@ -4844,10 +4581,9 @@ def _lease_live(run: Run, database: str, wall: float | None = None) -> bool:
     proxy's, and its holder (section 11) not gone. Every reader asks this one function (the
     rules across calls, the gate's take-over inside its transaction, the start of a side
     effect), so that none can find a lease live that another finds gone."""
-    if not run.lease_owner or not run.lease_expires_at or \
-            parse_time(run.lease_expires_at) <= (time.time() if wall is None else wall):
-        return False
-    return not holder_gone(database, run.lease_owner)
+    return bool(run.lease_owner and run.lease_expires_at) and \
+        parse_time(run.lease_expires_at) > (time.time() if wall is None else wall) and \
+        not holder_gone(database, run.lease_owner)
 
 
 def _expired(approval: Approval, now: float) -> bool:
@@ -4892,13 +4628,6 @@ def _require_grant(tx: Tx, step_id: str, granted: Approval) -> None:
     if row is None or row[0] != granted.id or row[1] != APPROVED or \
             not same_digest(row[2], granted.hash):
         raise RunStateError(f"approval {granted.id} is no longer the step's grant")
-
-
-def _require_live_lease(tx: Tx, run_id: str, owner: str, database: str, wall: float) -> None:
-    """Starting a side effect needs the lease unexpired, checked inside the transaction."""
-    run = tx.require(run_id, (RUNNING,), owner)
-    if not _lease_live(run, database, wall):
-        raise LeaseLost(f"run {run_id}: the lease expired at {run.lease_expires_at or '-'}")
 
 
 async def in_time(aw: Awaitable, seconds: float) -> Any:
@@ -4949,11 +4678,8 @@ async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observ
     try:
         return _observe(name, tool.spec.timeout, outcome)
     except Exception as exc:
-        return _obs(TOOL_ERROR, {"ending": UNREADABLE,
-                                 "error": f"the answer could not be recorded "
-                                          f"({type(exc).__name__})",
-                                 "failure": "invalid_content", "tool": name},
-                    f"{name} answered, and its answer could not be recorded")
+        return _observe(name, tool.spec.timeout, AnswerUnreadable(
+            f"the answer could not be recorded ({type(exc).__name__})"))
 
 
 def _observe(name: str, timeout: float, result: Any) -> Observation:
@@ -5029,9 +4755,8 @@ def unknown_ending(tool, obs: dict) -> str | None:
     (written before endings were) is NO_ANSWER: an operator is asked."""
     if tool is None:
         return NO_ANSWER
-    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR:
-        return None
-    if _known_outcome(obs):
+    if tool.spec.side_effect == "read_only" or obs.get("kind") != TOOL_ERROR or \
+            _known_outcome(obs):
         return None
     content = obs.get("content")
     return TIMED_OUT if isinstance(content, dict) and content.get("ending") == TIMED_OUT \
@@ -5043,11 +4768,8 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
     lim = run.limits
     if run.step_count >= lim.max_steps:
         return "limit_steps", f"step limit {lim.max_steps} reached", None
-    failures = 0
-    for s in reversed(steps):
-        if s.observation is None or s.obs_kind == TOOL_RESULT:
-            break
-        failures += 1
+    failures = next((i for i, s in enumerate(reversed(steps))
+                     if s.observation is None or s.obs_kind == TOOL_RESULT), len(steps))
     if failures >= lim.max_consecutive_tool_failures:
         return "repeated_tool_failures", f"{failures} consecutive failed steps", None
     sigs = []
@@ -5057,11 +4779,7 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
                 s.obs_kind == INVALID_DECISION:
             break
         sigs.append((d.get("tool", ""), content_hash(s.args or b"{}"), s.observation_hash))
-    repeats = 0
-    for sig in sigs:
-        if sig != sigs[0]:
-            break
-        repeats += 1
+    repeats = next((i for i, sig in enumerate(sigs) if sig != sigs[0]), len(sigs))
     if sigs and repeats >= lim.loop_threshold:
         tool, args_hash, obs_hash = sigs[0]
         return "loop_detected", (f"tool {tool} produced the same observation {repeats} times "
@@ -5144,9 +4862,8 @@ class LateRecord:
     doc: dict
 
     def outcome(self) -> str:
-        if self.doc.get("kind") == TOOL_RESULT:
-            return "it succeeded"
-        return f"it failed: {clean(error_text(self.doc), REASON_BYTES)}"
+        return "it succeeded" if self.doc.get("kind") == TOOL_RESULT else \
+            f"it failed: {clean(error_text(self.doc), REASON_BYTES)}"
 
     def text(self) -> str:
         try:
@@ -5157,11 +4874,9 @@ class LateRecord:
 
 
 def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> LateRecord | None:
-    if not isinstance(payload, str):
-        return None
-    try:
+    try:                                    # a payload not text: AttributeError
         doc, spans = read_members(payload.encode("utf-8"))    # not an object: JSONError
-    except (JSONError, UnicodeError):
+    except (JSONError, UnicodeError, AttributeError):
         return None
     obs, flag, start = doc.get("observation"), doc.get("known"), doc.get("started_at")
     if doc.get("late") is not True or "observation" not in spans or not isinstance(obs, dict):
@@ -5179,19 +4894,17 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
     attempt when the event names its start (a step re-run after an approval is another
     attempt of it). With ``known``, only an outcome that is known. None when there is none.
     The events of one run are few, read through the index events_run."""
-    if not attempt:
-        return None
-    run_id, step_id, started = (attempt.get(k) for k in ("run_id", "step_id", "started_at"))
+    run_id, step_id, started = ((attempt or {}).get(k)
+                                for k in ("run_id", "step_id", "started_at"))
     if not isinstance(run_id, str) or not isinstance(step_id, str):
         return None
     for seq, at, payload in q("SELECT seq, at, payload_json FROM events WHERE run_id=? AND "
                               "step_id=? AND type='step.tool_finished' ORDER BY seq DESC",
                               (run_id, step_id)):
         late = _late_of(seq, run_id, step_id, at, payload)
-        if late is None or (known and not late.known) or \
-                (late.started_at and isinstance(started, str) and late.started_at != started):
-            continue
-        return late
+        if late is not None and (late.known or not known) and not (
+                late.started_at and isinstance(started, str) and late.started_at != started):
+            return late
     return None
 
 
@@ -5234,19 +4947,27 @@ def _end_run(tx: Tx, run_id: str, from_run: tuple, status: str, reason: str, det
     return run
 
 
+def _decided(tx: Tx, approval: Approval, status: str, at: str, by: str, note: str,
+             only: str = "", *held: Any, **said: Any) -> bool:
+    """Write a decision onto ``approval`` while ``only`` (a fixed condition, its values
+    ``held``) still holds of its row, with its approval.decided event (``said`` adds to
+    it); False, and nothing written, when it no longer held."""
+    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
+                  f"WHERE id=?{only}", (status, at, by, note, approval.id, *held))
+    if cur.rowcount == 1:
+        tx.event(approval.run_id, approval.step_id, at, "approval.decided",
+                 {"approval_id": approval.id, "by": by, "note": note, **said, "status": status})
+    return cur.rowcount == 1
+
+
 def settle_approval(tx: Tx, approval: Approval, late: LateRecord, at: str) -> None:
     """Mark an interruption approval settled by the late outcome, with an event naming it."""
     note = clean(f"the attempt it asks about {late.text()}", NOTE_BYTES)
-    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                  "WHERE id=? AND status IN (?,?)",
-                  (SETTLED_APPROVAL, at, SETTLED_BY, note, approval.id, PENDING, APPROVED))
-    if cur.rowcount != 1:
+    if not _decided(tx, approval, SETTLED_APPROVAL, at, SETTLED_BY, note,
+                    " AND status IN (?,?)", PENDING, APPROVED, late_outcome={
+                        "at": late.at, "run_id": late.run_id, "seq": late.seq,
+                        "step_id": late.step_id}):
         raise NotPending(f"approval {approval.id} is no longer pending or approved")
-    tx.event(approval.run_id, approval.step_id, at, "approval.decided",
-             {"approval_id": approval.id, "by": SETTLED_BY, "note": note,
-              "late_outcome": {"at": late.at, "run_id": late.run_id, "seq": late.seq,
-                               "step_id": late.step_id},
-              "status": SETTLED_APPROVAL})
 
 
 # Interruption approvals that may still lead to a re-run: pending or approved, each its
@@ -5347,12 +5068,10 @@ class ApprovalView:
 
 def _step_reason(q: Query, step_id: str) -> str:
     rows = q("SELECT policy_json FROM steps WHERE id=?", (step_id,))
-    try:
-        policy = loads_own(rows[0][0]) if rows and rows[0][0] else {}
-    except (JSONError, TypeError, AttributeError):
-        return ""
-    reason = policy.get("reason", "") if isinstance(policy, dict) else ""
-    return reason if isinstance(reason, str) else ""
+    with contextlib.suppress(JSONError, TypeError, AttributeError):    # not an object: ""
+        reason = loads_own(rows[0][0]).get("reason", "") if rows and rows[0][0] else ""
+        return reason if isinstance(reason, str) else ""
+    return ""
 
 
 def approval_view(q: Query, approval: Approval) -> ApprovalView:
@@ -5478,14 +5197,10 @@ def _check_view(tx: Tx, approval: Approval, shown: "ApprovalView | str") -> None
 
 def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, note: str,
                at: str) -> None:
-    cur = tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                  "WHERE id=? AND status=? AND hash=?",
-                  (status, at, by, note, approval.id, PENDING, approval.hash))
-    if cur.rowcount != 1:
+    if not _decided(tx, approval, status, at, by, note, " AND status=? AND hash=?", PENDING,
+                    approval.hash):
         raise ApprovalChanged(f"approval {approval.id} changed after it was shown")
     run_id = approval.run_id
-    tx.event(run_id, approval.step_id, at, "approval.decided",
-             {"approval_id": approval.id, "by": by, "note": note, "status": status})
     if not approve:
         obs = _obs(POLICY_DENIED, {"approval_id": approval.id, "note": note},
                    f"approval rejected: {note}")
@@ -5518,21 +5233,16 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
     with store.tx() as tx:
         tx.require(run_id, (RUNNING, WAITING))
         obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
-        for step_id, in tx.rows("SELECT id FROM steps WHERE run_id=? AND status IN "
-                                "('deciding','awaiting_approval','executing')", (run_id,)):
-            tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
-                    "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, step_id))
+        tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
+                "finished_at=? WHERE run_id=? AND status IN ('deciding','awaiting_approval',"
+                "'executing')", (obs.json_text, obs.content_hash, at, run_id))
         # What a cancel ends: the run's pending approval is marked cancelled, with an event,
         # so that nothing reads it as waiting (stricter than the reference: see
         # CANCELLED_APPROVAL). A grant already approved keeps its status: it was approved,
         # and the run's end says why it was never collected.
-        for approval_id, step_id in tx.rows("SELECT id, step_id FROM approvals WHERE run_id=? "
-                                            "AND status=? ORDER BY rowid", (run_id, PENDING)):
-            tx.exec("UPDATE approvals SET status=?, decided_at=?, decided_by=?, note=? "
-                    "WHERE id=?", (CANCELLED_APPROVAL, at, by, note, approval_id))
-            tx.event(run_id, step_id, at, "approval.decided",
-                     {"approval_id": approval_id, "by": by, "note": note,
-                      "status": CANCELLED_APPROVAL})
+        for row in tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? AND "
+                           "status=? ORDER BY rowid", (run_id, PENDING)):
+            _decided(tx, _approval_from_row(row), CANCELLED_APPROVAL, at, by, note)
         return _end_run(tx, run_id, (RUNNING, WAITING), CANCELLED, "operator_cancelled", note,
                         at, by=by)
 
@@ -5685,10 +5395,9 @@ def error_code(exc: BaseException) -> int:
     """The one place a JSON-RPC error code is chosen for an exception."""
     if isinstance(exc, ProtocolError):
         return exc.code
-    for kinds, code in ((JSONError, PARSE_ERROR), ((SchemaError, ValueError), INVALID_PARAMS)):
-        if isinstance(exc, kinds):             # JSONError first: it is a ValueError too
-            return code
-    return INTERNAL_ERROR
+    if isinstance(exc, JSONError):             # first: it is a ValueError too
+        return PARSE_ERROR
+    return INVALID_PARAMS if isinstance(exc, (SchemaError, ValueError)) else INTERNAL_ERROR
 
 
 # ==== 15. Upstream client (stdio) ====
@@ -5804,12 +5513,14 @@ class Upstream:
             "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"})
 
     # -- the protocol --
-    def _params(self, params: dict) -> dict:
-        """Modern requests carry the protocol version and capabilities in every _meta."""
-        if not self.modern:
-            return params
-        meta = {META_VERSION: MODERN_VERSION, META_CAPABILITIES: {}, META_CLIENT: CLIENT_INFO}
-        return {**params, "_meta": meta}
+    def _frame(self, method: str, params: dict) -> tuple[int, bytes]:
+        """A new request's id and frame. Modern requests carry the protocol version and
+        capabilities in every _meta."""
+        self._next_id += 1
+        if self.modern:
+            params = {**params, "_meta": {META_VERSION: MODERN_VERSION, META_CAPABILITIES: {},
+                                          META_CLIENT: CLIENT_INFO}}
+        return self._next_id, rpc_request(self._next_id, method, params)
 
     async def request(self, method: str, params: dict, timeout: float,
                       tool: str = "") -> Message:
@@ -5817,9 +5528,7 @@ class Upstream:
         error answer, asyncio.TimeoutError when none came in time."""
         if self.closed:
             raise NotSent(f"the connection to {self.name} is closed")
-        self._next_id += 1
-        msg_id = self._next_id
-        payload = rpc_request(msg_id, method, self._params(params))
+        msg_id, payload = self._frame(method, params)
         reply = await self._exchange(msg_id, method, payload, timeout, tool)
         err = reply.doc.get("error")
         if err is not None:
@@ -5923,9 +5632,8 @@ class Upstream:
         if self.closed or not (self.modern and self.can_listen and isinstance(tools, dict)
                                and tools.get("listChanged") is True):
             return False
-        self._next_id += 1
-        await self._post(rpc_request(self._next_id, "subscriptions/listen", self._params(
-            {"notifications": {"toolsListChanged": True}})), "subscriptions/listen")
+        await self._post(self._frame("subscriptions/listen", {
+            "notifications": {"toolsListChanged": True}})[1], "subscriptions/listen")
         return True
 
 
@@ -6216,7 +5924,7 @@ class HttpUpstream(Upstream):
     answers, the session id and protocol version headers (legacy), the method and name
     headers (modern), no redirects, bodies capped at MAX_FRAME, connections kept alive.
     Every read and write waits only until its request's deadline (``_TimedSocket``), and the
-    blocking work runs in this server's own workers (``_Workers``), so one slow server can
+    blocking work runs in this server's own workers (``_post``), so one slow server can
     neither outlast a deadline nor starve the others."""
 
     def __init__(self, name: str, endpoint: str):
@@ -6230,18 +5938,21 @@ class HttpUpstream(Upstream):
         self._idle: list[http.client.HTTPConnection] = []
         self._active: set[_TimedSocket] = set()          # sockets of requests in flight
         self._pool_lock = threading.Lock()
-        self._workers = _Workers(HTTP_CONCURRENCY)
+        self._slots: asyncio.Semaphore | None = None     # made in the loop that uses them
         self._notices: set[asyncio.Task] = set()         # cancellations being sent
 
     def _connection(self) -> http.client.HTTPConnection:
-        """An idle kept-alive connection the server has not closed, else a new one."""
+        """An idle kept-alive connection the server has not closed, else a new one. An idle
+        connection has nothing to read, so anything readable (the server's close, or stray
+        bytes) means it is not reused."""
         while True:
             with self._pool_lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 break
-            if not _peer_closed(conn):
-                return conn
+            with contextlib.suppress(OSError, ValueError):
+                if conn.sock is not None and not select.select([conn.sock], [], [], 0)[0]:
+                    return conn
             conn.close()
         client = _http_client()
         cls = client.HTTPSConnection if self.url.scheme == "https" else client.HTTPConnection
@@ -6413,12 +6124,23 @@ class HttpUpstream(Upstream):
 
     async def _post(self, payload: bytes, method: str, timeout: float = DISCOVER_TIMEOUT,
                     msg_id: int | None = None, tool: str = "") -> Message | None:
-        """One POST in this server's workers; the answer to ``msg_id``, when one is given."""
+        """One POST in a worker of this server's own (_in_thread), once one of its
+        HTTP_CONCURRENCY slots is free; the answer to ``msg_id``, when one is given. A
+        server that never finishes an answer holds only its own slots, never the shared
+        default executor. A request still waiting for a slot at its deadline never left
+        the proxy: NotSent, never an unknown outcome."""
         deadline = time.monotonic() + timeout
-        # The workers end the request at its deadline; this is only a backstop.
-        return await asyncio.wait_for(
-            self._workers.run(deadline, self._round_trip, msg_id, payload, method, tool,
-                              deadline), timeout + HTTP_SLACK)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(HTTP_CONCURRENCY)
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise NotSent(f"all {HTTP_CONCURRENCY} connections to the server stayed busy "
+                          "until the deadline") from None
+        # The worker ends the request at its deadline; this is only a backstop.
+        return await asyncio.wait_for(_in_thread(
+            self._round_trip, msg_id, payload, method, tool, deadline,
+            on_done=self._slots.release), deadline + HTTP_SLACK - time.monotonic())
 
     async def close(self) -> None:
         """Refuse new requests and interrupt those in flight (their sockets are shut down,
@@ -6441,7 +6163,7 @@ class HttpUpstream(Upstream):
         deadline = time.monotonic() + HTTP_CLOSE_WAIT
         with contextlib.suppress(ProxyError, OSError, _http_client().HTTPException,
                                  asyncio.TimeoutError):
-            await asyncio.wait_for(_Workers.in_thread(self._delete, deadline),
+            await asyncio.wait_for(_in_thread(self._delete, deadline),
                                    HTTP_CLOSE_WAIT + HTTP_SLACK)
 
     def _delete(self, deadline: float) -> None:
@@ -6454,55 +6176,34 @@ class HttpUpstream(Upstream):
             conn.close()
 
 
-class _Workers:
-    """One HTTP server's blocking requests: at most ``limit`` at once, each in a daemon
-    thread of its own. A server that never finishes an answer holds only its own slots,
-    never the shared default executor, and a daemon thread never holds up the exit."""
+async def _in_thread(fn: Callable, *args: Any, on_done: Callable | None = None) -> Any:
+    """``fn(*args)`` in a new daemon thread (one never holds up the exit). ``on_done`` runs
+    in the loop when the thread ends, even when the caller stopped waiting: a slot is the
+    thread's until then."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._slots: asyncio.Semaphore | None = None      # made in the loop that uses it
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if on_done is not None:
+            on_done()
+        if done.done():                       # the caller stopped waiting
+            return
+        if exc is None:
+            done.set_result(result)
+        else:
+            done.set_exception(exc)
 
-    async def run(self, deadline: float, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` in a worker once a slot is free. A request still waiting for one
-        at ``deadline`` never left the proxy: NotSent, never an unknown outcome."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.limit)
+    def work() -> None:
+        result, exc = None, None
         try:
-            await asyncio.wait_for(self._slots.acquire(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise NotSent(f"all {self.limit} connections to the server stayed busy until "
-                          "the deadline") from None
-        return await self.in_thread(fn, *args, on_done=self._slots.release)
+            result = fn(*args)
+        except BaseException as err:          # every outcome goes back to the loop
+            exc = err
+        with contextlib.suppress(RuntimeError):        # the loop is already closed
+            loop.call_soon_threadsafe(settle, result, exc)
 
-    @staticmethod
-    async def in_thread(fn: Callable, *args: Any, on_done: Callable | None = None) -> Any:
-        """``fn(*args)`` in a new daemon thread. ``on_done`` runs in the loop when the thread
-        ends, even when the caller stopped waiting: a slot is the thread's until then."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def settle(result: Any, exc: BaseException | None) -> None:
-            if on_done is not None:
-                on_done()
-            if done.done():                       # the caller stopped waiting
-                return
-            if exc is None:
-                done.set_result(result)
-            else:
-                done.set_exception(exc)
-
-        def work() -> None:
-            result, exc = None, None
-            try:
-                result = fn(*args)
-            except BaseException as err:          # every outcome goes back to the loop
-                exc = err
-            with contextlib.suppress(RuntimeError):        # the loop is already closed
-                loop.call_soon_threadsafe(settle, result, exc)
-
-        threading.Thread(target=work, daemon=True).start()
-        return await done
+    threading.Thread(target=work, daemon=True).start()
+    return await done
 
 
 class _TimedSocket:
@@ -6581,17 +6282,6 @@ def _header_value(text: str) -> str:
     if text.isascii() and text.isprintable():
         return text
     return "=?base64?" + base64.b64encode(text.encode("utf-8")).decode() + "?="
-
-
-def _peer_closed(conn: http.client.HTTPConnection) -> bool:
-    """Whether an idle kept-alive connection is unusable: an idle connection has nothing to
-    read, so anything readable (the server's close, or stray bytes) means it is not reused."""
-    if conn.sock is None:
-        return True
-    try:
-        return bool(select.select([conn.sock], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
 
 
 def _read_capped(resp: http.client.HTTPResponse) -> bytes:
@@ -7191,17 +6881,14 @@ class Config:
         merged) and, per server by name, each rule's class, outcome, fixed values, rename,
         conditions and limits, each given only when set. Descriptions, timeouts, hold,
         windows, TTLs and paths leave it unchanged."""
-        servers = []
-        for server in sorted(self.servers, key=lambda s: s.name):
-            rules = {}
-            for tool, rule in server.rules:
-                given = {"outcome": rule.outcome, "rename": rule.rename,
-                         "fixed": {k: RawJSON(v) for k, v in rule.fixed},
-                         "when": [c.written() for c in rule.when],
-                         "limits": [lim.written() for lim in rule.limits]}
-                rules[tool] = {"side_effect": rule.side_effect,
-                               **{k: v for k, v in given.items() if v}}
-            servers.append({"name": server.name, "rules": rules})
+        def written(rule: Rule) -> dict:
+            given = {"outcome": rule.outcome, "rename": rule.rename,
+                     "fixed": {k: RawJSON(v) for k, v in rule.fixed},
+                     "when": [c.written() for c in rule.when],
+                     "limits": [lim.written() for lim in rule.limits]}
+            return {"side_effect": rule.side_effect, **{k: v for k, v in given.items() if v}}
+        servers = [{"name": s.name, "rules": {tool: written(rule) for tool, rule in s.rules}}
+                   for s in sorted(self.servers, key=lambda s: s.name)]
         doc = dump_json({"policy": self.policy_map, "servers": servers}).encode()
         return POLICY_ID_PREFIX + sha256_hex(canonical_json(doc))
 
@@ -7283,6 +6970,11 @@ class _ConfigObject:
     def obj(self, name: str) -> dict:
         return self._get(name, (dict,), "an object", {})
 
+    def repeat(self) -> str:
+        """What an identical call within the window meets; "" where the field is not given."""
+        return self._get("repeat", (str,), '"refuse" or "ask"', "",
+                         lambda value: value in ("", *REPEATS))
+
 
 # The fields a file may give: the records' own, less those the loader itself fills in.
 _TOP_FIELDS = {f.name for f in dataclasses.fields(Config)} - {"path", "policy_given"}
@@ -7348,7 +7040,7 @@ def parse_config(raw: bytes, path: str) -> Config:
         servers=tuple(servers), policy=tuple(policy.items()),
         hold=top.duration("hold", DEFAULT_HOLD),
         repeat_window=top.duration("repeat_window", DEFAULT_REPEAT_WINDOW),
-        repeat=_parse_repeat(top) or "refuse",
+        repeat=top.repeat() or "refuse",
         max_pending=max_pending or DEFAULT_MAX_PENDING,
         approval_ttl=top.duration("approval_ttl", DEFAULT_APPROVAL_TTL),
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
@@ -7403,17 +7095,18 @@ def check_reach(cfg: Config) -> None:
     reaches by other means."""
     # SQLite names the sidecars after the path it opened: beside the name given and beside
     # the file it resolves to. A server that can rewrite the proxy's own code rewrites the gate.
-    db = (cfg.database, _real_path(cfg.database)) if cfg.database else ()
+    # os.path.realpath resolves a path that does not exist yet through its directory.
+    db = (cfg.database, os.path.realpath(cfg.database)) if cfg.database else ()
     here = os.path.abspath(__file__)
     protected = [p for p in (cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
-                             *(s.manifest for s in cfg.servers), here, _real_path(here)) if p]
+                             *(s.manifest for s in cfg.servers), here, os.path.realpath(here)) if p]
     base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
     idents: dict[tuple[int, int], str] = {}     # a protected file, or a directory holding one
     unborn: dict[str, str] = {}                 # one that does not exist yet, by its real path
     for path in protected:
         if not os.path.lexists(path):
-            unborn.setdefault(_real_path(path), path)
-        for start in (os.path.abspath(path), _real_path(path)):
+            unborn.setdefault(os.path.realpath(path), path)
+        for start in (os.path.abspath(path), os.path.realpath(path)):
             for ancestor in _ancestors(start):
                 with contextlib.suppress(OSError):
                     st = os.stat(ancestor)
@@ -7426,7 +7119,7 @@ def check_reach(cfg: Config) -> None:
                 st = os.stat(candidate)
                 hit = idents.get((st.st_dev, st.st_ino))
             except OSError:
-                hit = unborn.get(_real_path(candidate))
+                hit = unborn.get(os.path.realpath(candidate))
             if hit:
                 raise ConfigError(
                     f"server {_quote(server.name)}: the argument {_quote(arg)} reaches "
@@ -7439,15 +7132,6 @@ def _ancestors(path: str) -> list[str]:
     while os.path.dirname(out[-1]) != out[-1]:
         out.append(os.path.dirname(out[-1]))
     return out
-
-
-def _real_path(path: str) -> str:
-    """Absolute, symbolic links resolved; a path that does not exist yet is resolved through
-    its directory."""
-    path = os.path.abspath(path)
-    if os.path.lexists(path):
-        return os.path.realpath(path)
-    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
 def _reach_candidates(arg: str) -> list[str]:
@@ -7500,13 +7184,6 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
         skip_path_check=f.flag("skip_path_check"), cwd=base)
 
 
-def _parse_repeat(f: _ConfigObject) -> str:
-    repeat = f.doc.get("repeat", "")
-    if repeat != "" and not (isinstance(repeat, str) and repeat in REPEATS):
-        raise ConfigError(f'{f.where}: repeat must be "refuse" or "ask"')
-    return repeat
-
-
 def _parse_rule(doc: Any, where: str) -> Rule:
     f = _ConfigObject(doc, where, _RULE_FIELDS)
     outcome = f.text("outcome")
@@ -7522,7 +7199,7 @@ def _parse_rule(doc: Any, where: str) -> Rule:
                 terminal=f.flag("terminal"), description=f.text("description"),
                 deny=f.texts("deny"), fixed=fixed, rename=f.text("rename"),
                 allow_hint_mismatch=f.flag("allow_hint_mismatch"), outcome=outcome,
-                repeat_window=f.duration("repeat_window", None), repeat=_parse_repeat(f),
+                repeat_window=f.duration("repeat_window", None), repeat=f.repeat(),
                 when=parse_conditions(f.doc.get("when"), where),
                 limits=parse_limits(f.doc.get("limits"), where))
 
@@ -7571,10 +7248,7 @@ def result_of(obs: dict) -> dict:
     recorded (not escaped: it is data), or its error text."""
     content = obs.get("content")
     if obs.get("kind") == TOOL_RESULT:
-        text = obs.get("text")          # the server's text beside its structured content
-        if not isinstance(text, str) or isinstance(content, str):
-            text = content if isinstance(content, str) else dump_json(content)
-        out = {"content": [{"type": "text", "text": text}], "isError": False}
+        out = {"content": [{"type": "text", "text": result_text(obs)}], "isError": False}
         if isinstance(content, dict):
             out["structuredContent"] = content
         return out
@@ -7633,17 +7307,15 @@ class ProxyPolicy:
             return PolicyDecision(outcome, reason)
         earlier = self.repeat_of(request, view) if attempt is None else None
         if attempt is not None or earlier is not None:
-            decision = self.interruption(tool, request.args, attempt, judged) if earlier is None \
-                else self.repetition(tool, request.args, earlier, judged)
+            decision = self.asking(tool, request.args, attempt, earlier, judged)
             return covered(decision, request, view) if judged else decision
         if outcome == "allow":
             return PolicyDecision(outcome, reason)
         if outcome != "require_approval":
             return PolicyDecision("deny", f"unknown outcome {_quote(outcome)}")
         cap = self.capability(tool, request.args)
-        question = f"May the model call {tool.remote} on server {tool.server} with these " \
-                   "arguments?"
-        shown = {"question": question, **cap, "reason": reason,
+        shown = {"question": f"May the model call {tool.remote} on server {tool.server} with "
+                             "these arguments?", **cap, "reason": reason,
                  **limits_shown(tool, request.args)}         # what views read the use by
         if not judged or not judged.asked:
             return need_approval(tool.spec.side_effect, reason, cap, shown)
@@ -7688,22 +7360,7 @@ class ProxyPolicy:
                              if s.id == request.step_id), None)
             if step is not None:
                 return _attempt(request.run_id, step, "cut_off")
-        if self.proxy is not None:
-            return self.proxy.reruns.get(request.run_id)
-        return None
-
-    def interruption(self, tool: "UpstreamTool", args: bytes, at: dict,
-                     judged: "Judgement | None" = None) -> PolicyDecision:
-        """Built only from its inputs, so the pause, the collection and a re-check of the
-        record hash alike. A condition or limit that asks too is named in it."""
-        ended = HOW.get(at.get("ended"), HOW["cut_off"])
-        notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in run "
-                  f"{at.get('run_id')}, ended as follows: {ended}. "
-                  "Whether it took effect is unknown: it may have. Approving runs it again with "
-                  "these arguments once the model calls it again. Rejecting ends this request, "
-                  "and an identical call later asks an operator again, whatever the policy.")
-        return self._asking(INTERRUPTED_KIND, INTERRUPTED_REASON, tool, args,
-                            {"interrupted": at}, "again with these arguments", notice, judged)
+        return self.proxy.reruns.get(request.run_id) if self.proxy is not None else None
 
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
         """The earlier execution this request repeats, if the rules found one: named by
@@ -7713,23 +7370,31 @@ class ProxyPolicy:
             return repeat_in(mine[-1]) if mine[-1].kind == REPEAT_KIND else None
         return self.proxy.repeats.get(request.run_id) if self.proxy is not None else None
 
-    def repetition(self, tool: "UpstreamTool", args: bytes, earlier: dict,
-                   judged: "Judgement | None" = None) -> PolicyDecision:
-        """Built only from its inputs, like an interruption approval: the earlier
-        execution's run, time and outcome are in the capability, so the collection and a
-        re-check of the record hash alike."""
-        notice = (f"This exact request already executed, in run {earlier.get('run_id')}, "
-                  f"finished at {earlier.get('at')}; {earlier.get('outcome')}. Approving runs "
-                  "it once more, with these arguments, when the model calls it again. "
-                  "Rejecting refuses it, and the model is told your note.")
-        return self._asking(REPEAT_KIND, REPEAT_REASON, tool, args, {"repeat_of": earlier},
-                            "once more with the same arguments", notice, judged)
-
-    def _asking(self, kind: str, reason: str, tool: "UpstreamTool", args: bytes, named: dict,
-                how: str, notice: str, judged: "Judgement | None") -> PolicyDecision:
-        """An approval the proxy asks whatever the policy says short of deny, naming what
-        it asks about (``named``) and any condition or limit that asks too; the question is
-        whether the tool may run ``how``."""
+    def asking(self, tool: "UpstreamTool", args: bytes, at: dict | None = None,
+               earlier: dict | None = None, judged: "Judgement | None" = None
+               ) -> PolicyDecision:
+        """An approval the proxy asks whatever the policy says short of deny: an
+        interruption approval about an earlier attempt of unknown outcome (``at``), else a
+        repeat approval about an earlier execution (``earlier``: its run, time and outcome).
+        Built only from its inputs, which its capability names, so the pause, the
+        collection and a re-check of the record hash alike. A condition or limit that asks
+        too is named in it; the question is whether the tool may run again, or once more."""
+        if at is not None:
+            kind, reason, named = INTERRUPTED_KIND, INTERRUPTED_REASON, {"interrupted": at}
+            how, ended = "again with these arguments", HOW.get(at.get("ended"), HOW["cut_off"])
+            notice = (f"An earlier attempt of this call, started at {at.get('started_at')} in "
+                      f"run {at.get('run_id')}, ended as follows: {ended}. "
+                      "Whether it took effect is unknown: it may have. Approving runs it again "
+                      "with these arguments once the model calls it again. Rejecting ends this "
+                      "request, and an identical call later asks an operator again, whatever "
+                      "the policy.")
+        else:
+            kind, reason, named = REPEAT_KIND, REPEAT_REASON, {"repeat_of": earlier}
+            how = "once more with the same arguments"
+            notice = (f"This exact request already executed, in run {earlier.get('run_id')}, "
+                      f"finished at {earlier.get('at')}; {earlier.get('outcome')}. Approving "
+                      "runs it once more, with these arguments, when the model calls it again. "
+                      "Rejecting refuses it, and the model is told your note.")
         cap = {**self.capability(tool, args), **named}
         asked = judged.asked if judged is not None else []
         if asked:
@@ -7913,10 +7578,9 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
     now = proxy.clock()
     if wanted:
         item = next((i for i in items if i[2].id == wanted), None)
-        if item is None:
-            return prose("GATE_STATUS", f"no approval {clean(wanted, ID_SHOWN)} is known in this "
-                                        "session from the last hour.", False)
-        return prose("GATE_STATUS", describe(proxy, item, items, now), False)
+        return prose("GATE_STATUS", describe(proxy, item, items, now) if item is not None else
+                     f"no approval {clean(wanted, ID_SHOWN)} is known in this session from the "
+                     "last hour.", False)
     waiting = [i for i in items if i[2].status == PENDING and not _expired(i[2], now)
                and i[1].run.status == WAITING]
     granted = [i for i in items if i[2].status == APPROVED and i[1].run.status == WAITING
@@ -7942,8 +7606,7 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     """One approval: which call, then the first state that holds."""
     row, state, a = item
     try:
-        args = a.request().args
-        args = encode_canonical(parse_json(args, strict=False)).decode()
+        args = encode_canonical(parse_json(a.request().args, strict=False)).decode()
     except (ProxyError, KeyError, ValueError):
         args = ""
     who = f"approval {a.id}, {clean(row.tool, TOOL_NAME_SHOWN)} with {clean(args, ARGS_SHOWN)}: "
@@ -8028,13 +7691,11 @@ def _ran(proxy: "Proxy", row, state: RunState, step: Step, items: list, a: Appro
         return "an operator cancelled its run while it executed, so it may have taken effect."
     if step.obs_kind != TOOL_ERROR:
         return ""
-    if tool is None:
-        return _ran_unknown(row, items, a, "no_answer", now)
     err = clean(error_text(step.observation), REASON_BYTES)
-    if _unrecorded(tool, step.observation):
+    if tool is not None and _unrecorded(tool, step.observation):
         return (f"the server answered but its result could not be recorded ({err}); it may "
                 "have taken effect.")
-    ended = unknown_ending(tool, step.observation)
+    ended = unknown_ending(tool, step.observation)      # NO_ANSWER: a tool no longer offered
     if ended is None:
         return f"the server reported a failure: {err}"
     return _ran_unknown(row, items, a, ended, now)
@@ -8057,10 +7718,8 @@ def _ran_unknown(row, items: list, a: Approval, ended: str, now: float) -> str:
 # search is read-only and open), so they claim nothing, and a host reads MCP's default.
 CLASS_ANNOTATIONS = {
     "read_only": {"readOnlyHint": True, "destructiveHint": False},
-    "local_mutation": {"readOnlyHint": False, "destructiveHint": False,
-                       "openWorldHint": False},
-    "remote_mutation": {"readOnlyHint": False, "destructiveHint": False,
-                        "openWorldHint": True},
+    "local_mutation": {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": False},
+    "remote_mutation": {"readOnlyHint": False, "destructiveHint": False, "openWorldHint": True},
     "destructive": {"readOnlyHint": False, "destructiveHint": True},
 }
 
@@ -8115,27 +7774,21 @@ class Notifier:
         ``doc`` is built on the thread."""
         if not self.argv:
             return
-        if drift:
-            if self._drift_slots.acquire(blocking=False):
-                self._start(label, doc, self._drift_slots)
-            else:
-                self.log(f"on_pending: {ON_PENDING_DRIFT_RUNNING} drift notices are still "
-                         f"running; not started for {label}")
-            return
-        label = f"approval {label}"
+        slots = self._drift_slots if drift else self._slots
+        label = label if drift else f"approval {label}"
         with self._queue_lock:
             if self._closed:
                 return
-            if not self._slots.acquire(blocking=False):
-                if len(self._queue) < ON_PENDING_QUEUED:
+            if not slots.acquire(blocking=False):
+                if drift:
+                    self.log(f"on_pending: {ON_PENDING_DRIFT_RUNNING} drift notices are still "
+                             f"running; not started for {label}")
+                elif len(self._queue) < ON_PENDING_QUEUED:
                     self._queue.append((label, doc))
                 else:
                     self.log(f"on_pending: {ON_PENDING_QUEUED} notices wait for one of "
                              f"{ON_PENDING_RUNNING} running; not started for {label}")
                 return
-        self._start(label, doc, self._slots)
-
-    def _start(self, label: str, doc: Callable[[], dict], slots) -> None:
         try:
             threading.Thread(target=self._run, args=(label, doc, slots), daemon=True,
                              name="on_pending").start()
@@ -8167,9 +7820,8 @@ class Notifier:
             if self._closed:
                 return
             try:
-                proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
+                proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
             except OSError as exc:
                 self.log(f"on_pending: {self.argv[0]} could not be started for "
                          f"{label}: {exc.strerror or exc}")
@@ -8272,10 +7924,8 @@ class Condition:
         return f"when[{self.index}]"
 
     def written(self) -> dict:
-        doc: dict[str, Any] = {"if": RawJSON(self.schema_json), "outcome": self.outcome}
-        if self.why:
-            doc["why"] = self.why
-        return doc
+        why = {"why": self.why} if self.why else {}
+        return {"if": RawJSON(self.schema_json), "outcome": self.outcome, **why}
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -8308,14 +7958,10 @@ class Limit:
         return dump_json(where + [what])
 
     def written(self) -> dict:
-        doc: dict[str, Any] = {"per": fmt_duration(self.per), "over": self.over}
-        if self.name:
-            doc["name"] = self.name
-        if self.calls:
-            doc["calls"] = Num(str(self.calls))
-        else:
-            doc.update({"sum": self.pointer, "max": fmt_units(self.max_units)})
-        return doc
+        named = {"name": self.name} if self.name else {}
+        most = {"calls": Num(str(self.calls))} if self.calls else \
+            {"sum": self.pointer, "max": fmt_units(self.max_units)}
+        return {"per": fmt_duration(self.per), "over": self.over, **named, **most}
 
     def what(self) -> str:
         return "calls" if self.calls else f"sum of {self.pointer}"
@@ -8406,9 +8052,8 @@ def _check_typed(schema: Schema, at: str) -> None:
     match a value it does not check. Every subschema the validator compiled is looked at.
     The root is exempt, as it checks the arguments, always an object; not when a $ref names
     it, since it then checks a nested value too."""
-    for where, node in schema.located():
-        if not isinstance(node, dict):
-            continue
+    for where, node in [(where, node) for where, node in schema.located()
+                        if isinstance(node, dict)]:
         shown = "#" + _pointer(where)
         if "format" in node:
             raise ConfigError(f'{at}: the schema at {shown} uses "format", which constrains '
@@ -8419,10 +8064,7 @@ def _check_typed(schema: Schema, at: str) -> None:
             continue
         named = node.get("type", [])
         given = set(named if isinstance(named, list) else [named])
-        for key in node:
-            kind = _KEYWORD_TYPE.get(key)
-            if kind is None:
-                continue
+        for key, kind in [(key, _KEYWORD_TYPE[key]) for key in node if key in _KEYWORD_TYPE]:
             uses = (f"{at}: the schema at {shown} uses {_quote(key)}, which constrains "
                     f"only {kind}s")
             if not given:
@@ -8504,9 +8146,7 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
     seen: dict[str, tuple[str, bytes]] = {}
     for server in servers:
         for tool, rule in server.rules:
-            for limit in rule.limits:
-                if not limit.name:
-                    continue
+            for limit in [limit for limit in rule.limits if limit.name]:
                 where = f"server {_quote(server.name)}: tool {_quote(tool)}: limits[{limit.index}]"
                 spelled = encode_canonical(limit.written())
                 first = seen.setdefault(limit.name, (where, spelled))
@@ -8523,7 +8163,6 @@ def check_shared_limits(servers: Iterable[ServerConfig]) -> None:
 class LimitUse:
     """One limit as one call finds it: its use in the window, and what the call adds."""
     limit: Limit
-    key: str
     used: int
     adds: int
 
@@ -8533,10 +8172,9 @@ class LimitUse:
 
     def figures(self, tool: str) -> str:
         lim = self.limit
-        unit = " calls" if lim.calls else ""
         return (f"{lim.label} of {tool}: {lim.shown(self.used)} of {lim.shown(lim.most())}"
-                f"{unit} in the last {fmt_duration(lim.per)}; this call adds "
-                f"{lim.shown(self.adds)}")
+                f"{' calls' if lim.calls else ''} in the last {fmt_duration(lim.per)}; this "
+                f"call adds {lim.shown(self.adds)}")
 
 
 @dataclasses.dataclass(repr=False)
@@ -8597,8 +8235,7 @@ def first_condition(tool: "UpstreamTool", value: Any, args: bytes,
     evaluated twice (its rules, then its policy) pays once."""
     if seen is not None and seen.get("tool") is tool and seen.get("args") == args:
         return seen["found"]
-    found: Condition | str | None = None
-    budget = MAX_SCHEMA_EVALUATIONS
+    found, budget = None, MAX_SCHEMA_EVALUATIONS    # found: a Condition, or a label
     for cond in tool.rule.when:
         try:
             hit, budget = cond.schema.test(value, budget)
@@ -8626,8 +8263,6 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     if refused:                      # refused unsent at the call: denied before it counts
         return Judgement("deny", refused, [], [])
     value = _with_fixed(tool, given)
-    asked: list[str] = []
-    figures: list[str] = []
     cond = first_condition(tool, value, args, seen) if rule.when else None
     if isinstance(cond, str):
         return Judgement("deny", f"{cond} of {name} could not be evaluated within "
@@ -8635,9 +8270,8 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     if cond is not None:
         outcome = cond.outcome
         reason = f"{cond.label} of {name}" + (f": {cond.why}" if cond.why else " matched")
-        if outcome == "require_approval":
-            asked.append(cond.label)
-            figures.append(reason)
+    asks = cond is not None and outcome == "require_approval"
+    asked, figures = ([cond.label], [reason]) if asks else ([], [])
     if outcome == "deny" or use_of is None:
         by = cond.label if cond is not None and outcome == "deny" else ""
         return Judgement(outcome, reason, asked, figures, by)
@@ -8645,18 +8279,15 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     for limit in rule.limits:
         adds, problem = counted_value(limit, value)
         if problem:
-            return Judgement("deny", f"{limit.label} of {name} cannot count this call: "
-                             f"{problem}; the value must be a number of at least 0", [], [],
-                             limit.ref)
-        key = limit.key(tool.server, tool.remote)
-        use = LimitUse(limit, key, use_of(key, limit), adds)
+            return Judgement("deny", f"{limit.label} of {name} cannot count this call: {problem}; "
+                             "the value must be a number of at least 0", [], [], limit.ref)
+        use = LimitUse(limit, use_of(limit.key(tool.server, tool.remote), limit), adds)
         if not use.over:
             continue
         if limit.over == "deny":
             shown = f"{use.figures(name)}, over its max of {limit.shown(limit.most())} " \
                 f"({limit.what()})"
-            return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref,
-                             shown)
+            return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref, shown)
         if outcome == "allow":
             outcome, base = "require_approval", ""
         asked.append(limit.ref)
@@ -8723,7 +8354,7 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
         return fresh
     if not isinstance(had, dict) or not isinstance(now, dict):
         return fresh
-    had_asked, now_asked = asked_by(grant.capability), now.pop("asked_by", [])
+    had_asked, now_asked = _strings(had, "asked_by"), now.pop("asked_by", [])
     had.pop("asked_by", None)
     if encode_canonical(had) != encode_canonical(now) or not set(now_asked) <= set(had_asked):
         return fresh
@@ -8863,12 +8494,12 @@ class Budgets:
     def _catch_up(self, key: str, limit: Limit, tools: dict, since: str) -> None:
         mark_sql = "SELECT seq, n FROM proxy_limit_marks WHERE key=?"
         mark = tuple(next(iter(self.store._read(mark_sql, (key,))), (0, 0)))
-        top = self.store._read("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
+        top = self.store._read("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0]
         ran = _executions(self.store._read, tools, limit, mark[0], top, since)
         with self.store.tx() as tx:
             if tuple(next(iter(tx.rows(mark_sql, (key,))), (0, 0))) != mark:
                 return                       # another proxy caught it up meanwhile
-            now_top = tx.rows("SELECT COALESCE(MAX(seq), 0) FROM events", ())[0][0]
+            now_top = tx.rows("SELECT COALESCE(MAX(seq), 0) FROM events")[0][0]
             ran += _executions(tx.rows, tools, limit, top, now_top, since)
             # An attempt the operator said did not execute is neither an execution to count
             # nor a row that counted one (uncount_attempt zeroed it): read here, under the
@@ -8959,10 +8590,9 @@ def _executions(read: Query, tools: dict, limit: Limit, after: int,
         try:
             doc = read_own(payload)          # one read: the arguments as recorded
             tool = tools.get(doc.get("tool"))
-            if tool is None:
-                continue
-            out.append((parse_time(at), run_id, step_id,
-                        counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
+            if tool is not None:
+                out.append((parse_time(at), run_id, step_id,
+                            counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
         except (ProxyError, AttributeError, ValueError):
             continue                 # an edited row: the chain's verify reports it
     return out
@@ -9112,14 +8742,11 @@ def limits_shown(tool: "UpstreamTool", args: bytes) -> dict:
     if not tool.rule.limits:
         return {}
     value = server_value(tool, args)
-    out = []
-    for limit in tool.rule.limits:
-        adds, problem = counted_value(limit, value)
-        if problem:                  # judge denies such a call: it never asks
-            continue
-        out.append({"key": limit.key(tool.server, tool.remote), "index": limit.index,
-                    "limit": limit.written(), "adds": str(adds)})
-    return {"limits": out}
+    counted = [(limit, *counted_value(limit, value)) for limit in tool.rule.limits]
+    return {"limits": [{"key": limit.key(tool.server, tool.remote), "index": limit.index,
+                        "limit": limit.written(), "adds": str(adds)}
+                       for limit, adds, problem in counted
+                       if not problem]}         # judge denies such a call: it never asks
 
 
 def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
@@ -9130,8 +8757,8 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     sanitised; an entry that does not read as limits_shown writes it is left out. An approval
     that no call can collect any more (decided otherwise, expired, its run no longer
     waiting) has nothing to weigh: none."""
-    rows = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
-    if approval.status not in (PENDING, APPROVED) or not rows or rows[0][0] != WAITING:
+    run = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
+    if approval.status not in (PENDING, APPROVED) or run != [(WAITING,)]:
         return []
     try:
         pres = read_own(approval.presentation)
@@ -9162,7 +8789,7 @@ def _recorded_use(entry: Any, read: Query, now: float) -> LimitUse | None:
     except ConfigError:
         return None
     limit = dataclasses.replace(limit, index=int(index.text))
-    return LimitUse(limit, key, _use(read, key, limit, now)[1], min(int(adds), _CAP))
+    return LimitUse(limit, _use(read, key, limit, now)[1], min(int(adds), _CAP))
 
 
 def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
@@ -9170,12 +8797,9 @@ def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
     lim = use.limit
     deny = use.over and lim.over == "deny"
     again = use.over and not deny and lim.ref not in asked
-    text = use.figures(tool)
-    if deny:
-        text += ": over its max, so collecting it will be DENIED unless room frees first"
-    elif again:
-        text += (": over its max, so collecting it will ask an operator again unless room "
-                 "frees first")
+    then = "be DENIED" if deny else "ask an operator again" if again else ""
+    text = use.figures(tool) + (f": over its max, so collecting it will {then} unless room "
+                                "frees first" if then else "")
     return {"limit": sanitize(lim.ref), "what": sanitize(lim.what()),
             "used": lim.shown(use.used), "max": lim.shown(lim.most()),
             "adds": lim.shown(use.adds), "per": fmt_duration(lim.per), "over": lim.over,
@@ -9329,8 +8953,7 @@ def record_outcome(tx: Tx, approval: Approval, attempt: dict | None, outcome: st
     to have executed stops counting toward limits in the same transaction."""
     named = {k: str((attempt or {}).get(k, "")) for k in ("run_id", "step_id", "started_at")}
     seq = tx.event(approval.run_id, approval.step_id, at, OUTCOME_EVENT,
-                   {"approval_id": approval.id, "attempt": named, "by": by,
-                    "outcome": outcome})
+                   {"approval_id": approval.id, "attempt": named, "by": by, "outcome": outcome})
     tx.exec("INSERT INTO proxy_operator_outcomes VALUES (?,?,?,?,?,?,?,?,?)",
             (approval.id, approval.run_id, named["run_id"], named["step_id"],
              named["started_at"], outcome, by, parse_time(at), seq))
@@ -9344,8 +8967,7 @@ def outcomes_of_run(store: Store, run_id: str) -> dict[str, dict]:
     """The words recorded on the rejections of a run's interruption approvals, by approval
     id."""
     rows = _proxy_rows(store, "SELECT approval_id, outcome, decided_by, attempt_run_id, "
-                              "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?",
-                       (run_id,))
+                       "attempt_step_id FROM proxy_operator_outcomes WHERE run_id=?", (run_id,))
     return {a: {"outcome": o, "by": b, "run_id": r, "step_id": s} for a, o, b, r, s in rows}
 
 
@@ -9404,16 +9026,14 @@ class CallIndex:
         with self.store.tx() as tx:
             tx.exec("CREATE TABLE IF NOT EXISTS proxy_schema_migrations "
                     "(version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
-            have = tx.exec("SELECT COALESCE(MAX(version),0) FROM proxy_schema_migrations"
-                           ).fetchone()[0]
+            have = tx.rows("SELECT COALESCE(MAX(version),0) FROM proxy_schema_migrations")[0][0]
             if have > PROXY_SCHEMA_VERSION:
                 raise SchemaVersionError(
                     f"the call index in {self.store.path} has version {have}, newer than "
                     f"version {PROXY_SCHEMA_VERSION} this build knows; a newer proxy wrote it")
         for version in range(have + 1, PROXY_SCHEMA_VERSION + 1):
             with self.store.tx() as tx:
-                if tx.exec("SELECT 1 FROM proxy_schema_migrations WHERE version=?",
-                           (version,)).fetchone():
+                if tx.rows("SELECT 1 FROM proxy_schema_migrations WHERE version=?", (version,)):
                     continue                 # another process migrated it meanwhile
                 for sql in _INDEX_MIGRATIONS[version]:
                     tx.exec(sql)
@@ -9513,13 +9133,12 @@ class CallIndex:
             # A key has at most one open row (the unique index proxy_calls_open): ``prev``
             # still open is still the open row; with no ``prev``, an open row inserted by
             # another call meanwhile makes the insert a no-op. Either way nothing is written.
-            if prev is not None and tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE "
-                                            "id=? AND open=1", (now, prev.id)).rowcount != 1:
-                raise IndexRace("proxy: the request's index row changed")
-            if tx.exec("INSERT INTO proxy_calls (session, request_key, tool, side_effect, "
-                       "run_id, created_at) VALUES (?,?,?,?,?,?) ON CONFLICT (session, "
-                       "request_key) WHERE open=1 DO NOTHING",
-                       (self.session, key, tool, cls, run_id, now)).rowcount != 1:
+            closed = prev is None or tx.exec("UPDATE proxy_calls SET open=0, closed_at=? WHERE "
+                                             "id=? AND open=1", (now, prev.id)).rowcount == 1
+            if not closed or tx.exec("INSERT INTO proxy_calls (session, request_key, tool, "
+                                     "side_effect, run_id, created_at) VALUES (?,?,?,?,?,?) ON "
+                                     "CONFLICT (session, request_key) WHERE open=1 DO NOTHING",
+                                     (self.session, key, tool, cls, run_id, now)).rowcount != 1:
                 raise IndexRace("proxy: the request's index row changed")
 
     def settle(self, row: CallRow, outcome: int, now: float) -> None:
@@ -9546,14 +9165,12 @@ class CallIndex:
 
     def settle_empty(self, row: CallRow, now: float) -> None:
         """A row whose run never began: nothing started (checked in the same statement)."""
-        self._write("settled_at=?, outcome=? WHERE id=? AND settled_at=0 AND NOT EXISTS "
-                    "(SELECT 1 FROM runs WHERE runs.id=proxy_calls.run_id)",
-                    (now, NO_ATTEMPT, row.id))
+        self._write("settled_at=?, outcome=? WHERE id=? AND settled_at=0 AND NOT EXISTS (SELECT "
+                    "1 FROM runs WHERE runs.id=proxy_calls.run_id)", (now, NO_ATTEMPT, row.id))
 
     def unsettle(self, run_id: str) -> None:
         """A run began under a row a scan had settled as empty: it is unseen again."""
-        self._write("settled_at=0, outcome=? WHERE run_id=? AND settled_at!=0",
-                    (UNSEEN, run_id))
+        self._write("settled_at=0, outcome=? WHERE run_id=? AND settled_at!=0", (UNSEEN, run_id))
 
 
 @dataclasses.dataclass(repr=False)
@@ -9575,31 +9192,15 @@ class RunState:
 # The rules in the seed's order, then at most one hold for an approval and at most one
 # execution. What executes is always what the gate recorded.
 
-@dataclasses.dataclass(repr=False)
-class Answer:
-    """Serving's reply to a call: the result the host gets."""
-    result: dict
-
-
-@dataclasses.dataclass(repr=False)
-class Pending:
-    """Serving's reply to a call held for approval: the approval it waits on."""
-    approval: Approval
-
-
-@dataclasses.dataclass(repr=False)
-class Repeat:
-    """An identical call within the window, where the rule asks about a repeat: it goes on
-    to be begun, asking the operator with an approval naming ``earlier`` (section 10)."""
-    earlier: dict
-
-
-@dataclasses.dataclass(repr=False)
-class Execute:
-    """Run what the session's gate allowed: the recorded request, never this call's bytes."""
-    session: Session
-    tool: "UpstreamTool"
-    last_approval: str = ""
+# Serving's reply to a call: the result the host gets.
+Answer = collections.namedtuple("Answer", "result")
+# Serving's reply to a call held for approval: the approval it waits on.
+Pending = collections.namedtuple("Pending", "approval")
+# An identical call within the window, where the rule asks about a repeat: it goes on to be
+# begun, asking the operator with an approval naming ``earlier`` (section 10).
+Repeat = collections.namedtuple("Repeat", "earlier")
+# Run what the session's gate allowed: the recorded request, never this call's bytes.
+Execute = collections.namedtuple("Execute", "session tool last_approval", defaults=("",))
 
 
 class Retry:
@@ -9638,7 +9239,12 @@ class Proxy:
         self.index = CallIndex(store, cfg.session)
         self.index.migrate(clock())
         self.budgets.catch_up()
-        self.holder = self._hold(store, log)
+        try:                        # this proxy's holder file (section 11), held while it serves
+            self.holder: Holder | None = Holder.take(store.path)
+        except OSError as exc:
+            log(f"error: no holder file beside the database ({exc}): if this "
+                "proxy dies, its calls are taken over only when their leases run out")
+            self.holder = None
         try:
             self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy,
                              now=clock, lease_owner=f"agentrt-proxy:{cfg.session}",
@@ -9661,16 +9267,6 @@ class Proxy:
         self.resume = Resume(self)
         self.rules = Rules(self)
 
-    @staticmethod
-    def _hold(store: Store, log: Callable[[str], None]) -> Holder | None:
-        """This proxy's holder file (section 11), locked for as long as it serves."""
-        try:
-            return Holder.take(store.path)
-        except OSError as exc:
-            log(f"error: no holder file beside the database ({exc}): if this "
-                "proxy dies, its calls are taken over only when their leases run out")
-            return None
-
     def close(self) -> None:
         self.notifier.close()
         self.gate.close()
@@ -9686,24 +9282,20 @@ class Proxy:
         annotations say what the operator's class says, never what the server hinted: a
         host that prompts before a destructive tool, or trusts a read-only one, is told the
         class that the gate enforces."""
-        out = [{"name": t.spec.name, "description": t.spec.description,
-                "inputSchema": RawJSON(t.spec.input_schema),
-                "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
-               for t in self.tools.values()]
-        out.append(status_tool_entry(self.cfg.status_tool))
-        return out
+        return [{"name": t.spec.name, "description": t.spec.description,
+                 "inputSchema": RawJSON(t.spec.input_schema),
+                 "annotations": CLASS_ANNOTATIONS[t.spec.side_effect]}
+                for t in self.tools.values()] + [status_tool_entry(self.cfg.status_tool)]
 
     def new_run_id(self) -> str:
         return f"{self.cfg.session}.{secrets.token_hex(RUN_SUFFIX_BYTES)}"
 
     def known(self, name: str, obs: dict) -> bool:
         """Whether a tool's observation is a known outcome: a result, or an error the server
-        answered (or a refusal before sending); a timeout or no answer is not."""
-        if obs.get("kind") == TOOL_RESULT:
-            return True
-        tool = self.tools.get(name)
-        return obs.get("kind") == TOOL_ERROR and tool is not None and \
-            unknown_ending(tool, obs) is None
+        answered (or a refusal before sending); a timeout or no answer is not, nor an error
+        of a tool no longer offered (unknown_ending)."""
+        return obs.get("kind") == TOOL_RESULT or (
+            obs.get("kind") == TOOL_ERROR and unknown_ending(self.tools.get(name), obs) is None)
 
     def _settled(self, tx: Tx, run_ids: list[str]) -> None:
         """Runs a late outcome settled, or ended: their index rows are known, in the same
@@ -9714,9 +9306,8 @@ class Proxy:
 
     def inspect(self, run_id: str) -> RunState | None:
         run = self.store.find_run(run_id)
-        if run is None:
-            return None
-        return RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
+        return None if run is None else \
+            RunState(run, self.store.list_steps(run_id), self.store.list_approvals(run_id))
 
     # -- a call --
 
@@ -9782,10 +9373,9 @@ class Proxy:
             try:
                 state = self.inspect(row.run_id)
                 tool = self.tools.get(row.tool)
-                if state is None or state.run.status != RUNNING or tool is None or \
-                        _lease_live(state.run, self.store.path):
-                    continue
-                self.resume.recover(tool, row)
+                if state is not None and state.run.status == RUNNING and tool is not None and \
+                        not _lease_live(state.run, self.store.path):
+                    self.resume.recover(tool, row)
             except ProxyError as exc:        # the next identical call takes it over instead
                 self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
 
@@ -9801,9 +9391,8 @@ class Proxy:
             return Reconciliation("waiting", detail="the tool is no longer offered")
         if tool.spec.side_effect == "read_only":
             return Reconciliation("continue")
-        attempt = _attempt(view.run.id, step, "cut_off")
-        return Reconciliation("waiting", self.policy.interruption(
-            tool, policy_json(step.args or b"{}"), attempt))
+        return Reconciliation("waiting", self.policy.asking(
+            tool, policy_json(step.args or b"{}"), _attempt(view.run.id, step, "cut_off")))
 
     # the status tool
 
@@ -9811,30 +9400,22 @@ class Proxy:
         """What became of the session's approvals, from the database: never a write."""
         try:
             doc = parse_json(raw.strip(JSON_WS) or b"{}")
-            if doc is None:
-                doc = {}
-            if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
-                    not isinstance(doc.get("approval_id", ""), str):
-                raise ValueError("unexpected field")
-        except (JSONError, ValueError):
-            return prose("INVALID", "the arguments do not match the tool's input schema: its "
-                                    "only argument is approval_id, a string. Nothing was "
-                                    "executed. Correct the arguments and call again.", True)
-        wanted = doc.get("approval_id", "").strip()
+        except ValueError:
+            doc = []                        # refused below, as a wrong shape is
+        doc = {} if doc is None else doc
+        if not isinstance(doc, dict) or set(doc) - {"approval_id"} or \
+                not isinstance(doc.get("approval_id", ""), str):
+            return invalid_answer("its only argument is approval_id, a string")
+        items: list[tuple[CallRow, RunState, Approval]] = []
         try:
-            items = self.status_items()
-            return status_answer(self, items, wanted)
+            for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
+                state = self.inspect(row.run_id)
+                if state is not None:
+                    items += [(row, state, a) for a in state.approvals]
+            return status_answer(self, items, doc.get("approval_id", "").strip())
         except StoreError as exc:
             self.log(f"error: {exc}")
             return unavailable("read its records", "")
-
-    def status_items(self) -> list[tuple[CallRow, RunState, Approval]]:
-        items = []
-        for row in self.index.recent(self.clock() - STATUS_WINDOW, STATUS_ROWS):
-            state = self.inspect(row.run_id)
-            if state is not None:
-                items += [(row, state, a) for a in state.approvals]
-        return items
 
 
 class Resume:
@@ -9850,19 +9431,16 @@ class Resume:
         self.gate, self.log, self.clock = proxy.gate, proxy.log, proxy.clock
 
     def unfinished(self, tool, row: CallRow, state: RunState):
-        if state.run.status == RUNNING:
-            if _lease_live(state.run, self.store.path):
-                return Answer(in_progress())                     # rule 2
-            return self.recover(tool, row)                        # rule 3
+        if state.run.status == RUNNING:                           # rule 2, else rule 3
+            return Answer(in_progress()) if _lease_live(state.run, self.store.path) else \
+                self.recover(tool, row)
         latest = state.latest()                                   # rule 1
-        if latest is None:
-            return Answer(in_progress())
-        if latest.status == PENDING:
+        if latest is not None and latest.status == PENDING:
             if not _expired(latest, self.clock()):
                 return Pending(latest)
             self.attach_and_close(row.run_id)      # the gate expires it and ends the run
             return None
-        if latest.status == APPROVED:
+        if latest is not None and latest.status == APPROVED:
             return self.collect(tool, row, state)
         return Answer(in_progress())
 
@@ -9891,19 +9469,11 @@ class Resume:
         """The operator approved: the gate evaluates the policy again on the recorded request
         and judges the grant's age; what executes is the recorded request."""
         attached = self._attach(row.run_id, "collect the approved request")
-        if not isinstance(attached, tuple):
+        if isinstance(attached, (Answer, Retry)):
             return attached
         session, verdict = attached
-        if verdict.kind == "allowed":
-            latest = state.latest()
-            return Execute(session, tool, latest.id if latest else "")
-        if verdict.kind == "pending":
-            self.hold.hint(row.run_id, verdict.approval)
-            return Pending(verdict.approval)
-        if verdict.kind == "denied":
-            latest = state.latest()
-            rerun = latest is not None and latest.kind == INTERRUPTED_KIND
-            return Answer(self.executor.denied(session, verdict.observation, rerun))
+        if verdict.kind in ("allowed", "pending", "denied"):
+            return self.executor.verdict(session, verdict, tool, state.latest())
         if verdict.kind == "ended":
             return None
         if verdict.kind == "settled":        # the attempt it re-runs has a recorded outcome
@@ -9915,7 +9485,7 @@ class Resume:
         """A run left running by a call that is gone: take it over. A mutating step cut off
         while executing waits for an operator; otherwise nothing is left to execute."""
         attached = self._attach(row.run_id, "recover an earlier attempt of this request")
-        if not isinstance(attached, tuple):
+        if isinstance(attached, (Answer, Retry)):
             return attached
         session, verdict = attached
         if verdict.kind == "pending":
@@ -9993,12 +9563,8 @@ class Rules:
         window = self.window(tool)
         if window <= 0:
             return None
-        for row in recent:
-            state = ended if ended is not None and ended.run.id == row.run_id else \
-                self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            action = self.refused_again(row, state, now, window)
+        for row, state, outcome, _ in self.finished(recent, ended):
+            action = self.refused_again(row, state, outcome, now, window)
             if action is not None:
                 return action
             ended = state                    # read once: rule 5 may judge it too
@@ -10007,18 +9573,16 @@ class Rules:
             return None
         return self.executed_within(tool, key, now, window, ended)
 
-    def refused_again(self, row: CallRow, state: RunState, now: float, window: float):
+    def refused_again(self, row: CallRow, state: RunState, outcome: int, now: float,
+                      window: float):
         """Rule 4: the request was rejected, expired or cancelled within the window, or its
         approved re-run was denied at collection (which resolves it as a rejection does).
         Not when the store knows, late, that the attempt it asked about took effect: then it
         executed (rule 5), and the model is told that, never "not executed"."""
-        outcome, _ = last_attempt(self.proxy, state)
-        self.executor.settle(row, outcome)
         end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
         reason, latest = state.run.reason, state.latest()
-        if not end or end < now - window or not (reason in (
-                "approval_rejected", "approval_expired", "operator_cancelled") or
-                state.run.reason_detail == CLOSE_DENIED_RERUN):
+        if not end or end < now - window or not (resolved_by_operator(state.run) or
+                                                 reason == "approval_expired"):
             return None
         if outcome == KNOWN and late_of(self.proxy, state) is not None:
             return None
@@ -10046,28 +9610,30 @@ class Rules:
         denied re-run, one denied at collection) is passed over, so it never hides an
         execution behind it. ``read``: a run the caller read already."""
         since = now - window
-        for row in self.index.executions(key, since):
-            state = read if read is not None and read.run.id == row.run_id else \
-                self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, _ = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        for row, state, outcome, _ in self.finished(self.index.executions(key, since), read):
             if outcome == UNKNOWN:
                 return None
             found = execution_of(self.proxy, state) if outcome == KNOWN else None
             if found is None or found[2] < since:
                 continue
             run_id, at, moment, said = found
-            if self.asks_repeat(tool):
+            if (tool.rule.repeat or self.cfg.repeat) == "ask":      # section 10, not DUPLICATE
                 return Repeat({"run_id": run_id, "at": at,
                                "outcome": truncate(said, REPEAT_QUOTE_BYTES)})
             return self.refused(row.run_id, row.key, duplicate(moment, window, said))
         return None
 
-    def asks_repeat(self, tool) -> bool:
-        """Whether an identical call within the window asks (section 10), not DUPLICATE."""
-        return (tool.rule.repeat or self.cfg.repeat) == "ask"
+    def finished(self, rows: Iterable[CallRow], read: RunState | None = None):
+        """Each row whose run has ended, with that run and what its last attempt came to
+        (last_attempt), the row settled by it as it is read. ``read``: a run the caller
+        read already, not read again."""
+        for row in rows:
+            state = read if read is not None and read.run.id == row.run_id else \
+                self.inspect(row.run_id)
+            if state is not None and state.terminal:
+                outcome, at = last_attempt(self.proxy, state)
+                self.executor.settle(row, outcome)
+                yield row, state, outcome, at
 
     def refused(self, run_id: str, key: str, result: dict) -> Answer:
         """The answer that refuses a call, counted against the run it names (RefusalLog).
@@ -10081,14 +9647,8 @@ class Rules:
     # rule 6: an unknown outcome of this request, at any age
 
     def unresolved(self, key: str) -> dict | None:
-        for row in self.index.attempts(key):
-            if row.outcome == KNOWN:
-                return None
-            state = self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, at = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        rows = itertools.takewhile(lambda row: row.outcome != KNOWN, self.index.attempts(key))
+        for _, _, outcome, at in self.finished(rows):
             if outcome == KNOWN:
                 return None
             if outcome == UNKNOWN:
@@ -10138,13 +9698,12 @@ class Rules:
                         tool.spec.name, action.approval.id))
                 if action is not None:
                     return Answer(in_progress())
-        if mutating and outcome != "deny":       # a call denied anyway is the gate's to deny
-            action = self.unknown_block(tool, key)
-            if action is not None:
-                return action
-        if needs_approval and pending >= self.cfg.max_pending:    # counted against the
-            return self.refused(oldest, key, blocked_pending(self.cfg.max_pending))  # oldest
-        return None
+        # A call denied anyway is the gate's to deny; max_pending is counted against the
+        # oldest waiting run.
+        action = self.unknown_block(tool, key) if mutating and outcome != "deny" else None
+        if action is None and needs_approval and pending >= self.cfg.max_pending:
+            action = self.refused(oldest, key, blocked_pending(self.cfg.max_pending))
+        return action
 
     def unknown_block(self, tool, key: str):
         """Another request to this tool has an unknown outcome with nothing waiting for an
@@ -10152,12 +9711,8 @@ class Rules:
         approval expired): ask again in a fresh run of that request, and refuse this one."""
         if self.policy.never_runs(tool):
             return None
-        for row in self.index.unknown_for_tool(tool.spec.name, key):
-            state = self.inspect(row.run_id)
-            if state is None or not state.terminal:
-                continue
-            outcome, at = last_attempt(self.proxy, state)
-            self.executor.settle(row, outcome)
+        for row, state, outcome, at in self.finished(
+                self.index.unknown_for_tool(tool.spec.name, key)):
             if outcome != UNKNOWN or resolved_by_operator(state.run):
                 continue
             args = _last_args(state)
@@ -10198,8 +9753,7 @@ class Executor:
             proxy.limits
         self.clock, self.log, self.inspect, self.window = proxy.clock, proxy.log, \
             proxy.inspect, proxy.window
-        self.new_run_id, self.reruns, self.repeats = proxy.new_run_id, proxy.reruns, \
-            proxy.repeats
+        self.reruns, self.repeats = proxy.reruns, proxy.repeats
 
     def reopen(self, tool, key: str | None, args: bytes, at: dict) -> Approval | None:
         """Ask about an unknown outcome again, in a fresh run of that request."""
@@ -10207,17 +9761,14 @@ class Executor:
             return None
         try:
             open_row = self.index.open_row(key)
-            reuse = False
-            if open_row is not None:
-                state = self.inspect(open_row.run_id)
-                if state is None:
-                    reuse = True
-                elif not state.terminal:
-                    self.log(f"error: run {at.get('run_id')}: asking again about an unknown "
-                             f"outcome failed: the request's run {open_row.run_id} has not "
-                             "finished")
-                    return None
-            action = self.begin(tool, key, args, open_row, reuse, at, origin="operator")
+            state = self.inspect(open_row.run_id) if open_row is not None else None
+            if state is not None and not state.terminal:
+                self.log(f"error: run {at.get('run_id')}: asking again about an unknown "
+                         f"outcome failed: the request's run {open_row.run_id} has not "
+                         "finished")
+                return None
+            action = self.begin(tool, key, args, open_row, open_row is not None and state is None,
+                                at, origin="operator")
         except StoreError as exc:
             self.log(f"error: {exc}")
             return None
@@ -10234,18 +9785,14 @@ class Executor:
     def begin(self, tool, key: str | None, args: bytes, open_row: CallRow | None,
               reuse: bool, prior: dict | None, origin: str = "model",
               repeat: dict | None = None, value: Any = NOT_PARSED):
-        run_id = open_row.run_id if reuse else self.new_run_id()
-        claim = None
-        if not reuse:
-            row_key = key or f"invalid:{run_id}"
-            prev = open_row if key else None
-            claim = lambda: self.index.claim(row_key, tool.spec.name, tool.spec.side_effect,
-                                             run_id, prev, self.clock())
-        also = claim or (lambda: self.index.unsettle(run_id))
-        if prior is not None:
-            self.reruns[run_id] = prior
-        if repeat is not None:
-            self.repeats[run_id] = repeat
+        run_id = open_row.run_id if reuse else self.proxy.new_run_id()
+        if reuse:
+            also = lambda: self.index.unsettle(run_id)
+        else:                           # an invalid request has a row of its own
+            also = lambda: self.index.claim(key or f"invalid:{run_id}", tool.spec.name,
+                                            tool.spec.side_effect, run_id,
+                                            open_row if key else None, self.clock())
+        self.reruns[run_id], self.repeats[run_id] = prior, repeat  # the policy reads them
         try:
             session, verdict = self.gate.start(
                 run_id, f"call {tool.spec.name}", self.limits,
@@ -10257,21 +9804,23 @@ class Executor:
             if self.store.find_run(run_id) is not None:
                 return Retry()              # another call began this row's run
             self.log(f"error: run {run_id}: {exc}")
-            return Answer(unavailable("start this request" if reuse or not claim
-                                      else "record this request"))
+            return Answer(unavailable("start this request" if reuse else "record this request"))
         finally:
             self.reruns.pop(run_id, None)
             self.repeats.pop(run_id, None)
         return self.verdict(session, verdict, tool)
 
-    def verdict(self, session: Session, verdict: Verdict, tool):
+    def verdict(self, session: Session, verdict: Verdict, tool, latest: Approval | None = None):
+        """Act on the gate's verdict; ``latest``: the approval a collected run was granted
+        (an approved re-run of an unknown outcome, denied at collection, is told so)."""
         if verdict.kind == "allowed":
-            return Execute(session, tool)
+            return Execute(session, tool, latest.id if latest else "")
         if verdict.kind == "pending":
             self.hold.hint(session.run_id, verdict.approval)
             return Pending(verdict.approval)
         if verdict.kind == "denied":
-            return Answer(self.denied(session, verdict.observation))
+            return Answer(self.denied(session, verdict.observation,
+                                      latest is not None and latest.kind == INTERRUPTED_KIND))
         session.close()
         self.settle_run(session.run_id)
         if verdict.kind == "settled":     # the attempt it asks about has a recorded outcome:
@@ -10292,9 +9841,7 @@ class Executor:
         self.settle_run(session.run_id)
         if invalid:
             return invalid_answer(str(content.get("error", "")))
-        if rerun:
-            return denied_rerun_answer(str(content.get("reason", "")))
-        return denied_answer(str(content.get("reason", "")))
+        return (denied_rerun_answer if rerun else denied_answer)(str(content.get("reason", "")))
 
     def finish(self, session: Session, why: str) -> None:
         """End a run the proxy has nothing more to do in, with a fail decision."""
@@ -10325,9 +9872,8 @@ class Executor:
     async def execute(self, action: Execute) -> dict:
         """Run the allowed request once (outside the rules) and answer with what the gate
         recorded. An outcome that may have taken effect unseen is asked about at once."""
-        session, tool = action.session, action.tool
+        session, tool, settled = action.session, action.tool, []
         run_id = session.run_id
-        settled = []
 
         def settle_known(obs: dict) -> None:
             """A result completes the run: its index row is settled in the same commit."""
@@ -10372,40 +9918,38 @@ class Executor:
             session.close()
             self.log(f"run {run_id}: {tool.spec.name} returned after its run was taken over; "
                      "its outcome is recorded as a late event")
-            return self.late_answer(tool, late.observation)
+            return self.answer(tool, late.observation)
         except ProxyError as exc:           # the tool ran: whatever failed, it may have acted
             session.close()
             self.log(f"error: {exc}")
             return unavailable("record the outcome of this request",
                                "It was executed, so it may have taken effect; do not call it "
                                "again to retry.")
+        ended = unknown_ending(tool, obs)
+        if ended is not None:
+            try:
+                return self.rerun(session, tool, ended, obs)
+            except ProxyError as exc:
+                # The run is let go of: the next call to this tool takes it over and
+                # asks an operator, so nothing runs again unseen.
+                self.log(f"error: run {session.run_id}: asking about the unknown outcome: "
+                         f"{exc}")
+                session.close()
+                return unknown_outcome(ended, error_text(obs), "")
         if obs.get("kind") == TOOL_ERROR:
-            ended = unknown_ending(tool, obs)
-            if ended is not None:
-                try:
-                    return self.rerun(session, tool, ended, obs)
-                except ProxyError as exc:
-                    # The run is let go of: the next call to this tool takes it over and
-                    # asks an operator, so nothing runs again unseen.
-                    self.log(f"error: run {session.run_id}: asking about the unknown outcome: "
-                             f"{exc}")
-                    session.close()
-                    return unknown_outcome(ended, error_text(obs), "")
-            if _unrecorded(tool, obs):
-                self.finish(session, CLOSE_UNRECORDED)
-                self.settle_run(run_id)
-                return unrecorded_answer(error_text(obs), self.window(tool))
-            self.finish(session, CLOSE_TOOL_ERROR)
+            self.finish(session, CLOSE_UNRECORDED if _unrecorded(tool, obs) else CLOSE_TOOL_ERROR)
         else:
             session.close()
-        if not settled:
+        if not settled:                     # a result's row was settled as it was recorded
             self.settle_run(run_id)
-        return result_of(obs)
+        return self.answer(tool, obs)
 
-    def late_answer(self, tool, obs: dict) -> dict:
-        """A call whose tool returned after its run was taken over: the model gets what the
-        tool returned, as it was recorded; the run itself is the new owner's."""
-        ended = unknown_ending(tool, obs) if obs.get("kind") == TOOL_ERROR else None
+    def answer(self, tool, obs: dict) -> dict:
+        """What the model is told of a recorded outcome that is not asked about now: an
+        unknown one, an unrecorded answer, or what the tool returned as it was recorded. A
+        tool that returned after its run was taken over is answered so too; the run itself
+        is the new owner's."""
+        ended = unknown_ending(tool, obs)
         if ended is not None:
             return unknown_outcome(ended, error_text(obs), "")
         if _unrecorded(tool, obs):
@@ -10428,25 +9972,22 @@ class Executor:
         except ProxyError as exc:
             self.log(f"error: run {run_id}: no step for the re-run: {exc}")
             step = None
-        if step is None:
-            session.close()
-            self.settle_run(run_id)
-            approval = self.reopen(tool, request_key(tool.spec.name, args), args, at)
-            return unknown_outcome(ended, text, approval.id if approval else "")
-        self.reruns[run_id] = at
-        try:
-            verdict = session.propose(Decision("tool_call", tool.spec.name, args,
-                                               origin="operator"))
-        except ProxyError as exc:
-            self.log(f"error: run {run_id}: proposing the re-run: {exc}")
-            session.close()
-            return unknown_outcome(ended, text, "")
-        finally:
-            self.reruns.pop(run_id, None)
-        if verdict.kind == "pending":
+        verdict = None
+        if step is not None:            # else, or when it ended, asked in a fresh run (reopen)
+            self.reruns[run_id] = at
+            try:
+                verdict = session.propose(Decision("tool_call", tool.spec.name, args,
+                                                   origin="operator"))
+            except ProxyError as exc:
+                self.log(f"error: run {run_id}: proposing the re-run: {exc}")
+                session.close()
+                return unknown_outcome(ended, text, "")
+            finally:
+                self.reruns.pop(run_id, None)
+        if verdict is not None and verdict.kind == "pending":
             self.hold.hint(run_id, verdict.approval)
             return unknown_outcome(ended, text, verdict.approval.id)
-        if verdict.kind == "denied":
+        if verdict is not None and verdict.kind == "denied":
             self.denied(session, verdict.observation)
             return unknown_outcome(ended, text, "")
         session.close()
@@ -10481,8 +10022,7 @@ class Hold:
     async def wait(self, approval: Approval, progress, cancelled) -> bool:
         """Hold until the approval is decided (True), or the hold ends, the host cancels, or
         the proxy stops (False). A progress notification about once a second."""
-        began = time.monotonic()
-        last = began
+        began = last = time.monotonic()
         while True:
             await asyncio.sleep(self.poll)
             now = time.monotonic()
@@ -10533,10 +10073,8 @@ def _is_set(event: asyncio.Event | None) -> bool:
 
 
 def _last_args(state: RunState) -> bytes:
-    for step in reversed(state.steps):
-        if (step.decision or {}).get("kind") == "tool_call":
-            return step.args or b"{}"
-    return b"{}"
+    return next((s.args for s in reversed(state.steps)
+                 if (s.decision or {}).get("kind") == "tool_call"), None) or b"{}"
 
 
 def _unrecorded(tool, obs: dict) -> bool:
@@ -10571,15 +10109,18 @@ def execution_of(proxy: Proxy, state: RunState) -> tuple[str, str, float, str] |
     cut off before a re-run in the same run). None when the run knows no known outcome."""
     end = parse_time(state.run.finished_at) if state.run.finished_at else 0.0
     last, own = late_of(proxy, state), newest_late(proxy.store._read, state.run.id)
-    moment = max([end] + [_recorded(x, end) for x in (last, own) if x is not None])
+    moment = end
+    for late in (x for x in (last, own) if x is not None):
+        with contextlib.suppress(ValueError, TypeError, OverflowError):   # an edited time:
+            moment = max(moment, parse_time(late.at))                    # verify reports it
     if last is not None:
-        return last.run_id, last.at, moment, late_known_outcome(last)
+        return last.run_id, last.at, moment, known_outcome(last.doc, late=True)
     step = next((s for s in reversed(state.steps) if s.obs_kind in (TOOL_RESULT, TOOL_ERROR)),
                 None)
     if step is not None and end:
-        return state.run.id, state.run.finished_at, moment, known_outcome(step)
+        return state.run.id, state.run.finished_at, moment, known_outcome(step.observation)
     if own is not None:
-        return own.run_id, own.at, moment, late_known_outcome(own)
+        return own.run_id, own.at, moment, known_outcome(own.doc, late=True)
     return None
 
 
@@ -10594,50 +10135,34 @@ def newest_late(q: Query, run_id: str) -> LateRecord | None:
     return None
 
 
-def _recorded(late: LateRecord, default: float) -> float:
-    try:
-        return parse_time(late.at)
-    except (ValueError, TypeError, OverflowError):
-        return default                   # an edited time: verify reports it
-
-
 def _last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:
     by_step = {a.step_id: a for a in state.approvals}      # the latest per step
     for step in reversed(state.steps):
         decision = step.decision or {}
         if decision.get("kind") != "tool_call":
             continue
-        tool = proxy.tools.get(decision.get("tool", ""))
+        cut = _attempt(state.run.id, step, "cut_off")
         previous = step.obs_content.get("previous_status")
-        if step.status == "interrupted" and step.obs_kind == INTERRUPTED_OBS:
+        if step.status == "interrupted" and step.obs_kind == INTERRUPTED_OBS and previous:
             if previous == "executing":
-                return UNKNOWN, _attempt(state.run.id, step, "cut_off")
-            if previous:
-                continue                                  # cut off before its tool ran
+                return UNKNOWN, cut
+            continue                                      # cut off before its tool ran
         if step.obs_kind == TOOL_RESULT:
             return KNOWN, None
-        if step.obs_kind == INTERRUPTED_OBS and "by" in step.obs_content:
-            # An operator cancelled the run at this step: an attempt only if its tool started;
-            # else, when it waited on a question about an unknown outcome, that outcome is
-            # what the run is about (its cancel resolves it, as a rejection would).
-            if not _tool_started(proxy.store, state.run.id, step.id):
-                approval = by_step.get(step.id)
-                if approval is None or approval.kind != INTERRUPTED_KIND:
-                    continue
-                return UNKNOWN, _interrupted_attempt(approval) or \
-                    _attempt(state.run.id, step, "cut_off")
-            return UNKNOWN, _attempt(state.run.id, step, "cut_off")
-        if step.obs_kind == INTERRUPTED_OBS:
-            return UNKNOWN, _attempt(state.run.id, step, "cut_off")
         if step.obs_kind == TOOL_ERROR:
-            ended = unknown_ending(tool, step.observation)
-            if ended is not None:
-                return UNKNOWN, _attempt(state.run.id, step, ended)
-            return KNOWN, None
+            ended = unknown_ending(proxy.tools.get(decision.get("tool", "")), step.observation)
+            return (KNOWN, None) if ended is None else \
+                (UNKNOWN, _attempt(state.run.id, step, ended))
+        # An operator cancelled the run at this step ("by"): an attempt only if its tool
+        # started; else, when it waited on a question about an unknown outcome, that outcome
+        # is what the run is about (its cancel resolves it, as a rejection would).
+        if step.obs_kind == INTERRUPTED_OBS and ("by" not in step.obs_content or
+                                                 _tool_started(proxy.store, state.run.id,
+                                                               step.id)):
+            return UNKNOWN, cut
         approval = by_step.get(step.id)
         if approval is not None and approval.kind == INTERRUPTED_KIND:
-            return UNKNOWN, _interrupted_attempt(approval) or \
-                _attempt(state.run.id, step, "cut_off")
+            return UNKNOWN, _interrupted_attempt(approval) or cut
     return NO_ATTEMPT, None
 
 
@@ -10647,30 +10172,25 @@ def _tool_started(store: Store, run_id: str, step_id: str) -> bool:
                             "type='step.tool_started' LIMIT 1", (run_id, step_id)))
 
 
-def late_known_outcome(late: LateRecord) -> str:
-    """A late outcome, as a DUPLICATE quotes it."""
-    obs = late.doc
+def known_outcome(obs: dict, late: bool = False) -> str:
+    """An earlier call's known outcome, as a DUPLICATE quotes it; ``late``: one that arrived
+    after the call was cut off (a LateRecord's doc)."""
     if obs.get("kind") == TOOL_RESULT:
-        return "it succeeded (its result arrived after it was cut off): " + \
-            clean(result_text(obs), MAX_RESULT_BYTES)
-    return "it failed (its answer arrived after it was cut off): " + \
-        clean(error_text(obs), MAX_RESULT_BYTES)
-
-
-def known_outcome(step: Step) -> str:
-    """The earlier call's outcome, as a DUPLICATE quotes it."""
-    content = step.obs_content
-    if step.obs_kind == TOOL_RESULT:
-        return "it succeeded: " + clean(result_text(step.observation), MAX_RESULT_BYTES)
-    if content.get("failure") == "invalid_content":
+        said = "it succeeded (its result arrived after it was cut off): " if late else \
+            "it succeeded: "
+        return said + clean(result_text(obs), MAX_RESULT_BYTES)
+    content = obs.get("content")
+    if not late and isinstance(content, dict) and content.get("failure") == "invalid_content":
         return ("the server answered, but its result could not be recorded: " +
-                clean(error_text(step.observation), REASON_BYTES))
-    return "it failed: " + clean(error_text(step.observation), MAX_RESULT_BYTES)
+                clean(error_text(obs), REASON_BYTES))
+    said = "it failed (its answer arrived after it was cut off): " if late else "it failed: "
+    return said + clean(error_text(obs), MAX_RESULT_BYTES)
 
 
 def result_text(obs: dict) -> str:
-    """The text the model first read of a result: the server's text beside structured
-    content (as result_of gives it), else the content itself."""
+    """The text the model reads of a result (result_of): the server's text beside
+    structured content, else the content itself. Only structured content, an object, has
+    text beside it (the upstream client takes no other)."""
     content, text = obs.get("content"), obs.get("text")
     if isinstance(content, dict) and isinstance(text, str):
         return text
@@ -11011,9 +10531,7 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
     after another. After a failure the servers later in the order are stopped, and every
     server opened is closed."""
     loads = [asyncio.create_task(_load_one(server, cfg.path)) for server in cfg.servers]
-    tools: list[UpstreamTool] = []
-    reports: list[Report] = []
-    owners: dict[str, str] = {}
+    tools, reports, owners = [], [], {}      # owners: each name's server
     failure: MCPError | None = None
     try:
         for server, load in zip(cfg.servers, loads):
@@ -11060,20 +10578,16 @@ def check_rules_pinned(server: ServerConfig, pinned: dict[str, PinnedTool]) -> N
                        f"does not pin: {', '.join(unknown)}")
 
 
-def read_pinned(server: ServerConfig, config_path: str = "") -> dict[str, PinnedTool]:
-    """The server's manifest, as loading takes it: it must exist and parse."""
+async def _load_one(server: ServerConfig, config_path: str,
+                    ) -> tuple[list[UpstreamTool], Report]:
+    """Load the server against its manifest, which must exist and parse."""
     pinned, unread = previous_pin(server)
     if unread:
         raise MCPError(f"server {_quote(server.name)}: manifest: {unread}")
     if pinned is None:
         raise MCPError(f"server {_quote(server.name)}: manifest {server.manifest} does not "
                        f"exist: run {_self_command()} pin -config {config_path or 'CONFIG'}")
-    return pinned
-
-
-async def _load_one(server: ServerConfig, config_path: str = "",
-                    ) -> tuple[list[UpstreamTool], Report]:
-    return await load_server(server, read_pinned(server, config_path))
+    return await load_server(server, pinned)
 
 
 async def close_tools(tools: list[UpstreamTool]) -> None:
@@ -11087,10 +10601,7 @@ async def close_tools(tools: list[UpstreamTool]) -> None:
 def _hints_text(ann: dict | None) -> str:
     if ann is None:
         return "no annotations"
-    flags = [label for hint, label in (("readOnlyHint", "readOnly"),
-                                       ("destructiveHint", "destructive"),
-                                       ("idempotentHint", "idempotent"),
-                                       ("openWorldHint", "openWorld")) if ann.get(hint) is True]
+    flags = [hint[:-len("Hint")] for hint in _MCP_HINTS if ann.get(hint) is True]
     return ",".join(flags) or "claims nothing"
 
 
@@ -11200,15 +10711,26 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
         finally:
             store.close()
         policy = ProxyPolicy(cfg.policy_map, {t.spec.name: t for t in tools})
-        lines = _table(_decisions(cfg, tools, policy))
+        rows, lines = [], []
         for tool in tools:
+            # Each offered tool, its class, and what the configuration's policy makes of a
+            # call to it. A tool that changes something and is allowed only because no policy
+            # or rule said otherwise is marked: that is a default the operator never chose.
+            outcome, _ = policy.decide(tool)
+            cls = tool.spec.side_effect
+            why = ("by its rule" if tool.rule.outcome else
+                   "by the policy" if cls in cfg.policy_given else "by the default policy")
+            note = "  (a mutating tool allowed by default: set policy or outcome to change it)" \
+                if outcome == "allow" and cls != "read_only" and why == "by the default policy" \
+                else ""
+            rows.append([tool.spec.name, cls, f"-> {outcome}", why + note])
             if policy.never_runs(tool):       # offered, yet every call the model makes is lost
                 lines.append(f"{sanitize(tool.spec.name)}: denied on every call: remove its "
                              "rule to stop offering it")
-            lines += rule_lines(tool, policy.decide(tool)[0])
+            lines += rule_lines(tool, outcome)
         lines += [f"status tool: {sanitize(cfg.status_tool)}", f"session: {sanitize(cfg.session)}",
                   f"database: {sanitize(cfg.database)}"]
-        for line in lines + check_summary(tools, reports, policy):
+        for line in _table(rows) + lines + check_summary(tools, reports, policy):
             out.line(line)
     finally:
         await close_tools(tools)
@@ -11234,24 +10756,6 @@ def check_summary(tools: list[UpstreamTool], reports: list[Report], policy: "Pro
     return out
 
 
-def _decisions(cfg: Config, tools: list[UpstreamTool], policy: "ProxyPolicy",
-               ) -> list[list[str]]:
-    """Each offered tool, its class, and what the configuration's policy makes of a call to
-    it. A tool that changes something and is allowed only because no policy or rule said
-    otherwise is marked: that is a default the operator never chose."""
-    rows = []
-    for tool in tools:
-        outcome, _ = policy.decide(tool)
-        cls = tool.spec.side_effect
-        why = ("by its rule" if tool.rule.outcome else
-               "by the policy" if cls in cfg.policy_given else "by the default policy")
-        note = "  (a mutating tool allowed by default: set policy or outcome to change it)" \
-            if outcome == "allow" and cls != "read_only" and why == "by the default policy" \
-            else ""
-        rows.append([tool.spec.name, cls, f"-> {outcome}", why + note])
-    return rows
-
-
 async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     """Serve the host on stdin and stdout until EOF or a signal. The host is read from the
     start: the handshake is answered while the servers load, and the requests for tools
@@ -11270,10 +10774,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     ended = asyncio.Event()              # the host closed its input
 
     async def feed() -> None:
-        while True:
-            line = await lines.next()
-            if line is None:
-                break
+        while (line := await lines.next()) is not None:
             if line.strip():
                 await host.take(line)
             await host.room(writer.queue.qsize)
@@ -11468,14 +10969,7 @@ class _LineCutter:
 
     def rest(self) -> list[bytes]:
         """At the end of the input: a last line without its line end."""
-        rest = [b"".join(self.parts)] if self.parts and not self.skipping else []
-        self.parts, self.size = [], 0
-        return rest
-
-
-def _read_ahead_cost(line: bytes) -> int:
-    """What a line read ahead counts against READ_AHEAD_BYTES."""
-    return len(line) + READ_AHEAD_LINE_COST
+        return [b"".join(self.parts)] if self.parts and not self.skipping else []
 
 
 class LineReader:
@@ -11498,22 +10992,20 @@ class LineReader:
 
     def _run(self) -> None:
         fd, lines = _fileno(self.stream), _LineCutter()
-        try:
+        with contextlib.suppress(OSError, ValueError):      # the input is gone: its end
             while True:
                 chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
                 for line in lines.feed(chunk) if chunk else lines.rest():
                     self._put(line)
                 if not chunk:                # the end of the input
                     break
-        except (OSError, ValueError):
-            pass
         self._put(None)
 
     def _put(self, item: bytes | None) -> None:
         if item is not None:
             with self._room:
                 self._room.wait_for(lambda: self._ahead <= READ_AHEAD_BYTES)
-                self._ahead += _read_ahead_cost(item)
+                self._ahead += len(item) + READ_AHEAD_LINE_COST
         with contextlib.suppress(RuntimeError):     # the loop is closed: serving ended
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -11521,7 +11013,7 @@ class LineReader:
         item = await self.queue.get()
         if item is not None:
             with self._room:
-                self._ahead -= _read_ahead_cost(item)
+                self._ahead -= len(item) + READ_AHEAD_LINE_COST
                 self._room.notify()
         return item
 
@@ -11559,12 +11051,8 @@ WRAP_NO_WINDOW = "0s"                  # the repeat_window suggested for an idem
 WRAP_OFFER_OUTCOME = "require_approval"  # in the rule that offers a tool wrap left out
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
-class WrappedEntry:
-    """One entry of the host's servers: the proxy's server entry, or why there is none."""
-    key: str
-    server: dict | None
-    why: str = ""
+# One entry of the host's servers: the proxy's server entry, or None and why there is none.
+WrappedEntry = collections.namedtuple("WrappedEntry", "key server why", defaults=("",))
 
 
 def host_config_paths(host: str, platform: str = sys.platform, environ=None,
@@ -11587,18 +11075,14 @@ def host_config_paths(host: str, platform: str = sys.platform, environ=None,
     return [os.path.join(cwd, ".cursor", "mcp.json"), os.path.join(home, ".cursor", "mcp.json")]
 
 
-def find_host_config(host: str, given: str | None) -> str:
-    if given:
-        return os.path.abspath(given)
-    paths = host_config_paths(host)
-    for path in paths:
-        if os.path.lexists(path):
-            return path
-    raise ConfigError(f"no {host} configuration at {' or '.join(paths)}: name it with "
-                      "-host-config PATH")
-
-
-def read_host_config(host: str, path: str) -> tuple[bytes, dict]:
+def read_host_config(host: str, given: str | None) -> tuple[str, bytes, dict]:
+    """The file named, or else the first of the host's that exists: its path, its bytes,
+    and the document they hold, which keeps the host's servers."""
+    paths = [os.path.abspath(given)] if given else host_config_paths(host)
+    path = next((p for p in paths if given or os.path.lexists(p)), "")
+    if not path:
+        raise ConfigError(f"no {host} configuration at {' or '.join(paths)}: name it with "
+                          "-host-config PATH")
     raw = read_owned(path)
     try:
         doc = parse_json(raw)
@@ -11609,31 +11093,30 @@ def read_host_config(host: str, path: str) -> tuple[bytes, dict]:
     if not isinstance(doc, dict) or not isinstance(doc.get(key), dict) or not doc[key]:
         raise ConfigError(f"{path}: no servers: a {host} configuration keeps them in an "
                           f"object named {_quote(key)}")
-    return raw, doc
+    return path, raw, doc
 
 
 def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
     """Every server entry of the host's file, translated or with why it is not."""
     found, names = [], set()
-    variables = _host_variables(host, path)
+    # The host's ${...} variables whose value is known here: VS Code's workspace folder for
+    # a workspace's .vscode/mcp.json, and the user's home.
+    variables = {"userHome": os.path.expanduser("~")}
+    parent = os.path.dirname(path)
+    if host == "vscode" and os.path.basename(parent) == ".vscode":
+        variables["workspaceFolder"] = os.path.dirname(parent)
     for key, entry in doc[_HOST_SERVERS[host]].items():
         try:
             server = _translate_entry(key, entry, variables)
         except ConfigError as exc:
             found.append(WrappedEntry(key, None, str(exc)))
             continue
-        found.append(WrappedEntry(key, {"name": _unique_name(key, names), **server}))
+        # The host's name as a proxy server name: letters, digits, _ and - only, short enough
+        # that its tools' names fit, and not one already taken.
+        name = _unused_name(_WRAP_UNSAFE.sub("_", key)[:WRAP_NAME_LEN] or "server", names)
+        names.add(name)
+        found.append(WrappedEntry(key, {"name": name, **server}))
     return found
-
-
-def _host_variables(host: str, path: str) -> dict[str, str]:
-    """The host's ${...} variables whose value is known here: VS Code's workspace folder
-    for a workspace's .vscode/mcp.json, and the user's home."""
-    known = {"userHome": os.path.expanduser("~")}
-    parent = os.path.dirname(path)
-    if host == "vscode" and os.path.basename(parent) == ".vscode":
-        known["workspaceFolder"] = os.path.dirname(parent)
-    return known
 
 
 def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
@@ -11661,13 +11144,9 @@ def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
     command += [_host_text(arg, f"args[{i}]", variables) for i, arg in enumerate(args)]
     if not command[0]:
         raise ConfigError("command is empty")
-    server: dict[str, Any] = {"command": command}
     env, inherit = _host_env(entry.get("env", {}), variables)
-    if env:
-        server["env"] = env
-    if inherit:
-        server["inherit_env"] = inherit
-    return server
+    given = {"command": command, "env": env, "inherit_env": inherit}
+    return {field: value for field, value in given.items() if value}
 
 
 def _host_text(value: Any, field: str, variables: dict[str, str]) -> str:
@@ -11699,15 +11178,12 @@ def _host_env(env: Any, variables: dict[str, str]) -> tuple[list[str], list[str]
     return entries, inherit
 
 
-def _unique_name(key: str, taken: set[str]) -> str:
-    """The host's name as a proxy server name: letters, digits, _ and - only, short enough
-    that its tools' names fit, and not one already taken."""
-    base = _WRAP_UNSAFE.sub("_", key)[:WRAP_NAME_LEN] or "server"
+def _unused_name(base: str, taken: set[str] | dict[str, Any]) -> str:
+    """``base``, or the first of base-2, base-3, ... not taken, cut to WRAP_NAME_LEN."""
     name, n = base, 1
     while name in taken:
         n += 1
         name = f"{base[:WRAP_NAME_LEN - len(str(n)) - 1]}-{n}"
-    taken.add(name)
     return name
 
 
@@ -11717,9 +11193,8 @@ def suggest_class(ann: Any) -> tuple[str, str]:
     hints = _read_hints(ann)
 
     def said(hint: str) -> str:
-        if _hint(ann, hint) is None:
-            return f"missing (MCP's default: {dump_json(hints[hint])})"
-        return dump_json(hints[hint])
+        shown = dump_json(hints[hint])
+        return shown if _hint(ann, hint) is not None else f"missing (MCP's default: {shown})"
     if hints["readOnlyHint"]:
         return "read_only", "readOnlyHint is true"
     if hints["destructiveHint"]:
@@ -11759,10 +11234,9 @@ def suggests_no_window(ann: Any) -> str:
     destructiveHint false (default: true). Such a call repeated changes nothing more, yet the
     duplicate rule refuses it: an edit, add and commit loop's second git_add was DUPLICATE
     and staged nothing. The window also holds the seed's rule 4, so the text says that goes
-    too; both rest on hints, which the operator reads as claims."""
-    hints = _read_hints(ann)
-    if suggest_class(ann)[0] != "local_mutation" or not hints["idempotentHint"] or \
-            hints["destructiveHint"]:
+    too; both rest on hints, which the operator reads as claims. (A local_mutation is
+    suggested only where destructiveHint is false.)"""
+    if suggest_class(ann)[0] != "local_mutation" or not _read_hints(ann)["idempotentHint"]:
         return ""
     return (f'repeat_window "{WRAP_NO_WINDOW}": idempotentHint is true and destructiveHint '
             "is false, so an identical call runs again instead of answering DUPLICATE; this "
@@ -11791,9 +11265,7 @@ def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
         if server and name.startswith(server + "_") and name not in taken:
             rule["rename"] = name
         out[name] = rule
-    if policy is None:
-        return out
-    dropped = left_out(out, server, policy)
+    dropped = left_out(out, server, policy) if policy is not None else {}
     return {name: rule for name, rule in out.items() if name not in dropped}
 
 
@@ -11801,11 +11273,8 @@ def left_out(rules: dict[str, dict], server: str, policy: "ProxyPolicy") -> dict
     """The suggested rules whose tool ``policy`` denies on every call (ProxyPolicy.never_runs),
     each as the rule that offers it with every call asking. Written as suggested, such a rule
     would offer the model a tool it can never use, and it would waste its calls on it."""
-    out = {}
-    for name, rule in rules.items():
-        if policy.never_runs(rule_tool(server, name, _parse_rule(rule, f"rules.{name}"))):
-            out[name] = {**rule, "outcome": WRAP_OFFER_OUTCOME}
-    return out
+    return {name: {**rule, "outcome": WRAP_OFFER_OUTCOME} for name, rule in rules.items()
+            if policy.never_runs(rule_tool(server, name, _parse_rule(rule, f"rules.{name}")))}
 
 
 def _rule_line(name: str, rule: dict) -> str:
@@ -11858,13 +11327,7 @@ def gated_host_doc(host: str, doc: dict, wrapped: Iterable[str], entry: dict) ->
     top-level keys and the servers not wrapped are kept as they are."""
     key = _HOST_SERVERS[host]
     kept = {k: v for k, v in doc[key].items() if k not in set(wrapped)}
-    name, n = WRAP_ENTRY, 1
-    while name in kept:
-        n += 1
-        name = f"{WRAP_ENTRY}-{n}"
-    out = dict(doc)
-    out[key] = {name: entry, **kept}
-    return out
+    return {**doc, key: {_unused_name(WRAP_ENTRY, kept): entry, **kept}}
 
 
 def write_host_config(path: str, read: bytes, doc: dict, now: float) -> str:
@@ -11903,8 +11366,7 @@ async def cmd_wrap(args, out: Out) -> int:
     entry. Without -write nothing is written: it shows what -write would write. With -write
     it writes the configuration (the suggested rules in it with -rules suggested), the
     manifests, and, once every server is pinned, the host's file."""
-    host_path = find_host_config(args.host, args.host_config)
-    raw, doc = read_host_config(args.host, host_path)
+    host_path, raw, doc = read_host_config(args.host, args.host_config)
     found = translate_host(args.host, host_path, doc)
     servers = [f.server for f in found if f.server]
     if not servers:
@@ -11920,10 +11382,9 @@ async def cmd_wrap(args, out: Out) -> int:
     check_reach(cfg)                    # before anything is written or started
     out.line(f"read {sanitize(host_path)}: {len(servers)} server(s) to wrap" +
              ("" if args.write else "; nothing is written without -write"))
-    for f in found:
-        if f.server is None:
-            out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still "
-                     "starts it directly, outside the gate")
+    for f in [f for f in found if f.server is None]:
+        out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still starts "
+                 "it directly, outside the gate")
     policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
     pins = await _wrap_pin(cfg, out, policy)
     notify = suggested_on_pending(cfg.database)
@@ -11934,20 +11395,17 @@ async def cmd_wrap(args, out: Out) -> int:
                   ", to paste at the top level of the configuration:"))
         out.line(_JSON_INERT.sub(_json_escape, f'  "on_pending": {dump_json(notify)}'))
     if suggested:
-        for server in servers:
-            if server["name"] in pins:
-                server["rules"] = suggested_rules(pins[server["name"]]["tools"],
-                                                  server["name"],
-                                                  names_elsewhere(pins, server["name"]), policy)
+        for server, name in [(s, s["name"]) for s in servers if s["name"] in pins]:
+            server["rules"] = suggested_rules(pins[name]["tools"], name,
+                                              names_elsewhere(pins, name), policy)
         if notify:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
     parse_config(text.encode("utf-8"), config_path)     # what is written loads as written
     if written:
         write_new_owned(config_path, text.encode("utf-8"))
-        for server in cfg.servers:
-            if server.name in pins:
-                write_manifest(server.manifest, pins[server.name])
+        for server in [s for s in cfg.servers if s.name in pins]:
+            write_manifest(server.manifest, pins[server.name])
         out.line(f"wrote {sanitize(config_path)} (0600) and {len(pins)} manifest(s)")
     else:
         out.line(f"-write would write {sanitize(config_path)} (0600):")
@@ -11961,8 +11419,7 @@ async def cmd_wrap(args, out: Out) -> int:
                  "wrap again with -rules suggested)")
     entry = host_entry(args.host, config_path)
     out.line(f"the {args.host} entry that starts the proxy instead of the servers it wraps:")
-    out.line(_JSON_INERT.sub(_json_escape, _pretty(
-        {_HOST_SERVERS[args.host]: {WRAP_ENTRY: entry}}, cut=False)))
+    out.json({_HOST_SERVERS[args.host]: {WRAP_ENTRY: entry}})
     pinned_all = len(pins) == len(servers)
     if not written:
         out.line("nothing was written; run again with -write to write it")
@@ -12006,9 +11463,7 @@ async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, d
         except (ProxyError, OSError) as exc:
             out.line(f"server {_quote(server.name)}: not pinned: {sanitize(str(exc))}; "
                      f"run pin once it starts")
-    for server in cfg.servers:
-        if server.name not in pins:
-            continue
+    for server in [s for s in cfg.servers if s.name in pins]:
         tools = pins[server.name]["tools"]
         out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
@@ -12066,21 +11521,21 @@ def withheld_answer(why: str) -> dict:
                  "executed. Tell the user.", True)
 
 
-def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> list[tuple[str, str]]:
+def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> dict[str, str]:
     """Each tool whose listing differs from its pin, by the hashes loading compares, and
     how: in name order."""
-    out = []
+    out = {}
     for name in sorted(set(pinned) | set(live)):
         pin, now = pinned.get(name), live.get(name)
         if pin is None or now is None:
-            out.append((name, DRIFT_NEW if pin is None else DRIFT_GONE))
+            out[name] = DRIFT_NEW if pin is None else DRIFT_GONE
             continue
         what = [w for w, same in (
             ("the description", same_digest(hash_string(now.description), pin.description_hash)),
             ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
             if not same]
         if what:
-            out.append((name, f"{' and '.join(what)} changed since the pin"))
+            out[name] = f"{' and '.join(what)} changed since the pin"
     return out
 
 
@@ -12093,45 +11548,15 @@ def _manifest_stamp(path: str) -> tuple | None:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-def offer(proxy: Proxy, server: str, offered: list[UpstreamTool],
-          withheld: dict[str, str]) -> tuple[list[str], list[str]]:
-    """Make ``offered`` the server's tools in the proxy, the gate and the listing; withhold
-    the rest. A tool whose spec changed (a pin since) is the gate's new tool from here on,
-    its spec stored first. Returns the names offered anew or changed, and those removed."""
-    before = {n: t.spec for n, t in proxy.tools.items() if t.server == server}
-    now: dict[str, UpstreamTool] = {}
-    for tool in offered:
-        name = tool.spec.name
-        held = proxy.gate.tools.get(name)
-        if held is None or held.spec != tool.spec:
-            try:
-                proxy.store.ensure_spec(tool.spec)
-            except ProxyError as exc:
-                withheld[name] = f"its spec could not be recorded: {exc}"
-                continue
-            proxy.gate.tools[name] = Tool(tool.spec, tool.call)
-        now[name] = tool
-    proxy.order += [n for n in now if n not in proxy.order]
-    tools = {n: t for n, t in proxy.tools.items() if t.server != server}
-    tools.update(now)
-    proxy.tools.clear()                  # in place: the policy holds this same dict
-    proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
-    proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
-    proxy.withheld.update({n: (server, why) for n, why in withheld.items()
-                           if n in proxy.order and n not in now})   # names a host may have seen
-    return ([n for n, t in now.items() if before.get(n) != t.spec],
-            [n for n in before if n not in now])
-
-
 class DriftWatch:
     """One ServerWatch per server that registered tools, each a task of its own."""
 
     def __init__(self, cfg: Config, proxy: Proxy, tools: list[UpstreamTool],
                  log: Callable[[str], None], announce: Callable[[], None]):
         conns = {t.server: t.conn for t in tools}
-        self.tasks = [asyncio.create_task(ServerWatch(cfg, s, conns[s.name], proxy, log,
-                                                      announce).run())
-                      for s in cfg.servers if s.name in conns]
+        self.tasks = [asyncio.create_task(
+            ServerWatch(cfg, s, conns[s.name], proxy, log, announce).run())
+            for s in cfg.servers if s.name in conns]
 
     async def close(self) -> None:
         """Cancel the watches and wait for them, at most CLOSE_WAIT: a watch that took a
@@ -12203,8 +11628,7 @@ class ServerWatch:
         server, wait = self.server, self.server.connect_timeout
         self.stamp = _manifest_stamp(server.manifest)
         try:
-            live_list = await asyncio.wait_for(self.conn.list_tools(time.monotonic() + wait),
-                                               wait)
+            live_list = await asyncio.wait_for(self.conn.list_tools(time.monotonic() + wait), wait)
             pinned = read_manifest(server.manifest, server.name)
         except asyncio.TimeoutError:
             return self._withhold_all(f"timed out after {fmt_duration(wait)}")
@@ -12218,8 +11642,7 @@ class ServerWatch:
         changes = drift_of(pinned, live)
         # A tool offered before and refused now for what the hashes do not cover (the
         # server's hints now dispute its class) is drift too.
-        seen = {t for t, _ in changes}
-        self.tell(changes + sorted((k, why) for k, why in refused.items() if k not in seen))
+        self.tell([*changes.items(), *sorted(r for r in refused.items() if r[0] not in changes)])
         self.apply(offered, withheld)
 
     def _withhold_all(self, why: str) -> None:
@@ -12228,8 +11651,7 @@ class ServerWatch:
         self.failed, self.told = True, ()
         names = [n for n, t in self.proxy.tools.items() if t.server == self.server.name]
         names += [n for n, v in self.proxy.withheld.items() if v[0] == self.server.name]
-        self.apply([], {n: f"its server's tools could not be listed again ({why})"
-                        for n in names})
+        self.apply([], {n: f"its server's tools could not be listed again ({why})" for n in names})
 
     def judge(self, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
               ) -> tuple[list[UpstreamTool], dict[str, str], dict[str, str]]:
@@ -12272,22 +11694,45 @@ class ServerWatch:
                   "why": sanitize(why)} for t, why in changes[:DRIFT_SHOWN]]
         more = len(changes) - len(shown)
         pin = f"{_self_command()} pin -config {self.cfg.path}"
-        self.log(f"drift: server {q} changed its tools since the pin: " +
-                 "; ".join(f"{e['tool']}: {e['why']}" for e in shown) +
-                 (f"; and {more} more" if more else ""))
+        self.log(f"drift: server {q} changed its tools since the pin: " + "; ".join(
+            f"{e['tool']}: {e['why']}" for e in shown) + (f"; and {more} more" if more else ""))
         self.log(f"  withheld until pinned again; pin with: {sanitize(pin)}")
         doc = {"kind": "drift", "server": sanitize(self.server.name), "withheld": shown,
                "more": more, "pin": sanitize(pin), "at": fmt_time(time.time())}
-        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc,
-                                   drift=True)
+        self.proxy.notifier.notify(f"drift of server {self.server.name}", lambda: doc, drift=True)
 
     def apply(self, offered: list[UpstreamTool], withheld: dict[str, str]) -> None:
-        added, removed = offer(self.proxy, self.server.name, offered, withheld)
-        q = _quote(self.server.name)
-        if removed:
-            self.log(f"drift: server {q}: withheld: {', '.join(removed)}")
-        if added:
-            self.log(f"drift: server {q}: offered: {', '.join(added)}")
+        """Make ``offered`` the server's tools in the proxy, the gate and the listing; withhold
+        the rest. A tool whose spec changed (a pin since) is the gate's new tool from here on,
+        its spec stored first. The operator hears of the names offered anew or changed, and
+        of those removed; the host, that its list changed."""
+        proxy, server = self.proxy, self.server.name
+        before = {n: t.spec for n, t in proxy.tools.items() if t.server == server}
+        now: dict[str, UpstreamTool] = {}
+        for tool in offered:
+            name = tool.spec.name
+            held = proxy.gate.tools.get(name)
+            if held is None or held.spec != tool.spec:
+                try:
+                    proxy.store.ensure_spec(tool.spec)
+                except ProxyError as exc:
+                    withheld[name] = f"its spec could not be recorded: {exc}"
+                    continue
+                proxy.gate.tools[name] = Tool(tool.spec, tool.call)
+            now[name] = tool
+        proxy.order += [n for n in now if n not in proxy.order]
+        tools = {n: t for n, t in proxy.tools.items() if t.server != server}
+        tools.update(now)
+        proxy.tools.clear()                  # in place: the policy holds this same dict
+        proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
+        proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
+        proxy.withheld.update({n: (server, why) for n, why in withheld.items()
+                               if n in proxy.order and n not in now})   # names a host may have seen
+        added = [n for n, t in now.items() if before.get(n) != t.spec]
+        removed = [n for n in before if n not in now]
+        for word, names in (("withheld", removed), ("offered", added)):
+            if names:
+                self.log(f"drift: server {_quote(server)}: {word}: {', '.join(names)}")
         if added or removed:
             self.announce()
 
@@ -12303,12 +11748,12 @@ class ServerWatch:
 RECHECK_LIMIT = 50
 RECHECK_TEXT = 240                     # bytes of one value in a report line
 RECHECK_SCOPE = (
-    "A re-check covers the gate's policy: the policy map, each rule's outcome, its fixed "
-    "values, its rename, its conditions, and its limits as counted from the executions "
-    "recorded before each decision. It does not cover the rules applied before the policy (the "
-    "duplicate rule, the repeat window, max_pending, the refusal of a rejected or expired "
-    "approval) or any call refused before the gate; without -current-tools it covers no "
-    "change to a tool's schema or denied parameters either.")
+    "A re-check covers the gate's policy: the policy map, each rule's outcome, its fixed values, "
+    "its rename, its conditions, and its limits as counted from the executions recorded before "
+    "each decision. It does not cover the rules applied before the policy (the duplicate rule, "
+    "the repeat window, max_pending, the refusal of a rejected or expired approval) or any call "
+    "refused before the gate; without -current-tools it covers no change to a tool's schema or "
+    "denied parameters either.")
 
 
 @dataclasses.dataclass(repr=False)
@@ -12354,13 +11799,11 @@ class RecheckReport:
 
     def as_json(self) -> dict:
         differ, skipped = self.count("different"), self.count("not_recheckable")
-        return {"run_id": self.run_id, "run_status": self.run_status,
-                "policy_id": self.policy_id, "identity": self.identity,
-                "spec_source": self.spec_source, "notes": self.notes,
+        return {"run_id": self.run_id, "run_status": self.run_status, "policy_id": self.policy_id,
+                "identity": self.identity, "spec_source": self.spec_source, "notes": self.notes,
                 "evaluations": [dataclasses.asdict(e) for e in self.evaluations],
-                "same": differ == 0, "differences": differ,
-                "rechecked": self.count("same", "different"), "not_recheckable": skipped,
-                "complete": skipped == 0}
+                "same": differ == 0, "differences": differ, "complete": skipped == 0,
+                "rechecked": self.count("same", "different"), "not_recheckable": skipped}
 
     def lines(self) -> list[str]:
         asked = sorted({e.policy_id for e in self.evaluations
@@ -12373,21 +11816,15 @@ class RecheckReport:
                         f"{self.count('same', 'different')} re-checked decision(s) differ; "
                         f"{identity}; {self.spec_source} specs")]
         for e in sorted(self.evaluations, key=lambda e: e.result != "different"):
-            where = f"step {e.step_index} seq {e.seq} {_bound(e.tool) or '-'}" + \
+            tool, was, now, why = (clean(t, RECHECK_TEXT)
+                                   for t in (e.tool, e.recorded, e.rechecked, e.detail))
+            where = f"step {e.step_index} seq {e.seq} {tool or '-'}" + \
                 (" (on resume)" if e.on_resume else "")
-            detail = f": {_bound(e.detail)}" if e.detail else ""
-            if e.result == "same":
-                out.append(f"same      {where}: {_bound(e.recorded)}{detail}")
-            elif e.result == "different":
-                out.append(f"DIFFERENT {where}: {_bound(e.recorded)} -> "
-                           f"{_bound(e.rechecked) or 'none'}{detail}")
-            else:
-                out.append(f"skipped   {where}: {_bound(e.detail)}")
-        return out + [f"note: {_bound(n)}" for n in self.notes]
-
-
-def _bound(text: str) -> str:
-    return truncate(sanitize(text), RECHECK_TEXT)
+            detail = f": {why}" if e.detail else ""
+            said = {"same": f"same      {where}: {was}{detail}",
+                    "different": f"DIFFERENT {where}: {was} -> {now or 'none'}{detail}"}
+            out.append(said.get(e.result, f"skipped   {where}: {why}"))
+        return out + [f"note: {clean(n, RECHECK_TEXT)}" for n in self.notes]
 
 
 class _RecordedPolicy(ProxyPolicy):
@@ -12439,8 +11876,7 @@ def recheck_run(store: Store, run_id: str, policy: _RecordedPolicy,
     report = RecheckReport(run_id, run.status, policy.policy_id,
                            "current" if current is not None else "recorded")
     if run.status not in TERMINAL:
-        report.notes.append(f"the run is {run.status}; it was re-checked up to its current "
-                            "state")
+        report.notes.append(f"the run is {run.status}; it was re-checked up to its current state")
     for i, event in enumerate(events):
         seq, _r, step_id, _at, typ, payload, _h = event
         step = steps.get(step_id)
@@ -12462,14 +11898,12 @@ def _approvals_as_of(approvals: list[Approval], events: list, seq: int,
                      count: int) -> list[Approval]:
     """The first ``count`` approvals, each with the status it had at event ``seq``."""
     shown = approvals[:count]
-    decided = [loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided"] \
-        if shown else []
-    out = []
-    for a in shown:
-        doc = next((d for d in reversed(decided) if d.get("approval_id") == a.id), None)
-        out.append(dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
-                   if doc is None else dataclasses.replace(a, status=doc.get("status", PENDING)))
-    return out
+    decided = {d.get("approval_id"): d.get("status", PENDING) for d in (  # the last decision
+        loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided")} \
+        if shown else {}
+    return [dataclasses.replace(a, status=decided[a.id]) if a.id in decided else
+            dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
+            for a in shown]
 
 
 def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step: Step | None,
@@ -12508,8 +11942,7 @@ def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step:
                                reason_detail="", finished_at="", result_json="")
     handed_view = RunView(then, whole.steps[:n_steps],
                           _approvals_as_of(whole.approvals, events, seq, n_approvals))
-    approvals = whole.approvals
-    policy.following = approvals[n_approvals] if n_approvals < len(approvals) else None
+    policy.following = next(iter(whole.approvals[n_approvals:]), None)
     policy.as_of = (seq, parse_time(at)) if at else None
     try:
         schema = policy_json(spec.input_schema, False)
@@ -12587,8 +12020,7 @@ async def cmd_recheck(cfg: Config, args, out: Out) -> int:
                 "re-checked")
         return 1
     if rechecked == 0:
-        out.log(f"recheck: no decision of the policy was re-checked ({skipped} not "
-                "re-checkable)")
+        out.log(f"recheck: no decision of the policy was re-checked ({skipped} not re-checkable)")
         return 1
     return 1 if differ else 0
 
@@ -12712,11 +12144,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(top, ("db", {}), ("config", {}), ("json", {"action": "store_true"}))
     sub = top.add_subparsers(dest="command", parser_class=_CommandLine)
     on, config = {"action": "store_true"}, ("config", {"default": argparse.SUPPRESS})
-    page = (("limit", {"type": int}), ("offset", {"type": int, "default": 0}))
+    offset = ("offset", {"type": int, "default": 0})
     decide = (("approval", {}), ("by", {}), ("note", {"default": ""}), ("yes", on))
     # Each command: its run argument ("?" when it may be left out), then its flags.
     for name, run, flags in (
-            ("runs", "", page), ("show", "run", page), ("events", "run", page),
+            ("runs", "", (("limit", {"type": int, "default": CLI_RUNS_LIMIT}), offset)),
+            ("show", "run", (("limit", {"type": int, "default": CLI_SHOW_LIMIT}), offset)),
+            ("events", "run", (("limit", {"type": int, "default": CLI_EVENTS_LIMIT}), offset)),
             ("approve", "?", decide),
             # what came of an interrupted attempt (section 13)
             ("reject", "?", decide + (("outcome", {"choices": OPERATOR_OUTCOMES}),)),
@@ -12760,6 +12194,10 @@ class Out:
         reads, even from a field a caller forgot (sanitising twice changes nothing)."""
         self.stdout.write(sanitize(line) + "\n")
 
+    def texts(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.text(line)
+
     def log(self, text: str) -> None:
         self.stderr.write(LOG_PREFIX + sanitize(text) + "\n")
 
@@ -12783,15 +12221,11 @@ def _stamp(text: str, millis: bool = False) -> str:
     try:
         local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
     except (ValueError, TypeError, AttributeError, OverflowError, OSError):
-        return "(not a time) " + _clip(str(text), CLI_BAD_TIME_WIDTH)
+        return "(not a time) " + clean(str(text), CLI_BAD_TIME_WIDTH)
     stamp = local.strftime("%Y-%m-%d %H:%M:%S")
     if millis:
         stamp += f".{local.microsecond // 1000:03d}"
     return stamp + local.strftime(" %z")
-
-
-def _clip(text: str, width: int) -> str:
-    return truncate(sanitize(text), width)
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -12826,8 +12260,7 @@ def _run_word(store: Store, run: Run) -> dict | None:
     (only a rejection records one, and a rejection ends its run)."""
     if run.reason != "approval_rejected":
         return None
-    words = outcomes_of_run(store, run.id)
-    return next(iter(words.values()), None) if words else None
+    return next(iter(outcomes_of_run(store, run.id).values()), None)
 
 
 _CLOSED_WHY = {CLOSE_DENIED: "denied by policy", CLOSE_INVALID: "refused: invalid arguments",
@@ -12860,8 +12293,7 @@ def ended_why(store: Store, run: Run) -> str:
 
 
 def cmd_runs(store: Store, args, out: Out) -> int:
-    limit = CLI_RUNS_LIMIT if args.limit is None else args.limit
-    runs, total = store.list_runs(limit, args.offset)
+    runs, total = store.list_runs(args.limit, args.offset)
     if args.json:
         out.json({"runs": [_run_summary(store, r) for r in runs], "total": total})
         return 0
@@ -12871,10 +12303,9 @@ def cmd_runs(store: Store, args, out: Out) -> int:
     rows = [["RUN", "STATUS", "REASON", "STEPS", "CREATED", "APPROVAL", "GOAL", "WHY"]]
     for r in runs:
         rows.append([r.id, r.status, r.reason or "-", str(r.step_count), _stamp(r.created_at),
-                     _pending_id(store, r) or "-", _clip(r.goal, CLI_GOAL_WIDTH),
-                     _clip(ended_why(store, r), CLI_GOAL_WIDTH) or "-"])
-    for line in _table(rows):
-        out.text(line)
+                     _pending_id(store, r) or "-", clean(r.goal, CLI_GOAL_WIDTH),
+                     clean(ended_why(store, r), CLI_GOAL_WIDTH) or "-"])
+    out.texts(_table(rows))
     _more(out, "run", args.offset, len(runs), total)
     return 0
 
@@ -12912,8 +12343,8 @@ def _fields(raw: bytes) -> list[str]:
     try:
         value = parse_json(raw.strip(JSON_WS), strict=False)
     except JSONError:
-        return ["  value (not JSON)", "    " + _clip(raw.decode("utf-8", "replace"),
-                                                    CLI_FIELD_BYTES)]
+        return ["  value (not JSON)", "    " + clean(raw.decode("utf-8", "replace"),
+                                                   CLI_FIELD_BYTES)]
     if not isinstance(value, dict):
         value = {"value": value}
     if not value:
@@ -12982,7 +12413,7 @@ def approval_block(store: Store, approval: Approval, db_path: str,
                      "   (or reject)")
     elif approval.decided_by or approval.note:
         lines.append(f"decided by    {sanitize(approval.decided_by) or '-'}"
-                     + (f": {_clip(approval.note, CLI_FIELD_BYTES)}" if approval.note else ""))
+                     + (f": {clean(approval.note, CLI_FIELD_BYTES)}" if approval.note else ""))
     lines.append(f"---- end of approval {approval.id} for tool {request.spec.name} ----")
     # The ids and names are a stored row's, and the command line above is one to paste.
     return [sanitize(line) for line in lines]
@@ -13027,10 +12458,9 @@ def _step_row(s: Step) -> dict:
 
 
 def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
-    try:
+    tool = ""
+    with contextlib.suppress(ProxyError, KeyError, ValueError):
         tool = a.request().spec.name
-    except (ProxyError, KeyError, ValueError):
-        tool = ""
     row = {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
            "created_at": a.created_at, "expires_at": a.expires_at,
            "decided_by": a.decided_by, "note": a.note}
@@ -13042,8 +12472,7 @@ def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
 def cmd_show(store: Store, args, out: Out) -> int:
     run = _given_run(store, args.run)
     steps, approvals = store.list_steps(run.id), store.list_approvals(run.id)
-    limit = CLI_SHOW_LIMIT if args.limit is None else args.limit
-    page = steps[args.offset:args.offset + limit] if limit > 0 else steps[args.offset:]
+    page = steps[args.offset:args.offset + args.limit] if args.limit > 0 else steps[args.offset:]
     refusals = RefusalLog.of_run(store, run.id)
     words = outcomes_of_run(store, run.id)
     if args.json:
@@ -13053,7 +12482,7 @@ def cmd_show(store: Store, args, out: Out) -> int:
                   "refusals": refusals})
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
-        (f": {_clip(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
+        (f": {clean(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
     finished = f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""
     for line in (f"run     {run.id}", f"goal    {sanitize(run.goal)}", f"status  {status}",
                  f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"):
@@ -13064,12 +12493,10 @@ def cmd_show(store: Store, args, out: Out) -> int:
         said = OUTCOME_SAID.get(word["outcome"], "")
         out.text(f"outcome {word['outcome']}: {word['by']} said the attempt cut off in run "
                  f"{word['run_id']}, step {word['step_id']}: {said}")
-    for line in refusal_lines(refusals):
-        out.text(f"calls   {line}")
+    out.texts(f"calls   {line}" for line in refusal_lines(refusals))
     for a in approvals:
         if (a.status == PENDING and run.status == WAITING) or a.status == SETTLED_APPROVAL:
-            for line in approval_block(store, a, store.path):
-                out.text(line)
+            out.texts(approval_block(store, a, store.path))
     out.text()
     rows = [["STEP", "TOOL", "DECISION", "STATUS", "POLICY", "OBSERVATION", "SUMMARY"]]
     for s in page:
@@ -13077,17 +12504,15 @@ def cmd_show(store: Store, args, out: Out) -> int:
         # The step's decision and observation are parsed JSON: any type an edit left there.
         rows.append([str(s.idx), str(r.get("tool", "-")), str(r.get("decision", "-")),
                      s.status, str(r.get("policy", "-")), str(r.get("observation", "-")),
-                     _clip(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
-    for line in _table(rows):
-        out.text(line)
+                     clean(str(r.get("summary", "")), CLI_SUMMARY_WIDTH) or "-"])
+    out.texts(_table(rows))
     _more(out, "step", args.offset, len(page), len(steps), tally=False)
     return 0
 
 
 def cmd_events(store: Store, args, out: Out) -> int:
     _given_run(store, args.run)
-    limit = CLI_EVENTS_LIMIT if args.limit is None else args.limit
-    rows = store.list_events(args.run, limit if limit > 0 else -1, args.offset)
+    rows = store.list_events(args.run, args.limit if args.limit > 0 else -1, args.offset)
     total = store.count_events(args.run)
     refusals = RefusalLog.of_run(store, args.run)
     if args.json:
@@ -13102,8 +12527,8 @@ def cmd_events(store: Store, args, out: Out) -> int:
             truncate(payload, CLI_EVENT_PAYLOAD) + f"...[{over} more bytes]"
         out.text(f"{_stamp(at, millis=True)}  {sanitize(typ):<22} {sanitize(text)}")
     _more(out, "event", args.offset, len(rows), total)
-    for line in refusal_lines(refusals):      # counted beside the chain, not in it
-        out.text(f"calls of this request {line}")
+    # counted beside the chain, not in it
+    out.texts(f"calls of this request {line}" for line in refusal_lines(refusals))
     return 0
 
 
@@ -13251,15 +12676,10 @@ def _field_text(f: dict) -> str:
                                      if f["omitted_bytes"] else "")
 
 
-def args_summary(raw: bytes) -> str:
-    """A call's arguments on one line, sanitised: every field with the start of its value
-    (args_fields), then how many fields follow when they do not all fit; `approve`, `show`
-    and the inbox show them in full."""
-    return _summary(*args_fields(raw))
-
-
-def _summary(fields: list[dict], more: int) -> str:
-    """The one line of args_fields' fields, and the count of those that did not fit."""
+def args_summary(fields: list[dict], more: int) -> str:
+    """A call's arguments on one line, sanitised: every field args_fields gives, with the
+    start of its value, then how many fields follow when they do not all fit; `approve`,
+    `show` and the inbox show them in full."""
     text = "{" + ",".join(_field_text(f) for f in fields) + "}"
     if more:
         text += f" and {more} more field{'s' if more != 1 else ''} not shown here"
@@ -13292,7 +12712,7 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
             "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
             "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
-            "arguments": _summary(fields, more), "argument_fields": fields,
+            "arguments": args_summary(fields, more), "argument_fields": fields,
             "fields_not_shown": more,
             "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")
                                                for f in fields),
@@ -13307,11 +12727,14 @@ def approval_facts(approval: Approval, view: ApprovalView | None,
                    limits: list[dict] | None) -> dict:
     """What every channel tells of an approval beyond its row, sanitised: the conditions and
     limits that asked and their figures, the tool's limits as they stand now (limits_now),
-    the earlier execution a repeat approval names, and what its view adds (a late outcome of
-    the attempt it asks about)."""
+    the earlier execution a repeat approval names (section 10), as one line, and what its
+    view adds (a late outcome of the attempt it asks about)."""
+    earlier = repeat_in(approval) if approval.kind == REPEAT_KIND else None
+    repeat_of = "" if earlier is None else sanitize(
+        f"run {earlier.get('run_id')}, finished at {earlier.get('at')}: {earlier.get('outcome')}")
     return {"asked_by": [sanitize(a) for a in asked_by(approval.capability)],
-            "figures": _figures(approval), "limits": limits or [],
-            "repeat_of": _repeated(approval), **_late(view)}
+            "figures": _figures(approval), "limits": limits or [], "repeat_of": repeat_of,
+            **_late(view)}
 
 
 def _late(view: ApprovalView | None) -> dict:
@@ -13319,15 +12742,6 @@ def _late(view: ApprovalView | None) -> dict:
     late = view.late if view is not None else None
     return {"late_outcome": sanitize(late.text()) if late is not None else "",
             "late_outcome_known": bool(late is not None and late.known)}
-
-
-def _repeated(approval: Approval) -> str:
-    """The earlier execution a repeat approval names, as one line (section 10), or ''."""
-    earlier = repeat_in(approval) if approval.kind == REPEAT_KIND else None
-    if earlier is None:
-        return ""
-    return sanitize(f"run {earlier.get('run_id')}, finished at {earlier.get('at')}: "
-                    f"{earlier.get('outcome')}")
 
 
 def _figures(approval: Approval) -> list[str]:
@@ -13352,27 +12766,22 @@ def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
         run = store.find_run(approval.run_id)
         if run is None or run.status != WAITING:
             continue
-        try:
+        lapsed = False
+        with contextlib.suppress(ValueError, TypeError, OverflowError):
             lapsed = _expired(approval, now) if approval.status == PENDING else \
                 _grant_stale(run, approval, now)
-        except (ValueError, TypeError, OverflowError):
-            lapsed = False
         if not lapsed:
             found.append((approval, run))
     return found
 
 
-def _since(stamp: str, now: float) -> int:
-    try:
-        return max(0, int(now - parse_time(stamp)))
-    except (ValueError, TypeError, OverflowError):
-        return 0
-
-
 def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dict:
     doc = waiting_doc(approval, store.path, view_of(store, approval),
                       limits_now(store._read, approval, now))
-    doc.update(status=sanitize(approval.status), age_seconds=_since(approval.created_at, now),
+    age = 0
+    with contextlib.suppress(ValueError, TypeError, OverflowError):
+        age = max(0, int(now - parse_time(approval.created_at)))
+    doc.update(status=sanitize(approval.status), age_seconds=age,
                blocks_tool=approval.kind == INTERRUPTED_KIND)
     if approval.status == APPROVED:      # decided; it waits for the identical call
         ttl, lapses = run.limits.grant_ttl, ""
@@ -13431,9 +12840,7 @@ def cmd_pending(store: Store, args, out: Out) -> int:
         out.text("no approval waits for an operator")
         return 0
     out.text(f"{len(entries)} waiting, oldest first:")
-    for entry in entries:
-        for line in _pending_lines(entry):
-            out.text(line)
+    out.texts(line for entry in entries for line in _pending_lines(entry))
     return 0
 
 
@@ -13499,8 +12906,7 @@ def cmd_decide(store: Store, args, out: Out) -> int:
         if args.json or not _is_terminal(out.stdin):
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
                              "terminal to confirm at; pass -approval <id> or -yes")
-        for line in collection_warnings(store, approval):
-            out.text(line)
+        out.texts(collection_warnings(store, approval))
         out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
         out.stdout.flush()
         answer = out.stdin.readline()
@@ -13670,15 +13076,13 @@ class Inbox:
     def offer(self, approval: Approval) -> bool:
         """Show one approval in full and act on the answer; False when the operator quits."""
         view = view_of(self.store, approval)          # read first, as cmd_decide does
-        for line in approval_block(self.store, approval, self.store.path):
-            self.out.text(line)
-        for line in collection_warnings(self.store, approval):
-            self.out.text(line)
+        self.out.texts(approval_block(self.store, approval, self.store.path)
+                       + collection_warnings(self.store, approval))
         if self.once:
             self.passed.add(approval.id)
         self.lines.discard_typed_ahead()
-        verb = self.choose(f"approval {approval.id}: a approve, r reject, s skip, q quit: ",
-                           INBOX_ANSWERS, "answer a, r, s or q, then Enter")
+        verb = self.ask(f"approval {approval.id}: a approve, r reject, s skip, q quit: ",
+                        INBOX_ANSWERS, "answer a, r, s or q, then Enter")
         if verb in (None, "quit"):
             return False
         if verb == "skip":
@@ -13689,32 +13093,29 @@ class Inbox:
             note = self.ask("note for the rejection (the model reads it; Enter for none): ")
             word = ""
             if note is not None and approval.kind == INTERRUPTED_KIND:  # as reject -outcome
-                word = self.choose("did the cut-off attempt take effect? e executed, n not "
-                                   "executed, u unknown (Enter: unknown): ", INBOX_OUTCOMES,
-                                   "answer e, n or u, then Enter")
+                word = self.ask("did the cut-off attempt take effect? e executed, n not "
+                                "executed, u unknown (Enter: unknown): ", INBOX_OUTCOMES,
+                                "answer e, n or u, then Enter")
             if note is None or word is None:
                 return False
             self.decide(view, False, note.strip(), word)
         return True
 
-    def choose(self, prompt: str, answers: dict, hint: str) -> str | None:
-        """The meaning of the first answer that has one, the hint said after each other;
-        None at EOF."""
+    def ask(self, prompt: str, answers: dict | None = None, hint: str = "") -> str | None:
+        """The line typed at ``prompt``; with ``answers``, the meaning of the first answer
+        that has one, the hint said after each other. None at EOF."""
         while True:
-            answer = self.ask(prompt)
-            if answer is None:
+            self.out.stdout.write(sanitize(prompt))
+            self.out.stdout.flush()
+            line = self.lines.read(None)
+            if line is None:
+                self.out.line()
                 return None
-            if answer.strip().lower() in answers:
-                return answers[answer.strip().lower()]
+            if answers is None:
+                return line
+            if line.strip().lower() in answers:
+                return answers[line.strip().lower()]
             self.out.text(hint)
-
-    def ask(self, prompt: str) -> str | None:
-        self.out.stdout.write(sanitize(prompt))
-        self.out.stdout.flush()
-        line = self.lines.read(None)
-        if line is None:
-            self.out.line()
-        return line
 
     def decide(self, view: ApprovalView, approve: bool, note: str, word: str = "") -> None:
         """Decide the approval as it was shown (its view); a refusal is said and the loop
@@ -13728,17 +13129,15 @@ class Inbox:
         except ApprovalChanged as exc:
             self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
                           f"decided ({exc})")
-            return
         except ProxyError as exc:
             self.out.text(f"approval {approval.id}: nothing was decided: "
                           f"{_describe_failure(exc, verb)}")
-            return
         except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
             self.out.text(f"approval {approval.id}: nothing was decided: its record could "
                           f"not be read ({type(exc).__name__})")
-            return
-        self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
-        self.out.text(f"run {run.id}: {decision_said(decided, run, word)}")
+        else:
+            self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
+            self.out.text(f"run {run.id}: {decision_said(decided, run, word)}")
 
 
 def cmd_inbox(store: Store, args, out: Out) -> int:
@@ -13763,9 +13162,8 @@ def _database_path(args) -> str:
         return args.db
     if args.config:             # read as serving reads it (owner checked, strict)
         return load_config(args.config).database
-    env = os.environ.get("AGENTRT_DB", "")
-    if env:
-        return env
+    if os.environ.get("AGENTRT_DB"):
+        return os.environ["AGENTRT_DB"]
     raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
                      "or set AGENTRT_DB")
 
@@ -13786,9 +13184,8 @@ def _describe_failure(exc: Exception, command: str) -> str:
 
 def _operator_name() -> str:
     """Who decides, when -by does not say: $USER, else this account's name."""
-    name = os.environ.get("USER", "")
-    if name:
-        return name
+    if os.environ.get("USER"):
+        return os.environ["USER"]
     try:
         import pwd                      # POSIX only; elsewhere -by or $USER names the operator
         return pwd.getpwuid(os.getuid()).pw_name
@@ -13799,7 +13196,7 @@ def _operator_name() -> str:
 def _check_arguments(args) -> None:
     """Every argument is judged before the database is touched."""
     if args.command in ("runs", "show", "events") and \
-            ((args.limit is not None and args.limit < 0) or args.offset < 0):
+            (args.limit < 0 or args.offset < 0):
         raise UsageError("-limit and -offset cannot be negative")
     if args.command in ("approve", "reject") and not (args.run or args.approval):
         raise UsageError(f"{args.command}: name the approval (-approval ID) or its run (RUN)")
@@ -13818,14 +13215,13 @@ def _check_arguments(args) -> None:
                     not re.fullmatch(r"[0-9a-f]{64}", digest):
                 raise UsageError("-head is SEQ:HASH: a positive seq and the hash kept for it")
             args.head = int(seq), digest
-        if first < 0 or last < 0:
-            raise UsageError("-from and -to cannot be negative")
-        if last and last < first:
-            raise UsageError("-to is before -from")
-        if args.head and last and args.head[0] > last:
-            raise UsageError("-head is past -to")
-        if args.head and args.head[0] < first:
-            raise UsageError("-head is before -from")
+        head = args.head[0] if args.head else None
+        for wrong, message in ((first < 0 or last < 0, "-from and -to cannot be negative"),
+                               (last and last < first, "-to is before -from"),
+                               (head and last and head > last, "-head is past -to"),
+                               (head and head < first, "-head is before -from")):
+            if wrong:
+                raise UsageError(message)
 
 
 def open_database(path: str, readonly: bool) -> Store:
@@ -13866,16 +13262,15 @@ def run_proxy_command(args, out: Out) -> int:
         return asyncio.run(cmd_recheck(cfg, args, out))
     if args.command == "pin":
         return asyncio.run(cmd_pin(cfg, out))
-    return asyncio.run(cmd_check(cfg, out, bool(getattr(args, "strict", False))))
+    return asyncio.run(cmd_check(cfg, out, args.strict))
 
 
 def _serve(args, out: Out) -> int:
     cfg = load_config(args.config)
     check_database_owner(cfg.database)
     check_reach(cfg)
-    stdin = getattr(out.stdin, "buffer", out.stdin)
-    stdout = getattr(out.stdout, "buffer", out.stdout)
-    return asyncio.run(cmd_serve(cfg, out, stdin, stdout))
+    return asyncio.run(cmd_serve(cfg, out, getattr(out.stdin, "buffer", out.stdin),
+                                 getattr(out.stdout, "buffer", out.stdout)))
 
 
 # ==== 32. The webhook: the HTTP approval channel ====
@@ -13933,8 +13328,7 @@ _HOOK_SINGLE = frozenset({"content-length", "transfer-encoding", "accept", "expe
                           HOOK_TIMESTAMP.lower(), HOOK_NONCE.lower(), HOOK_SIGNATURE.lower()})
 _HOOK_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 401: "Unauthorized",
                  404: "Not Found", 409: "Conflict", 410: "Gone", 413: "Payload Too Large",
-                 429: "Too Many Requests", 500: "Internal Server Error",
-                 503: "Service Unavailable"}
+                 429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
 _HOOK_JSON, _HOOK_TEXT = "application/json", "text/plain; charset=utf-8"
 _DECISION_FIELDS = ("run_id", "approval_id", "hash", "by", "note", "view", "outcome")
 _CANCEL_FIELDS = ("run_id", "by", "note")
@@ -13987,11 +13381,9 @@ class SeenSignatures:
 
     def first_use(self, signature: str, until: float, now: float) -> bool:
         with self._lock:
-            if signature in self._until:
-                return False
             if len(self._until) >= self.limit:
                 self._until = {s: t for s, t in self._until.items() if t >= now}
-            if len(self._until) >= self.limit:
+            if signature in self._until or len(self._until) >= self.limit:
                 return False
             self._until[signature] = until
             return True
@@ -14076,18 +13468,18 @@ class HookRoute:
 
 
 class _HookReader:
-    """One request's bytes from a socket, every read under one deadline for the whole
-    request: a client sending a byte at a time cannot hold a thread past it (slow loris)."""
+    """One request's bytes from a socket accepted at ``accepted``, every read under one
+    deadline for the whole request: a client sending a byte at a time cannot hold a thread
+    past it (slow loris). Until the head is whole, the head's own deadline applies."""
 
-    def __init__(self, conn: socket.socket, deadline: float, head_deadline: float | None = None):
-        self.conn, self.buf = conn, b""
-        self.whole_deadline = deadline
-        self.deadline = deadline if head_deadline is None else min(deadline, head_deadline)
+    def __init__(self, conn: socket.socket, accepted: float):
+        self.conn, self.buf, self.accepted = conn, b"", accepted
+        self.deadline = accepted + min(WEBHOOK_HEAD_SECONDS, WEBHOOK_REQUEST_SECONDS)
         self.head_done = False
 
     def head_read(self) -> None:
         """The head is whole: the body has the rest of the request's deadline."""
-        self.head_done, self.deadline = True, self.whole_deadline
+        self.head_done, self.deadline = True, self.accepted + WEBHOOK_REQUEST_SECONDS
 
     def _more(self) -> None:
         left = self.deadline - time.monotonic()
@@ -14126,7 +13518,20 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
     method, target = parts[0].decode("ascii"), parts[1].decode("latin-1")
     if not _HOOK_TARGET_RE.fullmatch(target):
         raise _bad("the request target is not a path of visible ASCII")
-    headers = _read_headers(reader)
+    headers: dict[str, str] = {}
+    for _ in range(WEBHOOK_MAX_HEADERS + 1):
+        line = reader.line()
+        if not line:
+            break
+        name, sep, value = line.partition(b":")
+        if not sep or not _HOOK_TOKEN_RE.fullmatch(name):
+            raise _bad("a header line is not NAME: VALUE")
+        key = name.decode("ascii").lower()
+        if key in headers and key in _HOOK_SINGLE:
+            raise _bad(f"header {key} is given twice")
+        headers.setdefault(key, value.strip(b" \t").decode("latin-1"))
+    else:
+        raise _bad(f"the request has more than {WEBHOOK_MAX_HEADERS} headers")
     reader.head_read()
     if "transfer-encoding" in headers:
         raise _bad("a chunked body is not accepted; send Content-Length")
@@ -14140,22 +13545,6 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
     return HookRequest(method, target, headers, reader.exactly(int(length)))
 
 
-def _read_headers(reader: _HookReader) -> dict:
-    headers: dict[str, str] = {}
-    for _ in range(WEBHOOK_MAX_HEADERS + 1):
-        line = reader.line()
-        if not line:
-            return headers
-        name, sep, value = line.partition(b":")
-        if not sep or not _HOOK_TOKEN_RE.fullmatch(name):
-            raise _bad("a header line is not NAME: VALUE")
-        key = name.decode("ascii").lower()
-        if key in headers and key in _HOOK_SINGLE:
-            raise _bad(f"header {key} is given twice")
-        headers.setdefault(key, value.strip(b" \t").decode("latin-1"))
-    raise _bad(f"the request has more than {WEBHOOK_MAX_HEADERS} headers")
-
-
 def verify_hook_request(secret: bytes, req: HookRequest, now: float,
                         seen: SeenSignatures) -> None:
     """Refuse a request that is unsigned, signed under another secret or over other bytes,
@@ -14165,8 +13554,7 @@ def verify_hook_request(secret: bytes, req: HookRequest, now: float,
     if not (stamp and nonce and signature):
         raise _unauthorized(f"{HOOK_TIMESTAMP}, {HOOK_NONCE} and {HOOK_SIGNATURE} are required")
     if not _HOOK_TIMESTAMP_RE.fullmatch(stamp) or abs(now - int(stamp)) > WEBHOOK_SKEW:
-        raise _unauthorized(f"{HOOK_TIMESTAMP} is not within {WEBHOOK_SKEW} seconds of "
-                            "this clock")
+        raise _unauthorized(f"{HOOK_TIMESTAMP} is not within {WEBHOOK_SKEW} seconds of this clock")
     if not _HOOK_NONCE_RE.fullmatch(nonce):
         raise _unauthorized(f"{HOOK_NONCE} is 1 to {WEBHOOK_MAX_NONCE} visible characters")
     want = "v1=" + hook_signature(secret, stamp, nonce, req.method, req.target, req.body)
@@ -14224,10 +13612,9 @@ def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
 # Each outcome of the store, in the error table; the first class that matches decides.
 _HOOK_OUTCOMES = ((NotFound, 404, "not_found"), (ApprovalExpired, 410, "expired"),
                   (AttemptSettled, 409, "late_outcome"), (NotPending, 409, "not_pending"),
-                  (ApprovalChanged, 409, "approval_changed"),
-                  (ApprovalHashMismatch, 409, "approval_hash"),
-                  (RunStateError, 409, "run_not_waiting"), (StoreError, 503, "unavailable"),
-                  (UsageError, 400, "bad_request"))
+                  (ApprovalChanged, 409, "approval_changed"), (UsageError, 400, "bad_request"),
+                  (ApprovalHashMismatch, 409, "approval_hash"), (StoreError, 503, "unavailable"),
+                  (RunStateError, 409, "run_not_waiting"))
 
 
 def _hook_refusal(exc: ProxyError, route: HookRoute) -> WebhookRefusal:
@@ -14256,10 +13643,12 @@ def _hook_row(a: Approval) -> dict:
     return row
 
 
-def _hook_record(data: bytes) -> Any:
+def _hook_record(read: Callable[[], bytes]) -> Any:
+    """A recorded JSON value of an approval, or why it could not be read."""
     try:
+        data = read()
         return read_own(data) if data.strip(JSON_WS) else {}
-    except JSONError as exc:
+    except (ProxyError, KeyError, ValueError) as exc:
         return {"unread": sanitize(str(exc))}
 
 
@@ -14275,12 +13664,9 @@ def _hook_view(view: ApprovalView) -> dict:
 def _hook_approval(store: Store, a: Approval) -> dict:
     """One approval in full: its state, everything its hash binds, and its view."""
     view = view_of(store, a)
-    try:
-        args = _hook_record(a.request().args)
-    except (ProxyError, KeyError, ValueError) as exc:
-        args = {"unread": sanitize(str(exc))}
-    doc = dict(_hook_row(a), **_hook_view(view), arguments=args,
-               capability=_hook_record(a.capability), presentation=_hook_record(a.presentation))
+    doc = dict(_hook_row(a), **_hook_view(view), arguments=_hook_record(lambda: a.request().args),
+               capability=_hook_record(lambda: a.capability),
+               presentation=_hook_record(lambda: a.presentation))
     doc.update(approval_facts(a, view, limits_now(store._read, a, time.time())))
     return doc
 
@@ -14289,12 +13675,11 @@ def _hook_run(run: Run) -> dict:
     return {"id": run.id, "status": sanitize(run.status), "reason": sanitize(run.reason)}
 
 
-def _approval_under(store: Store, route: HookRoute) -> Approval:
-    store.get_run(route.run)
-    approval = store.get_approval(route.approval)
+def _approval_under(store: Store, route: HookRoute) -> tuple[Run, Approval]:
+    run, approval = store.get_run(route.run), store.get_approval(route.approval)
     if approval.run_id != route.run:
         raise NotFound(f"approval {route.approval} is not an approval of run {route.run}")
-    return approval
+    return run, approval
 
 
 class Webhook:
@@ -14308,7 +13693,7 @@ class Webhook:
         self.seen = SeenSignatures(WEBHOOK_SEEN_MAX)
         self.slots = threading.BoundedSemaphore(WEBHOOK_MAX_CONNECTIONS)
         self._log, self._log_lock = log, threading.Lock()
-        self._open: dict[socket.socket, tuple[float, "_HookReader | None"]] = {}
+        self._open: dict[socket.socket, _HookReader] = {}       # by connection, until closed
         self._open_lock = threading.Lock()
 
     def log(self, text: str) -> None:
@@ -14332,7 +13717,7 @@ class Webhook:
                     conn.close()        # every slot busy with a whole request: dropped unread
                     continue
             with self._open_lock:
-                self._open[conn] = (time.monotonic(), None)
+                self._open[conn] = _HookReader(conn, time.monotonic())
             threading.Thread(target=self.handle_connection, args=(conn,), daemon=True).start()
         deadline = time.monotonic() + WEBHOOK_REQUEST_SECONDS + WEBHOOK_SEND_SECONDS
         for _ in range(WEBHOOK_MAX_CONNECTIONS):
@@ -14343,11 +13728,10 @@ class Webhook:
         """Every slot is taken: end the oldest connection that has not sent a whole head
         (its thread then gives its slot back)."""
         with self._open_lock:
-            stalled = [(since, conn) for conn, (since, reader) in self._open.items()
-                       if reader is None or not reader.head_done]
+            stalled = [reader for reader in self._open.values() if not reader.head_done]
         if stalled:
             with contextlib.suppress(OSError):
-                min(stalled, key=lambda item: item[0])[1].shutdown(socket.SHUT_RDWR)
+                min(stalled, key=lambda reader: reader.accepted).conn.shutdown(socket.SHUT_RDWR)
 
     def handle_connection(self, conn: socket.socket) -> None:
         """Answer one accepted connection, close it, and give back the slot its caller took."""
@@ -14368,11 +13752,8 @@ class Webhook:
             if not self.bucket.take():
                 # Judged before a byte is read: a flood costs no parsing, no HMAC, no database.
                 raise WebhookRefusal(429, "rate_limited", "too many requests: try again later")
-            with self._open_lock:
-                accepted = self._open.get(conn, (time.monotonic(), None))[0]
-                reader = _HookReader(conn, accepted + WEBHOOK_REQUEST_SECONDS,
-                                     accepted + WEBHOOK_HEAD_SECONDS)
-                self._open[conn] = (accepted, reader)
+            with self._open_lock:       # accepted by serve(), or handed in by a caller
+                reader = self._open.setdefault(conn, _HookReader(conn, time.monotonic()))
             req = read_hook_request(reader)
         except WebhookRefusal as refusal:
             self._send(conn, *self._error(refusal))
@@ -14397,8 +13778,7 @@ class Webhook:
         except ProxyError as exc:
             return self._error(_hook_refusal(exc, route))
         except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
-            self.log(f"webhook: run {route.run}: a record could not be read "
-                     f"({type(exc).__name__})")
+            self.log(f"webhook: run {route.run}: a record could not be read ({type(exc).__name__})")
             return self._error(WebhookRefusal(500, "internal", "a record of this run could "
                                                                "not be read"))
         finally:
@@ -14417,10 +13797,9 @@ class Webhook:
                                  for a in pending[:WEBHOOK_LIST_LIMIT]]})
 
     def _do_show(self, store: Store, route: HookRoute, req: HookRequest):
-        approval = _approval_under(store, route)
+        run, approval = _approval_under(store, route)
         if approval.status == PENDING:
             approval.verify()           # a row edited behind the proxy's back is not shown
-            run = store.get_run(route.run)
             if run.status != WAITING:
                 raise WebhookRefusal(409, "run_finished" if run.status in TERMINAL else
                                      "run_not_waiting", f"run {run.id} is {run.status}: "
@@ -14440,7 +13819,7 @@ class Webhook:
         approve = route.action == "approve"
         # The operator's word on a cut-off attempt, as reject -outcome takes it (unknown
         # unless given); an outcome on any other decision is refused before it is made.
-        word = operator_word(_approval_under(store, route), approve, doc.get("outcome"))
+        word = operator_word(_approval_under(store, route)[1], approve, doc.get("outcome"))
         approval, run = decide_approval(store, route.run, route.approval, approve, doc["by"],
                                         doc.get("note", ""), doc["hash"], self.clock(),
                                         view=doc.get("view", ""), outcome=word)
@@ -14469,26 +13848,24 @@ def _linger(conn: socket.socket) -> None:
     """After answering a request left unread, drop what the client still sends, for a
     bounded time: closing with unread bytes resets the connection, and the client could
     lose the answer."""
-    try:
+    with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_WR)
         deadline, dropped = time.monotonic() + WEBHOOK_LINGER_SECONDS, 0
         while dropped < WEBHOOK_LINGER_BYTES and time.monotonic() < deadline:
             conn.settimeout(max(0.0, deadline - time.monotonic()))
             data = conn.recv(WEBHOOK_RECV)
             if not data:
-                return
+                break
             dropped += len(data)
-    except OSError:
-        return
 
 
 @contextlib.contextmanager
 def _stop_on_signals(stop: threading.Event):
-    """SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    """SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving; only the
+    main thread can set a handler, so served from another thread, none is set."""
+    on_main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.signal(s, lambda *_: stop.set())
+             for s in ((signal.SIGTERM, signal.SIGINT) if on_main else ())}
     try:
         yield
     finally:
@@ -14530,8 +13907,7 @@ def cmd_sign(args, out: Out) -> int:
         with open(args.body_file, "rb") as f:
             body = f.read(WEBHOOK_MAX_BODY + 1)
     if len(body) > WEBHOOK_MAX_BODY:
-        raise UsageError(f"sign: the body is over {WEBHOOK_MAX_BODY} bytes; the webhook "
-                         "refuses it")
+        raise UsageError(f"sign: the body is over {WEBHOOK_MAX_BODY} bytes; the webhook refuses it")
     headers = sign_request(read_hook_secret(args.secret_file), args.method, args.path, body,
                            time.time())
     if args.json:

@@ -10,9 +10,9 @@ by STANDIN_LEDGER before it answers, so that a test counts what reached the serv
     write_file  {path, content}          no annotations
 
 With STANDIN_KIND=filesystem, memory, git or everything it offers instead the tools (names
-and hints) of that server, for the first-week story (test_first_week.py). With STANDIN_TOOLS
-(a JSON array of tools, as tools/list gives them) it offers exactly those, for a test that
-needs hints of its own (test_wrap_suggestions.py).
+and hints) of that server, for the first-week story; with STANDIN_TOOLS (a JSON array of
+tools, as tools/list gives them) it offers exactly those, for a test that needs hints of its
+own (both in test_wrap_suggestions.py).
 
 It speaks the legacy handshake only, answering each request in order as soon as it is read.
 Not a test module: pytest collects nothing here.

@@ -1,6 +1,11 @@
 """The operator commands: runs, show, events, approve, reject, cancel, verify, and the usage
 rules around them, against databases the tests wrote through the gate.
 
+The trail shows every refusal: a refused call (DUPLICATE, REJECTED, BLOCKED, EXPIRED) is
+recorded against the run it names, identical ones coalesced into one counter, and runs say
+plainly why a run ended. A command whose stdout's reader goes away (`runs | head`) ends
+quietly.
+
 Specification: DESIGN.md sections 2 and 3; reference/core.md 15 (operator commands), 7.3
 and 7.5 (decide, cancel), 12 (the chain that verify walks).
 """
@@ -1209,6 +1214,138 @@ def test_cli_verify_reports_a_changed_event(harness, cli, column):
         assert _verify(cli, harness.path, "-from", str(seq + 2))[0] == 0
     else:
         assert code == 0 and f"intact: {len(chain) - seq} event(s)" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals in the trail, and a reader that goes away
+# --------------------------------------------------------------------------------------------
+
+PAY = "bank_pay"
+
+
+@pytest.fixture
+def make(harnesses):
+    return harnesses
+
+
+class _ClosedAfter:
+    """A stdout whose reader goes away after ``n`` bytes, as `runs | head` does."""
+
+    def __init__(self, n: int, fd: int):
+        self.n, self.fd, self.written = n, fd, 0
+
+    def write(self, text: str) -> int:
+        self.written += len(text)
+        if self.written > self.n:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_a_closed_stdout_ends_the_command_quietly(make, tmp_path):
+    import io
+    import os
+    h = make(rules={"balance": {"side_effect": "read_only", "timeout": "10s"}})
+    for i in range(5):
+        h.call("bank_balance", {"account": f"a-{i}"})
+    r, w = os.pipe()
+    try:
+        out, err = _ClosedAfter(100, w), io.StringIO()
+        code = ap.main(["-db", h.cfg.database, "runs"], stdout=out, stderr=err)
+        assert code == 1 and err.getvalue() == "", err.getvalue()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_refusals_are_recorded_against_the_run_they_name_and_coalesced(make, cli):
+    """A DUPLICATE left no trace; 200 identical ones now move one counter."""
+    h = make(rules={"pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                            "outcome": "allow"}})
+    args = {"to": "bob", "amount": 5}
+    assert not h.is_error(h.call(PAY, args))
+    (earlier,) = h.runs()
+    for _ in range(200):
+        assert h.prefix(h.call(PAY, args)) == "DUPLICATE"
+    (rows,) = h.store._read("SELECT count(*) FROM proxy_refusals", ())
+    assert rows == (1,)
+    code, out, err = cli("-db", h.cfg.database, "show", earlier.id)
+    assert code == 0, err
+    assert "refused 200 time(s) as DUPLICATE, first " in out and ", last " in out, out
+    code, out, err = cli("-db", h.cfg.database, "-json", "events", earlier.id)
+    (refusal,) = json.loads(out)["refusals"]
+    assert refusal["count"] == 200 and refusal["answer"] == "DUPLICATE"
+    assert refusal["first_at"] <= refusal["last_at"]
+    code, out, err = cli("-db", h.cfg.database, "events", earlier.id)
+    assert "calls of this request refused 200 time(s) as DUPLICATE" in out, out
+
+
+def test_a_repeated_rejection_and_a_block_are_recorded(make, cli):
+    h = make(max_pending=1)
+    args = {"to": "eve", "amount": 7}
+    h.call(PAY, args)
+    (asked,) = h.pending()
+    r = h.call(PAY, {"to": "fay", "amount": 8})            # one waits already: max_pending
+    assert h.prefix(r) == "BLOCKED", h.text(r)
+    h.decide(asked, approve=False, note="not this month", by="pat")
+    for _ in range(3):
+        assert h.prefix(h.call(PAY, args)) == "REJECTED"
+    code, out, err = cli("-db", h.cfg.database, "-json", "show", asked.run_id)
+    doc = json.loads(out)
+    assert doc["run"]["why"] == "rejected by pat", doc["run"]
+    assert {(r["answer"], r["count"]) for r in doc["refusals"]} == {("BLOCKED", 1),
+                                                                    ("REJECTED", 3)}
+    code, out, err = cli("-db", h.cfg.database, "runs")
+    assert "rejected by pat" in out, out
+
+
+def test_runs_say_plainly_why_a_run_ended(make, cli):
+    h = make(rules={"balance": {"side_effect": "read_only", "timeout": "10s"},
+                    "pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                            "outcome": "deny"}})
+    assert h.prefix(h.call(PAY, {"to": "bob", "amount": 5})) == "DENIED"
+    assert not h.is_error(h.call("bank_balance", {"account": "A"}))
+    code, out, err = cli("-db", h.cfg.database, "-json", "runs")
+    whys = {r["goal"]: r["why"] for r in json.loads(out)["runs"]}
+    assert whys == {"call bank_pay": "denied by policy", "call bank_balance": "completed"}
+    code, out, err = cli("-db", h.cfg.database, "show", next(
+        r.id for r in h.runs() if r.goal == "call bank_pay"))
+    assert "ended   denied by policy" in out, out
+
+
+def test_an_expired_request_refused_again_is_recorded(make, cli):
+    h = make(approval_ttl="1m")
+    args = {"to": "gus", "amount": 9}
+    assert h.prefix(h.call(PAY, args)) == "PENDING_APPROVAL"
+    (asked,) = h.pending()
+    h.clock.skew += 120                                   # the approval expires unanswered
+    assert h.prefix(h.call(PAY, args)) == "EXPIRED"
+    assert h.prefix(h.call(PAY, args)) == "EXPIRED"
+    code, out, err = cli("-db", h.cfg.database, "-json", "show", asked.run_id)
+    doc = json.loads(out)
+    assert doc["run"]["why"] == "its approval expired", doc["run"]
+    assert [(r["answer"], r["count"]) for r in doc["refusals"]] == [("EXPIRED", 2)], doc
+
+
+def test_a_call_blocked_by_an_unknown_outcome_is_recorded_against_the_run_that_blocks(
+        make, cli):
+    h = make(rules={"pay": {"side_effect": "remote_mutation", "timeout": "1s",
+                            "outcome": "allow"}})
+    cut = {"to": "hal", "amount": 3, "mode": "block"}
+    h.call(PAY, cut)                                       # times out: outcome unknown
+    h.release()
+    assert h.prefix(h.call(PAY, cut)) == "UNKNOWN_OUTCOME"
+    (asked,) = h.pending()
+    for amount in (4, 4):
+        r = h.call(PAY, {"to": "ivy", "amount": amount})
+        assert h.prefix(r) == "BLOCKED", h.text(r)
+    code, out, err = cli("-db", h.cfg.database, "show", asked.run_id)
+    assert "calls   refused 2 time(s) as BLOCKED" in out, out
 
 
 # ---- Faults found in review ------------------------------------------------------------------

@@ -6,6 +6,13 @@ mutating tools/call with a 1 MB argument and one allowed read whose answer is 1 
 the in-process proxy. A read of at least the payload's length is a read of the frame's
 payload: there is exactly one for each, the host's frame as it arrives and the server's
 answer as it is read.
+
+- A call's arguments are parsed once: the host's arguments, parsed strictly for their
+  request key, travel with the call as the strict parse of the proxy's own encoding of
+  them, which every later reader reads (the schema check, the policy's copy, the record,
+  the request sent). A fixed parameter is written into a copy, never into that value.
+- A frame's spans are found while it is parsed, and a record's members come from the one
+  parse that reads it; a record that is not an object is unreadable.
 """
 
 import os
@@ -15,6 +22,7 @@ import pytest
 
 from proxy_harness import ROOT, ProxyHarness, ap
 from scan_count import Scans
+from test_rules_cost import InstantServer, instant_proxy
 
 PAYLOAD = 1024 * 1024
 FILES_SERVER = [sys.executable, os.path.join(ROOT, "tests", "files_server.py")]
@@ -67,3 +75,134 @@ def test_arguments_the_strict_parser_refuses_are_never_taken_from_the_message(ar
     fine = ap.parse_message(frame.replace(args, b'{"a":[1.50,"\\u00e9"]}'))
     assert fine.parsed("arguments") == ap.parse_json(b'{"a":[1.50,"\\u00e9"]}')
     assert fine.parsed("_meta") is ap.NOT_PARSED            # its own repeated key
+
+
+# -- a call's arguments, parsed once -----------------------------------------------------------
+
+PAY_ALLOW = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
+             "refund": {"side_effect": "destructive", "timeout": "10s"}}
+
+ARGUMENTS = [
+    b'{"account":"A-1"}',
+    b'{ "account" : "A-\\u00e9",\r\n "n": [1.50, -0, 2E+3, {"x": null}] }',
+    b'{"t":"a\xe2\x80\xa8b\\ud83d\\ude00"}',
+    b'{"big":123456789012345678901234567890}',
+]
+
+
+@pytest.mark.parametrize("raw", ARGUMENTS, ids=range(len(ARGUMENTS)))
+def test_host_arguments_carry_the_strict_parse_of_their_recorded_bytes(raw):
+    args, key, value = ap.host_arguments("bank_pay", raw)
+    assert key is not None
+    assert value == ap.parse_json(args) == ap.parse_json(raw)
+    assert ap.dump_json(value).encode() == args
+    assert ap.host_arguments("bank_pay", raw, value) == (args, key, value)
+
+
+def one_call(h, upstream, name, args):
+    """One call through a proxy in front of ``upstream``; the proxy and store closed."""
+    proxy = instant_proxy(h, upstream)
+    try:
+        return h.run(proxy.call(name, args))
+    finally:
+        proxy.close()
+        h.close()
+
+
+def test_a_calls_arguments_are_parsed_once(tmp_path, monkeypatch):
+    h = ProxyHarness(tmp_path, rules=PAY_ALLOW)
+    args = b'{"to":"bob","amount":1}'
+    parsed: list[bytes] = []
+    real = ap.parse_json
+
+    def counted(raw, *a, **k):
+        parsed.append(bytes(raw))
+        return real(raw, *a, **k)
+    monkeypatch.setattr(ap, "parse_json", counted)
+    result = one_call(h, InstantServer(), "bank_pay", args)
+    assert not result["isError"], result
+    assert parsed.count(args) == 1, parsed
+
+
+class Recording(InstantServer):
+    def __init__(self):
+        super().__init__()
+        self.sent: list[bytes] = []
+
+    async def call_tool(self, remote, args, timeout):
+        self.sent.append(args)
+        return await super().call_tool(remote, args, timeout)
+
+
+def test_a_fixed_parameter_is_written_into_a_copy_of_the_arguments(tmp_path):
+    rules = dict(PAY_ALLOW, pay=dict(PAY_ALLOW["pay"], fixed={"currency": "EUR"}))
+    h = ProxyHarness(tmp_path, rules=rules)
+    upstream = Recording()
+    args = b'{"to":"bob","amount":1}'
+    result = one_call(h, upstream, "bank_pay", args)
+    assert not result["isError"], result
+    assert upstream.sent == [b'{"to":"bob","amount":1,"currency":"EUR"}']
+
+
+# -- a frame's spans, recorded while it is parsed --
+
+FRAMES = [
+    b'{"jsonrpc":"2.0","id":17,"method":"tools/call","params":{"name":"t","arguments":{"a":1}}}',
+    b' { "id" : "x\\u00e9" , "params" : { "name" : "t" ,\t"arguments" : { } } , "z" : [1, {"b": 2}] } ',
+    b'{"id":-1.5e3,"result":{"content":[{"type":"text","text":"a\\"b"}],"isError":false},"x":null}',
+    b'{"a":true,"b":false,"c":null,"d":"","e":{},"f":[],"g":{"h":{"i":{"j":1}}}}',
+    b'{"k\\u0041":{"in":"\\ud83d\\ude00"},"kA":{"in":2},"params":[1,2]}',      # a repeated key
+    b'{"params":{"arguments":"\xff\xfe not UTF-8","name":"n"},"id":1}',
+    b'{"a":{"b":1},"a":5,"c":{"d":{"e":2}}}',                                # a dict dropped
+    b'{"id":0,"result":{"x":"\\n\\t","y":12345678901234567890,"z":[{"q":"}"}]}}',
+    b'{}',
+]
+
+
+@pytest.mark.parametrize("frame", FRAMES, ids=range(len(FRAMES)))
+def test_a_frames_spans_are_found_while_it_is_parsed(frame):
+    msg = ap.parse_message(frame)
+    members = [(msg.spans, msg.doc)]
+    members += [(msg.inner[name], msg.doc[name]) for name in msg.inner]
+    for name, (a, _) in msg.spans.items():
+        assert (name in msg.inner) == (msg.text[a] == "{"), name
+    params = msg.doc.get("params")
+    assert msg.params_spans == (msg.inner["params"] if isinstance(params, dict) else {})
+    if b"\xff" in frame:
+        return                                     # its arguments are not JSON text alone
+    for spans, doc in members:                     # each span is its value, exactly
+        assert set(spans) == set(doc)
+        for name, (a, b) in spans.items():
+            value = ap.parse_json(msg.text[a:b].encode(), strict=False, bounds=False)
+            assert ap.encode_canonical(value) == ap.encode_canonical(doc[name])
+
+
+RECORDS = [
+    b'{"kind":"tool_call","tool":"bank_pay","args":{"to":"bob","amount":1.50},"origin":"model"}',
+    b'{"kind":"tool_call","tool":"t","args":{"a":{"b":[1,{"c":"\\u00e9\\n"}]},"z":1e400},'
+    b'"origin":"model"}',
+    b'{"kind":"complete","result":"done","args":{}}',
+    b'{"kind":"fail","message":"x"}',
+    b' { "kind" : "tool_call" , "args" : [ 1 , 2 ] } ',
+]
+
+
+@pytest.mark.parametrize("raw", RECORDS, ids=range(len(RECORDS)))
+def test_a_records_members_come_from_the_one_parse_that_reads_it(raw):
+    doc, members = ap.read_members(raw)
+    assert ap.encode_canonical(doc) == ap.encode_canonical(ap.read_own(raw))
+    for name, member in members.items():                       # each its value's bytes
+        assert ap.read_own(member) == doc[name]
+    row = ("step", "run", 0, "done", raw.decode(), "", "", "", "", "", "", "")
+    step = ap._step_from_row(row)
+    assert step.decision == ap.loads_own(raw)
+    assert step.args == members.get("args", b"")
+
+
+def test_a_record_that_is_not_an_object_is_unreadable():
+    with pytest.raises(ap.JSONError, match="expected an object"):
+        ap.read_members(b'["kind"]')
+    row = ("step", "run", 0, "done", '["kind"]', "", "", "", "", "", "", "")
+    with pytest.raises(ap.StoreError, match="cannot be read"):
+        ap._step_from_row(row)

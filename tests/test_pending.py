@@ -3,6 +3,9 @@
 never a scan of every run), and `on_pending`, the notification command the proxy starts when
 an approval starts to wait.
 
+The model is told of an approved request not yet collected (gate_status); the commands
+printed for the operator carry absolute paths, so that they work from any directory.
+
 Every wait has a deadline; every process a test starts is ended by its pid.
 """
 
@@ -375,9 +378,54 @@ def test_pending_summary_is_in_canonical_order_so_padding_hides_no_field():
     # The model orders its members: padding a first field must not push the amount past
     # the cut of the one-line summary.
     raw = json.dumps({"zz_memo": "x" * 400, "amount": 9999, "to": "mallory"}).encode()
-    summary = ap.args_summary(raw)
+    summary = ap.args_summary(*ap.args_fields(raw))
     assert summary.startswith('{"amount":9999,"to":"mallory","zz_memo":"xxx'), summary
     assert len(summary.encode()) <= ap.PENDING_ARGS_BYTES + 16
+
+
+# -- what waits for the model, and the commands printed -------------------------------------
+
+PAY, STATUS = "bank_pay", "gate_status"
+
+
+@pytest.fixture
+def make(harnesses):
+    return harnesses
+
+
+def test_gate_status_lists_an_approved_grant_not_yet_collected(make):
+    """The model was told "nothing waits" while its approved call waited for it."""
+    h = make()
+    args = {"to": "landlord", "amount": 950}
+    r = h.call(PAY, args)
+    assert h.prefix(r) == "PENDING_APPROVAL"
+    (asked,) = h.pending()
+    h.decide(asked, approve=True)
+    said = h.text(h.call(STATUS, {}))
+    assert "no request in this session is waiting" in said, said
+    assert "1 approved request waits for you to collect it" in said, said
+    assert asked.id in said and "exactly the same arguments" in said, said
+    assert h.payments() == 0
+    assert h.text(h.call(PAY, args)) == "paid 950.00 to landlord"
+    said = h.text(h.call(STATUS, {}))
+    assert "approved request" not in said and asked.id not in said, said
+
+
+def test_printed_commands_carry_absolute_paths(make, tmp_path, monkeypatch):
+    """`pending -db proxy.db` printed a relative -db, which worked only from there."""
+    h = make()
+    h.call(PAY, {"to": "bob", "amount": 5})
+    monkeypatch.chdir(h.tmp)
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    assert ap.main(["-db", "runs.db", "pending"], stdout=out, stderr=err) == 0, err.getvalue()
+    decide = next(line for line in out.getvalue().splitlines() if "decide with:" in line)
+    assert f'-db "{h.cfg.database}"' in decide, decide
+    out = io.StringIO()
+    assert ap.main(["-db", "runs.db", "-json", "pending"], stdout=out, stderr=err) == 0
+    doc = json.loads(out.getvalue())["approvals"][0]
+    assert f'-db \\"{h.cfg.database}\\"' in json.dumps(doc["decide"]) and \
+        f'-db \\"{h.cfg.database}\\"' in json.dumps(doc["read"]), doc
 
 
 # ---- What waits, faults found in review ------------------------------------------------------
@@ -459,7 +507,7 @@ def test_many_fields_are_counted_and_pointed_to_never_dropped_silently():
     raw = json.dumps({**{f"a{i:03d}": i for i in range(200)}, "to": "mallory"}).encode()
     fields, more = ap.args_fields(raw)
     assert more > 0 and len(fields) + more == 201
-    summary = ap.args_summary(raw)
+    summary = ap.args_summary(*ap.args_fields(raw))
     assert summary.endswith(f"and {more} more fields not shown here"), summary
     assert len(summary.encode()) <= ap.PENDING_ARGS_BYTES + 64
     long_key = json.dumps({"k" * 500: 1, "to": "mallory"}).encode()

@@ -6,18 +6,30 @@ Each test starts `python3 agentrt_proxy.py -config proxy.json` over pipes as a h
 (tests/process_helpers.py), with the fake payment server behind it, and decides approvals
 with the operator command, as the operator does. Every wait has a deadline; every process a
 test starts is killed by its pid in a finally.
+
+Start-up: the handshake is answered while the servers load, the servers load at once, and a
+failure to load still fails start-up. The servers there are a small stdio MCP server written
+to tmp_path. Each one notes, in a file beside it, the time it started and the time it was
+about to answer its own ``initialize``; a test compares those times with the moments the host
+got its answers. Before a proxy starts, a ``<name>.mode`` file makes that server slow ("2"
+sleeps 2 s before answering initialize) or fail ("1 fail": sleeps 1 s, writes a reason to
+stderr, exits 1). The servers are pinned while they are still quick.
 """
+
+from __future__ import annotations
 
 import json
 import os
 import signal
 import stat
+import subprocess
 import time
 
 import pytest
 
-from process_helpers import (EVENTS_ALLOWED, EVENTS_CRASH_INTERRUPTED_APPROVED, ProcessDir,
-                             eventually, is_error, prefix, text)
+import agentrt_proxy as ap
+from process_helpers import (EVENTS_ALLOWED, EVENTS_CRASH_INTERRUPTED_APPROVED, PROXY, PYTHON,
+                             ProcessDir, ProxyProcess, eventually, is_error, prefix, text)
 
 LEASE = "3s"
 LIVE_LEASE = "8s"       # outlasts the calls a test makes while it is live, on a busy machine
@@ -422,13 +434,218 @@ def test_process_result_after_a_take_over_is_recorded_and_shown(tmp_path, procs)
     assert d.payments() == 1
 
 
+# -- start-up: the handshake answered while the servers load -------------------------------
+
+# A held server answers initialize only once the test releases it (<name>.release), so that
+# what is judged is an order, never a time.
+HOLD = "hold"
+
+SERVER = r'''
+import json, os, sys, time
+here, name = os.path.dirname(os.path.abspath(__file__)), sys.argv[1]
+
+def note(what):
+    with open(os.path.join(here, name + "." + what), "w") as f:
+        f.write(repr(time.time()))
+
+note("started")
+delay, fail, hold = 0.0, False, False
+if os.path.exists(os.path.join(here, name + ".mode")):
+    with open(os.path.join(here, name + ".mode")) as f:
+        words = f.read().split()
+    hold = words[0] == "hold"
+    delay, fail = 0.0 if hold else float(words[0]), "fail" in words
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    method, answer = msg.get("method"), {"jsonrpc": "2.0", "id": msg["id"]}
+    if method == "initialize":
+        time.sleep(delay)
+        while hold and not os.path.exists(os.path.join(here, name + ".release")):
+            time.sleep(0.02)
+        if fail:
+            sys.stderr.write(name + " cannot start\n")
+            sys.exit(1)
+        note("answered")
+        answer["result"] = {"protocolVersion": msg["params"]["protocolVersion"],
+                            "capabilities": {"tools": {}},
+                            "serverInfo": {"name": name, "version": "1"}}
+    elif method == "tools/list":
+        answer["result"] = {"tools": [{"name": "echo", "description": "says hello",
+                                       "inputSchema": {"type": "object"}}]}
+    elif method == "tools/call":
+        answer["result"] = {"content": [{"type": "text", "text": "hello from " + name}]}
+    else:
+        answer["error"] = {"code": -32601, "message": "method not found"}
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
+'''
+
+RULES = {"echo": {"side_effect": "read_only", "timeout": "5s"}}
+INITIALIZE = {"protocolVersion": "2025-06-18", "capabilities": {},
+              "clientInfo": {"name": "host", "version": "1"}}
+
+
+class StartupDir:
+    """tmp_path with the server script, a configuration of the named servers, their pins."""
+
+    def __init__(self, tmp, names):
+        self.tmp = str(tmp)
+        self.config = os.path.join(self.tmp, "proxy.json")
+        self.procs: list[ProxyProcess] = []
+        script = os.path.join(self.tmp, "server.py")
+        with open(script, "w") as f:
+            f.write(SERVER)
+        servers = [{"name": n, "command": [PYTHON, script, n], "manifest": f"{n}.manifest.json",
+                    "rules": RULES} for n in names]
+        with open(self.config, "w") as f:
+            json.dump({"database": "runs.db", "session": "boot", "hold": "0s",
+                       "servers": servers}, f)
+        os.chmod(self.config, 0o600)
+        p = subprocess.run([PYTHON, PROXY, "pin", "-config", self.config], cwd=self.tmp,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 0, f"pin failed: {p.stdout}\n{p.stderr}"
+        for n in names:                  # the pin's own notes are not this start-up's
+            for what in ("started", "answered"):
+                os.unlink(os.path.join(self.tmp, f"{n}.{what}"))
+
+    def mode(self, name: str, text: str) -> None:
+        with open(os.path.join(self.tmp, f"{name}.mode"), "w") as f:
+            f.write(text)
+
+    def release(self, name: str) -> None:
+        """Let a held server answer initialize."""
+        open(os.path.join(self.tmp, f"{name}.release"), "w").close()
+
+    def noted(self, name: str, what: str) -> float | None:
+        try:
+            with open(os.path.join(self.tmp, f"{name}.{what}")) as f:
+                return float(f.read())
+        except (OSError, ValueError):
+            return None
+
+    def start(self) -> ProxyProcess:
+        """The proxy, started; nothing sent to it yet."""
+        p = ProxyProcess(self, "proxy")
+        self.procs.append(p)
+        return p
+
+
+@pytest.fixture
+def boot(tmp_path):
+    made: list[StartupDir] = []
+
+    def make(*names: str) -> StartupDir:
+        made.append(StartupDir(tmp_path, names))
+        return made[-1]
+    yield make
+    for d in made:
+        for p in d.procs:
+            p.kill()
+
+
+def tool_names(answer: dict) -> list[str]:
+    assert "result" in answer, answer
+    return sorted(t["name"] for t in answer["result"]["tools"])
+
+
+def test_initialize_is_answered_before_the_server_has_started(boot):
+    d = boot("slow")
+    d.mode("slow", HOLD)
+    p = d.start()
+    init = p.request("initialize", INITIALIZE, timeout=30)
+    got_init = time.time()
+    assert "result" in init, init
+    assert init["result"]["serverInfo"]["name"] == "gated-tools"
+    # The server has not yet answered its own initialize when the host has the proxy's.
+    eventually(lambda: d.noted("slow", "started"), 30, "the server to start")
+    assert d.noted("slow", "answered") is None, "the proxy answered only after its server"
+    assert "result" in p.request("ping", timeout=30)
+    p.notify("notifications/initialized")
+    d.release("slow")
+    listed = p.request("tools/list", timeout=30)
+    assert tool_names(listed) == ["gate_status", "slow_echo"]
+    answered = d.noted("slow", "answered")
+    assert answered is not None and got_init < answered
+    p.stop()
+
+
+def test_a_tools_list_sent_while_loading_is_answered_after_loading_with_the_tools(boot):
+    """Sent at once, with a call behind it, and stdin closed: both are answered once the
+    server is loaded, and the proxy then exits 0 as after any EOF."""
+    d = boot("slow")
+    d.mode("slow", HOLD)
+    p = d.start()
+    p.send("initialize", INITIALIZE, ident=1)
+    p.send("tools/list", ident=2)
+    p.send("tools/call", {"name": "slow_echo", "arguments": {}}, ident=3)
+    p.close_stdin()
+    assert "result" in p.answer(1, timeout=30)
+    eventually(lambda: d.noted("slow", "started"), 30, "the server to start")
+    assert d.noted("slow", "answered") is None, "the proxy answered only after its server"
+    d.release("slow")
+    listed = p.answer(2, timeout=30)
+    assert tool_names(listed) == ["gate_status", "slow_echo"]
+    assert d.noted("slow", "answered") is not None
+    called = p.answer(3, timeout=30)
+    assert "result" in called, called
+    assert "hello from slow" in json.dumps(called["result"])
+    assert p.wait_exit(30) == 0, p.stderr()
+
+
+def test_two_slow_servers_connect_at_once(boot):
+    d = boot("a", "b")
+    d.mode("a", HOLD)
+    d.mode("b", HOLD)
+    p = d.start()
+    assert "result" in p.request("initialize", INITIALIZE, timeout=30)
+    eventually(lambda: d.noted("a", "started") and d.noted("b", "started"), 30,
+               "both servers to start while a is held")
+    d.release("a")
+    d.release("b")
+    listed = p.request("tools/list", timeout=30)
+    assert tool_names(listed) == ["a_echo", "b_echo", "gate_status"]
+    # One after the other, b would start only once a had answered.
+    assert d.noted("b", "started") < d.noted("a", "answered")
+    p.stop()
+
+
+def test_a_failing_server_fails_start_up_with_its_reason(boot):
+    """b fails at once, a after a second: the error is a's, as when the servers loaded one
+    after another; a request that waited for loading gets an error answer; exit 1."""
+    d = boot("a", "b")
+    d.mode("a", "1 fail")
+    d.mode("b", "0 fail")
+    p = d.start()
+    assert "result" in p.request("initialize", INITIALIZE, timeout=30)
+    waited = p.request("tools/list", timeout=30)
+    assert waited["error"]["message"] == ap.START_FAILED, waited
+    assert p.wait_exit(30) == 1
+    err = p.stderr()
+    assert "a cannot start" in err and "b cannot start" not in err, err
+    assert "error: " in err and "server 'a'" in err.replace('"', "'"), err
+    assert "serving session" not in err, err
+
+
+def test_a_signal_while_loading_answers_what_waited_and_exits_0(boot):
+    d = boot("slow")
+    d.mode("slow", HOLD)
+    p = d.start()
+    assert "result" in p.request("initialize", INITIALIZE, timeout=30)
+    ident = p.send("tools/list")
+    eventually(lambda: d.noted("slow", "started"), 30, "the server to start")
+    os.kill(p.pid, signal.SIGTERM)
+    stopped = p.answer(ident, timeout=30)
+    assert stopped["error"]["message"] == ap.STOPPED_LOADING, stopped
+    assert p.wait_exit(30) == 0, p.stderr()
+    assert "stopped before serving" in p.stderr()
+    assert d.noted("slow", "answered") is None
+
+
 # ---- Shutdown, faults found in review --------------------------------------------------------
 # Each test's docstring names the finding it guards, in the finding's words.
-
-import subprocess  # noqa: E402
-
-from process_helpers import PROXY, PYTHON  # noqa: E402
-
 
 def test_sigterm_mid_call_exits_zero_after_the_call_is_recorded(tmp_path):
     """9e92090: the host's input was read through a buffered reader on a thread; SIGTERM

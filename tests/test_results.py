@@ -3,12 +3,18 @@
 A result returns the server's text blocks as text, as the model would read them straight
 from the server, with the server's structured content beside it as structuredContent when
 both fit the cap; both are recorded. Past the cap the text alone is returned and recorded.
+
+- A DUPLICATE of a structured result quotes the text the model read.
+- An observation keeps the exact bytes of its content member, as the record holds them
+  (line breaks written again by the encoder), so that a terminal tool's result is never
+  parsed out of the record just built; one read back from a record is parsed as before.
 """
 
 import json
 
 from proxy_harness import ProxyHarness, ap
 from scan_count import Scans
+from test_rules_cost import InstantServer, instant_proxy
 
 PAY_ALLOW = {"balance": {"side_effect": "read_only", "timeout": "10s"},
              "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
@@ -306,6 +312,68 @@ def test_call_invalid_utf8_in_a_result_becomes_replacement_characters(script, tm
     s = results_server(script, tmp_path, {"read_file": BAD_CALLS["badutf8"]})
     r = arun(call_mapped(s, "read_file"))
     assert json.loads(r.content) == "ok \ufffd\ufffd bytes \ufffd"
+
+
+# ---- What is recorded of a result: its record's own bytes ------------------------------------
+
+CONTENTS = [
+    b'{"a":1}',
+    b'{"a": 1,\n  "b": "x\xe2\x80\xa8y"}',          # a line end of every reader, twice
+    b'[1,\r\n2.50, "\xc2\x85"]',
+    b'"text"',
+    {"error": "no answer", "tool": "bank_pay"},
+]
+
+
+@pytest.mark.parametrize("content", CONTENTS, ids=range(len(CONTENTS)))
+def test_an_observations_kept_content_is_its_records_own_bytes(content):
+    obs = ap._obs(ap.TOOL_RESULT, content, "a summary")
+    recorded = ap.member_spans(obs.json_text.encode())["content"]
+    assert ap._content_bytes(obs) == recorded
+    read_back = obs._replace(content=None)                    # read back: parsed, as before
+    assert ap._content_bytes(read_back) == recorded
+    for brk in (b"\n", b"\r", b"\xc2\x85", b"\xe2\x80\xa8"):
+        assert brk not in recorded
+    assert obs.doc == ap.read_own(obs.json_text) and obs.content_hash == obs.doc["content_hash"]
+
+
+def test_a_terminal_tools_result_is_its_recorded_content(tmp_path):
+    rules = dict(PAY_ALLOW, balance=dict(PAY_ALLOW["balance"], terminal=True))
+    h = ProxyHarness(tmp_path, rules=rules)
+    proxy = instant_proxy(h, InstantServer())
+    try:
+        result = h.run(proxy.call("bank_balance", b'{"account":"A-1"}'))
+        assert not result.get("isError"), result
+        run = h.store.list_runs(1)[0][0]
+        step = h.store.list_steps(run.id)[0]
+        raw = h.store._read("SELECT observation_json FROM steps WHERE id=?", (step.id,))[0][0]
+        assert run.status == ap.COMPLETED
+        assert run.result_json.encode() == ap.member_spans(raw.encode())["content"]
+    finally:
+        proxy.close()
+        h.close()
+
+
+# ---- A duplicate's answer quotes the result the model read -----------------------------------
+
+PAY = "bank_pay"
+
+
+@pytest.fixture
+def make(harnesses):
+    return harnesses
+
+
+def test_a_duplicate_of_a_structured_result_quotes_the_text_the_model_read(make):
+    h = make(rules={"pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                            "outcome": "allow"}})
+    args = {"to": "bob", "amount": 5, "mode": "structured"}
+    first = h.call(PAY, args)
+    assert h.text(first) == "paid 5.00 to bob" and "structuredContent" in first, first
+    r = h.call(PAY, args)
+    assert h.prefix(r) == "DUPLICATE", h.text(r)
+    assert h.text(r).endswith("The earlier call's outcome: it succeeded: paid 5.00 to bob"), \
+        h.text(r)
 
 
 # ---- Results, faults found in review ---------------------------------------------------------

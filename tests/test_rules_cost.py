@@ -7,6 +7,10 @@
   as an idle one does (the speed itself is tests/bench.py's row "same request, first/last").
 - Every query of the call index is a search of an index, never a scan of proxy_calls
   (EXPLAIN QUERY PLAN).
+- A new run's first step reads no steps (a run with no step counted has none), and the
+  rules read the call index once, before the call's transaction.
+- A DUPLICATE reads the earlier run once: the run the request's open row names, read and
+  found ended, is the run the duplicate rule judges.
 """
 
 import os
@@ -170,3 +174,54 @@ def test_the_index_queries_are_the_ones_the_module_runs():
                      "q.outcome!=?) ORDER BY id\"", "WHERE run_id=? AND \"",
                      "outcome=? WHERE id=? AND outcome=?\"", "\"id=? AND open=1\""):
         assert fragment in source, fragment
+
+
+# -- the statements of one call ----------------------------------------------------------------
+
+RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+         "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
+
+
+def test_a_new_run_reads_no_steps_and_the_rules_read_the_index_once(tmp_path):
+    h = ProxyHarness(tmp_path, rules=RULES)
+    proxy = instant_proxy(h, InstantServer())
+    statements: list[str] = []
+    try:
+        h.run(proxy.call("bank_balance", b'{"account":"A-0"}'))
+        h.store.conn.set_trace_callback(statements.append)
+        result = h.run(proxy.call("bank_balance", b'{"account":"A-1"}'))
+        h.store.conn.set_trace_callback(None)
+    finally:
+        proxy.close()
+        h.close()
+    assert not result["isError"], result
+    begin = statements.index("BEGIN IMMEDIATE")
+    step_reads = [s for s in statements if s.startswith("SELECT") and " FROM steps " in s]
+    index_reads = [s for s in statements if s.startswith("SELECT") and "proxy_calls" in s]
+    assert step_reads == [], step_reads
+    assert len(index_reads) == 1 and statements.index(index_reads[0]) < begin
+    assert len(statements) <= 31, "\n".join(statements)   # 2 of them set the sync level
+
+
+PAY_ALLOW = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
+             "refund": {"side_effect": "destructive", "timeout": "10s"}}
+
+
+def test_a_duplicate_reads_the_earlier_run_once(tmp_path):
+    h = ProxyHarness(tmp_path, rules=PAY_ALLOW)
+    upstream = InstantServer()
+    proxy = instant_proxy(h, upstream)
+    statements: list[str] = []
+    try:
+        first = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
+        assert not first["isError"], first
+        h.store.conn.set_trace_callback(statements.append)
+        again = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
+        h.store.conn.set_trace_callback(None)
+    finally:
+        proxy.close()
+        h.close()
+    assert h.prefix(again) == "DUPLICATE" and upstream.calls == 1, again
+    reads = [s for s in statements if s.startswith("SELECT") and " FROM runs " in s]
+    assert len(reads) == 1, reads

@@ -3,6 +3,15 @@ the event hash chain, writers in several processes, and migrations.
 
 Specification: DESIGN.md section 5; reference/core.md 1.1-1.5 (connection settings, openers,
 migrations, transactions), 4.4 (events) and 12 (the event hash chain).
+
+- A run a transaction moves is returned as a fresh read finds it, and a read of a run
+  inside this thread's open transaction sees that transaction's writes.
+- A run id already taken is refused and nothing is written.
+- A transaction inside a batch joins the batch only on the batch's own thread: another
+  thread's transaction waits for the batch to end and is never part of it.
+- The call index's claim is a compare-and-set without a read: the open row the caller read
+  is closed only while it is still open, and a key that has an open row takes no second one.
+- The key's open row and its newest closed rows are one statement.
 """
 
 import os
@@ -10,11 +19,13 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from conftest import BALANCE, LIMITS, PAY, ROOT, ap
+from proxy_harness import ProxyHarness
 
 PAUSE_EVENTS = ["run.created", "run.started", "step.started", "step.decided", "step.policy",
                 "approval.requested"]
@@ -692,3 +703,167 @@ def test_reopening_keeps_the_data(tmp_path):
         assert ap.verify_events(store).checked == 2
     finally:
         store.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Runs as a transaction knows them
+# --------------------------------------------------------------------------------------------
+
+RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+         "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
+BANK_PAY = "bank_pay"
+
+
+@pytest.fixture
+def h(tmp_path):
+    harness = ProxyHarness(tmp_path, rules=RULES)
+    yield harness
+    harness.close()
+
+
+def fresh_run(store: ap.Store, run_id: str) -> ap.Run:
+    """The run as the table holds it, read past every cache."""
+    row = store.conn.execute(f"SELECT {ap._RUN_COLS} FROM runs WHERE id=?",
+                             (run_id,)).fetchone()
+    return ap._run_from_row(row)
+
+
+def fields(run: ap.Run) -> tuple:
+    return tuple(getattr(run, f) for f in ap.Run.__dataclass_fields__)
+
+
+def test_the_runs_a_transaction_knows_are_the_rows_a_fresh_read_finds(h):
+    gate, store = h.proxy.gate, h.store
+    decision = ap.Decision("tool_call", BANK_PAY, b'{"to":"bob","amount":1}')
+    seen = []
+    with store.tx():
+        session = gate.begin("test.known", f"call {BANK_PAY}", h.proxy.limits)
+        seen.append((store.get_run("test.known"), fresh_run(store, "test.known")))
+        step = session.step()
+        seen.append((store.get_run("test.known"), fresh_run(store, "test.known")))
+        verdict = session.propose(decision)
+        assert verdict.kind == "allowed"
+        session.start()
+        seen.append((store.get_run("test.known"), fresh_run(store, "test.known")))
+        with store.tx() as tx:
+            moved = tx.transition("test.known", (ap.RUNNING,), ap.WAITING)
+            seen.append((moved, fresh_run(store, "test.known")))
+            seen.append((tx.run("test.known"), fresh_run(store, "test.known")))
+            moved = tx.transition("test.known", (ap.WAITING,), ap.RUNNING, owner=gate.owner,
+                                  lease_until="2030-01-01T00:00:00.000000Z")
+            seen.append((moved, fresh_run(store, "test.known")))
+    assert step.idx == 0 and seen[1][1].step_count == 1
+    for known, row in seen:
+        assert fields(known) == fields(row)
+    session.close()
+
+
+def test_a_run_id_already_taken_is_refused_and_nothing_is_written(h):
+    gate = h.proxy.gate
+    session = gate.begin("test.taken", "the first", h.proxy.limits)
+    session.close()
+    before = h.store.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+    other = ap.Gate(h.store, [ap.Tool(t.spec, t.call) for t in h.proxy.tools.values()],
+                    h.proxy.policy, now=h.clock, lease_owner="another")
+    try:
+        with pytest.raises(ap.RunStateError, match="already exists"):
+            other.begin("test.taken", "the second", h.proxy.limits)
+    finally:
+        other.close()
+    assert fresh_run(h.store, "test.taken").goal == "the first"
+    assert h.store.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == before
+
+
+BOUND = 10.0               # no wait in these tests is longer
+
+
+def test_another_threads_transaction_waits_for_a_batch_and_is_not_part_of_it(tmp_path):
+    store = ap.Store.open(str(tmp_path / "runs.db"))
+    joined, order = threading.Event(), []
+    insert = "INSERT INTO tool_specs (hash, spec_json) VALUES (?, '{}')"
+
+    def other():
+        joined.wait(BOUND)
+        with store.tx() as tx:
+            order.append("other")
+            tx.exec(insert, ("other",))
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        with pytest.raises(RuntimeError):
+            with store.tx():
+                with store.tx() as tx:
+                    tx.exec(insert, ("batch",))
+                joined.set()
+                time.sleep(0.3)             # the other thread is waiting meanwhile
+                order.append("batch ends")
+                raise RuntimeError("the batch fails: rolled back whole")
+        t.join(BOUND)
+        assert order == ["batch ends", "other"]
+        kept = [r[0] for r in store._read("SELECT hash FROM tool_specs ORDER BY hash")]
+        assert kept == ["other"]
+    finally:
+        t.join(BOUND)
+        store.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The call index: a claim is a compare-and-set, a key's rows one statement
+# --------------------------------------------------------------------------------------------
+
+def index_rows(h) -> list[tuple]:
+    return h.store.conn.execute("SELECT id, request_key, run_id, open FROM proxy_calls "
+                                "ORDER BY id").fetchall()
+
+
+def test_a_claim_over_an_open_row_it_did_not_read_writes_nothing(h):
+    index, now = h.proxy.index, h.clock()
+    index.claim("key", BANK_PAY, "remote_mutation", "test.one", None, now)
+    before = index_rows(h)
+    with pytest.raises(ap.IndexRace):
+        index.claim("key", BANK_PAY, "remote_mutation", "test.two", None, now)     # read none
+    assert index_rows(h) == before
+    first = index.open_row("key")
+    index.claim("key", BANK_PAY, "remote_mutation", "test.three", first, now)
+    after = index_rows(h)
+    with pytest.raises(ap.IndexRace):                                           # closed since
+        index.claim("key", BANK_PAY, "remote_mutation", "test.four", first, now)
+    assert index_rows(h) == after
+    assert [r[2:] for r in after] == [("test.one", 0), ("test.three", 1)]
+
+
+def test_a_claim_under_a_run_id_in_use_is_an_error_not_a_race(h):
+    index, now = h.proxy.index, h.clock()
+    index.claim("key", BANK_PAY, "remote_mutation", "test.one", None, now)
+    with pytest.raises(ap.StoreError):
+        index.claim("other key", BANK_PAY, "remote_mutation", "test.one", None, now)
+    assert [r[1:] for r in index_rows(h)] == [("key", "test.one", 1)]
+
+
+def test_the_keys_rows_are_its_open_row_and_its_newest_closed_rows(h):
+    index = h.proxy.index
+    prev = None
+    for i in range(12):
+        index.claim("key", BANK_PAY, "remote_mutation", f"test.{i}", prev, 100.0 + i)
+        index.claim(f"noise {i}", BANK_PAY, "remote_mutation", f"test.noise.{i}", None, 100.0 + i)
+        prev = index.open_row("key")
+    open_row, rows = index.for_key("key", 0.0)
+    assert open_row.run_id == "test.11" and open_row.open == 1
+    assert [r.run_id for r in rows] == ["test.11"] + [f"test.{i}" for i in
+                                                      range(10, 10 - ap.RULE_ROWS, -1)]
+    open_row, rows = index.for_key("key", 108.0)       # closed at 108 or later: 7 to 10
+    assert [r.run_id for r in rows] == ["test.11", "test.10", "test.9", "test.8", "test.7"]
+    assert index.for_key("no such key", 0.0) == (None, [])
+
+
+def test_a_closed_rows_only_key_has_no_open_row(h):
+    index = h.proxy.index
+    index.claim("key", BANK_PAY, "remote_mutation", "test.a", None, 1.0)
+    with h.store.tx() as tx:
+        tx.exec("UPDATE proxy_calls SET open=0, closed_at=2.0 WHERE run_id='test.a'")
+    open_row, rows = index.for_key("key", 0.0)
+    assert open_row is None and [r.run_id for r in rows] == ["test.a"]
+    with pytest.raises(sqlite3.IntegrityError):       # the index the claim relies on
+        h.store.conn.execute("INSERT INTO proxy_calls (session, request_key, tool, "
+                             "side_effect, run_id, created_at) VALUES ('s','k','t','r','x',0), "
+                             "('s','k','t','r','y',0)")

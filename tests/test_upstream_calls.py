@@ -3,6 +3,10 @@ taken out of the schema the host is offered and enforced at the call; the argume
 rule's timeout, never a default, with the server told the proxy stopped waiting; a session
 that died; a connection closed under a call. Against the scripted stdio server
 (tests/scripted_server.py); every wait has a deadline.
+
+A deadline on an upstream call (in_time) raises asyncio.TimeoutError and cancels what it
+waited for, as asyncio.wait_for does. An answer set in the very turn its deadline falls due
+is taken, on every version (3.12's wait_for loses it).
 """
 
 import asyncio
@@ -219,6 +223,114 @@ def test_connection_close_is_safe_twice_and_concurrent_with_a_call(script, tmp_p
         assert conn.closed
     arun(body())
     assert wait_gone(s.pid())
+
+
+# ==== A call's deadline (in_time) =============================================================
+
+def test_a_deadline_past_raises_timeout_and_cancels_what_it_waited_for():
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await ap.in_time(slow(), 0.05)
+        fut = asyncio.get_running_loop().create_future()
+        with pytest.raises(asyncio.TimeoutError):
+            await ap.in_time(fut, 0.05)
+        assert fut.done()                 # ended: an answer after it is dropped
+        assert await ap.in_time(asyncio.sleep(0, "done"), 5) == "done"
+    asyncio.run(main())
+    assert cancelled == [True]
+
+
+def test_an_answer_set_in_the_turn_its_deadline_falls_due_is_taken():
+    async def trial():
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        deadline = 0.05
+        loop.call_at(loop.time() + deadline - 0.001, lambda: fut.set_result("answer"))
+        loop.call_soon(time.sleep, deadline + 0.02)     # the loop busy past both
+        return await ap.in_time(fut, deadline)
+    assert asyncio.run(trial()) == "answer"
+
+
+def test_an_answer_read_in_the_turn_its_deadline_falls_due_is_taken():
+    """As an upstream's answer comes: read from a pipe by a reading task that sets the
+    future. The pipe turns readable in the same turn as the deadline's timer is due; the
+    reading task runs the turn after, and its answer is still taken."""
+    async def trial():
+        loop = asyncio.get_running_loop()
+        r, w = os.pipe()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(r, "rb", 0))
+        fut = loop.create_future()
+
+        async def read():
+            line = await reader.readuntil(b"\n")
+            if not fut.done():
+                fut.set_result(line)
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0)
+        deadline = 0.05
+
+        def answer_then_stall():
+            os.write(w, b"answer\n")
+            time.sleep(deadline + 0.02)           # the loop busy past the deadline
+        loop.call_soon(answer_then_stall)
+        try:
+            return await ap.in_time(fut, deadline)
+        finally:
+            task.cancel()
+            transport.close()
+            os.close(w)
+    assert asyncio.run(trial()) == b"answer\n"
+
+
+def test_a_cancel_in_the_turn_the_deadline_is_judged_is_a_cancel():
+    """Another part of the proxy cancels the waiting task (closing, say) in the very turn
+    in which the deadline ends the future: the task is cancelled, never handed a timeout it
+    would take for the deadline and go on from."""
+    async def trial():
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        went_on = []
+
+        async def waiter():
+            try:
+                return await ap.in_time(fut, 0.05)
+            except asyncio.TimeoutError:
+                went_on.append(True)
+                await asyncio.sleep(0.01)
+                return "went on"
+        task = asyncio.create_task(waiter())
+        await asyncio.sleep(0)
+        loop.call_later(0.05, loop.call_soon, task.cancel)
+        time.sleep(0.1)                           # the loop busy past both timers
+        try:
+            await task
+        except asyncio.CancelledError:
+            return went_on
+        return ["returned"] + went_on
+    assert asyncio.run(trial()) == []
+
+
+def test_an_outside_cancel_cancels_the_answer_awaited():
+    async def trial():
+        fut = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(ap.in_time(fut, 10))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return fut.cancelled()
+    assert asyncio.run(trial())
 
 
 # ---- Calls, faults found in review -----------------------------------------------------------

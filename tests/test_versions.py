@@ -3,6 +3,8 @@
 The module, demo.py and fake_payment_server.py each check the interpreter before anything
 else, with the same line: the version found, the version needed, where to get one. .ci/run
 runs this file on every version it finds; the README's first screen names the same range.
+Importing the module does no work a command may not need: http.client and fractions stay
+unimported until a command needs them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import agentrt_proxy as ap  # noqa: E402
+from process_helpers import PYTHON  # noqa: E402
 
 PROGRAMS = ("agentrt_proxy.py", "demo.py", "fake_payment_server.py")
 OLD_MINORS = (7, 8)            # old enough to refuse, new enough to compile the files
@@ -190,3 +193,13 @@ def test_script_run_never_imports_the_current_directory(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "agentrt_proxy.py"), "-h"],
                           cwd=str(tmp_path), capture_output=True, timeout=RUN_TIMEOUT)
     assert done.returncode == 0 and b"IMPOSTOR" not in done.stdout + done.stderr, done
+
+
+# -- importing the module: no work a command may not need --------------------------------------
+
+def test_import_leaves_http_client_and_fractions_unimported():
+    p = subprocess.run([PYTHON, "-c", "import agentrt_proxy, sys; "
+                        "print('http.client' in sys.modules, 'fractions' in sys.modules)"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "False"], p.stdout

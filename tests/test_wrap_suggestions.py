@@ -6,6 +6,10 @@ git recipe, as written, lets the edit, add and commit loop stage twice.
 A tool the policy denies on every call is not suggested a rule, so it is not offered: wrap
 lists it as left out with the rule that offers it, and check marks a classified one with how
 to stop offering it.
+
+check ends with a summary naming each refusal, and -strict fails on one. The new user's first
+week, replayed end to end from the command line: a host's file of five servers wrapped with
+the suggested rules, checked, served, read, asked, approved, repeated with `ask`, audited.
 """
 
 import json
@@ -14,6 +18,7 @@ import re
 import sys
 
 from conftest import ROOT, ap
+from proxy_harness import ProxyHarness
 
 PYTHON = sys.executable
 STANDIN = os.path.join(ROOT, "tests", "standin_server.py")
@@ -267,3 +272,146 @@ def test_check_marks_a_tool_denied_on_every_call_with_how_to_stop_offering_it(ha
     assert code == 0, err                         # -strict fails on a refusal only
     marked = [line for line in out.splitlines() if MARK in line]
     assert marked == [f"bank_refund: {MARK}"], out
+
+
+# ---- 3. check's summary, and the five-server story end to end ----
+
+def _checked(tmp_path, cli, rules, *flags):
+    from proxy_harness import write_config
+    h = ProxyHarness(tmp_path, rules=rules)          # pins the manifest, then closes
+    h.close()
+    return cli("check", "-config", write_config(str(tmp_path), rules), *flags)
+
+
+def test_check_ends_with_a_summary_naming_each_refusal(tmp_path, cli):
+    """check hid a refused tool among a hundred lines; -strict fails on one."""
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s",
+                     "rename": "bank_balance"},                      # taken: refused
+             "refund": {"side_effect": "destructive", "timeout": "10s"}}
+    code, out, err = _checked(tmp_path, cli, rules)
+    assert code == 0, err
+    lines = out.splitlines()
+    summary = lines.index(next(l for l in lines if l.startswith("summary: ")))
+    assert lines[summary] == ("summary: 2 tool(s) offered (1 of them denied on every call), "
+                              "1 classified by a rule but refused, 0 unclassified (no rule)")
+    assert lines[summary + 1].startswith('REFUSED bank: pay: the name "bank_balance" is '
+                                         'already taken'), lines[summary + 1]
+    assert lines[summary + 2] == ("DENIED ON EVERY CALL bank_refund: by its class "
+                                  "destructive, which the policy denies")
+    code, _, _ = cli("check", "-config", str(tmp_path / "proxy.json"), "-strict")
+    assert code == 1
+
+
+def test_check_strict_passes_when_nothing_is_refused(tmp_path, cli):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "deny"}}
+    code, out, err = _checked(tmp_path, cli, rules, "-strict")
+    assert code == 0, err
+    assert "DENIED ON EVERY CALL bank_pay: by its rule" in out
+    assert "summary: 2 tool(s) offered (1 of them denied on every call), 0 classified by a " \
+           "rule but refused, 1 unclassified (no rule)" in out, out
+
+
+def test_first_week_five_servers_wrap_check_serve_ask_approve_repeat_audit(tmp_path, cli):
+    """The new user's story, replayed: a Claude Desktop file with five servers (stand-ins for
+    filesystem, memory, git and everything, and the fake payment server), wrapped with the
+    suggested rules, checked, served to a host, read, asked, approved, repeated with `ask`,
+    and audited, from the command line as the user met it."""
+    import os
+    import re
+    import sys
+    from conftest import ROOT
+    from process_helpers import ProxyProcess, text, prefix
+    standin = os.path.join(ROOT, "tests", "standin_server.py")
+    ledger = str(tmp_path / "standin.ledger")
+
+    def stand_in(kind):
+        return {"command": sys.executable, "args": [standin],
+                "env": {"STANDIN_KIND": kind, "STANDIN_LEDGER": ledger}}
+    host = tmp_path / "Claude" / "claude_desktop_config.json"
+    host.parent.mkdir()
+    host.write_text(json.dumps({"mcpServers": {
+        "filesystem": stand_in("filesystem"), "memory": stand_in("memory"),
+        "git": stand_in("git"), "everything": stand_in("everything"),
+        "bank": {"command": sys.executable,
+                 "args": [os.path.join(ROOT, "fake_payment_server.py")],
+                 "env": {"FAKE_PAYMENTS_LEDGER": str(tmp_path / "bank.ledger")}}}}))
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    config = str(gate / "proxy.json")
+    # wrap: a dry run writes nothing; -write -rules suggested writes the printed rules.
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", str(host), "-config",
+                         config)
+    assert code == 0 and os.listdir(gate) == [], err
+    code, out, err = cli("wrap", "-host", "claude", "-host-config", str(host), "-config",
+                         config, "-write", "-rules", "suggested")
+    assert code == 0, err
+    with open(config) as f:
+        rules = {s["name"]: s["rules"] for s in json.load(f)["servers"]}
+    assert rules["git"]["git_commit"] == {"side_effect": "local_mutation", "repeat": "ask",
+                                          "rename": "git_commit"}
+    assert "refund" not in rules["bank"]         # denied on every call: left out
+    assert '"refund": {"side_effect": "destructive", "outcome": "require_approval"}' in out
+    # check: every tool named, nothing refused, none offered only to be denied.
+    code, out, err = cli("check", "-config", config, "-strict")
+    assert code == 0, err
+    assert "0 classified by a rule but refused" in out, out
+    assert "(0 of them denied on every call)" in out, out
+
+    class Dir:                                   # what ProxyProcess needs of a directory
+        tmp, procs = str(gate), []
+    Dir.config = config
+    p = ProxyProcess(Dir, "host")
+    try:
+        p.initialize()
+        listed = {t["name"] for t in p.request("tools/list", {})["result"]["tools"]}
+        assert {"filesystem_read_file", "git_commit", "git_status", "memory_read_graph",
+                "everything_echo", "bank_pay", "gate_status"} <= listed, listed
+        assert "bank_refund" not in listed
+        # read
+        assert text(p.call("filesystem_read_file", {"path": "/notes.txt"})) == \
+            "read_file done"
+        # ask, approve from a shell, collect once
+        pay = {"to": "landlord", "amount": 950}
+        r = p.call("bank_pay", pay)
+        assert prefix(r) == "PENDING_APPROVAL", text(r)
+        (aid,) = re.findall(r"approval ([0-9a-f]{32})", text(r))
+        code, out, err = cli("-db", str(gate / "proxy.db"), "approve", "-approval", aid,
+                             "-by", "pat")
+        assert code == 0, err
+        assert text(p.call("bank_pay", pay)) == "paid 950.00 to landlord"
+        # repeat with ask: a second identical commit asks, naming the first; approved, it runs
+        commit = {"repo_path": "/r", "message": "fix typo"}
+        assert text(p.call("git_commit", commit)) == "git_commit done"
+        r = p.call("git_commit", commit)
+        assert prefix(r) == "PENDING_APPROVAL" and "already executed" in text(r), text(r)
+        code, out, err = cli("-db", str(gate / "proxy.db"), "pending")
+        assert "  repeat  git_commit" in out and "REPEAT: this exact request already " \
+            "executed" in out, out
+        (aid,) = re.findall(r"approval ([0-9a-f]{32})", text(r))
+        code, out, err = cli("-db", str(gate / "proxy.db"), "approve", "-approval", aid,
+                             "-by", "pat")
+        assert code == 0, err
+        assert text(p.call("git_commit", commit)) == "git_commit done"
+        with open(ledger) as f:
+            commits = [json.loads(line) for line in f if '"git_commit"' in line]
+        assert len(commits) == 2
+        # a rejected repeat is refused again, and the trail keeps it
+        r = p.call("git_commit", commit)
+        (aid,) = re.findall(r"approval ([0-9a-f]{32})", text(r))
+        code, out, err = cli("-db", str(gate / "proxy.db"), "reject", "-approval", aid,
+                             "-by", "pat", "-note", "enough commits")
+        assert code == 0, err
+        for _ in range(3):
+            r = p.call("git_commit", commit)
+            assert prefix(r) == "REJECTED" and "enough commits" in text(r), text(r)
+        p.stop()
+    finally:
+        p.kill()
+    code, out, err = cli("-db", str(gate / "proxy.db"), "-json", "runs")
+    whys = [(r["goal"], r["why"]) for r in json.loads(out)["runs"]]
+    assert ("call git_commit", "rejected by pat") in whys, whys
+    rejected = next(r["id"] for r in json.loads(out)["runs"] if r["why"] == "rejected by pat")
+    code, out, err = cli("-db", str(gate / "proxy.db"), "show", rejected)
+    assert "ended   rejected by pat" in out and "refused 3 time(s) as REJECTED" in out, out

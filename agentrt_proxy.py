@@ -6325,34 +6325,38 @@ class MCPError(ProxyError):
         self.report = report
 
 
+def offered_name(server: str, remote: str, rule: Rule) -> str:
+    """The name the host is offered a tool by: the rule's rename, else server_tool."""
+    return rule.rename or f"{server}_{remote}"
+
+
 def hash_string(text: str) -> str:
     """A description's hash: of its JSON form, quotes included."""
     return sha256_hex(encode_canonical(text))
 
 
-async def open_upstream(server: ServerConfig, deadline: float) -> Upstream:
-    """Start or reach the server and settle its era, all within ``deadline``."""
+async def open_upstream(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
+    """Start or reach the server, settle its era and list its tools, all within its
+    connect_timeout: the connection, the tools, and that deadline. A step not done by the
+    deadline, or failed, closes the connection and is an MCPError naming the step, with the
+    tail of the server's stderr."""
+    deadline = time.monotonic() + server.connect_timeout
     if server.command:
-        stdio = StdioUpstream(server.name, list(server.command),
-                              child_env(server.inherit_env, server.env), server.cwd)
-        conn: Upstream = stdio
+        conn: Upstream = StdioUpstream(server.name, list(server.command),
+                                       child_env(server.inherit_env, server.env), server.cwd)
         try:
-            await stdio.start()
+            await conn.start()
         except BaseException:
-            await stdio.close()
+            await conn.close()
             raise
     else:
         conn = HttpUpstream(server.name, server.endpoint)
-    await _step(server, conn, "connect", conn.connect(deadline), deadline)
-    return conn
-
-
-async def _step(server: ServerConfig, conn: Upstream, step: str, work: Awaitable[Any],
-                deadline: float) -> Any:
-    """``work`` done by ``deadline``; else the connection is closed and the failure is an
-    MCPError naming the step, with the tail of the server's stderr."""
+    step = "connect"
     try:
-        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+        await asyncio.wait_for(conn.connect(deadline), max(0.0, deadline - time.monotonic()))
+        step = "list tools"
+        tools = await asyncio.wait_for(conn.list_tools(deadline),
+                                       max(0.0, deadline - time.monotonic()))
     except BaseException as exc:
         await conn.close()
         if isinstance(exc, asyncio.TimeoutError):
@@ -6362,18 +6366,12 @@ async def _step(server: ServerConfig, conn: Upstream, step: str, work: Awaitable
         tail = conn.stderr_tail()
         raise MCPError(f"mcp: server {_quote(server.name)}: {step}: {text}" +
                        (f"; stderr: {_quote(tail)}" if tail else "")) from exc
-
-
-async def _connect_and_list(server: ServerConfig) -> tuple[Upstream, list[LiveTool], float]:
-    deadline = time.monotonic() + server.connect_timeout
-    conn = await open_upstream(server, deadline)
-    return conn, await _step(server, conn, "list tools", conn.list_tools(deadline),
-                             deadline), deadline
+    return conn, tools, deadline
 
 
 async def pin_server(server: ServerConfig, now: float) -> dict:
     """Connect, list every tool, and return the manifest (nothing is written here)."""
-    conn, tools, _ = await _connect_and_list(server)
+    conn, tools, _ = await open_upstream(server)
     await conn.close()
     entries = {tool.name: {
         "name": tool.name, "description": tool.description,
@@ -6449,13 +6447,12 @@ class Report:
 
     def lines(self) -> list[str]:
         s = sanitize
-        out = [f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
-               (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else "")
-               for tool, name, cls, mismatch in self.registered]
-        out += [f"{s(self.server)}: refused {s(t)}: {s(r)}" for t, r in self.refused]
-        out += [f"{s(self.server)}: unclassified {s(t)}: no rule" for t in self.unclassified]
-        out += [f"{s(self.server)}: unpinned {s(t)}: not in the manifest" for t in self.unpinned]
-        return out
+        return [f"{s(self.server)}: registered {s(tool)} as {s(name)} ({s(cls)})" +
+                (f" [hint mismatch allowed: {s(mismatch)}]" if mismatch else "")
+                for tool, name, cls, mismatch in self.registered] + \
+            [f"{s(self.server)}: refused {s(t)}: {s(r)}" for t, r in self.refused] + \
+            [f"{s(self.server)}: unclassified {s(t)}: no rule" for t in self.unclassified] + \
+            [f"{s(self.server)}: unpinned {s(t)}: not in the manifest" for t in self.unpinned]
 
     def __str__(self) -> str:
         return "".join(line + "\n" for line in self.lines())
@@ -6529,9 +6526,7 @@ def wire_arguments(raw: bytes, value: dict, fixed: tuple) -> bytes:
     record and rule give the same bytes, in any process, at any time."""
     if not fixed:
         return raw
-    sent = dict(value)
-    for param, given in fixed:
-        sent[param] = parse_json(given)
+    sent = {**value, **{param: parse_json(given) for param, given in fixed}}
     return dump_json(sent).encode("utf-8")
 
 
@@ -6545,9 +6540,8 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     # string reads as U+FFFD where text is taken from it), and only the structured content
     # is read again, from its own bytes, when it may fit.
     result = reply.doc.get("result")
-    if not isinstance(result, dict):
-        result = {}
-    spans = reply.inner_spans("result") if result else {}
+    result, spans = (result, reply.inner_spans("result")) if isinstance(result, dict) else \
+        ({}, {})
     if result.get("resultType") == "input_required":
         raise ToolFailure(f"{tool.spec.name}: the server asked for more input, which this "
                           "proxy does not support")
@@ -6561,10 +6555,8 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     # record would say the model was given what it was not.
     if structured is not None and structured.lstrip(JSON_WS)[:1] == b"{":
         try:
-            out: list[str] = []
-            _encode(parse_json(structured, strict=False, max_depth=MAX_DEPTH, float_range=True),
-                    out, _policy_str)
-            encoded = "".join(out).encode("utf-8")
+            encoded = encode_policy(parse_json(structured, strict=False, max_depth=MAX_DEPTH,
+                                               float_range=True))
         except JSONError as exc:
             # Nested too deep: handed on as sent, so the gate refuses it as content it cannot
             # record and the call counts as executed. A number we cannot keep: the text
@@ -6582,12 +6574,11 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
         (", truncated" if truncated else "") + \
         (f", structured content of {dropped} bytes dropped for the text" if dropped else "")
     if result.get("isError") is True:
-        try:
-            shown = parse_json(content, strict=False, max_depth=UPSTREAM_DEPTH, bounds=False)
-        except JSONError:
-            shown = None
-        if not isinstance(shown, str):
-            shown = beside or content.decode("utf-8", "replace")
+        # The text the model is told: the JSON string cap_text made, read back (it has no
+        # lone surrogate and no bound to break); else the text blocks beside the structured
+        # content, or that content itself when there are none.
+        shown = parse_json(content, strict=False, bounds=False) if beside is None else \
+            beside or content.decode("utf-8", "replace")
         raise ToolFailure(f"{summary}, error: {shown}")
     return ToolResult(content, summary, beside)
 
@@ -6596,9 +6587,7 @@ def _wire_len(value: "bytes | str") -> int:
     """The bytes a text, or JSON bytes in the proxy's encoding, take in a frame or record,
     where line breaks of every reader and C1 controls are escaped (six bytes each): the cap
     holds for what is written, not only for the value."""
-    if isinstance(value, str):
-        return len(_wire_str(value).encode("utf-8"))
-    return len(dump_json(RawJSON(value)).encode("utf-8"))
+    return len(dump_json(value if isinstance(value, str) else RawJSON(value)).encode("utf-8"))
 
 
 def _joined_text(blocks: Any) -> str:
@@ -6618,7 +6607,7 @@ def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
     # A character takes a byte or more: what lies past ``limit`` characters is never written.
     text = _SURROGATES.sub("\ufffd", text[:limit + 1])
     if len(text) <= limit and _wire_len(text) <= limit:
-        return _policy_str(text).encode("utf-8"), False
+        return encode_policy(text), False
     room = max(limit, _wire_len(TRUNCATION_MARKER)) - _wire_len(TRUNCATION_MARKER)
     # The cut, in one pass: the prefix of at most ``room`` characters as written, cut at
     # ``room`` bytes, less a character or an escape the cut split, read back as text.
@@ -6630,7 +6619,7 @@ def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
         if run % 2 == 0 and len(written) - escape < whole:
             written = written[:escape]
     prefix = json.loads('"' + written + '"')
-    return _policy_str(prefix + TRUNCATION_MARKER).encode("utf-8"), True
+    return encode_policy(prefix + TRUNCATION_MARKER), True
 
 
 async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
@@ -6639,29 +6628,26 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     error that carries the report."""
     check_rules_pinned(server, pinned)
     rules = server.rule_map
-    conn, live_list, deadline = await _connect_and_list(server)
+    conn, live_list, deadline = await open_upstream(server)
     live = {t.name: t for t in live_list}
-    report = Report(server.name, unpinned=sorted(set(live) - set(pinned)))
+    report = Report(server.name, unpinned=sorted(set(live) - set(pinned)),
+                    unclassified=sorted(set(pinned) - set(rules)))
     tools: list[UpstreamTool] = []
     taken: dict[str, str] = {}
     try:                                 # whatever fails, the connection is closed
-        for key in sorted(pinned):
-            rule = rules.get(key)
-            if rule is None:
-                report.unclassified.append(key)
-                continue
+        for key, rule in sorted(rules.items()):      # each is pinned: check_rules_pinned
             try:
                 tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
+                name = tool.spec.name
+                if name in taken:
+                    raise ConfigError(f"the name {_quote(name)} is already taken by tool "
+                                      f"{_quote(taken[name])}")
             except ConfigError as exc:
                 report.refused.append((key, str(exc)))
                 continue
-            if tool.spec.name in taken:
-                report.refused.append((key, f"the name {_quote(tool.spec.name)} is already "
-                                            f"taken by tool {_quote(taken[tool.spec.name])}"))
-                continue
-            taken[tool.spec.name] = key
+            taken[name] = key
             tools.append(tool)
-            report.registered.append((key, tool.spec.name, rule.side_effect, mismatch))
+            report.registered.append((key, name, rule.side_effect, mismatch))
         if time.monotonic() > deadline:
             raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
                            f"{fmt_duration(server.connect_timeout)}")
@@ -6683,16 +6669,15 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     if not same_digest(hash_string(live.description), pin.description_hash):
         raise ConfigError("the description changed since the pin; a description is model "
                           "input, so the tool must be pinned again")
-    mismatch = _hint_mismatch(rule.side_effect, pin.annotations)
-    if not mismatch:                   # the pinned hints first, then what the server says now
-        now_says = _hint_mismatch(rule.side_effect, live.annotations)
-        mismatch = f"the server now says: {now_says}" if now_says else ""
+    # The pinned hints first, then what the server says now.
+    mismatch = _hint_mismatch(rule.side_effect, pin.annotations) or \
+        _hint_mismatch(rule.side_effect, live.annotations, "the server now says: ")
     if mismatch and not rule.allow_hint_mismatch:
         raise ConfigError(mismatch)
     timeout = rule.timeout or server.default_timeout
     if timeout <= 0:
         raise ConfigError("no timeout: set the rule's timeout or the server's default_timeout")
-    name = rule.rename or f"{server.name}_{pin.name}"
+    name = offered_name(server.name, pin.name, rule)
     if not _NAME_RE.fullmatch(name):
         raise ConfigError(f"the name {_quote(name)} does not match ^[a-zA-Z0-9_-]{{1,64}}$")
     schema = parse_json(pin.schema, strict=False)
@@ -6708,19 +6693,19 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
         _check_tool(spec, {})
     except ValueError as exc:
         raise ConfigError(f"the runtime refuses it: {exc}") from None
-    return UpstreamTool(spec, server.name, pin.name, rule, conn), mismatch or ""
+    return UpstreamTool(spec, server.name, pin.name, rule, conn), mismatch
 
 
-def _hint_mismatch(cls: str, ann: dict | None) -> str:
-    """A hint the server asserts that disputes the operator's class. Silence claims nothing;
-    a hint can dispute a class, never relax one."""
+def _hint_mismatch(cls: str, ann: dict | None, said: str = "") -> str:
+    """A hint the server asserts that disputes the operator's class, after ``said``; or ''.
+    Silence claims nothing; a hint can dispute a class, never relax one."""
     if ann is None:
         return ""
     if cls == "read_only" and ann.get("readOnlyHint") is not True:
-        return "classified read_only, but the server does not claim readOnlyHint"
+        return f"{said}classified read_only, but the server does not claim readOnlyHint"
     if cls != "destructive" and ann.get("readOnlyHint") is not True and \
             ann.get("destructiveHint") is True:
-        return f"classified {cls}, but the server claims destructiveHint"
+        return f"{said}classified {cls}, but the server claims destructiveHint"
     return ""
 
 
@@ -6772,17 +6757,14 @@ def _restrict(schema: dict, hidden: list[str]) -> bytes:
                           "patternProperties, which could still match them")
     for keyword in _HIDE_CHECKED:
         for name in hidden:
-            if keyword in schema and _mentions(schema[keyword], name):
+            if _mentions(schema.get(keyword), name):
                 raise ConfigError(f"the rule hides {_quote(name)} and the input schema's "
                                   f"{keyword} mentions it")
-    out = dict(schema)
-    out["properties"] = {k: v for k, v in schema["properties"].items() if k not in hidden}
+    out = {**schema, "properties": {k: v for k, v in props.items() if k not in hidden}}
     if isinstance(schema.get("required"), list):
-        required = [r for r in schema["required"] if r not in hidden]
-        if required:
-            out["required"] = required
-        else:
-            out.pop("required")
+        out["required"] = [r for r in schema["required"] if r not in hidden]
+        if not out["required"]:
+            del out["required"]
     return encode_canonical(out)
 
 
@@ -8438,7 +8420,7 @@ class BudgetMoved(ProxyError):
 def rule_tool(server: str, remote: str, rule: Rule) -> "UpstreamTool":
     """A tool as its rule alone describes it, with no server behind it: enough for the
     policy's judgement of it (ProxyPolicy.decide, never_runs), never for a call."""
-    name = rule.rename or f"{server}_{remote}"
+    name = offered_name(server, remote, rule)
     spec = ToolSpec(name, "", b"{}", rule.side_effect, 1.0, True)
     return UpstreamTool(spec, server, remote, rule, None)
 
@@ -10248,7 +10230,7 @@ class HostServer:
         self.initialized = False         # a legacy host sent notifications/initialized
         self.listens: dict[str, Any] = {}    # a modern host's subscriptions/listen, by id
 
-    def ready(self, proxy: Proxy) -> None:
+    def ready(self, proxy: Proxy | None) -> None:
         """Loading is done: serve, first the requests that waited, in the order they came."""
         self.proxy = proxy
         waiting, self.waiting = self.waiting, []
@@ -10257,11 +10239,9 @@ class HostServer:
 
     def refuse(self, reason: str) -> None:
         """Loading failed or was stopped: each request that waited is answered with an
-        error, as is every later one."""
+        error, as is every later one: with no proxy, hold refuses each."""
         self.refusal = reason
-        waiting, self.waiting = self.waiting, []
-        for msg in waiting:
-            self.write(rpc_error(msg.id_value(), INTERNAL_ERROR, reason))
+        self.ready(None)
 
     def hold(self, msg: Message) -> None:
         if self.refusal:
@@ -10291,20 +10271,17 @@ class HostServer:
         """handle(), with a long line parsed on a worker thread so that the event loop goes
         on meanwhile; lines are still taken in order (the next is read once this one is
         routed)."""
-        if len(line) <= OFFLOAD_BYTES:
-            self.handle(line)
-            return
-        msg = await asyncio.to_thread(self.read, line)
+        msg = self.read(line) if len(line) <= OFFLOAD_BYTES else \
+            await asyncio.to_thread(self.read, line)
         if msg is not None:
             self.dispatch(msg)
 
     def read(self, line: bytes) -> Message | None:
         """The message on a line, or None when it was answered as not one."""
-        if len(line) > MAX_FRAME:        # cut by the reader: not parsed at all
-            self.write(rpc_error(None, PARSE_ERROR, f"a message longer than {MAX_FRAME} "
-                                                    "bytes is not read"))
-            return None
         try:
+            if len(line) > MAX_FRAME:    # cut by the reader: not parsed at all
+                raise ProtocolError(f"a message longer than {MAX_FRAME} bytes is not read",
+                                    PARSE_ERROR)
             msg = parse_message(line)
             _check_envelope(msg)
         except (JSONError, ProtocolError) as exc:
@@ -10411,17 +10388,14 @@ class HostServer:
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event, value: Any = NOT_PARSED) -> None:
         token = msg.params.get("_meta", {}).get("progressToken")    # _check_call_params
-
-        def progress(done: float, total: float) -> None:
-            self.write(rpc_notification("notifications/progress", {
-                "progressToken": token, "progress": Num(f"{done:.3f}"),
-                "total": Num(f"{total:.3f}"),
-                "message": "waiting for an operator's approval"}))
+        progress = None if token is None else lambda done, total: self.write(rpc_notification(
+            "notifications/progress", {"progressToken": token, "progress": Num(f"{done:.3f}"),
+                                       "total": Num(f"{total:.3f}"),
+                                       "message": "waiting for an operator's approval"}))
         try:
             # Awaited in this task, which nothing cancels: a host's cancel sets ``cancelled``,
             # which ends a hold, never the gate's work or an upstream call.
-            result = await self.proxy.call(name, args, progress if token is not None else None,
-                                           cancelled, value)
+            result = await self.proxy.call(name, args, progress, cancelled, value)
         except Exception as exc:            # an answer is owed even when something broke
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",
@@ -10774,10 +10748,12 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     ended = asyncio.Event()              # the host closed its input
 
     async def feed() -> None:
-        while (line := await lines.next()) is not None:
+        line = await lines.next()
+        while line is not None:
             if line.strip():
                 await host.take(line)
             await host.room(writer.queue.qsize)
+            line = await lines.next()
         ended.set()
     reader = asyncio.create_task(feed())
     try:
@@ -11661,7 +11637,7 @@ class ServerWatch:
         withheld, refused = {}, {}
         taken = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
         for key, rule in sorted(self.server.rule_map.items()):
-            name = rule.rename or f"{self.server.name}_{key}"
+            name = offered_name(self.server.name, key, rule)
             try:
                 if key not in pinned:
                     raise ConfigError("it is not in the manifest")
@@ -11690,7 +11666,7 @@ class ServerWatch:
             return
         rules = self.server.rule_map
         shown = [{"tool": clean(t, DRIFT_NAME_BYTES),
-                  "name": (rules[t].rename or f"{self.server.name}_{t}") if t in rules else "",
+                  "name": offered_name(self.server.name, t, rules[t]) if t in rules else "",
                   "why": sanitize(why)} for t, why in changes[:DRIFT_SHOWN]]
         more = len(changes) - len(shown)
         pin = f"{_self_command()} pin -config {self.cfg.path}"
@@ -13923,15 +13899,6 @@ _HOOK_COMMANDS = {"webhook": cmd_webhook, "sign": cmd_sign}
 
 # ==== 33. main ====
 
-def _stdout_to_devnull(out: Out) -> None:
-    """Point a closed stdout at /dev/null, so that the interpreter's last flush of what is
-    still buffered does not print a traceback of its own."""
-    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, out.stdout.fileno())
-        os.close(fd)
-
-
 def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) -> int:
     """Run one command; returns the exit status (0 success, 1 failure, 2 usage error)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -13957,7 +13924,12 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None, stderr=None) ->
         out.stderr.write(USAGE + "\n")
         return 2
     except BrokenPipeError:             # `runs | head`: the reader went away; end quietly
-        _stdout_to_devnull(out)
+        # stdout is pointed at /dev/null, so that the interpreter's last flush of what is
+        # still buffered does not print a traceback of its own.
+        with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, out.stdout.fileno())
+            os.close(fd)
         return 1
     except (ProxyError, ValueError, OSError) as exc:
         out.log("error: " + _describe_failure(exc, getattr(args, "command", "")))

@@ -2878,6 +2878,8 @@ class Store:
         self._failed = False                    # a change inside it failed: it rolls back
         self._level = "FULL"                    # PRAGMA synchronous, as last set; None: unknown
         self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
+        self._owed = self._synced = 0           # commits made with synced=False; those synced
+        self._sync_lock = threading.Lock()      # one sync at a time (Store.sync)
         exists = check_database_file(path, writer=not readonly)
         if not exists:
             if not create:
@@ -2969,12 +2971,14 @@ class Store:
         thread waits for the lock. A tool is never called inside an open transaction
         (_StepExecution.call_started).
 
-        ``synced=False`` commits under synchronous=NORMAL (written to the WAL, not synced),
-        for two writes only, each measured to cost a sync the answer does not need: the
-        start of an allowed read-only call no limit counts (Gate.start: its request changes
-        nothing, and its outcome's commit, synced before the answer, syncs the WAL that
-        holds it, written in order), and a refusal's count (RefusalLog: a power loss may
-        lose the last counts, never a run's record). The level is set before each BEGIN
+        ``synced=False`` commits under synchronous=NORMAL: written to the WAL, not yet synced.
+        Store.sync syncs every such commit at once, and the host's writer calls it before
+        each message leaves (LineWriter), so no answer rests on a commit a power loss could
+        take back, and the calls that finish together share one sync, off the event loop.
+        Three writes use it, because the next thing that leaves is an answer to the host,
+        never a request to a server: a call's outcome (_StepExecution._record), the start
+        of an allowed read-only call no limit counts (Gate.start: its request changes
+        nothing), and a refusal's count (RefusalLog). The level is set before each BEGIN
         that needs another than the last, never inside a transaction.
 
         Two writes record no event, both of lease fields only, which are an executor's
@@ -3014,6 +3018,7 @@ class Store:
                     raise StoreError(f"{self.path}: a change inside a transaction failed; "
                                      "the whole transaction is rolled back")
                 self.conn.execute("COMMIT")
+                self._owed += not synced
             except BaseException as exc:
                 if self.conn.in_transaction:
                     self.conn.execute("ROLLBACK")
@@ -3022,6 +3027,24 @@ class Store:
                 raise
             finally:
                 self._open = None
+
+    def sync(self) -> None:
+        """Sync to disk every commit made so far with synced=False: one fsync of the WAL
+        file, which holds them all, on the calling thread (the host's writer's). A failed
+        sync is final: what the kernel held for the file may be lost, so nothing that rests
+        on a commit leaves again; StoreError from here on."""
+        with self._sync_lock:
+            owed = self._owed
+            if owed == self._synced:
+                return
+            if self._synced < 0:
+                raise StoreError(f"{self.path}: a sync of the WAL failed before")
+            try:
+                _sync_file(self.path + "-wal", self._wal)
+            except OSError as exc:
+                self._synced = -1
+                raise StoreError(f"{self.path}: cannot sync the WAL: {exc}") from None
+            self._synced = owed
 
     def in_tx(self) -> bool:
         """Whether a transaction is open on this thread."""
@@ -3138,7 +3161,10 @@ class Store:
         return (rows[0][0], rows[0][1]) if rows else (0, "")
 
     def close(self) -> None:
+        """Close the connection, after syncing what is owed: no answer rested on it yet."""
         with self._lock:
+            with contextlib.suppress(StoreError):
+                self.sync()
             self.conn.close()
 
 
@@ -3218,6 +3244,18 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
+
+
+def _sync_file(path: str, identity: tuple[int, int] | None) -> None:
+    """fsync the file at ``path``, if it is still the file of that identity."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != identity:
+            raise OSError(f"{path} was replaced")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:
@@ -4469,7 +4507,7 @@ class _StepExecution:
                        else {"error": doc["summary"]})}
         try:
             # The outcome, and the caller's own write with it, in one commit.
-            with self.store.tx():
+            with self.store.tx(synced=False):       # synced before the answer leaves
                 if ok and spec.terminal:
                     self.session._settle(step, ("executing",), "done", obs, COMPLETED,
                                          "goal_completed", f"terminal tool {spec.name}",
@@ -10732,6 +10770,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
         out.log("stopped before serving")
         return 0
     tools, store, proxy = started
+    writer.before = store.sync
     out.log(f"serving session {sanitize(cfg.session)} with database {sanitize(cfg.database)}")
     host.ready(proxy)
     drift = DriftWatch(cfg, proxy, tools, out.log, host.tools_changed)
@@ -10840,10 +10879,12 @@ class LineWriter:
     host that stops reading never blocks the event loop (nor, with it, the handling of a
     signal); the host's input is read no further while MAX_OUTPUT_BACKLOG of them wait
     (HostServer.room). A write that fails means the host is gone: ``gone`` is called and
-    later messages are dropped."""
+    later messages are dropped; so does a failed sync of the store (Store.sync), which
+    runs before each write, so that no answer rests on a commit not on disk."""
 
     def __init__(self, stream, gone: Callable[[], None]):
         self.stream, self.gone = stream, gone
+        self.before: Callable[[], None] = lambda: None     # Store.sync, once it is open
         self.queue: queue.Queue = queue.Queue()
         self.broken = False
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdout").start()
@@ -10856,12 +10897,14 @@ class LineWriter:
         while True:
             data = self.queue.get()
             try:
-                if not self.broken and fd < 0:
-                    self.stream.write(data)
-                    self.stream.flush()
-                elif not self.broken:
-                    _write_all(fd, data)
-            except (OSError, ValueError):
+                if not self.broken:
+                    self.before()      # the commits this message may rest on, synced first
+                    if fd < 0:
+                        self.stream.write(data)
+                        self.stream.flush()
+                    else:
+                        _write_all(fd, data)
+            except (OSError, ValueError, StoreError):
                 self.broken = True
                 self.gone()
             finally:

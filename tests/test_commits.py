@@ -1,9 +1,11 @@
 """Which commits a call makes, and that each is on disk before what rests on it leaves.
 
 - Every commit runs under synchronous=FULL (DESIGN.md section 5): SQLite syncs the WAL
-  before COMMIT returns. Two exceptions commit unsynced (NORMAL): the start of an allowed
-  read no limit counts, whose outcome's synced commit, before the answer, syncs the WAL
-  holding it; and a refusal's count. A counted read's start is synced.
+  before COMMIT returns. Three commit unsynced (NORMAL), each followed by an answer to the
+  host and never by a request to a server: a call's outcome, the start of an allowed read
+  no limit counts, and a refusal's count. Store.sync syncs them all with one fsync of the
+  WAL, and the host's writer calls it before each message leaves (group commit: the calls
+  that finish together share one sync). A counted read's start is synced.
 - An allowed read-only or mutating call commits its start before its request leaves for the
   server, and its outcome before the call is answered; a mutating call's start is synced.
 - A held call and a denied read: every commit synced, all before the answer.
@@ -13,10 +15,13 @@
   caught inside it: nothing of a half-done transaction is committed.
 """
 
+import io
+import os
 import re
 
 import pytest
 
+import process_helpers
 from proxy_harness import ProxyHarness, ap
 from test_rules_cost import InstantServer, instant_proxy
 
@@ -78,6 +83,7 @@ class MarkingServer(InstantServer):
         return await super().call_tool(remote, args, timeout)
 
 
+WAIT = 10
 RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
          "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"},
          "refund": {"side_effect": "destructive", "timeout": "10s"}}
@@ -116,7 +122,7 @@ def test_allowed_read_commits_its_start_before_the_request_and_its_outcome_befor
     h, proxy, box = traced
     result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":"A-1"}')
     assert not result["isError"], result
-    assert trace.commits() == ["NORMAL", "-- upstream called", "FULL", "-- answered"]
+    assert trace.commits() == ["NORMAL", "-- upstream called", "NORMAL", "-- answered"]
     assert trace.level_of_a_synced_transaction() == FULL
     assert_each_change_with_its_event(trace)
 
@@ -130,7 +136,7 @@ def test_a_read_a_limit_counts_starts_synced(tmp_path):
     try:
         result, trace = call_traced(h, proxy, box, "bank_balance", b'{"account":"A-1"}')
         assert not result["isError"], result
-        assert trace.commits() == ["FULL", "-- upstream called", "FULL", "-- answered"]
+        assert trace.commits() == ["FULL", "-- upstream called", "NORMAL", "-- answered"]
     finally:
         proxy.close()
         h.close()
@@ -140,7 +146,7 @@ def test_allowed_mutation_start_is_synced_before_the_request_leaves(traced):
     h, proxy, box = traced
     result, trace = call_traced(h, proxy, box, "bank_pay", b'{"to":"bob","amount":1}')
     assert not result["isError"], result
-    assert trace.commits() == ["FULL", "-- upstream called", "FULL", "-- answered"]
+    assert trace.commits() == ["FULL", "-- upstream called", "NORMAL", "-- answered"]
     assert trace.level_of_a_synced_transaction() == FULL
     assert_each_change_with_its_event(trace)
 
@@ -239,3 +245,129 @@ def test_synced_transaction_after_unsynced_ones_commits_full(tmp_path):
             assert level(tx) == FULL
     finally:
         store.close()
+
+
+def fsyncs(monkeypatch, fail: bool = False) -> list[str]:
+    """The paths Store.sync syncs, in order (SQLite's own syncs are not Python's)."""
+    done: list[str] = []
+    real = ap.os.fsync
+
+    def fsync(fd):
+        done.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd")
+                    else str(fd))
+        if fail:
+            raise OSError(5, "Input/output error")
+        real(fd)
+    monkeypatch.setattr(ap.os, "fsync", fsync)
+    return done
+
+
+def test_unsynced_commits_are_synced_together_by_one_sync_of_the_wal(tmp_path, monkeypatch):
+    store = ap.Store.open(str(tmp_path / "runs.db"))
+    try:
+        done = fsyncs(monkeypatch)
+        store.sync()
+        assert done == []                            # nothing owed
+        for run_id in ("r-1", "r-2", "r-3"):
+            with store.tx(synced=False) as tx:
+                add_run(tx, run_id)
+        store.sync()
+        assert len(done) == 1 and done[0].endswith("runs.db-wal"), done
+        store.sync()
+        with store.tx() as tx:                       # synced by SQLite: nothing owed
+            add_run(tx, "r-4")
+        store.sync()
+        assert len(done) == 1, done
+    finally:
+        store.close()
+
+
+def test_a_failed_sync_is_final(tmp_path, monkeypatch):
+    store = ap.Store.open(str(tmp_path / "runs.db"))
+    try:
+        done = fsyncs(monkeypatch, fail=True)
+        with store.tx(synced=False) as tx:
+            add_run(tx, "r-1")
+        with pytest.raises(ap.StoreError, match="cannot sync"):
+            store.sync()
+        monkeypatch.undo()
+        with store.tx(synced=False) as tx:
+            add_run(tx, "r-2")
+        with pytest.raises(ap.StoreError, match="failed before"):
+            store.sync()
+        assert len(done) == 1
+    finally:
+        store.close()
+
+
+class Sink(io.BytesIO):
+    def __init__(self, log: list):
+        super().__init__()
+        self.log = log
+
+    def fileno(self):
+        raise io.UnsupportedOperation("no descriptor")
+
+    def write(self, data):
+        self.log.append(("wrote", bytes(data)))
+        return super().write(data)
+
+
+def test_the_hosts_writer_syncs_the_store_before_each_message_leaves(tmp_path):
+    log: list = []
+    writer = ap.LineWriter(Sink(log), lambda: None)
+    writer.before = lambda: log.append(("synced", b""))
+    writer.write(b"one\n")
+    writer.write(b"two\n")
+    assert writer.drain(WAIT)
+    assert log == [("synced", b""), ("wrote", b"one\n"), ("synced", b""), ("wrote", b"two\n")]
+
+
+def test_a_failed_sync_ends_serving_and_nothing_leaves(tmp_path):
+    log: list = []
+    gone: list = []
+
+    def failing():
+        raise ap.StoreError("cannot sync the WAL")
+    writer = ap.LineWriter(Sink(log), lambda: gone.append(1))
+    writer.before = failing
+    writer.write(b"one\n")
+    writer.write(b"two\n")
+    assert writer.drain(WAIT)
+    assert log == [] and gone == [1] and writer.broken
+
+
+TRACED_SERVE = (
+    "import os, sys; sys.path.insert(0, sys.argv.pop(1)); log = open(sys.argv.pop(1), 'a'); "
+    "import agentrt_proxy as ap; fsync, write = os.fsync, ap._write_all\n"
+    "def traced_fsync(fd):\n"
+    "    log.write('fsync ' + os.readlink('/proc/self/fd/%d' % fd) + '\\n'); log.flush()\n"
+    "    fsync(fd)\n"
+    "def traced_write(fd, data):\n"
+    "    log.write('answer %d\\n' % len(data)); log.flush(); write(fd, data)\n"
+    "os.fsync, ap._write_all = traced_fsync, traced_write\n"
+    "sys.exit(ap.main())")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="names descriptors by /proc")
+def test_serving_syncs_a_calls_outcome_before_its_answer_leaves(tmp_path, monkeypatch):
+    """Through the real serve path: the outcome of an allowed read commits unsynced, and the
+    WAL is synced after it and before the answer is written to the host."""
+    log_path = str(tmp_path / "io.log")
+
+    def command(program=process_helpers.PROXY, env=None):
+        return [process_helpers.PYTHON, "-c", TRACED_SERVE, process_helpers.ROOT,
+                log_path], env
+    monkeypatch.setattr(process_helpers, "proxy_command", command)
+    d = process_helpers.ProcessDir(tmp_path)
+    try:
+        p = d.start()
+        open(log_path, "w").close()                  # what the call alone does
+        answer = p.request("tools/call", {"name": "bank_balance",
+                                          "arguments": {"account": "A-1"}})
+        assert not answer["result"]["isError"], answer
+        lines = open(log_path).read().split("\n")[:-1]
+        assert lines[-1].startswith("answer "), lines
+        assert lines[-2].startswith("fsync ") and lines[-2].endswith("-wal"), lines
+    finally:
+        d.cleanup()

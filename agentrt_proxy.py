@@ -43,9 +43,11 @@ that function, and the test that fails when that function gives the permissive a
 4. Every state change is committed with its audit record before the host is answered, and a
    mutating call's attempt before its request leaves. Store.tx (10): the gate writes runs,
    steps and approvals only through the Tx it hands out, Tx.event writes the event in the
-   same transaction, and tx returns only after a FULL commit; _StepExecution.start commits
-   step.tool_started in one before call_started sends. tests/test_store.py::
-   test_rolled_back_transaction_leaves_no_event_and_no_seq_gap.
+   same transaction, and tx returns only after a FULL commit, or (synced=False, for the
+   three writes an answer follows) the host's writer runs Store.sync before any message
+   leaves; _StepExecution.start commits step.tool_started, FULL, before call_started sends.
+   tests/test_store.py::test_rolled_back_transaction_leaves_no_event_and_no_seq_gap;
+   tests/test_commits.py::test_serving_syncs_a_calls_outcome_before_its_answer_leaves.
 5. Only tools the operator pinned and classified are offered or called. _build (17), by way
    of load_server: every tool served is built by it from the pin and a rule, at start
    (load_server) and when a server's listing changes (ServerWatch.relist, section 25);
@@ -2591,7 +2593,9 @@ def check_policy_id(pid: str) -> str:
 # One SQLite file. Every state change is one BEGIN IMMEDIATE transaction holding the row
 # writes and their audit events; events form a SHA-256 hash chain across all runs. Status
 # changes are compare-and-set inside the transaction, so two processes never both win.
-# Every commit is synced by SQLite itself (synchronous=FULL) before Store.tx returns.
+# Every commit is on disk before anything resting on it leaves: synced by SQLite itself
+# (synchronous=FULL) before Store.tx returns, or, for the writes an answer follows, by
+# Store.sync, which the host's writer runs before each message (one sync for them all).
 # The file is created 0600; a symbolic link, a file others can write, a schema holding
 # triggers or views, and a schema from another version are refused.
 

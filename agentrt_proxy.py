@@ -13138,14 +13138,14 @@ _COMMANDS = {"runs": (cmd_runs, True), "show": (cmd_show, True), "events": (cmd_
 
 
 def _database_path(args) -> str:
-    if args.db:
-        return args.db
-    if args.config:             # read as serving reads it (owner checked, strict)
-        return load_config(args.config).database
-    if os.environ.get("AGENTRT_DB"):
-        return os.environ["AGENTRT_DB"]
-    raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
-                     "or set AGENTRT_DB")
+    # A configuration's database is never empty: it is read as serving reads it (owner
+    # checked, strict).
+    path = args.db or (args.config and load_config(args.config).database) or \
+        os.environ.get("AGENTRT_DB")
+    if not path:
+        raise UsageError("no database was given: pass -db DATABASE, -config FILE, "
+                         "or set AGENTRT_DB")
+    return path
 
 
 def _describe_failure(exc: Exception, command: str) -> str:
@@ -13233,11 +13233,11 @@ def run_proxy_command(args, out: Out) -> int:
             raise UsageError("recheck: -run and -session are exclusive")
         if args.limit <= 0:
             raise UsageError("recheck: -limit must be positive")
-    if args.command == "serve":
-        return _serve(args, out)
     if args.command == "wrap":          # its configuration does not exist yet
         return asyncio.run(cmd_wrap(args, out))
     cfg = load_config(args.config)
+    if args.command == "serve":
+        return _serve(cfg, out)
     if args.command == "recheck":
         return asyncio.run(cmd_recheck(cfg, args, out))
     if args.command == "pin":
@@ -13245,8 +13245,7 @@ def run_proxy_command(args, out: Out) -> int:
     return asyncio.run(cmd_check(cfg, out, args.strict))
 
 
-def _serve(args, out: Out) -> int:
-    cfg = load_config(args.config)
+def _serve(cfg: Config, out: Out) -> int:
     check_database_owner(cfg.database)
     check_reach(cfg)
     return asyncio.run(cmd_serve(cfg, out, getattr(out.stdin, "buffer", out.stdin),
@@ -13457,10 +13456,6 @@ class _HookReader:
         self.deadline = accepted + min(WEBHOOK_HEAD_SECONDS, WEBHOOK_REQUEST_SECONDS)
         self.head_done = False
 
-    def head_read(self) -> None:
-        """The head is whole: the body has the rest of the request's deadline."""
-        self.head_done, self.deadline = True, self.accepted + WEBHOOK_REQUEST_SECONDS
-
     def _more(self) -> None:
         left = self.deadline - time.monotonic()
         if left <= 0:
@@ -13512,7 +13507,8 @@ def read_hook_request(reader: _HookReader) -> HookRequest:
         headers.setdefault(key, value.strip(b" \t").decode("latin-1"))
     else:
         raise _bad(f"the request has more than {WEBHOOK_MAX_HEADERS} headers")
-    reader.head_read()
+    # The head is whole: the body has the rest of the request's deadline.
+    reader.head_done, reader.deadline = True, reader.accepted + WEBHOOK_REQUEST_SECONDS
     if "transfer-encoding" in headers:
         raise _bad("a chunked body is not accepted; send Content-Length")
     length = headers.get("content-length", "0")
@@ -13545,6 +13541,14 @@ def verify_hook_request(secret: bytes, req: HookRequest, now: float,
         raise _unauthorized("this signature was used before: sign each request anew")
 
 
+# Each route: its method and its path's parts after /runs/RUN, ID standing for an approval's
+# id; any query is refused but show's choice of format.
+_HOOK_ROUTES = {("GET", "approvals"): "list", ("GET", "approvals", "ID"): "show",
+                ("POST", "approvals", "ID", "approve"): "approve",
+                ("POST", "approvals", "ID", "reject"): "reject", ("POST", "cancel"): "cancel"}
+_HOOK_SHOW_QUERIES = ("", "format=text", "format=json")
+
+
 def hook_route(req: HookRequest) -> HookRoute:
     """The route a verified request names. Each names its run; any other is not found."""
     path, _, query = req.target.partition("?")
@@ -13554,19 +13558,15 @@ def hook_route(req: HookRequest) -> HookRoute:
         raise _bad("the path is not UTF-8 once unquoted") from None
     if len(parts) < 3 or parts[0] != "runs" or not all(parts):
         raise WebhookRefusal(404, "not_found", "no such route")
-    run, rest, verb = parts[1], parts[2:], (req.method, len(parts))
-    if verb == ("GET", 3) and rest == ["approvals"] and not query:
-        return HookRoute("list", run)
-    if verb == ("GET", 4) and rest[0] == "approvals" and query in ("", "format=text",
-                                                                  "format=json"):
-        text = query == "format=text" or "text/plain" in req.headers.get("accept", "").lower()
-        return HookRoute("show", run, rest[1], text)
-    if verb == ("POST", 5) and rest[0] == "approvals" and rest[2] in ("approve", "reject") \
-            and not query:
-        return HookRoute(rest[2], run, rest[1])
-    if verb == ("POST", 3) and rest == ["cancel"] and not query:
-        return HookRoute("cancel", run)
-    raise WebhookRefusal(404, "not_found", "no such route")
+    shape = [req.method] + parts[2:]
+    if len(shape) > 2:
+        shape[2] = "ID"                 # the approval's id, whatever it is
+    action = _HOOK_ROUTES.get(tuple(shape))
+    if action is None or query not in (_HOOK_SHOW_QUERIES if action == "show" else ("",)):
+        raise WebhookRefusal(404, "not_found", "no such route")
+    text = query == "format=text" or "text/plain" in req.headers.get("accept", "").lower()
+    return HookRoute(action, parts[1], parts[3] if len(parts) > 3 else "",
+                     action == "show" and text)
 
 
 def _hook_body(raw: bytes, route: HookRoute, fields: tuple) -> dict:
@@ -13746,10 +13746,9 @@ class Webhook:
         try:
             verify_hook_request(self.secret, req, self.clock(), self.seen)
             route = hook_route(req)
+            store = Store.open_existing(self.db_path, readonly=route.action in ("list", "show"))
         except WebhookRefusal as refusal:
             return self._error(refusal)
-        try:
-            store = Store.open_existing(self.db_path, readonly=route.action in ("list", "show"))
         except StoreError as exc:       # the file itself gone or unsafe: not the run's 404
             return self._error(WebhookRefusal(503, "unavailable",
                                               f"the database cannot be opened: {exc}"))
@@ -13839,20 +13838,6 @@ def _linger(conn: socket.socket) -> None:
             dropped += len(data)
 
 
-@contextlib.contextmanager
-def _stop_on_signals(stop: threading.Event):
-    """SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving; only the
-    main thread can set a handler, so served from another thread, none is set."""
-    on_main = threading.current_thread() is threading.main_thread()
-    saved = {s: signal.signal(s, lambda *_: stop.set())
-             for s in ((signal.SIGTERM, signal.SIGINT) if on_main else ())}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-
-
 def cmd_webhook(args, out: Out) -> int:
     host, port, family = parse_listen(args.listen, args.public)
     secret = read_hook_secret(args.secret_file)
@@ -13867,8 +13852,16 @@ def cmd_webhook(args, out: Out) -> int:
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         out.log(f"webhook listening on http://{shown}:{sock.getsockname()[1]} for {path}")
         out.stderr.flush()
-        with _stop_on_signals(stop):
+        # SIGTERM and SIGINT set ``stop`` (the accept loop looks at it) while serving; only
+        # the main thread can set a handler, so served from another thread, none is set.
+        on_main = threading.current_thread() is threading.main_thread()
+        saved = {s: signal.signal(s, lambda *_: stop.set())
+                 for s in ((signal.SIGTERM, signal.SIGINT) if on_main else ())}
+        try:
             hook.serve(sock, stop)
+        finally:
+            for s, handler in saved.items():
+                signal.signal(s, handler)
     out.log("webhook stopped")
     return 0
 

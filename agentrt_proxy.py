@@ -6385,13 +6385,25 @@ async def pin_server(server: ServerConfig, now: float) -> dict:
 def write_manifest(path: str, manifest: dict) -> None:
     """Write the manifest owner-only (an existing file is made 0600 too)."""
     text = _pretty(read_own(dump_json(manifest)), cut=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=os.path.dirname(os.path.abspath(path)))
+    replace_file(path, text.encode("utf-8"), ".manifest-")
+
+
+def replace_file(path: str, data: bytes, prefix: str, mode: int = 0o600,
+                 last_check: Callable[[], None] = lambda: None) -> None:
+    """Replace the file at ``path`` with ``data``, whole or not at all, and the only writer
+    that replaces a file: a temporary file named ``prefix``... in the same folder (mkstemp
+    creates it 0600; it is given ``mode``), written and synced, then renamed over ``path``.
+    ``last_check`` runs just before the rename and refuses it by raising; on any failure
+    the temporary file is removed."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with os.fdopen(fd, "wb") as f:          # mkstemp creates it 0600
-            f.write(text.encode("utf-8"))
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)                   # whole, or not at all
+        last_check()
+        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -11315,20 +11327,8 @@ def write_host_config(path: str, read: bytes, doc: dict, now: float) -> str:
         write_new_owned(backup, read)
     except FileExistsError:
         raise ConfigError(f"{backup} exists: run wrap again in a second") from None
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    fd, tmp = tempfile.mkstemp(prefix=".wrap-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write((_pretty(doc, cut=False) + "\n").encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        _unchanged(path, read)           # the last moment before the rename
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    replace_file(path, (_pretty(doc, cut=False) + "\n").encode("utf-8"), ".wrap-",
+                 stat.S_IMODE(os.stat(path).st_mode), lambda: _unchanged(path, read))
     return backup
 
 

@@ -6676,9 +6676,10 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     """The checks for one tool, in order; the first failure is the reason it is refused."""
     if live is None:
         raise ConfigError("the server no longer offers it")
-    if not same_digest(sha256_hex(live.schema), pin.schema_hash):
+    changed = changed_since_pin(pin, live)
+    if "the input schema" in changed:
         raise ConfigError("the input schema changed since the pin")
-    if not same_digest(hash_string(live.description), pin.description_hash):
+    if changed:
         raise ConfigError("the description changed since the pin; a description is model "
                           "input, so the tool must be pinned again")
     # The pinned hints first, then what the server says now.
@@ -6706,6 +6707,15 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     except ValueError as exc:
         raise ConfigError(f"the runtime refuses it: {exc}") from None
     return UpstreamTool(spec, server.name, pin.name, rule, conn), mismatch
+
+
+def changed_since_pin(pin: PinnedTool, live: LiveTool) -> list[str]:
+    """What of a listed tool differs from its pin, by hash: "the description", "the input
+    schema", in that order; none when it has not drifted. Loading and drift both ask this."""
+    return [what for what, same in (
+        ("the description", same_digest(hash_string(live.description), pin.description_hash)),
+        ("the input schema", same_digest(sha256_hex(live.schema), pin.schema_hash)))
+        if not same]
 
 
 def _hint_mismatch(cls: str, ann: dict | None, said: str = "") -> str:
@@ -11506,10 +11516,7 @@ def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> dict[s
         if pin is None or now is None:
             out[name] = DRIFT_NEW if pin is None else DRIFT_GONE
             continue
-        what = [w for w, same in (
-            ("the description", same_digest(hash_string(now.description), pin.description_hash)),
-            ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
-            if not same]
+        what = changed_since_pin(pin, now)
         if what:
             out[name] = f"{' and '.join(what)} changed since the pin"
     return out

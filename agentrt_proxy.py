@@ -6494,14 +6494,12 @@ class UpstreamTool:
         ``value`` is the strict parse of ``args`` when the call has it: only read, and
         copied before fixed values go in."""
         name = self.spec.name
-        raw = args.strip(JSON_WS) or b"{}"
+        raw, value = empty_as_object(args, value)
         try:
             value = parse_json(raw) if value is NOT_PARSED else value
         except JSONError as exc:
             raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}",
                               NOT_SENT) from None
-        if value is None:
-            value, raw = {}, b"{}"
         if not isinstance(value, dict):
             raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}",
                               NOT_SENT)
@@ -6528,6 +6526,15 @@ class UpstreamTool:
             # The server answered: whatever its answer does to the mapping, the call ran.
             raise AnswerUnreadable(f"{name}: server {_quote(self.server)} answered, and its "
                                    f"answer could not be read ({type(exc).__name__})") from None
+
+
+def empty_as_object(args: bytes, value: Any = NOT_PARSED) -> tuple[bytes, Any]:
+    """A call's arguments and their strict parse (NOT_PARSED when not made): arguments that
+    are empty or JSON null are the empty object, as checked, recorded and sent, for a host's
+    call and for the upstream call alike; others are stripped of the whitespace around
+    them, ``value`` unchanged."""
+    args = args.strip(JSON_WS)
+    return (b"{}", {}) if args in (b"", b"null") else (args, value)
 
 
 def wire_arguments(raw: bytes, value: dict, fixed: tuple) -> bytes:
@@ -10395,10 +10402,8 @@ class HostServer:
                                          and name != self.proxy.cfg.status_tool):
             raise ProtocolError(f"unknown tool {_quote(str(name))}", INVALID_PARAMS)
         _check_call_params(msg)
-        args = (msg.raw("arguments", in_params=True) or b"").strip(JSON_WS)
-        value = msg.parsed("arguments")
-        if args in (b"", b"null"):
-            args, value = b"{}", {}
+        args, value = empty_as_object(msg.raw("arguments", in_params=True) or b"",
+                                      msg.parsed("arguments"))
         event = asyncio.Event()
         # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
         # and a cancel naming the id reaches every call that carries it.

@@ -6389,13 +6389,25 @@ async def pin_server(server: ServerConfig, now: float) -> dict:
 def write_manifest(path: str, manifest: dict) -> None:
     """Write the manifest owner-only (an existing file is made 0600 too)."""
     text = _pretty(read_own(dump_json(manifest)), cut=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=os.path.dirname(os.path.abspath(path)))
+    replace_file(path, text.encode("utf-8"), ".manifest-")
+
+
+def replace_file(path: str, data: bytes, prefix: str, mode: int = 0o600,
+                 last_check: Callable[[], None] = lambda: None) -> None:
+    """Replace the file at ``path`` with ``data``, whole or not at all, and the only writer
+    that replaces a file: a temporary file named ``prefix``... in the same folder (mkstemp
+    creates it 0600; it is given ``mode``), written and synced, then renamed over ``path``.
+    ``last_check`` runs just before the rename and refuses it by raising; on any failure
+    the temporary file is removed."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with os.fdopen(fd, "wb") as f:          # mkstemp creates it 0600
-            f.write(text.encode("utf-8"))
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)                   # whole, or not at all
+        last_check()
+        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -6486,14 +6498,12 @@ class UpstreamTool:
         ``value`` is the strict parse of ``args`` when the call has it: only read, and
         copied before fixed values go in."""
         name = self.spec.name
-        raw = args.strip(JSON_WS) or b"{}"
+        raw, value = empty_as_object(args, value)
         try:
             value = parse_json(raw) if value is NOT_PARSED else value
         except JSONError as exc:
             raise ToolFailure(f"{name}: arguments are not a JSON object: {exc}",
                               NOT_SENT) from None
-        if value is None:
-            value, raw = {}, b"{}"
         if not isinstance(value, dict):
             raise ToolFailure(f"{name}: arguments are not a JSON object: got {_kind(value)}",
                               NOT_SENT)
@@ -6520,6 +6530,15 @@ class UpstreamTool:
             # The server answered: whatever its answer does to the mapping, the call ran.
             raise AnswerUnreadable(f"{name}: server {_quote(self.server)} answered, and its "
                                    f"answer could not be read ({type(exc).__name__})") from None
+
+
+def empty_as_object(args: bytes, value: Any = NOT_PARSED) -> tuple[bytes, Any]:
+    """A call's arguments and their strict parse (NOT_PARSED when not made): arguments that
+    are empty or JSON null are the empty object, as checked, recorded and sent, for a host's
+    call and for the upstream call alike; others are stripped of the whitespace around
+    them, ``value`` unchanged."""
+    args = args.strip(JSON_WS)
+    return (b"{}", {}) if args in (b"", b"null") else (args, value)
 
 
 def wire_arguments(raw: bytes, value: dict, fixed: tuple) -> bytes:
@@ -6668,9 +6687,10 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     """The checks for one tool, in order; the first failure is the reason it is refused."""
     if live is None:
         raise ConfigError("the server no longer offers it")
-    if not same_digest(sha256_hex(live.schema), pin.schema_hash):
+    changed = changed_since_pin(pin, live)
+    if "the input schema" in changed:
         raise ConfigError("the input schema changed since the pin")
-    if not same_digest(hash_string(live.description), pin.description_hash):
+    if changed:
         raise ConfigError("the description changed since the pin; a description is model "
                           "input, so the tool must be pinned again")
     # The pinned hints first, then what the server says now.
@@ -6698,6 +6718,15 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
     except ValueError as exc:
         raise ConfigError(f"the runtime refuses it: {exc}") from None
     return UpstreamTool(spec, server.name, pin.name, rule, conn), mismatch
+
+
+def changed_since_pin(pin: PinnedTool, live: LiveTool) -> list[str]:
+    """What of a listed tool differs from its pin, by hash: "the description", "the input
+    schema", in that order; none when it has not drifted. Loading and drift both ask this."""
+    return [what for what, same in (
+        ("the description", same_digest(hash_string(live.description), pin.description_hash)),
+        ("the input schema", same_digest(sha256_hex(live.schema), pin.schema_hash)))
+        if not same]
 
 
 def _hint_mismatch(cls: str, ann: dict | None, said: str = "") -> str:
@@ -10377,10 +10406,8 @@ class HostServer:
                                          and name != self.proxy.cfg.status_tool):
             raise ProtocolError(f"unknown tool {_quote(str(name))}", INVALID_PARAMS)
         _check_call_params(msg)
-        args = (msg.raw("arguments", in_params=True) or b"").strip(JSON_WS)
-        value = msg.parsed("arguments")
-        if args in (b"", b"null"):
-            args, value = b"{}", {}
+        args, value = empty_as_object(msg.raw("arguments", in_params=True) or b"",
+                                      msg.parsed("arguments"))
         event = asyncio.Event()
         # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
         # and a cancel naming the id reaches every call that carries it.
@@ -11319,20 +11346,8 @@ def write_host_config(path: str, read: bytes, doc: dict, now: float) -> str:
         write_new_owned(backup, read)
     except FileExistsError:
         raise ConfigError(f"{backup} exists: run wrap again in a second") from None
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    fd, tmp = tempfile.mkstemp(prefix=".wrap-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write((_pretty(doc, cut=False) + "\n").encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        _unchanged(path, read)           # the last moment before the rename
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    replace_file(path, (_pretty(doc, cut=False) + "\n").encode("utf-8"), ".wrap-",
+                 stat.S_IMODE(os.stat(path).st_mode), lambda: _unchanged(path, read))
     return backup
 
 
@@ -11510,10 +11525,7 @@ def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> dict[s
         if pin is None or now is None:
             out[name] = DRIFT_NEW if pin is None else DRIFT_GONE
             continue
-        what = [w for w, same in (
-            ("the description", same_digest(hash_string(now.description), pin.description_hash)),
-            ("the input schema", same_digest(sha256_hex(now.schema), pin.schema_hash)))
-            if not same]
+        what = changed_since_pin(pin, now)
         if what:
             out[name] = f"{' and '.join(what)} changed since the pin"
     return out

@@ -1895,17 +1895,10 @@ class Schema:
         frag = urllib.parse.unquote(ref[1:])
         if frag and not frag.startswith("/"):
             raise SchemaError(f"$ref {_quote(ref)} is not a JSON pointer")
-        node, at = self.root, ()
-        for part in frag.split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node, at = node[part], at + (part,)
-            elif isinstance(node, list) and _ARRAY_INDEX.fullmatch(part) and \
-                    int(part) < len(node):
-                node, at = node[int(part)], at + (int(part),)
-            else:
-                raise SchemaError(f"$ref {_quote(ref)} does not resolve")
-        return at
+        found = walk_pointer(self.root, frag)
+        if found is None:
+            raise SchemaError(f"$ref {_quote(ref)} does not resolve")
+        return found[1]
 
 
     # -- validating --
@@ -2193,6 +2186,23 @@ class _Failures(list):
 
 
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
+
+
+def walk_pointer(doc: Any, pointer: str) -> tuple[Any, tuple] | None:
+    """The value a JSON Pointer (RFC 6901, such as "/a/0") names in ``doc``, and its path
+    there as keys and indexes; None where it names nothing. An index is read only when it has
+    no more digits than the array's length: no long digit string is ever converted."""
+    node, at = doc, ()
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node, at = node[part], at + (part,)
+        elif isinstance(node, list) and _ARRAY_INDEX.fullmatch(part) and \
+                len(part) <= len(str(len(node))) and int(part) < len(node):
+            node, at = node[int(part)], at + (int(part),)
+        else:
+            return None
+    return node, at
 _ONE = Num("1")         # the matching items contains wants, unless minContains says
 
 
@@ -8188,16 +8198,10 @@ def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
     """What a call adds to a limit, or why it cannot be counted."""
     if limit.calls:
         return 1, ""
-    at = value
-    for part in limit.pointer.split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(at, dict) and part in at:
-            at = at[part]
-        elif isinstance(at, list) and _ARRAY_INDEX.fullmatch(part) and \
-                len(part) <= MAX_CALLS_DIGITS and int(part) < len(at):
-            at = at[int(part)]
-        else:
-            return 0, f"{limit.pointer} is missing"
+    found = walk_pointer(value, limit.pointer)
+    if found is None:
+        return 0, f"{limit.pointer} is missing"
+    at = found[0]
     if not isinstance(at, Num):
         return 0, f"{limit.pointer} is {_kind(at)}, not a number"
     if at.normal()[0] < 0:

@@ -8317,13 +8317,19 @@ def _strings(doc: Any, member: str) -> list[str]:
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
+def _own_object(raw: bytes) -> dict | None:
+    """A record this module wrote (a capability, a presentation), read as an object; None
+    where it does not read as one (none recorded, or an edited row)."""
+    try:
+        doc = read_own(raw)
+    except ProxyError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def asked_by(capability: bytes) -> list[str]:
     """What a capability says asked for it (empty for one no condition or limit asked)."""
-    try:
-        cap = read_own(capability) if capability.strip(JSON_WS) else {}
-    except ProxyError:
-        return []
-    return _strings(cap, "asked_by")
+    return _strings(_own_object(capability), "asked_by")
 
 
 def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> PolicyDecision:
@@ -8334,11 +8340,8 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
     grant = _granted(request, view)
     if grant is None or grant.kind != fresh.kind:
         return fresh
-    try:
-        had, now = read_own(grant.capability), read_own(fresh.capability)
-    except ProxyError:
-        return fresh
-    if not isinstance(had, dict) or not isinstance(now, dict):
+    had, now = _own_object(grant.capability), _own_object(fresh.capability)
+    if had is None or now is None:
         return fresh
     had_asked, now_asked = _strings(had, "asked_by"), now.pop("asked_by", [])
     had.pop("asked_by", None)
@@ -8354,11 +8357,8 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
 def _limits_record(presentation: bytes) -> bytes | None:
     """A presentation's record of its tool's limits as written (limits_shown), canonical;
     None where it is unreadable (then no grant covers anything)."""
-    try:
-        shown = read_own(presentation)
-    except ProxyError:
-        return None
-    return encode_canonical(shown.get("limits", [])) if isinstance(shown, dict) else None
+    shown = _own_object(presentation)
+    return None if shown is None else encode_canonical(shown.get("limits", []))
 
 
 # -- what check prints of them --
@@ -8672,9 +8672,8 @@ def uncount_attempt(tx: Tx, attempt: dict) -> None:
                           "step_id=? AND at>=? GROUP BY key", (run_id, step_id, start)):
         if tx.rows("SELECT 1 FROM proxy_uncounted WHERE key=? AND n=?", (key, n)):
             continue                 # uncounted already
-        before = tx.rows("SELECT total FROM proxy_limit_uses WHERE key=? AND n<? ORDER BY n "
-                         "DESC LIMIT 1", (key, n))
-        adds = int(_row(tx.rows, key, n)[0]) - (int(before[0][0]) if before else 0)
+        before = _row(tx.rows, key, n - 1)          # rows are numbered 1, 2, ... per key
+        adds = int(_row(tx.rows, key, n)[0]) - (int(before[0]) if before else 0)
         if adds > 0:
             _shift_totals(tx, key, n, -adds)
             tx.exec("INSERT INTO proxy_uncounted (key, n, adds, run_id, step_id) VALUES "
@@ -8746,12 +8745,11 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     run = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
     if approval.status not in (PENDING, APPROVED) or run != [(WAITING,)]:
         return []
+    found = (_own_object(approval.presentation) or {}).get("limits")
     try:
-        pres = read_own(approval.presentation)
         tool = approval.request().spec.name
     except (ProxyError, KeyError, ValueError, TypeError):
         return []
-    found = pres.get("limits") if isinstance(pres, dict) else None
     if not isinstance(found, list):
         return []
     asked = set(asked_by(approval.capability))
@@ -8819,12 +8817,9 @@ def _use(read: Query, key: str, limit: Limit,
     after the start are the newest ones. A calls limit counts its running total too (each row
     adds 1), which stops counting an attempt the operator said did not execute
     (uncount_attempt), where n would not."""
-    newest, before = (0, 0, 0.0), (0, 0)
-    for which, n, total, at in read(_USE_SQL, (key, now - limit.per)):
-        if which == 0:
-            newest = (n, int(total), at)
-        else:
-            before = (n, int(total))
+    rows = {which: (n, int(total), at) for which, n, total, at in read(_USE_SQL,
+                                                                       (key, now - limit.per))}
+    newest, before = rows.get(0, (0, 0, 0.0)), rows.get(1, (0, 0, 0.0))
     return newest, newest[1] - before[1], before[0] + 1
 
 

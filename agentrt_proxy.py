@@ -8187,11 +8187,8 @@ def server_value(tool: "UpstreamTool", args: bytes) -> Any:
 
 
 def _with_fixed(tool: "UpstreamTool", value: Any) -> Any:
-    if isinstance(value, dict) and tool.rule.fixed:
-        value = dict(value)
-        for name, fixed in tool.rule.fixed:
-            value[name] = parse_json(fixed)
-    return value
+    fixed = {name: parse_json(raw) for name, raw in tool.rule.fixed}
+    return {**value, **fixed} if isinstance(value, dict) and fixed else value
 
 
 def counted_value(limit: Limit, value: Any) -> tuple[int, str]:

@@ -8740,14 +8740,13 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     that no call can collect any more (decided otherwise, expired, its run no longer
     waiting) has nothing to weigh: none."""
     run = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
-    if approval.status not in (PENDING, APPROVED) or run != [(WAITING,)]:
-        return []
     found = (_own_object(approval.presentation) or {}).get("limits")
+    if approval.status not in (PENDING, APPROVED) or run != [(WAITING,)] or \
+            not isinstance(found, list):
+        return []
     try:
         tool = approval.request().spec.name
     except (ProxyError, KeyError, ValueError, TypeError):
-        return []
-    if not isinstance(found, list):
         return []
     asked = set(asked_by(approval.capability))
     uses = [_recorded_use(entry, read, now) for entry in found[:MAX_LIMITS]]

@@ -8682,11 +8682,10 @@ def recount_attempt(tx: Tx, run_id: str, step_id: str | None = None) -> None:
     when named): a later word that it executed, or a known late outcome of it. Every row
     from the attempt's regains what it lost, so every window counts it again as at its
     start."""
-    for key, n, adds, step in tx.rows("SELECT key, n, adds, step_id FROM proxy_uncounted "
-                                      "WHERE run_id=?", (run_id,)):
-        if step_id in (None, step):
-            _shift_totals(tx, key, n, int(adds))
-            tx.exec("DELETE FROM proxy_uncounted WHERE key=? AND n=?", (key, n))
+    for key, n, adds in tx.rows("SELECT key, n, adds FROM proxy_uncounted WHERE run_id=? AND "
+                                "step_id=COALESCE(?, step_id)", (run_id, step_id)):
+        _shift_totals(tx, key, n, int(adds))
+        tx.exec("DELETE FROM proxy_uncounted WHERE key=? AND n=?", (key, n))
 
 
 def _shift_totals(tx: Tx, key: str, n: int, by: int) -> None:

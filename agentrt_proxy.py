@@ -1897,17 +1897,10 @@ class Schema:
         frag = urllib.parse.unquote(ref[1:])
         if frag and not frag.startswith("/"):
             raise SchemaError(f"$ref {_quote(ref)} is not a JSON pointer")
-        node, at = self.root, ()
-        for part in frag.split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node, at = node[part], at + (part,)
-            elif isinstance(node, list) and _ARRAY_INDEX.fullmatch(part) and \
-                    int(part) < len(node):
-                node, at = node[int(part)], at + (int(part),)
-            else:
-                raise SchemaError(f"$ref {_quote(ref)} does not resolve")
-        return at
+        found = walk_pointer(self.root, frag)
+        if found is None:
+            raise SchemaError(f"$ref {_quote(ref)} does not resolve")
+        return found[1]
 
 
     # -- validating --
@@ -2195,6 +2188,23 @@ class _Failures(list):
 
 
 _ARRAY_INDEX = re.compile("0|[1-9][0-9]*")
+
+
+def walk_pointer(doc: Any, pointer: str) -> tuple[Any, tuple] | None:
+    """The value a JSON Pointer (RFC 6901, such as "/a/0") names in ``doc``, and its path
+    there as keys and indexes; None where it names nothing. An index is read only when it has
+    no more digits than the array's length: no long digit string is ever converted."""
+    node, at = doc, ()
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node, at = node[part], at + (part,)
+        elif isinstance(node, list) and _ARRAY_INDEX.fullmatch(part) and \
+                len(part) <= len(str(len(node))) and int(part) < len(node):
+            node, at = node[int(part)], at + (int(part),)
+        else:
+            return None
+    return node, at
 _ONE = Num("1")         # the matching items contains wants, unless minContains says
 
 
@@ -8210,27 +8220,18 @@ def server_value(tool: "UpstreamTool", args: bytes) -> Any:
 
 
 def _with_fixed(tool: "UpstreamTool", value: Any) -> Any:
-    if isinstance(value, dict) and tool.rule.fixed:
-        value = dict(value)
-        for name, fixed in tool.rule.fixed:
-            value[name] = parse_json(fixed)
-    return value
+    fixed = {name: parse_json(raw) for name, raw in tool.rule.fixed}
+    return {**value, **fixed} if isinstance(value, dict) and fixed else value
 
 
 def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
     """What a call adds to a limit, or why it cannot be counted."""
     if limit.calls:
         return 1, ""
-    at = value
-    for part in limit.pointer.split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(at, dict) and part in at:
-            at = at[part]
-        elif isinstance(at, list) and _ARRAY_INDEX.fullmatch(part) and \
-                len(part) <= MAX_CALLS_DIGITS and int(part) < len(at):
-            at = at[int(part)]
-        else:
-            return 0, f"{limit.pointer} is missing"
+    found = walk_pointer(value, limit.pointer)
+    if found is None:
+        return 0, f"{limit.pointer} is missing"
+    at = found[0]
     if not isinstance(at, Num):
         return 0, f"{limit.pointer} is {_kind(at)}, not a number"
     if at.normal()[0] < 0:
@@ -8346,13 +8347,19 @@ def _strings(doc: Any, member: str) -> list[str]:
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
+def _own_object(raw: bytes) -> dict | None:
+    """A record this module wrote (a capability, a presentation), read as an object; None
+    where it does not read as one (none recorded, or an edited row)."""
+    try:
+        doc = read_own(raw)
+    except ProxyError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def asked_by(capability: bytes) -> list[str]:
     """What a capability says asked for it (empty for one no condition or limit asked)."""
-    try:
-        cap = read_own(capability) if capability.strip(JSON_WS) else {}
-    except ProxyError:
-        return []
-    return _strings(cap, "asked_by")
+    return _strings(_own_object(capability), "asked_by")
 
 
 def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> PolicyDecision:
@@ -8363,11 +8370,8 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
     grant = _granted(request, view)
     if grant is None or grant.kind != fresh.kind:
         return fresh
-    try:
-        had, now = read_own(grant.capability), read_own(fresh.capability)
-    except ProxyError:
-        return fresh
-    if not isinstance(had, dict) or not isinstance(now, dict):
+    had, now = _own_object(grant.capability), _own_object(fresh.capability)
+    if had is None or now is None:
         return fresh
     had_asked, now_asked = _strings(had, "asked_by"), now.pop("asked_by", [])
     had.pop("asked_by", None)
@@ -8383,11 +8387,8 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
 def _limits_record(presentation: bytes) -> bytes | None:
     """A presentation's record of its tool's limits as written (limits_shown), canonical;
     None where it is unreadable (then no grant covers anything)."""
-    try:
-        shown = read_own(presentation)
-    except ProxyError:
-        return None
-    return encode_canonical(shown.get("limits", [])) if isinstance(shown, dict) else None
+    shown = _own_object(presentation)
+    return None if shown is None else encode_canonical(shown.get("limits", []))
 
 
 # -- what check prints of them --
@@ -8701,9 +8702,8 @@ def uncount_attempt(tx: Tx, attempt: dict) -> None:
                           "step_id=? AND at>=? GROUP BY key", (run_id, step_id, start)):
         if tx.rows("SELECT 1 FROM proxy_uncounted WHERE key=? AND n=?", (key, n)):
             continue                 # uncounted already
-        before = tx.rows("SELECT total FROM proxy_limit_uses WHERE key=? AND n<? ORDER BY n "
-                         "DESC LIMIT 1", (key, n))
-        adds = int(_row(tx.rows, key, n)[0]) - (int(before[0][0]) if before else 0)
+        before = _row(tx.rows, key, n - 1)          # rows are numbered 1, 2, ... per key
+        adds = int(_row(tx.rows, key, n)[0]) - (int(before[0]) if before else 0)
         if adds > 0:
             _shift_totals(tx, key, n, -adds)
             tx.exec("INSERT INTO proxy_uncounted (key, n, adds, run_id, step_id) VALUES "
@@ -8715,11 +8715,10 @@ def recount_attempt(tx: Tx, run_id: str, step_id: str | None = None) -> None:
     when named): a later word that it executed, or a known late outcome of it. Every row
     from the attempt's regains what it lost, so every window counts it again as at its
     start."""
-    for key, n, adds, step in tx.rows("SELECT key, n, adds, step_id FROM proxy_uncounted "
-                                      "WHERE run_id=?", (run_id,)):
-        if step_id in (None, step):
-            _shift_totals(tx, key, n, int(adds))
-            tx.exec("DELETE FROM proxy_uncounted WHERE key=? AND n=?", (key, n))
+    for key, n, adds in tx.rows("SELECT key, n, adds FROM proxy_uncounted WHERE run_id=? AND "
+                                "step_id=COALESCE(?, step_id)", (run_id, step_id)):
+        _shift_totals(tx, key, n, int(adds))
+        tx.exec("DELETE FROM proxy_uncounted WHERE key=? AND n=?", (key, n))
 
 
 def _shift_totals(tx: Tx, key: str, n: int, by: int) -> None:
@@ -8773,15 +8772,13 @@ def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
     that no call can collect any more (decided otherwise, expired, its run no longer
     waiting) has nothing to weigh: none."""
     run = read("SELECT status FROM runs WHERE id=?", (approval.run_id,))
-    if approval.status not in (PENDING, APPROVED) or run != [(WAITING,)]:
+    found = (_own_object(approval.presentation) or {}).get("limits")
+    if approval.status not in (PENDING, APPROVED) or run != [(WAITING,)] or \
+            not isinstance(found, list):
         return []
     try:
-        pres = read_own(approval.presentation)
         tool = approval.request().spec.name
     except (ProxyError, KeyError, ValueError, TypeError):
-        return []
-    found = pres.get("limits") if isinstance(pres, dict) else None
-    if not isinstance(found, list):
         return []
     asked = set(asked_by(approval.capability))
     uses = [_recorded_use(entry, read, now) for entry in found[:MAX_LIMITS]]
@@ -8848,12 +8845,9 @@ def _use(read: Query, key: str, limit: Limit,
     after the start are the newest ones. A calls limit counts its running total too (each row
     adds 1), which stops counting an attempt the operator said did not execute
     (uncount_attempt), where n would not."""
-    newest, before = (0, 0, 0.0), (0, 0)
-    for which, n, total, at in read(_USE_SQL, (key, now - limit.per)):
-        if which == 0:
-            newest = (n, int(total), at)
-        else:
-            before = (n, int(total))
+    rows = {which: (n, int(total), at) for which, n, total, at in read(_USE_SQL,
+                                                                       (key, now - limit.per))}
+    newest, before = rows.get(0, (0, 0, 0.0)), rows.get(1, (0, 0, 0.0))
     return newest, newest[1] - before[1], before[0] + 1
 
 

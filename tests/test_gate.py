@@ -839,11 +839,11 @@ def test_outcome_that_cannot_be_recorded_lets_go_of_the_lease(harness):
 
         failed = []
 
-        def refusing_tx():                          # the next write fails once, as a
+        def refusing_tx(**how):                     # the next write fails once, as a
             if not failed:                          # locked or full database does
                 failed.append(1)
                 raise ap.StoreError(f"{store.path}: write failed: database is locked")
-            return real_tx()
+            return real_tx(**how)
 
         store.tx = refusing_tx
         with pytest.raises(ap.ProxyError):

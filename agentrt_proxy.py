@@ -6991,10 +6991,7 @@ def parse_config(raw: bytes, path: str) -> Config:
     for cls, outcome in given.items():
         if cls not in SIDE_EFFECTS:
             raise ConfigError(f"policy: unknown side effect {_quote(cls)}")
-        if outcome not in CONFIG_OUTCOMES:
-            raise ConfigError(f"policy: {cls}: outcome {_quote(str(outcome))} is not allow, "
-                              "require_approval, or deny")
-        policy[cls] = outcome
+        policy[cls] = _outcome(outcome, f"policy: {cls}")
     max_pending = int(top._get("max_pending", (Num,), "a whole number",
                                Num(str(DEFAULT_MAX_PENDING)), Num.is_integer).exact())
     if max_pending < 0:
@@ -7028,6 +7025,14 @@ def parse_config(raw: bytes, path: str) -> Config:
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
         status_tool=status_tool, lease_ttl=lease_ttl,
         policy_given=tuple(sorted(given)), on_pending=_parse_on_pending(top))
+
+
+def _outcome(outcome: Any, where: str) -> str:
+    """One of the outcomes a policy or a rule may name, or an error naming ``where``."""
+    if outcome not in CONFIG_OUTCOMES:
+        raise ConfigError(f"{where}: outcome {_quote(str(outcome))} is not allow, "
+                          "require_approval, or deny")
+    return outcome
 
 
 # -- on_pending: the command the proxy starts when an approval starts to wait --
@@ -7169,9 +7174,8 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
 def _parse_rule(doc: Any, where: str) -> Rule:
     f = _ConfigObject(doc, where, _RULE_FIELDS)
     outcome = f.text("outcome")
-    if outcome and outcome not in CONFIG_OUTCOMES:
-        raise ConfigError(f"{where}: outcome {_quote(outcome)} is not allow, "
-                          "require_approval, or deny")
+    if outcome:                          # "": the policy decides
+        _outcome(outcome, where)
     side_effect = f.text("side_effect")
     if side_effect and side_effect not in SIDE_EFFECTS:     # missing: the tool is refused
         raise ConfigError(f"{where}: side_effect {_quote(side_effect)} is not one of the four "
@@ -10756,17 +10760,16 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
             line = await lines.next()
         ended.set()
     reader = asyncio.create_task(feed())
+    started, refusal = None, START_FAILED
     try:
         started = await _start_serving(cfg, out, stop)
-    except BaseException:
-        host.refuse(START_FAILED)
-        reader.cancel()
-        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
-        raise
-    if started is None:                  # a signal while connecting: nothing to finish
-        host.refuse(STOPPED_LOADING)
-        reader.cancel()
-        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
+        refusal = STOPPED_LOADING        # None: a signal while connecting
+    finally:
+        if started is None:              # failed or stopped: nothing to finish
+            host.refuse(refusal)
+            reader.cancel()
+            await asyncio.to_thread(writer.drain, WRITE_DRAIN)
+    if started is None:
         out.log("stopped before serving")
         return 0
     tools, store, proxy = started

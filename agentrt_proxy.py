@@ -10815,21 +10815,19 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
     except BaseException:
         await _close_opened(opening)
         raise
+    store = None
     try:
         store = (Store.open(cfg.database) if opening is None
                  else await asyncio.shield(opening))
-    except BaseException:
-        if opening is not None:     # done or not: a store it opened is closed
-            opening.add_done_callback(_close_result)
-        await close_tools(tools)
-        raise
-    try:
         check_database_owner(cfg.database)
         proxy = Proxy(cfg, store, tools, out.log)
         proxy.take_over_gone()
     except BaseException:
+        if store is None and opening is not None:   # done or not: a store it opened is closed
+            opening.add_done_callback(_close_result)
         await close_tools(tools)
-        store.close()
+        if store is not None:
+            store.close()
         raise
     return tools, store, proxy
 

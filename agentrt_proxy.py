@@ -10919,36 +10919,6 @@ class LineWriter:
         return not self.queue.unfinished_tasks
 
 
-class _LineCutter:
-    """The host's bytes cut into lines. Only each new chunk is searched for line ends, and a
-    long line is joined once, so that cutting costs the same per byte however long the
-    host's lines are. A line longer than MAX_FRAME is passed on cut (it then fails to parse
-    and is answered so); the rest of it is skipped."""
-
-    def __init__(self):
-        self.parts: list[bytes] = []
-        self.size, self.skipping = 0, False
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        lines = []
-        *ended, tail = chunk.split(b"\n")
-        for line in ended:
-            if not self.skipping:
-                lines.append(b"".join(self.parts) + line + b"\n")
-            self.parts, self.size, self.skipping = [], 0, False
-        if tail and not self.skipping:
-            self.parts.append(tail)
-            self.size += len(tail)
-            if self.size > MAX_FRAME:
-                lines.append(b"".join(self.parts)[:MAX_FRAME + 1])
-                self.parts, self.size, self.skipping = [], 0, True
-        return lines
-
-    def rest(self) -> list[bytes]:
-        """At the end of the input: a last line without its line end."""
-        return [b"".join(self.parts)] if self.parts and not self.skipping else []
-
-
 class LineReader:
     """Lines of the host's input, read by a daemon thread of their own, so that a signal can
     end serving while a read is blocked. The descriptor is read directly: a thread blocked
@@ -10968,14 +10938,28 @@ class LineReader:
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
     def _run(self) -> None:
-        fd, lines = _fileno(self.stream), _LineCutter()
+        # Only each new chunk is searched for line ends, and a long line is joined once, so
+        # that cutting costs the same per byte however long the host's lines are. A line
+        # longer than MAX_FRAME is passed on cut (it then fails to parse and is answered so);
+        # the rest of it is skipped.
+        fd = _fileno(self.stream)
+        parts, size, skipping = [], 0, False        # the line being read, and its length
         with contextlib.suppress(OSError, ValueError):      # the input is gone: its end
-            while True:
-                chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
-                for line in lines.feed(chunk) if chunk else lines.rest():
-                    self._put(line)
-                if not chunk:                # the end of the input
-                    break
+            while chunk := (os.read(fd, READ_CHUNK) if fd >= 0
+                            else self.stream.readline(READ_CHUNK)):
+                *ended, tail = chunk.split(b"\n")
+                for line in ended:
+                    if not skipping:
+                        self._put(b"".join(parts) + line + b"\n")
+                    parts, size, skipping = [], 0, False
+                if tail and not skipping:
+                    parts.append(tail)
+                    size += len(tail)
+                    if size > MAX_FRAME:
+                        self._put(b"".join(parts)[:MAX_FRAME + 1])
+                        parts, size, skipping = [], 0, True
+            if parts and not skipping:      # the end of the input: a last line without its end
+                self._put(b"".join(parts))
         self._put(None)
 
     def _put(self, item: bytes | None) -> None:

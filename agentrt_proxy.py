@@ -10513,12 +10513,7 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
     failure: MCPError | None = None
     try:
         for server, load in zip(cfg.servers, loads):
-            try:
-                got, report = await load
-            except MCPError as exc:
-                if exc.report is not None:
-                    reports.append(exc.report)
-                raise
+            got, report = await load
             reports.append(report)
             tools += got
             for tool in got:            # each name the model sees belongs to one tool
@@ -10541,6 +10536,8 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
         if not isinstance(exc, MCPError):
             raise
         failure = exc
+        if exc.report is not None:      # the failing server's, as far as it got
+            reports.append(exc.report)
     for line in [line for report in reports for line in report.lines()] if emit else []:
         emit(line)
     if failure is not None:

@@ -10594,8 +10594,7 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
             desc = clean(" ".join(entry["description"].split()), PIN_DESCRIPTION_BYTES)
             out.line(f"  {sanitize(name):<{PIN_NAME_WIDTH}} "
                      f"{_hints_text(entry.get('annotations')):<{PIN_HINTS_WIDTH}} {desc}")
-        for line in pin_changes(before, tools):
-            out.line(line)
+        out.texts(pin_changes(before, tools))
     out.line(f"classify the tools in the configuration's rules, then run: "
              f"{_self_command()} check -config {cfg.path}")
     return 0

@@ -7034,10 +7034,7 @@ def parse_config(raw: bytes, path: str) -> Config:
     for cls, outcome in given.items():
         if cls not in SIDE_EFFECTS:
             raise ConfigError(f"policy: unknown side effect {_quote(cls)}")
-        if outcome not in CONFIG_OUTCOMES:
-            raise ConfigError(f"policy: {cls}: outcome {_quote(str(outcome))} is not allow, "
-                              "require_approval, or deny")
-        policy[cls] = outcome
+        policy[cls] = _outcome(outcome, f"policy: {cls}")
     max_pending = int(top._get("max_pending", (Num,), "a whole number",
                                Num(str(DEFAULT_MAX_PENDING)), Num.is_integer).exact())
     if max_pending < 0:
@@ -7071,6 +7068,14 @@ def parse_config(raw: bytes, path: str) -> Config:
         grant_ttl=top.duration("grant_ttl", DEFAULT_GRANT_TTL),
         status_tool=status_tool, lease_ttl=lease_ttl,
         policy_given=tuple(sorted(given)), on_pending=_parse_on_pending(top))
+
+
+def _outcome(outcome: Any, where: str) -> str:
+    """One of the outcomes a policy or a rule may name, or an error naming ``where``."""
+    if outcome not in CONFIG_OUTCOMES:
+        raise ConfigError(f"{where}: outcome {_quote(str(outcome))} is not allow, "
+                          "require_approval, or deny")
+    return outcome
 
 
 # -- on_pending: the command the proxy starts when an approval starts to wait --
@@ -7212,9 +7217,8 @@ def _parse_server(entry: Any, i: int, base: str) -> ServerConfig:
 def _parse_rule(doc: Any, where: str) -> Rule:
     f = _ConfigObject(doc, where, _RULE_FIELDS)
     outcome = f.text("outcome")
-    if outcome and outcome not in CONFIG_OUTCOMES:
-        raise ConfigError(f"{where}: outcome {_quote(outcome)} is not allow, "
-                          "require_approval, or deny")
+    if outcome:                          # "": the policy decides
+        _outcome(outcome, where)
     side_effect = f.text("side_effect")
     if side_effect and side_effect not in SIDE_EFFECTS:     # missing: the tool is refused
         raise ConfigError(f"{where}: side_effect {_quote(side_effect)} is not one of the four "
@@ -10534,12 +10538,7 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
     failure: MCPError | None = None
     try:
         for server, load in zip(cfg.servers, loads):
-            try:
-                got, report = await load
-            except MCPError as exc:
-                if exc.report is not None:
-                    reports.append(exc.report)
-                raise
+            got, report = await load
             reports.append(report)
             tools += got
             for tool in got:            # each name the model sees belongs to one tool
@@ -10562,6 +10561,8 @@ async def load_tools(cfg: Config, emit: Callable[[str], None] | None = None,
         if not isinstance(exc, MCPError):
             raise
         failure = exc
+        if exc.report is not None:      # the failing server's, as far as it got
+            reports.append(exc.report)
     for line in [line for report in reports for line in report.lines()] if emit else []:
         emit(line)
     if failure is not None:
@@ -10618,8 +10619,7 @@ async def cmd_pin(cfg: Config, out: Out) -> int:
             desc = clean(" ".join(entry["description"].split()), PIN_DESCRIPTION_BYTES)
             out.line(f"  {sanitize(name):<{PIN_NAME_WIDTH}} "
                      f"{_hints_text(entry.get('annotations')):<{PIN_HINTS_WIDTH}} {desc}")
-        for line in pin_changes(before, tools):
-            out.line(line)
+        out.texts(pin_changes(before, tools))
     out.line(f"classify the tools in the configuration's rules, then run: "
              f"{_self_command()} check -config {cfg.path}")
     return 0
@@ -10781,17 +10781,16 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
             line = await lines.next()
         ended.set()
     reader = asyncio.create_task(feed())
+    started, refusal = None, START_FAILED
     try:
         started = await _start_serving(cfg, out, stop)
-    except BaseException:
-        host.refuse(START_FAILED)
-        reader.cancel()
-        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
-        raise
-    if started is None:                  # a signal while connecting: nothing to finish
-        host.refuse(STOPPED_LOADING)
-        reader.cancel()
-        await asyncio.to_thread(writer.drain, WRITE_DRAIN)
+        refusal = STOPPED_LOADING        # None: a signal while connecting
+    finally:
+        if started is None:              # failed or stopped: nothing to finish
+            host.refuse(refusal)
+            reader.cancel()
+            await asyncio.to_thread(writer.drain, WRITE_DRAIN)
+    if started is None:
         out.log("stopped before serving")
         return 0
     tools, store, proxy = started
@@ -10837,21 +10836,19 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
     except BaseException:
         await _close_opened(opening)
         raise
+    store = None
     try:
         store = (Store.open(cfg.database) if opening is None
                  else await asyncio.shield(opening))
-    except BaseException:
-        if opening is not None:     # done or not: a store it opened is closed
-            opening.add_done_callback(_close_result)
-        await close_tools(tools)
-        raise
-    try:
         check_database_owner(cfg.database)
         proxy = Proxy(cfg, store, tools, out.log)
         proxy.take_over_gone()
     except BaseException:
+        if store is None and opening is not None:   # done or not: a store it opened is closed
+            opening.add_done_callback(_close_result)
         await close_tools(tools)
-        store.close()
+        if store is not None:
+            store.close()
         raise
     return tools, store, proxy
 
@@ -10943,36 +10940,6 @@ class LineWriter:
         return not self.queue.unfinished_tasks
 
 
-class _LineCutter:
-    """The host's bytes cut into lines. Only each new chunk is searched for line ends, and a
-    long line is joined once, so that cutting costs the same per byte however long the
-    host's lines are. A line longer than MAX_FRAME is passed on cut (it then fails to parse
-    and is answered so); the rest of it is skipped."""
-
-    def __init__(self):
-        self.parts: list[bytes] = []
-        self.size, self.skipping = 0, False
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        lines = []
-        *ended, tail = chunk.split(b"\n")
-        for line in ended:
-            if not self.skipping:
-                lines.append(b"".join(self.parts) + line + b"\n")
-            self.parts, self.size, self.skipping = [], 0, False
-        if tail and not self.skipping:
-            self.parts.append(tail)
-            self.size += len(tail)
-            if self.size > MAX_FRAME:
-                lines.append(b"".join(self.parts)[:MAX_FRAME + 1])
-                self.parts, self.size, self.skipping = [], 0, True
-        return lines
-
-    def rest(self) -> list[bytes]:
-        """At the end of the input: a last line without its line end."""
-        return [b"".join(self.parts)] if self.parts and not self.skipping else []
-
-
 class LineReader:
     """Lines of the host's input, read by a daemon thread of their own, so that a signal can
     end serving while a read is blocked. The descriptor is read directly: a thread blocked
@@ -10992,14 +10959,28 @@ class LineReader:
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdin").start()
 
     def _run(self) -> None:
-        fd, lines = _fileno(self.stream), _LineCutter()
+        # Only each new chunk is searched for line ends, and a long line is joined once, so
+        # that cutting costs the same per byte however long the host's lines are. A line
+        # longer than MAX_FRAME is passed on cut (it then fails to parse and is answered so);
+        # the rest of it is skipped.
+        fd = _fileno(self.stream)
+        parts, size, skipping = [], 0, False        # the line being read, and its length
         with contextlib.suppress(OSError, ValueError):      # the input is gone: its end
-            while True:
-                chunk = os.read(fd, READ_CHUNK) if fd >= 0 else self.stream.readline(READ_CHUNK)
-                for line in lines.feed(chunk) if chunk else lines.rest():
-                    self._put(line)
-                if not chunk:                # the end of the input
-                    break
+            while chunk := (os.read(fd, READ_CHUNK) if fd >= 0
+                            else self.stream.readline(READ_CHUNK)):
+                *ended, tail = chunk.split(b"\n")
+                for line in ended:
+                    if not skipping:
+                        self._put(b"".join(parts) + line + b"\n")
+                    parts, size, skipping = [], 0, False
+                if tail and not skipping:
+                    parts.append(tail)
+                    size += len(tail)
+                    if size > MAX_FRAME:
+                        self._put(b"".join(parts)[:MAX_FRAME + 1])
+                        parts, size, skipping = [], 0, True
+            if parts and not skipping:      # the end of the input: a last line without its end
+                self._put(b"".join(parts))
         self._put(None)
 
     def _put(self, item: bytes | None) -> None:

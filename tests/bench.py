@@ -1153,11 +1153,12 @@ class Large:
 def large_cases(files: str) -> list[Large]:
     """The rows' calls and frames; the files they read are written under ``files``."""
     sys.path.insert(0, HERE)
+    import echo_server
     import files_server
 
     def answered(tool: str, args: dict) -> bytes:
-        return files_server.frame({"jsonrpc": "2.0", "id": 1,
-                                   "result": files_server.call(tool, args, files)})
+        return echo_server.frame({"jsonrpc": "2.0", "id": 1,
+                                  "result": files_server.call(tool, args, files)})
     body = plain_text(ARGUMENT_BYTES)
 
     def write_args(arm: str, i: int) -> dict:        # distinct: never a DUPLICATE

@@ -5751,10 +5751,21 @@ class _ServerPipes(asyncio.subprocess.SubprocessStreamProtocol):
     def __init__(self, loop: asyncio.AbstractEventLoop):
         super().__init__(limit=MAX_FRAME + 1024, loop=loop)
         self.exited = asyncio.Event()
+        self.pid = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.pid = transport.get_pid()
 
     def process_exited(self) -> None:
+        """SIGKILL what is left of the server's process group in the turn its exit is seen:
+        while a member of the group lives, the group's id cannot be given to another, and it
+        is never signalled later, when it could lead another group. A server that exits
+        while connected leaves nothing of its group running."""
         super().process_exited()
         self.exited.set()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
 
 
 class StdioUpstream(Upstream):
@@ -5768,7 +5779,7 @@ class StdioUpstream(Upstream):
         self.cwd = cwd or None      # the configuration's directory (section 18)
         self.proc: asyncio.subprocess.Process | None = None
         self._transport: asyncio.SubprocessTransport | None = None
-        self._exit: asyncio.Task | None = None
+        self._exited: asyncio.Event | None = None      # set once the server has exited
         self._pending: dict[int, asyncio.Future] = {}
         self._write_lock = asyncio.Lock()
         self._tail = bytearray()
@@ -5777,7 +5788,7 @@ class StdioUpstream(Upstream):
 
     async def start(self) -> None:
         """Spawn the server: its own process group, killed with the proxy (Linux). Its exit
-        is watched from then on (_ended)."""
+        is watched from then on (_ServerPipes)."""
         kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
                                   else {"start_new_session": True})
         prctl = _prctl() if sys.platform.startswith("linux") else None
@@ -5792,18 +5803,8 @@ class StdioUpstream(Upstream):
         except OSError as exc:
             raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
         self.proc = asyncio.subprocess.Process(self._transport, pipes, loop)
-        self._exit = asyncio.create_task(self._ended(self.proc.pid, pipes.exited))
+        self._exited = pipes.exited
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
-
-    @staticmethod
-    async def _ended(pid: int, exited: asyncio.Event) -> None:
-        """Once the server itself has exited, SIGKILL what is left of its process group, in
-        the turn its exit is seen: while a member of the group lives, the group's id cannot
-        be given to another, and it is never signalled later, when it could lead another
-        group. A server that exits while connected leaves nothing of its group running."""
-        await exited.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
 
     async def _drain(self) -> None:
         """Keep the last STDERR_TAIL bytes of the server's stderr."""
@@ -5886,7 +5887,7 @@ class StdioUpstream(Upstream):
 
     async def close(self) -> None:
         """Close stdin, wait, SIGTERM, wait, SIGKILL, wait: the server's process group is
-        killed once it has exited (_ended). Safe to call twice and while a call is in
+        killed once it has exited (_ServerPipes). Safe to call twice and while a call is in
         flight; a close cancelled while it waits still closes the transport (which kills
         the server)."""
         async with self._close_lock:
@@ -5896,12 +5897,11 @@ class StdioUpstream(Upstream):
             try:
                 proc.stdin.close()
                 for sig in (None, signal.SIGTERM, signal.SIGKILL):
-                    if self._exit.done():
-                        break
-                    if sig is not None:
+                    if sig is not None and not self._exited.is_set():
                         with contextlib.suppress(ProcessLookupError):
                             proc.send_signal(sig)
-                    await asyncio.wait({self._exit}, timeout=CLOSE_WAIT)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._exited.wait(), CLOSE_WAIT)
                 for task in self._tasks:
                     with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                         await asyncio.wait_for(task, STDERR_WAIT)

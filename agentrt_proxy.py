@@ -5507,10 +5507,11 @@ class Upstream:
     def stderr_tail(self) -> str:
         return ""
 
-    def _cancelled(self, msg_id: int, timeout: float) -> bytes:
-        """The notice that the proxy stopped waiting for ``msg_id``."""
-        return rpc_notification("notifications/cancelled", {
-            "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"})
+    async def _stop_waiting(self, notice: bytes) -> None:
+        """Send ``notice``, that the proxy stopped waiting for an answer (a late one is
+        dropped), if the server can still take it."""
+        with contextlib.suppress(ProxyError, OSError):
+            await self._post(notice, "notifications/cancelled")
 
     # -- the protocol --
     def _frame(self, method: str, params: dict) -> tuple[int, bytes]:
@@ -5529,7 +5530,13 @@ class Upstream:
         if self.closed:
             raise NotSent(f"the connection to {self.name} is closed")
         msg_id, payload = self._frame(method, params)
-        reply = await self._exchange(msg_id, method, payload, timeout, tool)
+        try:
+            reply = await self._exchange(msg_id, method, payload, timeout, tool)
+        except asyncio.TimeoutError:
+            if method != "server/discover":      # a legacy server must see initialize first
+                await self._stop_waiting(rpc_notification("notifications/cancelled", {
+                    "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"}))
+            raise
         err = reply.doc.get("error")
         if err is not None:
             err = err if isinstance(err, dict) else {}
@@ -5875,13 +5882,6 @@ class StdioUpstream(Upstream):
         try:
             await self._post(payload)
             return await in_time(fut, timeout)
-        except asyncio.TimeoutError:
-            if method == "server/discover":      # a legacy server must see initialize first
-                raise
-            # Tell the server we stopped waiting; its late answer is dropped.
-            with contextlib.suppress(ProxyError, OSError):
-                await self._post(self._cancelled(msg_id, timeout))
-            raise
         finally:
             self._pending.pop(msg_id, None)
 
@@ -6105,22 +6105,21 @@ class HttpUpstream(Upstream):
                 raise UpstreamError("the event stream ended before the answer")
 
     async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
-        try:
-            return await self._post(payload, method, timeout, msg_id, tool)
-        except asyncio.TimeoutError:
-            if self.modern:    # a modern server reads the dropped stream as the cancel
-                raise
-            # Tell a legacy server we stopped waiting, in the background (within
-            # HTTP_SLACK): the caller's timeout comes at its deadline, not after a slow
-            # server took this too.
-            async def cancel() -> None:
-                with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
-                    await self._post(self._cancelled(msg_id, timeout),
-                                     "notifications/cancelled", HTTP_SLACK)
-            task = asyncio.get_running_loop().create_task(cancel())
-            self._notices.add(task)               # held until done: the loop keeps weak refs
-            task.add_done_callback(self._notices.discard)
-            raise
+        return await self._post(payload, method, timeout, msg_id, tool)
+
+    async def _stop_waiting(self, notice: bytes) -> None:
+        """A modern server reads the dropped stream as the cancel. A legacy one is told in
+        the background (within HTTP_SLACK): the caller's timeout comes at its deadline, not
+        after a slow server took this too."""
+        if self.modern:
+            return
+
+        async def cancel() -> None:
+            with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
+                await self._post(notice, "notifications/cancelled", HTTP_SLACK)
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._notices.add(task)               # held until done: the loop keeps weak refs
+        task.add_done_callback(self._notices.discard)
 
     async def _post(self, payload: bytes, method: str, timeout: float = DISCOVER_TIMEOUT,
                     msg_id: int | None = None, tool: str = "") -> Message | None:

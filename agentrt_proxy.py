@@ -5753,12 +5753,21 @@ def _answers(msg: Message, msg_id: int | None) -> bool:
 class _ServerPipes(asyncio.subprocess.SubprocessStreamProtocol):
     """asyncio's own protocol for a child's pipes, with ``exited`` set when the child itself
     exits: Process.wait() waits for its pipes too (Python 3.12 and later), and a descendant
-    may hold them open."""
+    may hold them open. Its stderr is kept as it arrives: the last STDERR_TAIL bytes, in
+    ``tail``; its stream reader is only told the end."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, tail: bytearray):
         super().__init__(limit=MAX_FRAME + 1024, loop=loop)
         self.exited = asyncio.Event()
         self.pid = 0
+        self.tail = tail
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        if fd != 2:
+            super().pipe_data_received(fd, data)
+            return
+        self.tail += data
+        del self.tail[:-STDERR_TAIL]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -5790,7 +5799,7 @@ class StdioUpstream(Upstream):
         self._pending: dict[int, asyncio.Future] = {}
         self._write_lock = asyncio.Lock()
         self._tail = bytearray()
-        self._tasks: list[asyncio.Task] = []
+        self._reader: asyncio.Task | None = None
         self._close_lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -5804,24 +5813,14 @@ class StdioUpstream(Upstream):
         loop = asyncio.get_running_loop()
         try:
             self._transport, pipes = await loop.subprocess_exec(
-                lambda: _ServerPipes(loop), _executable(self.argv[0], self.cwd),
+                lambda: _ServerPipes(loop, self._tail), _executable(self.argv[0], self.cwd),
                 *self.argv[1:], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, env=self.env, cwd=self.cwd, **kwargs)
         except OSError as exc:
             raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
         self.proc = asyncio.subprocess.Process(self._transport, pipes, loop)
         self._exited = pipes.exited
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
-
-    async def _drain(self) -> None:
-        """Keep the last STDERR_TAIL bytes of the server's stderr."""
-        stderr = self.proc.stderr
-        while True:
-            chunk = await stderr.read(STDERR_TAIL)
-            if not chunk:
-                return
-            self._tail += chunk
-            del self._tail[:-STDERR_TAIL]
+        self._reader = asyncio.create_task(self._read())
 
     def stderr_tail(self) -> str:
         return sanitize(bytes(self._tail)).strip()
@@ -5902,9 +5901,10 @@ class StdioUpstream(Upstream):
                             proc.send_signal(sig)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._exited.wait(), CLOSE_WAIT)
-                for task in self._tasks:
-                    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                        await asyncio.wait_for(task, STDERR_WAIT)
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(self._reader, STDERR_WAIT)
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(proc.stderr.read(), STDERR_WAIT)  # its stderr's end
             finally:
                 # A descendant may still hold the pipes: they are closed here, what the
                 # server never read dropped.

@@ -5826,18 +5826,13 @@ class StdioUpstream(Upstream):
         return sanitize(bytes(self._tail)).strip()
 
     async def _read(self) -> None:
-        """Dispatch answers by id; a broken frame or EOF ends the connection."""
+        """Dispatch answers by id, and answer what the server sends on its own (_route); a
+        broken frame or EOF ends the connection."""
         reason = "the server closed its output"
         stdout = self.proc.stdout
         try:
             while True:
-                try:
-                    line = await stdout.readuntil(b"\n")
-                except asyncio.IncompleteReadError:
-                    break
-                except asyncio.LimitOverrunError:
-                    reason = f"the server sent a message larger than {MAX_FRAME} bytes"
-                    break
+                line = await stdout.readuntil(b"\n")
                 if not line.strip():
                     continue
                 try:
@@ -5847,23 +5842,24 @@ class StdioUpstream(Upstream):
                 except (JSONError, ProtocolError) as exc:
                     reason = f"the server sent a line that is not JSON-RPC: {exc}"
                     break
-                await self._dispatch(msg)
+                if msg.method is not None:
+                    answer = self._route(msg)
+                    if answer is not None:
+                        await self._post(answer)
+                    continue
+                fut = self._pending.pop(_plain_int(msg.doc.get("id"), MAX_ID_DIGITS), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except asyncio.IncompleteReadError:
+            pass                                    # the end of its output: the default reason
+        except asyncio.LimitOverrunError:
+            reason = f"the server sent a message larger than {MAX_FRAME} bytes"
         finally:
             self.closed = True
             for fut in self._pending.values():
                 if not fut.done():
                     fut.set_exception(UpstreamError(reason))
             self._pending.clear()
-
-    async def _dispatch(self, msg: Message) -> None:
-        if msg.method is None:
-            fut = self._pending.pop(_plain_int(msg.doc.get("id"), MAX_ID_DIGITS), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-            return
-        answer = self._route(msg)
-        if answer is not None:
-            await self._post(answer)
 
     async def _post(self, data: bytes, method: str = "") -> None:
         async with self._write_lock:

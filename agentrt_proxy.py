@@ -5503,7 +5503,8 @@ class Upstream:
         self.on_tools_changed: Callable[[], None] | None = None    # section 25
 
     # -- the transport's: _exchange(msg_id, method, payload, timeout, tool) -> the answer,
-    # _post(payload, method) a notification, close(); and stderr_tail() for its errors --
+    # _post(payload, method) a notification, close(); and stderr_tail() for its errors and
+    # _stop_waiting(notice) after a timeout, where it differs from these --
     def stderr_tail(self) -> str:
         return ""
 
@@ -5526,7 +5527,8 @@ class Upstream:
     async def request(self, method: str, params: dict, timeout: float,
                       tool: str = "") -> Message:
         """Send a request and return the response message, or raise ProtocolError for an
-        error answer, asyncio.TimeoutError when none came in time."""
+        error answer, asyncio.TimeoutError when none came in time (the server told so,
+        _stop_waiting)."""
         if self.closed:
             raise NotSent(f"the connection to {self.name} is closed")
         msg_id, payload = self._frame(method, params)

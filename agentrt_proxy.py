@@ -5517,14 +5517,16 @@ class Upstream:
         self.on_tools_changed: Callable[[], None] | None = None    # section 25
 
     # -- the transport's: _exchange(msg_id, method, payload, timeout, tool) -> the answer,
-    # _post(payload, method) a notification, close(); and stderr_tail() for its errors --
+    # _post(payload, method) a notification, close(); and stderr_tail() for its errors and
+    # _stop_waiting(notice) after a timeout, where it differs from these --
     def stderr_tail(self) -> str:
         return ""
 
-    def _cancelled(self, msg_id: int, timeout: float) -> bytes:
-        """The notice that the proxy stopped waiting for ``msg_id``."""
-        return rpc_notification("notifications/cancelled", {
-            "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"})
+    async def _stop_waiting(self, notice: bytes) -> None:
+        """Send ``notice``, that the proxy stopped waiting for an answer (a late one is
+        dropped), if the server can still take it."""
+        with contextlib.suppress(ProxyError, OSError):
+            await self._post(notice, "notifications/cancelled")
 
     # -- the protocol --
     def _frame(self, method: str, params: dict) -> tuple[int, bytes]:
@@ -5539,11 +5541,18 @@ class Upstream:
     async def request(self, method: str, params: dict, timeout: float,
                       tool: str = "") -> Message:
         """Send a request and return the response message, or raise ProtocolError for an
-        error answer, asyncio.TimeoutError when none came in time."""
+        error answer, asyncio.TimeoutError when none came in time (the server told so,
+        _stop_waiting)."""
         if self.closed:
             raise NotSent(f"the connection to {self.name} is closed")
         msg_id, payload = self._frame(method, params)
-        reply = await self._exchange(msg_id, method, payload, timeout, tool)
+        try:
+            reply = await self._exchange(msg_id, method, payload, timeout, tool)
+        except asyncio.TimeoutError:
+            if method != "server/discover":      # a legacy server must see initialize first
+                await self._stop_waiting(rpc_notification("notifications/cancelled", {
+                    "requestId": msg_id, "reason": f"no answer within {fmt_duration(timeout)}"}))
+            raise
         err = reply.doc.get("error")
         if err is not None:
             err = err if isinstance(err, dict) else {}
@@ -5760,15 +5769,35 @@ def _answers(msg: Message, msg_id: int | None) -> bool:
 class _ServerPipes(asyncio.subprocess.SubprocessStreamProtocol):
     """asyncio's own protocol for a child's pipes, with ``exited`` set when the child itself
     exits: Process.wait() waits for its pipes too (Python 3.12 and later), and a descendant
-    may hold them open."""
+    may hold them open. Its stderr is kept as it arrives: the last STDERR_TAIL bytes, in
+    ``tail``; its stream reader is only told the end."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, tail: bytearray):
         super().__init__(limit=MAX_FRAME + 1024, loop=loop)
         self.exited = asyncio.Event()
+        self.pid = 0
+        self.tail = tail
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        if fd != 2:
+            super().pipe_data_received(fd, data)
+            return
+        self.tail += data
+        del self.tail[:-STDERR_TAIL]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.pid = transport.get_pid()
 
     def process_exited(self) -> None:
+        """SIGKILL what is left of the server's process group in the turn its exit is seen:
+        while a member of the group lives, the group's id cannot be given to another, and it
+        is never signalled later, when it could lead another group. A server that exits
+        while connected leaves nothing of its group running."""
         super().process_exited()
         self.exited.set()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
 
 
 class StdioUpstream(Upstream):
@@ -5782,16 +5811,16 @@ class StdioUpstream(Upstream):
         self.cwd = cwd or None      # the configuration's directory (section 18)
         self.proc: asyncio.subprocess.Process | None = None
         self._transport: asyncio.SubprocessTransport | None = None
-        self._exit: asyncio.Task | None = None
+        self._exited: asyncio.Event | None = None      # set once the server has exited
         self._pending: dict[int, asyncio.Future] = {}
         self._write_lock = asyncio.Lock()
         self._tail = bytearray()
-        self._tasks: list[asyncio.Task] = []
+        self._reader: asyncio.Task | None = None
         self._close_lock = asyncio.Lock()
 
     async def start(self) -> None:
         """Spawn the server: its own process group, killed with the proxy (Linux). Its exit
-        is watched from then on (_ended)."""
+        is watched from then on (_ServerPipes)."""
         kwargs: dict[str, Any] = ({"process_group": 0} if POPEN_PROCESS_GROUP
                                   else {"start_new_session": True})
         prctl = _prctl() if sys.platform.startswith("linux") else None
@@ -5800,51 +5829,26 @@ class StdioUpstream(Upstream):
         loop = asyncio.get_running_loop()
         try:
             self._transport, pipes = await loop.subprocess_exec(
-                lambda: _ServerPipes(loop), _executable(self.argv[0], self.cwd),
+                lambda: _ServerPipes(loop, self._tail), _executable(self.argv[0], self.cwd),
                 *self.argv[1:], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, env=self.env, cwd=self.cwd, **kwargs)
         except OSError as exc:
             raise UpstreamError(f"cannot start {_quote(self.argv[0])}: {exc}") from None
         self.proc = asyncio.subprocess.Process(self._transport, pipes, loop)
-        self._exit = asyncio.create_task(self._ended(self.proc.pid, pipes.exited))
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._drain())]
-
-    @staticmethod
-    async def _ended(pid: int, exited: asyncio.Event) -> None:
-        """Once the server itself has exited, SIGKILL what is left of its process group, in
-        the turn its exit is seen: while a member of the group lives, the group's id cannot
-        be given to another, and it is never signalled later, when it could lead another
-        group. A server that exits while connected leaves nothing of its group running."""
-        await exited.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-
-    async def _drain(self) -> None:
-        """Keep the last STDERR_TAIL bytes of the server's stderr."""
-        stderr = self.proc.stderr
-        while True:
-            chunk = await stderr.read(STDERR_TAIL)
-            if not chunk:
-                return
-            self._tail += chunk
-            del self._tail[:-STDERR_TAIL]
+        self._exited = pipes.exited
+        self._reader = asyncio.create_task(self._read())
 
     def stderr_tail(self) -> str:
         return sanitize(bytes(self._tail)).strip()
 
     async def _read(self) -> None:
-        """Dispatch answers by id; a broken frame or EOF ends the connection."""
+        """Dispatch answers by id, and answer what the server sends on its own (_route); a
+        broken frame or EOF ends the connection."""
         reason = "the server closed its output"
         stdout = self.proc.stdout
         try:
             while True:
-                try:
-                    line = await stdout.readuntil(b"\n")
-                except asyncio.IncompleteReadError:
-                    break
-                except asyncio.LimitOverrunError:
-                    reason = f"the server sent a message larger than {MAX_FRAME} bytes"
-                    break
+                line = await stdout.readuntil(b"\n")
                 if not line.strip():
                     continue
                 try:
@@ -5854,23 +5858,24 @@ class StdioUpstream(Upstream):
                 except (JSONError, ProtocolError) as exc:
                     reason = f"the server sent a line that is not JSON-RPC: {exc}"
                     break
-                await self._dispatch(msg)
+                if msg.method is not None:
+                    answer = self._route(msg)
+                    if answer is not None:
+                        await self._post(answer)
+                    continue
+                fut = self._pending.pop(_plain_int(msg.doc.get("id"), MAX_ID_DIGITS), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except asyncio.IncompleteReadError:
+            pass                                    # the end of its output: the default reason
+        except asyncio.LimitOverrunError:
+            reason = f"the server sent a message larger than {MAX_FRAME} bytes"
         finally:
             self.closed = True
             for fut in self._pending.values():
                 if not fut.done():
                     fut.set_exception(UpstreamError(reason))
             self._pending.clear()
-
-    async def _dispatch(self, msg: Message) -> None:
-        if msg.method is None:
-            fut = self._pending.pop(_plain_int(msg.doc.get("id"), MAX_ID_DIGITS), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-            return
-        answer = self._route(msg)
-        if answer is not None:
-            await self._post(answer)
 
     async def _post(self, data: bytes, method: str = "") -> None:
         async with self._write_lock:
@@ -5888,19 +5893,12 @@ class StdioUpstream(Upstream):
         try:
             await self._post(payload)
             return await in_time(fut, timeout)
-        except asyncio.TimeoutError:
-            if method == "server/discover":      # a legacy server must see initialize first
-                raise
-            # Tell the server we stopped waiting; its late answer is dropped.
-            with contextlib.suppress(ProxyError, OSError):
-                await self._post(self._cancelled(msg_id, timeout))
-            raise
         finally:
             self._pending.pop(msg_id, None)
 
     async def close(self) -> None:
         """Close stdin, wait, SIGTERM, wait, SIGKILL, wait: the server's process group is
-        killed once it has exited (_ended). Safe to call twice and while a call is in
+        killed once it has exited (_ServerPipes). Safe to call twice and while a call is in
         flight; a close cancelled while it waits still closes the transport (which kills
         the server)."""
         async with self._close_lock:
@@ -5910,15 +5908,15 @@ class StdioUpstream(Upstream):
             try:
                 proc.stdin.close()
                 for sig in (None, signal.SIGTERM, signal.SIGKILL):
-                    if self._exit.done():
-                        break
-                    if sig is not None:
+                    if sig is not None and not self._exited.is_set():
                         with contextlib.suppress(ProcessLookupError):
                             proc.send_signal(sig)
-                    await asyncio.wait({self._exit}, timeout=CLOSE_WAIT)
-                for task in self._tasks:
-                    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                        await asyncio.wait_for(task, STDERR_WAIT)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._exited.wait(), CLOSE_WAIT)
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(self._reader, STDERR_WAIT)
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(proc.stderr.read(), STDERR_WAIT)  # its stderr's end
             finally:
                 # A descendant may still hold the pipes: they are closed here, what the
                 # server never read dropped.
@@ -6119,22 +6117,21 @@ class HttpUpstream(Upstream):
                 raise UpstreamError("the event stream ended before the answer")
 
     async def _exchange(self, msg_id, method, payload, timeout, tool="") -> Message:
-        try:
-            return await self._post(payload, method, timeout, msg_id, tool)
-        except asyncio.TimeoutError:
-            if self.modern:    # a modern server reads the dropped stream as the cancel
-                raise
-            # Tell a legacy server we stopped waiting, in the background (within
-            # HTTP_SLACK): the caller's timeout comes at its deadline, not after a slow
-            # server took this too.
-            async def cancel() -> None:
-                with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
-                    await self._post(self._cancelled(msg_id, timeout),
-                                     "notifications/cancelled", HTTP_SLACK)
-            task = asyncio.get_running_loop().create_task(cancel())
-            self._notices.add(task)               # held until done: the loop keeps weak refs
-            task.add_done_callback(self._notices.discard)
-            raise
+        return await self._post(payload, method, timeout, msg_id, tool)
+
+    async def _stop_waiting(self, notice: bytes) -> None:
+        """A modern server reads the dropped stream as the cancel. A legacy one is told in
+        the background (within HTTP_SLACK): the caller's timeout comes at its deadline, not
+        after a slow server took this too."""
+        if self.modern:
+            return
+
+        async def cancel() -> None:
+            with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
+                await self._post(notice, "notifications/cancelled", HTTP_SLACK)
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._notices.add(task)               # held until done: the loop keeps weak refs
+        task.add_done_callback(self._notices.discard)
 
     async def _post(self, payload: bytes, method: str, timeout: float = DISCOVER_TIMEOUT,
                     msg_id: int | None = None, tool: str = "") -> Message | None:

@@ -9182,6 +9182,8 @@ Pending = collections.namedtuple("Pending", "approval")
 # begun, asking the operator with an approval naming ``earlier`` (section 10).
 Repeat = collections.namedtuple("Repeat", "earlier")
 # Run what the session's gate allowed: the recorded request, never this call's bytes.
+# ``last_approval``: the grant a collected run executes under (Executor.execute starts it);
+# "" for a new run, whose start Gate.start committed with it.
 Execute = collections.namedtuple("Execute", "session tool last_approval", defaults=("",))
 
 
@@ -9737,10 +9739,9 @@ class Executor:
             proxy.inspect, proxy.window
         self.reruns, self.repeats = proxy.reruns, proxy.repeats
 
-    def reopen(self, tool, key: str | None, args: bytes, at: dict) -> Approval | None:
-        """Ask about an unknown outcome again, in a fresh run of that request."""
-        if key is None:
-            return None
+    def reopen(self, tool, key: str, args: bytes, at: dict) -> Approval | None:
+        """Ask about an unknown outcome again, in a fresh run of that request (``key``: an
+        index row's, or an executed request's: never None)."""
         try:
             open_row = self.index.open_row(key)
             state = self.inspect(open_row.run_id) if open_row is not None else None
@@ -9864,7 +9865,7 @@ class Executor:
                 settled.append(True)
         session.on_recorded = settle_known
         try:
-            if session._started is None:
+            if action.last_approval:        # a collected grant; a new run started in Gate.start
                 session.start()
             called = await session.call_started()
         except AttemptSettled as exc:

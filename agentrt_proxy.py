@@ -9572,16 +9572,16 @@ class Rules:
             return None
         until = end + window
         if reason == "approval_rejected" and latest is not None:
-            return self.refused(row.run_id, row.key, rejected(
-                latest.id, latest.note, until, latest.kind == INTERRUPTED_KIND))
-        if reason == "approval_expired" and outcome != UNKNOWN and latest is not None:
-            return self.refused(row.run_id, row.key, expired(latest.id, until))
-        if reason == "operator_cancelled":
-            return self.refused(row.run_id, row.key,
-                                cancelled_answer(state.run.reason_detail, until))
-        if state.run.reason_detail == CLOSE_DENIED_RERUN:
-            return self.refused(row.run_id, row.key, denied_rerun_again(until))
-        return None                          # an expiry resolves nothing: rule 6 asks
+            said = rejected(latest.id, latest.note, until, latest.kind == INTERRUPTED_KIND)
+        elif reason == "approval_expired" and outcome != UNKNOWN and latest is not None:
+            said = expired(latest.id, until)
+        elif reason == "operator_cancelled":
+            said = cancelled_answer(state.run.reason_detail, until)
+        elif state.run.reason_detail == CLOSE_DENIED_RERUN:
+            said = denied_rerun_again(until)
+        else:
+            return None                      # an expiry resolves nothing: rule 6 asks
+        return self.refused(row.run_id, row.key, said)
 
     def executed_within(self, tool, key: str, now: float, window: float,
                         read: RunState | None = None):

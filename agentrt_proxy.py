@@ -9631,13 +9631,11 @@ class Rules:
     # rule 6: an unknown outcome of this request, at any age
 
     def unresolved(self, key: str) -> dict | None:
+        """The attempt of the newest run that made one, when its outcome is unknown (a
+        known outcome's attempt is None, last_attempt)."""
         rows = itertools.takewhile(lambda row: row.outcome != KNOWN, self.index.attempts(key))
-        for _, _, outcome, at in self.finished(rows):
-            if outcome == KNOWN:
-                return None
-            if outcome == UNKNOWN:
-                return at
-        return None
+        return next((at for _, _, outcome, at in self.finished(rows) if outcome != NO_ATTEMPT),
+                    None)
 
     # the rules over the session: BLOCKED while an unknown outcome waits, max_pending
 
@@ -9808,8 +9806,7 @@ class Executor:
         self.settle_run(session.run_id)
         if verdict.kind == "settled":     # the attempt it asks about has a recorded outcome:
             return Retry()                # the rules now answer it (DUPLICATE within the window)
-        run = verdict.run
-        return Answer(denied_answer(run.reason_detail if run else "the run ended"))
+        return Answer(denied_answer(verdict.run.reason_detail if verdict.run else "the run ended"))
 
     # after the proposal
 

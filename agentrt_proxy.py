@@ -7473,8 +7473,7 @@ def denied_rerun_answer(reason: str) -> dict:
 
 def denied_rerun_again(until: float) -> dict:
     return prose("DENIED", "an operator approved running this exact request again, but the "
-                 "policy denied it when it was called, so it was not run. An identical request "
-                 f"is refused until {fmt_time_s(until)}. Do not ask for it again; tell the user.",
+                 f"policy denied it when it was called, so it was not run. {_closed(until)}",
                  True)
 
 
@@ -7490,6 +7489,12 @@ def _note(note: str) -> str:
     return f' The operator\'s note: "{clean(note, NOTE_BYTES)}".' if note else ""
 
 
+def _closed(until: float) -> str:
+    """How a request the operator's last word refused stays refused, for its window."""
+    return (f"An identical request is refused until {fmt_time_s(until)}. Do not ask for it "
+            "again; tell the user.")
+
+
 def rejected(approval_id: str, note: str, until: float, rerun: bool = False) -> dict:
     """REJECTED. For a question about an earlier attempt (``rerun``), what the operator
     refused is running it again: that attempt may have taken effect, so the model is never
@@ -7498,14 +7503,12 @@ def rejected(approval_id: str, note: str, until: float, rerun: bool = False) -> 
             "earlier attempt took effect is the operator's to say.") if rerun else \
         ("this exact request", "It was not executed.")
     return prose("REJECTED", f"an operator rejected {what[0]} (approval {approval_id})."
-                 f"{_note(note)} {what[1]} An identical request is refused until "
-                 f"{fmt_time_s(until)}. Do not ask for it again; tell the user.", True)
+                 f"{_note(note)} {what[1]} {_closed(until)}", True)
 
 
 def cancelled_answer(note: str, until: float) -> dict:
     return prose("REJECTED", f"an operator cancelled this exact request.{_note(note)} Nothing "
-                 f"further was executed. An identical request is refused until "
-                 f"{fmt_time_s(until)}. Do not ask for it again; tell the user.", True)
+                 f"further was executed. {_closed(until)}", True)
 
 
 def expired(approval_id: str, until: float) -> dict:
@@ -9456,12 +9459,10 @@ class Resume:
         if isinstance(attached, (Answer, Retry)):
             return attached
         session, verdict = attached
-        if verdict.kind in ("allowed", "pending", "denied"):
-            return self.executor.verdict(session, verdict, tool, state.latest())
         if verdict.kind == "ended":
             return None
-        if verdict.kind == "settled":        # the attempt it re-runs has a recorded outcome
-            self.executor.settle_run(row.run_id)
+        if verdict.kind in ("allowed", "pending", "denied", "settled"):
+            return self.executor.verdict(session, verdict, tool, state.latest())
         session.close()
         return Retry()
 

@@ -9501,8 +9501,7 @@ class Rules:
             proxy.inspect, proxy.window
         self.refusals = RefusalLog(proxy.store)
 
-    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes,
-               value: Any = NOT_PARSED):
+    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes, value: Any):
         """The rules, in order. Returns an Answer, a Pending approval, an Execute, or Retry.
         ``value`` is the arguments' strict parse (host_arguments)."""
         now = self.clock()
@@ -9537,8 +9536,7 @@ class Rules:
 
     # rules 4 and 5: the request was refused, expired, or ran, within its window
 
-    def refusal(self, tool, key: str, recent: list[CallRow], now: float,
-                ended: RunState | None = None):
+    def refusal(self, tool, key: str, recent: list[CallRow], now: float, ended: RunState | None):
         """Rules 4 and 5. Rule 4 by the newest of the request's finished runs: the
         operator's last word on this request (no older run can say otherwise: when that run
         was begun, rule 4 found nothing to refuse in the older ones within the same window,
@@ -9584,8 +9582,7 @@ class Rules:
             return None                      # an expiry resolves nothing: rule 6 asks
         return self.refused(row.run_id, row.key, said)
 
-    def executed_within(self, tool, key: str, now: float, window: float,
-                        read: RunState | None = None):
+    def executed_within(self, tool, key: str, now: float, window: float, read: RunState | None):
         """Rule 5, the one answer to "did this request execute within the window, and with
         what outcome, late outcomes included". Its outcome known, on time or late, within
         the window (which runs from the later of the run's end and the recording of its
@@ -9640,8 +9637,7 @@ class Rules:
 
     # the rules over the session: BLOCKED while an unknown outcome waits, max_pending
 
-    def session_rules(self, tool, key: str, rerun: bool, args: bytes = b"{}",
-                      unknown: bool = False):
+    def session_rules(self, tool, key: str, rerun: bool, args: bytes, unknown: bool):
         outcome = self.policy.outcome_of(tool, args, unknown)
         needs_approval = outcome == "require_approval" or (rerun and outcome != "deny")
         mutating = tool.spec.side_effect != "read_only"

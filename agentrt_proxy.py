@@ -9321,9 +9321,8 @@ class Proxy:
                 return unavailable("read its records")
             if isinstance(action, Execute):
                 result = await self.executor.execute(action)
-                if result is None:          # its attempt had a recorded outcome: decide again
-                    continue
-                return result
+                if result is not None:      # None: its attempt had a recorded outcome: decide again
+                    return result
             if isinstance(action, Pending):
                 if not held and self.cfg.hold > 0 and not _is_set(cancelled) and \
                         not self.stopping.is_set():
@@ -9838,8 +9837,7 @@ class Executor:
 
     def settle_run(self, run_id: str) -> None:
         try:
-            row = self.index.by_run(run_id)
-            state = self.inspect(run_id)
+            row, state = self.index.by_run(run_id), self.inspect(run_id)
         except StoreError as exc:
             self.log(f"error: {exc}")
             return

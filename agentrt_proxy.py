@@ -9938,7 +9938,7 @@ class Executor:
         self.log(f"run {run_id}: {tool.spec.name}: {HOW[ended]}; its outcome is unknown")
         steps = self.store.list_steps(run_id)
         executed = next((s for s in reversed(steps) if s.obs_kind == TOOL_ERROR), None)
-        if executed is None:
+        if executed is None:    # the operator cancelled the run as it ran: a late event holds it
             session.close()
             return unknown_outcome(ended, text, "")
         at, args = _attempt(run_id, executed, ended), executed.args or b"{}"

@@ -7517,8 +7517,7 @@ def denied_rerun_answer(reason: str) -> dict:
 
 def denied_rerun_again(until: float) -> dict:
     return prose("DENIED", "an operator approved running this exact request again, but the "
-                 "policy denied it when it was called, so it was not run. An identical request "
-                 f"is refused until {fmt_time_s(until)}. Do not ask for it again; tell the user.",
+                 f"policy denied it when it was called, so it was not run. {_closed(until)}",
                  True)
 
 
@@ -7534,6 +7533,12 @@ def _note(note: str) -> str:
     return f' The operator\'s note: "{clean(note, NOTE_BYTES)}".' if note else ""
 
 
+def _closed(until: float) -> str:
+    """How a request the operator's last word refused stays refused, for its window."""
+    return (f"An identical request is refused until {fmt_time_s(until)}. Do not ask for it "
+            "again; tell the user.")
+
+
 def rejected(approval_id: str, note: str, until: float, rerun: bool = False) -> dict:
     """REJECTED. For a question about an earlier attempt (``rerun``), what the operator
     refused is running it again: that attempt may have taken effect, so the model is never
@@ -7542,14 +7547,12 @@ def rejected(approval_id: str, note: str, until: float, rerun: bool = False) -> 
             "earlier attempt took effect is the operator's to say.") if rerun else \
         ("this exact request", "It was not executed.")
     return prose("REJECTED", f"an operator rejected {what[0]} (approval {approval_id})."
-                 f"{_note(note)} {what[1]} An identical request is refused until "
-                 f"{fmt_time_s(until)}. Do not ask for it again; tell the user.", True)
+                 f"{_note(note)} {what[1]} {_closed(until)}", True)
 
 
 def cancelled_answer(note: str, until: float) -> dict:
     return prose("REJECTED", f"an operator cancelled this exact request.{_note(note)} Nothing "
-                 f"further was executed. An identical request is refused until "
-                 f"{fmt_time_s(until)}. Do not ask for it again; tell the user.", True)
+                 f"further was executed. {_closed(until)}", True)
 
 
 def expired(approval_id: str, until: float) -> dict:
@@ -9210,6 +9213,8 @@ Pending = collections.namedtuple("Pending", "approval")
 # begun, asking the operator with an approval naming ``earlier`` (section 10).
 Repeat = collections.namedtuple("Repeat", "earlier")
 # Run what the session's gate allowed: the recorded request, never this call's bytes.
+# ``last_approval``: the grant a collected run executes under (Executor.execute starts it);
+# "" for a new run, whose start Gate.start committed with it.
 Execute = collections.namedtuple("Execute", "session tool last_approval", defaults=("",))
 
 
@@ -9344,9 +9349,8 @@ class Proxy:
                 return unavailable("read its records")
             if isinstance(action, Execute):
                 result = await self.executor.execute(action)
-                if result is None:          # its attempt had a recorded outcome: decide again
-                    continue
-                return result
+                if result is not None:      # None: its attempt had a recorded outcome: decide again
+                    return result
             if isinstance(action, Pending):
                 if not held and self.cfg.hold > 0 and not _is_set(cancelled) and \
                         not self.stopping.is_set():
@@ -9482,12 +9486,10 @@ class Resume:
         if isinstance(attached, (Answer, Retry)):
             return attached
         session, verdict = attached
-        if verdict.kind in ("allowed", "pending", "denied"):
-            return self.executor.verdict(session, verdict, tool, state.latest())
         if verdict.kind == "ended":
             return None
-        if verdict.kind == "settled":        # the attempt it re-runs has a recorded outcome
-            self.executor.settle_run(row.run_id)
+        if verdict.kind in ("allowed", "pending", "denied", "settled"):
+            return self.executor.verdict(session, verdict, tool, state.latest())
         session.close()
         return Retry()
 
@@ -9526,8 +9528,7 @@ class Rules:
             proxy.inspect, proxy.window
         self.refusals = RefusalLog(proxy.store)
 
-    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes,
-               value: Any = NOT_PARSED):
+    def decide(self, tool: "UpstreamTool", key: str | None, args: bytes, value: Any):
         """The rules, in order. Returns an Answer, a Pending approval, an Execute, or Retry.
         ``value`` is the arguments' strict parse (host_arguments)."""
         now = self.clock()
@@ -9562,8 +9563,7 @@ class Rules:
 
     # rules 4 and 5: the request was refused, expired, or ran, within its window
 
-    def refusal(self, tool, key: str, recent: list[CallRow], now: float,
-                ended: RunState | None = None):
+    def refusal(self, tool, key: str, recent: list[CallRow], now: float, ended: RunState | None):
         """Rules 4 and 5. Rule 4 by the newest of the request's finished runs: the
         operator's last word on this request (no older run can say otherwise: when that run
         was begun, rule 4 found nothing to refuse in the older ones within the same window,
@@ -9598,19 +9598,18 @@ class Rules:
             return None
         until = end + window
         if reason == "approval_rejected" and latest is not None:
-            return self.refused(row.run_id, row.key, rejected(
-                latest.id, latest.note, until, latest.kind == INTERRUPTED_KIND))
-        if reason == "approval_expired" and outcome != UNKNOWN and latest is not None:
-            return self.refused(row.run_id, row.key, expired(latest.id, until))
-        if reason == "operator_cancelled":
-            return self.refused(row.run_id, row.key,
-                                cancelled_answer(state.run.reason_detail, until))
-        if state.run.reason_detail == CLOSE_DENIED_RERUN:
-            return self.refused(row.run_id, row.key, denied_rerun_again(until))
-        return None                          # an expiry resolves nothing: rule 6 asks
+            said = rejected(latest.id, latest.note, until, latest.kind == INTERRUPTED_KIND)
+        elif reason == "approval_expired" and outcome != UNKNOWN and latest is not None:
+            said = expired(latest.id, until)
+        elif reason == "operator_cancelled":
+            said = cancelled_answer(state.run.reason_detail, until)
+        elif state.run.reason_detail == CLOSE_DENIED_RERUN:
+            said = denied_rerun_again(until)
+        else:
+            return None                      # an expiry resolves nothing: rule 6 asks
+        return self.refused(row.run_id, row.key, said)
 
-    def executed_within(self, tool, key: str, now: float, window: float,
-                        read: RunState | None = None):
+    def executed_within(self, tool, key: str, now: float, window: float, read: RunState | None):
         """Rule 5, the one answer to "did this request execute within the window, and with
         what outcome, late outcomes included". Its outcome known, on time or late, within
         the window (which runs from the later of the run's end and the recording of its
@@ -9657,18 +9656,15 @@ class Rules:
     # rule 6: an unknown outcome of this request, at any age
 
     def unresolved(self, key: str) -> dict | None:
+        """The attempt of the newest run that made one, when its outcome is unknown (a
+        known outcome's attempt is None, last_attempt)."""
         rows = itertools.takewhile(lambda row: row.outcome != KNOWN, self.index.attempts(key))
-        for _, _, outcome, at in self.finished(rows):
-            if outcome == KNOWN:
-                return None
-            if outcome == UNKNOWN:
-                return at
-        return None
+        return next((at for _, _, outcome, at in self.finished(rows) if outcome != NO_ATTEMPT),
+                    None)
 
     # the rules over the session: BLOCKED while an unknown outcome waits, max_pending
 
-    def session_rules(self, tool, key: str, rerun: bool, args: bytes = b"{}",
-                      unknown: bool = False):
+    def session_rules(self, tool, key: str, rerun: bool, args: bytes, unknown: bool):
         outcome = self.policy.outcome_of(tool, args, unknown)
         needs_approval = outcome == "require_approval" or (rerun and outcome != "deny")
         mutating = tool.spec.side_effect != "read_only"
@@ -9765,10 +9761,9 @@ class Executor:
             proxy.inspect, proxy.window
         self.reruns, self.repeats = proxy.reruns, proxy.repeats
 
-    def reopen(self, tool, key: str | None, args: bytes, at: dict) -> Approval | None:
-        """Ask about an unknown outcome again, in a fresh run of that request."""
-        if key is None:
-            return None
+    def reopen(self, tool, key: str, args: bytes, at: dict) -> Approval | None:
+        """Ask about an unknown outcome again, in a fresh run of that request (``key``: an
+        index row's, or an executed request's: never None)."""
         try:
             open_row = self.index.open_row(key)
             state = self.inspect(open_row.run_id) if open_row is not None else None
@@ -9835,8 +9830,7 @@ class Executor:
         self.settle_run(session.run_id)
         if verdict.kind == "settled":     # the attempt it asks about has a recorded outcome:
             return Retry()                # the rules now answer it (DUPLICATE within the window)
-        run = verdict.run
-        return Answer(denied_answer(run.reason_detail if run else "the run ended"))
+        return Answer(denied_answer(verdict.run.reason_detail if verdict.run else "the run ended"))
 
     # after the proposal
 
@@ -9871,8 +9865,7 @@ class Executor:
 
     def settle_run(self, run_id: str) -> None:
         try:
-            row = self.index.by_run(run_id)
-            state = self.inspect(run_id)
+            row, state = self.index.by_run(run_id), self.inspect(run_id)
         except StoreError as exc:
             self.log(f"error: {exc}")
             return
@@ -9892,7 +9885,7 @@ class Executor:
                 settled.append(True)
         session.on_recorded = settle_known
         try:
-            if session._started is None:
+            if action.last_approval:        # a collected grant; a new run started in Gate.start
                 session.start()
             called = await session.call_started()
         except AttemptSettled as exc:
@@ -9973,7 +9966,7 @@ class Executor:
         self.log(f"run {run_id}: {tool.spec.name}: {HOW[ended]}; its outcome is unknown")
         steps = self.store.list_steps(run_id)
         executed = next((s for s in reversed(steps) if s.obs_kind == TOOL_ERROR), None)
-        if executed is None:
+        if executed is None:    # the operator cancelled the run as it ran: a late event holds it
             session.close()
             return unknown_outcome(ended, text, "")
         at, args = _attempt(run_id, executed, ended), executed.args or b"{}"

@@ -12337,34 +12337,29 @@ def approval_block(store: Store, approval: Approval, db_path: str,
                    view: ApprovalView | None = None) -> list[str]:
     """Everything an operator must read before deciding, as printed by show, approve, reject,
     the inbox and the webhook's text, from the approval's view (section 13), and its tool's
-    limits as they stand now (limits_now)."""
+    limits as they stand now (limits_now). Its facts are waiting_doc's, read as it reads
+    them; the arguments, the operator's fixed values and the interrupted attempt in full."""
     view = view or view_of(store, approval)
     approval = view.approval
     state = "WAITING" if approval.status == PENDING else sanitize(str(approval.status)).upper()
-    try:
-        cap = read_own(approval.capability)        # it wraps the arguments: the allowance
-        request = approval.request()
-    except (ProxyError, KeyError, ValueError) as exc:
-        return [f"APPROVAL {state}  {sanitize(approval.id)}", f"unread  {sanitize(str(exc))}"]
-    cap = cap if isinstance(cap, dict) else {}
-    lines = ["", f"APPROVAL {state}  {sanitize(approval.id)}",
-             f"kind          {sanitize(approval.kind)}"]
-    if cap.get("server"):
-        lines.append(f"server        {sanitize(str(cap['server']))}")
-    if cap.get("tool") and cap.get("server"):
-        lines.append(f"upstream tool {sanitize(str(cap['tool']))}")
-    lines += [f"tool          {sanitize(request.spec.name)}",
-              f"side effect   {sanitize(str(cap.get('side_effect') or request.spec.side_effect))}",
+    cap, request, problem = _read_approval(approval)
+    if request is None:
+        return [f"APPROVAL {state}  {sanitize(approval.id)}", f"unread  {sanitize(problem)}"]
+    doc = waiting_doc(approval, db_path, view, limits_now(store._read, approval, time.time()))
+    lines = ["", f"APPROVAL {state}  {doc['approval_id']}", f"kind          {doc['kind']}"]
+    if doc["server"]:
+        lines.append(f"server        {doc['server']}")
+    if doc["upstream_tool"] and doc["server"]:
+        lines.append(f"upstream tool {doc['upstream_tool']}")
+    lines += [f"tool          {doc['tool']}", f"side effect   {doc['side_effect']}",
               f"reason        {sanitize(view.reason) or '-'}"]
-    asked = asked_by(approval.capability)
-    if asked:                                   # a condition or limit asked (section 20)
-        lines.append(f"asked by      {', '.join(sanitize(a) for a in asked)}")
-        lines += [f"  {line}" for line in _figures(approval)]
-    limits = limits_now(store._read, approval, time.time())
-    if limits:                                  # read as shown; bound to nothing (section 20)
+    if doc["asked_by"]:                         # a condition or limit asked (section 20)
+        lines.append(f"asked by      {', '.join(doc['asked_by'])}")
+        lines += [f"  {line}" for line in doc["figures"]]
+    if doc["limits"]:                           # read as shown; bound to nothing (section 20)
         lines.append("limits now    each limit of the tool as it stands as this is shown; "
                      "collecting the call judges them again")
-        lines += [f"  {entry['text']}" for entry in limits]
+        lines += [f"  {entry['text']}" for entry in doc["limits"]]
     if approval.expires_at:
         lines.append(f"expires       {_stamp(approval.expires_at)}")
     lines.append("arguments: the tool call the model made, one field per line "
@@ -12377,20 +12372,19 @@ def approval_block(store: Store, approval: Approval, db_path: str,
         if key in cap:
             lines.append(title)
             lines += _fields(dump_json(cap[key]).encode())
-    if view.late is not None:
-        then = "it is not run again" if view.late.known else \
+    if doc["late_outcome"]:
+        then = "it is not run again" if doc["late_outcome_known"] else \
             "its outcome is still unknown; approving runs it again"
-        lines.append(f"LATE OUTCOME  the attempt this approval asks about {view.late_text()}; "
-                     + then)
+        lines.append(f"LATE OUTCOME  the attempt this approval asks about "
+                     f"{doc['late_outcome']}; " + then)
     lines.append("presentation: built by the policy; it may hold text the model chose")
     lines += _fields(approval.presentation)
     if approval.status == PENDING:
-        lines.append(f"decide with: {decide_command(db_path, approval.run_id, approval.id)}"
-                     "   (or reject)")
+        lines.append(f"decide with: {doc['decide']}   (or reject)")
     elif approval.decided_by or approval.note:
         lines.append(f"decided by    {sanitize(approval.decided_by) or '-'}"
                      + (f": {clean(approval.note, CLI_FIELD_BYTES)}" if approval.note else ""))
-    lines.append(f"---- end of approval {approval.id} for tool {request.spec.name} ----")
+    lines.append(f"---- end of approval {doc['approval_id']} for tool {doc['tool']} ----")
     # The ids and names are a stored row's, and the command line above is one to paste.
     return [sanitize(line) for line in lines]
 
@@ -12662,6 +12656,18 @@ def args_summary(fields: list[dict], more: int) -> str:
     return text
 
 
+def _read_approval(approval: Approval) -> tuple[dict, ToolRequest | None, str]:
+    """An approval's capability (the allowance that wraps its arguments; an object, else
+    empty) and its request, read one way for every view; when an edit left either unreadable,
+    no request and why."""
+    try:
+        cap = read_own(approval.capability)
+        request = approval.request()
+    except (ProxyError, KeyError, ValueError, TypeError) as exc:
+        return {}, None, str(exc)
+    return (cap if isinstance(cap, dict) else {}), request, ""
+
+
 def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None,
                 limits: list[dict] | None = None) -> dict:
     """What the operator is told of a waiting approval: on_pending's stdin, and the core of
@@ -12669,25 +12675,18 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
     a server's names reach a terminal or a notification through it. ``view`` adds what the
     store knows beyond the row (a late outcome of the attempt it asks about), and ``limits``
     the tool's limits as they stand now (limits_now)."""
-    cap: Any = {}
-    tool = side = ""
-    fields, more = [], 0
-    try:
-        request = approval.request()
-        tool, side = request.spec.name, request.spec.side_effect
-        fields, more = args_fields(request.args)
-        cap = read_own(approval.capability)
-    except (ProxyError, KeyError, ValueError, TypeError) as exc:
-        fields = fields or [{"name": "(not readable)", "omitted_bytes": 0,
-                             "value": clean(str(exc), PENDING_VALUE_BYTES)}]
-    cap = cap if isinstance(cap, dict) else {}
+    cap, request, problem = _read_approval(approval)
+    fields, more = ([{"name": "(not readable)", "omitted_bytes": 0,
+                      "value": clean(problem, PENDING_VALUE_BYTES)}], 0) if request is None \
+        else args_fields(request.args)
+    tool, side = ("", "") if request is None else (request.spec.name, request.spec.side_effect)
 
     def field(name: str) -> str:
-        value = cap.get(name)
-        return sanitize(value) if isinstance(value, str) else ""
+        return sanitize(str(cap[name])) if cap.get(name) else ""
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
-            "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
-            "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
+            "kind": sanitize(approval.kind), "tool": sanitize(tool),
+            "server": field("server"), "upstream_tool": field("tool"),
+            "side_effect": field("side_effect") or sanitize(side),
             "arguments": args_summary(fields, more), "argument_fields": fields,
             "fields_not_shown": more,
             "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")

@@ -12434,9 +12434,7 @@ def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
     row = {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
            "created_at": a.created_at, "expires_at": a.expires_at,
            "decided_by": a.decided_by, "note": a.note}
-    if view is not None:
-        row["late_outcome"] = sanitize(view.late_text())
-    return row
+    return row if view is None else dict(row, late_outcome=sanitize(view.late_text()))
 
 
 def cmd_show(store: Store, args, out: Out) -> int:
@@ -12454,9 +12452,8 @@ def cmd_show(store: Store, args, out: Out) -> int:
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
         (f": {clean(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
     finished = f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""
-    for line in (f"run     {run.id}", f"goal    {sanitize(run.goal)}", f"status  {status}",
-                 f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"):
-        out.text(line)
+    out.texts((f"run     {run.id}", f"goal    {sanitize(run.goal)}", f"status  {status}",
+               f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"))
     if run.status in TERMINAL:
         out.text(f"ended   {ended_why(store, run)}")
     for word in words.values():
@@ -12561,16 +12558,15 @@ def cmd_verify(store: Store, args, out: Out) -> int:
                   **({"kept_head": kept} if kept else {})})
     else:
         out.text(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
-        if report.broken:
-            b = report.broken
-            out.text(f"broken at seq {b.seq}: {b.detail}")
-            out.text(f"  expected {b.expected or '-'}")
-            out.text(f"  found    {b.found or '-'}")
+        b = report.broken
+        if b:
+            out.texts((f"broken at seq {b.seq}: {b.detail}", f"  expected {b.expected or '-'}",
+                       f"  found    {b.found or '-'}"))
         elif report.checked == 0:
             out.text("intact: no events in the range")
         else:
-            out.text(f"intact: {report.checked} event(s), seq {first} to {reached}")
-            out.text(f"last checked: seq {reached} {report.hash}")
+            out.texts((f"intact: {report.checked} event(s), seq {first} to {reached}",
+                       f"last checked: seq {reached} {report.hash}"))
         if kept and kept["matches"]:
             out.text(f"kept head: seq {head[0]} matches")
     for p in problems:
@@ -12750,21 +12746,18 @@ def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
     return found
 
 
-def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dict:
-    doc = waiting_doc(approval, store.path, view_of(store, approval),
-                      limits_now(store._read, approval, now))
+def pending_entry(store: Store, approval: Approval, now: float) -> dict:
+    view = view_of(store, approval)
+    doc = waiting_doc(approval, store.path, view, limits_now(store._read, approval, now))
     age = 0
     with contextlib.suppress(ValueError, TypeError, OverflowError):
         age = max(0, int(now - parse_time(approval.created_at)))
     doc.update(status=sanitize(approval.status), age_seconds=age,
                blocks_tool=approval.kind == INTERRUPTED_KIND)
     if approval.status == APPROVED:      # decided; it waits for the identical call
-        ttl, lapses = run.limits.grant_ttl, ""
-        if ttl > 0 and approval.decided_at:
-            with contextlib.suppress(ValueError, TypeError, OverflowError):
-                lapses = fmt_time(parse_time(approval.decided_at) + ttl)
         doc.update(decided_by=sanitize(approval.decided_by),
-                   decided_at=sanitize(approval.decided_at), expires_at=lapses, decide="",
+                   decided_at=sanitize(approval.decided_at), expires_at=view.grant_lapses,
+                   decide="",
                    cancel=sanitize(run_command(store.path, "cancel", approval.run_id)))
     return doc
 
@@ -12807,7 +12800,7 @@ def _pending_lines(e: dict) -> list[str]:
 
 def cmd_pending(store: Store, args, out: Out) -> int:
     now = time.time()
-    entries = [pending_entry(store, a, run, now) for a, run in waiting_now(store, now)]
+    entries = [pending_entry(store, a, now) for a, _run in waiting_now(store, now)]
     if args.json:
         out.json({"approvals": entries})
         return 0

@@ -12198,10 +12198,8 @@ def _stamp(text: str, millis: bool = False) -> str:
         local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
     except (ValueError, TypeError, AttributeError, OverflowError, OSError):
         return "(not a time) " + clean(str(text), CLI_BAD_TIME_WIDTH)
-    stamp = local.strftime("%Y-%m-%d %H:%M:%S")
-    if millis:
-        stamp += f".{local.microsecond // 1000:03d}"
-    return stamp + local.strftime(" %z")
+    return local.strftime("%Y-%m-%d %H:%M:%S") + \
+        (f".{local.microsecond // 1000:03d}" if millis else "") + local.strftime(" %z")
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -12261,8 +12259,7 @@ def ended_why(store: Store, run: Run) -> str:
                     by = str(loads_own(payload).get("by") or by)
         verb = "rejected" if run.reason == "approval_rejected" else "cancelled"
         word = _run_word(store, run)
-        said = f"; attempt {word['outcome']}" if word else ""
-        return (f"{verb} by {by}" if by else f"{verb} by an operator") + said
+        return f"{verb} by {by or 'an operator'}" + (f"; attempt {word['outcome']}" if word else "")
     if run.reason == "approval_expired":
         return "its approval expired"
     return _CLOSED_WHY.get(run.reason_detail) or run.reason_detail or run.reason
@@ -12327,8 +12324,7 @@ def _fields(raw: bytes) -> list[str]:
         return ["  (no fields)"]
     lines = []
     for key in sorted(value):
-        size = len(encode_canonical(value[key]))
-        lines.append(f"  {sanitize(key)} ({size} bytes)")
+        lines.append(f"  {sanitize(key)} ({len(encode_canonical(value[key]))} bytes)")
         lines += ["    " + sanitize(line) for line in _pretty(value[key]).split("\n")]
     return lines
 
@@ -12623,9 +12619,8 @@ def args_fields(raw: bytes) -> tuple[list[dict], int]:
     for n, key in enumerate(sorted(value)):
         name, name_cut = _cut(key, PENDING_KEY_BYTES)
         text, cut = _cut(_policy_text(value[key]), PENDING_VALUE_BYTES)
-        entry = {"name": name, "value": text, "omitted_bytes": cut}
-        if name_cut:
-            entry["name_omitted_bytes"] = name_cut
+        entry = {"name": name, "value": text, "omitted_bytes": cut,
+                 **({"name_omitted_bytes": name_cut} if name_cut else {})}
         size = len(_field_text(entry).encode("utf-8")) + 1
         if used + size > PENDING_ARGS_BYTES and fields:
             return fields, len(value) - n

@@ -12759,15 +12759,19 @@ def pending_entry(store: Store, approval: Approval, now: float) -> dict:
 
 def _pending_lines(e: dict) -> list[str]:
     age = fmt_duration(e["age_seconds"])
+    expires = _stamp(e["expires_at"]) if e["expires_at"] else "never"
     tool = e["tool"] or "(unknown tool)"
     if e["status"] == PENDING:
-        head = f"WAITING   {e['approval_id']}  {e['kind']}  {tool}  asked {age} ago, " \
-               f"expires {_stamp(e['expires_at']) if e['expires_at'] else 'never'}"
+        state, said = "WAITING ", f"asked {age} ago, expires {expires}"
+        until, last = "an operator decides it", f"  decide with: {e['decide']}   (or reject)"
     else:
-        head = f"APPROVED  {e['approval_id']}  {e['kind']}  {tool}  approved by " \
-               f"{e['decided_by'] or '-'}, not yet collected (asked {age} ago)"
-    lines = [head, f"  run {e['run_id']}  server {e['server'] or '-'}  upstream tool "
-                   f"{e['upstream_tool'] or '-'}  side effect {e['side_effect'] or '-'}",
+        state = "APPROVED"
+        said = f"approved by {e['decided_by'] or '-'}, not yet collected (asked {age} ago)"
+        until = "the identical call collects this grant"
+        last = f"  the grant lapses {expires}; to end it sooner: {e['cancel']}"
+    lines = [f"{state}  {e['approval_id']}  {e['kind']}  {tool}  {said}",
+             f"  run {e['run_id']}  server {e['server'] or '-'}  upstream tool "
+             f"{e['upstream_tool'] or '-'}  side effect {e['side_effect'] or '-'}",
              f"  arguments {e['arguments']}"]
     if e["arguments_cut"]:
         lines.append(f"  NOT ALL SHOWN: read every field in full before deciding: {e['read']}")
@@ -12782,15 +12786,8 @@ def _pending_lines(e: dict) -> list[str]:
     if e["late_outcome"]:
         lines.append(f"  LATE OUTCOME: the attempt it asks about {e['late_outcome']}")
     if e["blocks_tool"]:
-        until = "an operator decides it" if e["status"] == PENDING else \
-            "the identical call collects this grant"
         lines.append(f"  BLOCKS every other call to {tool} that changes anything, until {until}")
-    if e["status"] == PENDING:
-        lines.append(f"  decide with: {e['decide']}   (or reject)")
-    else:
-        lapses = _stamp(e["expires_at"]) if e["expires_at"] else "never"
-        lines.append(f"  the grant lapses {lapses}; to end it sooner: {e['cancel']}")
-    return lines
+    return lines + [last]
 
 
 def cmd_pending(store: Store, args, out: Out) -> int:

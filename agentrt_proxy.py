@@ -12452,10 +12452,9 @@ def cmd_show(store: Store, args, out: Out) -> int:
                f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"))
     if run.status in TERMINAL:
         out.text(f"ended   {ended_why(store, run)}")
-    for word in words.values():
-        said = OUTCOME_SAID.get(word["outcome"], "")
-        out.text(f"outcome {word['outcome']}: {word['by']} said the attempt cut off in run "
-                 f"{word['run_id']}, step {word['step_id']}: {said}")
+    out.texts(f"outcome {word['outcome']}: {word['by']} said the attempt cut off in run "
+              f"{word['run_id']}, step {word['step_id']}: {OUTCOME_SAID.get(word['outcome'], '')}"
+              for word in words.values())
     out.texts(f"calls   {line}" for line in refusal_lines(refusals))
     for a in approvals:
         if (a.status == PENDING and run.status == WAITING) or a.status == SETTLED_APPROVAL:
@@ -12641,10 +12640,8 @@ def args_summary(fields: list[dict], more: int) -> str:
     """A call's arguments on one line, sanitised: every field args_fields gives, with the
     start of its value, then how many fields follow when they do not all fit; `approve`,
     `show` and the inbox show them in full."""
-    text = "{" + ",".join(_field_text(f) for f in fields) + "}"
-    if more:
-        text += f" and {more} more field{'s' if more != 1 else ''} not shown here"
-    return text
+    return "{" + ",".join(_field_text(f) for f in fields) + "}" + (
+        f" and {more} more field{'s' if more != 1 else ''} not shown here" if more else "")
 
 
 def _read_approval(approval: Approval) -> tuple[dict, ToolRequest | None, str]:
@@ -12725,8 +12722,8 @@ def _figures(approval: Approval) -> list[str]:
 def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
     """Every approval that waits on a live run, and every uncollected interruption grant,
     oldest first, each with its run. Neither a pending approval past its expiry nor a grant
-    past the run's grant_ttl waits; a time an edit made unreadable counts as not lapsed: the
-    entry is shown, its time as not a time."""
+    past the run's grant_ttl waits. An expiry an edit made unreadable is past (_expired); a
+    grant's decision time made unreadable counts as not lapsed: the grant is shown."""
     found = []
     for approval in store.waiting_approvals():
         run = store.find_run(approval.run_id)

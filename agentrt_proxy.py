@@ -12409,18 +12409,12 @@ def decide_command(db_path: str, run_id: str, approval_id: str) -> str:
 
 
 def _step_row(s: Step) -> dict:
-    d = s.decision or {}
-    row: dict[str, Any] = {"index": s.idx, "id": s.id, "status": s.status}
-    if d.get("tool"):
-        row["tool"] = d["tool"]
-    if d:
-        row["decision"] = d.get("kind", "")
-    if s.policy:
-        row["policy"] = s.policy.get("outcome", "")
-    if s.observation:
-        row["observation"] = s.obs_kind
-        row["summary"] = s.observation.get("summary", "")
-    return row
+    d, obs = s.decision or {}, s.observation
+    return {"index": s.idx, "id": s.id, "status": s.status,
+            **({"tool": d["tool"]} if d.get("tool") else {}),
+            **({"decision": d.get("kind", "")} if d else {}),
+            **({"policy": s.policy.get("outcome", "")} if s.policy else {}),
+            **({"observation": s.obs_kind, "summary": obs.get("summary", "")} if obs else {})}
 
 
 def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
@@ -12668,13 +12662,11 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
                       "value": clean(problem, PENDING_VALUE_BYTES)}], 0) if request is None \
         else args_fields(request.args)
     tool, side = ("", "") if request is None else (request.spec.name, request.spec.side_effect)
-
-    def field(name: str) -> str:
-        return sanitize(str(cap[name])) if cap.get(name) else ""
+    server, upstream, allowed_side = (sanitize(str(cap[key])) if cap.get(key) else ""
+                                      for key in ("server", "tool", "side_effect"))
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
-            "kind": sanitize(approval.kind), "tool": sanitize(tool),
-            "server": field("server"), "upstream_tool": field("tool"),
-            "side_effect": field("side_effect") or sanitize(side),
+            "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": server,
+            "upstream_tool": upstream, "side_effect": allowed_side or sanitize(side),
             "arguments": args_summary(fields, more), "argument_fields": fields,
             "fields_not_shown": more,
             "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")

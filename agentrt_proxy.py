@@ -12179,10 +12179,8 @@ def _stamp(text: str, millis: bool = False) -> str:
         local = _dt.datetime.fromtimestamp(parse_time(text)).astimezone()
     except (ValueError, TypeError, AttributeError, OverflowError, OSError):
         return "(not a time) " + clean(str(text), CLI_BAD_TIME_WIDTH)
-    stamp = local.strftime("%Y-%m-%d %H:%M:%S")
-    if millis:
-        stamp += f".{local.microsecond // 1000:03d}"
-    return stamp + local.strftime(" %z")
+    return local.strftime("%Y-%m-%d %H:%M:%S") + \
+        (f".{local.microsecond // 1000:03d}" if millis else "") + local.strftime(" %z")
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -12242,8 +12240,7 @@ def ended_why(store: Store, run: Run) -> str:
                     by = str(loads_own(payload).get("by") or by)
         verb = "rejected" if run.reason == "approval_rejected" else "cancelled"
         word = _run_word(store, run)
-        said = f"; attempt {word['outcome']}" if word else ""
-        return (f"{verb} by {by}" if by else f"{verb} by an operator") + said
+        return f"{verb} by {by or 'an operator'}" + (f"; attempt {word['outcome']}" if word else "")
     if run.reason == "approval_expired":
         return "its approval expired"
     return _CLOSED_WHY.get(run.reason_detail) or run.reason_detail or run.reason
@@ -12308,8 +12305,7 @@ def _fields(raw: bytes) -> list[str]:
         return ["  (no fields)"]
     lines = []
     for key in sorted(value):
-        size = len(encode_canonical(value[key]))
-        lines.append(f"  {sanitize(key)} ({size} bytes)")
+        lines.append(f"  {sanitize(key)} ({len(encode_canonical(value[key]))} bytes)")
         lines += ["    " + sanitize(line) for line in _pretty(value[key]).split("\n")]
     return lines
 
@@ -12318,34 +12314,29 @@ def approval_block(store: Store, approval: Approval, db_path: str,
                    view: ApprovalView | None = None) -> list[str]:
     """Everything an operator must read before deciding, as printed by show, approve, reject,
     the inbox and the webhook's text, from the approval's view (section 13), and its tool's
-    limits as they stand now (limits_now)."""
+    limits as they stand now (limits_now). Its facts are waiting_doc's, read as it reads
+    them; the arguments, the operator's fixed values and the interrupted attempt in full."""
     view = view or view_of(store, approval)
     approval = view.approval
     state = "WAITING" if approval.status == PENDING else sanitize(str(approval.status)).upper()
-    try:
-        cap = read_own(approval.capability)        # it wraps the arguments: the allowance
-        request = approval.request()
-    except (ProxyError, KeyError, ValueError) as exc:
-        return [f"APPROVAL {state}  {sanitize(approval.id)}", f"unread  {sanitize(str(exc))}"]
-    cap = cap if isinstance(cap, dict) else {}
-    lines = ["", f"APPROVAL {state}  {sanitize(approval.id)}",
-             f"kind          {sanitize(approval.kind)}"]
-    if cap.get("server"):
-        lines.append(f"server        {sanitize(str(cap['server']))}")
-    if cap.get("tool") and cap.get("server"):
-        lines.append(f"upstream tool {sanitize(str(cap['tool']))}")
-    lines += [f"tool          {sanitize(request.spec.name)}",
-              f"side effect   {sanitize(str(cap.get('side_effect') or request.spec.side_effect))}",
+    cap, request, problem = _read_approval(approval)
+    if request is None:
+        return [f"APPROVAL {state}  {sanitize(approval.id)}", f"unread  {sanitize(problem)}"]
+    doc = waiting_doc(approval, db_path, view, limits_now(store._read, approval, time.time()))
+    lines = ["", f"APPROVAL {state}  {doc['approval_id']}", f"kind          {doc['kind']}"]
+    if doc["server"]:
+        lines.append(f"server        {doc['server']}")
+    if doc["upstream_tool"] and doc["server"]:
+        lines.append(f"upstream tool {doc['upstream_tool']}")
+    lines += [f"tool          {doc['tool']}", f"side effect   {doc['side_effect']}",
               f"reason        {sanitize(view.reason) or '-'}"]
-    asked = asked_by(approval.capability)
-    if asked:                                   # a condition or limit asked (section 20)
-        lines.append(f"asked by      {', '.join(sanitize(a) for a in asked)}")
-        lines += [f"  {line}" for line in _figures(approval)]
-    limits = limits_now(store._read, approval, time.time())
-    if limits:                                  # read as shown; bound to nothing (section 20)
+    if doc["asked_by"]:                         # a condition or limit asked (section 20)
+        lines.append(f"asked by      {', '.join(doc['asked_by'])}")
+        lines += [f"  {line}" for line in doc["figures"]]
+    if doc["limits"]:                           # read as shown; bound to nothing (section 20)
         lines.append("limits now    each limit of the tool as it stands as this is shown; "
                      "collecting the call judges them again")
-        lines += [f"  {entry['text']}" for entry in limits]
+        lines += [f"  {entry['text']}" for entry in doc["limits"]]
     if approval.expires_at:
         lines.append(f"expires       {_stamp(approval.expires_at)}")
     lines.append("arguments: the tool call the model made, one field per line "
@@ -12358,20 +12349,19 @@ def approval_block(store: Store, approval: Approval, db_path: str,
         if key in cap:
             lines.append(title)
             lines += _fields(dump_json(cap[key]).encode())
-    if view.late is not None:
-        then = "it is not run again" if view.late.known else \
+    if doc["late_outcome"]:
+        then = "it is not run again" if doc["late_outcome_known"] else \
             "its outcome is still unknown; approving runs it again"
-        lines.append(f"LATE OUTCOME  the attempt this approval asks about {view.late_text()}; "
-                     + then)
+        lines.append(f"LATE OUTCOME  the attempt this approval asks about "
+                     f"{doc['late_outcome']}; " + then)
     lines.append("presentation: built by the policy; it may hold text the model chose")
     lines += _fields(approval.presentation)
     if approval.status == PENDING:
-        lines.append(f"decide with: {decide_command(db_path, approval.run_id, approval.id)}"
-                     "   (or reject)")
+        lines.append(f"decide with: {doc['decide']}   (or reject)")
     elif approval.decided_by or approval.note:
         lines.append(f"decided by    {sanitize(approval.decided_by) or '-'}"
                      + (f": {clean(approval.note, CLI_FIELD_BYTES)}" if approval.note else ""))
-    lines.append(f"---- end of approval {approval.id} for tool {request.spec.name} ----")
+    lines.append(f"---- end of approval {doc['approval_id']} for tool {doc['tool']} ----")
     # The ids and names are a stored row's, and the command line above is one to paste.
     return [sanitize(line) for line in lines]
 
@@ -12400,18 +12390,12 @@ def decide_command(db_path: str, run_id: str, approval_id: str) -> str:
 
 
 def _step_row(s: Step) -> dict:
-    d = s.decision or {}
-    row: dict[str, Any] = {"index": s.idx, "id": s.id, "status": s.status}
-    if d.get("tool"):
-        row["tool"] = d["tool"]
-    if d:
-        row["decision"] = d.get("kind", "")
-    if s.policy:
-        row["policy"] = s.policy.get("outcome", "")
-    if s.observation:
-        row["observation"] = s.obs_kind
-        row["summary"] = s.observation.get("summary", "")
-    return row
+    d, obs = s.decision or {}, s.observation
+    return {"index": s.idx, "id": s.id, "status": s.status,
+            **({"tool": d["tool"]} if d.get("tool") else {}),
+            **({"decision": d.get("kind", "")} if d else {}),
+            **({"policy": s.policy.get("outcome", "")} if s.policy else {}),
+            **({"observation": s.obs_kind, "summary": obs.get("summary", "")} if obs else {})}
 
 
 def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
@@ -12421,9 +12405,7 @@ def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
     row = {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
            "created_at": a.created_at, "expires_at": a.expires_at,
            "decided_by": a.decided_by, "note": a.note}
-    if view is not None:
-        row["late_outcome"] = sanitize(view.late_text())
-    return row
+    return row if view is None else dict(row, late_outcome=sanitize(view.late_text()))
 
 
 def cmd_show(store: Store, args, out: Out) -> int:
@@ -12441,15 +12423,13 @@ def cmd_show(store: Store, args, out: Out) -> int:
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
         (f": {clean(run.reason_detail, CLI_FIELD_BYTES)}" if run.reason_detail else "")
     finished = f"  finished {_stamp(run.finished_at)}" if run.finished_at else ""
-    for line in (f"run     {run.id}", f"goal    {sanitize(run.goal)}", f"status  {status}",
-                 f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"):
-        out.text(line)
+    out.texts((f"run     {run.id}", f"goal    {sanitize(run.goal)}", f"status  {status}",
+               f"steps   {run.step_count}", f"created {_stamp(run.created_at)}{finished}"))
     if run.status in TERMINAL:
         out.text(f"ended   {ended_why(store, run)}")
-    for word in words.values():
-        said = OUTCOME_SAID.get(word["outcome"], "")
-        out.text(f"outcome {word['outcome']}: {word['by']} said the attempt cut off in run "
-                 f"{word['run_id']}, step {word['step_id']}: {said}")
+    out.texts(f"outcome {word['outcome']}: {word['by']} said the attempt cut off in run "
+              f"{word['run_id']}, step {word['step_id']}: {OUTCOME_SAID.get(word['outcome'], '')}"
+              for word in words.values())
     out.texts(f"calls   {line}" for line in refusal_lines(refusals))
     for a in approvals:
         if (a.status == PENDING and run.status == WAITING) or a.status == SETTLED_APPROVAL:
@@ -12548,16 +12528,15 @@ def cmd_verify(store: Store, args, out: Out) -> int:
                   **({"kept_head": kept} if kept else {})})
     else:
         out.text(f"head: seq {head_seq} {head_hash}" if head_seq else "head: no events")
-        if report.broken:
-            b = report.broken
-            out.text(f"broken at seq {b.seq}: {b.detail}")
-            out.text(f"  expected {b.expected or '-'}")
-            out.text(f"  found    {b.found or '-'}")
+        b = report.broken
+        if b:
+            out.texts((f"broken at seq {b.seq}: {b.detail}", f"  expected {b.expected or '-'}",
+                       f"  found    {b.found or '-'}"))
         elif report.checked == 0:
             out.text("intact: no events in the range")
         else:
-            out.text(f"intact: {report.checked} event(s), seq {first} to {reached}")
-            out.text(f"last checked: seq {reached} {report.hash}")
+            out.texts((f"intact: {report.checked} event(s), seq {first} to {reached}",
+                       f"last checked: seq {reached} {report.hash}"))
         if kept and kept["matches"]:
             out.text(f"kept head: seq {head[0]} matches")
     for p in problems:
@@ -12614,9 +12593,8 @@ def args_fields(raw: bytes) -> tuple[list[dict], int]:
     for n, key in enumerate(sorted(value)):
         name, name_cut = _cut(key, PENDING_KEY_BYTES)
         text, cut = _cut(_policy_text(value[key]), PENDING_VALUE_BYTES)
-        entry = {"name": name, "value": text, "omitted_bytes": cut}
-        if name_cut:
-            entry["name_omitted_bytes"] = name_cut
+        entry = {"name": name, "value": text, "omitted_bytes": cut,
+                 **({"name_omitted_bytes": name_cut} if name_cut else {})}
         size = len(_field_text(entry).encode("utf-8")) + 1
         if used + size > PENDING_ARGS_BYTES and fields:
             return fields, len(value) - n
@@ -12637,10 +12615,20 @@ def args_summary(fields: list[dict], more: int) -> str:
     """A call's arguments on one line, sanitised: every field args_fields gives, with the
     start of its value, then how many fields follow when they do not all fit; `approve`,
     `show` and the inbox show them in full."""
-    text = "{" + ",".join(_field_text(f) for f in fields) + "}"
-    if more:
-        text += f" and {more} more field{'s' if more != 1 else ''} not shown here"
-    return text
+    return "{" + ",".join(_field_text(f) for f in fields) + "}" + (
+        f" and {more} more field{'s' if more != 1 else ''} not shown here" if more else "")
+
+
+def _read_approval(approval: Approval) -> tuple[dict, ToolRequest | None, str]:
+    """An approval's capability (the allowance that wraps its arguments; an object, else
+    empty) and its request, read one way for every view; when an edit left either unreadable,
+    no request and why."""
+    try:
+        cap = read_own(approval.capability)
+        request = approval.request()
+    except (ProxyError, KeyError, ValueError, TypeError) as exc:
+        return {}, None, str(exc)
+    return (cap if isinstance(cap, dict) else {}), request, ""
 
 
 def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = None,
@@ -12650,25 +12638,16 @@ def waiting_doc(approval: Approval, db_path: str, view: ApprovalView | None = No
     a server's names reach a terminal or a notification through it. ``view`` adds what the
     store knows beyond the row (a late outcome of the attempt it asks about), and ``limits``
     the tool's limits as they stand now (limits_now)."""
-    cap: Any = {}
-    tool = side = ""
-    fields, more = [], 0
-    try:
-        request = approval.request()
-        tool, side = request.spec.name, request.spec.side_effect
-        fields, more = args_fields(request.args)
-        cap = read_own(approval.capability)
-    except (ProxyError, KeyError, ValueError, TypeError) as exc:
-        fields = fields or [{"name": "(not readable)", "omitted_bytes": 0,
-                             "value": clean(str(exc), PENDING_VALUE_BYTES)}]
-    cap = cap if isinstance(cap, dict) else {}
-
-    def field(name: str) -> str:
-        value = cap.get(name)
-        return sanitize(value) if isinstance(value, str) else ""
+    cap, request, problem = _read_approval(approval)
+    fields, more = ([{"name": "(not readable)", "omitted_bytes": 0,
+                      "value": clean(problem, PENDING_VALUE_BYTES)}], 0) if request is None \
+        else args_fields(request.args)
+    tool, side = ("", "") if request is None else (request.spec.name, request.spec.side_effect)
+    server, upstream, allowed_side = (sanitize(str(cap[key])) if cap.get(key) else ""
+                                      for key in ("server", "tool", "side_effect"))
     return {"approval_id": sanitize(approval.id), "run_id": sanitize(approval.run_id),
-            "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": field("server"),
-            "upstream_tool": field("tool"), "side_effect": field("side_effect") or sanitize(side),
+            "kind": sanitize(approval.kind), "tool": sanitize(tool), "server": server,
+            "upstream_tool": upstream, "side_effect": allowed_side or sanitize(side),
             "arguments": args_summary(fields, more), "argument_fields": fields,
             "fields_not_shown": more,
             "arguments_cut": bool(more) or any(f["omitted_bytes"] or f.get("name_omitted_bytes")
@@ -12716,8 +12695,8 @@ def _figures(approval: Approval) -> list[str]:
 def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
     """Every approval that waits on a live run, and every uncollected interruption grant,
     oldest first, each with its run. Neither a pending approval past its expiry nor a grant
-    past the run's grant_ttl waits; a time an edit made unreadable counts as not lapsed: the
-    entry is shown, its time as not a time."""
+    past the run's grant_ttl waits. An expiry an edit made unreadable is past (_expired); a
+    grant's decision time made unreadable counts as not lapsed: the grant is shown."""
     found = []
     for approval in store.waiting_approvals():
         run = store.find_run(approval.run_id)
@@ -12732,36 +12711,37 @@ def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
     return found
 
 
-def pending_entry(store: Store, approval: Approval, run: Run, now: float) -> dict:
-    doc = waiting_doc(approval, store.path, view_of(store, approval),
-                      limits_now(store._read, approval, now))
+def pending_entry(store: Store, approval: Approval, now: float) -> dict:
+    view = view_of(store, approval)
+    doc = waiting_doc(approval, store.path, view, limits_now(store._read, approval, now))
     age = 0
     with contextlib.suppress(ValueError, TypeError, OverflowError):
         age = max(0, int(now - parse_time(approval.created_at)))
     doc.update(status=sanitize(approval.status), age_seconds=age,
                blocks_tool=approval.kind == INTERRUPTED_KIND)
     if approval.status == APPROVED:      # decided; it waits for the identical call
-        ttl, lapses = run.limits.grant_ttl, ""
-        if ttl > 0 and approval.decided_at:
-            with contextlib.suppress(ValueError, TypeError, OverflowError):
-                lapses = fmt_time(parse_time(approval.decided_at) + ttl)
         doc.update(decided_by=sanitize(approval.decided_by),
-                   decided_at=sanitize(approval.decided_at), expires_at=lapses, decide="",
+                   decided_at=sanitize(approval.decided_at), expires_at=view.grant_lapses,
+                   decide="",
                    cancel=sanitize(run_command(store.path, "cancel", approval.run_id)))
     return doc
 
 
 def _pending_lines(e: dict) -> list[str]:
     age = fmt_duration(e["age_seconds"])
+    expires = _stamp(e["expires_at"]) if e["expires_at"] else "never"
     tool = e["tool"] or "(unknown tool)"
     if e["status"] == PENDING:
-        head = f"WAITING   {e['approval_id']}  {e['kind']}  {tool}  asked {age} ago, " \
-               f"expires {_stamp(e['expires_at']) if e['expires_at'] else 'never'}"
+        state, said = "WAITING ", f"asked {age} ago, expires {expires}"
+        until, last = "an operator decides it", f"  decide with: {e['decide']}   (or reject)"
     else:
-        head = f"APPROVED  {e['approval_id']}  {e['kind']}  {tool}  approved by " \
-               f"{e['decided_by'] or '-'}, not yet collected (asked {age} ago)"
-    lines = [head, f"  run {e['run_id']}  server {e['server'] or '-'}  upstream tool "
-                   f"{e['upstream_tool'] or '-'}  side effect {e['side_effect'] or '-'}",
+        state = "APPROVED"
+        said = f"approved by {e['decided_by'] or '-'}, not yet collected (asked {age} ago)"
+        until = "the identical call collects this grant"
+        last = f"  the grant lapses {expires}; to end it sooner: {e['cancel']}"
+    lines = [f"{state}  {e['approval_id']}  {e['kind']}  {tool}  {said}",
+             f"  run {e['run_id']}  server {e['server'] or '-'}  upstream tool "
+             f"{e['upstream_tool'] or '-'}  side effect {e['side_effect'] or '-'}",
              f"  arguments {e['arguments']}"]
     if e["arguments_cut"]:
         lines.append(f"  NOT ALL SHOWN: read every field in full before deciding: {e['read']}")
@@ -12776,20 +12756,13 @@ def _pending_lines(e: dict) -> list[str]:
     if e["late_outcome"]:
         lines.append(f"  LATE OUTCOME: the attempt it asks about {e['late_outcome']}")
     if e["blocks_tool"]:
-        until = "an operator decides it" if e["status"] == PENDING else \
-            "the identical call collects this grant"
         lines.append(f"  BLOCKS every other call to {tool} that changes anything, until {until}")
-    if e["status"] == PENDING:
-        lines.append(f"  decide with: {e['decide']}   (or reject)")
-    else:
-        lapses = _stamp(e["expires_at"]) if e["expires_at"] else "never"
-        lines.append(f"  the grant lapses {lapses}; to end it sooner: {e['cancel']}")
-    return lines
+    return lines + [last]
 
 
 def cmd_pending(store: Store, args, out: Out) -> int:
     now = time.time()
-    entries = [pending_entry(store, a, run, now) for a, run in waiting_now(store, now)]
+    entries = [pending_entry(store, a, now) for a, _run in waiting_now(store, now)]
     if args.json:
         out.json({"approvals": entries})
         return 0

@@ -522,8 +522,7 @@ def test_policy_every_operator_view_shows_what_asked(make):
     figures = 'limit "daily-spend" of bank_pay: 45 of 50 in the last 24h; this call adds 10'
     block = ap.approval_block(h.store, a, h.cfg.database)
     assert "asked by      daily-spend" in block and f"  {figures}" in block, block
-    run = h.store.get_run(a.run_id)
-    entry = ap.pending_entry(h.store, a, run, ap.time.time())
+    entry = ap.pending_entry(h.store, a, ap.time.time())
     assert entry["asked_by"] == ["daily-spend"] and entry["figures"] == [figures]
     lines = ap._pending_lines(entry)
     assert "  asked by daily-spend" in lines and f"    {figures}" in lines, lines

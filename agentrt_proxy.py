@@ -2578,8 +2578,9 @@ class SideEffectPolicy:
 
 def check_policy_id(pid: str) -> str:
     """A policy identity is short, UTF-8, and free of control characters."""
-    if len(pid.encode("utf-8", "surrogatepass")) > MAX_POLICY_ID_BYTES:
-        raise ValueError(f"policy identity is {len(pid.encode())} bytes, "
+    size = len(pid.encode("utf-8", "surrogatepass"))
+    if size > MAX_POLICY_ID_BYTES:
+        raise ValueError(f"policy identity is {size} bytes, "
                          f"more than {MAX_POLICY_ID_BYTES}")
     for ch in pid:
         if unicodedata.category(ch) in ("Cc", "Cs"):
@@ -2654,13 +2655,6 @@ _WAITING_SQL = (
     " ORDER BY a.created_at, a.rowid")
 
 
-def _insecure(path: str, mode: int, reason: str) -> UnsafeDatabase:
-    return UnsafeDatabase(
-        f"{path} (mode {stat.filemode(mode)}) is {reason}; the database must be readable and "
-        f"writable by its owner only: run 'chmod 600 {path}' and make it owned by the user "
-        "that runs the proxy")
-
-
 def check_database_file(path: str, writer: bool) -> bool:
     """Refuse a database path we must not trust; False when it does not exist yet. Every
     opener applies it (serving, every operator command, the webhook, recheck): a database
@@ -2685,13 +2679,15 @@ def check_database_file(path: str, writer: bool) -> bool:
             side = os.lstat(name)
         except FileNotFoundError:
             continue
-        if not stat.S_ISREG(side.st_mode):
-            raise _insecure(name, side.st_mode, "not a regular file")
-        if side.st_uid != st.st_uid:
-            raise _insecure(name, side.st_mode, "owned by another user than the database")
-        if side.st_mode & 0o022:
-            raise _insecure(name, side.st_mode, "writable by group or others")
-        if writer and side.st_uid == os.getuid() and side.st_mode & 0o077:
+        reason = ("not a regular file" if not stat.S_ISREG(side.st_mode) else
+                  "owned by another user than the database" if side.st_uid != st.st_uid else
+                  "writable by group or others" if side.st_mode & 0o022 else "")
+        if reason:
+            raise UnsafeDatabase(
+                f"{name} (mode {stat.filemode(side.st_mode)}) is {reason}; the database must "
+                f"be readable and writable by its owner only: run 'chmod 600 {name}' and make "
+                "it owned by the user that runs the proxy")
+        if writer and side.st_mode & 0o077:     # owned by this user, as the database is
             os.chmod(name, 0o600)
     return True
 
@@ -2713,11 +2709,9 @@ def _connection(path: str, mode: str) -> sqlite3.Connection:
 def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str,
                payload: str) -> str:
     """SHA-256 over seven netstrings: the previous hash and the event's stored fields."""
-    data = []
-    for part in (prev, seq, run_id, step_id, at, typ, payload):
-        raw = (part if isinstance(part, str) else str(part)).encode("utf-8", "surrogatepass")
-        data.append(b"%d:%s," % (len(raw), raw))         # an edited row may hold anything
-    return sha256_hex(b"".join(data))
+    raws = [str(part).encode("utf-8", "surrogatepass")    # an edited row may hold anything
+            for part in (prev, seq, run_id, step_id, at, typ, payload)]
+    return sha256_hex(b"".join(b"%d:%s," % (len(raw), raw) for raw in raws))
 
 
 _HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name='events') "
@@ -2840,16 +2834,13 @@ def _run_from_row(row: tuple) -> Run:
 
 
 def _step_from_row(row: tuple) -> Step:
-    decision = policy = observation = None
-    args = b""
+    decision, args = None, b""
     try:
         if row[4]:
             record, members = read_members(row[4].encode())
             decision, args = to_plain(record), members.get("args", b"")
-        if row[5]:
-            policy = loads_own(row[5])
-        if row[6]:
-            observation = read_own(row[6])       # literals kept: a result is passed on as is
+        policy = loads_own(row[5]) if row[5] else None
+        observation = read_own(row[6]) if row[6] else None   # literals kept: passed on as is
         return Step(row[0], row[1], row[2], row[3], decision, args, policy, observation,
                     *row[7:])
     except _UNREADABLE as exc:
@@ -2885,7 +2876,12 @@ class Store:
             if not create:
                 raise NotFound(f"{path} does not exist")
             _create_private(path)
-        self.conn = self._connect("ro" if readonly else "rw")
+        try:
+            self.conn = _connection(path, "ro" if readonly else "rw")
+            if not readonly:
+                _switch_to_wal(self.conn, path)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{path}: cannot open the database: {exc}") from None
         try:
             self._refuse_triggers_and_views()
             if create:
@@ -2906,15 +2902,6 @@ class Store:
         """For operator commands: never create and never migrate."""
         return cls(path, readonly=readonly)
 
-    def _connect(self, mode: str) -> sqlite3.Connection:
-        try:
-            conn = _connection(self.path, mode)
-            if mode != "ro":
-                _switch_to_wal(conn, self.path)
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: cannot open the database: {exc}") from None
-        return conn
-
     def _refuse_triggers_and_views(self) -> None:
         try:
             row = self.conn.execute("SELECT type, name FROM sqlite_master "
@@ -2927,11 +2914,13 @@ class Store:
                 "nobody reviewed; this proxy refuses databases with triggers or views")
 
     def _migrate(self) -> None:
+        """Bring the schema up to this build's version, in one transaction: of two proxies
+        starting at once, the second finds it done. A newer schema is left as it is, for
+        _check_version to refuse."""
         with self.tx() as tx:
             tx.exec("CREATE TABLE IF NOT EXISTS schema_migrations "
                     "(version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
             have = tx.exec("SELECT COALESCE(MAX(version),0) FROM schema_migrations").fetchone()[0]
-            _refuse_newer(self.path, have, SCHEMA_VERSION)
             for version in range(have + 1, SCHEMA_VERSION + 1):
                 for sql in _MIGRATIONS[version - 1]:
                     tx.exec(sql)
@@ -2945,7 +2934,10 @@ class Store:
         except sqlite3.Error:
             raise StoreError(f"{self.path} is not a database of this proxy "
                              "(it has no schema_migrations table)") from None
-        _refuse_newer(self.path, have, SCHEMA_VERSION)
+        if have > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{self.path} has schema version {have}, newer than version {SCHEMA_VERSION} "
+                "this build knows; a newer version of the proxy wrote it: use that version")
         if have < SCHEMA_VERSION:
             raise SchemaVersionError(
                 f"{self.path} has schema version {have}, older than version {SCHEMA_VERSION} "
@@ -3100,13 +3092,12 @@ class Store:
         return [_run_from_row(r) for r in rows], total
 
     def list_steps(self, run_id: str) -> list[Step]:
-        rows = self._read(f"SELECT {_STEP_COLS} FROM steps WHERE run_id=? ORDER BY idx", (run_id,))
-        return [_step_from_row(r) for r in rows]
+        return [_step_from_row(r) for r in self._read(
+            f"SELECT {_STEP_COLS} FROM steps WHERE run_id=? ORDER BY idx", (run_id,))]
 
     def list_approvals(self, run_id: str) -> list[Approval]:
-        rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? ORDER BY rowid",
-                          (run_id,))
-        return [_approval_from_row(r) for r in rows]
+        return [_approval_from_row(r) for r in self._read(
+            f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? ORDER BY rowid", (run_id,))]
 
     def find_approval(self, approval_id: str) -> Approval | None:
         rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,))
@@ -3218,13 +3209,6 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
             prev, expect = stored, seq + 1
             report.checked, report.hash = report.checked + 1, str(stored)[:HASH_SHOWN]
     return report
-
-
-def _refuse_newer(path: str, have: int, known: int) -> None:
-    if have > known:
-        raise SchemaVersionError(
-            f"{path} has schema version {have}, newer than version {known} this build knows; "
-            "a newer version of the proxy wrote it: use that version")
 
 
 def _create_private(path: str) -> None:

@@ -3183,8 +3183,6 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
     first = max(first, 1)
     last = last if last > 0 else store.chain_head()[0]
     report = ChainReport(first, last)
-    if last < first:
-        return report
     rows = store._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
                        (first,)) if first > 1 else []
     prev, expect = rows[0][0] if rows else "", first
@@ -3194,17 +3192,14 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
         if not rows:
             break
         for seq, run_id, step_id, at, typ, payload, stored in rows:
-            if seq != expect:
-                detail = (f"the first event is seq {seq}: an event is missing" if
-                          report.checked == 0 and first == 1 else
-                          f"seq {seq} follows {expect - 1}: an event is missing")
-                report.broken = ChainBreak(seq, "", str(stored)[:HASH_SHOWN], detail)
-                return report
-            want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
-            if not same_digest(want, stored):      # an edited row is reported, never fatal
-                report.broken = ChainBreak(
-                    seq, want, str(stored)[:HASH_SHOWN], "the stored hash is not the one the "
-                    "event's fields and the previous event's hash give")
+            want = event_hash(prev, seq, run_id, step_id, at, typ, payload) if seq == expect else ""
+            # A missing event or an edited row is reported, never fatal.
+            if not want or not same_digest(want, stored):
+                report.broken = ChainBreak(seq, want, str(stored)[:HASH_SHOWN], (
+                    "the stored hash is not the one the event's fields and the previous "
+                    "event's hash give" if want else
+                    f"the first event is seq {seq}: an event is missing" if expect == 1 else
+                    f"seq {seq} follows {expect - 1}: an event is missing"))
                 return report
             prev, expect = stored, seq + 1
             report.checked, report.hash = report.checked + 1, str(stored)[:HASH_SHOWN]
@@ -3214,11 +3209,9 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
 def _create_private(path: str) -> None:
     """Create the database file owner-only, never through a link."""
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:                 # another process made it since: checked as any is
         check_database_file(path, writer=True)
-        return
-    os.close(fd)
 
 
 def _file_identity(path: str) -> tuple[int, int] | None:

@@ -2934,15 +2934,12 @@ class Store:
         except sqlite3.Error:
             raise StoreError(f"{self.path} is not a database of this proxy "
                              "(it has no schema_migrations table)") from None
-        if have > SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"{self.path} has schema version {have}, newer than version {SCHEMA_VERSION} "
-                "this build knows; a newer version of the proxy wrote it: use that version")
-        if have < SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"{self.path} has schema version {have}, older than version {SCHEMA_VERSION} "
-                "this build writes; operator commands do not migrate a database: start the "
-                "proxy that owns it once to migrate it")
+        if have != SCHEMA_VERSION:
+            raise SchemaVersionError(f"{self.path} has schema version {have}, " + (
+                f"newer than version {SCHEMA_VERSION} this build knows; a newer version of the "
+                "proxy wrote it: use that version" if have > SCHEMA_VERSION else
+                f"older than version {SCHEMA_VERSION} this build writes; operator commands do "
+                "not migrate a database: start the proxy that owns it once to migrate it"))
 
     @contextlib.contextmanager
     def tx(self, synced: bool = True):
@@ -3125,17 +3122,15 @@ class Store:
 
     def ensure_spec(self, spec: ToolSpec) -> None:
         """Store a tool spec unless it is stored already (a read first: no needless commit).
-        Once it is known to be stored, later transactions do not write it again: a spec is
+        Once it is known to be committed, later transactions do not write it again: a spec is
         never deleted."""
         digest = spec.hash()
         if digest in self._specs:
             return
-        if self._read("SELECT 1 FROM tool_specs WHERE hash=?", (digest,)):
-            self._specs.add(digest)
-            return
         joined = self.in_tx()               # then part of one that may yet roll back
-        with self.tx() as tx:
-            tx.save_spec(spec)
+        if not self._read("SELECT 1 FROM tool_specs WHERE hash=?", (digest,)):
+            with self.tx() as tx:
+                tx.save_spec(spec)
         if not joined:
             self._specs.add(digest)
 

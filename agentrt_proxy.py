@@ -2669,7 +2669,7 @@ def check_database_file(path: str, writer: bool) -> bool:
         raise UnsafeDatabase(f"{path} is a symbolic link; name the database file itself")
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeDatabase(f"{path} is not a regular file")
-    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    uid = os.getuid()
     if st.st_uid != uid:
         raise UnsafeDatabase(f"database: {path} is owned by uid {st.st_uid}, not by the "
                              f"current user (uid {uid}); use the database of the user that "
@@ -2722,10 +2722,10 @@ _HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name=
 class Tx:
     """One open write transaction: compare-and-set reads, writes, and chained events."""
 
-    def __init__(self, conn: sqlite3.Connection, specs: set[str] | None = None):
+    def __init__(self, conn: sqlite3.Connection, specs: set[str]):
         self.c = conn
         self._head: tuple[int, str] | None = None
-        self._specs = specs if specs is not None else set()
+        self._specs = specs                 # the store's: hashes of specs known to be stored
 
     def run(self, run_id: str) -> Run:
         row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
@@ -2827,7 +2827,7 @@ _UNREADABLE = (JSONError, KeyError, TypeError, ValueError, AttributeError, Index
 
 def _run_from_row(row: tuple) -> Run:
     try:
-        return Run(row[0], row[1], row[2], row[3], row[4], Limits.from_record(row[5]), *row[6:])
+        return Run(*row[:5], Limits.from_record(row[5]), *row[6:])
     except _UNREADABLE as exc:
         raise StoreError(f"run {sanitize(str(row[0]))}: its record cannot be read: "
                          f"{sanitize(str(exc))}") from None
@@ -2841,8 +2841,7 @@ def _step_from_row(row: tuple) -> Step:
             decision, args = to_plain(record), members.get("args", b"")
         policy = loads_own(row[5]) if row[5] else None
         observation = read_own(row[6]) if row[6] else None   # literals kept: passed on as is
-        return Step(row[0], row[1], row[2], row[3], decision, args, policy, observation,
-                    *row[7:])
+        return Step(*row[:4], decision, args, policy, observation, *row[7:])
     except _UNREADABLE as exc:
         raise StoreError(f"run {sanitize(str(row[1]))}: step {sanitize(str(row[0]))} cannot "
                          f"be read: {sanitize(str(exc))}") from None

@@ -2920,8 +2920,8 @@ class Store:
             tx.exec("CREATE TABLE IF NOT EXISTS schema_migrations "
                     "(version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
             have = tx.exec("SELECT COALESCE(MAX(version),0) FROM schema_migrations").fetchone()[0]
-            for version in range(have + 1, SCHEMA_VERSION + 1):
-                for sql in _MIGRATIONS[version - 1]:
+            for version, statements in enumerate(_MIGRATIONS[have:], have + 1):
+                for sql in statements:
                     tx.exec(sql)
                 tx.exec("INSERT INTO schema_migrations (version, applied_at) VALUES (?,?)",
                         (version, fmt_time(time.time())))

@@ -3204,7 +3204,7 @@ def _create_private(path: str) -> None:
     """Create the database file owner-only, never through a link."""
     try:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
-    except FileExistsError:                 # another process made it since: checked as any is
+    except FileExistsError:                 # made meanwhile by another process: checked as any
         check_database_file(path, writer=True)
 
 

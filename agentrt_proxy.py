@@ -2709,9 +2709,11 @@ def _connection(path: str, mode: str) -> sqlite3.Connection:
 def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str,
                payload: str) -> str:
     """SHA-256 over seven netstrings: the previous hash and the event's stored fields."""
-    raws = [str(part).encode("utf-8", "surrogatepass")    # an edited row may hold anything
-            for part in (prev, seq, run_id, step_id, at, typ, payload)]
-    return sha256_hex(b"".join(b"%d:%s," % (len(raw), raw) for raw in raws))
+    data = []
+    for part in (prev, seq, run_id, step_id, at, typ, payload):
+        raw = str(part).encode("utf-8", "surrogatepass")   # an edited row may hold anything
+        data.append(b"%d:%s," % (len(raw), raw))
+    return sha256_hex(b"".join(data))
 
 
 _HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name='events') "

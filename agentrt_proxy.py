@@ -2792,10 +2792,9 @@ class Tx:
     def count_step(self, run_id: str, step_count: int, owner: str) -> bool:
         """Add one to a RUNNING run's step count, if it still has ``step_count`` steps and
         is leased to ``owner``; False (nothing written) otherwise."""
-        cur = self.c.execute("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? "
-                             "AND step_count=? AND lease_owner=?",
-                             (run_id, RUNNING, step_count, owner))
-        return cur.rowcount == 1
+        return self.c.execute("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? "
+                              "AND step_count=? AND lease_owner=?",
+                              (run_id, RUNNING, step_count, owner)).rowcount == 1
 
     def take_lease(self, run_id: str, owner: str, until: str) -> None:
         """Write a new lease on a RUNNING run (a take-over: the caller judged the old one)."""
@@ -2872,8 +2871,7 @@ class Store:
         self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
         self._owed = self._synced = 0           # commits made with synced=False; those synced
         self._sync_lock = threading.Lock()      # one sync at a time (Store.sync)
-        exists = check_database_file(path, writer=not readonly)
-        if not exists:
+        if not check_database_file(path, writer=not readonly):
             if not create:
                 raise NotFound(f"{path} does not exist")
             _create_private(path)
@@ -3086,8 +3084,7 @@ class Store:
         """Newest first, with the total count."""
         rows = self._read(f"SELECT {_RUN_COLS} FROM runs ORDER BY rowid DESC LIMIT ? OFFSET ?",
                           (limit if limit > 0 else -1, offset))
-        total = self._read("SELECT COUNT(*) FROM runs")[0][0]
-        return [_run_from_row(r) for r in rows], total
+        return [_run_from_row(r) for r in rows], self._read("SELECT COUNT(*) FROM runs")[0][0]
 
     def list_steps(self, run_id: str) -> list[Step]:
         return [_step_from_row(r) for r in self._read(
@@ -3166,8 +3163,7 @@ class ChainBreak:
 
 @dataclasses.dataclass(repr=False)
 class ChainReport:
-    """What verify found over the events from ``first`` to ``last``."""
-    first: int
+    """What verify_events found, walking the events up to ``last``."""
     last: int
     checked: int = 0
     hash: str = ""
@@ -3178,7 +3174,7 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
     """Walk the store's chain from ``first`` to ``last`` (the head when 0); writes nothing."""
     first = max(first, 1)
     last = last if last > 0 else store.chain_head()[0]
-    report = ChainReport(first, last)
+    report = ChainReport(last)
     rows = store._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
                        (first,)) if first > 1 else []
     prev, expect = rows[0][0] if rows else "", first

@@ -2590,8 +2590,9 @@ class SideEffectPolicy:
 
 def check_policy_id(pid: str) -> str:
     """A policy identity is short, UTF-8, and free of control characters."""
-    if len(pid.encode("utf-8", "surrogatepass")) > MAX_POLICY_ID_BYTES:
-        raise ValueError(f"policy identity is {len(pid.encode())} bytes, "
+    size = len(pid.encode("utf-8", "surrogatepass"))
+    if size > MAX_POLICY_ID_BYTES:
+        raise ValueError(f"policy identity is {size} bytes, "
                          f"more than {MAX_POLICY_ID_BYTES}")
     for ch in pid:
         if unicodedata.category(ch) in ("Cc", "Cs"):
@@ -2668,13 +2669,6 @@ _WAITING_SQL = (
     " ORDER BY a.created_at, a.rowid")
 
 
-def _insecure(path: str, mode: int, reason: str) -> UnsafeDatabase:
-    return UnsafeDatabase(
-        f"{path} (mode {stat.filemode(mode)}) is {reason}; the database must be readable and "
-        f"writable by its owner only: run 'chmod 600 {path}' and make it owned by the user "
-        "that runs the proxy")
-
-
 def check_database_file(path: str, writer: bool) -> bool:
     """Refuse a database path we must not trust; False when it does not exist yet. Every
     opener applies it (serving, every operator command, the webhook, recheck): a database
@@ -2689,7 +2683,7 @@ def check_database_file(path: str, writer: bool) -> bool:
         raise UnsafeDatabase(f"{path} is a symbolic link; name the database file itself")
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeDatabase(f"{path} is not a regular file")
-    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    uid = os.getuid()
     if st.st_uid != uid:
         raise UnsafeDatabase(f"database: {path} is owned by uid {st.st_uid}, not by the "
                              f"current user (uid {uid}); use the database of the user that "
@@ -2699,13 +2693,15 @@ def check_database_file(path: str, writer: bool) -> bool:
             side = os.lstat(name)
         except FileNotFoundError:
             continue
-        if not stat.S_ISREG(side.st_mode):
-            raise _insecure(name, side.st_mode, "not a regular file")
-        if side.st_uid != st.st_uid:
-            raise _insecure(name, side.st_mode, "owned by another user than the database")
-        if side.st_mode & 0o022:
-            raise _insecure(name, side.st_mode, "writable by group or others")
-        if writer and side.st_uid == os.getuid() and side.st_mode & 0o077:
+        reason = ("not a regular file" if not stat.S_ISREG(side.st_mode) else
+                  "owned by another user than the database" if side.st_uid != st.st_uid else
+                  "writable by group or others" if side.st_mode & 0o022 else "")
+        if reason:
+            raise UnsafeDatabase(
+                f"{name} (mode {stat.filemode(side.st_mode)}) is {reason}; the database must "
+                f"be readable and writable by its owner only: run 'chmod 600 {name}' and make "
+                "it owned by the user that runs the proxy")
+        if writer and side.st_mode & 0o077:     # owned by this user, as the database is
             os.chmod(name, 0o600)
     return True
 
@@ -2729,8 +2725,8 @@ def event_hash(prev: str, seq: int, run_id: str, step_id: str, at: str, typ: str
     """SHA-256 over seven netstrings: the previous hash and the event's stored fields."""
     data = []
     for part in (prev, seq, run_id, step_id, at, typ, payload):
-        raw = (part if isinstance(part, str) else str(part)).encode("utf-8", "surrogatepass")
-        data.append(b"%d:%s," % (len(raw), raw))         # an edited row may hold anything
+        raw = str(part).encode("utf-8", "surrogatepass")   # an edited row may hold anything
+        data.append(b"%d:%s," % (len(raw), raw))
     return sha256_hex(b"".join(data))
 
 
@@ -2742,10 +2738,10 @@ _HEAD_SQL = ("SELECT e.seq, e.hash, (SELECT seq FROM sqlite_sequence WHERE name=
 class Tx:
     """One open write transaction: compare-and-set reads, writes, and chained events."""
 
-    def __init__(self, conn: sqlite3.Connection, specs: set[str] | None = None):
+    def __init__(self, conn: sqlite3.Connection, specs: set[str]):
         self.c = conn
         self._head: tuple[int, str] | None = None
-        self._specs = specs if specs is not None else set()
+        self._specs = specs                 # the store's: hashes of specs known to be stored
 
     def run(self, run_id: str) -> Run:
         row = self.c.execute(f"SELECT {_RUN_COLS} FROM runs WHERE id=?", (run_id,)).fetchone()
@@ -2810,10 +2806,9 @@ class Tx:
     def count_step(self, run_id: str, step_count: int, owner: str) -> bool:
         """Add one to a RUNNING run's step count, if it still has ``step_count`` steps and
         is leased to ``owner``; False (nothing written) otherwise."""
-        cur = self.c.execute("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? "
-                             "AND step_count=? AND lease_owner=?",
-                             (run_id, RUNNING, step_count, owner))
-        return cur.rowcount == 1
+        return self.c.execute("UPDATE runs SET step_count=step_count+1 WHERE id=? AND status=? "
+                              "AND step_count=? AND lease_owner=?",
+                              (run_id, RUNNING, step_count, owner)).rowcount == 1
 
     def take_lease(self, run_id: str, owner: str, until: str) -> None:
         """Write a new lease on a RUNNING run (a take-over: the caller judged the old one)."""
@@ -2847,25 +2842,21 @@ _UNREADABLE = (JSONError, KeyError, TypeError, ValueError, AttributeError, Index
 
 def _run_from_row(row: tuple) -> Run:
     try:
-        return Run(row[0], row[1], row[2], row[3], row[4], Limits.from_record(row[5]), *row[6:])
+        return Run(*row[:5], Limits.from_record(row[5]), *row[6:])
     except _UNREADABLE as exc:
         raise StoreError(f"run {sanitize(str(row[0]))}: its record cannot be read: "
                          f"{sanitize(str(exc))}") from None
 
 
 def _step_from_row(row: tuple) -> Step:
-    decision = policy = observation = None
-    args = b""
+    decision, args = None, b""
     try:
         if row[4]:
             record, members = read_members(row[4].encode())
             decision, args = to_plain(record), members.get("args", b"")
-        if row[5]:
-            policy = loads_own(row[5])
-        if row[6]:
-            observation = read_own(row[6])       # literals kept: a result is passed on as is
-        return Step(row[0], row[1], row[2], row[3], decision, args, policy, observation,
-                    *row[7:])
+        policy = loads_own(row[5]) if row[5] else None
+        observation = read_own(row[6]) if row[6] else None   # literals kept: passed on as is
+        return Step(*row[:4], decision, args, policy, observation, *row[7:])
     except _UNREADABLE as exc:
         raise StoreError(f"run {sanitize(str(row[1]))}: step {sanitize(str(row[0]))} cannot "
                          f"be read: {sanitize(str(exc))}") from None
@@ -2894,12 +2885,16 @@ class Store:
         self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
         self._owed = self._synced = 0           # commits made with synced=False; those synced
         self._sync_lock = threading.Lock()      # one sync at a time (Store.sync)
-        exists = check_database_file(path, writer=not readonly)
-        if not exists:
+        if not check_database_file(path, writer=not readonly):
             if not create:
                 raise NotFound(f"{path} does not exist")
             _create_private(path)
-        self.conn = self._connect("ro" if readonly else "rw")
+        try:
+            self.conn = _connection(path, "ro" if readonly else "rw")
+            if not readonly:
+                _switch_to_wal(self.conn, path)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{path}: cannot open the database: {exc}") from None
         try:
             self._refuse_triggers_and_views()
             if create:
@@ -2920,15 +2915,6 @@ class Store:
         """For operator commands: never create and never migrate."""
         return cls(path, readonly=readonly)
 
-    def _connect(self, mode: str) -> sqlite3.Connection:
-        try:
-            conn = _connection(self.path, mode)
-            if mode != "ro":
-                _switch_to_wal(conn, self.path)
-        except sqlite3.Error as exc:
-            raise StoreError(f"{self.path}: cannot open the database: {exc}") from None
-        return conn
-
     def _refuse_triggers_and_views(self) -> None:
         try:
             row = self.conn.execute("SELECT type, name FROM sqlite_master "
@@ -2941,13 +2927,15 @@ class Store:
                 "nobody reviewed; this proxy refuses databases with triggers or views")
 
     def _migrate(self) -> None:
+        """Bring the schema up to this build's version, in one transaction: of two proxies
+        starting at once, the second finds it done. A newer schema is left as it is, for
+        _check_version to refuse."""
         with self.tx() as tx:
             tx.exec("CREATE TABLE IF NOT EXISTS schema_migrations "
                     "(version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
             have = tx.exec("SELECT COALESCE(MAX(version),0) FROM schema_migrations").fetchone()[0]
-            _refuse_newer(self.path, have, SCHEMA_VERSION)
-            for version in range(have + 1, SCHEMA_VERSION + 1):
-                for sql in _MIGRATIONS[version - 1]:
+            for version, statements in enumerate(_MIGRATIONS[have:], have + 1):
+                for sql in statements:
                     tx.exec(sql)
                 tx.exec("INSERT INTO schema_migrations (version, applied_at) VALUES (?,?)",
                         (version, fmt_time(time.time())))
@@ -2959,12 +2947,12 @@ class Store:
         except sqlite3.Error:
             raise StoreError(f"{self.path} is not a database of this proxy "
                              "(it has no schema_migrations table)") from None
-        _refuse_newer(self.path, have, SCHEMA_VERSION)
-        if have < SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"{self.path} has schema version {have}, older than version {SCHEMA_VERSION} "
-                "this build writes; operator commands do not migrate a database: start the "
-                "proxy that owns it once to migrate it")
+        if have != SCHEMA_VERSION:
+            raise SchemaVersionError(f"{self.path} has schema version {have}, " + (
+                f"newer than version {SCHEMA_VERSION} this build knows; a newer version of the "
+                "proxy wrote it: use that version" if have > SCHEMA_VERSION else
+                f"older than version {SCHEMA_VERSION} this build writes; operator commands do "
+                "not migrate a database: start the proxy that owns it once to migrate it"))
 
     @contextlib.contextmanager
     def tx(self, synced: bool = True):
@@ -3110,17 +3098,15 @@ class Store:
         """Newest first, with the total count."""
         rows = self._read(f"SELECT {_RUN_COLS} FROM runs ORDER BY rowid DESC LIMIT ? OFFSET ?",
                           (limit if limit > 0 else -1, offset))
-        total = self._read("SELECT COUNT(*) FROM runs")[0][0]
-        return [_run_from_row(r) for r in rows], total
+        return [_run_from_row(r) for r in rows], self._read("SELECT COUNT(*) FROM runs")[0][0]
 
     def list_steps(self, run_id: str) -> list[Step]:
-        rows = self._read(f"SELECT {_STEP_COLS} FROM steps WHERE run_id=? ORDER BY idx", (run_id,))
-        return [_step_from_row(r) for r in rows]
+        return [_step_from_row(r) for r in self._read(
+            f"SELECT {_STEP_COLS} FROM steps WHERE run_id=? ORDER BY idx", (run_id,))]
 
     def list_approvals(self, run_id: str) -> list[Approval]:
-        rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? ORDER BY rowid",
-                          (run_id,))
-        return [_approval_from_row(r) for r in rows]
+        return [_approval_from_row(r) for r in self._read(
+            f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? ORDER BY rowid", (run_id,))]
 
     def find_approval(self, approval_id: str) -> Approval | None:
         rows = self._read(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE id=?", (approval_id,))
@@ -3148,17 +3134,15 @@ class Store:
 
     def ensure_spec(self, spec: ToolSpec) -> None:
         """Store a tool spec unless it is stored already (a read first: no needless commit).
-        Once it is known to be stored, later transactions do not write it again: a spec is
+        Once it is known to be committed, later transactions do not write it again: a spec is
         never deleted."""
         digest = spec.hash()
         if digest in self._specs:
             return
-        if self._read("SELECT 1 FROM tool_specs WHERE hash=?", (digest,)):
-            self._specs.add(digest)
-            return
         joined = self.in_tx()               # then part of one that may yet roll back
-        with self.tx() as tx:
-            tx.save_spec(spec)
+        if not self._read("SELECT 1 FROM tool_specs WHERE hash=?", (digest,)):
+            with self.tx() as tx:
+                tx.save_spec(spec)
         if not joined:
             self._specs.add(digest)
 
@@ -3193,8 +3177,7 @@ class ChainBreak:
 
 @dataclasses.dataclass(repr=False)
 class ChainReport:
-    """What verify found over the events from ``first`` to ``last``."""
-    first: int
+    """What verify_events found, walking the events up to ``last``."""
     last: int
     checked: int = 0
     hash: str = ""
@@ -3205,9 +3188,7 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
     """Walk the store's chain from ``first`` to ``last`` (the head when 0); writes nothing."""
     first = max(first, 1)
     last = last if last > 0 else store.chain_head()[0]
-    report = ChainReport(first, last)
-    if last < first:
-        return report
+    report = ChainReport(last)
     rows = store._read("SELECT hash FROM events WHERE seq<? ORDER BY seq DESC LIMIT 1",
                        (first,)) if first > 1 else []
     prev, expect = rows[0][0] if rows else "", first
@@ -3217,38 +3198,26 @@ def verify_events(store: Store, first: int = 1, last: int = 0) -> ChainReport:
         if not rows:
             break
         for seq, run_id, step_id, at, typ, payload, stored in rows:
-            if seq != expect:
-                detail = (f"the first event is seq {seq}: an event is missing" if
-                          report.checked == 0 and first == 1 else
-                          f"seq {seq} follows {expect - 1}: an event is missing")
-                report.broken = ChainBreak(seq, "", str(stored)[:HASH_SHOWN], detail)
-                return report
-            want = event_hash(prev, seq, run_id, step_id, at, typ, payload)
-            if not same_digest(want, stored):      # an edited row is reported, never fatal
-                report.broken = ChainBreak(
-                    seq, want, str(stored)[:HASH_SHOWN], "the stored hash is not the one the "
-                    "event's fields and the previous event's hash give")
+            want = event_hash(prev, seq, run_id, step_id, at, typ, payload) if seq == expect else ""
+            # A missing event or an edited row is reported, never fatal.
+            if not want or not same_digest(want, stored):
+                report.broken = ChainBreak(seq, want, str(stored)[:HASH_SHOWN], (
+                    "the stored hash is not the one the event's fields and the previous "
+                    "event's hash give" if want else
+                    f"the first event is seq {seq}: an event is missing" if expect == 1 else
+                    f"seq {seq} follows {expect - 1}: an event is missing"))
                 return report
             prev, expect = stored, seq + 1
             report.checked, report.hash = report.checked + 1, str(stored)[:HASH_SHOWN]
     return report
 
 
-def _refuse_newer(path: str, have: int, known: int) -> None:
-    if have > known:
-        raise SchemaVersionError(
-            f"{path} has schema version {have}, newer than version {known} this build knows; "
-            "a newer version of the proxy wrote it: use that version")
-
-
 def _create_private(path: str) -> None:
     """Create the database file owner-only, never through a link."""
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:                 # made meanwhile by another process: checked as any
         check_database_file(path, writer=True)
-        return
-    os.close(fd)
 
 
 def _file_identity(path: str) -> tuple[int, int] | None:

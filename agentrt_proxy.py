@@ -10925,8 +10925,11 @@ class LineReader:
         fd = _fileno(self.stream)
         parts, size, skipping = [], 0, False        # the line being read, and its length
         with contextlib.suppress(OSError, ValueError):      # the input is gone: its end
-            while chunk := (os.read(fd, READ_CHUNK) if fd >= 0
-                            else self.stream.readline(READ_CHUNK)):
+            while True:
+                chunk = (os.read(fd, READ_CHUNK) if fd >= 0
+                         else self.stream.readline(READ_CHUNK))
+                if not chunk:
+                    break
                 *ended, tail = chunk.split(b"\n")
                 for line in ended:
                     if not skipping:

@@ -2607,6 +2607,9 @@ def check_policy_id(pid: str) -> str:
 # Every commit is on disk before anything resting on it leaves: synced by SQLite itself
 # (synchronous=FULL) before Store.tx returns, or, for the writes an answer follows, by
 # Store.sync, which the host's writer runs before each message (one sync for them all).
+# Another process can read such a commit before it is synced (a second proxy, an operator's
+# view) and act on it; a power loss then takes it back, and what remains is the safe side:
+# a call's start is always synced, so its outcome reads as unknown and an operator decides.
 # The file is created 0600; a symbolic link, a file others can write, a schema holding
 # triggers or views, and a schema from another version are refused.
 
@@ -2882,7 +2885,8 @@ class Store:
         self._open: Tx | None = None            # that transaction
         self._failed = False                    # a change inside it failed: it rolls back
         self._level = "FULL"                    # PRAGMA synchronous, as last set; None: unknown
-        self._wal: tuple[int, int] | None = None   # the WAL file's identity once it is open
+        self._wal: tuple[int, int] | None = None   # a writer's WAL file: (device, inode),
+        self._wal_fd = -1                       # and its own descriptor of it (Store.sync)
         self._owed = self._synced = 0           # commits made with synced=False; those synced
         self._sync_lock = threading.Lock()      # one sync at a time (Store.sync)
         if not check_database_file(path, writer=not readonly):
@@ -2896,14 +2900,15 @@ class Store:
         except sqlite3.Error as exc:
             raise StoreError(f"{path}: cannot open the database: {exc}") from None
         try:
-            self._refuse_triggers_and_views()
+            self._refuse_triggers_and_views()           # a read: the WAL file exists now
+            if not readonly:    # held from before this process writes: sync sees every error
+                self._wal_fd, self._wal = _open_wal(path)
             if create:
                 self._migrate()
             self._check_version()
         except BaseException:
-            self.conn.close()
+            self.close()
             raise
-        self._wal = None if readonly else _file_identity(path + "-wal")
 
     @classmethod
     def open(cls, path: str) -> "Store":
@@ -3004,6 +3009,9 @@ class Store:
                     raise
                 return
             self._check_wal()
+            if self._synced < 0:
+                raise StoreError(f"{self.path}: a sync of the WAL failed; nothing more is "
+                                 "recorded until the proxy is started again")
             level = "FULL" if synced else "NORMAL"
             try:
                 if self._level != level:
@@ -3032,9 +3040,11 @@ class Store:
 
     def sync(self) -> None:
         """Sync to disk every commit made so far with synced=False: one fsync of the WAL
-        file, which holds them all, on the calling thread (the host's writer's). A failed
-        sync is final: what the kernel held for the file may be lost, so nothing that rests
-        on a commit leaves again; StoreError from here on."""
+        file, which holds them all, on the calling thread (the host's writer's), through the
+        descriptor opened with the store (a descriptor opened later is not told of a write
+        error another one saw first). A failed sync is final: what the kernel held for the
+        file may be lost, so nothing that rests on a commit leaves again and nothing more is
+        written (Store.tx); StoreError from here on."""
         with self._sync_lock:
             owed = self._owed
             if owed == self._synced:
@@ -3042,7 +3052,7 @@ class Store:
             if self._synced < 0:
                 raise StoreError(f"{self.path}: a sync of the WAL failed before")
             try:
-                _sync_file(self.path + "-wal", self._wal)
+                os.fsync(self._wal_fd)
             except OSError as exc:
                 self._synced = -1
                 raise StoreError(f"{self.path}: cannot sync the WAL: {exc}") from None
@@ -3058,9 +3068,6 @@ class Store:
         (a cleanup script, a hand): SQLite goes on committing into the file it has open,
         which nothing else can read and a crash loses, with every record since the last
         checkpoint. What was committed is first written into the database itself."""
-        if self._wal is None:
-            self._wal = _file_identity(self.path + "-wal")
-            return
         if _file_identity(self.path + "-wal") == self._wal:
             return
         with contextlib.suppress(sqlite3.Error):
@@ -3164,6 +3171,9 @@ class Store:
             with contextlib.suppress(StoreError):
                 self.sync()
             self.conn.close()
+            if self._wal_fd >= 0:
+                os.close(self._wal_fd)
+                self._wal_fd = -1
 
 
 @dataclasses.dataclass(repr=False)
@@ -3229,16 +3239,14 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _sync_file(path: str, identity: tuple[int, int] | None) -> None:
-    """fsync the file at ``path``, if it is still the file of that identity."""
-    fd = os.open(path, os.O_RDONLY)
+def _open_wal(path: str) -> tuple[int, tuple[int, int]]:
+    """A read-only descriptor of the database's WAL file, and the file's (device, inode)."""
     try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != identity:
-            raise OSError(f"{path} was replaced")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path + "-wal", os.O_RDONLY)
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot open its WAL file: {exc}") from None
+    st = os.fstat(fd)
+    return fd, (st.st_dev, st.st_ino)
 
 
 def _switch_to_wal(conn: sqlite3.Connection, path: str) -> None:
@@ -10767,6 +10775,9 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
         await close_tools(tools)
         proxy.close()
         store.close()
+    if writer.failed is not None:
+        out.log(f"error: {sanitize(str(writer.failed))}")
+        return 1
     return 0
 
 
@@ -10861,13 +10872,15 @@ class LineWriter:
     signal); the host's input is read no further while MAX_OUTPUT_BACKLOG of them wait
     (HostServer.room). A write that fails means the host is gone: ``gone`` is called and
     later messages are dropped; so does a failed sync of the store (Store.sync), which
-    runs before each write, so that no answer rests on a commit not on disk."""
+    runs before each write, so that no answer rests on a commit not on disk; it is kept in
+    ``failed`` for serving to report."""
 
     def __init__(self, stream, gone: Callable[[], None]):
         self.stream, self.gone = stream, gone
         self.before: Callable[[], None] = lambda: None     # Store.sync, once it is open
         self.queue: queue.Queue = queue.Queue()
         self.broken = False
+        self.failed: StoreError | None = None
         threading.Thread(target=self._run, daemon=True, name="agentrt-proxy-stdout").start()
 
     def write(self, data: bytes) -> None:
@@ -10885,8 +10898,9 @@ class LineWriter:
                         self.stream.flush()
                     else:
                         _write_all(fd, data)
-            except (OSError, ValueError, StoreError):
+            except (OSError, ValueError, StoreError) as exc:
                 self.broken = True
+                self.failed = exc if isinstance(exc, StoreError) else None
                 self.gone()
             finally:
                 self.queue.task_done()

@@ -283,6 +283,9 @@ def test_unsynced_commits_are_synced_together_by_one_sync_of_the_wal(tmp_path, m
 
 
 def test_a_failed_sync_is_final(tmp_path, monkeypatch):
+    """After a failed sync nothing that rests on a commit leaves (sync raises again) and
+    nothing more is written: a mutating call's start, synced by SQLite, could otherwise
+    leave upstream on a WAL whose lost page cuts off every frame after it."""
     store = ap.Store.open(str(tmp_path / "runs.db"))
     try:
         done = fsyncs(monkeypatch, fail=True)
@@ -291,11 +294,13 @@ def test_a_failed_sync_is_final(tmp_path, monkeypatch):
         with pytest.raises(ap.StoreError, match="cannot sync"):
             store.sync()
         monkeypatch.undo()
-        with store.tx(synced=False) as tx:
-            add_run(tx, "r-2")
         with pytest.raises(ap.StoreError, match="failed before"):
             store.sync()
-        assert len(done) == 1
+        for synced in (True, False):
+            with pytest.raises(ap.StoreError, match="nothing more is recorded"):
+                with store.tx(synced=synced) as tx:
+                    add_run(tx, "r-2")
+        assert store.find_run("r-2") is None and len(done) == 1
     finally:
         store.close()
 
@@ -369,5 +374,32 @@ def test_serving_syncs_a_calls_outcome_before_its_answer_leaves(tmp_path, monkey
         lines = open(log_path).read().split("\n")[:-1]
         assert lines[-1].startswith("answer "), lines
         assert lines[-2].startswith("fsync ") and lines[-2].endswith("-wal"), lines
+    finally:
+        d.cleanup()
+
+
+FAILING_SYNC = (
+    "import os, sys; sys.path.insert(0, sys.argv.pop(1)); import agentrt_proxy as ap\n"
+    "def failing_fsync(fd):\n"
+    "    raise OSError(5, 'Input/output error')\n"
+    "os.fsync = failing_fsync\n"
+    "sys.exit(ap.main())")
+
+
+def test_a_failed_sync_while_serving_sends_nothing_and_fails_with_its_reason(tmp_path,
+                                                                              monkeypatch):
+    """The outcome's sync fails: the answer never leaves, serving ends, and the exit status
+    and the stderr line say why (a supervisor must not take it for a clean stop)."""
+    def command(program=process_helpers.PROXY, env=None):
+        return [process_helpers.PYTHON, "-c", FAILING_SYNC, process_helpers.ROOT], env
+    d = process_helpers.ProcessDir(tmp_path)             # pinned with a sync that works
+    monkeypatch.setattr(process_helpers, "proxy_command", command)
+    try:
+        p = d.start()
+        ident = p.send("tools/call", {"name": "bank_balance", "arguments": {"account": "A-1"}})
+        assert p.proc.wait(timeout=30) == 1
+        with pytest.raises(AssertionError, match="no answer"):
+            p.answer(ident, timeout=1)
+        assert "error: " in p.stderr() and "cannot sync the WAL" in p.stderr(), p.stderr()
     finally:
         d.cleanup()

@@ -12678,9 +12678,9 @@ def _figures(approval: Approval) -> list[str]:
         if isinstance(found, list) else []
 
 
-def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
+def waiting_now(store: Store, now: float) -> list[Approval]:
     """Every approval that waits on a live run, and every uncollected interruption grant,
-    oldest first, each with its run. Neither a pending approval past its expiry nor a grant
+    oldest first. Neither a pending approval past its expiry nor a grant
     past the run's grant_ttl waits. An expiry an edit made unreadable is past (_expired); a
     grant's decision time made unreadable counts as not lapsed: the grant is shown."""
     found = []
@@ -12693,7 +12693,7 @@ def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
             lapsed = _expired(approval, now) if approval.status == PENDING else \
                 _grant_stale(run, approval, now)
         if not lapsed:
-            found.append((approval, run))
+            found.append(approval)
     return found
 
 
@@ -12748,7 +12748,7 @@ def _pending_lines(e: dict) -> list[str]:
 
 def cmd_pending(store: Store, args, out: Out) -> int:
     now = time.time()
-    entries = [pending_entry(store, a, now) for a, _run in waiting_now(store, now)]
+    entries = [pending_entry(store, a, now) for a in waiting_now(store, now)]
     if args.json:
         out.json({"approvals": entries})
         return 0
@@ -12831,19 +12831,26 @@ def cmd_decide(store: Store, args, out: Out) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             raise ProxyError(f"{verb}: declined at the prompt")
     try:
-        decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
-                                       args.note, approval.hash, time.time(), view=view,
-                                       outcome=word)
+        decide_shown(store, out, view, verb == "approve", by, args.note, word, args.json)
     except ApprovalChanged as exc:
         raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
                          "run the command again and read it before deciding") from None
-    if args.json:
+    return 0
+
+
+def decide_shown(store: Store, out: Out, view: ApprovalView, approve: bool, by: str,
+                 note: str, word: str, as_json: bool = False) -> None:
+    """Decide the approval as it was shown (its view, bound to its hash), then say what the
+    decision did, as the command and the inbox say it."""
+    approval = view.approval
+    decided, run = decide_approval(store, approval.run_id, approval.id, approve, by, note,
+                                   approval.hash, time.time(), view=view, outcome=word)
+    if as_json:
         out.json({"run": _run_summary(store, run), "approval": _approval_row(decided),
                   "next": decision_said(decided, run, word)})
-        return 0
+        return
     out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
     out.text(f"run {run.id}: {decision_said(decided, run, word)}")
-    return 0
 
 
 def collection_warnings(store: Store, approval: Approval) -> list[str]:
@@ -12986,7 +12993,7 @@ class Inbox:
         if self.unreadable:
             self.out.log("inbox: the database can be read again")
         self.unreadable = False
-        return next((a for a, _ in waiting if a.status == PENDING and a.id not in self.passed),
+        return next((a for a in waiting if a.status == PENDING and a.id not in self.passed),
                     None)
 
     def offer(self, approval: Approval) -> bool:
@@ -13039,9 +13046,7 @@ class Inbox:
         expired, or the run moved."""
         verb, approval = "approve" if approve else "reject", view.approval
         try:
-            decided, run = decide_approval(self.store, approval.run_id, approval.id, approve,
-                                           self.by, note, approval.hash, time.time(),
-                                           view=view, outcome=word)
+            decide_shown(self.store, self.out, view, approve, self.by, note, word)
         except ApprovalChanged as exc:
             self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
                           f"decided ({exc})")
@@ -13051,9 +13056,6 @@ class Inbox:
         except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
             self.out.text(f"approval {approval.id}: nothing was decided: its record could "
                           f"not be read ({type(exc).__name__})")
-        else:
-            self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
-            self.out.text(f"run {run.id}: {decision_said(decided, run, word)}")
 
 
 def cmd_inbox(store: Store, args, out: Out) -> int:

@@ -12821,7 +12821,8 @@ def cmd_decide(store: Store, args, out: Out) -> int:
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
                              "terminal to confirm at; pass -approval <id> or -yes")
         out.texts(collection_warnings(store, approval))
-        out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {approval.run_id}? [y/N] "))
+        out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {approval.run_id}? "
+                                  "[y/N] "))
         out.stdout.flush()
         answer = out.stdin.readline()
         if not answer:

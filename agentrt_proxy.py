@@ -7340,9 +7340,8 @@ class ProxyPolicy:
             judged = judge(tool, args, outcome, reason, self.use_of(), self.seen)
         except (ProxyError, ValueError):
             return "require_approval"
-        if unknown and judged.outcome == "deny" and judged.denied_by:
-            return "require_approval"
-        return judged.outcome
+        through = unknown and judged.outcome == "deny" and judged.denied_by
+        return "require_approval" if through else judged.outcome
 
     def never_runs(self, tool: "UpstreamTool") -> bool:
         """Whether every call to ``tool`` is denied, whatever its arguments."""
@@ -12678,9 +12677,9 @@ def _figures(approval: Approval) -> list[str]:
         if isinstance(found, list) else []
 
 
-def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
+def waiting_now(store: Store, now: float) -> list[Approval]:
     """Every approval that waits on a live run, and every uncollected interruption grant,
-    oldest first, each with its run. Neither a pending approval past its expiry nor a grant
+    oldest first. Neither a pending approval past its expiry nor a grant
     past the run's grant_ttl waits. An expiry an edit made unreadable is past (_expired); a
     grant's decision time made unreadable counts as not lapsed: the grant is shown."""
     found = []
@@ -12693,7 +12692,7 @@ def waiting_now(store: Store, now: float) -> list[tuple[Approval, Run]]:
             lapsed = _expired(approval, now) if approval.status == PENDING else \
                 _grant_stale(run, approval, now)
         if not lapsed:
-            found.append((approval, run))
+            found.append(approval)
     return found
 
 
@@ -12748,7 +12747,7 @@ def _pending_lines(e: dict) -> list[str]:
 
 def cmd_pending(store: Store, args, out: Out) -> int:
     now = time.time()
-    entries = [pending_entry(store, a, now) for a, _run in waiting_now(store, now)]
+    entries = [pending_entry(store, a, now) for a in waiting_now(store, now)]
     if args.json:
         out.json({"approvals": entries})
         return 0
@@ -12806,9 +12805,8 @@ def _choose_approval(store: Store, run_id: str | None, wanted: str | None) -> Ap
 
 
 def cmd_decide(store: Store, args, out: Out) -> int:
-    verb, by = args.command, args.by
+    verb = args.command
     approval = _choose_approval(store, args.run, args.approval)
-    args.run = approval.run_id
     word = operator_word(approval, verb == "approve", getattr(args, "outcome", None))
     # The view is read before the block is printed from the store: anything the block shows
     # that the view does not (a late outcome landing in between) is still in the store at the
@@ -12823,7 +12821,8 @@ def cmd_decide(store: Store, args, out: Out) -> int:
             raise UsageError(f"{verb}: refusing without -approval, -yes, or an interactive "
                              "terminal to confirm at; pass -approval <id> or -yes")
         out.texts(collection_warnings(store, approval))
-        out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {args.run}? [y/N] "))
+        out.stdout.write(sanitize(f"{verb} approval {approval.id} of run {approval.run_id}? "
+                                  "[y/N] "))
         out.stdout.flush()
         answer = out.stdin.readline()
         if not answer:
@@ -12831,19 +12830,26 @@ def cmd_decide(store: Store, args, out: Out) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             raise ProxyError(f"{verb}: declined at the prompt")
     try:
-        decided, run = decide_approval(store, args.run, approval.id, verb == "approve", by,
-                                       args.note, approval.hash, time.time(), view=view,
-                                       outcome=word)
+        decide_shown(store, out, view, verb == "approve", args.by, args.note, word, args.json)
     except ApprovalChanged as exc:
         raise ProxyError(f"{verb}: approval {approval.id} changed after it was shown ({exc}); "
                          "run the command again and read it before deciding") from None
-    if args.json:
+    return 0
+
+
+def decide_shown(store: Store, out: Out, view: ApprovalView, approve: bool, by: str,
+                 note: str, word: str, as_json: bool = False) -> None:
+    """Decide the approval as it was shown (its view, bound to its hash), then say what the
+    decision did, as the command and the inbox say it."""
+    approval = view.approval
+    decided, run = decide_approval(store, approval.run_id, approval.id, approve, by, note,
+                                   approval.hash, time.time(), view=view, outcome=word)
+    if as_json:
         out.json({"run": _run_summary(store, run), "approval": _approval_row(decided),
                   "next": decision_said(decided, run, word)})
-        return 0
+        return
     out.text(f"approval {decided.id}: {decided.status} by {sanitize(by)}")
     out.text(f"run {run.id}: {decision_said(decided, run, word)}")
-    return 0
 
 
 def collection_warnings(store: Store, approval: Approval) -> list[str]:
@@ -12943,10 +12949,9 @@ class _TypedLines:
 class Inbox:
     """The operator's loop over one database: show, ask, decide, look again."""
 
-    def __init__(self, store: Store, out: Out, by: str, lines: _TypedLines, once: bool,
-                 poll: float = INBOX_POLL):
-        self.store, self.out, self.by, self.lines = store, out, by, lines
-        self.once, self.poll = once, poll
+    def __init__(self, store: Store, out: Out, by: str, once: bool):
+        self.store, self.out, self.by, self.once = store, out, by, once
+        self.lines = _TypedLines(out.stdin)
         self.passed: set[str] = set()        # skipped; under -once, every one shown
         self.unreadable = False              # the last look failed (said once)
 
@@ -12966,9 +12971,9 @@ class Inbox:
             if not idle and not self.unreadable:
                 skipped = f" ({len(self.passed)} skipped)" if self.passed else ""
                 self.out.text(f"no approval waits{skipped}; looking for new ones every "
-                              f"{fmt_duration(self.poll)}; q then Enter quits")
+                              f"{fmt_duration(INBOX_POLL)}; q then Enter quits")
                 idle = True
-            answer = self.lines.read(self.poll)
+            answer = self.lines.read(INBOX_POLL)
             if self.lines.closed or INBOX_ANSWERS.get((answer or "").strip().lower()) == "quit":
                 return 0
 
@@ -12986,7 +12991,7 @@ class Inbox:
         if self.unreadable:
             self.out.log("inbox: the database can be read again")
         self.unreadable = False
-        return next((a for a, _ in waiting if a.status == PENDING and a.id not in self.passed),
+        return next((a for a in waiting if a.status == PENDING and a.id not in self.passed),
                     None)
 
     def offer(self, approval: Approval) -> bool:
@@ -13003,18 +13008,31 @@ class Inbox:
             return False
         if verb == "skip":
             self.passed.add(approval.id)
-        elif verb == "approve":
-            self.decide(view, True, "")
-        else:
+            return True
+        note, word = "", ""
+        if verb == "reject":
             note = self.ask("note for the rejection (the model reads it; Enter for none): ")
-            word = ""
             if note is not None and approval.kind == INTERRUPTED_KIND:  # as reject -outcome
                 word = self.ask("did the cut-off attempt take effect? e executed, n not "
                                 "executed, u unknown (Enter: unknown): ", INBOX_OUTCOMES,
                                 "answer e, n or u, then Enter")
             if note is None or word is None:
                 return False
-            self.decide(view, False, note.strip(), word)
+        # Decided as it was shown (its view); a refusal is said and the loop goes on: the
+        # approval changed, was settled by a late outcome, was decided elsewhere, expired,
+        # or the run moved.
+        try:
+            decide_shown(self.store, self.out, view, verb == "approve", self.by, note.strip(),
+                         word)
+        except ApprovalChanged as exc:
+            self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
+                          f"decided ({exc})")
+        except ProxyError as exc:
+            self.out.text(f"approval {approval.id}: nothing was decided: "
+                          f"{_describe_failure(exc, verb)}")
+        except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
+            self.out.text(f"approval {approval.id}: nothing was decided: its record could "
+                          f"not be read ({type(exc).__name__})")
         return True
 
     def ask(self, prompt: str, answers: dict | None = None, hint: str = "") -> str | None:
@@ -13033,34 +13051,12 @@ class Inbox:
                 return answers[line.strip().lower()]
             self.out.text(hint)
 
-    def decide(self, view: ApprovalView, approve: bool, note: str, word: str = "") -> None:
-        """Decide the approval as it was shown (its view); a refusal is said and the loop
-        goes on: the approval changed, was settled by a late outcome, was decided elsewhere,
-        expired, or the run moved."""
-        verb, approval = "approve" if approve else "reject", view.approval
-        try:
-            decided, run = decide_approval(self.store, approval.run_id, approval.id, approve,
-                                           self.by, note, approval.hash, time.time(),
-                                           view=view, outcome=word)
-        except ApprovalChanged as exc:
-            self.out.text(f"approval {approval.id} changed after it was shown: nothing was "
-                          f"decided ({exc})")
-        except ProxyError as exc:
-            self.out.text(f"approval {approval.id}: nothing was decided: "
-                          f"{_describe_failure(exc, verb)}")
-        except (ValueError, TypeError, KeyError) as exc:    # a row edited past reading
-            self.out.text(f"approval {approval.id}: nothing was decided: its record could "
-                          f"not be read ({type(exc).__name__})")
-        else:
-            self.out.text(f"approval {decided.id}: {decided.status} by {sanitize(self.by)}")
-            self.out.text(f"run {run.id}: {decision_said(decided, run, word)}")
-
 
 def cmd_inbox(store: Store, args, out: Out) -> int:
     if not args.tty_not_required and not _is_terminal(out.stdin):
         raise UsageError("inbox: stdin is not a terminal; pass -tty-not-required to read the "
                          "answers from it anyway")
-    return Inbox(store, out, args.by, _TypedLines(out.stdin), args.once).run()
+    return Inbox(store, out, args.by, args.once).run()
 
 
 # ==== 31. Running a command ====

@@ -6301,6 +6301,7 @@ _PLACEHOLDERS = {"image": "[image omitted]", "audio": "[audio omitted]",
                  "resource": "[embedded resource omitted]"}
 _DRAFT_URI = re.compile(r"https?://json-schema\.org/(draft-0[467]/schema|draft/2019-09/schema|"
                         r"draft/2020-12/schema|schema)#?")
+DRIFT_GONE = "the server no longer offers it"      # a pinned tool missing from the listing
 _HIDE_CHECKED = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
                  "dependentSchemas", "dependencies", "$defs", "definitions")
 
@@ -6639,22 +6640,12 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     live = {t.name: t for t in live_list}
     report = Report(server.name, unpinned=sorted(set(live) - set(pinned)),
                     unclassified=sorted(set(pinned) - set(rules)))
-    tools: list[UpstreamTool] = []
-    taken: dict[str, str] = {}
     try:                                 # whatever fails, the connection is closed
-        for key, rule in sorted(rules.items()):      # each is pinned: check_rules_pinned
-            try:
-                tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
-                name = tool.spec.name
-                if name in taken:
-                    raise ConfigError(f"the name {_quote(name)} is already taken by tool "
-                                      f"{_quote(taken[name])}")
-            except ConfigError as exc:
-                report.refused.append((key, str(exc)))
-                continue
-            taken[name] = key
-            tools.append(tool)
-            report.registered.append((key, name, rule.side_effect, mismatch))
+        built, refusals = register(server, pinned, live, conn, {})
+        tools = [tool for _, tool, _ in built]
+        report.registered = [(key, t.spec.name, t.rule.side_effect, mismatch)
+                             for key, t, mismatch in built]
+        report.refused = [(key, why) for key, _, why in refusals]
         if time.monotonic() > deadline:
             raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
                            f"{fmt_duration(server.connect_timeout)}")
@@ -6666,11 +6657,39 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     return tools, report
 
 
+def register(server: ServerConfig, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
+             conn: Upstream, taken: dict[str, str],
+             ) -> tuple[list[tuple[str, UpstreamTool, str]], list[tuple[str, str, str]]]:
+    """What loading registers of the server's classified tools now, in name order, and the
+    one place that decides it (load_server at start, ServerWatch.judge on a change): each
+    tool _build makes under a name not ``taken``, by its key, with the hint mismatch its
+    rule allows; and each other one by its key, the name it would be offered by, and why
+    not. ``taken`` maps each name in use to the tool holding it ('' when not this
+    server's); the names registered are added to it."""
+    built, refused = [], []
+    for key, rule in sorted(server.rule_map.items()):
+        name = offered_name(server.name, key, rule)
+        try:
+            if key not in pinned:
+                raise ConfigError("it is not in the manifest")
+            tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
+            name = tool.spec.name
+            if name in taken:
+                raise ConfigError(f"the name {_quote(name)} is already taken" +
+                                  (f" by tool {_quote(taken[name])}" if taken[name] else ""))
+        except (ProxyError, ValueError) as exc:
+            refused.append((key, name, str(exc)))
+            continue
+        taken[name] = key
+        built.append((key, tool, mismatch))
+    return built, refused
+
+
 def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: Rule,
            conn: Upstream) -> tuple[UpstreamTool, str]:
     """The checks for one tool, in order; the first failure is the reason it is refused."""
     if live is None:
-        raise ConfigError("the server no longer offers it")
+        raise ConfigError(DRIFT_GONE)
     changed = changed_since_pin(pin, live)
     if "the input schema" in changed:
         raise ConfigError("the input schema changed since the pin")
@@ -11458,7 +11477,6 @@ DRIFT_CANCEL_AGAIN = 0.1        # closing: a watch still running is cancelled ag
 DRIFT_SHOWN = 50                # changed tools named in one notice; the rest are counted
 DRIFT_NAME_BYTES = 128          # of a tool name a server chose, in a notice
 DRIFT_NEW = "a new tool, not in the manifest"
-DRIFT_GONE = "the server no longer offers it"
 
 
 def withheld_answer(why: str) -> dict:
@@ -11600,26 +11618,12 @@ class ServerWatch:
               ) -> tuple[list[UpstreamTool], dict[str, str], dict[str, str]]:
         """What loading would register now; why each other classified tool is not, by its
         name; and the same for those of them the host was offered before, by upstream name."""
-        offered: list[UpstreamTool] = []
-        withheld, refused = {}, {}
-        taken = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
-        for key, rule in sorted(self.server.rule_map.items()):
-            name = offered_name(self.server.name, key, rule)
-            try:
-                if key not in pinned:
-                    raise ConfigError("it is not in the manifest")
-                tool, _ = _build(self.server, pinned[key], live.get(key), rule, self.conn)
-                name = tool.spec.name
-                if name == self.cfg.status_tool or name in taken:
-                    raise ConfigError(f"the name {_quote(name)} is already taken")
-            except (ProxyError, ValueError) as exc:
-                withheld[name] = str(exc)
-                if name in self.proxy.order:
-                    refused[key] = str(exc)
-                continue
-            taken.add(name)
-            offered.append(tool)
-        return offered, withheld, refused
+        taken = {n: "" for n, t in self.proxy.tools.items() if t.server != self.server.name}
+        built, refusals = register(self.server, pinned, live, self.conn,
+                                   {**taken, self.cfg.status_tool: ""})
+        withheld = {name: why for _, name, why in refusals}
+        refused = {key: why for key, name, why in refusals if name in self.proxy.order}
+        return [tool for _, tool, _ in built], withheld, refused
 
     def tell(self, changes: list[tuple[str, str]]) -> None:
         """The operator hears of each new state of drift once: a flood of notices over one

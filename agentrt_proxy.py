@@ -6661,7 +6661,7 @@ def register(server: ServerConfig, pinned: dict[str, PinnedTool], live: dict[str
              conn: Upstream, taken: dict[str, str],
              ) -> tuple[list[tuple[str, UpstreamTool, str]], list[tuple[str, str, str]]]:
     """What loading registers of the server's classified tools now, in name order, and the
-    one place that decides it (load_server at start, ServerWatch.judge on a change): each
+    one place that decides it (load_server at start, ServerWatch.relist on a change): each
     tool _build makes under a name not ``taken``, by its key, with the hint mismatch its
     rule allows; and each other one by its key, the name it would be offered by, and why
     not. ``taken`` maps each name in use to the tool holding it ('' when not this
@@ -11599,12 +11599,15 @@ class ServerWatch:
             self.log(f"drift: server {_quote(server.name)}: listed again")
         self.failed = False
         live = {t.name: t for t in live_list}
-        offered, withheld, refused = self.judge(pinned, live)
+        taken = {n: "" for n, t in self.proxy.tools.items() if t.server != server.name}
+        built, refusals = register(server, pinned, live, self.conn,
+                                   {**taken, self.cfg.status_tool: ""})
         changes = drift_of(pinned, live)
         # A tool offered before and refused now for what the hashes do not cover (the
         # server's hints now dispute its class) is drift too.
-        self.tell([*changes.items(), *sorted(r for r in refused.items() if r[0] not in changes)])
-        self.apply(offered, withheld)
+        self.tell([*changes.items(), *sorted((key, why) for key, name, why in refusals
+                                             if name in self.proxy.order and key not in changes)])
+        self.apply([tool for _, tool, _ in built], {name: why for _, name, why in refusals})
 
     def _withhold_all(self, why: str) -> None:
         self.log(f"drift: server {_quote(self.server.name)}: its tools could not be listed "
@@ -11613,17 +11616,6 @@ class ServerWatch:
         names = [n for n, t in self.proxy.tools.items() if t.server == self.server.name]
         names += [n for n, v in self.proxy.withheld.items() if v[0] == self.server.name]
         self.apply([], {n: f"its server's tools could not be listed again ({why})" for n in names})
-
-    def judge(self, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
-              ) -> tuple[list[UpstreamTool], dict[str, str], dict[str, str]]:
-        """What loading would register now; why each other classified tool is not, by its
-        name; and the same for those of them the host was offered before, by upstream name."""
-        taken = {n: "" for n, t in self.proxy.tools.items() if t.server != self.server.name}
-        built, refusals = register(self.server, pinned, live, self.conn,
-                                   {**taken, self.cfg.status_tool: ""})
-        withheld = {name: why for _, name, why in refusals}
-        refused = {key: why for key, name, why in refusals if name in self.proxy.order}
-        return [tool for _, tool, _ in built], withheld, refused
 
     def tell(self, changes: list[tuple[str, str]]) -> None:
         """The operator hears of each new state of drift once: a flood of notices over one
@@ -11668,8 +11660,7 @@ class ServerWatch:
                 proxy.gate.tools[name] = Tool(tool.spec, tool.call)
             now[name] = tool
         proxy.order += [n for n in now if n not in proxy.order]
-        tools = {n: t for n, t in proxy.tools.items() if t.server != server}
-        tools.update(now)
+        tools = {**{n: t for n, t in proxy.tools.items() if t.server != server}, **now}
         proxy.tools.clear()                  # in place: the policy holds this same dict
         proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
         proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
@@ -11737,9 +11728,13 @@ class RecheckReport:
     def count(self, *results: str) -> int:
         return sum(1 for e in self.evaluations if e.result in results)
 
+    def asked(self) -> set[str]:
+        """The policy identities the re-checked decisions were recorded under."""
+        return {e.policy_id for e in self.evaluations if e.result in ("same", "different")}
+
     @property
     def identity(self) -> str:
-        asked = {e.policy_id for e in self.evaluations if e.result in ("same", "different")}
+        asked = self.asked()
         if not asked or not self.policy_id or "" in asked:
             return "unknown"
         return "unchanged" if asked == {self.policy_id} else "changed"
@@ -11753,8 +11748,7 @@ class RecheckReport:
                 "rechecked": self.count("same", "different"), "not_recheckable": skipped}
 
     def lines(self) -> list[str]:
-        asked = sorted({e.policy_id for e in self.evaluations
-                        if e.result in ("same", "different") and e.policy_id})
+        asked = sorted(p for p in self.asked() if p)
         identity = {"unchanged": f'policy unchanged: "{self.policy_id}"',
                     "changed": "policy changed: recorded " + ", ".join(f'"{p}"' for p in asked)
                                + f', given "{self.policy_id}"',

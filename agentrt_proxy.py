@@ -6635,11 +6635,10 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     """Connect, list, and register what passes every check. Nothing registered is an
     error that carries the report."""
     check_rules_pinned(server, pinned)
-    rules = server.rule_map
     conn, live_list, deadline = await open_upstream(server)
     live = {t.name: t for t in live_list}
     report = Report(server.name, unpinned=sorted(set(live) - set(pinned)),
-                    unclassified=sorted(set(pinned) - set(rules)))
+                    unclassified=sorted(set(pinned) - set(server.rule_map)))
     try:                                 # whatever fails, the connection is closed
         built, refusals = register(server, pinned, live, conn, {})
         tools = [tool for _, tool, _ in built]

@@ -6301,6 +6301,7 @@ _PLACEHOLDERS = {"image": "[image omitted]", "audio": "[audio omitted]",
                  "resource": "[embedded resource omitted]"}
 _DRAFT_URI = re.compile(r"https?://json-schema\.org/(draft-0[467]/schema|draft/2019-09/schema|"
                         r"draft/2020-12/schema|schema)#?")
+DRIFT_GONE = "the server no longer offers it"      # a pinned tool missing from the listing
 _HIDE_CHECKED = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
                  "dependentSchemas", "dependencies", "$defs", "definitions")
 
@@ -6634,27 +6635,16 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     """Connect, list, and register what passes every check. Nothing registered is an
     error that carries the report."""
     check_rules_pinned(server, pinned)
-    rules = server.rule_map
     conn, live_list, deadline = await open_upstream(server)
     live = {t.name: t for t in live_list}
     report = Report(server.name, unpinned=sorted(set(live) - set(pinned)),
-                    unclassified=sorted(set(pinned) - set(rules)))
-    tools: list[UpstreamTool] = []
-    taken: dict[str, str] = {}
+                    unclassified=sorted(set(pinned) - set(server.rule_map)))
     try:                                 # whatever fails, the connection is closed
-        for key, rule in sorted(rules.items()):      # each is pinned: check_rules_pinned
-            try:
-                tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
-                name = tool.spec.name
-                if name in taken:
-                    raise ConfigError(f"the name {_quote(name)} is already taken by tool "
-                                      f"{_quote(taken[name])}")
-            except ConfigError as exc:
-                report.refused.append((key, str(exc)))
-                continue
-            taken[name] = key
-            tools.append(tool)
-            report.registered.append((key, name, rule.side_effect, mismatch))
+        built, refusals = register(server, pinned, live, conn, {})
+        tools = [tool for _, tool, _ in built]
+        report.registered = [(key, t.spec.name, t.rule.side_effect, mismatch)
+                             for key, t, mismatch in built]
+        report.refused = [(key, why) for key, _, why in refusals]
         if time.monotonic() > deadline:
             raise MCPError(f"mcp: server {_quote(server.name)}: load: timed out after "
                            f"{fmt_duration(server.connect_timeout)}")
@@ -6666,11 +6656,39 @@ async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],
     return tools, report
 
 
+def register(server: ServerConfig, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
+             conn: Upstream, taken: dict[str, str],
+             ) -> tuple[list[tuple[str, UpstreamTool, str]], list[tuple[str, str, str]]]:
+    """What loading registers of the server's classified tools now, in name order, and the
+    one place that decides it (load_server at start, ServerWatch.relist on a change): each
+    tool _build makes under a name not ``taken``, by its key, with the hint mismatch its
+    rule allows; and each other one by its key, the name it would be offered by, and why
+    not. ``taken`` maps each name in use to the tool holding it ('' when not this
+    server's); the names registered are added to it."""
+    built, refused = [], []
+    for key, rule in sorted(server.rule_map.items()):
+        name = offered_name(server.name, key, rule)
+        try:
+            if key not in pinned:
+                raise ConfigError("it is not in the manifest")
+            tool, mismatch = _build(server, pinned[key], live.get(key), rule, conn)
+            name = tool.spec.name
+            if name in taken:
+                raise ConfigError(f"the name {_quote(name)} is already taken" +
+                                  (f" by tool {_quote(taken[name])}" if taken[name] else ""))
+        except (ProxyError, ValueError) as exc:
+            refused.append((key, name, str(exc)))
+            continue
+        taken[name] = key
+        built.append((key, tool, mismatch))
+    return built, refused
+
+
 def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: Rule,
            conn: Upstream) -> tuple[UpstreamTool, str]:
     """The checks for one tool, in order; the first failure is the reason it is refused."""
     if live is None:
-        raise ConfigError("the server no longer offers it")
+        raise ConfigError(DRIFT_GONE)
     changed = changed_since_pin(pin, live)
     if "the input schema" in changed:
         raise ConfigError("the input schema changed since the pin")
@@ -11457,7 +11475,6 @@ DRIFT_CANCEL_AGAIN = 0.1        # closing: a watch still running is cancelled ag
 DRIFT_SHOWN = 50                # changed tools named in one notice; the rest are counted
 DRIFT_NAME_BYTES = 128          # of a tool name a server chose, in a notice
 DRIFT_NEW = "a new tool, not in the manifest"
-DRIFT_GONE = "the server no longer offers it"
 
 
 def withheld_answer(why: str) -> dict:
@@ -11580,12 +11597,15 @@ class ServerWatch:
             self.log(f"drift: server {_quote(server.name)}: listed again")
         self.failed = False
         live = {t.name: t for t in live_list}
-        offered, withheld, refused = self.judge(pinned, live)
+        taken = {n: "" for n, t in self.proxy.tools.items() if t.server != server.name}
+        built, refusals = register(server, pinned, live, self.conn,
+                                   {**taken, self.cfg.status_tool: ""})
         changes = drift_of(pinned, live)
         # A tool offered before and refused now for what the hashes do not cover (the
         # server's hints now dispute its class) is drift too.
-        self.tell([*changes.items(), *sorted(r for r in refused.items() if r[0] not in changes)])
-        self.apply(offered, withheld)
+        self.tell([*changes.items(), *sorted((key, why) for key, name, why in refusals
+                                             if name in self.proxy.order and key not in changes)])
+        self.apply([tool for _, tool, _ in built], {name: why for _, name, why in refusals})
 
     def _withhold_all(self, why: str) -> None:
         self.log(f"drift: server {_quote(self.server.name)}: its tools could not be listed "
@@ -11594,31 +11614,6 @@ class ServerWatch:
         names = [n for n, t in self.proxy.tools.items() if t.server == self.server.name]
         names += [n for n, v in self.proxy.withheld.items() if v[0] == self.server.name]
         self.apply([], {n: f"its server's tools could not be listed again ({why})" for n in names})
-
-    def judge(self, pinned: dict[str, PinnedTool], live: dict[str, LiveTool],
-              ) -> tuple[list[UpstreamTool], dict[str, str], dict[str, str]]:
-        """What loading would register now; why each other classified tool is not, by its
-        name; and the same for those of them the host was offered before, by upstream name."""
-        offered: list[UpstreamTool] = []
-        withheld, refused = {}, {}
-        taken = {n for n, t in self.proxy.tools.items() if t.server != self.server.name}
-        for key, rule in sorted(self.server.rule_map.items()):
-            name = offered_name(self.server.name, key, rule)
-            try:
-                if key not in pinned:
-                    raise ConfigError("it is not in the manifest")
-                tool, _ = _build(self.server, pinned[key], live.get(key), rule, self.conn)
-                name = tool.spec.name
-                if name == self.cfg.status_tool or name in taken:
-                    raise ConfigError(f"the name {_quote(name)} is already taken")
-            except (ProxyError, ValueError) as exc:
-                withheld[name] = str(exc)
-                if name in self.proxy.order:
-                    refused[key] = str(exc)
-                continue
-            taken.add(name)
-            offered.append(tool)
-        return offered, withheld, refused
 
     def tell(self, changes: list[tuple[str, str]]) -> None:
         """The operator hears of each new state of drift once: a flood of notices over one
@@ -11663,8 +11658,7 @@ class ServerWatch:
                 proxy.gate.tools[name] = Tool(tool.spec, tool.call)
             now[name] = tool
         proxy.order += [n for n in now if n not in proxy.order]
-        tools = {n: t for n, t in proxy.tools.items() if t.server != server}
-        tools.update(now)
+        tools = {**{n: t for n, t in proxy.tools.items() if t.server != server}, **now}
         proxy.tools.clear()                  # in place: the policy holds this same dict
         proxy.tools.update((n, tools[n]) for n in proxy.order if n in tools)
         proxy.withheld = {n: v for n, v in proxy.withheld.items() if v[0] != server}
@@ -11732,9 +11726,13 @@ class RecheckReport:
     def count(self, *results: str) -> int:
         return sum(1 for e in self.evaluations if e.result in results)
 
+    def asked(self) -> set[str]:
+        """The policy identities the re-checked decisions were recorded under."""
+        return {e.policy_id for e in self.evaluations if e.result in ("same", "different")}
+
     @property
     def identity(self) -> str:
-        asked = {e.policy_id for e in self.evaluations if e.result in ("same", "different")}
+        asked = self.asked()
         if not asked or not self.policy_id or "" in asked:
             return "unknown"
         return "unchanged" if asked == {self.policy_id} else "changed"
@@ -11748,8 +11746,7 @@ class RecheckReport:
                 "rechecked": self.count("same", "different"), "not_recheckable": skipped}
 
     def lines(self) -> list[str]:
-        asked = sorted({e.policy_id for e in self.evaluations
-                        if e.result in ("same", "different") and e.policy_id})
+        asked = sorted(p for p in self.asked() if p)
         identity = {"unchanged": f'policy unchanged: "{self.policy_id}"',
                     "changed": "policy changed: recorded " + ", ".join(f'"{p}"' for p in asked)
                                + f', given "{self.policy_id}"',

@@ -1232,9 +1232,12 @@ def _complement(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], .
     return tuple(out)
 
 
-_CLASS_ESCAPES = {"d": _DIGIT_RANGES, "D": _complement(_DIGIT_RANGES),
-                  "w": _WORD_RANGES, "W": _complement(_WORD_RANGES),
-                  "s": _SPACE_RANGES, "S": _complement(_SPACE_RANGES)}
+# What an escape's letter stands for outside a class (a code point, or a class escape's
+# ranges), and inside one, where \b is a backspace and \- a hyphen.
+_ESCAPES = {"d": _DIGIT_RANGES, "D": _complement(_DIGIT_RANGES),
+            "w": _WORD_RANGES, "W": _complement(_WORD_RANGES),
+            "s": _SPACE_RANGES, "S": _complement(_SPACE_RANGES), **_CHAR_ESCAPES}
+_ESCAPES_IN_CLASS = {**_ESCAPES, "b": 0x08, "-": ord("-")}
 _DOT = _complement(_LINE_TERMINATORS)
 
 
@@ -1290,9 +1293,7 @@ class _PatternParser:
             if self.peek() in _REPEATS:
                 raise self.fail("an assertion cannot be repeated")
             return ("assert", _ASSERTIONS[self.text[self.pos - 1]])
-        return self.quantified(self.atom())
-
-    def quantified(self, atom: tuple) -> tuple:
+        atom = self.atom()
         ch = self.peek()
         if ch not in _REPEATS:
             return atom
@@ -1361,12 +1362,9 @@ class _PatternParser:
         escape. A refusal names where the escape's letter is, or an octal or property
         escape's end."""
         ch = self.take()
-        if ch in _CLASS_ESCAPES:
-            return _CLASS_ESCAPES[ch]
-        if ch in _CHAR_ESCAPES:
-            return _CHAR_ESCAPES[ch]
-        if in_class and ch in ("b", "-"):
-            return 0x08 if ch == "b" else ord("-")
+        found = (_ESCAPES_IN_CLASS if in_class else _ESCAPES).get(ch)
+        if found is not None:
+            return found
         if ch == "0" and self.peek() not in _DECIMAL:
             return 0
         if ch == "c" and self.peek().isascii() and self.peek().isalpha():
@@ -1459,14 +1457,7 @@ def _emit(node: tuple, prog: list) -> None:
         for sub in node[1]:
             _emit(sub, prog)
     elif kind == "alt":             # split(a, L); a; jmp out; L: split(b, M); b; ...; out:
-        jumps = []
-        for branch in node[1][:-1]:
-            split = len(prog)
-            prog.append(None)
-            _emit(branch, prog)
-            jumps.append(len(prog))
-            prog.append(None)
-            prog[split] = (_JUMP, split + 1, len(prog))
+        jumps = [_split_over(branch, None, prog) for branch in node[1][:-1]]
         _emit(node[1][-1], prog)
         for at in jumps:
             prog[at] = (_JUMP, len(prog))
@@ -1475,11 +1466,7 @@ def _emit(node: tuple, prog: list) -> None:
         for _ in range(low):
             _emit(body, prog)
         if high is None:            # L: split(body, out); body; jmp L; out:
-            loop = len(prog)
-            prog.append(None)
-            _emit(body, prog)
-            prog.append((_JUMP, loop))
-            prog[loop] = (_JUMP, loop + 1, len(prog))
+            _split_over(body, (_JUMP, len(prog)), prog)
             return
         splits = []
         for _ in range(high - low):     # each optional copy may be skipped to the end
@@ -1488,6 +1475,17 @@ def _emit(node: tuple, prog: list) -> None:
             _emit(body, prog)
         for at in splits:
             prog[at] = (_JUMP, at + 1, len(prog))
+
+
+def _split_over(node: tuple, last: tuple | None, prog: list) -> int:
+    """Append split(node, past); node; ``last``, where past follows ``last``, and return
+    where ``last`` is (a None there is a jump whose end is not known yet)."""
+    split = len(prog)
+    prog.append(None)
+    _emit(node, prog)
+    prog.append(last)
+    prog[split] = (_JUMP, split + 1, len(prog))
+    return len(prog) - 1
 
 
 def _in_ranges(ranges: tuple, cp: int) -> bool:

@@ -1200,13 +1200,13 @@ _CHAR_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D,
                  **{ch: ord(ch) for ch in _SYNTAX_CHARS | {"/"}}}
 _DECIMAL = frozenset("0123456789")
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
-_WORD_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 # ECMA-262's WhiteSpace and LineTerminator (the Zs category as of Unicode 15), not Python's.
 _SPACE_RANGES = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680),
                  (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
                  (0x3000, 0x3000), (0xFEFF, 0xFEFF))
 _DIGIT_RANGES = ((0x30, 0x39),)
 _WORD_RANGES = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+_WORD_CHARS = frozenset(chr(cp) for lo, hi in _WORD_RANGES for cp in range(lo, hi + 1))
 _LINE_TERMINATORS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
 _ALL = ((0, MAX_CODE_POINT),)
 
@@ -1728,11 +1728,10 @@ def _is_multiple(value: tuple[int, str, int], of: tuple[int, str, int]) -> bool:
     sign, digits, exponent = value
     _, divisor, power = of
     shift = exponent - power
-    if sign == 0:
-        return True
-    if shift < 0:
-        # digits has no trailing zero, so it is never a multiple of divisor * 10**-shift
-        return False
+    if sign == 0 or shift < 0:
+        # zero is a multiple of anything; with shift < 0, digits has no trailing zero, so it
+        # is never a multiple of divisor * 10**-shift
+        return sign == 0
     modulus = int(divisor)
     rest = int(_EXACT.remainder(Decimal(digits), Decimal(divisor)))
     return rest * pow(10, shift, modulus) % modulus == 0
@@ -1740,11 +1739,8 @@ def _is_multiple(value: tuple[int, str, int], of: tuple[int, str, int]) -> bool:
 
 def _size(value: Any) -> int:
     """The number of JSON values in ``value``, itself included."""
-    if isinstance(value, list):
-        return 1 + sum(_size(v) for v in value)
-    if isinstance(value, dict):
-        return 1 + sum(_size(v) for v in value.values())
-    return 1
+    members = value.values() if isinstance(value, dict) else value
+    return 1 + sum(_size(v) for v in members) if isinstance(value, (dict, list)) else 1
 
 
 class Schema:
@@ -1813,7 +1809,14 @@ class Schema:
                                   "$ref without consuming input")
             return longest[at]
         longest[at] = None
-        children = self._same_value_children(at, self._schemas[at])
+        # The subschemas that apply to the same value as the one at ``at``.
+        node, children = self._schemas[at], []
+        if isinstance(node, dict):
+            children = [self._refs[node["$ref"]]] if "$ref" in node else []
+            for key in ("allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+                        "dependentSchemas", "dependencies"):
+                if key in node:
+                    children += [at + (key,) + place for place, _ in _subschemas(key, node[key])]
         depth = max((1 + self._chain(nxt, longest, fan) for nxt in children), default=0)
         if depth > MAX_SCHEMA_CHAIN:
             raise SchemaError(f"the schema at #{_pointer(at)} chains more than "
@@ -1821,17 +1824,6 @@ class Schema:
         longest[at] = depth
         fan[at] = 1 + sum(fan[nxt] for nxt in children)
         return depth
-
-    def _same_value_children(self, at: tuple, node: Any) -> list[tuple]:
-        """The subschemas that apply to the same value as the one at ``at``."""
-        if not isinstance(node, dict):
-            return []
-        out = [self._refs[node["$ref"]]] if "$ref" in node else []
-        for key in ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas",
-                    "dependencies"):
-            if key in node:
-                out += [at + (key,) + place for place, _ in _subschemas(key, node[key])]
-        return out
 
     # -- compiling: every keyword is known and well formed, every $ref resolves locally --
 
@@ -2215,9 +2207,7 @@ def _show(value: Any) -> str:
 # check is run only on a value of the type it constrains (object: any).
 _TOGETHER: dict[tuple[str, ...], tuple[Callable, type]] = {
     ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): (_Check.check_range, Num),
-    ("minLength", "maxLength"): (_Check.check_counts, str),
-    ("minItems", "maxItems"): (_Check.check_counts, list),
-    ("minProperties", "maxProperties"): (_Check.check_counts, dict),
+    **{(low, high): (_Check.check_counts, kind) for kind, (low, high, _) in _COUNTED.items()},
     ("properties", "patternProperties", "additionalProperties"):
         (_Check.check_properties, dict),
     ("items", "prefixItems", "additionalItems"): (_Check.check_items, list),

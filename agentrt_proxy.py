@@ -1545,13 +1545,7 @@ class Pattern:
         for i, ch in enumerate(s):
             if self._match in state:
                 return True, work[0]
-            ctx = self._context(s, i + 1)
-            nxt = self._memo.get((state, ch, ctx))
-            if nxt is None:
-                nxt = self._step(state, ch, ctx, work)
-            else:                # a memoised step is cheaper, never free: a visit a character
-                self._charge(work, 1)
-            state = nxt
+            state = self._step(state, ch, self._context(s, i + 1), work)
         return self._match in state, work[0]
 
     def _context(self, s: str, i: int) -> int:
@@ -1563,13 +1557,15 @@ class Pattern:
         return ctx
 
     def _step(self, state: frozenset, ch: str, ctx: int, work: list) -> frozenset:
+        nxt = self._memo.get((state, ch, ctx))
+        if nxt is not None:     # a memoised step is cheaper, never free: a visit a character
+            self._charge(work, 1)
+            return nxt
         cp, prog = ord(ch), self._prog
         moved = [pc + 1 for pc in state if pc != self._match and _in_ranges(prog[pc][1], cp)]
         nxt = self._closure(moved, ctx, work)
         if len(self._memo) >= PATTERN_MEMO_STEPS or self._memo_states >= PATTERN_MEMO_STATES:
-            self._memo.clear()
-            self._states.clear()
-            self._memo_states = 0
+            self._memo, self._states, self._memo_states = {}, {}, 0
         # One copy of each state set is kept, so that a memoised step is found by identity:
         # comparing two equal sets of up to MAX_PATTERN_PROGRAM threads would make a step
         # that is charged one visit cost thousands.

@@ -1200,13 +1200,13 @@ _CHAR_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D,
                  **{ch: ord(ch) for ch in _SYNTAX_CHARS | {"/"}}}
 _DECIMAL = frozenset("0123456789")
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
-_WORD_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 # ECMA-262's WhiteSpace and LineTerminator (the Zs category as of Unicode 15), not Python's.
 _SPACE_RANGES = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680),
                  (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
                  (0x3000, 0x3000), (0xFEFF, 0xFEFF))
 _DIGIT_RANGES = ((0x30, 0x39),)
 _WORD_RANGES = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+_WORD_CHARS = frozenset(chr(cp) for lo, hi in _WORD_RANGES for cp in range(lo, hi + 1))
 _LINE_TERMINATORS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))
 _ALL = ((0, MAX_CODE_POINT),)
 
@@ -1232,9 +1232,12 @@ def _complement(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], .
     return tuple(out)
 
 
-_CLASS_ESCAPES = {"d": _DIGIT_RANGES, "D": _complement(_DIGIT_RANGES),
-                  "w": _WORD_RANGES, "W": _complement(_WORD_RANGES),
-                  "s": _SPACE_RANGES, "S": _complement(_SPACE_RANGES)}
+# What an escape's letter stands for outside a class (a code point, or a class escape's
+# ranges), and inside one, where \b is a backspace and \- a hyphen.
+_ESCAPES = {"d": _DIGIT_RANGES, "D": _complement(_DIGIT_RANGES),
+            "w": _WORD_RANGES, "W": _complement(_WORD_RANGES),
+            "s": _SPACE_RANGES, "S": _complement(_SPACE_RANGES), **_CHAR_ESCAPES}
+_ESCAPES_IN_CLASS = {**_ESCAPES, "b": 0x08, "-": ord("-")}
 _DOT = _complement(_LINE_TERMINATORS)
 
 
@@ -1290,9 +1293,7 @@ class _PatternParser:
             if self.peek() in _REPEATS:
                 raise self.fail("an assertion cannot be repeated")
             return ("assert", _ASSERTIONS[self.text[self.pos - 1]])
-        return self.quantified(self.atom())
-
-    def quantified(self, atom: tuple) -> tuple:
+        atom = self.atom()
         ch = self.peek()
         if ch not in _REPEATS:
             return atom
@@ -1361,12 +1362,9 @@ class _PatternParser:
         escape. A refusal names where the escape's letter is, or an octal or property
         escape's end."""
         ch = self.take()
-        if ch in _CLASS_ESCAPES:
-            return _CLASS_ESCAPES[ch]
-        if ch in _CHAR_ESCAPES:
-            return _CHAR_ESCAPES[ch]
-        if in_class and ch in ("b", "-"):
-            return 0x08 if ch == "b" else ord("-")
+        found = (_ESCAPES_IN_CLASS if in_class else _ESCAPES).get(ch)
+        if found is not None:
+            return found
         if ch == "0" and self.peek() not in _DECIMAL:
             return 0
         if ch == "c" and self.peek().isascii() and self.peek().isalpha():
@@ -1459,14 +1457,7 @@ def _emit(node: tuple, prog: list) -> None:
         for sub in node[1]:
             _emit(sub, prog)
     elif kind == "alt":             # split(a, L); a; jmp out; L: split(b, M); b; ...; out:
-        jumps = []
-        for branch in node[1][:-1]:
-            split = len(prog)
-            prog.append(None)
-            _emit(branch, prog)
-            jumps.append(len(prog))
-            prog.append(None)
-            prog[split] = (_JUMP, split + 1, len(prog))
+        jumps = [_split_over(branch, None, prog) for branch in node[1][:-1]]
         _emit(node[1][-1], prog)
         for at in jumps:
             prog[at] = (_JUMP, len(prog))
@@ -1475,11 +1466,7 @@ def _emit(node: tuple, prog: list) -> None:
         for _ in range(low):
             _emit(body, prog)
         if high is None:            # L: split(body, out); body; jmp L; out:
-            loop = len(prog)
-            prog.append(None)
-            _emit(body, prog)
-            prog.append((_JUMP, loop))
-            prog[loop] = (_JUMP, loop + 1, len(prog))
+            _split_over(body, (_JUMP, len(prog)), prog)
             return
         splits = []
         for _ in range(high - low):     # each optional copy may be skipped to the end
@@ -1488,6 +1475,17 @@ def _emit(node: tuple, prog: list) -> None:
             _emit(body, prog)
         for at in splits:
             prog[at] = (_JUMP, at + 1, len(prog))
+
+
+def _split_over(node: tuple, last: tuple | None, prog: list) -> int:
+    """Append split(node, past); node; ``last``, where past follows ``last``, and return
+    where ``last`` is (a None there is a jump whose end is not known yet)."""
+    split = len(prog)
+    prog.append(None)
+    _emit(node, prog)
+    prog.append(last)
+    prog[split] = (_JUMP, split + 1, len(prog))
+    return len(prog) - 1
 
 
 def _in_ranges(ranges: tuple, cp: int) -> bool:
@@ -1569,9 +1567,7 @@ class Pattern:
         moved = [pc + 1 for pc in state if pc != self._match and _in_ranges(prog[pc][1], cp)]
         nxt = self._closure(moved, ctx, work)
         if len(self._memo) >= PATTERN_MEMO_STEPS or self._memo_states >= PATTERN_MEMO_STATES:
-            self._memo.clear()
-            self._states.clear()
-            self._memo_states = 0
+            self._memo, self._states, self._memo_states = {}, {}, 0
         # One copy of each state set is kept, so that a memoised step is found by identity:
         # comparing two equal sets of up to MAX_PATTERN_PROGRAM threads would make a step
         # that is charged one visit cost thousands.
@@ -1730,11 +1726,10 @@ def _is_multiple(value: tuple[int, str, int], of: tuple[int, str, int]) -> bool:
     sign, digits, exponent = value
     _, divisor, power = of
     shift = exponent - power
-    if sign == 0:
-        return True
-    if shift < 0:
-        # digits has no trailing zero, so it is never a multiple of divisor * 10**-shift
-        return False
+    if sign == 0 or shift < 0:
+        # zero is a multiple of anything; with shift < 0, digits has no trailing zero, so it
+        # is never a multiple of divisor * 10**-shift
+        return sign == 0
     modulus = int(divisor)
     rest = int(_EXACT.remainder(Decimal(digits), Decimal(divisor)))
     return rest * pow(10, shift, modulus) % modulus == 0
@@ -1742,11 +1737,8 @@ def _is_multiple(value: tuple[int, str, int], of: tuple[int, str, int]) -> bool:
 
 def _size(value: Any) -> int:
     """The number of JSON values in ``value``, itself included."""
-    if isinstance(value, list):
-        return 1 + sum(_size(v) for v in value)
-    if isinstance(value, dict):
-        return 1 + sum(_size(v) for v in value.values())
-    return 1
+    members = value.values() if isinstance(value, dict) else value
+    return 1 + sum(_size(v) for v in members) if isinstance(value, (dict, list)) else 1
 
 
 class Schema:
@@ -1815,7 +1807,14 @@ class Schema:
                                   "$ref without consuming input")
             return longest[at]
         longest[at] = None
-        children = self._same_value_children(at, self._schemas[at])
+        # The subschemas that apply to the same value as the one at ``at``.
+        node, children = self._schemas[at], []
+        if isinstance(node, dict):
+            children = [self._refs[node["$ref"]]] if "$ref" in node else []
+            for key in ("allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+                        "dependentSchemas", "dependencies"):
+                if key in node:
+                    children += [at + (key,) + place for place, _ in _subschemas(key, node[key])]
         depth = max((1 + self._chain(nxt, longest, fan) for nxt in children), default=0)
         if depth > MAX_SCHEMA_CHAIN:
             raise SchemaError(f"the schema at #{_pointer(at)} chains more than "
@@ -1823,17 +1822,6 @@ class Schema:
         longest[at] = depth
         fan[at] = 1 + sum(fan[nxt] for nxt in children)
         return depth
-
-    def _same_value_children(self, at: tuple, node: Any) -> list[tuple]:
-        """The subschemas that apply to the same value as the one at ``at``."""
-        if not isinstance(node, dict):
-            return []
-        out = [self._refs[node["$ref"]]] if "$ref" in node else []
-        for key in ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas",
-                    "dependencies"):
-            if key in node:
-                out += [at + (key,) + place for place, _ in _subschemas(key, node[key])]
-        return out
 
     # -- compiling: every keyword is known and well formed, every $ref resolves locally --
 
@@ -2217,9 +2205,7 @@ def _show(value: Any) -> str:
 # check is run only on a value of the type it constrains (object: any).
 _TOGETHER: dict[tuple[str, ...], tuple[Callable, type]] = {
     ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): (_Check.check_range, Num),
-    ("minLength", "maxLength"): (_Check.check_counts, str),
-    ("minItems", "maxItems"): (_Check.check_counts, list),
-    ("minProperties", "maxProperties"): (_Check.check_counts, dict),
+    **{(low, high): (_Check.check_counts, kind) for kind, (low, high, _) in _COUNTED.items()},
     ("properties", "patternProperties", "additionalProperties"):
         (_Check.check_properties, dict),
     ("items", "prefixItems", "additionalItems"): (_Check.check_items, list),

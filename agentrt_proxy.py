@@ -11242,12 +11242,10 @@ def _rule_line(name: str, rule: dict) -> str:
     return _JSON_INERT.sub(_json_escape, f"{dump_json(name)}: {{{members}}}")
 
 
-def rules_block(tools: dict, server: str = "", others: Iterable[str] = (),
-                policy: "ProxyPolicy | None" = None) -> list[str]:
-    """suggested_rules as the "rules" member to paste into a server's entry, one rule a
-    line."""
-    items = [f"    {_rule_line(name, rule)}"
-             for name, rule in suggested_rules(tools, server, others, policy).items()]
+def rules_block(rules: dict[str, dict]) -> list[str]:
+    """Rules (suggested_rules') as the "rules" member to paste into a server's entry, one
+    rule a line."""
+    items = [f"    {_rule_line(name, rule)}" for name, rule in rules.items()]
     body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
     return ['  "rules": {', *body, "  }"]
 
@@ -11332,7 +11330,7 @@ async def cmd_wrap(args, out: Out) -> int:
         out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still starts "
                  "it directly, outside the gate")
     policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
-    pins = await _wrap_pin(cfg, out, policy)
+    pins, rules = await _wrap_pin(cfg, out, policy)
     notify = suggested_on_pending(cfg.database)
     suggested, written = args.rules == "suggested", bool(args.write)
     if notify:
@@ -11341,9 +11339,8 @@ async def cmd_wrap(args, out: Out) -> int:
                   ", to paste at the top level of the configuration:"))
         out.line(_JSON_INERT.sub(_json_escape, f'  "on_pending": {dump_json(notify)}'))
     if suggested:
-        for server, name in [(s, s["name"]) for s in servers if s["name"] in pins]:
-            server["rules"] = suggested_rules(pins[name]["tools"], name,
-                                              names_elsewhere(pins, name), policy)
+        for server in [s for s in servers if s["name"] in rules]:
+            server["rules"] = rules[server["name"]]
         if notify:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
@@ -11398,11 +11395,13 @@ def suggested_on_pending(database: str) -> list[str]:
     return []
 
 
-async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, dict]:
+async def _wrap_pin(cfg: Config, out: Out,
+                    policy: "ProxyPolicy") -> tuple[dict[str, dict], dict[str, dict]]:
     """Pin every server (nothing written), then print each one's suggested rules, without
     those ``policy`` denies on every call (listed as left out); the manifest of each server
-    pinned, by name."""
+    pinned, and the rules printed for it, by name."""
     pins: dict[str, dict] = {}
+    rules: dict[str, dict] = {}
     for server in cfg.servers:
         try:
             pins[server.name] = await pin_server(server, time.time())
@@ -11414,17 +11413,18 @@ async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, d
         out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
                  "(claims, not facts: check each):")
-        others = names_elsewhere(pins, server.name)
-        for line in rules_block(tools, server.name, others, policy) + hints_table(tools):
+        everything = suggested_rules(tools, server.name, names_elsewhere(pins, server.name))
+        dropped = left_out(everything, server.name, policy)
+        rules[server.name] = {n: r for n, r in everything.items() if n not in dropped}
+        for line in rules_block(rules[server.name]) + hints_table(tools):
             out.line(line)
-        dropped = left_out(suggested_rules(tools, server.name, others), server.name, policy)
         if dropped:
             out.line("  left out, so not offered: the policy denies each of these on every "
                      "call; to offer one, each call asking you, add its line to the server's "
                      "rules:")
         for name, rule in dropped.items():
             out.line(f"    {_rule_line(name, rule)}")
-    return pins
+    return pins, rules
 
 
 def names_elsewhere(pins: dict[str, dict], server: str) -> set[str]:

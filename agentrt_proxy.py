@@ -10423,11 +10423,9 @@ class HostServer:
     def tools_changed(self) -> None:
         """Tell the host its tools changed: a legacy host once it is initialized, a modern
         one on each subscription that asked for it."""
-        if self.initialized:
-            self.write(rpc_notification("notifications/tools/list_changed", {}))
-        for ident in self.listens.values():
-            self.write(rpc_notification("notifications/tools/list_changed",
-                                        {"_meta": {META_SUBSCRIPTION: ident}}))
+        legacy = [{}] if self.initialized else []
+        for params in legacy + [{"_meta": {META_SUBSCRIPTION: i}} for i in self.listens.values()]:
+            self.write(rpc_notification("notifications/tools/list_changed", params))
 
 
 def _check_envelope(msg: Message) -> None:
@@ -11148,7 +11146,7 @@ def _unused_name(base: str, taken: set[str] | dict[str, Any]) -> str:
 def suggest_class(ann: Any) -> tuple[str, str]:
     """The class a tool's hints suggest, read with MCP's defaults for a missing hint, and
     why. A hint is the server's claim: this is a suggestion, never applied."""
-    hints = _read_hints(ann)
+    hints = {hint: _hint(ann, hint, default) for hint, default in _MCP_HINTS.items()}
 
     def said(hint: str) -> str:
         shown = dump_json(hints[hint])
@@ -11168,10 +11166,6 @@ def _hint(ann: Any, hint: str, missing: Any = None) -> Any:
     absent, or not a boolean)."""
     value = ann.get(hint) if isinstance(ann, dict) else None
     return value if isinstance(value, bool) else missing
-
-
-def _read_hints(ann: Any) -> dict[str, bool]:
-    return {hint: _hint(ann, hint, default) for hint, default in _MCP_HINTS.items()}
 
 
 _STATEFUL_WORD = re.compile(r"(?:^|[^a-z])(?:commit|push|send|post)(?:s|es|ed|ing)?(?:[^a-z]|$)")
@@ -11194,7 +11188,7 @@ def suggests_no_window(ann: Any) -> str:
     and staged nothing. The window also holds the seed's rule 4, so the text says that goes
     too; both rest on hints, which the operator reads as claims. (A local_mutation is
     suggested only where destructiveHint is false.)"""
-    if suggest_class(ann)[0] != "local_mutation" or not _read_hints(ann)["idempotentHint"]:
+    if suggest_class(ann)[0] != "local_mutation" or not _hint(ann, "idempotentHint"):
         return ""
     return (f'repeat_window "{WRAP_NO_WINDOW}": idempotentHint is true and destructiveHint '
             "is false, so an identical call runs again instead of answering DUPLICATE; this "
@@ -11271,8 +11265,7 @@ def host_entry(host: str, config_path: str) -> dict:
 
 def write_new_owned(path: str, data: bytes) -> None:
     """Create a file owner-only; an existing one is never replaced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -11321,8 +11314,7 @@ async def cmd_wrap(args, out: Out) -> int:
         raise ConfigError(f"{config_path} exists: wrap writes a new configuration; name "
                           "another, or edit that one and run pin")
     top = {"database": WRAP_DATABASE, "session": args.host}
-    cfg = parse_config((_pretty({**top, "servers": servers}, cut=False) + "\n").encode(),
-                       config_path)
+    cfg = parse_config(dump_json({**top, "servers": servers}).encode(), config_path)
     check_reach(cfg)                    # before anything is written or started
     out.line(f"read {sanitize(host_path)}: {len(servers)} server(s) to wrap" +
              ("" if args.write else "; nothing is written without -write"))

@@ -7100,10 +7100,10 @@ def check_reach(cfg: Config) -> None:
     # SQLite names the sidecars after the path it opened: beside the name given and beside
     # the file it resolves to. A server that can rewrite the proxy's own code rewrites the gate.
     # os.path.realpath resolves a path that does not exist yet through its directory.
-    db = (cfg.database, os.path.realpath(cfg.database)) if cfg.database else ()
+    db = (cfg.database, os.path.realpath(cfg.database))
     here = os.path.abspath(__file__)
-    protected = [p for p in (cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
-                             *(s.manifest for s in cfg.servers), here, os.path.realpath(here)) if p]
+    protected = [cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
+                 *(s.manifest for s in cfg.servers), here, os.path.realpath(here)]
     base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
     idents: dict[tuple[int, int], str] = {}     # a protected file, or a directory holding one
     unborn: dict[str, str] = {}                 # one that does not exist yet, by its real path
@@ -11023,12 +11023,11 @@ def host_config_paths(host: str, platform: str = sys.platform, environ=None,
         user = environ.get("APPDATA") or os.path.join(home, "AppData", "Roaming")
     else:
         user = environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
-    if host == "claude":
-        return [os.path.join(user, "Claude", "claude_desktop_config.json")]
-    if host == "vscode":
-        return [os.path.join(cwd, ".vscode", "mcp.json"),
-                os.path.join(user, "Code", "User", "mcp.json")]
-    return [os.path.join(cwd, ".cursor", "mcp.json"), os.path.join(home, ".cursor", "mcp.json")]
+    return {"claude": [os.path.join(user, "Claude", "claude_desktop_config.json")],
+            "vscode": [os.path.join(cwd, ".vscode", "mcp.json"),
+                       os.path.join(user, "Code", "User", "mcp.json")],
+            "cursor": [os.path.join(cwd, ".cursor", "mcp.json"),
+                       os.path.join(home, ".cursor", "mcp.json")]}[host]
 
 
 def read_host_config(host: str, given: str | None) -> tuple[str, bytes, dict]:
@@ -11321,8 +11320,7 @@ async def cmd_wrap(args, out: Out) -> int:
     for f in [f for f in found if f.server is None]:
         out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still starts "
                  "it directly, outside the gate")
-    policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
-    pins, rules = await _wrap_pin(cfg, out, policy)
+    pins, rules = await _wrap_pin(cfg, out)
     notify = suggested_on_pending(cfg.database)
     suggested, written = args.rules == "suggested", bool(args.write)
     if notify:
@@ -11376,22 +11374,22 @@ async def cmd_wrap(args, out: Out) -> int:
 def suggested_on_pending(database: str) -> list[str]:
     """An on_pending argv for this machine's notifier, when one is on PATH: notify-send
     (Linux desktops), else osascript (macOS); [] when neither is."""
-    found = shutil.which("notify-send")
-    if found:
-        return [os.path.abspath(found), "agentrt-proxy", "an approval waits: run "
-                f'{_self_command()} -db "{os.path.abspath(database)}" pending']
-    found = shutil.which("osascript")
-    if found:
-        return [os.path.abspath(found), "-e",
-                'display notification "an approval waits" with title "agentrt-proxy"']
+    notifiers = {"notify-send": ["agentrt-proxy", "an approval waits: run "
+                                 f'{_self_command()} -db "{os.path.abspath(database)}" pending'],
+                 "osascript": ["-e", 'display notification "an approval waits" with title '
+                               '"agentrt-proxy"']}
+    for name, args in notifiers.items():
+        found = shutil.which(name)
+        if found:
+            return [os.path.abspath(found), *args]
     return []
 
 
-async def _wrap_pin(cfg: Config, out: Out,
-                    policy: "ProxyPolicy") -> tuple[dict[str, dict], dict[str, dict]]:
+async def _wrap_pin(cfg: Config, out: Out) -> tuple[dict[str, dict], dict[str, dict]]:
     """Pin every server (nothing written), then print each one's suggested rules, without
-    those ``policy`` denies on every call (listed as left out); the manifest of each server
-    pinned, and the rules printed for it, by name."""
+    those the configuration's policy denies on every call (listed as left out); the manifest
+    of each server pinned, and the rules printed for it, by name."""
+    policy = ProxyPolicy(cfg.policy_map, {})
     pins: dict[str, dict] = {}
     rules: dict[str, dict] = {}
     for server in cfg.servers:

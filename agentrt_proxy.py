@@ -7104,10 +7104,10 @@ def check_reach(cfg: Config) -> None:
     # SQLite names the sidecars after the path it opened: beside the name given and beside
     # the file it resolves to. A server that can rewrite the proxy's own code rewrites the gate.
     # os.path.realpath resolves a path that does not exist yet through its directory.
-    db = (cfg.database, os.path.realpath(cfg.database)) if cfg.database else ()
+    db = (cfg.database, os.path.realpath(cfg.database))
     here = os.path.abspath(__file__)
-    protected = [p for p in (cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
-                             *(s.manifest for s in cfg.servers), here, os.path.realpath(here)) if p]
+    protected = [cfg.path, *(d + s for d in db for s in ("", *DATABASE_SIDECARS)),
+                 *(s.manifest for s in cfg.servers), here, os.path.realpath(here)]
     base = os.path.dirname(cfg.path)    # where a stdio server starts (section 15)
     idents: dict[tuple[int, int], str] = {}     # a protected file, or a directory holding one
     unborn: dict[str, str] = {}                 # one that does not exist yet, by its real path
@@ -10426,11 +10426,9 @@ class HostServer:
     def tools_changed(self) -> None:
         """Tell the host its tools changed: a legacy host once it is initialized, a modern
         one on each subscription that asked for it."""
-        if self.initialized:
-            self.write(rpc_notification("notifications/tools/list_changed", {}))
-        for ident in self.listens.values():
-            self.write(rpc_notification("notifications/tools/list_changed",
-                                        {"_meta": {META_SUBSCRIPTION: ident}}))
+        legacy = [{}] if self.initialized else []
+        for params in legacy + [{"_meta": {META_SUBSCRIPTION: i}} for i in self.listens.values()]:
+            self.write(rpc_notification("notifications/tools/list_changed", params))
 
 
 def _check_envelope(msg: Message) -> None:
@@ -11028,12 +11026,11 @@ def host_config_paths(host: str, platform: str = sys.platform, environ=None,
         user = environ.get("APPDATA") or os.path.join(home, "AppData", "Roaming")
     else:
         user = environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
-    if host == "claude":
-        return [os.path.join(user, "Claude", "claude_desktop_config.json")]
-    if host == "vscode":
-        return [os.path.join(cwd, ".vscode", "mcp.json"),
-                os.path.join(user, "Code", "User", "mcp.json")]
-    return [os.path.join(cwd, ".cursor", "mcp.json"), os.path.join(home, ".cursor", "mcp.json")]
+    return {"claude": [os.path.join(user, "Claude", "claude_desktop_config.json")],
+            "vscode": [os.path.join(cwd, ".vscode", "mcp.json"),
+                       os.path.join(user, "Code", "User", "mcp.json")],
+            "cursor": [os.path.join(cwd, ".cursor", "mcp.json"),
+                       os.path.join(home, ".cursor", "mcp.json")]}[host]
 
 
 def read_host_config(host: str, given: str | None) -> tuple[str, bytes, dict]:
@@ -11151,7 +11148,7 @@ def _unused_name(base: str, taken: set[str] | dict[str, Any]) -> str:
 def suggest_class(ann: Any) -> tuple[str, str]:
     """The class a tool's hints suggest, read with MCP's defaults for a missing hint, and
     why. A hint is the server's claim: this is a suggestion, never applied."""
-    hints = _read_hints(ann)
+    hints = {hint: _hint(ann, hint, default) for hint, default in _MCP_HINTS.items()}
 
     def said(hint: str) -> str:
         shown = dump_json(hints[hint])
@@ -11171,10 +11168,6 @@ def _hint(ann: Any, hint: str, missing: Any = None) -> Any:
     absent, or not a boolean)."""
     value = ann.get(hint) if isinstance(ann, dict) else None
     return value if isinstance(value, bool) else missing
-
-
-def _read_hints(ann: Any) -> dict[str, bool]:
-    return {hint: _hint(ann, hint, default) for hint, default in _MCP_HINTS.items()}
 
 
 _STATEFUL_WORD = re.compile(r"(?:^|[^a-z])(?:commit|push|send|post)(?:s|es|ed|ing)?(?:[^a-z]|$)")
@@ -11197,7 +11190,7 @@ def suggests_no_window(ann: Any) -> str:
     and staged nothing. The window also holds the seed's rule 4, so the text says that goes
     too; both rest on hints, which the operator reads as claims. (A local_mutation is
     suggested only where destructiveHint is false.)"""
-    if suggest_class(ann)[0] != "local_mutation" or not _read_hints(ann)["idempotentHint"]:
+    if suggest_class(ann)[0] != "local_mutation" or not _hint(ann, "idempotentHint"):
         return ""
     return (f'repeat_window "{WRAP_NO_WINDOW}": idempotentHint is true and destructiveHint '
             "is false, so an identical call runs again instead of answering DUPLICATE; this "
@@ -11245,12 +11238,10 @@ def _rule_line(name: str, rule: dict) -> str:
     return _JSON_INERT.sub(_json_escape, f"{dump_json(name)}: {{{members}}}")
 
 
-def rules_block(tools: dict, server: str = "", others: Iterable[str] = (),
-                policy: "ProxyPolicy | None" = None) -> list[str]:
-    """suggested_rules as the "rules" member to paste into a server's entry, one rule a
-    line."""
-    items = [f"    {_rule_line(name, rule)}"
-             for name, rule in suggested_rules(tools, server, others, policy).items()]
+def rules_block(rules: dict[str, dict]) -> list[str]:
+    """Rules (suggested_rules') as the "rules" member to paste into a server's entry, one
+    rule a line."""
+    items = [f"    {_rule_line(name, rule)}" for name, rule in rules.items()]
     body = [line + ("," if i < len(items) - 1 else "") for i, line in enumerate(items)]
     return ['  "rules": {', *body, "  }"]
 
@@ -11276,8 +11267,7 @@ def host_entry(host: str, config_path: str) -> dict:
 
 def write_new_owned(path: str, data: bytes) -> None:
     """Create a file owner-only; an existing one is never replaced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -11326,16 +11316,14 @@ async def cmd_wrap(args, out: Out) -> int:
         raise ConfigError(f"{config_path} exists: wrap writes a new configuration; name "
                           "another, or edit that one and run pin")
     top = {"database": WRAP_DATABASE, "session": args.host}
-    cfg = parse_config((_pretty({**top, "servers": servers}, cut=False) + "\n").encode(),
-                       config_path)
+    cfg = parse_config(dump_json({**top, "servers": servers}).encode(), config_path)
     check_reach(cfg)                    # before anything is written or started
     out.line(f"read {sanitize(host_path)}: {len(servers)} server(s) to wrap" +
              ("" if args.write else "; nothing is written without -write"))
     for f in [f for f in found if f.server is None]:
         out.line(f"NOT WRAPPED {sanitize(f.key)}: {sanitize(f.why)}; the host still starts "
                  "it directly, outside the gate")
-    policy = ProxyPolicy(cfg.policy_map, {})     # the written configuration's
-    pins = await _wrap_pin(cfg, out, policy)
+    pins, rules = await _wrap_pin(cfg, out)
     notify = suggested_on_pending(cfg.database)
     suggested, written = args.rules == "suggested", bool(args.write)
     if notify:
@@ -11344,9 +11332,8 @@ async def cmd_wrap(args, out: Out) -> int:
                   ", to paste at the top level of the configuration:"))
         out.line(_JSON_INERT.sub(_json_escape, f'  "on_pending": {dump_json(notify)}'))
     if suggested:
-        for server, name in [(s, s["name"]) for s in servers if s["name"] in pins]:
-            server["rules"] = suggested_rules(pins[name]["tools"], name,
-                                              names_elsewhere(pins, name), policy)
+        for server in [s for s in servers if s["name"] in rules]:
+            server["rules"] = rules[server["name"]]
         if notify:
             top["on_pending"] = notify
     text = _pretty({**top, "servers": servers}, cut=False) + "\n"
@@ -11390,22 +11377,24 @@ async def cmd_wrap(args, out: Out) -> int:
 def suggested_on_pending(database: str) -> list[str]:
     """An on_pending argv for this machine's notifier, when one is on PATH: notify-send
     (Linux desktops), else osascript (macOS); [] when neither is."""
-    found = shutil.which("notify-send")
-    if found:
-        return [os.path.abspath(found), "agentrt-proxy", "an approval waits: run "
-                f'{_self_command()} -db "{os.path.abspath(database)}" pending']
-    found = shutil.which("osascript")
-    if found:
-        return [os.path.abspath(found), "-e",
-                'display notification "an approval waits" with title "agentrt-proxy"']
+    notifiers = {"notify-send": ["agentrt-proxy", "an approval waits: run "
+                                 f'{_self_command()} -db "{os.path.abspath(database)}" pending'],
+                 "osascript": ["-e", 'display notification "an approval waits" with title '
+                               '"agentrt-proxy"']}
+    for name, args in notifiers.items():
+        found = shutil.which(name)
+        if found:
+            return [os.path.abspath(found), *args]
     return []
 
 
-async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, dict]:
+async def _wrap_pin(cfg: Config, out: Out) -> tuple[dict[str, dict], dict[str, dict]]:
     """Pin every server (nothing written), then print each one's suggested rules, without
-    those ``policy`` denies on every call (listed as left out); the manifest of each server
-    pinned, by name."""
+    those the configuration's policy denies on every call (listed as left out); the manifest
+    of each server pinned, and the rules printed for it, by name."""
+    policy = ProxyPolicy(cfg.policy_map, {})
     pins: dict[str, dict] = {}
+    rules: dict[str, dict] = {}
     for server in cfg.servers:
         try:
             pins[server.name] = await pin_server(server, time.time())
@@ -11417,17 +11406,18 @@ async def _wrap_pin(cfg: Config, out: Out, policy: "ProxyPolicy") -> dict[str, d
         out.line(f"server {_quote(server.name)}: {len(tools)} tools, to be pinned to "
                  f"{sanitize(server.manifest)}. Suggested rules, from the server's own hints "
                  "(claims, not facts: check each):")
-        others = names_elsewhere(pins, server.name)
-        for line in rules_block(tools, server.name, others, policy) + hints_table(tools):
+        everything = suggested_rules(tools, server.name, names_elsewhere(pins, server.name))
+        dropped = left_out(everything, server.name, policy)
+        rules[server.name] = {n: r for n, r in everything.items() if n not in dropped}
+        for line in rules_block(rules[server.name]) + hints_table(tools):
             out.line(line)
-        dropped = left_out(suggested_rules(tools, server.name, others), server.name, policy)
         if dropped:
             out.line("  left out, so not offered: the policy denies each of these on every "
                      "call; to offer one, each call asking you, add its line to the server's "
                      "rules:")
         for name, rule in dropped.items():
             out.line(f"    {_rule_line(name, rule)}")
-    return pins
+    return pins, rules
 
 
 def names_elsewhere(pins: dict[str, dict], server: str) -> set[str]:

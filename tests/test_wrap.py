@@ -453,7 +453,7 @@ def test_suggested_class_reads_the_hints_with_mcps_defaults(ann, cls):
 
 def test_suggested_rules_are_inert_json():
     tools = {"x\x1b[2J\u202e": {"annotations": {"readOnlyHint": True}}}
-    lines = ap.rules_block(tools)
+    lines = ap.rules_block(ap.suggested_rules(tools))
     text = "\n".join(lines)
     assert "\x1b" not in text and "\u202e" not in text
     assert json.loads("{" + text + "}") == {"rules": {"x\x1b[2J\u202e": {
@@ -474,7 +474,7 @@ def test_suggested_rules_ask_about_a_repeat_of_a_stateful_tool(name, description
     assert ap.suggests_repeat(name, description) is asks
     tools = {name: {"annotations": {"destructiveHint": False}, "description": description},
              "read_" + name: {"annotations": {"readOnlyHint": True}, "description": description}}
-    rules = json.loads("{" + "\n".join(ap.rules_block(tools)) + "}")["rules"]
+    rules = json.loads("{" + "\n".join(ap.rules_block(ap.suggested_rules(tools))) + "}")["rules"]
     assert rules[name].get("repeat") == ("ask" if asks else None), rules
     assert "repeat" not in rules["read_" + name]
 
@@ -580,9 +580,10 @@ def test_wrap_suggests_osascript_where_there_is_no_notify_send(tmp_path, cli, mo
 
 def test_suggested_rules_print_as_the_readme_shows_them():
     tools = {"pay": {"annotations": {"destructiveHint": False}, "description": "Sends it."}}
-    assert ap.rules_block(tools) == ['  "rules": {',
-                                     '    "pay": {"side_effect": "remote_mutation", '
-                                     '"repeat": "ask"}', "  }"]
+    assert ap.rules_block(ap.suggested_rules(tools)) == ['  "rules": {',
+                                                         '    "pay": {"side_effect": '
+                                                         '"remote_mutation", "repeat": "ask"}',
+                                                         "  }"]
 
 
 def test_suggested_rename_never_takes_another_servers_name():

@@ -4800,24 +4800,25 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
 Query = "Callable[[str, tuple], list]"     # Store._read, or Tx.rows inside a transaction
 
 
+def _named_in(capability: bytes, key: str, read: Callable[[bytes], Any]) -> dict | None:
+    """The object a capability names under ``key`` (read by ``read``), or None."""
+    try:
+        cap = read(capability)
+    except JSONError:
+        return None
+    found = cap.get(key) if isinstance(cap, dict) else None
+    return found if isinstance(found, dict) else None
+
+
 def attempt_in(capability: bytes) -> dict | None:
     """The earlier attempt an interruption capability names ({run_id, step_id, started_at,
     ended}), or None."""
-    try:
-        cap = loads_own(capability)
-    except JSONError:
-        return None
-    at = cap.get("interrupted") if isinstance(cap, dict) else None
-    return at if isinstance(at, dict) else None
+    return _named_in(capability, "interrupted", loads_own)
 
 
 def repeat_in(approval: Approval) -> dict | None:
     """The earlier execution a repeat approval names, from its capability."""
-    try:
-        found = read_own(approval.capability).get("repeat_of")
-    except (ProxyError, AttributeError):
-        return None
-    return found if isinstance(found, dict) else None
+    return _named_in(approval.capability, "repeat_of", read_own)
 
 
 def _interrupted_attempt(approval: Approval | None) -> dict | None:
@@ -4852,6 +4853,13 @@ class LateRecord:
     observation: str               # the observation as recorded, JSON text
     doc: dict
 
+    def answers(self, attempt: dict) -> bool:
+        """Whether this outcome is of ``attempt``: of its run's step, and of that very attempt
+        when the event names its start (a step re-run after an approval is another attempt
+        of it)."""
+        return attempt.get("run_id") == self.run_id and attempt.get("step_id") == \
+            self.step_id and (not self.started_at or attempt.get("started_at") == self.started_at)
+
     def outcome(self) -> str:
         return "it succeeded" if self.doc.get("kind") == TOOL_RESULT else \
             f"it failed: {clean(error_text(self.doc), REASON_BYTES)}"
@@ -4881,20 +4889,17 @@ def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> Late
 
 
 def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateRecord | None:
-    """The newest late outcome recorded for ``attempt``: of its run's step, and of that very
-    attempt when the event names its start (a step re-run after an approval is another
-    attempt of it). With ``known``, only an outcome that is known. None when there is none.
-    The events of one run are few, read through the index events_run."""
-    run_id, step_id, started = ((attempt or {}).get(k)
-                                for k in ("run_id", "step_id", "started_at"))
+    """The newest late outcome recorded for ``attempt`` (LateRecord.answers). With ``known``,
+    only an outcome that is known. None when there is none. The events of one run are few,
+    read through the index events_run."""
+    run_id, step_id = (attempt or {}).get("run_id"), (attempt or {}).get("step_id")
     if not isinstance(run_id, str) or not isinstance(step_id, str):
         return None
     for seq, at, payload in q("SELECT seq, at, payload_json FROM events WHERE run_id=? AND "
                               "step_id=? AND type='step.tool_finished' ORDER BY seq DESC",
                               (run_id, step_id)):
         late = _late_of(seq, run_id, step_id, at, payload)
-        if late is not None and (late.known or not known) and not (
-                late.started_at and isinstance(started, str) and late.started_at != started):
+        if late is not None and (late.known or not known) and late.answers(attempt):
             return late
     return None
 
@@ -4964,13 +4969,13 @@ def settle_approval(tx: Tx, approval: Approval, late: LateRecord, at: str) -> No
 # Interruption approvals that may still lead to a re-run: pending or approved, each its
 # step's latest, on a run that waits. From the partial index runs_waiting: what waits.
 _ASKING_SQL = (
-    "SELECT " + ", ".join(f"a.{c.strip()}" for c in _APPROVAL_COLS.split(",")) +
+    f"SELECT {_APPROVAL_COLS} FROM approvals WHERE rowid IN (SELECT a.rowid"
     f" FROM runs AS r CROSS JOIN approvals AS a ON a.run_id = r.id"
     " CROSS JOIN steps AS s ON s.id = a.step_id"
     f" WHERE r.status = '{WAITING}' AND s.status = 'awaiting_approval'"
     f" AND a.kind = '{INTERRUPTED_KIND}' AND a.status IN"
     f" ('{PENDING}', '{APPROVED}') AND a.rowid = (SELECT MAX(b.rowid) FROM approvals AS b"
-    " WHERE b.run_id = a.run_id AND b.step_id = a.step_id) ORDER BY a.rowid")
+    " WHERE b.run_id = a.run_id AND b.step_id = a.step_id)) ORDER BY rowid")
 
 
 def _settle_waiting(tx: Tx, approval: Approval, late: LateRecord, at: str) -> None:
@@ -4991,12 +4996,9 @@ def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
     ended = []
     for row in tx.rows(_ASKING_SQL):
         approval = _approval_from_row(row)
-        at_ = asked_attempt(approval, tx.rows) or {}
-        if at_.get("run_id") != late.run_id or at_.get("step_id") != late.step_id or \
-                (late.started_at and at_.get("started_at") != late.started_at):
-            continue
-        _settle_waiting(tx, approval, late, at)
-        ended.append(approval.run_id)
+        if late.answers(asked_attempt(approval, tx.rows) or {}):
+            _settle_waiting(tx, approval, late, at)
+            ended.append(approval.run_id)
     return ended
 
 

@@ -431,6 +431,7 @@ if _SCANNER is None or _SCAN_STRING is None:
 _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _LITERALS = {True: "true", False: "false", None: "null"}      # looked up by identity
+_CLOSING = {"{": "}", "[": "]"}
 # A surrogate escape: a high one with the low one after it, or either alone.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                                r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -611,10 +612,8 @@ class _Walk:
         """Where the value at ``pos`` ends; ``inside`` a container."""
         src = self.src
         ch = src[pos:pos + 1]
-        if ch == "{":
-            return self.obj(_WS.match(src, pos + 1).end())
-        if ch == "[":
-            return self.array(_WS.match(src, pos + 1).end())
+        if ch in _CLOSING:
+            return self.members(_WS.match(src, pos + 1).end(), _CLOSING[ch])
         if ch == '"':
             return self.string(pos)[1]
         if ch == "-" or "0" <= ch <= "9":
@@ -625,46 +624,43 @@ class _Walk:
         raise self.syntax(f"unexpected character {_show_char(ch)}" if ch else
                           "unexpected end of input", pos)
 
-    def obj(self, pos: int) -> int:
+    def members(self, pos: int, close: str) -> int:
+        """Where the object or array whose first member (or its ``close``) is at ``pos``
+        ends."""
         src, keys = self.src, set()
-        if src.startswith("}", pos):
+        if src.startswith(close, pos):
             return pos + 1
         while True:
-            ch = src[pos:pos + 1]
-            if ch != '"':
-                raise self.syntax("trailing comma" if ch == "}" and keys else
-                                  f"expected a string key, found {_show_char(ch)}" if ch else
-                                  "unexpected end of input", pos)
-            key_at = pos
-            key, pos = self.string(pos)
-            pos = _WS.match(src, pos).end()
-            if not src.startswith(":", pos):
-                raise self.syntax("expected ':' after an object key", pos)
-            pos = _WS.match(src, self.value(_WS.match(src, pos + 1).end(), True)).end()
-            if key in keys and self.decode_fault is None:
-                self.decode_fault = (f"duplicate key {_quote(key)}", key_at)
-            keys.add(key)
-            if src.startswith(",", pos):
-                pos = _WS.match(src, pos + 1).end()
-            elif src.startswith("}", pos):
-                return pos + 1
-            else:
-                raise self.syntax("expected ',' or '}' in an object", pos)
-
-    def array(self, pos: int) -> int:
-        src = self.src
-        if src.startswith("]", pos):
-            return pos + 1
-        while True:
-            if src.startswith("]", pos):
+            if src.startswith(close, pos):
                 raise self.syntax("trailing comma", pos)
+            key_at, key = pos, None
+            if close == "}":
+                key, pos = self.key(pos)
             pos = _WS.match(src, self.value(pos, True)).end()
+            if key is not None:
+                if key in keys and self.decode_fault is None:
+                    self.decode_fault = (f"duplicate key {_quote(key)}", key_at)
+                keys.add(key)
             if src.startswith(",", pos):
                 pos = _WS.match(src, pos + 1).end()
-            elif src.startswith("]", pos):
+            elif src.startswith(close, pos):
                 return pos + 1
             else:
-                raise self.syntax("expected ',' or ']' in an array", pos)
+                raise self.syntax(f"expected ',' or '{close}' in "
+                                  f"{'an object' if close == '}' else 'an array'}", pos)
+
+    def key(self, pos: int) -> tuple[str, int]:
+        """The key at ``pos`` of an object, and where its value begins."""
+        src = self.src
+        ch = src[pos:pos + 1]
+        if ch != '"':
+            raise self.syntax(f"expected a string key, found {_show_char(ch)}" if ch else
+                              "unexpected end of input", pos)
+        key, pos = self.string(pos)
+        pos = _WS.match(src, pos).end()
+        if not src.startswith(":", pos):
+            raise self.syntax("expected ':' after an object key", pos)
+        return key, _WS.match(src, pos + 1).end()
 
     def string(self, pos: int) -> tuple[str, int]:
         """The string whose opening quote is at ``pos``, and where it ends."""

@@ -687,8 +687,6 @@ class _Walk:
             zero = m and m.group().lstrip("-") == "0" and nxt.isdigit()
             raise self.syntax("leading zero in a number" if zero else "malformed number", pos)
         lit = m.group()
-        if len(lit) <= NUMBER_SHOWN and "e" not in lit and "E" not in lit:
-            return end
         if inside and self.overflow is None and abs(float(lit)) == float("inf"):
             self.overflow = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
                              "64-bit float", pos)
@@ -4824,7 +4822,7 @@ def _interrupted_attempt(approval: Approval | None) -> dict | None:
     return attempt_in(approval.capability)
 
 
-def asked_attempt(approval: Approval | None, q: Query | None = None) -> dict | None:
+def asked_attempt(approval: Approval | None, q: Query) -> dict | None:
     """The attempt an interruption approval asks about: the one its capability names, else
     (a gate's own pause, whose capability names none) the latest attempt of the step it waits
     on, which is the one its start in the store names while the approval waits (a re-run
@@ -4832,7 +4830,7 @@ def asked_attempt(approval: Approval | None, q: Query | None = None) -> dict | N
     named = _interrupted_attempt(approval)
     if named is not None or approval is None or approval.kind != INTERRUPTED_KIND:
         return named
-    rows = q("SELECT started_at FROM steps WHERE id=?", (approval.step_id,)) if q else []
+    rows = q("SELECT started_at FROM steps WHERE id=?", (approval.step_id,))
     return {"run_id": approval.run_id, "step_id": approval.step_id,
             "started_at": rows[0][0] if rows and isinstance(rows[0][0], str) else ""}
 
@@ -4900,21 +4898,17 @@ def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateReco
     return None
 
 
-def _settled_obs(late: LateRecord) -> Observation:
-    """The late observation as the step it settles records it, naming where it came from."""
-    doc, spans = read_members(late.observation.encode("utf-8"))
-    doc["content"] = RawJSON(spans.get("content", b"{}"))
-    doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
-    text = dump_json(doc)
-    return Observation(read_own(text), text, str(doc.get("content_hash", "")))
-
-
 def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps: tuple,
                   late: LateRecord, at: str, terminal: bool, owner: str = "") -> Run:
     """End a run whose open step would re-run (or ask about) an attempt with a known late
     outcome: the step records that outcome, and the run ends with it, as it would have had
-    the outcome come in time (a terminal tool's result completes its run)."""
-    obs = _settled_obs(late)
+    the outcome come in time (a terminal tool's result completes its run). The step records
+    the late observation naming where it came from."""
+    doc, spans = read_members(late.observation.encode("utf-8"))
+    doc["content"] = RawJSON(spans.get("content", b"{}"))
+    doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
+    text = dump_json(doc)
+    obs = Observation(read_own(text), text, str(doc.get("content_hash", "")))
     ok = obs.doc.get("kind") == TOOL_RESULT
     tx.update_step(step_id, from_steps, status="done" if ok else "failed", finished_at=at,
                    observation_json=obs.json_text, observation_hash=obs.content_hash)
@@ -5157,14 +5151,15 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
         current = _approval_from_row(tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals "
                                              "WHERE id=?", (approval_id,))[0])
         _check_shown(current, shown_hash)
-        late = late_record(tx.rows, asked_attempt(current, tx.rows), known=True)
+        attempt = asked_attempt(current, tx.rows)
+        late = late_record(tx.rows, attempt, known=True)
         if late is not None:
             _settle_waiting(tx, current, late, at)
         else:
             _check_view(tx, current, view)
             _decide_in(tx, current, approve, status, by, note, at)
             if word:
-                record_outcome(tx, current, asked_attempt(current, tx.rows), word, by, at)
+                record_outcome(tx, current, attempt, word, by, at)
     if late is not None:
         raise AttemptSettled(f"approval {approval_id} is settled, and nothing runs: the "
                              f"attempt it asks about {late.text()}")

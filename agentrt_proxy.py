@@ -431,6 +431,7 @@ if _SCANNER is None or _SCAN_STRING is None:
 _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _LITERALS = {True: "true", False: "false", None: "null"}      # looked up by identity
+_CLOSING = {"{": "}", "[": "]"}
 # A surrogate escape: a high one with the low one after it, or either alone.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                                r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -611,10 +612,8 @@ class _Walk:
         """Where the value at ``pos`` ends; ``inside`` a container."""
         src = self.src
         ch = src[pos:pos + 1]
-        if ch == "{":
-            return self.obj(_WS.match(src, pos + 1).end())
-        if ch == "[":
-            return self.array(_WS.match(src, pos + 1).end())
+        if ch in _CLOSING:
+            return self.members(_WS.match(src, pos + 1).end(), _CLOSING[ch])
         if ch == '"':
             return self.string(pos)[1]
         if ch == "-" or "0" <= ch <= "9":
@@ -625,46 +624,43 @@ class _Walk:
         raise self.syntax(f"unexpected character {_show_char(ch)}" if ch else
                           "unexpected end of input", pos)
 
-    def obj(self, pos: int) -> int:
+    def members(self, pos: int, close: str) -> int:
+        """Where the object or array whose first member (or its ``close``) is at ``pos``
+        ends."""
         src, keys = self.src, set()
-        if src.startswith("}", pos):
+        if src.startswith(close, pos):
             return pos + 1
         while True:
-            ch = src[pos:pos + 1]
-            if ch != '"':
-                raise self.syntax("trailing comma" if ch == "}" and keys else
-                                  f"expected a string key, found {_show_char(ch)}" if ch else
-                                  "unexpected end of input", pos)
-            key_at = pos
-            key, pos = self.string(pos)
-            pos = _WS.match(src, pos).end()
-            if not src.startswith(":", pos):
-                raise self.syntax("expected ':' after an object key", pos)
-            pos = _WS.match(src, self.value(_WS.match(src, pos + 1).end(), True)).end()
-            if key in keys and self.decode_fault is None:
-                self.decode_fault = (f"duplicate key {_quote(key)}", key_at)
-            keys.add(key)
-            if src.startswith(",", pos):
-                pos = _WS.match(src, pos + 1).end()
-            elif src.startswith("}", pos):
-                return pos + 1
-            else:
-                raise self.syntax("expected ',' or '}' in an object", pos)
-
-    def array(self, pos: int) -> int:
-        src = self.src
-        if src.startswith("]", pos):
-            return pos + 1
-        while True:
-            if src.startswith("]", pos):
+            if src.startswith(close, pos):
                 raise self.syntax("trailing comma", pos)
+            key_at, key = pos, None
+            if close == "}":
+                key, pos = self.key(pos)
             pos = _WS.match(src, self.value(pos, True)).end()
+            if key is not None:
+                if key in keys and self.decode_fault is None:
+                    self.decode_fault = (f"duplicate key {_quote(key)}", key_at)
+                keys.add(key)
             if src.startswith(",", pos):
                 pos = _WS.match(src, pos + 1).end()
-            elif src.startswith("]", pos):
+            elif src.startswith(close, pos):
                 return pos + 1
             else:
-                raise self.syntax("expected ',' or ']' in an array", pos)
+                raise self.syntax(f"expected ',' or '{close}' in "
+                                  f"{'an object' if close == '}' else 'an array'}", pos)
+
+    def key(self, pos: int) -> tuple[str, int]:
+        """The key at ``pos`` of an object, and where its value begins."""
+        src = self.src
+        ch = src[pos:pos + 1]
+        if ch != '"':
+            raise self.syntax(f"expected a string key, found {_show_char(ch)}" if ch else
+                              "unexpected end of input", pos)
+        key, pos = self.string(pos)
+        pos = _WS.match(src, pos).end()
+        if not src.startswith(":", pos):
+            raise self.syntax("expected ':' after an object key", pos)
+        return key, _WS.match(src, pos + 1).end()
 
     def string(self, pos: int) -> tuple[str, int]:
         """The string whose opening quote is at ``pos``, and where it ends."""
@@ -691,8 +687,6 @@ class _Walk:
             zero = m and m.group().lstrip("-") == "0" and nxt.isdigit()
             raise self.syntax("leading zero in a number" if zero else "malformed number", pos)
         lit = m.group()
-        if len(lit) <= NUMBER_SHOWN and "e" not in lit and "E" not in lit:
-            return end
         if inside and self.overflow is None and abs(float(lit)) == float("inf"):
             self.overflow = (f"number {lit[:NUMBER_SHOWN]} is beyond the range of a "
                              "64-bit float", pos)
@@ -4786,24 +4780,25 @@ def _limit_hit(run: Run, steps: list[Step]) -> tuple[str, str, dict | None] | No
 Query = "Callable[[str, tuple], list]"     # Store._read, or Tx.rows inside a transaction
 
 
+def _named_in(capability: bytes, key: str, read: Callable[[bytes], Any]) -> dict | None:
+    """The object a capability names under ``key`` (read by ``read``), or None."""
+    try:
+        cap = read(capability)
+    except JSONError:
+        return None
+    found = cap.get(key) if isinstance(cap, dict) else None
+    return found if isinstance(found, dict) else None
+
+
 def attempt_in(capability: bytes) -> dict | None:
     """The earlier attempt an interruption capability names ({run_id, step_id, started_at,
     ended}), or None."""
-    try:
-        cap = loads_own(capability)
-    except JSONError:
-        return None
-    at = cap.get("interrupted") if isinstance(cap, dict) else None
-    return at if isinstance(at, dict) else None
+    return _named_in(capability, "interrupted", loads_own)
 
 
 def repeat_in(approval: Approval) -> dict | None:
     """The earlier execution a repeat approval names, from its capability."""
-    try:
-        found = read_own(approval.capability).get("repeat_of")
-    except (ProxyError, AttributeError):
-        return None
-    return found if isinstance(found, dict) else None
+    return _named_in(approval.capability, "repeat_of", read_own)
 
 
 def _interrupted_attempt(approval: Approval | None) -> dict | None:
@@ -4813,7 +4808,7 @@ def _interrupted_attempt(approval: Approval | None) -> dict | None:
     return attempt_in(approval.capability)
 
 
-def asked_attempt(approval: Approval | None, q: Query | None = None) -> dict | None:
+def asked_attempt(approval: Approval | None, q: Query) -> dict | None:
     """The attempt an interruption approval asks about: the one its capability names, else
     (a gate's own pause, whose capability names none) the latest attempt of the step it waits
     on, which is the one its start in the store names while the approval waits (a re-run
@@ -4821,7 +4816,7 @@ def asked_attempt(approval: Approval | None, q: Query | None = None) -> dict | N
     named = _interrupted_attempt(approval)
     if named is not None or approval is None or approval.kind != INTERRUPTED_KIND:
         return named
-    rows = q("SELECT started_at FROM steps WHERE id=?", (approval.step_id,)) if q else []
+    rows = q("SELECT started_at FROM steps WHERE id=?", (approval.step_id,))
     return {"run_id": approval.run_id, "step_id": approval.step_id,
             "started_at": rows[0][0] if rows and isinstance(rows[0][0], str) else ""}
 
@@ -4837,6 +4832,13 @@ class LateRecord:
     known: bool
     observation: str               # the observation as recorded, JSON text
     doc: dict
+
+    def answers(self, attempt: dict) -> bool:
+        """Whether this outcome is of ``attempt``: of its run's step, and of that very attempt
+        when the event names its start (a step re-run after an approval is another attempt
+        of it)."""
+        return attempt.get("run_id") == self.run_id and attempt.get("step_id") == \
+            self.step_id and (not self.started_at or attempt.get("started_at") == self.started_at)
 
     def outcome(self) -> str:
         return "it succeeded" if self.doc.get("kind") == TOOL_RESULT else \
@@ -4867,39 +4869,32 @@ def _late_of(seq: Any, run_id: str, step_id: str, at: Any, payload: Any) -> Late
 
 
 def late_record(q: Query, attempt: dict | None, known: bool = False) -> LateRecord | None:
-    """The newest late outcome recorded for ``attempt``: of its run's step, and of that very
-    attempt when the event names its start (a step re-run after an approval is another
-    attempt of it). With ``known``, only an outcome that is known. None when there is none.
-    The events of one run are few, read through the index events_run."""
-    run_id, step_id, started = ((attempt or {}).get(k)
-                                for k in ("run_id", "step_id", "started_at"))
+    """The newest late outcome recorded for ``attempt`` (LateRecord.answers). With ``known``,
+    only an outcome that is known. None when there is none. The events of one run are few,
+    read through the index events_run."""
+    run_id, step_id = (attempt or {}).get("run_id"), (attempt or {}).get("step_id")
     if not isinstance(run_id, str) or not isinstance(step_id, str):
         return None
     for seq, at, payload in q("SELECT seq, at, payload_json FROM events WHERE run_id=? AND "
                               "step_id=? AND type='step.tool_finished' ORDER BY seq DESC",
                               (run_id, step_id)):
         late = _late_of(seq, run_id, step_id, at, payload)
-        if late is not None and (late.known or not known) and not (
-                late.started_at and isinstance(started, str) and late.started_at != started):
+        if late is not None and (late.known or not known) and late.answers(attempt):
             return late
     return None
-
-
-def _settled_obs(late: LateRecord) -> Observation:
-    """The late observation as the step it settles records it, naming where it came from."""
-    doc, spans = read_members(late.observation.encode("utf-8"))
-    doc["content"] = RawJSON(spans.get("content", b"{}"))
-    doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
-    text = dump_json(doc)
-    return Observation(read_own(text), text, str(doc.get("content_hash", "")))
 
 
 def end_with_late(tx: Tx, run_id: str, step_id: str, from_run: tuple, from_steps: tuple,
                   late: LateRecord, at: str, terminal: bool, owner: str = "") -> Run:
     """End a run whose open step would re-run (or ask about) an attempt with a known late
     outcome: the step records that outcome, and the run ends with it, as it would have had
-    the outcome come in time (a terminal tool's result completes its run)."""
-    obs = _settled_obs(late)
+    the outcome come in time (a terminal tool's result completes its run). The step records
+    the late observation naming where it came from."""
+    doc, spans = read_members(late.observation.encode("utf-8"))
+    doc["content"] = RawJSON(spans.get("content", b"{}"))
+    doc["late"] = {"at": late.at, "run_id": late.run_id, "step_id": late.step_id}
+    text = dump_json(doc)
+    obs = Observation(read_own(text), text, str(doc.get("content_hash", "")))
     ok = obs.doc.get("kind") == TOOL_RESULT
     tx.update_step(step_id, from_steps, status="done" if ok else "failed", finished_at=at,
                    observation_json=obs.json_text, observation_hash=obs.content_hash)
@@ -4950,13 +4945,13 @@ def settle_approval(tx: Tx, approval: Approval, late: LateRecord, at: str) -> No
 # Interruption approvals that may still lead to a re-run: pending or approved, each its
 # step's latest, on a run that waits. From the partial index runs_waiting: what waits.
 _ASKING_SQL = (
-    "SELECT " + ", ".join(f"a.{c.strip()}" for c in _APPROVAL_COLS.split(",")) +
+    f"SELECT {_APPROVAL_COLS} FROM approvals WHERE rowid IN (SELECT a.rowid"
     f" FROM runs AS r CROSS JOIN approvals AS a ON a.run_id = r.id"
     " CROSS JOIN steps AS s ON s.id = a.step_id"
     f" WHERE r.status = '{WAITING}' AND s.status = 'awaiting_approval'"
     f" AND a.kind = '{INTERRUPTED_KIND}' AND a.status IN"
     f" ('{PENDING}', '{APPROVED}') AND a.rowid = (SELECT MAX(b.rowid) FROM approvals AS b"
-    " WHERE b.run_id = a.run_id AND b.step_id = a.step_id) ORDER BY a.rowid")
+    " WHERE b.run_id = a.run_id AND b.step_id = a.step_id)) ORDER BY rowid")
 
 
 def _settle_waiting(tx: Tx, approval: Approval, late: LateRecord, at: str) -> None:
@@ -4977,12 +4972,9 @@ def settle_attempt(tx: Tx, late: LateRecord, at: str) -> list[str]:
     ended = []
     for row in tx.rows(_ASKING_SQL):
         approval = _approval_from_row(row)
-        at_ = asked_attempt(approval, tx.rows) or {}
-        if at_.get("run_id") != late.run_id or at_.get("step_id") != late.step_id or \
-                (late.started_at and at_.get("started_at") != late.started_at):
-            continue
-        _settle_waiting(tx, approval, late, at)
-        ended.append(approval.run_id)
+        if late.answers(asked_attempt(approval, tx.rows) or {}):
+            _settle_waiting(tx, approval, late, at)
+            ended.append(approval.run_id)
     return ended
 
 
@@ -5145,14 +5137,15 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
         current = _approval_from_row(tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals "
                                              "WHERE id=?", (approval_id,))[0])
         _check_shown(current, shown_hash)
-        late = late_record(tx.rows, asked_attempt(current, tx.rows), known=True)
+        attempt = asked_attempt(current, tx.rows)
+        late = late_record(tx.rows, attempt, known=True)
         if late is not None:
             _settle_waiting(tx, current, late, at)
         else:
             _check_view(tx, current, view)
             _decide_in(tx, current, approve, status, by, note, at)
             if word:
-                record_outcome(tx, current, asked_attempt(current, tx.rows), word, by, at)
+                record_outcome(tx, current, attempt, word, by, at)
     if late is not None:
         raise AttemptSettled(f"approval {approval_id} is settled, and nothing runs: the "
                              f"attempt it asks about {late.text()}")

@@ -13,6 +13,10 @@ A payment the operator cancels while it executes, whose tool then times out: wha
 call came to is recorded as a late event (the run is the operator's, cancelled), so the run
 holds no failed attempt of its own to propose again. Executor.rerun answers UNKNOWN_OUTCOME
 with no approval named, and the next identical call is held for an operator.
+
+A late outcome matches the attempt it ends one way everywhere: an operator's decision
+(late_record) and the settling of the approvals asking about it (settle_attempt) agree when
+the attempt's start is not text.
 """
 
 import asyncio
@@ -422,3 +426,28 @@ def test_a_cancel_while_executing_then_a_timeout_asks_no_rerun_in_the_cancelled_
         assert h.payments() == 1
     finally:
         h.close()
+
+
+LATE_START = "2026-01-01T00:00:00.000000Z"
+
+
+def late_query(started_at):
+    payload = json.dumps({"late": True, "known": True, "started_at": started_at,
+                          "observation": {"kind": ap.TOOL_RESULT, "content": {}}})
+    return lambda sql, params: [(7, "2026-01-01T00:00:05.000000Z", payload)]
+
+
+def test_attempt_whose_start_is_not_text_is_not_the_attempt_an_event_names():
+    for odd in (None, 5, {"at": LATE_START}):
+        attempt = {"run_id": "r1", "step_id": "s1", "started_at": odd}
+        assert ap.late_record(late_query(LATE_START), attempt, known=True) is None
+        named = dict(attempt, started_at=LATE_START)
+        late = ap.late_record(late_query(LATE_START), named, known=True)
+        assert late is not None and late.answers(named)
+        assert not late.answers(attempt)
+
+
+def test_event_naming_no_start_answers_every_attempt_of_its_step():
+    attempt = {"run_id": "r1", "step_id": "s1", "started_at": None}
+    late = ap.late_record(late_query(""), attempt, known=True)
+    assert late is not None and late.seq == 7

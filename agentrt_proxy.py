@@ -3468,7 +3468,7 @@ class Gate:
         # known); the caller knows its tools' errors. on_settled is told, inside the
         # transaction, of the runs a late outcome ended (section 13).
         self.known = known or (lambda _tool, doc: _known_outcome(doc))
-        self.on_settled = on_settled
+        self.on_settled = on_settled or (lambda _tx, _runs: None)
         self.tools: dict[str, Tool] = {}
         for tool in sorted(tools, key=lambda t: t.spec.name):
             _check_tool(tool.spec, self.tools)
@@ -4106,26 +4106,28 @@ class Session:
         return LeaseLost(f"run {self.run_id}: the lease was lost")
 
     def _let_go(self) -> None:
-        """Give up the run after a failure: the lease is dropped here and cleared on disk
-        (best effort: it runs out by itself unrenewed), so the next executor takes the run
-        over at once and judges what it was doing."""
+        """Give up the run after a failure: the lease is dropped here and cleared on disk,
+        so the next executor takes the run over at once and judges what it was doing."""
         self.gate.leases.drop(self.run_id)
-        with contextlib.suppress(Exception):
-            with self.store.tx() as tx:
-                tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
-                        "AND lease_owner=?", (self.run_id, self.gate.owner))
+        self._clear_lease(Exception)
         self._finish("lost", None)
 
     def close(self) -> None:
         """End the session; a lease still held is released. An open step is left as a
         crash would leave it, for the next executor to take over."""
-        if self.state == "open" and self.gate.leases.holds(self.run_id):
-            with contextlib.suppress(StoreError):
-                with self.store.tx() as tx:
-                    tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' "
-                            "WHERE id=? AND lease_owner=?", (self.run_id, self.gate.owner))
-        if self.state == "open":
-            self._finish("closed", self.final)
+        if self.state != "open":
+            return
+        if self.gate.leases.holds(self.run_id):
+            self._clear_lease(StoreError)
+        self._finish("closed", self.final)
+
+    def _clear_lease(self, tolerated: type) -> None:
+        """Clear this gate's lease on the run on disk, best effort (``tolerated`` is what
+        may fail it): a lease left unrenewed runs out by itself."""
+        with contextlib.suppress(tolerated):
+            with self.store.tx() as tx:
+                tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
+                        "AND lease_owner=?", (self.run_id, self.gate.owner))
 
 
 class _Decider:
@@ -4291,8 +4293,7 @@ class _Decider:
             if late is not None:
                 run = end_with_late(tx, self.run_id, step.id, (origin,), from_steps, late,
                                     fmt_time(now), request.spec.terminal, owner)
-                if self.gate.on_settled is not None:
-                    self.gate.on_settled(tx, [self.run_id])
+                self.gate.on_settled(tx, [self.run_id])
             else:                           # the run waits, its step waits, the approval is asked
                 tx.transition(self.run_id, (origin,), WAITING, owner=owner)
                 tx.update_step(step.id, from_steps, status="awaiting_approval",
@@ -4448,8 +4449,7 @@ class _StepExecution:
         settle_approval(tx, granted, late, at)
         run = end_with_late(tx, self.run_id, self.session.current.id, (WAITING,),
                             ("awaiting_approval",), late, at, spec.terminal)
-        if self.gate.on_settled is not None:
-            self.gate.on_settled(tx, [self.run_id])
+        self.gate.on_settled(tx, [self.run_id])
         return run, late
 
     async def run_started(self) -> dict:
@@ -4533,8 +4533,8 @@ class _StepExecution:
         at = gate.now()
         with self.store.tx() as tx:
             seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
-            if known and gate.on_settled is not None:     # the run's index row, with it:
-                gate.on_settled(tx, [self.run_id])        # one row's update by its run id
+            if known:                                   # the run's index row, with it:
+                gate.on_settled(tx, [self.run_id])      # one row's update by its run id
         # Settled in a transaction of its own, so that nothing in it can cost the late event
         # itself. Should it fail, nothing is lost: whatever would act on the attempt as
         # unknown looks for the event first (section 13), and settles it then.
@@ -4544,7 +4544,7 @@ class _StepExecution:
             with contextlib.suppress(StoreError, RunStateError, NotPending):
                 with self.store.tx() as tx:
                     ended = settle_attempt(tx, record, at)
-                    if ended and gate.on_settled is not None:
+                    if ended:
                         gate.on_settled(tx, ended)
         run = self.store.get_run(self.run_id)
         cancelled = run.status == CANCELLED and run.reason == "operator_cancelled"

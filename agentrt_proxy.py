@@ -3656,14 +3656,10 @@ class Gate:
     def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
         interrupted; a non-read-only tool cut off while executing waits for an operator."""
-        steps = self.store.list_steps(run.id)
         now, wall = self.now(), self.wall()
         until = wall + self.lease_ttl
-        in_flight = [s for s in steps if s.status in ("deciding", "executing")]
-        executing = next((s for s in in_flight if s.status == "executing"), None)
-        if executing is None and steps and steps[-1].status == "interrupted" and \
-                steps[-1].obs_content.get("previous_status") == "executing":
-            executing = steps[-1]
+        in_flight = [s for s in self.store.list_steps(run.id)
+                     if s.status in ("deciding", "executing")]
         with self.store.tx() as tx:
             current = tx.require(run.id, (RUNNING,))
             if _lease_live(current, self.store.path, wall):
@@ -3691,10 +3687,12 @@ class Gate:
             holder_gone(self.store.path, current.lease_owner, remove=True)
         session = Session(self, run.id)
         try:
+            # Only the last step can have been in flight: it, when cut off while executing
+            # (just now, or by an earlier take-over that went no further), is judged.
             steps = self.store.list_steps(run.id)
-            if executing is not None:
-                executing = next(s for s in steps if s.id == executing.id)
-                verdict = session.decider._after_interruption(executing, steps, now)
+            if steps and steps[-1].status == "interrupted" and \
+                    steps[-1].obs_content.get("previous_status") == "executing":
+                verdict = session.decider._after_interruption(steps[-1], steps, now)
                 if verdict is not None:
                     return session, verdict
             with self.store.tx() as tx:
@@ -4083,8 +4081,7 @@ class Session:
             raise ValueError("fail needs a reason")
         if self.current is None and self.step() is None:
             return self.final
-        verdict = self.propose(Decision("fail", message=detail, origin="operator"))
-        return verdict.run
+        return self.propose(Decision("fail", message=detail, origin="operator")).run
 
     # -- session state --
 
@@ -4504,12 +4501,11 @@ class _StepExecution:
                                          "goal_completed", f"terminal tool {spec.name}",
                                          _content_bytes(obs).decode(), finished_event=finished)
                 else:
-                    now = self.gate.now()
                     with self.store.tx() as tx:
                         tx.require(self.run_id, (RUNNING,), self.gate.owner)
                         self.session._end_step(tx, step, ("executing",),
-                                               "done" if ok else "failed", obs, now,
-                                               finished_event=finished)
+                                               "done" if ok else "failed", obs,
+                                               self.gate.now(), finished_event=finished)
                     self.session.current = None
                 if self.session.on_recorded is not None:
                     self.session.on_recorded(doc)
@@ -4662,9 +4658,7 @@ async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observ
         # fires first and tells the server it stopped waiting.
         outcome: Any = await in_time(tool.call(args, value),
                                      tool.spec.timeout + TOOL_TIMEOUT_SLACK)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:             # an outcome too: observed below, like a result
+    except Exception as exc:             # never a cancel (a BaseException): that propagates             # an outcome too: observed below, like a result
         outcome = exc
     try:
         return _observe(name, tool.spec.timeout, outcome)

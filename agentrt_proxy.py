@@ -3329,6 +3329,11 @@ class Decision:
     origin: str = ""
     value: Any = NOT_PARSED         # the strict parse of args, when the caller made it
 
+    def call_args(self) -> bytes:
+        """A tool call's arguments as they are parsed, checked and sent: stripped of the
+        whitespace around them, and the empty object when there are none."""
+        return self.args.strip(JSON_WS) or b"{}"
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Verdict:
@@ -3409,7 +3414,7 @@ def _with_value(d: Decision) -> Decision:
     if d.kind != "tool_call" or d.value is not NOT_PARSED:
         return d
     try:
-        return dataclasses.replace(d, value=parse_json(d.args.strip(JSON_WS) or b"{}"))
+        return dataclasses.replace(d, value=parse_json(d.call_args()))
     except JSONError:
         return d
 
@@ -3557,8 +3562,7 @@ class Gate:
         if problem or tool is None:
             return _ProposalCheck(problem)
         run = Run(run_id, goal, RUNNING, "", "", limits, 1, self.now(), "", "", self.owner, "")
-        request = ToolRequest(run_id, step_id, tool.spec,
-                              decision.args.strip(JSON_WS) or b"{}", decision.value)
+        request = ToolRequest(run_id, step_id, tool.spec, decision.call_args(), decision.value)
         try:
             view = RunView(run, [], [])
             return _ProposalCheck("", self.evaluate(request, view), view=view)
@@ -3574,7 +3578,7 @@ class Gate:
                 return "tool_call without a tool name"
             if tool is None:
                 return f"unknown tool {_quote(d.tool)}"
-            return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
+            return self.check_args(tool, d.call_args(), d.value)
         if d.kind not in ("complete", "fail"):
             return f"unknown decision kind {_quote(d.kind)}" if d.kind else "decision has no kind"
         result = d.result.strip(JSON_WS)
@@ -4167,8 +4171,8 @@ class _Decider:
         if decision.kind == "fail":
             return Verdict("ended", run=self.session._settle(
                 step, ("deciding",), "done", None, FAILED, "goal_failed", decision.message))
-        request = ToolRequest(self.run_id, step.id, tool.spec,
-                              decision.args.strip(JSON_WS) or b"{}", decision.value)
+        request = ToolRequest(self.run_id, step.id, tool.spec, decision.call_args(),
+                              decision.value)
         if judged is not None and judged.view is not None and step.idx == 0:
             view = judged.view           # the first step of a run begun in this transaction
         else:
@@ -4658,7 +4662,7 @@ async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observ
         # fires first and tells the server it stopped waiting.
         outcome: Any = await in_time(tool.call(args, value),
                                      tool.spec.timeout + TOOL_TIMEOUT_SLACK)
-    except Exception as exc:             # never a cancel (a BaseException): that propagates             # an outcome too: observed below, like a result
+    except Exception as exc:     # an outcome too, observed below; a cancel (BaseException) is not
         outcome = exc
     try:
         return _observe(name, tool.spec.timeout, outcome)

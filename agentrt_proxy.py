@@ -3991,7 +3991,8 @@ class Session:
             raise RunStateError(f"run {self.run_id}: a step is already open")
         run = self.store.get_run(self.run_id)
         if run.status != RUNNING:
-            return self._over(run)
+            self._finish("ended" if run.status in TERMINAL else "paused", run)
+            return None
         if not self.gate.leases.ok(self.run_id):
             raise self._lose()
         # A run with no step counted has none: a step is counted in the transaction that
@@ -4093,17 +4094,13 @@ class Session:
         if self.state != "open":
             raise RunStateError(f"run {self.run_id}: the session is {self.state}")
 
-    def _over(self, run: Run) -> None:
-        self._finish("ended" if run.status in TERMINAL else "paused", run)
-
     def _finish(self, state: str, run: Run | None) -> None:
         self.state, self.final, self.current, self._allowed = state, run, None, None
         self.gate.leases.drop(self.run_id)
         self.gate._release_claim(self.run_id)
 
     def _lose(self) -> LeaseLost:
-        run = self.store.find_run(self.run_id)
-        self._finish("lost", run)
+        self._finish("lost", self.store.find_run(self.run_id))
         return LeaseLost(f"run {self.run_id}: the lease was lost")
 
     def _let_go(self) -> None:
@@ -4186,7 +4183,6 @@ class _Decider:
                judged: "_ProposalCheck | None" = None) -> Verdict:
         """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
         origin = WAITING if granted else RUNNING
-        on_resume = " on resume" if granted else ""
         from_steps = ("awaiting_approval",) if granted else ("deciding",)
         view_doc = {"status": view.run.status, "step_count": view.run.step_count,
                     "steps": len(view.steps), "approvals": len(view.approvals)}
@@ -4223,7 +4219,8 @@ class _Decider:
                                                     granted)
             return Verdict("allowed", approval=granted)
         if decision.outcome in ("deny", "abort"):
-            done = f"denied{on_resume}" if decision.outcome == "deny" else "aborted"
+            done = "aborted" if decision.outcome == "abort" else \
+                "denied on resume" if granted else "denied"
             obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
                        f"{done}: {decision.reason}")
         if decision.outcome == "deny":

@@ -3355,11 +3355,12 @@ class Reconciliation:
 
 @dataclasses.dataclass(repr=False)
 class _ProposalCheck:
-    """A proposal's validation and policy decision, worked out before its transaction."""
+    """A proposal's validation and policy decision (Gate._judge), worked out before its
+    transaction when the run is begun with it (Gate.start), else as it is acted on."""
     problem: str
     decision: "PolicyDecision | None" = None
     error: Exception | None = None
-    view: "RunView | None" = None     # what the policy was shown: a run begun just now
+    view: "RunView | None" = None     # what the policy was shown
 
 
 @dataclasses.dataclass(repr=False)
@@ -3368,7 +3369,7 @@ class _AllowedRequest:
     request: ToolRequest
     decision: PolicyDecision
     policy_at: str
-    view: dict
+    extra: dict                     # what its step.policy event records beside the decision
     granted: Approval | None
 
 
@@ -3563,11 +3564,20 @@ class Gate:
             return _ProposalCheck(problem)
         run = Run(run_id, goal, RUNNING, "", "", limits, 1, self.now(), "", "", self.owner, "")
         request = ToolRequest(run_id, step_id, tool.spec, decision.call_args(), decision.value)
+        return self._judge(request, RunView(run, [], []))
+
+    def _judge(self, request: ToolRequest, view: RunView) -> "_ProposalCheck":
+        """The policy's decision on a request, its capability and presentation stripped (one
+        spelling of "no value" for both); a policy's failure is kept as ``error``, and ends
+        the run (_Decider._apply), never allows."""
         try:
-            view = RunView(run, [], [])
-            return _ProposalCheck("", self.evaluate(request, view), view=view)
-        except Exception as exc:          # a policy's failure ends the run, never allows
-            return _ProposalCheck("", error=exc)
+            decision = self.evaluate(request, view)
+            decision = dataclasses.replace(decision,
+                                           capability=decision.capability.strip(JSON_WS),
+                                           presentation=decision.presentation.strip(JSON_WS))
+        except Exception as exc:
+            return _ProposalCheck("", error=exc, view=view)
+        return _ProposalCheck("", decision, view=view)
 
     def invalid_reason(self, d: Decision, tool: "Tool | None") -> str:
         """Why a decision cannot be acted on, or ''."""
@@ -4170,7 +4180,7 @@ class _Decider:
                 step, ("deciding",), "done", None, FAILED, "goal_failed", decision.message))
         request = ToolRequest(self.run_id, step.id, tool.spec, decision.call_args(),
                               decision.value)
-        if judged is not None and judged.view is not None and step.idx == 0:
+        if judged is not None and step.idx == 0:
             view = judged.view           # the first step of a run begun in this transaction
         else:
             run = self.store.get_run(self.run_id)
@@ -4184,21 +4194,14 @@ class _Decider:
         """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
         origin = WAITING if granted else RUNNING
         from_steps = ("awaiting_approval",) if granted else ("deciding",)
-        view_doc = {"status": view.run.status, "step_count": view.run.step_count,
-                    "steps": len(view.steps), "approvals": len(view.approvals)}
-        try:
-            if judged is not None and judged.error is not None:
-                raise judged.error
-            decision = judged.decision if judged is not None and judged.decision else \
-                self.gate.evaluate(request, view)
-            decision = dataclasses.replace(     # one spelling of "no value" for both fields
-                decision, capability=decision.capability.strip(JSON_WS),
-                presentation=decision.presentation.strip(JSON_WS))
-        except Exception as exc:            # a policy's failure ends the run, never allows
-            return self._policy_failure(step, from_steps, origin, f"{exc}")
+        judged = judged or self.gate._judge(request, view)
+        if judged.error is not None:
+            return self._policy_failure(step, from_steps, origin, f"{judged.error}")
+        decision = judged.decision
         policy_at = resumed_at or self.gate.now()
         extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
-                 "view": view_doc}
+                 "view": {"status": view.run.status, "step_count": view.run.step_count,
+                          "steps": len(view.steps), "approvals": len(view.approvals)}}
         for name in ("capability", "presentation"):
             try:
                 if getattr(decision, name):     # it wraps the arguments: the records' allowance
@@ -4215,8 +4218,7 @@ class _Decider:
             return self._policy_failure(step, from_steps, origin, f"the approval will not "
                                         f"encode: {exc}", decision, extra, policy_at)
         if allowed:
-            self.session._allowed = _AllowedRequest(request, decision, policy_at, view_doc,
-                                                    granted)
+            self.session._allowed = _AllowedRequest(request, decision, policy_at, extra, granted)
             return Verdict("allowed", approval=granted)
         if decision.outcome in ("deny", "abort"):
             done = "aborted" if decision.outcome == "abort" else \
@@ -4421,9 +4423,7 @@ class _StepExecution:
                                policy_id=gate.policy_id,
                                **({"started_at": start_at} if granted else {}))
                 tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
-                         _policy_record(allowed.decision, {"policy_id": gate.policy_id,
-                                                          "spec_hash": spec.hash(),
-                                                          "view": allowed.view}))
+                         _policy_record(allowed.decision, allowed.extra))
                 tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
         if settled is not None:
             self.session._finish("ended", settled[0])

@@ -4138,14 +4138,19 @@ class Session:
                         "AND lease_owner=?", (self.run_id, self.gate.owner))
 
 
-class _Decider:
-    """A session's judge of proposals: records each decision, validates it, evaluates the
-    policy, and acts on what it decides: allow (the request handed to the _StepExecution), deny,
-    abort, or pause on an approval; and, on resume, judges the approved request again."""
+class _SessionPart:
+    """A part of a session (its _Decider, its _StepExecution): it acts on the session's run,
+    through the session's gate and store."""
 
     def __init__(self, session: Session):
         self.session, self.gate, self.store = session, session.gate, session.store
         self.run_id = session.run_id
+
+
+class _Decider(_SessionPart):
+    """A session's judge of proposals: records each decision, validates it, evaluates the
+    policy, and acts on what it decides: allow (the request handed to the _StepExecution), deny,
+    abort, or pause on an approval; and, on resume, judges the approved request again."""
 
     def propose(self, decision: Decision, judged: "_ProposalCheck | None" = None) -> Verdict:
         """Record the decision, validate it, and (for a tool call) evaluate the policy;
@@ -4369,14 +4374,10 @@ class _Decider:
 # An allowed request's start is committed before anything leaves the process; the tool is
 # called once; and what came of it is recorded, on time or late, through one classifier.
 
-class _StepExecution:
+class _StepExecution(_SessionPart):
     """A session's runner of the allowed request: commits its start (the grant judged again
     in that transaction), calls the tool, and records the outcome, late when the run was
     taken over or cancelled meanwhile."""
-
-    def __init__(self, session: Session):
-        self.session, self.gate, self.store = session, session.gate, session.store
-        self.run_id = session.run_id
 
     def start(self) -> None:
         """Commit the policy's decision and the tool's start: after this the attempt is on

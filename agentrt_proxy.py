@@ -3309,6 +3309,11 @@ class Decision:
     origin: str = ""
     value: Any = NOT_PARSED         # the strict parse of args, when the caller made it
 
+    def call_args(self) -> bytes:
+        """A tool call's arguments as they are parsed, checked and sent: stripped of the
+        whitespace around them, and the empty object when there are none."""
+        return self.args.strip(JSON_WS) or b"{}"
+
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Verdict:
@@ -3330,11 +3335,12 @@ class Reconciliation:
 
 @dataclasses.dataclass(repr=False)
 class _ProposalCheck:
-    """A proposal's validation and policy decision, worked out before its transaction."""
+    """A proposal's validation and policy decision (Gate._judge), worked out before its
+    transaction when the run is begun with it (Gate.start), else as it is acted on."""
     problem: str
     decision: "PolicyDecision | None" = None
     error: Exception | None = None
-    view: "RunView | None" = None     # what the policy was shown: a run begun just now
+    view: "RunView | None" = None     # what the policy was shown
 
 
 @dataclasses.dataclass(repr=False)
@@ -3343,7 +3349,7 @@ class _AllowedRequest:
     request: ToolRequest
     decision: PolicyDecision
     policy_at: str
-    view: dict
+    extra: dict                     # what its step.policy event records beside the decision
     granted: Approval | None
 
 
@@ -3389,7 +3395,7 @@ def _with_value(d: Decision) -> Decision:
     if d.kind != "tool_call" or d.value is not NOT_PARSED:
         return d
     try:
-        return dataclasses.replace(d, value=parse_json(d.args.strip(JSON_WS) or b"{}"))
+        return dataclasses.replace(d, value=parse_json(d.call_args()))
     except JSONError:
         return d
 
@@ -3448,7 +3454,7 @@ class Gate:
         # known); the caller knows its tools' errors. on_settled is told, inside the
         # transaction, of the runs a late outcome ended (section 13).
         self.known = known or (lambda _tool, doc: _known_outcome(doc))
-        self.on_settled = on_settled
+        self.on_settled = on_settled or (lambda _tx, _runs: None)
         self.tools: dict[str, Tool] = {}
         for tool in sorted(tools, key=lambda t: t.spec.name):
             _check_tool(tool.spec, self.tools)
@@ -3537,13 +3543,21 @@ class Gate:
         if problem or tool is None:
             return _ProposalCheck(problem)
         run = Run(run_id, goal, RUNNING, "", "", limits, 1, self.now(), "", "", self.owner, "")
-        request = ToolRequest(run_id, step_id, tool.spec,
-                              decision.args.strip(JSON_WS) or b"{}", decision.value)
+        request = ToolRequest(run_id, step_id, tool.spec, decision.call_args(), decision.value)
+        return self._judge(request, RunView(run, [], []))
+
+    def _judge(self, request: ToolRequest, view: RunView) -> "_ProposalCheck":
+        """The policy's decision on a request, its capability and presentation stripped (one
+        spelling of "no value" for both); a policy's failure is kept as ``error``, and ends
+        the run (_Decider._apply), never allows."""
         try:
-            view = RunView(run, [], [])
-            return _ProposalCheck("", self.evaluate(request, view), view=view)
-        except Exception as exc:          # a policy's failure ends the run, never allows
-            return _ProposalCheck("", error=exc)
+            decision = self.evaluate(request, view)
+            decision = dataclasses.replace(decision,
+                                           capability=decision.capability.strip(JSON_WS),
+                                           presentation=decision.presentation.strip(JSON_WS))
+        except Exception as exc:
+            return _ProposalCheck("", error=exc, view=view)
+        return _ProposalCheck("", decision, view=view)
 
     def invalid_reason(self, d: Decision, tool: "Tool | None") -> str:
         """Why a decision cannot be acted on, or ''."""
@@ -3554,7 +3568,7 @@ class Gate:
                 return "tool_call without a tool name"
             if tool is None:
                 return f"unknown tool {_quote(d.tool)}"
-            return self.check_args(tool, d.args.strip(JSON_WS) or b"{}", d.value)
+            return self.check_args(tool, d.call_args(), d.value)
         if d.kind not in ("complete", "fail"):
             return f"unknown decision kind {_quote(d.kind)}" if d.kind else "decision has no kind"
         result = d.result.strip(JSON_WS)
@@ -3636,14 +3650,10 @@ class Gate:
     def _take_over_claimed(self, run: Run) -> tuple["Session | None", Verdict]:
         """Take over a RUNNING run whose lease is gone: steps cut off in flight are marked
         interrupted; a non-read-only tool cut off while executing waits for an operator."""
-        steps = self.store.list_steps(run.id)
         now, wall = self.now(), self.wall()
         until = wall + self.lease_ttl
-        in_flight = [s for s in steps if s.status in ("deciding", "executing")]
-        executing = next((s for s in in_flight if s.status == "executing"), None)
-        if executing is None and steps and steps[-1].status == "interrupted" and \
-                steps[-1].obs_content.get("previous_status") == "executing":
-            executing = steps[-1]
+        in_flight = [s for s in self.store.list_steps(run.id)
+                     if s.status in ("deciding", "executing")]
         with self.store.tx() as tx:
             current = tx.require(run.id, (RUNNING,))
             if _lease_live(current, self.store.path, wall):
@@ -3671,10 +3681,12 @@ class Gate:
             holder_gone(self.store.path, current.lease_owner, remove=True)
         session = Session(self, run.id)
         try:
+            # Only the last step can have been in flight: it, when cut off while executing
+            # (just now, or by an earlier take-over that went no further), is judged.
             steps = self.store.list_steps(run.id)
-            if executing is not None:
-                executing = next(s for s in steps if s.id == executing.id)
-                verdict = session.decider._after_interruption(executing, steps, now)
+            if steps and steps[-1].status == "interrupted" and \
+                    steps[-1].obs_content.get("previous_status") == "executing":
+                verdict = session.decider._after_interruption(steps[-1], steps, now)
                 if verdict is not None:
                     return session, verdict
             with self.store.tx() as tx:
@@ -3969,7 +3981,8 @@ class Session:
             raise RunStateError(f"run {self.run_id}: a step is already open")
         run = self.store.get_run(self.run_id)
         if run.status != RUNNING:
-            return self._over(run)
+            self._finish("ended" if run.status in TERMINAL else "paused", run)
+            return None
         if not self.gate.leases.ok(self.run_id):
             raise self._lose()
         # A run with no step counted has none: a step is counted in the transaction that
@@ -4063,8 +4076,7 @@ class Session:
             raise ValueError("fail needs a reason")
         if self.current is None and self.step() is None:
             return self.final
-        verdict = self.propose(Decision("fail", message=detail, origin="operator"))
-        return verdict.run
+        return self.propose(Decision("fail", message=detail, origin="operator")).run
 
     # -- session state --
 
@@ -4072,50 +4084,53 @@ class Session:
         if self.state != "open":
             raise RunStateError(f"run {self.run_id}: the session is {self.state}")
 
-    def _over(self, run: Run) -> None:
-        self._finish("ended" if run.status in TERMINAL else "paused", run)
-
     def _finish(self, state: str, run: Run | None) -> None:
         self.state, self.final, self.current, self._allowed = state, run, None, None
         self.gate.leases.drop(self.run_id)
         self.gate._release_claim(self.run_id)
 
     def _lose(self) -> LeaseLost:
-        run = self.store.find_run(self.run_id)
-        self._finish("lost", run)
+        self._finish("lost", self.store.find_run(self.run_id))
         return LeaseLost(f"run {self.run_id}: the lease was lost")
 
     def _let_go(self) -> None:
-        """Give up the run after a failure: the lease is dropped here and cleared on disk
-        (best effort: it runs out by itself unrenewed), so the next executor takes the run
-        over at once and judges what it was doing."""
+        """Give up the run after a failure: the lease is dropped here and cleared on disk,
+        so the next executor takes the run over at once and judges what it was doing."""
         self.gate.leases.drop(self.run_id)
-        with contextlib.suppress(Exception):
-            with self.store.tx() as tx:
-                tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
-                        "AND lease_owner=?", (self.run_id, self.gate.owner))
+        self._clear_lease(Exception)
         self._finish("lost", None)
 
     def close(self) -> None:
         """End the session; a lease still held is released. An open step is left as a
         crash would leave it, for the next executor to take over."""
-        if self.state == "open" and self.gate.leases.holds(self.run_id):
-            with contextlib.suppress(StoreError):
-                with self.store.tx() as tx:
-                    tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' "
-                            "WHERE id=? AND lease_owner=?", (self.run_id, self.gate.owner))
-        if self.state == "open":
-            self._finish("closed", self.final)
+        if self.state != "open":
+            return
+        if self.gate.leases.holds(self.run_id):
+            self._clear_lease(StoreError)
+        self._finish("closed", self.final)
+
+    def _clear_lease(self, tolerated: type) -> None:
+        """Clear this gate's lease on the run on disk, best effort (``tolerated`` is what
+        may fail it): a lease left unrenewed runs out by itself."""
+        with contextlib.suppress(tolerated):
+            with self.store.tx() as tx:
+                tx.exec("UPDATE runs SET lease_owner='', lease_expires_at='' WHERE id=? "
+                        "AND lease_owner=?", (self.run_id, self.gate.owner))
 
 
-class _Decider:
-    """A session's judge of proposals: records each decision, validates it, evaluates the
-    policy, and acts on what it decides: allow (the request handed to the _StepExecution), deny,
-    abort, or pause on an approval; and, on resume, judges the approved request again."""
+class _SessionPart:
+    """A part of a session (its _Decider, its _StepExecution): it acts on the session's run,
+    through the session's gate and store."""
 
     def __init__(self, session: Session):
         self.session, self.gate, self.store = session, session.gate, session.store
         self.run_id = session.run_id
+
+
+class _Decider(_SessionPart):
+    """A session's judge of proposals: records each decision, validates it, evaluates the
+    policy, and acts on what it decides: allow (the request handed to the _StepExecution), deny,
+    abort, or pause on an approval; and, on resume, judges the approved request again."""
 
     def propose(self, decision: Decision, judged: "_ProposalCheck | None" = None) -> Verdict:
         """Record the decision, validate it, and (for a tool call) evaluate the policy;
@@ -4148,9 +4163,9 @@ class _Decider:
         if decision.kind == "fail":
             return Verdict("ended", run=self.session._settle(
                 step, ("deciding",), "done", None, FAILED, "goal_failed", decision.message))
-        request = ToolRequest(self.run_id, step.id, tool.spec,
-                              decision.args.strip(JSON_WS) or b"{}", decision.value)
-        if judged is not None and judged.view is not None and step.idx == 0:
+        request = ToolRequest(self.run_id, step.id, tool.spec, decision.call_args(),
+                              decision.value)
+        if judged is not None and step.idx == 0:
             view = judged.view           # the first step of a run begun in this transaction
         else:
             run = self.store.get_run(self.run_id)
@@ -4163,23 +4178,15 @@ class _Decider:
                judged: "_ProposalCheck | None" = None) -> Verdict:
         """Act on the policy's decision. On resume (``granted``) the run is still WAITING."""
         origin = WAITING if granted else RUNNING
-        on_resume = " on resume" if granted else ""
         from_steps = ("awaiting_approval",) if granted else ("deciding",)
-        view_doc = {"status": view.run.status, "step_count": view.run.step_count,
-                    "steps": len(view.steps), "approvals": len(view.approvals)}
-        try:
-            if judged is not None and judged.error is not None:
-                raise judged.error
-            decision = judged.decision if judged is not None and judged.decision else \
-                self.gate.evaluate(request, view)
-            decision = dataclasses.replace(     # one spelling of "no value" for both fields
-                decision, capability=decision.capability.strip(JSON_WS),
-                presentation=decision.presentation.strip(JSON_WS))
-        except Exception as exc:            # a policy's failure ends the run, never allows
-            return self._policy_failure(step, from_steps, origin, f"{exc}")
+        judged = judged or self.gate._judge(request, view)
+        if judged.error is not None:
+            return self._policy_failure(step, from_steps, origin, f"{judged.error}")
+        decision = judged.decision
         policy_at = resumed_at or self.gate.now()
         extra = {"policy_id": self.gate.policy_id, "spec_hash": request.spec.hash(),
-                 "view": view_doc}
+                 "view": {"status": view.run.status, "step_count": view.run.step_count,
+                          "steps": len(view.steps), "approvals": len(view.approvals)}}
         for name in ("capability", "presentation"):
             try:
                 if getattr(decision, name):     # it wraps the arguments: the records' allowance
@@ -4196,11 +4203,11 @@ class _Decider:
             return self._policy_failure(step, from_steps, origin, f"the approval will not "
                                         f"encode: {exc}", decision, extra, policy_at)
         if allowed:
-            self.session._allowed = _AllowedRequest(request, decision, policy_at, view_doc,
-                                                    granted)
+            self.session._allowed = _AllowedRequest(request, decision, policy_at, extra, granted)
             return Verdict("allowed", approval=granted)
         if decision.outcome in ("deny", "abort"):
-            done = f"denied{on_resume}" if decision.outcome == "deny" else "aborted"
+            done = "aborted" if decision.outcome == "abort" else \
+                "denied on resume" if granted else "denied"
             obs = _obs(POLICY_DENIED, {"reason": decision.reason, "tool": request.spec.name},
                        f"{done}: {decision.reason}")
         if decision.outcome == "deny":
@@ -4271,8 +4278,7 @@ class _Decider:
             if late is not None:
                 run = end_with_late(tx, self.run_id, step.id, (origin,), from_steps, late,
                                     fmt_time(now), request.spec.terminal, owner)
-                if self.gate.on_settled is not None:
-                    self.gate.on_settled(tx, [self.run_id])
+                self.gate.on_settled(tx, [self.run_id])
             else:                           # the run waits, its step waits, the approval is asked
                 tx.transition(self.run_id, (origin,), WAITING, owner=owner)
                 tx.update_step(step.id, from_steps, status="awaiting_approval",
@@ -4348,14 +4354,10 @@ class _Decider:
 # An allowed request's start is committed before anything leaves the process; the tool is
 # called once; and what came of it is recorded, on time or late, through one classifier.
 
-class _StepExecution:
+class _StepExecution(_SessionPart):
     """A session's runner of the allowed request: commits its start (the grant judged again
     in that transaction), calls the tool, and records the outcome, late when the run was
     taken over or cancelled meanwhile."""
-
-    def __init__(self, session: Session):
-        self.session, self.gate, self.store = session, session.gate, session.store
-        self.run_id = session.run_id
 
     def start(self) -> None:
         """Commit the policy's decision and the tool's start: after this the attempt is on
@@ -4402,9 +4404,7 @@ class _StepExecution:
                                policy_id=gate.policy_id,
                                **({"started_at": start_at} if granted else {}))
                 tx.event(self.run_id, step.id, allowed.policy_at, "step.policy",
-                         _policy_record(allowed.decision, {"policy_id": gate.policy_id,
-                                                          "spec_hash": spec.hash(),
-                                                          "view": allowed.view}))
+                         _policy_record(allowed.decision, allowed.extra))
                 tx.event(self.run_id, step.id, start_at, "step.tool_started", started)
         if settled is not None:
             self.session._finish("ended", settled[0])
@@ -4428,8 +4428,7 @@ class _StepExecution:
         settle_approval(tx, granted, late, at)
         run = end_with_late(tx, self.run_id, self.session.current.id, (WAITING,),
                             ("awaiting_approval",), late, at, spec.terminal)
-        if self.gate.on_settled is not None:
-            self.gate.on_settled(tx, [self.run_id])
+        self.gate.on_settled(tx, [self.run_id])
         return run, late
 
     async def run_started(self) -> dict:
@@ -4484,12 +4483,11 @@ class _StepExecution:
                                          "goal_completed", f"terminal tool {spec.name}",
                                          _content_bytes(obs).decode(), finished_event=finished)
                 else:
-                    now = self.gate.now()
                     with self.store.tx() as tx:
                         tx.require(self.run_id, (RUNNING,), self.gate.owner)
                         self.session._end_step(tx, step, ("executing",),
-                                               "done" if ok else "failed", obs, now,
-                                               finished_event=finished)
+                                               "done" if ok else "failed", obs,
+                                               self.gate.now(), finished_event=finished)
                     self.session.current = None
                 if self.session.on_recorded is not None:
                     self.session.on_recorded(doc)
@@ -4513,8 +4511,8 @@ class _StepExecution:
         at = gate.now()
         with self.store.tx() as tx:
             seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
-            if known and gate.on_settled is not None:     # the run's index row, with it:
-                gate.on_settled(tx, [self.run_id])        # one row's update by its run id
+            if known:                                   # the run's index row, with it:
+                gate.on_settled(tx, [self.run_id])      # one row's update by its run id
         # Settled in a transaction of its own, so that nothing in it can cost the late event
         # itself. Should it fail, nothing is lost: whatever would act on the attempt as
         # unknown looks for the event first (section 13), and settles it then.
@@ -4524,7 +4522,7 @@ class _StepExecution:
             with contextlib.suppress(StoreError, RunStateError, NotPending):
                 with self.store.tx() as tx:
                     ended = settle_attempt(tx, record, at)
-                    if ended and gate.on_settled is not None:
+                    if ended:
                         gate.on_settled(tx, ended)
         run = self.store.get_run(self.run_id)
         cancelled = run.status == CANCELLED and run.reason == "operator_cancelled"
@@ -4642,9 +4640,7 @@ async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observ
         # fires first and tells the server it stopped waiting.
         outcome: Any = await in_time(tool.call(args, value),
                                      tool.spec.timeout + TOOL_TIMEOUT_SLACK)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:             # an outcome too: observed below, like a result
+    except Exception as exc:     # an outcome too, observed below; a cancel (BaseException) is not
         outcome = exc
     try:
         return _observe(name, tool.spec.timeout, outcome)

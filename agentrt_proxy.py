@@ -49,9 +49,9 @@ that function, and the test that fails when that function gives the permissive a
    tests/test_store.py::test_rolled_back_transaction_leaves_no_event_and_no_seq_gap;
    tests/test_commits.py::test_serving_syncs_a_calls_outcome_before_its_answer_leaves.
 5. Only tools the operator pinned and classified are offered or called. _build (17), by way
-   of load_server: every tool served is built by it from the pin and a rule, at start
-   (load_server) and when a server's listing changes (ServerWatch.relist, section 25);
-   Proxy.listing and Gate.tools hold only what it built. tests/test_pinning.py::
+   of register (17): every tool served is built by it from the pin and a rule, at start
+   (load_server) and when a server's listing changes (ServerWatch.relist, section 25), both
+   through register; Proxy.listing and Gate.tools hold only what it built. tests/test_pinning.py::
    test_proxy_changed_description_refuses_the_tool.
 6. An identical mutating call is not executed twice within the window, unless the operator
    approves a repeat. CallIndex.claim (21) with Rules.refusal (22): claim's compare-and-set

@@ -10050,9 +10050,11 @@ def _last_args(state: RunState) -> bytes:
 
 
 def _unrecorded(tool, obs: dict) -> bool:
+    """A mutating tool's answer the proxy could not map: an error it recorded itself. A
+    result's content is the server's, whatever it says."""
     content = obs.get("content")
-    return tool.spec.side_effect != "read_only" and isinstance(content, dict) and \
-        content.get("failure") == "invalid_content"
+    return obs.get("kind") == TOOL_ERROR and tool.spec.side_effect != "read_only" and \
+        isinstance(content, dict) and content.get("failure") == "invalid_content"
 
 
 def last_attempt(proxy: Proxy, state: RunState) -> tuple[int, dict | None]:

@@ -474,3 +474,27 @@ def test_a_large_server_answer_is_read_in_bounded_time(monkeypatch):
     assert obs[0]["kind"] == ap.TOOL_RESULT
     parses = scans.at_least(len(structured))
     assert len(parses) == 1, f"the answer or its structured content read {len(parses)} times"
+
+
+class ClaimsInvalidContent(InstantServer):
+    """A server whose result's own structured content reads like the proxy's record of an
+    answer it could not map: a result, which the model must get as the server sent it."""
+
+    async def call_tool(self, remote, args, timeout):
+        self.calls += 1
+        return answer({"content": [{"type": "text", "text": "done"}],
+                       "structuredContent": {"failure": "invalid_content", "ok": True}})
+
+
+def test_a_result_whose_content_names_a_failure_is_the_result_not_unrecorded(tmp_path):
+    h = ProxyHarness(tmp_path, rules=PAY_ALLOW)
+    proxy = instant_proxy(h, ClaimsInvalidContent())
+    try:
+        r = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
+        assert not r.get("isError"), r
+        assert r["content"] == [{"type": "text", "text": "done"}], r
+        assert r["structuredContent"] == {"failure": "invalid_content", "ok": True}
+        assert recorded_observation(h)["kind"] == ap.TOOL_RESULT
+    finally:
+        proxy.close()
+        h.close()

@@ -2187,6 +2187,8 @@ def walk_pointer(doc: Any, pointer: str) -> tuple[Any, tuple] | None:
         else:
             return None
     return node, at
+
+
 _ONE = Num("1")         # the matching items contains wants, unless minContains says
 
 
@@ -11709,8 +11711,9 @@ class RecheckReport:
         return {"run_id": self.run_id, "run_status": self.run_status, "policy_id": self.policy_id,
                 "identity": self.identity, "spec_source": self.spec_source, "notes": self.notes,
                 "evaluations": [dataclasses.asdict(e) for e in self.evaluations],
-                "same": differ == 0, "differences": differ, "complete": skipped == 0,
-                "rechecked": self.count("same", "different"), "not_recheckable": skipped}
+                "same": differ == 0, "differences": differ,
+                "rechecked": self.count("same", "different"), "not_recheckable": skipped,
+                "complete": skipped == 0}
 
     def lines(self) -> list[str]:
         asked = sorted(p for p in self.asked() if p)
@@ -11722,7 +11725,7 @@ class RecheckReport:
                         f"{self.count('same', 'different')} re-checked decision(s) differ; "
                         f"{identity}; {self.spec_source} specs")]
         for e in sorted(self.evaluations, key=lambda e: e.result != "different"):
-            tool, was, now, why = (clean(t, RECHECK_TEXT)
+            tool, was, now, why = (clean(str(t or ""), RECHECK_TEXT)    # an edited row
                                    for t in (e.tool, e.recorded, e.rechecked, e.detail))
             where = f"step {e.step_index} seq {e.seq} {tool or '-'}" + \
                 (" (on resume)" if e.on_resume else "")
@@ -11804,9 +11807,9 @@ def _approvals_as_of(approvals: list[Approval], events: list, seq: int,
                      count: int) -> list[Approval]:
     """The first ``count`` approvals, each with the status it had at event ``seq``."""
     shown = approvals[:count]
-    decided = {d.get("approval_id"): d.get("status", PENDING) for d in (  # the last decision
-        loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided")} \
-        if shown else {}
+    decided = {d["approval_id"]: d.get("status", PENDING) for d in (  # the last decision
+        loads_own(e[5]) for e in events if e[0] < seq and e[4] == "approval.decided")
+        if isinstance(d, dict) and isinstance(d.get("approval_id"), str)} if shown else {}
     return [dataclasses.replace(a, status=decided[a.id]) if a.id in decided else
             dataclasses.replace(a, status=PENDING, decided_at="", decided_by="", note="")
             for a in shown]

@@ -594,3 +594,18 @@ def test_recheck_does_not_change_the_database_mode(tmp_path):
                    stderr=err)
     assert code == 0, err.getvalue()
     assert oct(os.stat(h.cfg.database).st_mode & 0o777) == "0o644"
+
+
+def test_a_report_prints_and_keeps_its_key_order_whatever_an_edited_event_recorded():
+    """An edited event can record an outcome that is not text: the report still prints
+    every line, each bounded and sanitised, and its JSON keeps the order it always had."""
+    report = ap.RecheckReport("r-1", "COMPLETED", "p", "current", notes=["n"])
+    report.evaluations = [
+        ap.Evaluation(0, "s", 3, "pay", "not_a_policy_evaluation", None, detail="a pause"),
+        ap.Evaluation(1, "s", 4, "pay", "same", None, policy_id="p"),
+        ap.Evaluation(2, "s", 5, "pay", "different", 7, rechecked=None, policy_id="p")]
+    lines = report.lines()
+    assert lines[1] == "DIFFERENT step 2 seq 5 pay: 7 -> none"
+    assert "skipped   step 0 seq 3 pay: a pause" in lines
+    assert list(report.as_json())[-5:] == ["same", "differences", "rechecked",
+                                           "not_recheckable", "complete"]

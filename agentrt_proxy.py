@@ -3270,10 +3270,12 @@ ORIGINS = ("", "model", "plan", "operator")
 class ToolResult:
     """What a tool returned: JSON content bytes and a one-line summary; and, when the
     content is the server's structured content, the text the server sent beside it (what
-    the model reads as text), recorded with it."""
+    the model reads as text), recorded with it. ``value``: the content's strict parse,
+    when its maker made the bytes from it (map_result), so that they are not read again."""
     content: bytes = b"{}"
     summary: str = ""
     text: str | None = None
+    value: Any = NOT_PARSED
 
 
 class ToolFailure(Exception):
@@ -4693,7 +4695,7 @@ def _observe(name: str, timeout: float, result: Any) -> Observation:
                     f"{name} panicked")
     content = result.content.strip(JSON_WS) or b"{}"
     try:
-        value = parse_json(content)
+        value = parse_json(content) if result.value is NOT_PARSED else result.value
     except JSONError as exc:
         err = f"content is not usable JSON: {exc}"
         try:
@@ -6538,6 +6540,9 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     # Structured content is taken only as an object, the form every era's host reads as
     # structuredContent: anything else would be recorded but never reach the host, and the
     # record would say the model was given what it was not.
+    # The content's value, for the classifier: the text's; structured content is read
+    # again from the bytes recorded, whose members are in the order the record keeps.
+    value: Any = NOT_PARSED
     if structured is not None and structured.lstrip(JSON_WS)[:1] == b"{":
         try:
             encoded = encode_policy(parse_json(structured, strict=False, max_depth=MAX_DEPTH,
@@ -6553,19 +6558,17 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
             dropped = len(encoded)
     truncated = dropped > 0              # structured content is dropped only for the text
     if content is None:
-        content, cut = cap_text(text or (STRUCTURED_DROPPED if dropped else ""), cap)
-        truncated = truncated or cut
+        value, cut = cap_text(text or (STRUCTURED_DROPPED if dropped else ""), cap)
+        content, truncated = encode_policy(value), truncated or cut
     summary = f"{tool.server}/{tool.remote}: {len(content)} bytes" + \
         (", truncated" if truncated else "") + \
         (f", structured content of {dropped} bytes dropped for the text" if dropped else "")
     if result.get("isError") is True:
-        # The text the model is told: the JSON string cap_text made, read back (it has no
-        # lone surrogate and no bound to break); else the text blocks beside the structured
-        # content, or that content itself when there are none.
-        shown = parse_json(content, strict=False, bounds=False) if beside is None else \
-            beside or content.decode("utf-8", "replace")
+        # The text the model is told: the text cap_text made; else the text blocks beside
+        # the structured content, or that content itself when there are none.
+        shown = value if beside is None else beside or content.decode("utf-8", "replace")
         raise ToolFailure(f"{summary}, error: {shown}")
-    return ToolResult(content, summary, beside)
+    return ToolResult(content, summary, beside, value)
 
 
 def _wire_len(value: "bytes | str") -> int:
@@ -6586,25 +6589,29 @@ def _joined_text(blocks: Any) -> str:
     return "\n".join(parts)
 
 
-def cap_text(text: str, limit: int) -> tuple[bytes, bool]:
-    """``text`` as a JSON string of at most ``limit`` bytes (at least the marker's size):
-    the longest prefix that fits, with the marker, when it must be cut."""
+def cap_text(text: str, limit: int) -> tuple[str, bool]:
+    """``text``, cut so that as a JSON string it takes at most ``limit`` bytes (at least the
+    marker's size): the longest prefix that fits, with the marker, when it must be cut;
+    and whether it was."""
     # A character takes a byte or more: what lies past ``limit`` characters is never written.
-    text = _SURROGATES.sub("\ufffd", text[:limit + 1])
-    if len(text) <= limit and _wire_len(text) <= limit:
-        return encode_policy(text), False
+    # An ASCII text (known without reading it) holds no lone surrogate.
+    text = text[:limit + 1]
+    text = text if text.isascii() else _SURROGATES.sub("\ufffd", text)
+    written = _wire_str(text)[1:-1].encode("utf-8")
+    if len(text) <= limit and len(written) + 2 <= limit:
+        return text, False
     room = max(limit, _wire_len(TRUNCATION_MARKER)) - _wire_len(TRUNCATION_MARKER)
-    # The cut, in one pass: the prefix of at most ``room`` characters as written, cut at
-    # ``room`` bytes, less a character or an escape the cut split, read back as text.
-    written = _wire_str(text[:room])[1:-1].encode("utf-8")[:room].decode("utf-8", "ignore")
+    # The cut, in one pass: the text as written, cut at ``room`` bytes (escaping is a
+    # character at a time, so this is the written form of a prefix), less a character or an
+    # escape the cut split, read back as text.
+    written = written[:room].decode("utf-8", "ignore")
     escape = written.rfind("\\", max(0, len(written) - SURROGATE_ESCAPE_LEN + 1))
     if escape >= 0:
         run = escape - len(written[:escape].rstrip("\\"))    # backslashes before it
         whole = SURROGATE_ESCAPE_LEN if written[escape + 1:escape + 2] == "u" else 2
         if run % 2 == 0 and len(written) - escape < whole:
             written = written[:escape]
-    prefix = json.loads('"' + written + '"')
-    return encode_policy(prefix + TRUNCATION_MARKER), True
+    return json.loads('"' + written + '"') + TRUNCATION_MARKER, True
 
 
 async def load_server(server: ServerConfig, pinned: dict[str, PinnedTool],

@@ -73,6 +73,12 @@ def test_text_after_an_escaped_backslash_is_no_escape(raw, text):
         assert ap.parse_json(raw) == text
 
 
+def capped(text: str, limit: int) -> tuple[bytes, bool]:
+    """cap_text's text as the record holds it: a JSON string in policy form."""
+    shown, cut = ap.cap_text(text, limit)
+    return ap.encode_policy(shown), cut
+
+
 @pytest.mark.parametrize("unit", ["a", "\n", '"', "\u00e9", "\U0001f600", "\x85", "\u2028"])
 def test_capping_a_text_encodes_a_bounded_prefix_once(unit, monkeypatch):
     encoded = [0]
@@ -84,7 +90,7 @@ def test_capping_a_text_encodes_a_bounded_prefix_once(unit, monkeypatch):
     monkeypatch.setattr(ap, "_wire_str", counted)
     limit = 4096
     text = unit * 1_000_000
-    content, cut = ap.cap_text(text, limit)
+    content, cut = capped(text, limit)
     assert cut and len(content) <= limit
     assert encoded[0] <= 2 * limit, f"{encoded[0]} characters encoded to cap at {limit}"
     kept = ap.parse_json(content)

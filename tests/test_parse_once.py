@@ -57,6 +57,24 @@ def test_a_large_argument_and_a_large_answer_are_each_read_once(tmp_path, monkey
         h.close()
 
 
+def test_a_capped_answer_is_recorded_from_the_parse_that_read_it(tmp_path, monkeypatch):
+    """A text answer past the cap: the server's frame is read once, and the capped text the
+    gate records, hashes and answers with is the value cut from that read, never its own
+    bytes read again."""
+    h = files_harness(tmp_path)
+    try:
+        text = ('{"k": "v"}\n' * (2 * ap.MAX_CONTENT_BYTES // 11))
+        (tmp_path / "served" / "page.txt").write_text(text)
+        scans = Scans(monkeypatch)
+        read = h.call("files_read_file", {"path": "page.txt"})
+        assert not h.is_error(read), h.text(read)
+        assert h.text(read).startswith('{"k": "v"}') and h.text(read).endswith(ap.TRUNCATION_MARKER)
+        big = scans.at_least(ap.MAX_CONTENT_BYTES // 2)
+        assert len(big) == 1, f"{len(big)} reads of the answer's size"
+    finally:
+        h.close()
+
+
 FAULTS = [b'{"a":1,"a":2}', b'{"a":"\\ud800"}', b'{"a":"\xff"}', b'{"a":1e999999}',
           b'{"a":[1e400]}', b'{"a":' + b"[" * ap.MAX_DEPTH + b"]" * ap.MAX_DEPTH + b"}"]
 

@@ -221,17 +221,23 @@ def test_call_oversized_content_is_truncated(script, tmp_path):
     assert r.summary == "fs/read_file: 64 bytes, truncated"
 
 
+def capped(text: str, limit: int) -> tuple[bytes, bool]:
+    """cap_text's text as the record holds it: a JSON string in policy form."""
+    shown, cut = ap.cap_text(text, limit)
+    return ap.encode_policy(shown), cut
+
+
 def test_call_cap_counts_encoded_bytes():
-    content, cut = ap.cap_text("\x01" * 16, 100)
+    content, cut = capped("\x01" * 16, 100)
     assert (len(content), cut) == (98, False)
     assert json.loads(content) == "\x01" * 16
     for text in ("\x01" * 40, "世" * 60, "é\x02" * 30, "a" * 99 + "世"):
-        content, cut = ap.cap_text(text, 100)
+        content, cut = capped(text, 100)
         assert cut and len(content) <= 100, (text, content)
         decoded = json.loads(content)            # valid JSON: no split character
         assert decoded.endswith(MARKER)
         assert text.startswith(decoded[:-len(MARKER)])
-    content, cut = ap.cap_text("x" * 500, 64)
+    content, cut = capped("x" * 500, 64)
     assert len(content) == 64 and cut
 
 
@@ -240,7 +246,7 @@ def test_cap_text_never_exceeds_the_cap():
               "🙂b" * 150, "a\nb\tc\x7f<>&" * 30]
     for text in inputs:
         for cap in range(200):
-            content, cut = ap.cap_text(text, cap)
+            content, cut = capped(text, cap)
             assert len(content) <= max(cap, 15), (text[:10], cap, content)
             decoded = json.loads(content)
             assert cut and decoded.endswith(MARKER)

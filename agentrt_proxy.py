@@ -1416,8 +1416,7 @@ class _PatternParser:
             else:
                 ranges.extend(low if isinstance(low, tuple) else [(low, low)])
         self.pos += 1
-        merged = _merge(ranges)
-        return ("set", _complement(merged) if negated else merged)
+        return ("set", _complement(ranges) if negated else _merge(ranges))
 
     def class_atom(self) -> int | tuple:
         """One code point, or a class escape's ranges."""
@@ -1539,13 +1538,7 @@ class Pattern:
         for i, ch in enumerate(s):
             if self._match in state:
                 return True, work[0]
-            ctx = self._context(s, i + 1)
-            nxt = self._memo.get((state, ch, ctx))
-            if nxt is None:
-                nxt = self._step(state, ch, ctx, work)
-            else:                # a memoised step is cheaper, never free: a visit a character
-                self._charge(work, 1)
-            state = nxt
+            state = self._step(state, ch, self._context(s, i + 1), work)
         return self._match in state, work[0]
 
     def _context(self, s: str, i: int) -> int:
@@ -1557,6 +1550,11 @@ class Pattern:
         return ctx
 
     def _step(self, state: frozenset, ch: str, ctx: int, work: list) -> frozenset:
+        """The threads live after ``ch``, at a position with context ``ctx``, memoised."""
+        nxt = self._memo.get((state, ch, ctx))
+        if nxt is not None:     # a memoised step is cheaper, never free: a visit a character
+            self._charge(work, 1)
+            return nxt
         cp, prog = ord(ch), self._prog
         moved = [pc + 1 for pc in state if pc != self._match and _in_ranges(prog[pc][1], cp)]
         nxt = self._closure(moved, ctx, work)
@@ -1717,8 +1715,7 @@ def _is_multiple(value: tuple[int, str, int], of: tuple[int, str, int]) -> bool:
     """Whether value / of is an integer, for normal forms with ``of`` positive and at most
     MAX_MULTIPLE_OF_DIGITS digits. value / of = (digits / divisor) * 10**shift: no power of
     ten is ever built, however far apart the exponents are (1e10000 and 1e-300)."""
-    sign, digits, exponent = value
-    _, divisor, power = of
+    (sign, digits, exponent), (_, divisor, power) = value, of
     shift = exponent - power
     if sign == 0 or shift < 0:
         # zero is a multiple of anything; with shift < 0, digits has no trailing zero, so it
@@ -2067,19 +2064,17 @@ class _Check:
         extra = node.get("additionalProperties", True)
         unexpected = []
         for name, item in value.items():
-            matched = False
-            if name in props:
-                matched = True
+            matched = name in props
+            if matched:
                 self.validate(props[name], item, path + [name], errors)
             for pat, sub in patterns.items():
                 if self.found(pat, name, path + [name], errors):
                     matched = True
                     self.validate(sub, item, path + [name], errors)
-            if not matched:
-                if extra is False:
-                    unexpected.append(name)
-                elif extra is not True:
-                    self.validate(extra, item, path + [name], errors)
+            if not matched and extra is False:
+                unexpected.append(name)
+            elif not matched and extra is not True:
+                self.validate(extra, item, path + [name], errors)
         if unexpected:
             names = ", ".join(_quote(n) for n in unexpected)
             errors.add(path, f"additional properties {names} not allowed")
@@ -2196,18 +2191,17 @@ def _show(value: Any) -> str:
     return truncate(sanitize(encode_canonical(value).decode("utf-8")), VALUE_SHOWN)
 
 
-# Keywords read together run as one check, where the first of them stands in the schema
-# object: the bounds, the lengths and counts, the property family, the item family. Each
-# check is run only on a value of the type it constrains (object: any).
-_TOGETHER: dict[tuple[str, ...], tuple[Callable, type]] = {
-    ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): (_Check.check_range, Num),
-    **{(low, high): (_Check.check_counts, kind) for kind, (low, high, _) in _COUNTED.items()},
-    ("properties", "patternProperties", "additionalProperties"):
-        (_Check.check_properties, dict),
-    ("items", "prefixItems", "additionalItems"): (_Check.check_items, list),
-}
-# Each keyword that constrains a value (the rest are annotations, or read by another's check).
+# Each keyword that constrains a value (the rest are annotations, or read by another's
+# check), and its check, run only on a value of the type it constrains (object: any).
+# Keywords read together share one check, run once where the first of them stands in the
+# schema object: the bounds, the lengths and counts, the property family, the item family.
 _CHECKS: dict[str, tuple[Callable, type]] = {
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+                    (_Check.check_range, Num)),
+    **{key: (_Check.check_counts, kind) for kind, keys in _COUNTED.items() for key in keys[:2]},
+    **dict.fromkeys(("properties", "patternProperties", "additionalProperties"),
+                    (_Check.check_properties, dict)),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems"), (_Check.check_items, list)),
     "type": (_Check.check_type, object), "enum": (_Check.check_enum, object),
     "const": (_Check.check_const, object), "multipleOf": (_Check.check_multiple, Num),
     "pattern": (_Check.check_pattern, str), "required": (_Check.check_required, dict),
@@ -2218,7 +2212,6 @@ _CHECKS: dict[str, tuple[Callable, type]] = {
     "if": (_Check.check_if, object), "$ref": (_Check.check_ref, object),
     **dict.fromkeys(("dependentRequired", "dependencies", "dependentSchemas"),
                     (_Check.check_dependent, dict)),
-    **{key: entry for keys, entry in _TOGETHER.items() for key in keys},
 }
 
 
@@ -2238,8 +2231,9 @@ def _plan(node: dict, at: tuple) -> tuple[int, int, tuple, tuple]:
     checks: dict = {}
     for key, val in node.items():
         entry = _CHECKS.get(key)
-        if entry:       # keywords read together once; dependent* each, by their keyword
-            checks.setdefault(entry if entry in _TOGETHER.values() else key, (*entry, val))
+        if entry:       # a check shared by keywords once; dependent* each, by their keyword
+            checks.setdefault(key if entry[0] is _Check.check_dependent else entry,
+                              (*entry, val))
     return fixed, per_member, tuple(checks.values()), at
 
 

@@ -1538,7 +1538,13 @@ class Pattern:
         for i, ch in enumerate(s):
             if self._match in state:
                 return True, work[0]
-            state = self._step(state, ch, self._context(s, i + 1), work)
+            ctx = self._context(s, i + 1)
+            nxt = self._memo.get((state, ch, ctx))
+            if nxt is None:
+                nxt = self._step(state, ch, ctx, work)
+            else:                # a memoised step is cheaper, never free: a visit a character
+                self._charge(work, 1)
+            state = nxt
         return self._match in state, work[0]
 
     def _context(self, s: str, i: int) -> int:
@@ -1550,11 +1556,6 @@ class Pattern:
         return ctx
 
     def _step(self, state: frozenset, ch: str, ctx: int, work: list) -> frozenset:
-        """The threads live after ``ch``, at a position with context ``ctx``, memoised."""
-        nxt = self._memo.get((state, ch, ctx))
-        if nxt is not None:     # a memoised step is cheaper, never free: a visit a character
-            self._charge(work, 1)
-            return nxt
         cp, prog = ord(ch), self._prog
         moved = [pc + 1 for pc in state if pc != self._match and _in_ranges(prog[pc][1], cp)]
         nxt = self._closure(moved, ctx, work)

@@ -2093,11 +2093,10 @@ class _Check:
         else:
             prefix, rest = node.get("prefixItems", []), items
         for i, item in enumerate(value):
-            sub = prefix[i] if i < len(prefix) else rest
-            if sub is False and i >= len(prefix):
+            if i >= len(prefix) and rest is False:
                 errors.add(path, f"array has {len(value)} items, at most {len(prefix)} allowed")
                 return
-            self.validate(sub, item, path + [i], errors)
+            self.validate(prefix[i] if i < len(prefix) else rest, item, path + [i], errors)
 
     def check_contains(self, node, sub, value, path, errors):
         n = sum(1 for i, item in enumerate(value) if not self.failures(sub, item, path + [i]))

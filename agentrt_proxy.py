@@ -1416,8 +1416,7 @@ class _PatternParser:
             else:
                 ranges.extend(low if isinstance(low, tuple) else [(low, low)])
         self.pos += 1
-        merged = _merge(ranges)
-        return ("set", _complement(merged) if negated else merged)
+        return ("set", _complement(ranges) if negated else _merge(ranges))
 
     def class_atom(self) -> int | tuple:
         """One code point, or a class escape's ranges."""
@@ -1717,8 +1716,7 @@ def _is_multiple(value: tuple[int, str, int], of: tuple[int, str, int]) -> bool:
     """Whether value / of is an integer, for normal forms with ``of`` positive and at most
     MAX_MULTIPLE_OF_DIGITS digits. value / of = (digits / divisor) * 10**shift: no power of
     ten is ever built, however far apart the exponents are (1e10000 and 1e-300)."""
-    sign, digits, exponent = value
-    _, divisor, power = of
+    (sign, digits, exponent), (_, divisor, power) = value, of
     shift = exponent - power
     if sign == 0 or shift < 0:
         # zero is a multiple of anything; with shift < 0, digits has no trailing zero, so it
@@ -2067,19 +2065,17 @@ class _Check:
         extra = node.get("additionalProperties", True)
         unexpected = []
         for name, item in value.items():
-            matched = False
-            if name in props:
-                matched = True
+            matched = name in props
+            if matched:
                 self.validate(props[name], item, path + [name], errors)
             for pat, sub in patterns.items():
                 if self.found(pat, name, path + [name], errors):
                     matched = True
                     self.validate(sub, item, path + [name], errors)
-            if not matched:
-                if extra is False:
-                    unexpected.append(name)
-                elif extra is not True:
-                    self.validate(extra, item, path + [name], errors)
+            if not matched and extra is False:
+                unexpected.append(name)
+            elif not matched and extra is not True:
+                self.validate(extra, item, path + [name], errors)
         if unexpected:
             names = ", ".join(_quote(n) for n in unexpected)
             errors.add(path, f"additional properties {names} not allowed")
@@ -2097,11 +2093,10 @@ class _Check:
         else:
             prefix, rest = node.get("prefixItems", []), items
         for i, item in enumerate(value):
-            sub = prefix[i] if i < len(prefix) else rest
-            if sub is False and i >= len(prefix):
+            if i >= len(prefix) and rest is False:
                 errors.add(path, f"array has {len(value)} items, at most {len(prefix)} allowed")
                 return
-            self.validate(sub, item, path + [i], errors)
+            self.validate(prefix[i] if i < len(prefix) else rest, item, path + [i], errors)
 
     def check_contains(self, node, sub, value, path, errors):
         n = sum(1 for i, item in enumerate(value) if not self.failures(sub, item, path + [i]))
@@ -2196,18 +2191,17 @@ def _show(value: Any) -> str:
     return truncate(sanitize(encode_canonical(value).decode("utf-8")), VALUE_SHOWN)
 
 
-# Keywords read together run as one check, where the first of them stands in the schema
-# object: the bounds, the lengths and counts, the property family, the item family. Each
-# check is run only on a value of the type it constrains (object: any).
-_TOGETHER: dict[tuple[str, ...], tuple[Callable, type]] = {
-    ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"): (_Check.check_range, Num),
-    **{(low, high): (_Check.check_counts, kind) for kind, (low, high, _) in _COUNTED.items()},
-    ("properties", "patternProperties", "additionalProperties"):
-        (_Check.check_properties, dict),
-    ("items", "prefixItems", "additionalItems"): (_Check.check_items, list),
-}
-# Each keyword that constrains a value (the rest are annotations, or read by another's check).
+# Each keyword that constrains a value (the rest are annotations, or read by another's
+# check), and its check, run only on a value of the type it constrains (object: any).
+# Keywords read together share one check, run once where the first of them stands in the
+# schema object: the bounds, the lengths and counts, the property family, the item family.
 _CHECKS: dict[str, tuple[Callable, type]] = {
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+                    (_Check.check_range, Num)),
+    **{key: (_Check.check_counts, kind) for kind, keys in _COUNTED.items() for key in keys[:2]},
+    **dict.fromkeys(("properties", "patternProperties", "additionalProperties"),
+                    (_Check.check_properties, dict)),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems"), (_Check.check_items, list)),
     "type": (_Check.check_type, object), "enum": (_Check.check_enum, object),
     "const": (_Check.check_const, object), "multipleOf": (_Check.check_multiple, Num),
     "pattern": (_Check.check_pattern, str), "required": (_Check.check_required, dict),
@@ -2218,7 +2212,6 @@ _CHECKS: dict[str, tuple[Callable, type]] = {
     "if": (_Check.check_if, object), "$ref": (_Check.check_ref, object),
     **dict.fromkeys(("dependentRequired", "dependencies", "dependentSchemas"),
                     (_Check.check_dependent, dict)),
-    **{key: entry for keys, entry in _TOGETHER.items() for key in keys},
 }
 
 
@@ -2238,8 +2231,9 @@ def _plan(node: dict, at: tuple) -> tuple[int, int, tuple, tuple]:
     checks: dict = {}
     for key, val in node.items():
         entry = _CHECKS.get(key)
-        if entry:       # keywords read together once; dependent* each, by their keyword
-            checks.setdefault(entry if entry in _TOGETHER.values() else key, (*entry, val))
+        if entry:       # a check shared by keywords once; dependent* each, by their keyword
+            checks.setdefault(key if entry[0] is _Check.check_dependent else entry,
+                              (*entry, val))
     return fixed, per_member, tuple(checks.values()), at
 
 
@@ -12125,9 +12119,7 @@ class Out:
 
 def _json_escape(match: re.Match) -> str:
     """A character as JSON \\u escapes (a pair for one beyond the BMP): the same value."""
-    data = match.group().encode("utf-16-be")
-    return "".join(f"\\u{int.from_bytes(data[i:i + 2], 'big'):04x}"
-                   for i in range(0, len(data), 2))
+    return json.encoder.encode_basestring_ascii(match.group())[1:-1]
 
 
 def _stamp(text: str, millis: bool = False) -> str:
@@ -12289,13 +12281,9 @@ def approval_block(store: Store, approval: Approval, db_path: str,
         lines.append(f"upstream tool {doc['upstream_tool']}")
     lines += [f"tool          {doc['tool']}", f"side effect   {doc['side_effect']}",
               f"reason        {sanitize(view.reason) or '-'}"]
-    if doc["asked_by"]:                         # a condition or limit asked (section 20)
-        lines.append(f"asked by      {', '.join(doc['asked_by'])}")
-        lines += [f"  {line}" for line in doc["figures"]]
-    if doc["limits"]:                           # read as shown; bound to nothing (section 20)
-        lines.append("limits now    each limit of the tool as it stands as this is shown; "
-                     "collecting the call judges them again")
-        lines += [f"  {entry['text']}" for entry in doc["limits"]]
+    # a condition or limit asked; the limits are read as shown, bound to nothing (section 20)
+    lines += _asked_lines(doc, "", "asked by      ", "limits now    each limit of the tool as "
+                          "it stands as this is shown; collecting the call judges them again")
     if approval.expires_at:
         lines.append(f"expires       {_stamp(approval.expires_at)}")
     lines.append("arguments: the tool call the model made, one field per line "
@@ -12323,6 +12311,17 @@ def approval_block(store: Store, approval: Approval, db_path: str,
     lines.append(f"---- end of approval {doc['approval_id']} for tool {doc['tool']} ----")
     # The ids and names are a stored row's, and the command line above is one to paste.
     return [sanitize(line) for line in lines]
+
+
+def _asked_lines(doc: dict, pad: str, asked: str, limits: str) -> list[str]:
+    """The conditions and limits that asked and their figures, then the tool's limits as
+    they stand now, each under its title, as a view of a waiting_doc shows them."""
+    lines = []
+    if doc["asked_by"]:
+        lines += [asked + ", ".join(doc["asked_by"])] + [f"{pad}  {f}" for f in doc["figures"]]
+    if doc["limits"]:
+        lines += [limits] + [f"{pad}  {entry['text']}" for entry in doc["limits"]]
+    return lines
 
 
 def _shell_word(text: str) -> str:
@@ -12357,14 +12356,13 @@ def _step_row(s: Step) -> dict:
             **({"observation": s.obs_kind, "summary": obs.get("summary", "")} if obs else {})}
 
 
-def _approval_row(a: Approval, view: ApprovalView | None = None) -> dict:
+def _approval_row(a: Approval) -> dict:
     tool = ""
     with contextlib.suppress(ProxyError, KeyError, ValueError):
         tool = a.request().spec.name
-    row = {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
-           "created_at": a.created_at, "expires_at": a.expires_at,
-           "decided_by": a.decided_by, "note": a.note}
-    return row if view is None else dict(row, late_outcome=sanitize(view.late_text()))
+    return {"id": a.id, "kind": a.kind, "status": a.status, "tool": tool, "hash": a.hash,
+            "created_at": a.created_at, "expires_at": a.expires_at,
+            "decided_by": a.decided_by, "note": a.note}
 
 
 def cmd_show(store: Store, args, out: Out) -> int:
@@ -12375,8 +12373,10 @@ def cmd_show(store: Store, args, out: Out) -> int:
     words = outcomes_of_run(store, run.id)
     if args.json:
         out.json({"run": _run_summary(store, run), "steps": [_step_row(s) for s in page],
-                  "approvals": [dict(_approval_row(a, view_of(store, a)), operator_outcome=(
-                      words[a.id]["outcome"] if a.id in words else None)) for a in approvals],
+                  "approvals": [dict(_approval_row(a),
+                                     late_outcome=sanitize(view_of(store, a).late_text()),
+                                     operator_outcome=words.get(a.id, {}).get("outcome"))
+                                for a in approvals],
                   "refusals": refusals})
         return 0
     status = run.status + (f" ({run.reason})" if run.reason else "") + \
@@ -12527,13 +12527,6 @@ def _cut(text: str, limit: int) -> tuple[str, int]:
     return kept, size - len(kept.encode("utf-8"))
 
 
-def _policy_text(value: Any) -> str:
-    """A parsed value as compact JSON with its strings unescaped (as a policy reads them)."""
-    out: list[str] = []
-    _encode(value, out, _policy_str)
-    return "".join(out)
-
-
 def args_fields(raw: bytes) -> tuple[list[dict], int]:
     """A call's arguments for a one-line view: every field in canonical (sorted) order with
     the start of its key and of its value, each cut on its own with the bytes it left out,
@@ -12546,12 +12539,12 @@ def args_fields(raw: bytes) -> tuple[list[dict], int]:
         return [{"name": "(not JSON)", "value": text, "omitted_bytes": cut,
                  "problem": sanitize(str(exc))}], 0
     if not isinstance(value, dict):
-        text, cut = _cut(_policy_text(value), PENDING_VALUE_BYTES)
+        text, cut = _cut(encode_policy(value).decode(), PENDING_VALUE_BYTES)
         return [{"name": "(not an object)", "value": text, "omitted_bytes": cut}], 0
     fields, used = [], 2
     for n, key in enumerate(sorted(value)):
         name, name_cut = _cut(key, PENDING_KEY_BYTES)
-        text, cut = _cut(_policy_text(value[key]), PENDING_VALUE_BYTES)
+        text, cut = _cut(encode_policy(value[key]).decode(), PENDING_VALUE_BYTES)
         entry = {"name": name, "value": text, "omitted_bytes": cut,
                  **({"name_omitted_bytes": name_cut} if name_cut else {})}
         size = len(_field_text(entry).encode("utf-8")) + 1
@@ -12704,12 +12697,8 @@ def _pending_lines(e: dict) -> list[str]:
              f"  arguments {e['arguments']}"]
     if e["arguments_cut"]:
         lines.append(f"  NOT ALL SHOWN: read every field in full before deciding: {e['read']}")
-    if e["asked_by"]:
-        lines.append(f"  asked by {', '.join(e['asked_by'])}")
-        lines += [f"    {line}" for line in e["figures"]]
-    if e["limits"]:
-        lines.append("  limits now (collecting the call judges them again):")
-        lines += [f"    {entry['text']}" for entry in e["limits"]]
+    lines += _asked_lines(e, "  ", "  asked by ",
+                          "  limits now (collecting the call judges them again):")
     if e["repeat_of"]:
         lines.append(f"  REPEAT: this exact request already executed, {e['repeat_of']}")
     if e["late_outcome"]:
@@ -13144,11 +13133,9 @@ def run_proxy_command(args, out: Out) -> int:
     cfg = load_config(args.config)
     if args.command == "serve":
         return _serve(cfg, out)
-    if args.command == "recheck":
-        return asyncio.run(cmd_recheck(cfg, args, out))
-    if args.command == "pin":
-        return asyncio.run(cmd_pin(cfg, out))
-    return asyncio.run(cmd_check(cfg, out, args.strict))
+    return asyncio.run({"recheck": lambda: cmd_recheck(cfg, args, out),
+                        "pin": lambda: cmd_pin(cfg, out),
+                        "check": lambda: cmd_check(cfg, out, args.strict)}[args.command]())
 
 
 def _serve(cfg: Config, out: Out) -> int:

@@ -232,6 +232,11 @@ RECURSION_LIMIT = 6000
 sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
 
 BUSY_TIMEOUT_MS = 5000               # SQLite busy_timeout on every connection
+# SQLite's page cache of a connection, in KiB (its default is 2,000): a call with a 1 MB
+# argument writes it three times and rewrites its step row (DESIGN section 5), about 5 MB of
+# pages a call, which the default cache cannot hold until its commit. Memory is taken only as
+# pages are used.
+STORE_CACHE_KIB = 16 * 1024
 REFUSAL_WAIT_MS = 50                 # ... and for counting a refusal, which may be skipped
 WAL_SWITCH_SECONDS = 5.0             # how long to retry switching to WAL while busy
 WAL_SWITCH_STEP = 0.005
@@ -2692,6 +2697,7 @@ def _connection(path: str, mode: str) -> sqlite3.Connection:
     uri = ("file://" if quoted.startswith("/") else "file:") + quoted + f"?mode={mode}"
     conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
     for pragma in (f"busy_timeout={BUSY_TIMEOUT_MS}", "foreign_keys=ON", "trusted_schema=OFF",
+                   f"cache_size=-{STORE_CACHE_KIB}",
                    *(("synchronous=FULL",) if mode != "ro" else ())):
         conn.execute(f"PRAGMA {pragma}")
     if hasattr(sqlite3, "SQLITE_DBCONFIG_DEFENSIVE"):

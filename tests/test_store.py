@@ -119,6 +119,18 @@ def test_writer_connection_is_synchronous_full(tmp_path):
         store.close()
 
 
+def test_a_connection_caches_the_pages_a_large_call_writes(tmp_path):
+    """A call with a 1 MB argument writes about 5 MB of pages in its transactions: every
+    connection's page cache holds them (SQLite's default holds 2 MB)."""
+    store = ap.Store.open(str(tmp_path / "runs.db"))
+    try:
+        for conn in (store.conn, ap._connection(store.path, "ro")):
+            assert conn.execute("PRAGMA cache_size").fetchone()[0] == -ap.STORE_CACHE_KIB
+        assert ap.STORE_CACHE_KIB >= 8 * 1024
+    finally:
+        store.close()
+
+
 def test_existing_writer_is_synchronous_full_too(tmp_path):
     path = str(tmp_path / "runs.db")
     make_store(path)

@@ -161,6 +161,7 @@ import io
 import ipaddress
 import itertools
 import json
+import operator
 import os
 import queue
 import re
@@ -437,6 +438,7 @@ _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _LITERALS = {True: "true", False: "false", None: "null"}      # looked up by identity
 _CLOSING = {"{": "}", "[": "]"}
+_FIRST = operator.itemgetter(0)          # a member's key: members sorted by key alone
 # A surrogate escape: a high one with the low one after it, or either alone.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                                r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -521,12 +523,16 @@ class _Hooks:
     constant hook fails the scan, as a syntax error does. The other hooks note that the
     document holds a fault, and the exact walk (_Walk) finds which one and where, once the
     scan is over. ``repeated`` refuses repeated keys, ``bounds`` numbers past our bounds and
-    ``float_range`` a number beyond a 64-bit float inside a container."""
+    ``float_range`` a number beyond a 64-bit float inside a container; with ``repeated``,
+    ``sort_keys`` builds each object with its members sorted by key (a repeated key keeps
+    its last value, as without)."""
     strict = True                   # the scanner's own sense: raw control characters refused
     object_hook = None
 
-    def __init__(self, repeated: bool = False, bounds: bool = False, float_range: bool = False):
+    def __init__(self, repeated: bool = False, bounds: bool = False, float_range: bool = False,
+                 sort_keys: bool = False):
         self.object_pairs_hook = self.members if repeated else None
+        self.sort_keys = sort_keys
         self.parse_int = self.parse_float = self.number if bounds or float_range else Num
         self.parse_constant = self.constant
         self.bounds, self.float_range = bounds, float_range
@@ -534,7 +540,7 @@ class _Hooks:
         self.scan = _SCANNER(self)
 
     def members(self, pairs: list[tuple[str, Any]]) -> dict:
-        out = dict(pairs)
+        out = dict(sorted(pairs, key=_FIRST) if self.sort_keys else pairs)
         if len(out) != len(pairs):
             self.fault = True
         return out
@@ -828,12 +834,13 @@ def read_members(raw: bytes, max_depth: int = RECORD_DEPTH) -> tuple[dict, dict[
 
 
 def _read_object(raw: bytes, text: str, levels: int, clean: set[int] | None = None,
-                 judged: str = "") -> tuple[Any, dict, dict]:
+                 judged: str = "", sort_keys: bool = False) -> tuple[Any, dict, dict]:
     """The value ``text`` (``raw`` decoded) holds, read leniently and without bounds, and
     when it is an object the spans of its members (_members); ``clean`` gets where each
     value inside its member ``judged`` begins that the scanner read without a fault of the
-    strict parser's (the faults are looked for there alone). Anything else, valid or not,
-    is left to _parse_text, which returns it or raises its exact refusal."""
+    strict parser's (the faults are looked for there alone), its objects' members sorted
+    with ``sort_keys``. Anything else, valid or not, is left to _parse_text, which returns
+    it or raises its exact refusal."""
     clean = set() if clean is None else clean
     lone = _lone_surrogates(text)
     text = _without_surrogates(text) if lone else text
@@ -841,7 +848,7 @@ def _read_object(raw: bytes, text: str, levels: int, clean: set[int] | None = No
     if text.startswith("{", pos):
         try:
             end, doc, spans, inner = _members(_Hooks(), text, pos, levels, clean,
-                                              {judged: _Hooks(True, True, True)})
+                                              {judged: _Hooks(True, True, True, sort_keys)})
             for member in (spans, *inner.values()):
                 clean.difference_update(a for a, b in member.values() if _any_in(lone, a, b))
             if _WS.match(text, end).end() == len(text):
@@ -5262,14 +5269,16 @@ class Message:
     spans: dict[str, tuple[int, int]]            # top-level members
     params_spans: dict[str, tuple[int, int]]     # members of params, when it is an object
     inner: dict[str, dict[str, tuple[int, int]]]  # members of each top-level object member
-    strict_at: frozenset[int] = frozenset()      # params members' values read strict
+    strict_at: frozenset[int] = frozenset()      # judged members' values read strict
+    judged: str = "params"                       # a request's params, an answer's result
 
     def parsed(self, name: str) -> Any:
-        """The value of params member ``name`` when the message's one read found its bytes
-        strict JSON (parse_json of them gives this value, to be only read); else
-        NOT_PARSED: they are then parsed on their own, for the exact refusal."""
-        span = self.params_spans.get(name)
-        return self.params[name] if span is not None and span[0] in self.strict_at \
+        """The value of member ``name`` of the judged member (a request's params, an
+        answer's result) when the message's one read found its bytes strict JSON (parse_json
+        of them gives this value, to be only read); else NOT_PARSED: they are then parsed
+        on their own, for the exact refusal."""
+        span = self.inner.get(self.judged, {}).get(name)
+        return self.doc[self.judged][name] if span is not None and span[0] in self.strict_at \
             else NOT_PARSED
 
     def raw(self, name: str, in_params: bool = False) -> bytes | None:
@@ -5310,11 +5319,13 @@ class Message:
             isinstance(ident, str) and not _SURROGATES.search(ident)) else None
 
 
-def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
+def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH, judged: str = "params",
+                  ) -> Message:
     """Parse one frame. Bytes that are not UTF-8 are kept (they may sit inside arguments,
     which the gate then refuses as INVALID); anything that is not a JSON object raises.
-    The one read also tells which params members are strict JSON (Message.parsed): within
-    MAX_DEPTH below params, UTF-8, and without a fault the strict parser refuses."""
+    The one read also tells which members of ``judged`` (a request's params, a server's
+    result) are strict JSON (Message.parsed): within MAX_DEPTH below it, UTF-8, and
+    without a fault the strict parser refuses."""
     inner_depth = MAX_DEPTH + PARAMS_LEVELS
     at = _depth_exceeds(line, min(max_depth, inner_depth))
     within = at is None
@@ -5329,13 +5340,14 @@ def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH) -> Message:
         bad = [m.start() for m in _SURROGATES.finditer(text)]
     # the message's members' spans, and those of each of its objects
     clean: set[int] = set()
-    doc, spans, inner = _read_object(line, text, 2, clean, "params")
+    # A server's result is read with its objects' members sorted: the order the record
+    # keeps its structured content in (policy form), so the value is recorded as it is read.
+    doc, spans, inner = _read_object(line, text, 2, clean, judged, judged == "result")
     if not isinstance(doc, dict):
         raise ProtocolError("not a JSON-RPC message: expected an object", INVALID_REQUEST)
-    params = inner.get("params", {})
-    strict = frozenset(a for a, b in params.values()
+    strict = frozenset(a for a, b in inner.get(judged, {}).values()
                        if within and a in clean and not _any_in(bad, a, b))
-    return Message(doc, text, spans, params, inner, strict)
+    return Message(doc, text, spans, inner.get("params", {}), inner, strict, judged)
 
 
 def rpc_request(msg_id: int, method: str, params: Any) -> bytes:
@@ -5810,7 +5822,7 @@ class StdioUpstream(Upstream):
                 try:
                     # Parsed here, not on a worker: a request's timeout runs meanwhile,
                     # and an answer that arrived in time must never lose to it.
-                    msg = parse_message(line, UPSTREAM_DEPTH)
+                    msg = parse_message(line, UPSTREAM_DEPTH, "result")
                 except (JSONError, ProtocolError) as exc:
                     reason = f"the server sent a line that is not JSON-RPC: {exc}"
                     break
@@ -6024,7 +6036,7 @@ class HttpUpstream(Upstream):
         body = _read_capped(resp)
         if ctype == "application/json" and body.strip():
             try:
-                msg = parse_message(body, UPSTREAM_DEPTH)
+                msg = parse_message(body, UPSTREAM_DEPTH, "result")
             except JSONError as exc:
                 raise UpstreamError(f"the server's answer is not JSON-RPC: {exc}") from None
             if status == 200 or "error" in msg.doc:
@@ -6056,7 +6068,7 @@ class HttpUpstream(Upstream):
                 continue
             if b"".join(data).strip() and event in ("", "message"):   # not a priming event
                 try:
-                    msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH)
+                    msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH, "result")
                 except (JSONError, ProtocolError) as exc:
                     raise UpstreamError(f"the server sent an event that is not JSON-RPC: "
                                         f"{exc}") from None
@@ -6524,8 +6536,11 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     structuredContent); else the text blocks joined (other content as placeholders), capped
     with a marker. isError is a failure whose text is what the model is told."""
     # The message was parsed as it was read: its result is used as parsed (a bad byte in a
-    # string reads as U+FFFD where text is taken from it), and only the structured content
-    # is read again, from its own bytes, when it may fit.
+    # string reads as U+FFFD where text is taken from it). The structured content is that
+    # read's value when the strict parser would give it (Message.parsed: its members already
+    # in the order the record keeps), and the value travels to the classifier
+    # (ToolResult.value); else (a repeated key, a lone surrogate, a byte not UTF-8) it is
+    # read again, from its own bytes, when it may fit, and its record read by the classifier.
     result = reply.doc.get("result")
     result, spans = (result, reply.inner_spans("result")) if isinstance(result, dict) else \
         ({}, {})
@@ -6540,22 +6555,23 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     # Structured content is taken only as an object, the form every era's host reads as
     # structuredContent: anything else would be recorded but never reach the host, and the
     # record would say the model was given what it was not.
-    # The content's value, for the classifier: the text's; structured content is read
-    # again from the bytes recorded, whose members are in the order the record keeps.
     value: Any = NOT_PARSED
     if structured is not None and structured.lstrip(JSON_WS)[:1] == b"{":
         try:
+            value = reply.parsed("structuredContent")
             encoded = encode_policy(parse_json(structured, strict=False, max_depth=MAX_DEPTH,
-                                               float_range=True))
+                                               float_range=True)
+                                    if value is NOT_PARSED else value)
         except JSONError as exc:
             # Nested too deep: handed on as sent, so the gate refuses it as content it cannot
             # record and the call counts as executed. A number we cannot keep: the text
             # stands instead.
             encoded = structured.strip(JSON_WS) if exc.msg.startswith("nested") else None
+            value = NOT_PARSED
         if encoded is not None and _wire_len(encoded) + _wire_len(text) <= cap:
             content, beside = encoded, text
         elif encoded is not None:
-            dropped = len(encoded)
+            dropped, value = len(encoded), NOT_PARSED
     truncated = dropped > 0              # structured content is dropped only for the text
     if content is None:
         value, cut = cap_text(text or (STRUCTURED_DROPPED if dropped else ""), cap)

@@ -15,6 +15,7 @@ answer as it is read.
   parse that reads it; a record that is not an object is unreadable.
 """
 
+import json
 import os
 import sys
 
@@ -28,7 +29,8 @@ PAYLOAD = 1024 * 1024
 FILES_SERVER = [sys.executable, os.path.join(ROOT, "tests", "files_server.py")]
 RULES = {"write_file": {"side_effect": "remote_mutation", "timeout": "30s",
                         "outcome": "allow"},
-         "read_file": {"side_effect": "read_only", "timeout": "30s"}}
+         "read_file": {"side_effect": "read_only", "timeout": "30s"},
+         "list_entries": {"side_effect": "read_only", "timeout": "30s"}}
 
 
 def files_harness(tmp_path) -> ProxyHarness:
@@ -71,6 +73,28 @@ def test_a_capped_answer_is_recorded_from_the_parse_that_read_it(tmp_path, monke
         assert h.text(read).startswith('{"k": "v"}') and h.text(read).endswith(ap.TRUNCATION_MARKER)
         big = scans.at_least(ap.MAX_CONTENT_BYTES // 2)
         assert len(big) == 1, f"{len(big)} reads of the answer's size"
+    finally:
+        h.close()
+
+
+def test_structured_content_is_recorded_from_the_frames_one_read(tmp_path, monkeypatch):
+    """The server's structured content is read once, with the frame that carries it: the
+    gate records, hashes and answers with that read's value (its members sorted, as the
+    record keeps them), never reading the content's own bytes again, nor the bytes it
+    records."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import files_server
+    listing = files_server.listing(500, "entry")
+    size = len(json.dumps(listing))           # the frame carries it twice: as text and as is
+    h = files_harness(tmp_path)
+    try:
+        scans = Scans(monkeypatch)
+        answer = h.call("files_list_entries", {"count": 500, "prefix": "entry"})
+        assert not h.is_error(answer), h.text(answer)
+        assert answer["structuredContent"] == json.loads(json.dumps(listing))
+        assert list(answer["structuredContent"]["entries"][0]) == ["name", "size", "type"]
+        assert 2 * size < scans.total() < 2 * size + size // 4, \
+            f"{scans.total()} characters read for a frame of about {2 * size}"
     finally:
         h.close()
 

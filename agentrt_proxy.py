@@ -11762,13 +11762,10 @@ class _RecordedPolicy(ProxyPolicy):
 
     def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
         at = super().rerun_of(request, view)
-        if at is not None:
-            return at
         named = _interrupted_attempt(self._asked(request, INTERRUPTED_KIND))
-        if named is None or (named.get("run_id"), named.get("step_id")) == \
-                (request.run_id, request.step_id):
-            return None
-        return named
+        own = named is not None and (named.get("run_id"), named.get("step_id")) == \
+            (request.run_id, request.step_id)
+        return named if at is None and not own else at
 
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
         earlier, asked = super().repeat_of(request, view), self._asked(request, REPEAT_KIND)
@@ -13543,11 +13540,11 @@ def _hook_view(view: ApprovalView) -> dict:
 def _hook_approval(store: Store, a: Approval) -> dict:
     """One approval in full: its state, everything its hash binds, and its view."""
     view = view_of(store, a)
-    doc = dict(_hook_row(a), **_hook_view(view), arguments=_hook_record(lambda: a.request().args),
-               capability=_hook_record(lambda: a.capability),
-               presentation=_hook_record(lambda: a.presentation))
-    doc.update(approval_facts(a, view, limits_now(store._read, a, time.time())))
-    return doc
+    # A key the facts give again keeps its place in the row and takes the facts' value.
+    return {**_hook_row(a), **_hook_view(view), "arguments": _hook_record(lambda: a.request().args),
+            "capability": _hook_record(lambda: a.capability),
+            "presentation": _hook_record(lambda: a.presentation),
+            **approval_facts(a, view, limits_now(store._read, a, time.time()))}
 
 
 def _hook_run(run: Run) -> dict:

@@ -11191,15 +11191,14 @@ def suggests_no_window(ann: Any) -> str:
             "expired within the window. Both hints are the server's claims: read them")
 
 
-def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
-                    policy: "ProxyPolicy | None" = None) -> dict[str, dict]:
+def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = ()) -> dict[str, dict]:
     """One suggested rule per tool: the class its hints suggest, `"repeat_window": "0s"`
     where suggests_no_window says so, else `"repeat": "ask"` where suggests_repeat says so
     (with no window there is no repeat to ask about), and a `rename` that drops a doubled
     prefix (server `git`'s `git_commit` would register as `git_git_commit`) when no tool
     registers under that name: none of this server's, and none of ``others`` (the names the
     other servers' tools may register under). Each is the server's claim, never applied
-    unasked. With ``policy``, a tool it denies on every call gets no rule (left_out)."""
+    unasked; left_out names those a policy denies on every call."""
     taken = {f"{server}_{name}" for name in tools} | set(others)
     out: dict[str, dict] = {}
     for name, t in tools.items():
@@ -11212,8 +11211,7 @@ def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
         if server and name.startswith(server + "_") and name not in taken:
             rule["rename"] = name
         out[name] = rule
-    dropped = left_out(out, server, policy) if policy is not None else {}
-    return {name: rule for name, rule in out.items() if name not in dropped}
+    return out
 
 
 def left_out(rules: dict[str, dict], server: str, policy: "ProxyPolicy") -> dict[str, dict]:

@@ -11058,7 +11058,7 @@ def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
         variables["workspaceFolder"] = os.path.dirname(parent)
     for key, entry in doc[_HOST_SERVERS[host]].items():
         try:
-            server = _translate_entry(key, entry, variables)
+            server = _translate_entry(entry, variables)
         except ConfigError as exc:
             found.append(WrappedEntry(key, None, str(exc)))
             continue
@@ -11070,7 +11070,7 @@ def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
     return found
 
 
-def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
+def _translate_entry(entry: Any, variables: dict[str, str]) -> dict:
     if not isinstance(entry, dict):
         raise ConfigError("the entry is not an object")
     for field in entry:

@@ -13331,13 +13331,10 @@ class HookRequest:
     body: bytes
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
-class HookRoute:
-    """What a webhook request asks for, once its path is read."""
-    action: str                     # list, show, approve, reject, cancel
-    run: str
-    approval: str = ""
-    as_text: bool = False
+# What a webhook request asks for, once its path is read: its action (list, show, approve,
+# reject or cancel), its run, the approval it names, and whether show answers in text.
+HookRoute = collections.namedtuple("HookRoute", "action run approval as_text",
+                                   defaults=("", False))
 
 
 class _HookReader:

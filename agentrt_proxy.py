@@ -11081,7 +11081,7 @@ def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
         variables["workspaceFolder"] = os.path.dirname(parent)
     for key, entry in doc[_HOST_SERVERS[host]].items():
         try:
-            server = _translate_entry(key, entry, variables)
+            server = _translate_entry(entry, variables)
         except ConfigError as exc:
             found.append(WrappedEntry(key, None, str(exc)))
             continue
@@ -11093,7 +11093,7 @@ def translate_host(host: str, path: str, doc: dict) -> list[WrappedEntry]:
     return found
 
 
-def _translate_entry(key: str, entry: Any, variables: dict[str, str]) -> dict:
+def _translate_entry(entry: Any, variables: dict[str, str]) -> dict:
     if not isinstance(entry, dict):
         raise ConfigError("the entry is not an object")
     for field in entry:
@@ -11214,15 +11214,14 @@ def suggests_no_window(ann: Any) -> str:
             "expired within the window. Both hints are the server's claims: read them")
 
 
-def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
-                    policy: "ProxyPolicy | None" = None) -> dict[str, dict]:
+def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = ()) -> dict[str, dict]:
     """One suggested rule per tool: the class its hints suggest, `"repeat_window": "0s"`
     where suggests_no_window says so, else `"repeat": "ask"` where suggests_repeat says so
     (with no window there is no repeat to ask about), and a `rename` that drops a doubled
     prefix (server `git`'s `git_commit` would register as `git_git_commit`) when no tool
     registers under that name: none of this server's, and none of ``others`` (the names the
     other servers' tools may register under). Each is the server's claim, never applied
-    unasked. With ``policy``, a tool it denies on every call gets no rule (left_out)."""
+    unasked; left_out names those a policy denies on every call."""
     taken = {f"{server}_{name}" for name in tools} | set(others)
     out: dict[str, dict] = {}
     for name, t in tools.items():
@@ -11235,8 +11234,7 @@ def suggested_rules(tools: dict, server: str = "", others: Iterable[str] = (),
         if server and name.startswith(server + "_") and name not in taken:
             rule["rename"] = name
         out[name] = rule
-    dropped = left_out(out, server, policy) if policy is not None else {}
-    return {name: rule for name, rule in out.items() if name not in dropped}
+    return out
 
 
 def left_out(rules: dict[str, dict], server: str, policy: "ProxyPolicy") -> dict[str, dict]:
@@ -11785,13 +11783,10 @@ class _RecordedPolicy(ProxyPolicy):
 
     def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
         at = super().rerun_of(request, view)
-        if at is not None:
-            return at
         named = _interrupted_attempt(self._asked(request, INTERRUPTED_KIND))
-        if named is None or (named.get("run_id"), named.get("step_id")) == \
-                (request.run_id, request.step_id):
-            return None
-        return named
+        own = named is not None and (named.get("run_id"), named.get("step_id")) == \
+            (request.run_id, request.step_id)
+        return named if at is None and not own else at
 
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
         earlier, asked = super().repeat_of(request, view), self._asked(request, REPEAT_KIND)
@@ -13352,13 +13347,10 @@ class HookRequest:
     body: bytes
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
-class HookRoute:
-    """What a webhook request asks for, once its path is read."""
-    action: str                     # list, show, approve, reject, cancel
-    run: str
-    approval: str = ""
-    as_text: bool = False
+# What a webhook request asks for, once its path is read: its action (list, show, approve,
+# reject or cancel), its run, the approval it names, and whether show answers in text.
+HookRoute = collections.namedtuple("HookRoute", "action run approval as_text",
+                                   defaults=("", False))
 
 
 class _HookReader:
@@ -13559,11 +13551,11 @@ def _hook_view(view: ApprovalView) -> dict:
 def _hook_approval(store: Store, a: Approval) -> dict:
     """One approval in full: its state, everything its hash binds, and its view."""
     view = view_of(store, a)
-    doc = dict(_hook_row(a), **_hook_view(view), arguments=_hook_record(lambda: a.request().args),
-               capability=_hook_record(lambda: a.capability),
-               presentation=_hook_record(lambda: a.presentation))
-    doc.update(approval_facts(a, view, limits_now(store._read, a, time.time())))
-    return doc
+    # A key the facts give again keeps its place in the row and takes the facts' value.
+    return {**_hook_row(a), **_hook_view(view), "arguments": _hook_record(lambda: a.request().args),
+            "capability": _hook_record(lambda: a.capability),
+            "presentation": _hook_record(lambda: a.presentation),
+            **approval_facts(a, view, limits_now(store._read, a, time.time()))}
 
 
 def _hook_run(run: Run) -> dict:

@@ -5272,13 +5272,13 @@ class Message:
     strict_at: frozenset[int] = frozenset()      # judged members' values read strict
     judged: str = "params"                       # a request's params, an answer's result
 
-    def parsed(self, name: str) -> Any:
-        """The value of member ``name`` of the judged member (a request's params, an
-        answer's result) when the message's one read found its bytes strict JSON (parse_json
-        of them gives this value, to be only read); else NOT_PARSED: they are then parsed
-        on their own, for the exact refusal."""
-        span = self.inner.get(self.judged, {}).get(name)
-        return self.doc[self.judged][name] if span is not None and span[0] in self.strict_at \
+    def parsed(self, name: str, member: str = "params") -> Any:
+        """The value of ``member``'s member ``name`` when the message's one read judged
+        ``member`` (a request's params, a server's result) and found those bytes strict
+        JSON (parse_json of them gives this value, to be only read); else NOT_PARSED: they
+        are then parsed on their own, for the exact refusal."""
+        span = self.inner.get(member, {}).get(name) if member == self.judged else None
+        return self.doc[member][name] if span is not None and span[0] in self.strict_at \
             else NOT_PARSED
 
     def raw(self, name: str, in_params: bool = False) -> bytes | None:
@@ -5348,6 +5348,17 @@ def parse_message(line: bytes, max_depth: int = ENVELOPE_DEPTH, judged: str = "p
     strict = frozenset(a for a, b in inner.get(judged, {}).values()
                        if within and a in clean and not _any_in(bad, a, b))
     return Message(doc, text, spans, inner.get("params", {}), inner, strict, judged)
+
+
+def server_message(line: bytes) -> Message:
+    """A server's frame, read once. A frame that can hold structured content the gate
+    keeps (at most STRUCTURED_READ_LIMIT) has its result judged: read under the strict
+    parser's hooks, its objects' members sorted as the record keeps them, so that the
+    content's value is that read's (map_result). A longer one is read as a host's message
+    is (its params judged): what its result holds is either never kept or read again from
+    its own bytes, and the strict hooks would cost the event loop a call per object."""
+    return parse_message(line, UPSTREAM_DEPTH,
+                         "result" if len(line) <= STRUCTURED_READ_LIMIT else "params")
 
 
 def rpc_request(msg_id: int, method: str, params: Any) -> bytes:
@@ -5822,7 +5833,7 @@ class StdioUpstream(Upstream):
                 try:
                     # Parsed here, not on a worker: a request's timeout runs meanwhile,
                     # and an answer that arrived in time must never lose to it.
-                    msg = parse_message(line, UPSTREAM_DEPTH, "result")
+                    msg = server_message(line)
                 except (JSONError, ProtocolError) as exc:
                     reason = f"the server sent a line that is not JSON-RPC: {exc}"
                     break
@@ -6036,7 +6047,7 @@ class HttpUpstream(Upstream):
         body = _read_capped(resp)
         if ctype == "application/json" and body.strip():
             try:
-                msg = parse_message(body, UPSTREAM_DEPTH, "result")
+                msg = server_message(body)
             except JSONError as exc:
                 raise UpstreamError(f"the server's answer is not JSON-RPC: {exc}") from None
             if status == 200 or "error" in msg.doc:
@@ -6068,7 +6079,7 @@ class HttpUpstream(Upstream):
                 continue
             if b"".join(data).strip() and event in ("", "message"):   # not a priming event
                 try:
-                    msg = parse_message(b"\n".join(data), UPSTREAM_DEPTH, "result")
+                    msg = server_message(b"\n".join(data))
                 except (JSONError, ProtocolError) as exc:
                     raise UpstreamError(f"the server sent an event that is not JSON-RPC: "
                                         f"{exc}") from None
@@ -6558,7 +6569,7 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     value: Any = NOT_PARSED
     if structured is not None and structured.lstrip(JSON_WS)[:1] == b"{":
         try:
-            value = reply.parsed("structuredContent")
+            value = reply.parsed("structuredContent", "result")
             encoded = encode_policy(parse_json(structured, strict=False, max_depth=MAX_DEPTH,
                                                float_range=True)
                                     if value is NOT_PARSED else value)

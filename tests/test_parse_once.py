@@ -99,6 +99,24 @@ def test_structured_content_is_recorded_from_the_frames_one_read(tmp_path, monke
         h.close()
 
 
+class _Files:
+    """map_result's view of a tool: its names and its cap."""
+    spec = ap.ToolSpec("files_list_entries", "", b"{}", "read_only", 30.0)
+    server, remote, max_content = "files", "list_entries", ap.MAX_CONTENT_BYTES
+
+
+@pytest.mark.parametrize("judged", ["params", "result"])
+def test_structured_content_is_always_the_results_whatever_the_frame_was_read_for(judged):
+    """The value a frame's read carries is a result member's only when the read judged the
+    result: a frame read for its params never hands its params' member as the result's."""
+    frame = (b'{"jsonrpc":"2.0","id":1,"params":{"structuredContent":{"evil":1}},'
+             b'"result":{"content":[],"structuredContent":{"b":2,"a":1}}}')
+    result = ap.map_result(_Files, ap.parse_message(frame, ap.UPSTREAM_DEPTH, judged))
+    assert result.content == b'{"a":1,"b":2}'
+    assert ap._observe("files_list_entries", 30.0, result).doc["content"] == \
+        {"a": ap.Num("1"), "b": ap.Num("2")}
+
+
 FAULTS = [b'{"a":1,"a":2}', b'{"a":"\\ud800"}', b'{"a":"\xff"}', b'{"a":1e999999}',
           b'{"a":[1e400]}', b'{"a":' + b"[" * ap.MAX_DEPTH + b"]" * ap.MAX_DEPTH + b"}"]
 

@@ -10237,8 +10237,8 @@ class HostServer:
         self.proxy, self.write = proxy, write
         self.log = log if log is not None else proxy.log
         self.closing = False
-        self.inflight: set[asyncio.Task] = set()
-        self.cancelled: dict[str, list[asyncio.Event]] = {}
+        # Each call in flight, with its request's key and the event a cancel naming it sets.
+        self.inflight: dict[asyncio.Task, tuple[str, asyncio.Event]] = {}
         self.waiting: list[Message] = []
         self.refusal = ""                # set once loading failed: the answer to later ones
         self.initialized = False         # a legacy host sent notifications/initialized
@@ -10328,8 +10328,9 @@ class HostServer:
             self.request(msg)
         elif msg.method == "notifications/cancelled":
             key = _id_key(msg.raw("requestId", in_params=True))
-            for event in self.cancelled.get(key, ()):
-                event.set()
+            for call_key, event in self.inflight.values():
+                if call_key == key:
+                    event.set()
             # A request cancelled while it waited for loading is never run nor answered.
             self.waiting = [m for m in self.waiting if _id_key(m.raw("id")) != key]
             self.listens.pop(key, None)
@@ -10392,10 +10393,9 @@ class HostServer:
         event = asyncio.Event()
         # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
         # and a cancel naming the id reaches every call that carries it.
-        self.cancelled.setdefault(_id_key(msg.raw("id")), []).append(event)
         task = asyncio.create_task(self.run_call(msg, modern, name, args, event, value))
-        self.inflight.add(task)
-        task.add_done_callback(self.inflight.discard)
+        self.inflight[task] = (_id_key(msg.raw("id")), event)
+        task.add_done_callback(self.inflight.pop)
 
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event, value: Any = NOT_PARSED) -> None:
@@ -10412,11 +10412,6 @@ class HostServer:
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",
                                  "Whether anything was executed is not known here.")
-        finally:
-            key = _id_key(msg.raw("id"))  # start_call added this event; only this removes it
-            self.cancelled[key].remove(cancelled)
-            if not self.cancelled[key]:
-                del self.cancelled[key]
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
 
@@ -11561,9 +11556,8 @@ class ServerWatch:
                 return not self.conn.closed
             except asyncio.TimeoutError:
                 pass
-            if _manifest_stamp(self.server.manifest) != self.stamp:
-                return True
-            if self.failed and time.monotonic() - self.last >= DRIFT_RETRY:
+            if _manifest_stamp(self.server.manifest) != self.stamp or \
+                    (self.failed and time.monotonic() - self.last >= DRIFT_RETRY):
                 return True
         return False
 

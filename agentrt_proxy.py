@@ -11465,16 +11465,12 @@ def withheld_answer(why: str) -> dict:
 def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> dict[str, str]:
     """Each tool whose listing differs from its pin, by the hashes loading compares, and
     how: in name order."""
-    out = {}
-    for name in sorted(set(pinned) | set(live)):
-        pin, now = pinned.get(name), live.get(name)
-        if pin is None or now is None:
-            out[name] = DRIFT_NEW if pin is None else DRIFT_GONE
-            continue
-        what = changed_since_pin(pin, now)
+    out = {name: DRIFT_GONE if name in pinned else DRIFT_NEW for name in set(pinned) ^ set(live)}
+    for name in set(pinned) & set(live):
+        what = changed_since_pin(pinned[name], live[name])
         if what:
             out[name] = f"{' and '.join(what)} changed since the pin"
-    return out
+    return dict(sorted(out.items()))
 
 
 def _manifest_stamp(path: str) -> tuple | None:

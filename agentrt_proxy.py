@@ -7953,15 +7953,14 @@ class Condition:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Limit:
-    """limits[index]: at most ``calls`` executions, or a sum of at most ``max`` of the value
-    at ``pointer``, within the last ``per`` seconds."""
+    """limits[index]: at most ``most`` executions, or a sum of at most ``most`` (in units) of
+    the value at ``pointer``, within the last ``per`` seconds."""
     index: int
     per: float
     over: str = "require_approval"
     name: str = ""
-    calls: int = 0
-    pointer: str = ""
-    max_units: int = 0
+    pointer: str = ""                # the value a sum adds up; "" for a limit of calls
+    most: int = 0                    # the most calls, or the max sum in units
 
     @property
     def ref(self) -> str:
@@ -7976,24 +7975,21 @@ class Limit:
         """The counter it is counted under: its name, or its place; and what it counts and
         over what window, so that a sum of another pointer never reads this one's rows, and
         a longer window starts from the history (Budgets.catch_up), not from its rows."""
-        what = f"{'calls' if self.calls else 'sum ' + self.pointer} per {fmt_duration(self.per)}"
+        what = f"{'sum ' + self.pointer if self.pointer else 'calls'} per {fmt_duration(self.per)}"
         where = ["name", self.name] if self.name else ["tool", server, remote, self.index]
         return dump_json(where + [what])
 
     def written(self) -> dict:
         named = {"name": self.name} if self.name else {}
-        most = {"calls": Num(str(self.calls))} if self.calls else \
-            {"sum": self.pointer, "max": fmt_units(self.max_units)}
+        most = {"sum": self.pointer, "max": fmt_units(self.most)} if self.pointer else \
+            {"calls": Num(str(self.most))}
         return {"per": fmt_duration(self.per), "over": self.over, **named, **most}
 
     def what(self) -> str:
-        return "calls" if self.calls else f"sum of {self.pointer}"
+        return f"sum of {self.pointer}" if self.pointer else "calls"
 
     def shown(self, units: int) -> str:
-        return str(units) if self.calls else fmt_units(units)
-
-    def most(self) -> int:
-        return self.calls or self.max_units
+        return fmt_units(units) if self.pointer else str(units)
 
 
 def to_units(num: Num) -> int:
@@ -8048,11 +8044,9 @@ def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
         f = _ConfigObject(entry, at, _WHEN_FIELDS)
         if "if" not in f.doc:
             raise ConfigError(f"{at}: if is required: the JSON Schema the arguments match")
-        outcome = f.text("outcome")
-        if outcome not in CONFIG_OUTCOMES:
-            raise ConfigError(f"{at}: outcome {_quote(outcome)} is not allow, "
-                              "require_approval, or deny" if outcome else
-                              f"{at}: outcome is required: allow, require_approval, or deny")
+        if not f.text("outcome"):
+            raise ConfigError(f"{at}: outcome is required: allow, require_approval, or deny")
+        outcome = _outcome(f.text("outcome"), at)
         why = f.text("why")
         if "why" in f.doc and not 1 <= len(why) <= WHY_CHARS:
             raise ConfigError(f"{at}: why is {len(why)} characters; it must be 1 to {WHY_CHARS}")
@@ -8131,7 +8125,7 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
             if sign <= 0 or not calls.is_integer() or len(digits) + exponent > MAX_CALLS_DIGITS:
                 raise ConfigError(f"{at}: calls must be a whole number from 1 to "
                                   f"{10 ** MAX_CALLS_DIGITS - 1}")
-            out.append(Limit(i, per, over, name, calls=int(digits) * 10 ** exponent))
+            out.append(Limit(i, per, over, name, most=int(digits) * 10 ** exponent))
             continue
         pointer = f.text("sum")
         if not pointer.startswith("/"):
@@ -8143,7 +8137,7 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
         if "max" not in f.doc:
             raise ConfigError(f"{at}: max is required with sum")
         out.append(Limit(i, per, over, name, pointer=pointer,
-                         max_units=_parse_max(f.doc["max"], at)))
+                         most=_parse_max(f.doc["max"], at)))
     return tuple(out)
 
 
@@ -8191,12 +8185,12 @@ class LimitUse:
 
     @property
     def over(self) -> bool:
-        return self.used + self.adds > self.limit.most()
+        return self.used + self.adds > self.limit.most
 
     def figures(self, tool: str) -> str:
         lim = self.limit
-        return (f"{lim.label} of {tool}: {lim.shown(self.used)} of {lim.shown(lim.most())}"
-                f"{' calls' if lim.calls else ''} in the last {fmt_duration(lim.per)}; this "
+        return (f"{lim.label} of {tool}: {lim.shown(self.used)} of {lim.shown(lim.most)}"
+                f"{'' if lim.pointer else ' calls'} in the last {fmt_duration(lim.per)}; this "
                 f"call adds {lim.shown(self.adds)}")
 
 
@@ -8224,7 +8218,7 @@ def _with_fixed(tool: "UpstreamTool", value: Any) -> Any:
 
 def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
     """What a call adds to a limit, or why it cannot be counted."""
-    if limit.calls:
+    if not limit.pointer:
         return 1, ""
     found = walk_pointer(value, limit.pointer)
     if found is None:
@@ -8299,7 +8293,7 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
         if not use.over:
             continue
         if limit.over == "deny":
-            shown = f"{use.figures(name)}, over its max of {limit.shown(limit.most())} " \
+            shown = f"{use.figures(name)}, over its max of {limit.shown(limit.most)} " \
                 f"({limit.what()})"
             return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref, shown)
         if outcome == "allow":
@@ -8328,7 +8322,7 @@ def _room(tool: "UpstreamTool", value: Any,
         adds, problem = counted_value(limit, value)
         if limit.over != "deny" or problem:
             continue
-        if adds > limit.most():
+        if adds > limit.most:
             return "; this call alone is over its max, so no window ever has room for it"
         at = frees(limit.key(tool.server, tool.remote), limit, adds) if frees else None
         latest = max(latest, at) if isinstance(at, float) else latest
@@ -8417,7 +8411,7 @@ def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
                             "also matches a call without it; add it to the condition's "
                             "required")
     for limit in tool.rule.limits:
-        out.append(f"{name}: {limit.label}: at most {limit.shown(limit.most())} "
+        out.append(f"{name}: {limit.label}: at most {limit.shown(limit.most)} "
                    f"({limit.what()}) in any {fmt_duration(limit.per)}; over it: {limit.over}")
     return out + warnings
 
@@ -8518,12 +8512,12 @@ class Budgets:
             # An attempt the operator said did not execute is neither an execution to count
             # nor a row that counted one (uncount_attempt zeroed it): read here, under the
             # write lock, so that a word given while the events were walked is seen.
-            words = not_executed(tx.rows, MAX_ROW_ID)
-            ran = [r for r in ran if not _said_not_executed(words, r[1], r[2], r[0])]
+            said = not_executed(tx.rows, MAX_ROW_ID)
+            ran = [r for r in ran if not said(r[1], r[2], r[0])]
             held = collections.Counter((run_id, step_id) for run_id, step_id, at in tx.rows(
                 "SELECT run_id, step_id, at FROM proxy_limit_uses WHERE key=? AND n>? AND at>?",
                 (key, mark[1], parse_time(since)))
-                if not _said_not_executed(words, run_id, step_id, at))
+                if not said(run_id, step_id, at))
             (n, total, last), _, _ = _use(tx.rows, key, limit, self.clock())
             for at, run_id, step_id, adds in ran:
                 if held[(run_id, step_id)] > 0:
@@ -8546,7 +8540,7 @@ class Budgets:
         primary key, however many the window holds. None when there is room now."""
         read = self.store._read
         (top, total, _), used, first = _use(read, key, limit, self.clock())
-        excess = used + adds - limit.most()
+        excess = used + adds - limit.most
         if excess <= 0 or first > top:
             return None
         found = _row(read, key, _first_row(read, key, first, top, total - used + excess))
@@ -8563,7 +8557,7 @@ class Budgets:
             adds, problem = counted_value(limit, value)
             key = limit.key(tool.server, tool.remote)
             (n, total, last), used, _ = _use(tx.rows, key, limit, now)
-            if problem or (used + adds > limit.most() and
+            if problem or (used + adds > limit.most and
                            (limit.over == "deny" or limit.ref not in covers)):
                 raise BudgetMoved(f"{limit.label} of {tool.spec.name} moved before the call "
                                   "started")
@@ -8578,7 +8572,7 @@ class Budgets:
             for limit in tool.rule.limits:
                 used = self.use_of(limit.key(tool.server, tool.remote), limit)
                 named = f', limit "{limit.name}"' if limit.name else ""
-                out.append(f"{name}: {limit.shown(used)} of {limit.shown(limit.most())} "
+                out.append(f"{name}: {limit.shown(used)} of {limit.shown(limit.most)} "
                            f"({limit.what()}{named}) in the last {fmt_duration(limit.per)}")
         return out
 
@@ -8619,10 +8613,10 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
     ending ``now``, less those an operator had said by then did not execute. A walk through
     the window's events: recheck's cost, never a call's."""
     counted = _counted_by(tools).get(key, (limit, {}))[1]
-    words = not_executed(store._read, before_seq)
+    said = not_executed(store._read, before_seq)
     return sum(adds for at, run_id, step_id, adds in _executions(
         store._read, counted, limit, 0, before_seq - 1, fmt_time(now - limit.per))
-        if not _said_not_executed(words, run_id, step_id, at))
+        if not said(run_id, step_id, at))
 
 
 # -- an attempt the operator said did not execute --
@@ -8634,19 +8628,19 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
 # nothing re-runs a step whose interruption approval was rejected (its run ends), nor one of
 # an earlier run a fresh run asks about (that run has ended).
 
-def not_executed(read: Query,
-                 before_seq: int) -> dict[tuple[str, str], float]:
-    """The attempts that do not count, as the words and events recorded before event
-    ``before_seq`` stand: (run id, step id) -> the attempt's start. An attempt does not
-    count when an operator's latest word on it says it did not execute, and the store knows
-    of no known late outcome of it (a late success proves it executed, whatever was said).
-    Few: each is an operator's explicit word. Empty where the proxy's table is not there
-    yet (a database the proxy of an older build last opened, read by recheck)."""
+def not_executed(read: Query, before_seq: int) -> Callable[[str, str, float], bool]:
+    """Whether an execution (run id, step id, start) is of an attempt that does not count,
+    as the words and events recorded before event ``before_seq`` stand: the step's attempt
+    started at or before it. An attempt does not count when an operator's latest word on it
+    says it did not execute, and the store knows of no known late outcome of it (a late
+    success proves it executed, whatever was said). Few: each is an operator's explicit
+    word. None where the proxy's table is not there yet (a database the proxy of an older
+    build last opened, read by recheck)."""
     try:
         rows = read("SELECT attempt_run_id, attempt_step_id, attempt_started_at, outcome FROM "
                     "proxy_operator_outcomes WHERE seq<? ORDER BY seq", (before_seq,))
     except StoreError:
-        return {}
+        rows = []
     latest = {(run_id, step_id): (started, word) for run_id, step_id, started, word in rows}
     words = {}
     for (run_id, step_id), (started, word) in latest.items():
@@ -8658,12 +8652,7 @@ def not_executed(read: Query,
             continue
         with contextlib.suppress(ValueError, TypeError, OverflowError):
             words[(run_id, step_id)] = parse_time(started)
-    return words
-
-
-def _said_not_executed(words: dict, run_id: str, step_id: str, at: float) -> bool:
-    start = words.get((run_id, step_id))
-    return start is not None and at >= start
+    return lambda run_id, step_id, at: at >= words.get((run_id, step_id), float("inf"))
 
 
 def uncount_attempt(tx: Tx, attempt: dict) -> None:
@@ -8755,10 +8744,10 @@ def limits_shown(tool: "UpstreamTool", args: bytes) -> dict:
         return {}
     value = server_value(tool, args)
     counted = [(limit, *counted_value(limit, value)) for limit in tool.rule.limits]
+    # A limit that cannot count the call is left out: judge denies such a call, never asks.
     return {"limits": [{"key": limit.key(tool.server, tool.remote), "index": limit.index,
                         "limit": limit.written(), "adds": str(adds)}
-                       for limit, adds, problem in counted
-                       if not problem]}         # judge denies such a call: it never asks
+                       for limit, adds, problem in counted if not problem]}
 
 
 def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
@@ -8811,7 +8800,7 @@ def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
     text = use.figures(tool) + (f": over its max, so collecting it will {then} unless room "
                                 "frees first" if then else "")
     return {"limit": sanitize(lim.ref), "what": sanitize(lim.what()),
-            "used": lim.shown(use.used), "max": lim.shown(lim.most()),
+            "used": lim.shown(use.used), "max": lim.shown(lim.most),
             "adds": lim.shown(use.adds), "per": fmt_duration(lim.per), "over": lim.over,
             "would_deny": deny, "asks_again": again, "text": sanitize(text)}
 

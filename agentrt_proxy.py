@@ -8369,18 +8369,15 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
     had.pop("asked_by", None)
     if encode_canonical(had) != encode_canonical(now) or not set(now_asked) <= set(had_asked):
         return fresh
-    had_limits = _limits_record(grant.presentation)
-    if had_limits is None or had_limits != _limits_record(fresh.presentation):
-        return fresh                 # a limit written differently since: nobody saw it
+    # Each presentation's record of its tool's limits as written (limits_shown): where one
+    # is unreadable no grant covers anything, and a limit written differently since was
+    # seen by nobody.
+    was, shown = _own_object(grant.presentation), _own_object(fresh.presentation)
+    if was is None or shown is None or \
+            encode_canonical(was.get("limits", [])) != encode_canonical(shown.get("limits", [])):
+        return fresh
     return dataclasses.replace(fresh, capability=grant.capability,
                                presentation=grant.presentation)
-
-
-def _limits_record(presentation: bytes) -> bytes | None:
-    """A presentation's record of its tool's limits as written (limits_shown), canonical;
-    None where it is unreadable (then no grant covers anything)."""
-    shown = _own_object(presentation)
-    return None if shown is None else encode_canonical(shown.get("limits", []))
 
 
 # -- what check prints of them --

@@ -4797,22 +4797,17 @@ def _named_in(capability: bytes, key: str, read: Callable[[bytes], Any]) -> dict
     return found if isinstance(found, dict) else None
 
 
-def attempt_in(capability: bytes) -> dict | None:
-    """The earlier attempt an interruption capability names ({run_id, step_id, started_at,
-    ended}), or None."""
-    return _named_in(capability, "interrupted", loads_own)
-
-
 def repeat_in(approval: Approval) -> dict | None:
     """The earlier execution a repeat approval names, from its capability."""
     return _named_in(approval.capability, "repeat_of", read_own)
 
 
 def _interrupted_attempt(approval: Approval | None) -> dict | None:
-    """The earlier attempt an interruption approval names, from its capability."""
+    """The earlier attempt an interruption approval names, from its capability ({run_id,
+    step_id, started_at, ended}), or None."""
     if approval is None or approval.kind != INTERRUPTED_KIND:
         return None
-    return attempt_in(approval.capability)
+    return _named_in(approval.capability, "interrupted", loads_own)
 
 
 def asked_attempt(approval: Approval | None, q: Query) -> dict | None:
@@ -5125,20 +5120,19 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
     word = operator_word(approval, approve, outcome) if approval is not None else ""
     if word:
         CallIndex(store, "").migrate(now)
-    if approval is not None and approval.run_id == run_id and \
-            approval.status == SETTLED_APPROVAL:
+    mine = approval is not None and approval.run_id == run_id
+    if mine and approval.status == SETTLED_APPROVAL:
         _check_shown(approval, shown_hash)          # names the late outcome that settled it
     if run.status != WAITING:
         raise RunStateError(f"run {run_id} is {run.status}, not waiting for approval")
-    if approval is None:
-        raise NotFound(f"approval {approval_id} not found")
-    if approval.run_id != run_id:
-        raise NotFound(f"approval {approval_id} is not an approval of run {run_id}")
+    if not mine:
+        raise NotFound(f"approval {approval_id} " + ("not found" if approval is None else
+                                                      f"is not an approval of run {run_id}"))
     _check_shown(approval, shown_hash)
     if _expired(approval, now):
         expire_approval(store, approval, fmt_time(now))
         raise ApprovalExpired(f"approval {approval_id} expired at {approval.expires_at}")
-    at, status = fmt_time(now), APPROVED if approve else REJECTED
+    at = fmt_time(now)
     with store.tx() as tx:
         tx.require(run_id, (WAITING,))
         current = _approval_from_row(tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals "
@@ -5150,7 +5144,7 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
             _settle_waiting(tx, current, late, at)
         else:
             _check_view(tx, current, view)
-            _decide_in(tx, current, approve, status, by, note, at)
+            _decide_in(tx, current, approve, by, note, at)
             if word:
                 record_outcome(tx, current, attempt, word, by, at)
     if late is not None:
@@ -5172,18 +5166,16 @@ def _check_view(tx: Tx, approval: Approval, shown: "ApprovalView | str") -> None
     raise ApprovalChanged("; ".join(said))
 
 
-def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, note: str,
-               at: str) -> None:
-    if not _decided(tx, approval, status, at, by, note, " AND status=? AND hash=?", PENDING,
-                    approval.hash):
+def _decide_in(tx: Tx, approval: Approval, approve: bool, by: str, note: str, at: str) -> None:
+    if not _decided(tx, approval, APPROVED if approve else REJECTED, at, by, note,
+                    " AND status=? AND hash=?", PENDING, approval.hash):
         raise ApprovalChanged(f"approval {approval.id} changed after it was shown")
-    run_id = approval.run_id
     if not approve:
         obs = _obs(POLICY_DENIED, {"approval_id": approval.id, "note": note},
                    f"approval rejected: {note}")
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                 "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, approval.step_id))
-        _end_run(tx, run_id, (WAITING,), CANCELLED, "approval_rejected", note, at)
+        _end_run(tx, approval.run_id, (WAITING,), CANCELLED, "approval_rejected", note, at)
 
 
 def _check_shown(approval: Approval, shown_hash: str) -> None:
@@ -5977,8 +5969,6 @@ class HttpUpstream(Upstream):
             return answer
         except SOCKET_TIMEOUTS:
             raise asyncio.TimeoutError() from None
-        except ConnectionRefusedError as exc:
-            raise NotSent(f"the server refused the connection: {exc.strerror}") from None
         except (OSError, _http_client().HTTPException) as exc:
             # The endpoint is configuration: it may carry credentials, and never reaches
             # the model's text. The server's name does.

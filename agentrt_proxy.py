@@ -6152,24 +6152,19 @@ async def _in_thread(fn: Callable, *args: Any, on_done: Callable | None = None) 
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
-    def settle(result: Any, exc: BaseException | None) -> None:
+    def settle(deliver: Callable[[Any], None], value: Any) -> None:
         if on_done is not None:
             on_done()
-        if done.done():                       # the caller stopped waiting
-            return
-        if exc is None:
-            done.set_result(result)
-        else:
-            done.set_exception(exc)
+        if not done.done():                   # else the caller stopped waiting
+            deliver(value)
 
     def work() -> None:
-        result, exc = None, None
         try:
-            result = fn(*args)
+            deliver, value = done.set_result, fn(*args)
         except BaseException as err:          # every outcome goes back to the loop
-            exc = err
+            deliver, value = done.set_exception, err
         with contextlib.suppress(RuntimeError):        # the loop is already closed
-            loop.call_soon_threadsafe(settle, result, exc)
+            loop.call_soon_threadsafe(settle, deliver, value)
 
     threading.Thread(target=work, daemon=True).start()
     return await done

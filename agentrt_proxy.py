@@ -4797,22 +4797,17 @@ def _named_in(capability: bytes, key: str, read: Callable[[bytes], Any]) -> dict
     return found if isinstance(found, dict) else None
 
 
-def attempt_in(capability: bytes) -> dict | None:
-    """The earlier attempt an interruption capability names ({run_id, step_id, started_at,
-    ended}), or None."""
-    return _named_in(capability, "interrupted", loads_own)
-
-
 def repeat_in(approval: Approval) -> dict | None:
     """The earlier execution a repeat approval names, from its capability."""
     return _named_in(approval.capability, "repeat_of", read_own)
 
 
 def _interrupted_attempt(approval: Approval | None) -> dict | None:
-    """The earlier attempt an interruption approval names, from its capability."""
+    """The earlier attempt an interruption approval names, from its capability ({run_id,
+    step_id, started_at, ended}), or None."""
     if approval is None or approval.kind != INTERRUPTED_KIND:
         return None
-    return attempt_in(approval.capability)
+    return _named_in(approval.capability, "interrupted", loads_own)
 
 
 def asked_attempt(approval: Approval | None, q: Query) -> dict | None:
@@ -5125,20 +5120,19 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
     word = operator_word(approval, approve, outcome) if approval is not None else ""
     if word:
         CallIndex(store, "").migrate(now)
-    if approval is not None and approval.run_id == run_id and \
-            approval.status == SETTLED_APPROVAL:
+    mine = approval is not None and approval.run_id == run_id
+    if mine and approval.status == SETTLED_APPROVAL:
         _check_shown(approval, shown_hash)          # names the late outcome that settled it
     if run.status != WAITING:
         raise RunStateError(f"run {run_id} is {run.status}, not waiting for approval")
-    if approval is None:
-        raise NotFound(f"approval {approval_id} not found")
-    if approval.run_id != run_id:
-        raise NotFound(f"approval {approval_id} is not an approval of run {run_id}")
+    if not mine:
+        raise NotFound(f"approval {approval_id} " + ("not found" if approval is None else
+                                                      f"is not an approval of run {run_id}"))
     _check_shown(approval, shown_hash)
     if _expired(approval, now):
         expire_approval(store, approval, fmt_time(now))
         raise ApprovalExpired(f"approval {approval_id} expired at {approval.expires_at}")
-    at, status = fmt_time(now), APPROVED if approve else REJECTED
+    at = fmt_time(now)
     with store.tx() as tx:
         tx.require(run_id, (WAITING,))
         current = _approval_from_row(tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals "
@@ -5150,7 +5144,7 @@ def decide_approval(store: Store, run_id: str, approval_id: str, approve: bool, 
             _settle_waiting(tx, current, late, at)
         else:
             _check_view(tx, current, view)
-            _decide_in(tx, current, approve, status, by, note, at)
+            _decide_in(tx, current, approve, by, note, at)
             if word:
                 record_outcome(tx, current, attempt, word, by, at)
     if late is not None:
@@ -5172,18 +5166,16 @@ def _check_view(tx: Tx, approval: Approval, shown: "ApprovalView | str") -> None
     raise ApprovalChanged("; ".join(said))
 
 
-def _decide_in(tx: Tx, approval: Approval, approve: bool, status: str, by: str, note: str,
-               at: str) -> None:
-    if not _decided(tx, approval, status, at, by, note, " AND status=? AND hash=?", PENDING,
-                    approval.hash):
+def _decide_in(tx: Tx, approval: Approval, approve: bool, by: str, note: str, at: str) -> None:
+    if not _decided(tx, approval, APPROVED if approve else REJECTED, at, by, note,
+                    " AND status=? AND hash=?", PENDING, approval.hash):
         raise ApprovalChanged(f"approval {approval.id} changed after it was shown")
-    run_id = approval.run_id
     if not approve:
         obs = _obs(POLICY_DENIED, {"approval_id": approval.id, "note": note},
                    f"approval rejected: {note}")
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                 "finished_at=? WHERE id=?", (obs.json_text, obs.content_hash, at, approval.step_id))
-        _end_run(tx, run_id, (WAITING,), CANCELLED, "approval_rejected", note, at)
+        _end_run(tx, approval.run_id, (WAITING,), CANCELLED, "approval_rejected", note, at)
 
 
 def _check_shown(approval: Approval, shown_hash: str) -> None:
@@ -5988,8 +5980,6 @@ class HttpUpstream(Upstream):
             return answer
         except SOCKET_TIMEOUTS:
             raise asyncio.TimeoutError() from None
-        except ConnectionRefusedError as exc:
-            raise NotSent(f"the server refused the connection: {exc.strerror}") from None
         except (OSError, _http_client().HTTPException) as exc:
             # The endpoint is configuration: it may carry credentials, and never reaches
             # the model's text. The server's name does.
@@ -6173,24 +6163,19 @@ async def _in_thread(fn: Callable, *args: Any, on_done: Callable | None = None) 
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
-    def settle(result: Any, exc: BaseException | None) -> None:
+    def settle(deliver: Callable[[Any], None], value: Any) -> None:
         if on_done is not None:
             on_done()
-        if done.done():                       # the caller stopped waiting
-            return
-        if exc is None:
-            done.set_result(result)
-        else:
-            done.set_exception(exc)
+        if not done.done():                   # else the caller stopped waiting
+            deliver(value)
 
     def work() -> None:
-        result, exc = None, None
         try:
-            result = fn(*args)
+            deliver, value = done.set_result, fn(*args)
         except BaseException as err:          # every outcome goes back to the loop
-            exc = err
+            deliver, value = done.set_exception, err
         with contextlib.suppress(RuntimeError):        # the loop is already closed
-            loop.call_soon_threadsafe(settle, result, exc)
+            loop.call_soon_threadsafe(settle, deliver, value)
 
     threading.Thread(target=work, daemon=True).start()
     return await done
@@ -7111,13 +7096,10 @@ def _parse_on_pending(top: _ConfigObject) -> tuple[str, ...]:
 
 
 def check_database_owner(path: str, writer: bool = True) -> None:
-    """The proxy's own database: not a link, not writable by others, owned by this user.
-    A writer also tightens an owned file others may read to 0600; a reader changes nothing."""
-    if check_database_file(path, writer=writer):
-        st = os.lstat(path)
-        if st.st_uid != os.getuid():
-            raise UnsafeDatabase(f"database: {path} is owned by uid {st.st_uid}, not by the "
-                                 "current user")
+    """The proxy's own database: not a link, not writable by others, owned by this user
+    (check_database_file). A writer also tightens an owned file others may read to 0600; a
+    reader changes nothing."""
+    check_database_file(path, writer=writer)
 
 
 def check_reach(cfg: Config) -> None:
@@ -7964,15 +7946,14 @@ class Condition:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Limit:
-    """limits[index]: at most ``calls`` executions, or a sum of at most ``max`` of the value
-    at ``pointer``, within the last ``per`` seconds."""
+    """limits[index]: at most ``most`` executions, or a sum of at most ``most`` (in units) of
+    the value at ``pointer``, within the last ``per`` seconds."""
     index: int
     per: float
     over: str = "require_approval"
     name: str = ""
-    calls: int = 0
-    pointer: str = ""
-    max_units: int = 0
+    pointer: str = ""                # the value a sum adds up; "" for a limit of calls
+    most: int = 0                    # the most calls, or the max sum in units
 
     @property
     def ref(self) -> str:
@@ -7987,24 +7968,21 @@ class Limit:
         """The counter it is counted under: its name, or its place; and what it counts and
         over what window, so that a sum of another pointer never reads this one's rows, and
         a longer window starts from the history (Budgets.catch_up), not from its rows."""
-        what = f"{'calls' if self.calls else 'sum ' + self.pointer} per {fmt_duration(self.per)}"
+        what = f"{'sum ' + self.pointer if self.pointer else 'calls'} per {fmt_duration(self.per)}"
         where = ["name", self.name] if self.name else ["tool", server, remote, self.index]
         return dump_json(where + [what])
 
     def written(self) -> dict:
         named = {"name": self.name} if self.name else {}
-        most = {"calls": Num(str(self.calls))} if self.calls else \
-            {"sum": self.pointer, "max": fmt_units(self.max_units)}
+        most = {"sum": self.pointer, "max": fmt_units(self.most)} if self.pointer else \
+            {"calls": Num(str(self.most))}
         return {"per": fmt_duration(self.per), "over": self.over, **named, **most}
 
     def what(self) -> str:
-        return "calls" if self.calls else f"sum of {self.pointer}"
+        return f"sum of {self.pointer}" if self.pointer else "calls"
 
     def shown(self, units: int) -> str:
-        return str(units) if self.calls else fmt_units(units)
-
-    def most(self) -> int:
-        return self.calls or self.max_units
+        return fmt_units(units) if self.pointer else str(units)
 
 
 def to_units(num: Num) -> int:
@@ -8059,11 +8037,9 @@ def parse_conditions(doc: Any, where: str) -> tuple[Condition, ...]:
         f = _ConfigObject(entry, at, _WHEN_FIELDS)
         if "if" not in f.doc:
             raise ConfigError(f"{at}: if is required: the JSON Schema the arguments match")
-        outcome = f.text("outcome")
-        if outcome not in CONFIG_OUTCOMES:
-            raise ConfigError(f"{at}: outcome {_quote(outcome)} is not allow, "
-                              "require_approval, or deny" if outcome else
-                              f"{at}: outcome is required: allow, require_approval, or deny")
+        if not f.text("outcome"):
+            raise ConfigError(f"{at}: outcome is required: allow, require_approval, or deny")
+        outcome = _outcome(f.text("outcome"), at)
         why = f.text("why")
         if "why" in f.doc and not 1 <= len(why) <= WHY_CHARS:
             raise ConfigError(f"{at}: why is {len(why)} characters; it must be 1 to {WHY_CHARS}")
@@ -8142,7 +8118,7 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
             if sign <= 0 or not calls.is_integer() or len(digits) + exponent > MAX_CALLS_DIGITS:
                 raise ConfigError(f"{at}: calls must be a whole number from 1 to "
                                   f"{10 ** MAX_CALLS_DIGITS - 1}")
-            out.append(Limit(i, per, over, name, calls=int(digits) * 10 ** exponent))
+            out.append(Limit(i, per, over, name, most=int(digits) * 10 ** exponent))
             continue
         pointer = f.text("sum")
         if not pointer.startswith("/"):
@@ -8154,7 +8130,7 @@ def parse_limits(doc: Any, where: str) -> tuple[Limit, ...]:
         if "max" not in f.doc:
             raise ConfigError(f"{at}: max is required with sum")
         out.append(Limit(i, per, over, name, pointer=pointer,
-                         max_units=_parse_max(f.doc["max"], at)))
+                         most=_parse_max(f.doc["max"], at)))
     return tuple(out)
 
 
@@ -8202,12 +8178,12 @@ class LimitUse:
 
     @property
     def over(self) -> bool:
-        return self.used + self.adds > self.limit.most()
+        return self.used + self.adds > self.limit.most
 
     def figures(self, tool: str) -> str:
         lim = self.limit
-        return (f"{lim.label} of {tool}: {lim.shown(self.used)} of {lim.shown(lim.most())}"
-                f"{' calls' if lim.calls else ''} in the last {fmt_duration(lim.per)}; this "
+        return (f"{lim.label} of {tool}: {lim.shown(self.used)} of {lim.shown(lim.most)}"
+                f"{'' if lim.pointer else ' calls'} in the last {fmt_duration(lim.per)}; this "
                 f"call adds {lim.shown(self.adds)}")
 
 
@@ -8235,7 +8211,7 @@ def _with_fixed(tool: "UpstreamTool", value: Any) -> Any:
 
 def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
     """What a call adds to a limit, or why it cannot be counted."""
-    if limit.calls:
+    if not limit.pointer:
         return 1, ""
     found = walk_pointer(value, limit.pointer)
     if found is None:
@@ -8310,7 +8286,7 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
         if not use.over:
             continue
         if limit.over == "deny":
-            shown = f"{use.figures(name)}, over its max of {limit.shown(limit.most())} " \
+            shown = f"{use.figures(name)}, over its max of {limit.shown(limit.most)} " \
                 f"({limit.what()})"
             return Judgement("deny", shown + _room(tool, value, frees), [], [], limit.ref, shown)
         if outcome == "allow":
@@ -8339,7 +8315,7 @@ def _room(tool: "UpstreamTool", value: Any,
         adds, problem = counted_value(limit, value)
         if limit.over != "deny" or problem:
             continue
-        if adds > limit.most():
+        if adds > limit.most:
             return "; this call alone is over its max, so no window ever has room for it"
         at = frees(limit.key(tool.server, tool.remote), limit, adds) if frees else None
         latest = max(latest, at) if isinstance(at, float) else latest
@@ -8386,18 +8362,15 @@ def covered(fresh: PolicyDecision, request: ToolRequest, view: RunView) -> Polic
     had.pop("asked_by", None)
     if encode_canonical(had) != encode_canonical(now) or not set(now_asked) <= set(had_asked):
         return fresh
-    had_limits = _limits_record(grant.presentation)
-    if had_limits is None or had_limits != _limits_record(fresh.presentation):
-        return fresh                 # a limit written differently since: nobody saw it
+    # Each presentation's record of its tool's limits as written (limits_shown): where one
+    # is unreadable no grant covers anything, and a limit written differently since was
+    # seen by nobody.
+    was, shown = _own_object(grant.presentation), _own_object(fresh.presentation)
+    if was is None or shown is None or \
+            encode_canonical(was.get("limits", [])) != encode_canonical(shown.get("limits", [])):
+        return fresh
     return dataclasses.replace(fresh, capability=grant.capability,
                                presentation=grant.presentation)
-
-
-def _limits_record(presentation: bytes) -> bytes | None:
-    """A presentation's record of its tool's limits as written (limits_shown), canonical;
-    None where it is unreadable (then no grant covers anything)."""
-    shown = _own_object(presentation)
-    return None if shown is None else encode_canonical(shown.get("limits", []))
 
 
 # -- what check prints of them --
@@ -8428,7 +8401,7 @@ def rule_lines(tool: "UpstreamTool", base: str) -> list[str]:
                             "also matches a call without it; add it to the condition's "
                             "required")
     for limit in tool.rule.limits:
-        out.append(f"{name}: {limit.label}: at most {limit.shown(limit.most())} "
+        out.append(f"{name}: {limit.label}: at most {limit.shown(limit.most)} "
                    f"({limit.what()}) in any {fmt_duration(limit.per)}; over it: {limit.over}")
     return out + warnings
 
@@ -8529,12 +8502,12 @@ class Budgets:
             # An attempt the operator said did not execute is neither an execution to count
             # nor a row that counted one (uncount_attempt zeroed it): read here, under the
             # write lock, so that a word given while the events were walked is seen.
-            words = not_executed(tx.rows, MAX_ROW_ID)
-            ran = [r for r in ran if not _said_not_executed(words, r[1], r[2], r[0])]
+            said = not_executed(tx.rows, MAX_ROW_ID)
+            ran = [r for r in ran if not said(r[1], r[2], r[0])]
             held = collections.Counter((run_id, step_id) for run_id, step_id, at in tx.rows(
                 "SELECT run_id, step_id, at FROM proxy_limit_uses WHERE key=? AND n>? AND at>?",
                 (key, mark[1], parse_time(since)))
-                if not _said_not_executed(words, run_id, step_id, at))
+                if not said(run_id, step_id, at))
             (n, total, last), _, _ = _use(tx.rows, key, limit, self.clock())
             for at, run_id, step_id, adds in ran:
                 if held[(run_id, step_id)] > 0:
@@ -8557,7 +8530,7 @@ class Budgets:
         primary key, however many the window holds. None when there is room now."""
         read = self.store._read
         (top, total, _), used, first = _use(read, key, limit, self.clock())
-        excess = used + adds - limit.most()
+        excess = used + adds - limit.most
         if excess <= 0 or first > top:
             return None
         found = _row(read, key, _first_row(read, key, first, top, total - used + excess))
@@ -8574,7 +8547,7 @@ class Budgets:
             adds, problem = counted_value(limit, value)
             key = limit.key(tool.server, tool.remote)
             (n, total, last), used, _ = _use(tx.rows, key, limit, now)
-            if problem or (used + adds > limit.most() and
+            if problem or (used + adds > limit.most and
                            (limit.over == "deny" or limit.ref not in covers)):
                 raise BudgetMoved(f"{limit.label} of {tool.spec.name} moved before the call "
                                   "started")
@@ -8589,7 +8562,7 @@ class Budgets:
             for limit in tool.rule.limits:
                 used = self.use_of(limit.key(tool.server, tool.remote), limit)
                 named = f', limit "{limit.name}"' if limit.name else ""
-                out.append(f"{name}: {limit.shown(used)} of {limit.shown(limit.most())} "
+                out.append(f"{name}: {limit.shown(used)} of {limit.shown(limit.most)} "
                            f"({limit.what()}{named}) in the last {fmt_duration(limit.per)}")
         return out
 
@@ -8630,10 +8603,10 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
     ending ``now``, less those an operator had said by then did not execute. A walk through
     the window's events: recheck's cost, never a call's."""
     counted = _counted_by(tools).get(key, (limit, {}))[1]
-    words = not_executed(store._read, before_seq)
+    said = not_executed(store._read, before_seq)
     return sum(adds for at, run_id, step_id, adds in _executions(
         store._read, counted, limit, 0, before_seq - 1, fmt_time(now - limit.per))
-        if not _said_not_executed(words, run_id, step_id, at))
+        if not said(run_id, step_id, at))
 
 
 # -- an attempt the operator said did not execute --
@@ -8645,19 +8618,19 @@ def recorded_use(store: Store, tools: dict[str, "UpstreamTool"], key: str, limit
 # nothing re-runs a step whose interruption approval was rejected (its run ends), nor one of
 # an earlier run a fresh run asks about (that run has ended).
 
-def not_executed(read: Query,
-                 before_seq: int) -> dict[tuple[str, str], float]:
-    """The attempts that do not count, as the words and events recorded before event
-    ``before_seq`` stand: (run id, step id) -> the attempt's start. An attempt does not
-    count when an operator's latest word on it says it did not execute, and the store knows
-    of no known late outcome of it (a late success proves it executed, whatever was said).
-    Few: each is an operator's explicit word. Empty where the proxy's table is not there
-    yet (a database the proxy of an older build last opened, read by recheck)."""
+def not_executed(read: Query, before_seq: int) -> Callable[[str, str, float], bool]:
+    """Whether an execution (run id, step id, start) is of an attempt that does not count,
+    as the words and events recorded before event ``before_seq`` stand: the step's attempt
+    started at or before it. An attempt does not count when an operator's latest word on it
+    says it did not execute, and the store knows of no known late outcome of it (a late
+    success proves it executed, whatever was said). Few: each is an operator's explicit
+    word. None where the proxy's table is not there yet (a database the proxy of an older
+    build last opened, read by recheck)."""
     try:
         rows = read("SELECT attempt_run_id, attempt_step_id, attempt_started_at, outcome FROM "
                     "proxy_operator_outcomes WHERE seq<? ORDER BY seq", (before_seq,))
     except StoreError:
-        return {}
+        rows = []
     latest = {(run_id, step_id): (started, word) for run_id, step_id, started, word in rows}
     words = {}
     for (run_id, step_id), (started, word) in latest.items():
@@ -8669,12 +8642,7 @@ def not_executed(read: Query,
             continue
         with contextlib.suppress(ValueError, TypeError, OverflowError):
             words[(run_id, step_id)] = parse_time(started)
-    return words
-
-
-def _said_not_executed(words: dict, run_id: str, step_id: str, at: float) -> bool:
-    start = words.get((run_id, step_id))
-    return start is not None and at >= start
+    return lambda run_id, step_id, at: at >= words.get((run_id, step_id), float("inf"))
 
 
 def uncount_attempt(tx: Tx, attempt: dict) -> None:
@@ -8766,10 +8734,10 @@ def limits_shown(tool: "UpstreamTool", args: bytes) -> dict:
         return {}
     value = server_value(tool, args)
     counted = [(limit, *counted_value(limit, value)) for limit in tool.rule.limits]
+    # A limit that cannot count the call is left out: judge denies such a call, never asks.
     return {"limits": [{"key": limit.key(tool.server, tool.remote), "index": limit.index,
                         "limit": limit.written(), "adds": str(adds)}
-                       for limit, adds, problem in counted
-                       if not problem]}         # judge denies such a call: it never asks
+                       for limit, adds, problem in counted if not problem]}
 
 
 def limits_now(read: Query, approval: "Approval", now: float) -> list[dict]:
@@ -8822,7 +8790,7 @@ def _standing(use: LimitUse, tool: str, asked: set[str]) -> dict:
     text = use.figures(tool) + (f": over its max, so collecting it will {then} unless room "
                                 "frees first" if then else "")
     return {"limit": sanitize(lim.ref), "what": sanitize(lim.what()),
-            "used": lim.shown(use.used), "max": lim.shown(lim.most()),
+            "used": lim.shown(use.used), "max": lim.shown(lim.most),
             "adds": lim.shown(use.adds), "per": fmt_duration(lim.per), "over": lim.over,
             "would_deny": deny, "asks_again": again, "text": sanitize(text)}
 
@@ -10251,8 +10219,8 @@ class HostServer:
         self.proxy, self.write = proxy, write
         self.log = log if log is not None else proxy.log
         self.closing = False
-        self.inflight: set[asyncio.Task] = set()
-        self.cancelled: dict[str, list[asyncio.Event]] = {}
+        # Each call in flight, with its request's key and the event a cancel naming it sets.
+        self.inflight: dict[asyncio.Task, tuple[str, asyncio.Event]] = {}
         self.waiting: list[Message] = []
         self.refusal = ""                # set once loading failed: the answer to later ones
         self.initialized = False         # a legacy host sent notifications/initialized
@@ -10342,8 +10310,9 @@ class HostServer:
             self.request(msg)
         elif msg.method == "notifications/cancelled":
             key = _id_key(msg.raw("requestId", in_params=True))
-            for event in self.cancelled.get(key, ()):
-                event.set()
+            for call_key, event in self.inflight.values():
+                if call_key == key:
+                    event.set()
             # A request cancelled while it waited for loading is never run nor answered.
             self.waiting = [m for m in self.waiting if _id_key(m.raw("id")) != key]
             self.listens.pop(key, None)
@@ -10406,10 +10375,9 @@ class HostServer:
         event = asyncio.Event()
         # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
         # and a cancel naming the id reaches every call that carries it.
-        self.cancelled.setdefault(_id_key(msg.raw("id")), []).append(event)
         task = asyncio.create_task(self.run_call(msg, modern, name, args, event, value))
-        self.inflight.add(task)
-        task.add_done_callback(self.inflight.discard)
+        self.inflight[task] = (_id_key(msg.raw("id")), event)
+        task.add_done_callback(self.inflight.pop)
 
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
                        cancelled: asyncio.Event, value: Any = NOT_PARSED) -> None:
@@ -10426,11 +10394,6 @@ class HostServer:
             self.proxy.log(f"error: {sanitize(str(exc))}")
             result = unavailable("complete this request",
                                  "Whether anything was executed is not known here.")
-        finally:
-            key = _id_key(msg.raw("id"))  # start_call added this event; only this removes it
-            self.cancelled[key].remove(cancelled)
-            if not self.cancelled[key]:
-                del self.cancelled[key]
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
 
@@ -10486,15 +10449,12 @@ _INTEGER_LITERAL = re.compile(r"-?(?:0|[1-9][0-9]*)")
 
 
 def _check_call_params(msg: Message) -> None:
-    """tools/call: arguments an object (or absent, or null: no arguments), _meta an object,
-    a progress token a string or an integer."""
-    params = msg.doc.get("params")
-    if not isinstance(params, dict):
-        raise ProtocolError("tools/call params is not an object", INVALID_PARAMS)
-    args = params.get("arguments")
+    """tools/call, whose params are an object (start_call found the tool's name in them):
+    arguments an object (or absent, or null: no arguments), _meta an object, a progress token
+    a string or an integer."""
+    args, meta = msg.params.get("arguments"), msg.params.get("_meta", {})
     if args is not None and not isinstance(args, dict):
         raise ProtocolError("tools/call arguments is not an object", INVALID_PARAMS)
-    meta = params.get("_meta", {})
     if not isinstance(meta, dict):
         raise ProtocolError("_meta is not an object", INVALID_PARAMS)
     token = meta.get("progressToken", "")          # judged by its literal only
@@ -11487,16 +11447,12 @@ def withheld_answer(why: str) -> dict:
 def drift_of(pinned: dict[str, PinnedTool], live: dict[str, LiveTool]) -> dict[str, str]:
     """Each tool whose listing differs from its pin, by the hashes loading compares, and
     how: in name order."""
-    out = {}
-    for name in sorted(set(pinned) | set(live)):
-        pin, now = pinned.get(name), live.get(name)
-        if pin is None or now is None:
-            out[name] = DRIFT_NEW if pin is None else DRIFT_GONE
-            continue
-        what = changed_since_pin(pin, now)
+    out = {name: DRIFT_GONE if name in pinned else DRIFT_NEW for name in set(pinned) ^ set(live)}
+    for name in set(pinned) & set(live):
+        what = changed_since_pin(pinned[name], live[name])
         if what:
             out[name] = f"{' and '.join(what)} changed since the pin"
-    return out
+    return dict(sorted(out.items()))
 
 
 def _manifest_stamp(path: str) -> tuple | None:
@@ -11578,9 +11534,8 @@ class ServerWatch:
                 return not self.conn.closed
             except asyncio.TimeoutError:
                 pass
-            if _manifest_stamp(self.server.manifest) != self.stamp:
-                return True
-            if self.failed and time.monotonic() - self.last >= DRIFT_RETRY:
+            if _manifest_stamp(self.server.manifest) != self.stamp or \
+                    (self.failed and time.monotonic() - self.last >= DRIFT_RETRY):
                 return True
         return False
 

@@ -324,8 +324,8 @@ def test_a_later_word_that_the_attempt_executed_counts_it_again(harnesses, word)
     h.clock.skew = 11 * 60                       # past the 10m repeat window, in the hour
     assert h.prefix(h.call(PAY, args)) == "UNKNOWN_OUTCOME"
     [again] = h.pending()
-    assert ap.attempt_in(again.capability)["step_id"] == \
-        ap.attempt_in(first.capability)["step_id"]              # the same attempt
+    assert ap._interrupted_attempt(again)["step_id"] == \
+        ap._interrupted_attempt(first)["step_id"]              # the same attempt
     assert "still counts toward the tool's limits" in reject(h, again, word)
     assert paid(h, "carol", 40) == "DENIED"
     assert h.payments() == 1

@@ -1834,8 +1834,8 @@ def test_torture_budget_catches_a_check_outside_the_transaction(tmp_path, capsys
     with open(PROXY) as f:
         source = f.read()
     for old, new in [
-            ("            if problem or (used + adds > limit.most() and",
-             "            if False and (used + adds > limit.most() and"),
+            ("            if problem or (used + adds > limit.most and",
+             "            if False and (used + adds > limit.most and"),
             ("        judged = self._prejudge(run_id, step_id, goal, limits, decision)\n",
              "        judged = self._prejudge(run_id, step_id, goal, limits, decision)\n"
              "        time.sleep(0.05)\n")]:

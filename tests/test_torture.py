@@ -1827,8 +1827,9 @@ def test_torture_budget_holds_across_two_proxies_and_kills(tmp_path, capsys):
 
 def test_torture_budget_catches_a_check_outside_the_transaction(tmp_path, capsys):
     """A planted mutant: the limits are checked only by the evaluation before the start's
-    transaction (its check inside it never refuses), and a call waits a little between the
-    two. The same trial, without kills (a kill's unknown outcome blocks the tool for a
+    transaction (its check inside it never refuses), and a call waits 0.2 s between the
+    two, long enough that the two proxies' calls meet in it on a loaded machine (at 0.05 s
+    a busy run could spend its answers without a meeting). The same trial, without kills (a kill's unknown outcome blocks the tool for a
     while), must find a window over its max; it stops when it does, or after
     BUDGET_MUTANT_ANSWERS answers without one (it fails then)."""
     with open(PROXY) as f:
@@ -1838,7 +1839,7 @@ def test_torture_budget_catches_a_check_outside_the_transaction(tmp_path, capsys
              "            if False and (used + adds > limit.most and"),
             ("        judged = self._prejudge(run_id, step_id, goal, limits, decision)\n",
              "        judged = self._prejudge(run_id, step_id, goal, limits, decision)\n"
-             "        time.sleep(0.05)\n")]:
+             "        time.sleep(0.2)\n")]:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
     mutant = tmp_path / "agentrt_proxy.py"

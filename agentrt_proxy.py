@@ -8624,8 +8624,8 @@ def not_executed(read: Query, before_seq: int) -> Callable[[str, str, float], bo
     started at or before it. An attempt does not count when an operator's latest word on it
     says it did not execute, and the store knows of no known late outcome of it (a late
     success proves it executed, whatever was said). Few: each is an operator's explicit
-    word. None where the proxy's table is not there yet (a database the proxy of an older
-    build last opened, read by recheck)."""
+    word. Nothing is said where the proxy's table is not there yet (a database the proxy of
+    an older build last opened, read by recheck)."""
     try:
         rows = read("SELECT attempt_run_id, attempt_step_id, attempt_started_at, outcome FROM "
                     "proxy_operator_outcomes WHERE seq<? ORDER BY seq", (before_seq,))
@@ -8642,7 +8642,13 @@ def not_executed(read: Query, before_seq: int) -> Callable[[str, str, float], bo
             continue
         with contextlib.suppress(ValueError, TypeError, OverflowError):
             words[(run_id, step_id)] = parse_time(started)
-    return lambda run_id, step_id, at: at >= words.get((run_id, step_id), float("inf"))
+
+    def said(run_id: str, step_id: str, at: Any) -> bool:
+        # Only a step an operator spoke of is compared: ``at`` is a use row's, which an
+        # edited database may hold as anything.
+        start = words.get((run_id, step_id))
+        return start is not None and at >= start
+    return said
 
 
 def uncount_attempt(tx: Tx, attempt: dict) -> None:
@@ -10372,11 +10378,12 @@ class HostServer:
         _check_call_params(msg)
         args, value = empty_as_object(msg.raw("arguments", in_params=True) or b"",
                                       msg.parsed("arguments"))
-        event = asyncio.Event()
+        key, event = _id_key(msg.raw("id")), asyncio.Event()
         # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
-        # and a cancel naming the id reaches every call that carries it.
+        # and a cancel naming the id reaches every call that carries it. Nothing between the
+        # task's creation and its entry can fail: no call runs untracked.
         task = asyncio.create_task(self.run_call(msg, modern, name, args, event, value))
-        self.inflight[task] = (_id_key(msg.raw("id")), event)
+        self.inflight[task] = (key, event)
         task.add_done_callback(self.inflight.pop)
 
     async def run_call(self, msg: Message, modern: bool, name: str, args: bytes,
@@ -11749,10 +11756,12 @@ class _RecordedPolicy(ProxyPolicy):
 
     def rerun_of(self, request: ToolRequest, view: RunView) -> dict | None:
         at = super().rerun_of(request, view)
+        if at is not None:
+            return at
         named = _interrupted_attempt(self._asked(request, INTERRUPTED_KIND))
         own = named is not None and (named.get("run_id"), named.get("step_id")) == \
             (request.run_id, request.step_id)
-        return named if at is None and not own else at
+        return None if own else named
 
     def repeat_of(self, request: ToolRequest, view: RunView) -> dict | None:
         earlier, asked = super().repeat_of(request, view), self._asked(request, REPEAT_KIND)

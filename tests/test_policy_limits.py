@@ -4,6 +4,7 @@ payment server (tests/proxy_harness.py). Each payment that reached the server is
 its ledger, counted by ``h.payments()``.
 """
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -746,3 +747,21 @@ def test_policy_a_memoised_pattern_step_is_charged():
     assert first.outcome == again.outcome == "deny", first
     assert "could not be evaluated" in first.reason, first
     assert len(tested) == runs and 0 < runs < 32, runs
+
+
+@pytest.mark.parametrize("edited", ["'edited'", "9e999"])
+def test_policy_an_edited_use_time_neither_stops_the_start_nor_counts_twice(tmp_path, edited):
+    """A use row whose time was edited into text or infinity: the next start catches its
+    limit up without failing, and counts the execution it records once (catch_up compares
+    a row's time only with an operator's word on its step, and there is none)."""
+    d = tmp_path / "h"
+    d.mkdir()
+    assert _serve_and_pay(d, [DAILY], [("a", 20)], pin=True)[2] == 1
+    with contextlib.closing(sqlite3.connect(str(d / "runs.db"))) as conn, conn:
+        first = conn.execute("SELECT run_id FROM proxy_limit_uses").fetchall()
+        conn.execute(f"UPDATE proxy_limit_uses SET at={edited}")
+    _serve_and_pay(d, [DAILY], [("b", 5)])
+    with contextlib.closing(sqlite3.connect(str(d / "runs.db"))) as conn:
+        counted = conn.execute("SELECT COUNT(*) FROM proxy_limit_uses WHERE run_id=?",
+                               first[0]).fetchone()[0]
+    assert len(first) == 1 and counted == 1, counted

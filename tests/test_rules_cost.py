@@ -182,18 +182,27 @@ RULES = {"balance": {"side_effect": "read_only", "timeout": "10s"},
          "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
 
 
-def test_a_new_run_reads_no_steps_and_the_rules_read_the_index_once(tmp_path):
-    h = ProxyHarness(tmp_path, rules=RULES)
-    proxy = instant_proxy(h, InstantServer())
+def second_call(h: ProxyHarness, upstream: InstantServer, tool: str, first: bytes,
+                second: bytes) -> tuple[dict, dict, list[str]]:
+    """Two calls through an in-process proxy: both answers, and the SQLite statements the
+    store's connection ran for the second."""
+    proxy = instant_proxy(h, upstream)
     statements: list[str] = []
     try:
-        h.run(proxy.call("bank_balance", b'{"account":"A-0"}'))
+        before = h.run(proxy.call(tool, first))
         h.store.conn.set_trace_callback(statements.append)
-        result = h.run(proxy.call("bank_balance", b'{"account":"A-1"}'))
+        after = h.run(proxy.call(tool, second))
         h.store.conn.set_trace_callback(None)
     finally:
         proxy.close()
         h.close()
+    return before, after, statements
+
+
+def test_a_new_run_reads_no_steps_and_the_rules_read_the_index_once(tmp_path):
+    _, result, statements = second_call(ProxyHarness(tmp_path, rules=RULES), InstantServer(),
+                                        "bank_balance", b'{"account":"A-0"}',
+                                        b'{"account":"A-1"}')
     assert not result["isError"], result
     begin = statements.index("BEGIN IMMEDIATE")
     step_reads = [s for s in statements if s.startswith("SELECT") and " FROM steps " in s]
@@ -209,19 +218,10 @@ PAY_ALLOW = {"balance": {"side_effect": "read_only", "timeout": "10s"},
 
 
 def test_a_duplicate_reads_the_earlier_run_once(tmp_path):
-    h = ProxyHarness(tmp_path, rules=PAY_ALLOW)
-    upstream = InstantServer()
-    proxy = instant_proxy(h, upstream)
-    statements: list[str] = []
-    try:
-        first = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
-        assert not first["isError"], first
-        h.store.conn.set_trace_callback(statements.append)
-        again = h.run(proxy.call("bank_pay", b'{"to":"bob","amount":1}'))
-        h.store.conn.set_trace_callback(None)
-    finally:
-        proxy.close()
-        h.close()
+    h, upstream, pay = ProxyHarness(tmp_path, rules=PAY_ALLOW), InstantServer(), \
+        b'{"to":"bob","amount":1}'
+    first, again, statements = second_call(h, upstream, "bank_pay", pay, pay)
+    assert not first["isError"], first
     assert h.prefix(again) == "DUPLICATE" and upstream.calls == 1, again
     reads = [s for s in statements if s.startswith("SELECT") and " FROM runs " in s]
     assert len(reads) == 1, reads

@@ -1053,12 +1053,17 @@ _WIRE_ESCAPES.update({code: "\ufffd" for code in range(0xD800, 0xE000)})
 _WIRE_SPECIAL = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 # What must never appear in a frame outside our own escaping: line ends of every reader.
 _LINE_BREAKS = (b"\n", b"\r", b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
+# The ones an ASCII string can hold, from the tables above: each by the runtime's replace.
+_WIRE_ASCII = [(chr(code), escape) for code, escape in _WIRE_ESCAPES.items() if code < 0x80]
+_ASCII_BREAKS = tuple(brk for brk in _LINE_BREAKS if brk.isascii())
 
 
 def _wire_str(text: str) -> str:
     out = _json_str(text)
-    if out.isascii():                     # known without reading it: DEL alone may need one
-        return out.replace("\x7f", "\\u007f")
+    if out.isascii():                     # known without reading it
+        for char, escape in _WIRE_ASCII:
+            out = out.replace(char, escape)
+        return out
     return out.translate(_WIRE_ESCAPES) if _WIRE_SPECIAL.search(out) else out
 
 
@@ -1079,7 +1084,7 @@ class RawJSON:
 
 
 def _raw_text(data: bytes) -> str:
-    breaks = _LINE_BREAKS[:2] if data.isascii() else _LINE_BREAKS   # the rest are not ASCII
+    breaks = _ASCII_BREAKS if data.isascii() else _LINE_BREAKS
     if any(brk in data for brk in breaks):
         return dump_json(parse_json(data, strict=False, max_depth=RECORD_DEPTH, bounds=False))
     return data.decode("utf-8")
@@ -3231,10 +3236,13 @@ def _file_identity(path: str) -> tuple[int, int] | None:
 def _open_wal(path: str) -> tuple[int, tuple[int, int]]:
     """A read-only descriptor of the database's WAL file, and the file's (device, inode)."""
     try:
-        fd = os.open(path + "-wal", os.O_RDONLY)
+        fd = os.open(path + "-wal", os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
         raise StoreError(f"{path}: cannot open its WAL file: {exc}") from None
     st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):      # created after check_database_file looked
+        os.close(fd)
+        raise StoreError(f"{path}: its WAL file is not a regular file")
     return fd, (st.st_dev, st.st_ino)
 
 
@@ -5496,8 +5504,8 @@ class Upstream:
     async def _stop_waiting(self, notice: bytes) -> None:
         """Send ``notice``, that the proxy stopped waiting for an answer (a late one is
         dropped), if the server can still take it."""
-        with contextlib.suppress(ProxyError, OSError):
-            await self._post(notice, "notifications/cancelled")
+        with contextlib.suppress(ProxyError, OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._post(notice, "notifications/cancelled"), CLOSE_WAIT)
 
     # -- the protocol --
     def _frame(self, method: str, params: dict) -> tuple[int, bytes]:
@@ -5767,8 +5775,9 @@ class _ServerPipes(asyncio.subprocess.SubprocessStreamProtocol):
         while connected leaves nothing of its group running."""
         super().process_exited()
         self.exited.set()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
+        if self.pid > 0:                # 0 would name the proxy's own process group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
 
 
 class StdioUpstream(Upstream):
@@ -6519,10 +6528,14 @@ def wire_arguments(raw: bytes, value: dict, fixed: tuple) -> bytes:
     when the operator fixes nothing; else the proxy's encoding of ``value`` (their parse)
     with each of the rule's ``fixed`` (name, JSON) values set, on a copy. Pure: the same
     record and rule give the same bytes, in any process, at any time."""
-    if not fixed:
-        return raw
-    sent = {**value, **{param: parse_json(given) for param, given in fixed}}
-    return dump_json(sent).encode("utf-8")
+    return dump_json(with_fixed(value, fixed)).encode("utf-8") if fixed else raw
+
+
+def with_fixed(value: Any, fixed: tuple) -> Any:
+    """Arguments (their parse) with each of a rule's ``fixed`` (name, JSON) values set, on a
+    copy: what the server receives (wire_arguments) and what a limit or a condition reads."""
+    sent = {name: parse_json(given) for name, given in fixed}
+    return {**value, **sent} if isinstance(value, dict) and sent else value
 
 
 def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
@@ -7093,13 +7106,6 @@ def _parse_on_pending(top: _ConfigObject) -> tuple[str, ...]:
         raise ConfigError(f"on_pending: the program {_quote(program)} is not found on PATH; "
                           "name it by its absolute path")
     return (os.path.abspath(found), *argv[1:])
-
-
-def check_database_owner(path: str, writer: bool = True) -> None:
-    """The proxy's own database: not a link, not writable by others, owned by this user
-    (check_database_file). A writer also tightens an owned file others may read to 0600; a
-    reader changes nothing."""
-    check_database_file(path, writer=writer)
 
 
 def check_reach(cfg: Config) -> None:
@@ -8201,12 +8207,7 @@ class Judgement:
 def server_value(tool: "UpstreamTool", args: bytes) -> Any:
     """The arguments as the server will receive them: the model's, with the rule's fixed
     values in."""
-    return _with_fixed(tool, parse_json(args.strip(JSON_WS) or b"{}"))
-
-
-def _with_fixed(tool: "UpstreamTool", value: Any) -> Any:
-    fixed = {name: parse_json(raw) for name, raw in tool.rule.fixed}
-    return {**value, **fixed} if isinstance(value, dict) and fixed else value
+    return with_fixed(parse_json(args.strip(JSON_WS) or b"{}"), tool.rule.fixed)
 
 
 def counted_value(limit: Limit, value: Any) -> tuple[int, str]:
@@ -8263,7 +8264,7 @@ def judge(tool: "UpstreamTool", args: bytes, outcome: str, reason: str,
     refused = tool.refused_param(given) if isinstance(given, dict) else ""
     if refused:                      # refused unsent at the call: denied before it counts
         return Judgement("deny", refused, [], [])
-    value = _with_fixed(tool, given)
+    value = with_fixed(given, tool.rule.fixed)
     cond = first_condition(tool, value, args, seen) if rule.when else None
     if isinstance(cond, str):
         return Judgement("deny", f"{cond} of {name} could not be evaluated within "
@@ -8542,7 +8543,7 @@ class Budgets:
         if tool is None:
             return
         now, covers = parse_time(at), set(asked_by(decision.capability))
-        value = server_value(tool, request.args)
+        value = with_fixed(request.parsed(), tool.rule.fixed)    # the call's own parse
         for limit in tool.rule.limits:
             adds, problem = counted_value(limit, value)
             key = limit.key(tool.server, tool.remote)
@@ -8589,8 +8590,8 @@ def _executions(read: Query, tools: dict, limit: Limit, after: int,
             doc = read_own(payload)          # one read: the arguments as recorded
             tool = tools.get(doc.get("tool"))
             if tool is not None:
-                out.append((parse_time(at), run_id, step_id,
-                            counted_value(limit, _with_fixed(tool, doc.get("args", {})))[0]))
+                value = with_fixed(doc.get("args", {}), tool.rule.fixed)
+                out.append((parse_time(at), run_id, step_id, counted_value(limit, value)[0]))
         except (ProxyError, AttributeError, ValueError):
             continue                 # an edited row: the chain's verify reports it
     return out
@@ -10661,13 +10662,13 @@ async def cmd_check(cfg: Config, out: Out, strict: bool = False) -> int:
     call to which can run saying how to stop offering it, ending with a summary that names
     every tool a rule classifies but that is refused, and every tool no call to which can
     run. With ``strict`` a refused tool fails the check; one that never runs does not."""
-    check_database_owner(cfg.database)
+    check_database_file(cfg.database, writer=True)
     check_reach(cfg)
     tools, reports = await load_tools(cfg, out.line)
     try:
         store = Store.open(cfg.database)
         try:
-            check_database_owner(cfg.database)
+            check_database_file(cfg.database, writer=True)
             CallIndex(store, cfg.session).migrate(time.time())
         finally:
             store.close()
@@ -10723,7 +10724,7 @@ async def cmd_serve(cfg: Config, out: Out, stdin, stdout) -> int:
     wait for loading (section 23). A signal during start-up ends it as cleanly as one while
     serving; a failure to start answers each waiting request with an error, then fails as
     it would have before anything was read. The checks before any server starts are the
-    caller's: _serve makes them (check_database_owner, check_reach) before it calls this."""
+    caller's: _serve makes them (check_database_file, check_reach) before it calls this."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -10805,7 +10806,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
     try:
         store = (Store.open(cfg.database) if opening is None
                  else await asyncio.shield(opening))
-        check_database_owner(cfg.database)
+        check_database_file(cfg.database, writer=True)
         proxy = Proxy(cfg, store, tools, out.log)
         proxy.take_over_gone()
     except BaseException:
@@ -11882,7 +11883,7 @@ def _recheck_one(store: Store, whole: RunView, events: list, event: tuple, step:
 async def cmd_recheck(cfg: Config, args, out: Out) -> int:
     """The recheck command: exit 0 when every run is the same and something was re-checked,
     1 when any differs or nothing was, 2 on a usage error (judged before this)."""
-    check_database_owner(cfg.database, writer=False)
+    check_database_file(cfg.database, writer=False)
     store = Store.open_existing(cfg.database, readonly=True)
     tools: list[UpstreamTool] = []
     session, run_ids = args.session or cfg.session, [args.run]
@@ -13131,7 +13132,7 @@ def run_proxy_command(args, out: Out) -> int:
 
 
 def _serve(cfg: Config, out: Out) -> int:
-    check_database_owner(cfg.database)
+    check_database_file(cfg.database, writer=True)
     check_reach(cfg)
     return asyncio.run(cmd_serve(cfg, out, getattr(out.stdin, "buffer", out.stdin),
                                  getattr(out.stdout, "buffer", out.stdout)))

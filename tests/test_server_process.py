@@ -252,7 +252,7 @@ class _Start:
         monkeypatch.setattr(ap, "load_tools", load or default_load)
         monkeypatch.setattr(ap, "close_tools", close_tools)
         monkeypatch.setattr(ap, "Proxy", lambda cfg, store, tools, log: _FakeProxy(store))
-        monkeypatch.setattr(ap, "check_database_owner", lambda path: None)
+        monkeypatch.setattr(ap, "check_database_file", lambda path, writer: None)
         self.cfg = type("Cfg", (), {"database": self.database})()
         self.out = type("Out", (), {"log": staticmethod(lambda line: None)})()
 

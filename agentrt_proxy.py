@@ -7590,6 +7590,13 @@ def blocked_pending(limit: int) -> dict:
                  True)
 
 
+def broken_answer(log: Callable[[str], None], exc: Exception) -> dict:
+    """The answer owed when something broke in the proxy itself, logged."""
+    log(f"error: {sanitize(str(exc))}")
+    return unavailable("complete this request", "Whether anything was executed is not known "
+                                                "here.")
+
+
 def unavailable(what: str, executed: str = "Nothing was executed.") -> dict:
     said = " ".join(part for part in (f"the gate could not {what}.", executed, "Tell the user.")
                     if part)
@@ -8846,7 +8853,7 @@ def _use(read: Query, key: str, limit: Limit,
 # happen outside that. Across processes the unique open-row index and
 # IMMEDIATE transactions let exactly one call begin a row's run; the loser retries.
 
-PROXY_SCHEMA_VERSION = 6
+PROXY_SCHEMA_VERSION = 7
 APPROVAL_POLL = 0.2                    # how often a held call looks at its approval
 PROGRESS_EVERY = 1.0                   # seconds between progress notifications while held
 MAX_RETRIES = 5                        # lost races before a call answers IN_PROGRESS
@@ -8969,6 +8976,18 @@ def refusal_lines(refusals: list[dict]) -> list[str]:
             f"{_stamp(r['first_at'])}, last {_stamp(r['last_at'])}" for r in refusals]
 
 
+# The host's tasks (section 23.1): a row a task, its call's answer once it has one.
+_TASKS_SQL = (
+    """CREATE TABLE proxy_tasks (
+        task_id TEXT PRIMARY KEY, session TEXT NOT NULL, tool TEXT NOT NULL,
+        arguments BLOB NOT NULL, request_key TEXT, created_at REAL NOT NULL, ttl REAL,
+        follower TEXT NOT NULL, answer TEXT, updated_at REAL NOT NULL,
+        cancelled INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID""",
+    "CREATE INDEX proxy_tasks_open ON proxy_tasks(session) WHERE answer IS NULL AND "
+    "cancelled = 0",
+)
+
+
 _INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: _INDEX_SQL,
     2: ("CREATE INDEX proxy_calls_tool_outcome ON proxy_calls(session, tool, outcome, id)",),
@@ -8977,6 +8996,7 @@ _INDEX_MIGRATIONS: dict[int, tuple[str, ...]] = {
         "n INTEGER NOT NULL) WITHOUT ROWID",),          # how far each limit was caught up
     5: (_REFUSALS_SQL,),                                 # the refusals of each run (RefusalLog)
     6: _OUTCOMES_SQL,                   # the operator's word on a cut-off attempt
+    7: _TASKS_SQL,                      # the host's tasks (section 23.1)
 }
 _ROW_COLS = "id, session, request_key, tool, side_effect, run_id, created_at, open, closed_at, " \
             "settled_at, outcome"
@@ -9261,6 +9281,7 @@ class Proxy:
         self.executor = Executor(self)
         self.resume = Resume(self)
         self.rules = Rules(self)
+        self.tasks = Tasks(self)
 
     def close(self) -> None:
         self.notifier.close()
@@ -9309,16 +9330,27 @@ class Proxy:
     async def call(self, name: str, args: bytes, progress: Callable[[float, float], None]
                    | None = None, cancelled: asyncio.Event | None = None,
                    value: Any = NOT_PARSED) -> dict:
-        """One tools/call. Rules first (atomic: one call decides at a time), then at most one
-        hold for an approval, then at most one execution. Every record an answer rests on
-        was committed, synced, before it is given (Store.tx)."""
+        """One tools/call, answered: outcome(), a wait for an operator told as prose."""
+        action = await self.outcome(name, args, progress, cancelled, value)
+        return action.result if isinstance(action, Answer) else \
+            self.hold.pending_answer(action.approval)
+
+    async def outcome(self, name: str, args: bytes, progress: Callable[[float, float], None]
+                      | None = None, cancelled: asyncio.Event | None = None,
+                      value: Any = NOT_PARSED, hold: float | None = None) -> Answer | Pending:
+        """The one path of a tools/call, the host's and a task's alike: rules first (atomic:
+        one call decides at a time), then at most one hold for an approval (``hold``
+        seconds, the configuration's by default), then at most one execution. An Answer, or
+        the Pending approval the call still waits on. Every record an answer rests on was
+        committed, synced, before it is given (Store.tx)."""
         if name == self.cfg.status_tool:
-            return self.status(args)
+            return Answer(self.status(args))
         tool = self.tools.get(name)
         if tool is None:                 # withheld since the host was offered it (drift)
-            return withheld_answer(self.withheld.get(name, ("", "it is no longer offered"))[1])
+            return Answer(withheld_answer(self.withheld.get(
+                name, ("", "it is no longer offered"))[1]))
         args, key, value = await self._offload(len(args), host_arguments, name, args, value)
-        held = False
+        hold, held = self.cfg.hold if hold is None else hold, False
         for _ in range(MAX_RETRIES + 1):
             try:
                 async with self._deciding():
@@ -9326,21 +9358,21 @@ class Proxy:
                                                  args, value)
             except ProxyError as exc:       # a record that cannot be read, or written
                 self.log(f"error: {sanitize(str(exc))}")
-                return unavailable("read its records")
+                return Answer(unavailable("read its records"))
             if isinstance(action, Execute):
                 result = await self.executor.execute(action)
                 if result is not None:      # None: its attempt had a recorded outcome: decide again
-                    return result
+                    return Answer(result)
             if isinstance(action, Pending):
-                if not held and self.cfg.hold > 0 and not _is_set(cancelled) and \
+                if not held and hold > 0 and not _is_set(cancelled) and \
                         not self.stopping.is_set():
                     held = True
-                    if await self.hold.wait(action.approval, progress, cancelled):
+                    if await self.hold.wait(action.approval, progress, cancelled, hold):
                         continue
-                return self.hold.pending_answer(action.approval)
+                return action
             if isinstance(action, Answer):
-                return action.result
-        return in_progress()
+                return action
+        return Answer(in_progress())
 
     def _deciding(self) -> asyncio.Lock:
         """The lock under which a call reads the index and the runs and begins or collects
@@ -9362,7 +9394,8 @@ class Proxy:
         holder's lock free, section 11, or its lease run out) is taken over now, as the next
         identical call would take it over (rule 3), so that the operator is asked about a
         call cut off while executing before the model calls anything. A run of a proxy
-        that is alive, stopped included, keeps its lease."""
+        that is alive, stopped included, keeps its lease. Then the tasks a gone proxy
+        followed are followed from here (Tasks.take_over_gone)."""
         for row in self.index.unsettled():
             try:
                 state = self.inspect(row.run_id)
@@ -9372,6 +9405,10 @@ class Proxy:
                     self.resume.recover(tool, row)
             except ProxyError as exc:        # the next identical call takes it over instead
                 self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
+        try:
+            self.tasks.take_over_gone()
+        except StoreError as exc:            # the next proxy to start follows them
+            self.log(f"error: following the tasks of a proxy that is gone: {exc}")
 
     def reconcile(self, view: RunView) -> Reconciliation:
         """For the gate's take-over: a mutating call cut off while executing waits on an
@@ -10002,14 +10039,14 @@ class Hold:
             approval, path, view_of(store, approval), limits_now(store._read, approval,
                                                                  clock())))
 
-    async def wait(self, approval: Approval, progress, cancelled) -> bool:
-        """Hold until the approval is decided (True), or the hold ends, the host cancels, or
-        the proxy stops (False). A progress notification about once a second."""
+    async def wait(self, approval: Approval, progress, cancelled, hold: float) -> bool:
+        """Hold until the approval is decided (True), or ``hold`` seconds end, the host
+        cancels, or the proxy stops (False). A progress notification about once a second."""
         began = last = time.monotonic()
         while True:
             await asyncio.sleep(self.poll)
             now = time.monotonic()
-            if _is_set(cancelled) or self.stopping.is_set() or now - began >= self.cfg.hold:
+            if _is_set(cancelled) or self.stopping.is_set() or now - began >= hold:
                 return False
             try:
                 current = self.store.get_approval(approval.id)
@@ -10019,7 +10056,7 @@ class Hold:
                 return True
             if progress is not None and now - last >= PROGRESS_EVERY:
                 last = now
-                progress(now - began, self.cfg.hold)
+                progress(now - began, hold)
 
     def pending_answer(self, approval: Approval) -> dict:
         if approval.kind == REPEAT_KIND:
@@ -10196,7 +10233,12 @@ def result_text(obs: dict) -> str:
 # the requests that need the tools wait, in the order they came, until loading ends.
 
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
-SERVER_ABOUT = {"capabilities": {"tools": {"listChanged": True}}, "serverInfo": SERVER_INFO}
+# What the proxy offers, by era: tasks as the 2025-11-25 capability (no tasks/list: an id is
+# a bearer token), and as the 2026-07-28 extension (section 23.1).
+LEGACY_ABOUT = {"capabilities": {"tools": {"listChanged": True}, "tasks": {
+    "cancel": {}, "requests": {"tools": {"call": {}}}}}, "serverInfo": SERVER_INFO}
+MODERN_ABOUT = {"capabilities": {"tools": {"listChanged": True}, "extensions": {
+    "io.modelcontextprotocol/tasks": {}}}, "serverInfo": SERVER_INFO}
 UNCACHED = {"ttlMs": 0, "cacheScope": "private"}      # a modern host keeps no answer to reuse
 MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input waits
 READ_AHEAD_BYTES = 2 * MAX_FRAME       # the host's input read ahead of what is served
@@ -10205,7 +10247,10 @@ WRITE_ROOM_POLL = 1.0                  # the writer thread's wait for room, betw
 DRAIN_POLL = 0.02                      # how often a drain looks at what is left to write
 MAX_OUTPUT_BACKLOG = 4096              # answers queued for the host before its input waits
 BACKPRESSURE_POLL = 0.01
-NEEDS_TOOLS = ("tools/list", "tools/call")
+NEEDS_TOOLS = ("tools/list", "tools/call", "tasks/get", "tasks/result", "tasks/cancel",
+               "tasks/update")
+TASK_METHODS = {False: ("tasks/get", "tasks/result", "tasks/cancel"),
+                True: ("tasks/get", "tasks/cancel", "tasks/update")}
 # Requests held while loading, and their text together. A host that floods the proxy before
 # it serves gets an error for each one past these, not memory without bound.
 MAX_WAITING = 256
@@ -10260,8 +10305,9 @@ class HostServer:
         self.closing = True
         if self.proxy is not None:
             self.proxy.stopping.set()
-        while self.inflight:
-            await asyncio.wait(set(self.inflight))
+        following = {} if self.proxy is None else self.proxy.tasks.following
+        while self.inflight or following:     # each ends once stopping is set, or records
+            await asyncio.wait(set(self.inflight) | {t for t, _ in following.values()})
 
     def handle(self, line: bytes) -> None:
         """Answer one line from the host. Nothing in it can stop serving: whatever goes wrong
@@ -10295,8 +10341,10 @@ class HostServer:
     async def room(self, backlog: Callable[[], int]) -> None:
         """Wait, before reading more of the host's input, while too many calls are in flight
         or too many answers wait for a host that is not reading them: a host cannot make the
-        proxy hold without bound what it asked for."""
-        while len(self.inflight) >= MAX_INFLIGHT_CALLS or backlog() > MAX_OUTPUT_BACKLOG:
+        proxy hold without bound what it asked for. A task followed here is a call in
+        flight."""
+        while len(self.inflight) + (len(self.proxy.tasks.following) if self.proxy else 0) \
+                >= MAX_INFLIGHT_CALLS or backlog() > MAX_OUTPUT_BACKLOG:
             await asyncio.sleep(BACKPRESSURE_POLL)
 
     def dispatch(self, msg: Message) -> None:
@@ -10347,17 +10395,20 @@ class HostServer:
         elif method == "initialize" and not modern:
             asked = msg.params.get("protocolVersion")
             self.reply(msg, {"protocolVersion": asked if asked in LEGACY_VERSIONS
-                             else LEGACY_VERSIONS[0], **SERVER_ABOUT}, False)
+                             else LEGACY_VERSIONS[0], **LEGACY_ABOUT}, False)
         elif method == "server/discover":
-            self.reply(msg, {"supportedVersions": [MODERN_VERSION], **SERVER_ABOUT, **UNCACHED},
+            self.reply(msg, {"supportedVersions": [MODERN_VERSION], **MODERN_ABOUT, **UNCACHED},
                        True)
         elif method == "ping" and not modern:
             self.reply(msg, {}, False)
         elif method == "tools/list":
-            self.reply(msg, {"tools": self.proxy.listing(), **(UNCACHED if modern else {})},
-                       modern)
+            tools = self.proxy.listing()
+            self.reply(msg, {"tools": tools, **UNCACHED} if modern else
+                       {"tools": [{**t, "execution": TASK_OPTIONAL} for t in tools]}, modern)
         elif method == "tools/call":
             self.start_call(msg, modern)
+        elif method in TASK_METHODS[modern]:
+            task_request(self, msg, modern)
         elif method == "subscriptions/listen" and modern:
             self.listen(msg)
         else:
@@ -10365,7 +10416,7 @@ class HostServer:
 
     def reply(self, msg: Message, result: dict, modern: bool) -> None:
         if modern:
-            result = {**result, "resultType": "complete", "_meta": {META_SERVER: SERVER_INFO}}
+            result = {"resultType": "complete", **result, "_meta": {META_SERVER: SERVER_INFO}}
         self.write(rpc_result(msg.id_value(), result))
 
     def start_call(self, msg: Message, modern: bool) -> None:
@@ -10379,6 +10430,12 @@ class HostServer:
         _check_call_params(msg)
         args, value = empty_as_object(msg.raw("arguments", in_params=True) or b"",
                                       msg.parsed("arguments"))
+        task = msg.params.get("task")
+        if task is not None and not modern:          # 2025-11-25: the host asks for a task
+            if not isinstance(task, dict):
+                raise ProtocolError("params.task is not an object", INVALID_PARAMS)
+            start_task(self, msg, False, name, args, value)
+            return
         key, event = _id_key(msg.raw("id")), asyncio.Event()
         # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
         # and a cancel naming the id reaches every call that carries it. Nothing between the
@@ -10394,14 +10451,24 @@ class HostServer:
             "notifications/progress", {"progressToken": token, "progress": Num(f"{done:.3f}"),
                                        "total": Num(f"{total:.3f}"),
                                        "message": "waiting for an operator's approval"}))
+        tasks, proxy = modern and declares_tasks(msg), self.proxy
         try:
-            # Awaited in this task, which nothing cancels: a host's cancel sets ``cancelled``,
-            # which ends a hold, never the gate's work or an upstream call.
-            result = await self.proxy.call(name, args, progress, cancelled, value)
+            # Its own task, which nothing cancels: a host's cancel sets ``cancelled``, which
+            # ends a hold, never the gate's work or an upstream call.
+            work = asyncio.ensure_future(proxy.outcome(name, args, progress, cancelled, value))
+            tool = proxy.tools.get(name)
+            # A declaring host's mutating call still executing once `hold` is over is a task.
+            mutating = tasks and tool is not None and tool.spec.side_effect != "read_only"
+            await asyncio.wait({work}, timeout=proxy.cfg.hold if mutating else None)
+            if tasks and (not work.done() or isinstance(work.result(), Pending)):
+                start_task(self, msg, True, name, args, value,
+                                work if not work.done() else None)
+                return
+            action = await work
+            result = action.result if isinstance(action, Answer) else \
+                proxy.hold.pending_answer(action.approval)
         except Exception as exc:            # an answer is owed even when something broke
-            self.proxy.log(f"error: {sanitize(str(exc))}")
-            result = unavailable("complete this request",
-                                 "Whether anything was executed is not known here.")
+            result = broken_answer(proxy.log, exc)
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
 
@@ -10479,6 +10546,250 @@ def _id_key(raw: bytes | None) -> str:
         return encode_canonical(parse_json(raw, strict=False)).decode()
     except JSONError:
         return raw.decode("utf-8", "replace")
+
+
+# ==== 23.1 Tasks: a call the host waits on the protocol's way ====
+# A host that declares tasks may be answered a task instead of a wait: in 2025-11-25 every
+# tools/call that carries params.task (the host decides), in 2026-07-28 a call that declared
+# the io.modelcontextprotocol/tasks extension and still waits for an operator, or still
+# executes a mutating request, once `hold` is over (the proxy decides). A task is a handle on
+# one call of the host, never a second state machine: its row in proxy_tasks holds the
+# request as the gate records it, its ttl (approval_ttl), the holder of the proxy that
+# follows it, and once the call has one, its answer: what the identical call is answered,
+# through Proxy.outcome, the one path of every call. Until then the task is working; with
+# its answer, completed, whatever the answer says (a refusal is completed with its isError
+# text: failed is for a JSON-RPC error); cancelled once the host cancelled it before that.
+# The row is written, synced, before the host learns the task's id, so any process on the
+# store answers for it; the id is random, never derived from a run or an approval. The
+# proxy that made a task follows it; when that proxy is gone (its holder file free, or
+# removed at its exit), the next proxy to start follows it. A follower executes nothing the
+# identical call would not: the gate runs a request at most once, whoever asks.
+
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+META_RELATED_TASK = "io.modelcontextprotocol/related-task"
+MISSING_CAPABILITY = -32021
+TASK_ID_BYTES = 24                     # random bytes of a task id: a bearer token
+TASK_POLL_MS = 1000                    # how often a host is asked to look at a task
+TASK_HOLD = 10.0                       # a follower's hold between looks at its task's row
+TASK_LOOK = 1.0                        # ... and its wait while another process executes
+MAX_TASKS_TAKEN = 256                  # a gone proxy's tasks a starting proxy follows
+TASK_OPTIONAL = {"taskSupport": "optional"}     # each tool, toward a 2025-11-25 host
+TASK_WAITING = "the call waits for an operator's approval"
+TASK_WORKING = "the call is being taken through the gate"
+_TASK_COLS = "task_id, tool, arguments, request_key, created_at, ttl, follower, answer, " \
+             "updated_at, cancelled"
+TaskRow = collections.namedtuple("TaskRow", "id tool args key created ttl follower answer "
+                                            "updated cancelled")
+
+
+def declares_tasks(msg: Message) -> bool:
+    """Whether a 2026-07-28 request declared the tasks extension in its own capabilities."""
+    meta = msg.params.get("_meta")
+    caps = meta.get(META_CAPABILITIES) if isinstance(meta, dict) else None
+    extensions = caps.get("extensions") if isinstance(caps, dict) else None
+    return isinstance(extensions, dict) and isinstance(extensions.get(TASKS_EXTENSION), dict)
+
+
+def _follower_gone(database: str, follower: str) -> bool:
+    """Whether the proxy that follows a task is gone: its holder file free (holder_gone),
+    or removed, as a proxy removes its own at a normal exit. A follower that names no file
+    (a proxy where flock locks nothing) is taken as gone: at worst two followers ask for
+    one call, which the gate runs once, and the first answer is the task's."""
+    named = HOLDER_IN_OWNER.search(follower)
+    if named is None:
+        return True
+    if named.group(1) in _HELD:
+        return False
+    return holder_gone(database, follower) or \
+        not os.path.lexists(f"{database}.{named.group(1)}")
+
+
+class Tasks:
+    """proxy_tasks, and the followers this proxy runs: each takes its task's call through
+    Proxy.outcome until the answer is not a wait, and records that answer."""
+
+    def __init__(self, proxy: "Proxy"):
+        self.proxy, self.store, self.session = proxy, proxy.store, proxy.cfg.session
+        self.follower = "" if proxy.holder is None else ";" + proxy.holder.ident
+        self.following: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
+
+    def create(self, name: str, args: bytes, key: str | None) -> TaskRow:
+        """A new task for a call, durably: a tasks/get for it resolves before its id is
+        given. ``args``: the call's arguments as the gate records them (host_arguments)."""
+        now, ttl = self.proxy.clock(), self.proxy.cfg.approval_ttl or None
+        row = TaskRow(secrets.token_urlsafe(TASK_ID_BYTES), name, args, key, now, ttl,
+                      self.follower, None, now, 0)
+        with self.store.tx() as tx:
+            tx.exec(f"INSERT INTO proxy_tasks (session, {_TASK_COLS}) VALUES "
+                    "(?,?,?,?,?,?,?,?,?,?,?)", (self.session, *row))
+        return row
+
+    def get(self, task_id: Any) -> TaskRow | None:
+        if not isinstance(task_id, str):
+            return None
+        rows = self.store._read(f"SELECT {_TASK_COLS} FROM proxy_tasks WHERE task_id=? AND "
+                                "session=?", (task_id, self.session))
+        return TaskRow(*rows[0]) if rows else None
+
+    def cancel(self, row: TaskRow) -> bool:
+        """The host cancels a task that has no answer yet: it is cancelled, and stays so
+        whatever comes of its call. Its follower here stops waiting. False: it had ended."""
+        with self.store.tx() as tx:
+            done = tx.exec("UPDATE proxy_tasks SET cancelled=1, updated_at=? WHERE "
+                           "task_id=? AND answer IS NULL AND cancelled=0",
+                           (self.proxy.clock(), row.id)).rowcount == 1
+        if row.id in self.following:
+            self.following[row.id][1].set()
+        return done
+
+    def doc(self, row: TaskRow, modern: bool) -> dict:
+        """The task as the host's era spells it; a completed task's answer within it
+        (2026-07-28) or from tasks/result (2025-11-25)."""
+        status = "cancelled" if row.cancelled else \
+            "working" if row.answer is None else "completed"
+        doc = {"taskId": row.id, "status": status}
+        if status == "working":
+            doc["statusMessage"] = self.waiting_on(row)
+        doc.update({"createdAt": fmt_time(row.created), "lastUpdatedAt": fmt_time(row.updated),
+                    "ttlMs" if modern else "ttl": None if row.ttl is None else
+                    int(row.ttl * 1000), "pollIntervalMs" if modern else "pollInterval":
+                    TASK_POLL_MS})
+        if modern and status == "completed":
+            doc["result"] = {**self.answer_of(row), "resultType": "complete"}
+        return doc
+
+    def waiting_on(self, row: TaskRow) -> str:
+        """What a working task's call waits on, read from its run: never an id, a command,
+        the database or the configuration (the seed's rule for what the model reads)."""
+        open_row = self.proxy.index.open_row(row.key) if row.key else None
+        run = self.store.find_run(open_row.run_id) if open_row is not None else None
+        return TASK_WAITING if run is not None and run.status == WAITING else TASK_WORKING
+
+    @staticmethod
+    def answer_of(row: TaskRow) -> dict:
+        return parse_json(row.answer.encode("utf-8"))
+
+    def follow(self, row: TaskRow, value: Any = NOT_PARSED,
+               first: "asyncio.Future | None" = None) -> None:
+        """Follow a task here: ``first``, the call's outcome already under way, if any."""
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(self._follow(row, value, first, stop))
+        self.following[row.id] = (task, stop)
+        task.add_done_callback(lambda _: self.following.pop(row.id, None))
+
+    async def _follow(self, row: TaskRow, value: Any, first, stop: asyncio.Event) -> None:
+        proxy = self.proxy
+        while True:
+            try:
+                action = await (first if first is not None else proxy.outcome(
+                    row.tool, row.args, None, stop, value, TASK_HOLD))
+            except Exception as exc:          # an answer is owed even when something broke
+                action = Answer(broken_answer(proxy.log, exc))
+            first = None
+            if isinstance(action, Answer) and answer_prefix(action.result) != "IN_PROGRESS":
+                self.record(row, action.result)
+                return
+            try:
+                current = self.get(row.id)
+            except StoreError:
+                current = row                 # looked at again after the next hold
+            if stop.is_set() or proxy.stopping.is_set() or current is None or \
+                    current.cancelled or current.follower != self.follower:
+                return                        # the next proxy to start follows it
+            if isinstance(action, Answer):    # another process executes it: look again
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(proxy.stopping.wait(), TASK_LOOK)
+
+    def record(self, row: TaskRow, result: dict) -> None:
+        """The call's answer, the task's: the first one recorded stands."""
+        try:
+            with self.store.tx() as tx:
+                tx.exec("UPDATE proxy_tasks SET answer=?, updated_at=? WHERE task_id=? AND "
+                        "answer IS NULL", (dump_json(result), self.proxy.clock(), row.id))
+        except StoreError as exc:
+            self.proxy.log(f"error: a task's answer was not recorded: {exc}")
+
+    def take_over_gone(self) -> None:
+        """At start: each task of this session with no answer whose proxy is gone is
+        followed from here, claimed first so that two starting proxies never both do."""
+        now = self.proxy.clock()
+        for row in map(TaskRow._make, self.store._read(
+                f"SELECT {_TASK_COLS} FROM proxy_tasks WHERE session=? AND answer IS NULL AND "
+                "cancelled=0 LIMIT ?", (self.session, MAX_TASKS_TAKEN))):
+            if (row.ttl is not None and row.created + row.ttl < now) or \
+                    not _follower_gone(self.store.path, row.follower):
+                continue
+            with self.store.tx() as tx:
+                claimed = tx.exec("UPDATE proxy_tasks SET follower=? WHERE task_id=? AND "
+                                  "follower=?", (self.follower, row.id, row.follower))
+            if claimed.rowcount == 1:
+                self.follow(row._replace(follower=self.follower))
+
+
+def start_task(host: HostServer, msg: Message, modern: bool, name: str, args: bytes,
+               value: Any, first: "asyncio.Future | None" = None) -> None:
+    """Answer a call with a new task, recorded first, and follow it: ``first``, the
+    call's outcome already under way (2026-07-28), else the call from its start."""
+    args, key, value = host_arguments(name, args, value)
+    row = host.proxy.tasks.create(name, args, key)
+    task = host.proxy.tasks.doc(row, modern)
+    host.reply(msg, {"resultType": "task", **task} if modern else {"task": task}, modern)
+    host.proxy.tasks.follow(row, value, first)
+
+
+def task_request(host: HostServer, msg: Message, modern: bool) -> None:
+    """tasks/get, tasks/cancel, and tasks/result (2025-11-25) or tasks/update
+    (2026-07-28), for a task of this session: any process's."""
+    if modern and not declares_tasks(msg):
+        raise ProtocolError(f"{msg.method} needs the {TASKS_EXTENSION} extension declared "
+                            "in the request's client capabilities", MISSING_CAPABILITY,
+                            {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}})
+    tasks = host.proxy.tasks
+    row = tasks.get(msg.params.get("taskId"))
+    if row is None:
+        raise ProtocolError("no such task", INVALID_PARAMS)
+    if msg.method == "tasks/cancel":
+        if not tasks.cancel(row) and not modern:
+            raise ProtocolError("the task has ended: it cannot be cancelled",
+                                INVALID_PARAMS)
+        host.reply(msg, {} if modern else tasks.doc(tasks.get(row.id), False), modern)
+    elif msg.method == "tasks/result":
+        key, event = _id_key(msg.raw("id")), asyncio.Event()
+        waiter = asyncio.ensure_future(task_result(host, msg, row, event))
+        host.inflight[waiter] = (key, event)
+        waiter.add_done_callback(host.inflight.pop)
+    else:
+        host.reply(msg, tasks.doc(row, modern) if msg.method == "tasks/get" else {}, modern)
+
+
+async def task_result(host: HostServer, msg: Message, row: TaskRow,
+                      cancelled: asyncio.Event) -> None:
+    """2025-11-25's tasks/result: the call's answer once the task has one, waited for
+    until then, but never past the task's ttl, and answered at once when the proxy
+    stops; a host's cancel of this request ends the wait unanswered."""
+    stopping, tasks = host.proxy.stopping, host.proxy.tasks
+    until = float("inf") if row.ttl is None else row.created + row.ttl
+    while not cancelled.is_set():
+        try:
+            row = tasks.get(row.id) or row
+        except StoreError:
+            pass                          # looked at again at the next poll
+        if row.cancelled:
+            error = "the task was cancelled: it has no result"
+        elif row.answer is not None:
+            host.reply(msg, {**tasks.answer_of(row),
+                             "_meta": {META_RELATED_TASK: {"taskId": row.id}}}, False)
+            return
+        elif stopping.is_set():
+            error = "the proxy is shutting down: ask for this task's result again"
+        elif host.proxy.clock() > until:
+            error = "the task's ttl ran out before its call had an answer"
+        else:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopping.wait(), APPROVAL_POLL)
+            continue
+        host.write(rpc_error(msg.id_value(), INVALID_PARAMS, error))
+        return
 
 
 # ==== 24. Serving, pinning and checking ====

@@ -1,0 +1,280 @@
+"""Tasks toward the host (section 23.1): a call the host waits on the protocol's way.
+
+In-process (tests/proxy_harness.py), with the fake payment server behind the proxy.
+
+- 2025-11-25: the capability and each tool's taskSupport are offered; every tools/call that
+  carries params.task is answered a task, even an allowed read, which completes at once;
+  tasks/result blocks until the call has an answer and carries the related-task _meta;
+  tasks/cancel answers the task cancelled, and it stays so; an ended task cannot be
+  cancelled; unknown ids are -32602.
+- 2026-07-28: the extension is offered in server/discover; a declaring call that waits for an
+  operator past `hold` is answered a task instead of PENDING_APPROVAL; tasks/get embeds the
+  result; tasks/* without the declaration are -32021; tasks/result is not a method.
+- The approval round trip as a task: the operator approves, the follower collects the
+  recorded request once, and an identical call afterwards is not run again.
+- A rejection completes the task with the rejection's isError text: never failed.
+- A task outlives its proxy: the row is on disk before its id is given, a proxy started
+  again answers for it and follows it, and collects once the operator decides.
+- A host that does not declare tasks gets today's answers.
+- Shutdown answers a waiting tasks/result at once, with an error that says so.
+"""
+
+import json
+
+import pytest
+
+from proxy_harness import ProxyHarness, ap
+
+META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientInfo": {"name": "tests", "version": "1"}}
+DECLARED = {**META, "io.modelcontextprotocol/clientCapabilities": {
+    "extensions": {"io.modelcontextprotocol/tasks": {}}}}
+PAY = {"to": "bob", "amount": 25}
+
+
+@pytest.fixture
+def h(tmp_path):
+    harness = ProxyHarness(tmp_path)
+    yield harness
+    harness.close()
+
+
+def legacy_task(h, name, args):
+    """A 2025-11-25 tools/call that asks for a task: the task it is answered."""
+    msg = h.request("tools/call", {"name": name, "arguments": args, "task": {"ttl": 60000}})
+    assert "error" not in msg, msg
+    return msg["result"]["task"]
+
+
+def wait_for(h, predicate, timeout=20):
+    """Run the proxy's loop until ``predicate`` holds (it may send requests itself)."""
+    deadline = ap.time.monotonic() + timeout
+    while not predicate():
+        assert ap.time.monotonic() < deadline, "timed out"
+        h.run(ap.asyncio.sleep(0.02))
+
+
+def no_ids(text, h):
+    """Nothing the model reads names a run, an approval, the database or the command."""
+    for r in h.runs():
+        assert r.id not in text
+    for a in h.approvals():
+        assert a.id not in text
+    assert "runs.db" not in text and "agentrt" not in text.lower()
+
+
+def test_a_legacy_host_is_offered_tasks(h):
+    init = h.request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                    "clientInfo": {"name": "t", "version": "1"}})["result"]
+    tasks = init["capabilities"]["tasks"]
+    assert tasks["requests"] == {"tools": {"call": {}}} and tasks["cancel"] == {}
+    assert "list" not in tasks                      # an id is a bearer token
+    tools = h.request("tools/list")["result"]["tools"]
+    assert tools and all(t["execution"] == {"taskSupport": "optional"} for t in tools)
+
+
+def test_a_legacy_task_of_an_allowed_read_completes_at_once(h):
+    task = legacy_task(h, "bank_balance", {"account": "A-9"})
+    assert set(task) >= {"taskId", "status", "createdAt", "lastUpdatedAt", "ttl",
+                         "pollInterval"}
+    assert task["status"] == "working"
+    msg = h.request("tasks/result", {"taskId": task["taskId"]})
+    result = msg["result"]
+    assert h.text(result) == "account A-9 holds 120.00 EUR" and result["isError"] is False
+    assert result["_meta"]["io.modelcontextprotocol/related-task"] == {
+        "taskId": task["taskId"]}
+    got = h.request("tasks/get", {"taskId": task["taskId"]})["result"]
+    assert got["status"] == "completed" and "io.modelcontextprotocol/related-task" not in \
+        json.dumps(got)
+    # The id is random: not a run id, nor derived from one.
+    run = h.runs()[-1]
+    assert task["taskId"] != run.id and run.id.split(".")[-1] not in task["taskId"]
+    assert len(task["taskId"]) >= 32
+
+
+def test_proxy_approval_round_trip_as_a_legacy_task(h):
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    got = h.request("tasks/get", {"taskId": task["taskId"]})["result"]
+    assert got["status"] == "working" and got["statusMessage"]
+    no_ids(got["statusMessage"], h)
+    assert h.payments() == 0
+    h.decide(h.pending()[0], approve=True)
+    result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
+    assert result["isError"] is False and "paid 25.00 to bob" in h.text(result)
+    assert h.payments() == 1
+    assert h.request("tasks/get", {"taskId": task["taskId"]})["result"]["status"] == \
+        "completed"
+    # The identical call is not run again: the task collected the one execution.
+    again = h.call("bank_pay", PAY)
+    assert h.prefix(again) == "DUPLICATE" and h.payments() == 1
+
+
+def test_a_rejected_task_completes_with_the_rejection(h):
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    h.decide(h.pending()[0], approve=False, note="not today")
+    result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
+    assert result["isError"] is True and h.prefix(result) == "REJECTED"
+    assert h.request("tasks/get", {"taskId": task["taskId"]})["result"]["status"] == \
+        "completed"
+    assert h.payments() == 0
+
+
+def test_a_legacy_task_cancelled_stays_cancelled(h):
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    got = h.request("tasks/cancel", {"taskId": task["taskId"]})["result"]
+    assert got["status"] == "cancelled" and got["taskId"] == task["taskId"]
+    again = h.request("tasks/cancel", {"taskId": task["taskId"]})
+    assert again["error"]["code"] == -32602
+    err = h.request("tasks/result", {"taskId": task["taskId"]})["error"]
+    assert err["code"] == -32602 and "cancelled" in err["message"]
+    assert h.request("tasks/get", {"taskId": task["taskId"]})["result"]["status"] == \
+        "cancelled"
+    assert h.payments() == 0
+
+
+def test_unknown_task_ids_are_refused(h):
+    for method in ("tasks/get", "tasks/result", "tasks/cancel"):
+        for params in ({"taskId": "nope"}, {"taskId": 7}, {}):
+            assert h.request(method, params)["error"]["code"] == -32602
+    # tasks/list is not offered
+    assert h.request("tasks/list", {})["error"]["code"] == -32601
+
+
+def test_a_modern_host_is_offered_the_tasks_extension(h):
+    res = h.request("server/discover", {"_meta": META})["result"]
+    assert res["capabilities"]["extensions"]["io.modelcontextprotocol/tasks"] == {}
+    tools = h.request("tools/list", {"_meta": META})["result"]["tools"]
+    assert all("execution" not in t for t in tools)
+
+
+def test_proxy_approval_round_trip_as_a_modern_task(h):
+    first = h.call("bank_pay", PAY, meta=DECLARED)
+    assert first["resultType"] == "task" and first["status"] == "working"
+    assert set(first) >= {"taskId", "createdAt", "lastUpdatedAt", "ttlMs", "pollIntervalMs"}
+    assert "content" not in first
+    no_ids(first["statusMessage"], h)
+    assert len(h.pending()) == 1 and h.payments() == 0
+    h.decide(h.pending()[0], approve=True)
+
+    def completed():
+        got = h.request("tasks/get", {"taskId": first["taskId"], "_meta": DECLARED})
+        return got["result"]["status"] == "completed"
+    wait_for(h, completed)
+    got = h.request("tasks/get", {"taskId": first["taskId"], "_meta": DECLARED})["result"]
+    assert got["resultType"] == "complete"
+    assert got["result"]["resultType"] == "complete" and got["result"]["isError"] is False
+    assert "paid 25.00 to bob" in h.text(got["result"])
+    assert h.payments() == 1
+
+
+def test_modern_task_methods_need_the_declaration(h):
+    first = h.call("bank_pay", PAY, meta=DECLARED)
+    err = h.request("tasks/get", {"taskId": first["taskId"], "_meta": META})["error"]
+    assert err["code"] == -32021
+    assert err["data"]["requiredCapabilities"]["extensions"] == {
+        "io.modelcontextprotocol/tasks": {}}
+    assert h.request("tasks/result", {"taskId": first["taskId"],
+                                      "_meta": DECLARED})["error"]["code"] == -32601
+    assert h.request("tasks/get", {"taskId": "nope", "_meta": DECLARED})["error"]["code"] == \
+        -32602
+    ack = h.request("tasks/cancel", {"taskId": first["taskId"], "_meta": DECLARED})["result"]
+    assert ack["resultType"] == "complete" and set(ack) <= {"resultType", "_meta"}
+    got = h.request("tasks/get", {"taskId": first["taskId"], "_meta": DECLARED})["result"]
+    assert got["status"] == "cancelled"
+
+
+def test_a_host_that_declares_no_tasks_gets_todays_answers(h):
+    legacy = h.call("bank_pay", PAY)
+    assert h.prefix(legacy) == "PENDING_APPROVAL" and "task" not in legacy
+    modern = h.call("bank_pay", {"to": "carol", "amount": 5}, meta=META)
+    assert h.prefix(modern) == "PENDING_APPROVAL" and modern["resultType"] == "complete"
+    # 2026-07-28 ignores params.task
+    msg = h.request("tools/call", {"name": "bank_balance", "arguments": {"account": "A-9"},
+                                   "task": {}, "_meta": META})["result"]
+    assert msg["resultType"] == "complete" and "task" not in msg
+    # an allowed read of a declaring host is answered at once, as today
+    read = h.call("bank_balance", {"account": "A-9"}, meta=DECLARED)
+    assert read["resultType"] == "complete" and read["isError"] is False
+
+
+def test_a_task_outlives_its_proxy_and_the_next_one_collects(tmp_path):
+    h = ProxyHarness(tmp_path)
+    try:
+        task = legacy_task(h, "bank_pay", PAY)
+        wait_for(h, lambda: len(h.pending()) == 1)
+        approval = h.pending()[0]
+        h.run(h.host.shutdown())          # the proxy stops while its task waits
+        assert not h.proxy.tasks.following
+        h.proxy.close()                   # its holder file goes with it
+        h.decide(approval, approve=True)  # decided while no proxy serves
+        assert h.payments() == 0
+        h.proxy = ap.Proxy(h.cfg, h.store, h.tools, h.log_lines.append, clock=h.clock,
+                           poll=0.02)
+        h.host = ap.HostServer(h.proxy, h.out.append)
+        h.proxy.take_over_gone()          # as a proxy starting does
+        assert task["taskId"] in h.proxy.tasks.following
+        result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
+        assert "paid 25.00 to bob" in h.text(result) and h.payments() == 1
+    finally:
+        h.close()
+
+
+def test_a_task_of_a_live_proxy_is_not_taken_over(h):
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    other = ap.Tasks(h.proxy)
+    other.follower = ";holder-" + "0" * 32 + ":1:1"    # a second proxy's view
+    other.take_over_gone()
+    assert not other.following
+    row = h.proxy.tasks.get(task["taskId"])
+    assert row.follower == h.proxy.tasks.follower
+
+
+def test_shutdown_answers_a_waiting_task_result_at_once(h):
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    ident = h.request("tasks/result", {"taskId": task["taskId"]}, wait=False)
+    h.run(h.host.shutdown(), timeout=10)
+    err = h.answer(ident)["error"]
+    assert "shutting down" in err["message"]
+    assert h.payments() == 0
+
+
+def test_the_task_row_is_on_disk_before_the_answer(h):
+    task = legacy_task(h, "bank_balance", {"account": "A-9"})
+    store = ap.Store.open(h.cfg.database)
+    try:
+        rows = store._read("SELECT task_id, tool FROM proxy_tasks")
+    finally:
+        store.close()
+    assert (task["taskId"], "bank_balance") in rows
+
+
+def test_a_modern_mutating_call_still_executing_after_hold_is_a_task(tmp_path):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "20s", "outcome": "allow"}}
+    h = ProxyHarness(tmp_path, rules=rules, hold="1s")
+    try:
+        first = h.call("bank_pay", {**PAY, "mode": "block"}, meta=DECLARED)
+        assert first["resultType"] == "task" and first["status"] == "working"
+        wait_for(h, lambda: h.payments() == 1)      # it reached the server, which waits
+        got = h.request("tasks/get", {"taskId": first["taskId"], "_meta": DECLARED})
+        assert got["result"]["status"] == "working"
+        h.release()
+
+        def completed():
+            got = h.request("tasks/get", {"taskId": first["taskId"], "_meta": DECLARED})
+            return got["result"]["status"] == "completed"
+        wait_for(h, completed)
+        got = h.request("tasks/get", {"taskId": first["taskId"], "_meta": DECLARED})
+        assert "paid 25.00 to bob" in h.text(got["result"]["result"])
+        assert h.payments() == 1
+        # a quick mutating call within hold is answered as today
+        quick = h.call("bank_pay", {"to": "dan", "amount": 1}, meta=DECLARED)
+        assert quick["resultType"] == "complete" and "paid 1.00 to dan" in h.text(quick)
+    finally:
+        h.close()

@@ -5201,14 +5201,16 @@ def _check_shown(approval: Approval, shown_hash: str) -> None:
     approval.verify()
 
 
-def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run:
-    """End a run that has not finished; a tool already running is not interrupted."""
+def cancel_run(store: Store, run_id: str, by: str, note: str, now: float,
+               reason: str = "operator_cancelled", ending: tuple = (RUNNING, WAITING)) -> Run:
+    """End a run that has not finished (one of ``ending``); a tool already running is not
+    interrupted. ``reason``: an operator's cancel, or a host's withdrawal (section 23.1)."""
     run = store.get_run(run_id)
     if run.status in TERMINAL:
         raise RunStateError(f"run {run_id} is already {run.status}")
     at = fmt_time(now)
     with store.tx() as tx:
-        tx.require(run_id, (RUNNING, WAITING))
+        tx.require(run_id, ending)
         obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                 "finished_at=? WHERE run_id=? AND status IN ('deciding','awaiting_approval',"
@@ -5220,8 +5222,7 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float) -> Run
         for row in tx.rows(f"SELECT {_APPROVAL_COLS} FROM approvals WHERE run_id=? AND "
                            "status=? ORDER BY rowid", (run_id, PENDING)):
             _decided(tx, _approval_from_row(row), CANCELLED_APPROVAL, at, by, note)
-        return _end_run(tx, run_id, (RUNNING, WAITING), CANCELLED, "operator_cancelled", note,
-                        at, by=by)
+        return _end_run(tx, run_id, ending, CANCELLED, reason, note, at, by=by)
 
 
 # ==== 14. JSON-RPC framing ====
@@ -7680,7 +7681,9 @@ def describe(proxy: "Proxy", item: tuple, items: list, now: float) -> str:
     ended = {REJECTED: f"REJECTED by the operator.{_note(a.note)} It was not executed; do not "
                        "ask for it again.", EXPIRED: "EXPIRED; it was not executed.",
              CANCELLED_APPROVAL: f"CANCELLED by the operator.{_note(a.note)} It was not "
-                                 "executed."}
+                                 "executed." if state.run.reason != HOST_WITHDRAWN else
+             "WITHDRAWN: the host cancelled its task before an operator decided. It was not "
+             "executed; an identical call asks again."}
     if a.status in ended:
         return who + ended[a.status]
     step = next((s for s in state.steps if s.id == a.step_id), None)
@@ -10575,6 +10578,9 @@ TASK_LOOK = 1.0                        # ... and its wait while another process 
 MAX_TASKS_TAKEN = 256                  # a gone proxy's tasks a starting proxy follows
 TASK_OPTIONAL = {"taskSupport": "optional"}     # each tool, toward a 2025-11-25 host
 TASK_WAITING = "the call waits for an operator's approval"
+HOST_WITHDRAWN = "host_withdrawn"      # a run's reason: the host cancelled its task
+HOST_BY = "host"
+WITHDRAWN_NOTE = "withdrawn by the host (tasks/cancel) before an operator decided"
 TASK_WORKING = "the call is being taken through the gate"
 _TASK_COLS = "task_id, tool, arguments, request_key, created_at, ttl, follower, answer, " \
              "updated_at, cancelled"
@@ -10633,14 +10639,36 @@ class Tasks:
 
     def cancel(self, row: TaskRow) -> bool:
         """The host cancels a task that has no answer yet: it is cancelled, and stays so
-        whatever comes of its call. Its follower here stops waiting. False: it had ended."""
+        whatever comes of its call, and its follower stops (here at once, elsewhere at its
+        next look). A request that waits for an approval the policy asked is withdrawn
+        (withdraw). False: the task had ended."""
         with self.store.tx() as tx:
             done = tx.exec("UPDATE proxy_tasks SET cancelled=1, updated_at=? WHERE "
                            "task_id=? AND answer IS NULL AND cancelled=0",
                            (self.proxy.clock(), row.id)).rowcount == 1
         if row.id in self.following:
             self.following[row.id][1].set()
+        if done:
+            self.withdraw(row)
         return done
+
+    def withdraw(self, row: TaskRow) -> None:
+        """Withdraw the task's request if it has not executed and waits on a pending
+        approval the policy asked (a class, a condition or limit, a repeat): the run ends
+        CANCELLED for HOST_WITHDRAWN, and its approval is cancelled by the host, which the
+        operator's views say. Not an operator's decision, so not a cancel under rule 4: the
+        identical call later is a fresh request, asked again. An interruption approval is
+        the operator's alone: the task only lets go of it. A request that started runs on,
+        and its outcome is recorded as any call's."""
+        open_row = self.proxy.index.open_row(row.key) if row.key else None
+        state = self.proxy.inspect(open_row.run_id) if open_row is not None else None
+        latest = state.latest() if state is not None else None
+        if state is None or state.run.status != WAITING or latest is None or \
+                latest.status != PENDING or latest.kind == INTERRUPTED_KIND:
+            return
+        with contextlib.suppress(RunStateError):        # it moved on meanwhile
+            cancel_run(self.store, state.run.id, HOST_BY, WITHDRAWN_NOTE, self.proxy.clock(),
+                       HOST_WITHDRAWN, (WAITING,))
 
     def doc(self, row: TaskRow, modern: bool) -> dict:
         """The task as the host's era spells it; a completed task's answer within it
@@ -12498,6 +12526,8 @@ def ended_why(store: Store, run: Run) -> str:
         return f"{verb} by {by or 'an operator'}" + (f"; attempt {word['outcome']}" if word else "")
     if run.reason == "approval_expired":
         return "its approval expired"
+    if run.reason == HOST_WITHDRAWN:
+        return WITHDRAWN_NOTE
     return _CLOSED_WHY.get(run.reason_detail) or run.reason_detail or run.reason
 
 

@@ -136,6 +136,45 @@ def test_a_legacy_task_cancelled_stays_cancelled(h):
     assert h.payments() == 0
 
 
+def test_a_host_cancel_withdraws_the_request_and_the_operator_sees_it(h):
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    approval = h.pending()[0]
+    h.request("tasks/cancel", {"taskId": task["taskId"]})
+    withdrawn = h.store.get_approval(approval.id)
+    assert withdrawn.status == "cancelled" and withdrawn.decided_by == "host"
+    run = h.store.get_run(approval.run_id)
+    assert run.status == "CANCELLED" and run.reason == "host_withdrawn"
+    assert ap.ended_why(h.store, run).startswith("withdrawn by the host")
+    status = h.text(h.call("gate_status", {"approval_id": approval.id}))
+    assert "WITHDRAWN" in status and "CANCELLED by the operator" not in status
+    # Not an operator's decision: the identical call is a fresh request, asked again.
+    again = h.call("bank_pay", PAY)
+    assert h.prefix(again) == "PENDING_APPROVAL"
+    assert [a.id for a in h.pending()] != [approval.id] and len(h.pending()) == 1
+    assert h.payments() == 0
+
+
+def test_a_host_cancel_leaves_an_interruption_approval_to_the_operator(tmp_path):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "1s", "outcome": "allow"}}
+    h = ProxyHarness(tmp_path, rules=rules)
+    try:
+        cut = {**PAY, "mode": "block"}
+        assert h.prefix(h.call("bank_pay", cut)) == "UNKNOWN_OUTCOME"
+        task = legacy_task(h, "bank_pay", cut)
+        wait_for(h, lambda: len(h.pending()) == 1)
+        approval = h.pending()[0]
+        assert approval.kind == "interrupted_side_effect"
+        got = h.request("tasks/cancel", {"taskId": task["taskId"]})["result"]
+        assert got["status"] == "cancelled"
+        assert h.store.get_approval(approval.id).status == "pending"
+        assert h.store.get_run(approval.run_id).status == "WAITING_FOR_APPROVAL"
+    finally:
+        h.release()
+        h.close()
+
+
 def test_unknown_task_ids_are_refused(h):
     for method in ("tasks/get", "tasks/result", "tasks/cancel"):
         for params in ({"taskId": "nope"}, {"taskId": 7}, {}):

@@ -7624,6 +7624,11 @@ def status_answer(proxy: "Proxy", items: list, wanted: str) -> dict:
         if group:
             lines.append(f"{one if len(group) == 1 else f'{len(group)} {many}'} {what}")
             lines += ["- " + describe(proxy, i, items, now) for i in group]
+    tasks = proxy.tasks.open_lines()
+    if tasks:
+        lines.append("Open tasks of this session's host (each polled by the host, which is "
+                     "told the call's answer once it has one):")
+        lines += ["- " + line for line in tasks]
     limits = proxy.budgets.lines()
     if limits:
         lines.append("The limits on this session's tools, and what they have used (a call "
@@ -10737,13 +10742,23 @@ class Tasks:
         except StoreError as exc:
             self.proxy.log(f"error: a task's answer was not recorded: {exc}")
 
+    def open_rows(self, limit: int) -> list[TaskRow]:
+        """The session's tasks with no answer, not cancelled, newest first."""
+        return list(map(TaskRow._make, self.store._read(
+            f"SELECT {_TASK_COLS} FROM proxy_tasks WHERE session=? AND answer IS NULL AND "
+            "cancelled=0 ORDER BY created_at DESC LIMIT ?", (self.session, limit))))
+
+    def open_lines(self) -> list[str]:
+        """The status tool's lines: each open task, its tool, status and what it waits on."""
+        return [f"task {row.id}: {clean(row.tool, TOOL_NAME_SHOWN)}, working: "
+                f"{self.waiting_on(row)}, since {fmt_time_s(row.created)}"
+                for row in self.open_rows(STATUS_ROWS)]
+
     def take_over_gone(self) -> None:
         """At start: each task of this session with no answer whose proxy is gone is
         followed from here, claimed first so that two starting proxies never both do."""
         now = self.proxy.clock()
-        for row in map(TaskRow._make, self.store._read(
-                f"SELECT {_TASK_COLS} FROM proxy_tasks WHERE session=? AND answer IS NULL AND "
-                "cancelled=0 LIMIT ?", (self.session, MAX_TASKS_TAKEN))):
+        for row in self.open_rows(MAX_TASKS_TAKEN):
             if (row.ttl is not None and row.created + row.ttl < now) or \
                     not _follower_gone(self.store.path, row.follower):
                 continue

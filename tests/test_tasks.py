@@ -317,3 +317,14 @@ def test_a_modern_mutating_call_still_executing_after_hold_is_a_task(tmp_path):
         assert quick["resultType"] == "complete" and "paid 1.00 to dan" in h.text(quick)
     finally:
         h.close()
+
+
+def test_the_status_tool_lists_the_hosts_open_tasks(h):
+    assert "task" not in h.text(h.call("gate_status", {})).lower()
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    said = h.text(h.call("gate_status", {}))
+    line = next(x for x in said.splitlines() if task["taskId"] in x)
+    assert "bank_pay" in line and "working" in line and "approval" in line
+    h.request("tasks/cancel", {"taskId": task["taskId"]})
+    assert task["taskId"] not in h.text(h.call("gate_status", {}))

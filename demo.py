@@ -5,7 +5,8 @@ the proxy in front of a fake payment server, and an operator decides from a seco
     python demo.py -keep     # keep the temporary directory to look at it afterwards
 
 It shows: a read that runs; a payment that waits, is approved from another process and is
-collected once; the proxy killed while a payment is inside the server, after which the same
+collected once; the same wait as an MCP task, which completes once the operator approves;
+the proxy killed while a payment is inside the server, after which the same
 call through the proxy started next reports the outcome unknown at once (the killed proxy's
 lock on its holder file went with it) and waits for the operator, who rejects it; and a
 host that lost a response and retries, which pays once through the proxy and twice without
@@ -52,12 +53,12 @@ class Host:
 
     started: list[subprocess.Popen] = []
 
-    def __init__(self, argv: list[str], env: dict | None = None):
+    def __init__(self, argv: list[str], env: dict | None = None, version: str = "2025-06-18"):
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env)
         Host.started.append(self.proc)
         self.next_id, self.buffer = 0, b""
-        self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+        self.request("initialize", {"protocolVersion": version, "capabilities": {},
                                     "clientInfo": {"name": "scripted-host", "version": "1"}},
                      START_TIMEOUT)
         self.notify("notifications/initialized", {})
@@ -139,8 +140,8 @@ class Demo:
         except FileNotFoundError:
             return 0
 
-    def proxy(self) -> Host:
-        return Host([sys.executable, PROXY, "-config", self.config])
+    def proxy(self, version: str = "2025-06-18") -> Host:
+        return Host([sys.executable, PROXY, "-config", self.config], version=version)
 
     def operator(self, verb: str, note: str = "", *more: str) -> None:
         """A second process decides the one waiting approval, as the operator would: it
@@ -209,8 +210,41 @@ class Demo:
         print(f"  payments the server has made: {self.payments()}")
         host.stop()
 
+    def task(self) -> None:
+        print("\n3. A host that speaks MCP tasks (2025-11-25): the payment waits as a task, "
+              "the operator approves from a second process, and the task completes")
+        host = self.proxy("2025-11-25")
+        pay = {"to": "electrician", "amount": 310}
+        print(f"  host calls bank_pay {json.dumps(pay)} as a task")
+        msg = host.request("tools/call", {"name": "bank_pay", "arguments": pay, "task": {}})
+        if "error" in msg:
+            raise DemoFailure(f"protocol error: {msg['error']}")
+        task = msg["result"]["task"]
+        print(f"  host is answered at once: task {task['taskId'][:12]}... {task['status']}")
+        deadline = time.monotonic() + CALL_TIMEOUT
+        while True:
+            got = host.request("tasks/get", {"taskId": task["taskId"]})["result"]
+            if "operator" in got.get("statusMessage", ""):
+                break
+            if time.monotonic() > deadline:
+                raise DemoFailure(f"the task never waited for an operator: {got}")
+            time.sleep(0.05)
+        print(f"  host polls tasks/get: {got['status']}, {got['statusMessage']}")
+        print(f"  payments the server has made: {self.payments()}")
+        self.operator("approve", "the electrician's invoice")
+        result = host.request("tasks/result", {"taskId": task["taskId"]})["result"]
+        text = "".join(b.get("text", "") for b in result.get("content", []))
+        print(f"  host's tasks/result: {text}")
+        expect(text, "paid 310.00 to electrician")
+        got = host.request("tasks/get", {"taskId": task["taskId"]})["result"]
+        print(f"  host polls tasks/get: {got['status']}; payments the server has made: "
+              f"{self.payments()}")
+        if got["status"] != "completed":
+            raise DemoFailure(f"the task did not complete: {got}")
+        host.stop()
+
     def crash(self) -> None:
-        print("\n3. The proxy is killed while a payment is inside the server; the outcome "
+        print("\n4. The proxy is killed while a payment is inside the server; the outcome "
               "is unknown, and the operator decides")
         victim = self.proxy()
         pay = {"to": "plumber", "amount": 180, "mode": "block"}
@@ -243,7 +277,7 @@ class Demo:
         host.stop()
 
     def retry(self) -> tuple[int, int]:
-        print("\n4. A host lost a response and retries the identical call")
+        print("\n5. A host lost a response and retries the identical call")
         host = self.proxy()
         pay = {"to": "grocer", "amount": 42}
         text, _ = host.call("bank_pay", pay)
@@ -276,6 +310,7 @@ class Demo:
         self.configure()
         self.read()
         self.approval()
+        self.task()
         self.crash()
         through, without = self.retry()
         print(f"\nDone: {through} payment through the proxy and {without} without it for the "

@@ -10665,15 +10665,18 @@ class Tasks:
         identical call later is a fresh request, asked again. An interruption approval is
         the operator's alone: the task only lets go of it. A request that started runs on,
         and its outcome is recorded as any call's."""
-        open_row = self.proxy.index.open_row(row.key) if row.key else None
-        state = self.proxy.inspect(open_row.run_id) if open_row is not None else None
-        latest = state.latest() if state is not None else None
-        if state is None or state.run.status != WAITING or latest is None or \
-                latest.status != PENDING or latest.kind == INTERRUPTED_KIND:
-            return
-        with contextlib.suppress(RunStateError):        # it moved on meanwhile
-            cancel_run(self.store, state.run.id, HOST_BY, WITHDRAWN_NOTE, self.proxy.clock(),
-                       HOST_WITHDRAWN, (WAITING,))
+        try:
+            open_row = self.proxy.index.open_row(row.key) if row.key else None
+            state = self.proxy.inspect(open_row.run_id) if open_row is not None else None
+            latest = state.latest() if state is not None else None
+            if state is not None and state.run.status == WAITING and latest is not None and \
+                    latest.status == PENDING and latest.kind != INTERRUPTED_KIND:
+                cancel_run(self.store, state.run.id, HOST_BY, WITHDRAWN_NOTE,
+                           self.proxy.clock(), HOST_WITHDRAWN, (WAITING,))
+        except RunStateError:
+            pass                              # it moved on meanwhile: nothing waits to withdraw
+        except ProxyError as exc:             # it waits on; the operator decides it
+            self.proxy.log(f"error: a cancelled task's request was not withdrawn: {exc}")
 
     def doc(self, row: TaskRow, modern: bool) -> dict:
         """The task as the host's era spells it; a completed task's answer within it
@@ -10712,7 +10715,7 @@ class Tasks:
 
     async def _follow(self, row: TaskRow, value: Any, first, stop: asyncio.Event) -> None:
         proxy = self.proxy
-        while True:
+        while first is not None or not stop.is_set():
             try:
                 action = await (first if first is not None else proxy.outcome(
                     row.tool, row.args, None, stop, value, TASK_HOLD))
@@ -10726,8 +10729,11 @@ class Tasks:
                 current = self.get(row.id)
             except StoreError:
                 current = row                 # looked at again after the next hold
-            if stop.is_set() or proxy.stopping.is_set() or current is None or \
-                    current.cancelled or current.follower != self.follower:
+            if current is None or current.cancelled or stop.is_set():
+                # A cancel that came while the call was being begun withdraws what it began.
+                self.withdraw(row)
+                return
+            if proxy.stopping.is_set() or current.follower != self.follower:
                 return                        # the next proxy to start follows it
             if isinstance(action, Answer):    # another process executes it: look again
                 with contextlib.suppress(asyncio.TimeoutError):

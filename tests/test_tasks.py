@@ -328,3 +328,21 @@ def test_the_status_tool_lists_the_hosts_open_tasks(h):
     assert "bank_pay" in line and "working" in line and "approval" in line
     h.request("tasks/cancel", {"taskId": task["taskId"]})
     assert task["taskId"] not in h.text(h.call("gate_status", {}))
+
+
+def test_a_cancel_that_comes_before_the_call_began_withdraws_what_it_began(h):
+    call = json.dumps({"jsonrpc": "2.0", "id": 900, "method": "tools/call", "params": {
+        "name": "bank_pay", "arguments": PAY, "task": {}}}).encode()
+
+    async def both():
+        h.host.handle(call)               # answered at once; the follower has not run yet
+        task = json.loads(h.out[-1])["result"]["task"]
+        h.host.handle(json.dumps({"jsonrpc": "2.0", "id": 901, "method": "tasks/cancel",
+                                  "params": {"taskId": task["taskId"]}}).encode())
+        return task
+    task = h.run(both())
+    wait_for(h, lambda: not h.proxy.tasks.following)
+    assert h.pending() == [] and h.payments() == 0
+    assert all(r.status == "CANCELLED" and r.reason == "host_withdrawn" for r in h.runs())
+    got = h.request("tasks/get", {"taskId": task["taskId"]})["result"]
+    assert got["status"] == "cancelled"

@@ -3312,9 +3312,12 @@ class AnswerUnreadable(Exception):
 class Tool:
     """A tool the gate can execute: its spec, and the call that runs it, handed the
     arguments' bytes and their strict parse (NOT_PARSED when the call has none), which it
-    only reads."""
+    only reads. A tool whose server may run it as a task (``tasks``) is handed a third
+    argument too: what to do with the server's task id once it is known (the attempt's
+    record of it, section 12.1)."""
     spec: ToolSpec
-    call: Callable[[bytes, Any], Awaitable[ToolResult]]
+    call: Callable[..., Awaitable[ToolResult]]
+    tasks: bool = False
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -4466,9 +4469,10 @@ class _StepExecution(_SessionPart):
         if self.store.in_tx():
             raise RunStateError("a tool never runs inside an open transaction: its start "
                                 "must be committed first")
-        spec, began = request.spec, time.monotonic()
+        spec, began, step = request.spec, time.monotonic(), self.session.current
         try:
-            obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value)
+            obs = await _call_tool(self.gate.tools[spec.name], request.args, request.value,
+                                   lambda task_id, created: self._task_of(step, task_id, created))
         except asyncio.CancelledError as exc:
             self.record_outcome((_observe(spec.name, spec.timeout, exc), began))
             raise
@@ -4484,6 +4488,17 @@ class _StepExecution(_SessionPart):
             self.session._let_go()
             raise OutcomeNotRecorded(f"run {self.run_id}: the tool ran, and its outcome "
                                      f"could not be recorded: {exc}") from exc
+
+    def _task_of(self, step: Step, task_id: str, created: str) -> None:
+        """The server runs the attempt as a task: its id, recorded at once in a transaction
+        of its own (an event of the step, naming the attempt's start), so that whoever takes
+        the run over can ask the server what came of it. Should it not be recorded, the
+        attempt is an ordinary one: nothing else depends on the record."""
+        with contextlib.suppress(StoreError):
+            with self.store.tx() as tx:
+                tx.event(self.run_id, step.id, self.gate.now(), TASK_EVENT,
+                         {"task_id": task_id, "created_at": created,
+                          "started_at": step.started_at})
 
     def _record(self, obs: Observation, began: float) -> dict:
         """Record a finished tool call. Needs only that this gate still owns the lease, not
@@ -4648,7 +4663,8 @@ async def in_time(aw: Awaitable, seconds: float) -> Any:
     raise asyncio.TimeoutError()
 
 
-async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observation:
+async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED,
+                     on_task: Callable[[str, str], None] | None = None) -> Observation:
     """Call the tool under its timeout and turn every outcome into an observation (``value``:
     the arguments' strict parse, when the call has it). Once the
     call has returned, whatever fails in making its observation is an answer that could not
@@ -4657,8 +4673,8 @@ async def _call_tool(tool: Tool, args: bytes, value: Any = NOT_PARSED) -> Observ
     try:
         # A backstop just past the tool's own timeout, so that an upstream client's timeout
         # fires first and tells the server it stopped waiting.
-        outcome: Any = await in_time(tool.call(args, value),
-                                     tool.spec.timeout + TOOL_TIMEOUT_SLACK)
+        call = tool.call(args, value, on_task) if tool.tasks else tool.call(args, value)
+        outcome: Any = await in_time(call, tool.spec.timeout + TOOL_TIMEOUT_SLACK)
     except Exception as exc:     # an outcome too, observed below; a cancel (BaseException) is not
         outcome = exc
     try:
@@ -5509,23 +5525,25 @@ class Upstream:
             await asyncio.wait_for(self._post(notice, "notifications/cancelled"), CLOSE_WAIT)
 
     # -- the protocol --
-    def _frame(self, method: str, params: dict) -> tuple[int, bytes]:
+    def _frame(self, method: str, params: dict, tasks: bool = False) -> tuple[int, bytes]:
         """A new request's id and frame. Modern requests carry the protocol version and
-        capabilities in every _meta."""
+        capabilities in every _meta: with ``tasks``, the tasks extension, which lets the
+        server answer a tools/call with a task."""
         self._next_id += 1
         if self.modern:
-            params = {**params, "_meta": {META_VERSION: MODERN_VERSION, META_CAPABILITIES: {},
+            caps = {"extensions": {TASKS_EXTENSION: {}}} if tasks else {}
+            params = {**params, "_meta": {META_VERSION: MODERN_VERSION, META_CAPABILITIES: caps,
                                           META_CLIENT: CLIENT_INFO}}
         return self._next_id, rpc_request(self._next_id, method, params)
 
     async def request(self, method: str, params: dict, timeout: float,
-                      tool: str = "") -> Message:
+                      tool: str = "", tasks: bool = False) -> Message:
         """Send a request and return the response message, or raise ProtocolError for an
         error answer, asyncio.TimeoutError when none came in time (the server told so,
         _stop_waiting)."""
         if self.closed:
             raise NotSent(f"the connection to {self.name} is closed")
-        msg_id, payload = self._frame(method, params)
+        msg_id, payload = self._frame(method, params, tasks)
         try:
             reply = await self._exchange(msg_id, method, payload, timeout, tool)
         except asyncio.TimeoutError:
@@ -5600,10 +5618,83 @@ class Upstream:
             seen.add(cursor)
         raise UpstreamError(f"more than {MAX_TOOL_PAGES} pages")
 
-    async def call_tool(self, remote: str, args: bytes, timeout: float) -> Message:
-        """One tools/call; the arguments go as the given bytes."""
-        return await self.request("tools/call", {"name": remote, "arguments": RawJSON(args)},
-                                  timeout, tool=remote)
+    def offers_tasks(self, support: str) -> bool:
+        """Whether this server may be asked to run a tool as a task: in 2026-07-28 when it
+        declared the tasks extension, in 2025-11-25 when it declared tasks for tools/call
+        and the tool's taskSupport is optional or required."""
+        if self.modern:
+            return isinstance(self.caps.get("extensions"), dict) and \
+                isinstance(self.caps["extensions"].get(TASKS_EXTENSION), dict)
+        tasks = self.caps.get("tasks")
+        call = tasks.get("requests", {}) if isinstance(tasks, dict) else None
+        call = call.get("tools") if isinstance(call, dict) else None
+        return support in ("optional", "required") and isinstance(call, dict) and \
+            isinstance(call.get("call"), dict)
+
+    async def call_tool(self, remote: str, args: bytes, timeout: float,
+                        on_task: Callable[[str, str], None] | None = None) -> Message:
+        """One tools/call; the arguments go as the given bytes. With ``on_task``, the call
+        asks for a task (the caller judged offers_tasks); a server that answers one has its
+        task's id and creation time handed to ``on_task`` at once, and the task followed
+        (follow_task) to the answer, within the same ``timeout``."""
+        deadline = time.monotonic() + timeout
+        params = {"name": remote, "arguments": RawJSON(args)}
+        if on_task is not None and not self.modern:
+            params["task"] = {}
+        reply = await self.request("tools/call", params, timeout, remote, on_task is not None)
+        result = reply.doc["result"]
+        task = (result if self.modern and result.get("resultType") == "task" else
+                result.get("task") if not self.modern else None) \
+            if on_task is not None and isinstance(result, dict) else None
+        if not isinstance(task, dict):
+            return reply
+        task_id, created = task.get("taskId"), task.get("createdAt")
+        if not isinstance(task_id, str) or not 0 < len(task_id) <= MAX_TASK_ID:
+            raise ProtocolError("the server answered a task without a task id the proxy can "
+                                "keep")
+        on_task(task_id, created if isinstance(created, str) else "")
+        return await self.follow_task(task_id, deadline)
+
+    async def follow_task(self, task_id: str, deadline: float) -> Message:
+        """Poll a server's task until it ends, by ``deadline`` (asyncio.TimeoutError past
+        it: an unknown outcome, as any call's timeout). Completed: the server's answer (the
+        2025-11-25 tasks/result, or the result 2026-07-28 embeds); failed: its JSON-RPC
+        error (ProtocolError); cancelled: an unknown outcome. A task that asks for input is
+        cancelled (the proxy gives a server none: it elicits nothing from the host), and
+        what it ends as is its outcome, unknown unless that says otherwise."""
+        asked = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError()
+            reply = await self.request("tasks/get", {"taskId": task_id}, left, task_id, True)
+            got = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
+            status = got.get("status")
+            if status in ("completed", "failed") and not self.modern:
+                return await self.request("tasks/result", {"taskId": task_id}, left, task_id)
+            if status == "completed":
+                embedded = reply.inner_spans("result").get("result")
+                if embedded is None:
+                    raise ProtocolError("the server's completed task holds no result")
+                return server_message(b'{"jsonrpc":"2.0","id":0,"result":%s}' % embedded)
+            if status == "failed":
+                err = got.get("error") if isinstance(got.get("error"), dict) else {}
+                code = _plain_int(err.get("code"), MAX_CODE_DIGITS, signed=True)
+                raise ProtocolError(sanitize(str(err.get("message", "the task failed"))),
+                                    INTERNAL_ERROR if code is None else code)
+            if status == "cancelled" or (status == "input_required" and asked):
+                raise UpstreamError(f"the server's task ended {_quote(str(status))}: whether "
+                                    "it took effect is not known")
+            if status == "input_required":
+                asked = True
+                with contextlib.suppress(ProtocolError):
+                    await self.request("tasks/cancel", {"taskId": task_id}, left, task_id,
+                                       True)
+                continue
+            every = got.get("pollIntervalMs" if self.modern else "pollInterval")
+            every = _plain_int(every, MAX_CODE_DIGITS) if isinstance(every, Num) else None
+            await asyncio.sleep(min(left, max(TASK_POLL_MIN, min(
+                TASK_POLL_MAX, (every or TASK_POLL_MS) / 1000))))
 
     def _route(self, msg: Message) -> bytes | None:
         """What to answer a message the server sent on its own: requests are refused (the
@@ -5642,6 +5733,9 @@ class Upstream:
 
 MAX_TOOL_PAGES = 100
 MAX_TOOLS = 1000
+MAX_TASK_ID = 256                       # a server's task id the proxy records
+TASK_EVENT = "step.tool_task"           # the event that records it (section 12.1)
+TASK_POLL_MIN, TASK_POLL_MAX = 0.05, 5.0    # seconds between looks at a server's task
 # The notices that make the proxy list a server's tools again: the change itself, and a
 # subscription's acknowledgement (a change between the first listing and the subscription
 # taking effect would otherwise go unseen).
@@ -5660,6 +5754,7 @@ class LiveTool:
     description: str
     schema: bytes                       # canonical bytes of its input schema
     annotations: dict | None
+    task_support: str = "forbidden"     # execution.taskSupport: forbidden, optional, required
 
 
 def canonical_schema(raw: bytes) -> bytes:
@@ -5693,7 +5788,10 @@ def _page_tools(result_raw: bytes) -> list[LiveTool]:
             schema = canonical_schema(member_spans(raw_entry).get("inputSchema", b"null"))
         except JSONError as exc:
             raise UpstreamError(f"tool {_quote(entry['name'])}: input schema: {exc}") from None
-        out.append(LiveTool(entry["name"], desc, schema, _annotations(ann)))
+        execution = entry.get("execution")
+        support = execution.get("taskSupport") if isinstance(execution, dict) else None
+        out.append(LiveTool(entry["name"], desc, schema, _annotations(ann),
+                            support if support in ("optional", "required") else "forbidden"))
     return out
 
 
@@ -6465,6 +6563,12 @@ class UpstreamTool:
     rule: Rule
     conn: Upstream
     max_content: int = MAX_CONTENT_BYTES
+    task_support: str = "forbidden"     # the tool's execution.taskSupport, as listed
+
+    @property
+    def tasks(self) -> bool:
+        """Whether its server may be asked to run it as a task (Upstream.offers_tasks)."""
+        return self.conn is not None and self.conn.offers_tasks(self.task_support)
 
     def refused_param(self, value: dict) -> str:
         """Why arguments holding a denied or a fixed parameter are refused, or ''."""
@@ -6474,11 +6578,13 @@ class UpstreamTool:
                     return f'{self.spec.name}: parameter "{param}" is {how} by the operator'
         return ""
 
-    async def call(self, args: bytes, value: Any = NOT_PARSED) -> ToolResult:
+    async def call(self, args: bytes, value: Any = NOT_PARSED,
+                   on_task: Callable[[str, str], None] | None = None) -> ToolResult:
         """Send the call: denied or fixed parameters the model set are refused before
         anything is sent; fixed values are injected; the answer is mapped to content.
         ``value`` is the strict parse of ``args`` when the call has it: only read, and
-        copied before fixed values go in."""
+        copied before fixed values go in. ``on_task``: the call asks for a task, and is
+        told its id (Upstream.call_tool)."""
         name = self.spec.name
         raw, value = empty_as_object(args, value)
         try:
@@ -6495,7 +6601,7 @@ class UpstreamTool:
         try:
             reply = await self.conn.call_tool(self.remote, wire_arguments(raw, value,
                                                                           self.rule.fixed),
-                                              self.spec.timeout)
+                                              self.spec.timeout, on_task)
         except asyncio.TimeoutError:
             raise
         except NotSent as exc:
@@ -6729,7 +6835,8 @@ def _build(server: ServerConfig, pin: PinnedTool, live: LiveTool | None, rule: R
         _check_tool(spec, {})
     except ValueError as exc:
         raise ConfigError(f"the runtime refuses it: {exc}") from None
-    return UpstreamTool(spec, server.name, pin.name, rule, conn), mismatch
+    return UpstreamTool(spec, server.name, pin.name, rule, conn,
+                        task_support=live.task_support), mismatch
 
 
 def changed_since_pin(pin: PinnedTool, live: LiveTool) -> list[str]:
@@ -9269,7 +9376,7 @@ class Proxy:
                 "proxy dies, its calls are taken over only when their leases run out")
             self.holder = None
         try:
-            self.gate = Gate(store, [Tool(t.spec, t.call) for t in tools], self.policy,
+            self.gate = Gate(store, [Tool(t.spec, t.call, t.tasks) for t in tools], self.policy,
                              now=clock, lease_owner=f"agentrt-proxy:{cfg.session}",
                              holder=self.holder, lease_ttl=cfg.lease_ttl,
                              reconcile=self.reconcile, known=self.known,

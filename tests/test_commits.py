@@ -78,7 +78,10 @@ class MarkingServer(InstantServer):
         super().__init__()
         self.trace_box = trace_box
 
-    async def call_tool(self, remote, args, timeout):
+    def offers_tasks(self, support):
+        return False
+
+    async def call_tool(self, remote, args, timeout, on_task=None):
         self.trace_box[0].mark("upstream called")
         return await super().call_tool(remote, args, timeout)
 

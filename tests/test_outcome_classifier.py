@@ -28,7 +28,11 @@ class Conn:
     def __init__(self, outcome):
         self.outcome = outcome
 
-    async def call_tool(self, remote: str, args: bytes, timeout: float) -> ap.Message:
+    def offers_tasks(self, support):
+        return False
+
+    async def call_tool(self, remote: str, args: bytes, timeout: float,
+                        on_task=None) -> ap.Message:
         if isinstance(self.outcome, BaseException):
             raise self.outcome
         msg = ap.parse_message(self.outcome, ap.UPSTREAM_DEPTH)

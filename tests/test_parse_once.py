@@ -190,7 +190,10 @@ class Recording(InstantServer):
         super().__init__()
         self.sent: list[bytes] = []
 
-    async def call_tool(self, remote, args, timeout):
+    def offers_tasks(self, support):
+        return False
+
+    async def call_tool(self, remote, args, timeout, on_task=None):
         self.sent.append(args)
         return await super().call_tool(remote, args, timeout)
 

@@ -132,7 +132,10 @@ def test_a_content_block_of_a_strange_type_is_an_answer_that_ran():
 class Crashing:
     name = "fs"
 
-    async def call_tool(self, remote, args, timeout):
+    def offers_tasks(self, support):
+        return False
+
+    async def call_tool(self, remote, args, timeout, on_task=None):
         return ap.parse_message(b'{"jsonrpc":"2.0","id":1,"result":{"content":[]}}')
 
 
@@ -486,7 +489,10 @@ class ClaimsInvalidContent(InstantServer):
     """A server whose result's own structured content reads like the proxy's record of an
     answer it could not map: a result, which the model must get as the server sent it."""
 
-    async def call_tool(self, remote, args, timeout):
+    def offers_tasks(self, support):
+        return False
+
+    async def call_tool(self, remote, args, timeout, on_task=None):
         self.calls += 1
         return answer({"content": [{"type": "text", "text": "done"}],
                        "structuredContent": {"failure": "invalid_content", "ok": True}})

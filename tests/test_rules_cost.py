@@ -42,7 +42,10 @@ class InstantServer:
     def __init__(self):
         self.calls = 0
 
-    async def call_tool(self, remote, args, timeout):
+    def offers_tasks(self, support):
+        return False
+
+    async def call_tool(self, remote, args, timeout, on_task=None):
         self.calls += 1
         return ap.parse_message(ANSWER)
 

@@ -342,7 +342,10 @@ def test_null_arguments_are_sent_as_an_empty_object():
     sent: list[bytes] = []
 
     class Conn:
-        async def call_tool(self, remote, args, timeout):
+        def offers_tasks(self, support):
+            return False
+
+        async def call_tool(self, remote, args, timeout, on_task=None):
             sent.append(bytes(args))
             return ap.parse_message(b'{"jsonrpc":"2.0","id":1,"result":{"content":[]}}')
 

@@ -5218,15 +5218,20 @@ def _check_shown(approval: Approval, shown_hash: str) -> None:
 
 
 def cancel_run(store: Store, run_id: str, by: str, note: str, now: float,
-               reason: str = "operator_cancelled", ending: tuple = (RUNNING, WAITING)) -> Run:
+               reason: str = "operator_cancelled", ending: tuple = (RUNNING, WAITING),
+               pending: str = "") -> Run:
     """End a run that has not finished (one of ``ending``); a tool already running is not
-    interrupted. ``reason``: an operator's cancel, or a host's withdrawal (section 23.1)."""
+    interrupted. ``reason``: an operator's cancel, or a host's withdrawal (section 23.1) of
+    the approval ``pending``, which must still be pending (RunStateError if not)."""
     run = store.get_run(run_id)
     if run.status in TERMINAL:
         raise RunStateError(f"run {run_id} is already {run.status}")
     at = fmt_time(now)
     with store.tx() as tx:
         tx.require(run_id, ending)
+        if pending and tx.rows("SELECT status FROM approvals WHERE id=?", (pending,)) != \
+                [(PENDING,)]:
+            raise RunStateError(f"approval {pending} is no longer pending")
         obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                 "finished_at=? WHERE run_id=? AND status IN ('deciding','awaiting_approval',"
@@ -9098,8 +9103,9 @@ _TASKS_SQL = (
         arguments BLOB NOT NULL, request_key TEXT, created_at REAL NOT NULL, ttl REAL,
         follower TEXT NOT NULL, answer TEXT, updated_at REAL NOT NULL,
         cancelled INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID""",
-    "CREATE INDEX proxy_tasks_open ON proxy_tasks(session) WHERE answer IS NULL AND "
-    "cancelled = 0",
+    "CREATE INDEX proxy_tasks_open ON proxy_tasks(session, created_at) WHERE answer IS NULL "
+    "AND cancelled = 0",
+    "CREATE INDEX proxy_tasks_session ON proxy_tasks(session, created_at)",
 )
 
 
@@ -10348,8 +10354,11 @@ def result_text(obs: dict) -> str:
 # the requests that need the tools wait, in the order they came, until loading ends.
 
 SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
-# What the proxy offers, by era: tasks as the 2025-11-25 capability (no tasks/list: an id is
-# a bearer token), and as the 2026-07-28 extension (section 23.1).
+# What the proxy offers: tasks (section 23.1) to a host that agreed on 2025-11-25, the
+# first version that has them, as its capability (no tasks/list: an id is a bearer token),
+# and in 2026-07-28 as the extension; to an older legacy host, what it was offered before.
+LEGACY_TASKS = "2025-11-25"
+SERVER_ABOUT = {"capabilities": {"tools": {"listChanged": True}}, "serverInfo": SERVER_INFO}
 LEGACY_ABOUT = {"capabilities": {"tools": {"listChanged": True}, "tasks": {
     "cancel": {}, "requests": {"tools": {"call": {}}}}}, "serverInfo": SERVER_INFO}
 MODERN_ABOUT = {"capabilities": {"tools": {"listChanged": True}, "extensions": {
@@ -10391,6 +10400,7 @@ class HostServer:
         self.waiting: list[Message] = []
         self.refusal = ""                # set once loading failed: the answer to later ones
         self.initialized = False         # a legacy host sent notifications/initialized
+        self.tasks = False               # a legacy host agreed on a version with tasks
         self.listens: dict[str, Any] = {}    # a modern host's subscriptions/listen, by id
 
     def ready(self, proxy: Proxy | None) -> None:
@@ -10456,10 +10466,8 @@ class HostServer:
     async def room(self, backlog: Callable[[], int]) -> None:
         """Wait, before reading more of the host's input, while too many calls are in flight
         or too many answers wait for a host that is not reading them: a host cannot make the
-        proxy hold without bound what it asked for. A task followed here is a call in
-        flight."""
-        while len(self.inflight) + (len(self.proxy.tasks.following) if self.proxy else 0) \
-                >= MAX_INFLIGHT_CALLS or backlog() > MAX_OUTPUT_BACKLOG:
+        proxy hold without bound what it asked for (its tasks: MAX_OPEN_TASKS)."""
+        while len(self.inflight) >= MAX_INFLIGHT_CALLS or backlog() > MAX_OUTPUT_BACKLOG:
             await asyncio.sleep(BACKPRESSURE_POLL)
 
     def dispatch(self, msg: Message) -> None:
@@ -10509,8 +10517,10 @@ class HostServer:
             self.hold(msg)
         elif method == "initialize" and not modern:
             asked = msg.params.get("protocolVersion")
-            self.reply(msg, {"protocolVersion": asked if asked in LEGACY_VERSIONS
-                             else LEGACY_VERSIONS[0], **LEGACY_ABOUT}, False)
+            agreed = asked if asked in LEGACY_VERSIONS else LEGACY_VERSIONS[0]
+            self.tasks = agreed == LEGACY_TASKS
+            self.reply(msg, {"protocolVersion": agreed,
+                             **(LEGACY_ABOUT if self.tasks else SERVER_ABOUT)}, False)
         elif method == "server/discover":
             self.reply(msg, {"supportedVersions": [MODERN_VERSION], **MODERN_ABOUT, **UNCACHED},
                        True)
@@ -10518,8 +10528,9 @@ class HostServer:
             self.reply(msg, {}, False)
         elif method == "tools/list":
             tools = self.proxy.listing()
-            self.reply(msg, {"tools": tools, **UNCACHED} if modern else
-                       {"tools": [{**t, "execution": TASK_OPTIONAL} for t in tools]}, modern)
+            self.reply(msg, {"tools": tools, **UNCACHED} if modern else {"tools": [
+                {**t, "execution": TASK_OPTIONAL} for t in tools] if self.tasks else tools},
+                modern)
         elif method == "tools/call":
             self.start_call(msg, modern)
         elif method in TASK_METHODS[modern]:
@@ -10546,7 +10557,7 @@ class HostServer:
         args, value = empty_as_object(msg.raw("arguments", in_params=True) or b"",
                                       msg.parsed("arguments"))
         task = msg.params.get("task")
-        if task is not None and not modern:          # 2025-11-25: the host asks for a task
+        if task is not None and self.tasks and not modern:    # the host asks for a task
             if not isinstance(task, dict):
                 raise ProtocolError("params.task is not an object", INVALID_PARAMS)
             start_task(self, msg, False, name, args, value)
@@ -10575,10 +10586,12 @@ class HostServer:
             # A declaring host's mutating call still executing once `hold` is over is a task.
             mutating = tasks and tool is not None and tool.spec.side_effect != "read_only"
             await asyncio.wait({work}, timeout=proxy.cfg.hold if mutating else None)
-            if tasks and (not work.done() or isinstance(work.result(), Pending)):
-                start_task(self, msg, True, name, args, value,
-                                work if not work.done() else None)
-                return
+            if tasks and not cancelled.is_set() and \
+                    (not work.done() or isinstance(work.result(), Pending)):
+                with contextlib.suppress(ProtocolError):    # too many tasks: as today
+                    start_task(self, msg, True, name, args, value,
+                               work if not work.done() else None)
+                    return
             action = await work
             result = action.result if isinstance(action, Answer) else \
                 proxy.hold.pending_answer(action.approval)
@@ -10686,16 +10699,19 @@ MISSING_CAPABILITY = -32021
 TASK_ID_BYTES = 24                     # random bytes of a task id: a bearer token
 TASK_POLL_MS = 1000                    # how often a host is asked to look at a task
 TASK_HOLD = 10.0                       # a follower's hold between looks at its task's row
-TASK_LOOK = 1.0                        # ... and its wait while another process executes
-MAX_TASKS_TAKEN = 256                  # a gone proxy's tasks a starting proxy follows
+TASK_LOOK, TASK_LOOK_MAX = 1.0, 60.0   # its wait to look again at a call that is not held
+MAX_OPEN_TASKS = 64                    # a session's tasks with no answer yet
 TASK_OPTIONAL = {"taskSupport": "optional"}     # each tool, toward a 2025-11-25 host
 TASK_WAITING = "the call waits for an operator's approval"
+TASK_WORKING = "the call is being taken through the gate"
 HOST_WITHDRAWN = "host_withdrawn"      # a run's reason: the host cancelled its task
 HOST_BY = "host"
 WITHDRAWN_NOTE = "withdrawn by the host (tasks/cancel) before an operator decided"
-TASK_WORKING = "the call is being taken through the gate"
 _TASK_COLS = "task_id, tool, arguments, request_key, created_at, ttl, follower, answer, " \
              "updated_at, cancelled"
+# A session's open tasks, newest first (the partial index proxy_tasks_open).
+_OPEN_TASKS_SQL = (f"SELECT {_TASK_COLS} FROM proxy_tasks WHERE session=? AND answer IS NULL "
+                   "AND cancelled=0 ORDER BY created_at DESC LIMIT ?")
 TaskRow = collections.namedtuple("TaskRow", "id tool args key created ttl follower answer "
                                             "updated cancelled")
 
@@ -10711,43 +10727,79 @@ def declares_tasks(msg: Message) -> bool:
 def _follower_gone(database: str, follower: str) -> bool:
     """Whether the proxy that follows a task is gone: its holder file free (holder_gone),
     or removed, as a proxy removes its own at a normal exit. A follower that names no file
-    (a proxy where flock locks nothing) is taken as gone: at worst two followers ask for
-    one call, which the gate runs once, and the first answer is the task's."""
+    (a proxy where flock locks nothing) is never taken for gone: two followers of one task
+    could each begin its request again after the other's answer (a repeat the rule asks
+    about, for one call of the host), so its task waits for it, or for its ttl."""
     named = HOLDER_IN_OWNER.search(follower)
-    if named is None:
-        return True
-    if named.group(1) in _HELD:
+    if named is None or named.group(1) in _HELD:
         return False
     return holder_gone(database, follower) or \
         not os.path.lexists(f"{database}.{named.group(1)}")
 
 
+def _task_expired(row: TaskRow, now: float) -> bool:
+    """A task past its ttl is gone: no host can read it, and nothing follows it."""
+    return row.ttl is not None and row.created + row.ttl <= now
+
+
+class _TaskCancel:
+    """A follower's cancel, as Proxy.outcome and Hold.wait read one: taken by this process
+    (set), or by any process on the store, in the task's row, or the task gone past its
+    ttl. So a hold ends at once wherever the host's tasks/cancel came."""
+
+    def __init__(self, tasks: "Tasks", task_id: str):
+        self.tasks, self.task_id, self.here = tasks, task_id, False
+
+    def set(self) -> None:
+        self.here = True
+
+    def is_set(self) -> bool:
+        try:
+            row = None if self.here else self.tasks.get(self.task_id)
+        except StoreError:
+            return False                      # read again at the next look
+        return row is None or bool(row.cancelled)
+
+
 class Tasks:
     """proxy_tasks, and the followers this proxy runs: each takes its task's call through
-    Proxy.outcome until the answer is not a wait, and records that answer."""
+    Proxy.outcome until the call has an answer that is not a wait (final), and records
+    it. At most MAX_OPEN_TASKS of a session are open at once."""
 
     def __init__(self, proxy: "Proxy"):
         self.proxy, self.store, self.session = proxy, proxy.store, proxy.cfg.session
         self.follower = "" if proxy.holder is None else ";" + proxy.holder.ident
-        self.following: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
+        self.following: dict[str, tuple[asyncio.Task, _TaskCancel]] = {}
 
     def create(self, name: str, args: bytes, key: str | None) -> TaskRow:
         """A new task for a call, durably: a tasks/get for it resolves before its id is
-        given. ``args``: the call's arguments as the gate records them (host_arguments)."""
+        given. ``args``: the call's arguments as the gate records them (host_arguments).
+        ProtocolError when MAX_OPEN_TASKS of the session are open."""
         now, ttl = self.proxy.clock(), self.proxy.cfg.approval_ttl or None
         row = TaskRow(secrets.token_urlsafe(TASK_ID_BYTES), name, args, key, now, ttl,
                       self.follower, None, now, 0)
         with self.store.tx() as tx:
+            self._forget_expired(tx, now)
+            if len(tx.rows(_OPEN_TASKS_SQL, (self.session, MAX_OPEN_TASKS))) >= MAX_OPEN_TASKS:
+                raise ProtocolError(f"{MAX_OPEN_TASKS} tasks of this session are open, the "
+                                    "most it may have: wait for one to end", INVALID_REQUEST)
             tx.exec(f"INSERT INTO proxy_tasks (session, {_TASK_COLS}) VALUES "
                     "(?,?,?,?,?,?,?,?,?,?,?)", (self.session, *row))
         return row
 
+    def _forget_expired(self, tx: Tx, now: float) -> None:
+        """Delete the session's tasks past their ttl: no host can read them any more."""
+        tx.exec("DELETE FROM proxy_tasks WHERE session=? AND created_at<=? AND ttl IS NOT "
+                "NULL AND created_at+ttl<=?", (self.session, now, now))
+
     def get(self, task_id: Any) -> TaskRow | None:
+        """A task of this session, unless it is unknown or past its ttl."""
         if not isinstance(task_id, str):
             return None
         rows = self.store._read(f"SELECT {_TASK_COLS} FROM proxy_tasks WHERE task_id=? AND "
                                 "session=?", (task_id, self.session))
-        return TaskRow(*rows[0]) if rows else None
+        row = TaskRow(*rows[0]) if rows else None
+        return None if row is None or _task_expired(row, self.proxy.clock()) else row
 
     def cancel(self, row: TaskRow) -> bool:
         """The host cancels a task that has no answer yet: it is cancelled, and stays so
@@ -10767,11 +10819,12 @@ class Tasks:
     def withdraw(self, row: TaskRow) -> None:
         """Withdraw the task's request if it has not executed and waits on a pending
         approval the policy asked (a class, a condition or limit, a repeat): the run ends
-        CANCELLED for HOST_WITHDRAWN, and its approval is cancelled by the host, which the
-        operator's views say. Not an operator's decision, so not a cancel under rule 4: the
-        identical call later is a fresh request, asked again. An interruption approval is
-        the operator's alone: the task only lets go of it. A request that started runs on,
-        and its outcome is recorded as any call's."""
+        CANCELLED for HOST_WITHDRAWN, and that approval, still pending in the transaction
+        that ends the run, is cancelled by the host, which the operator's views say. Not an
+        operator's decision, so not a cancel under rule 4: the identical call later is a
+        fresh request, asked again. An interruption approval is the operator's alone: the
+        task only lets go of it. A request that started runs on, and its outcome is
+        recorded as any call's."""
         try:
             open_row = self.proxy.index.open_row(row.key) if row.key else None
             state = self.proxy.inspect(open_row.run_id) if open_row is not None else None
@@ -10779,7 +10832,7 @@ class Tasks:
             if state is not None and state.run.status == WAITING and latest is not None and \
                     latest.status == PENDING and latest.kind != INTERRUPTED_KIND:
                 cancel_run(self.store, state.run.id, HOST_BY, WITHDRAWN_NOTE,
-                           self.proxy.clock(), HOST_WITHDRAWN, (WAITING,))
+                           self.proxy.clock(), HOST_WITHDRAWN, (WAITING,), latest.id)
         except RunStateError:
             pass                              # it moved on meanwhile: nothing waits to withdraw
         except ProxyError as exc:             # it waits on; the operator decides it
@@ -10815,22 +10868,22 @@ class Tasks:
     def follow(self, row: TaskRow, value: Any = NOT_PARSED,
                first: "asyncio.Future | None" = None) -> None:
         """Follow a task here: ``first``, the call's outcome already under way, if any."""
-        stop = asyncio.Event()
+        stop = _TaskCancel(self, row.id)
         task = asyncio.ensure_future(self._follow(row, value, first, stop))
         self.following[row.id] = (task, stop)
         task.add_done_callback(lambda _: self.following.pop(row.id, None))
 
-    async def _follow(self, row: TaskRow, value: Any, first, stop: asyncio.Event) -> None:
-        proxy = self.proxy
+    async def _follow(self, row: TaskRow, value: Any, first, stop: _TaskCancel) -> None:
+        proxy, look = self.proxy, TASK_LOOK
         while first is not None or not stop.is_set():
             try:
                 action = await (first if first is not None else proxy.outcome(
                     row.tool, row.args, None, stop, value, TASK_HOLD))
             except Exception as exc:          # an answer is owed even when something broke
                 action = Answer(broken_answer(proxy.log, exc))
-            first = None
-            if isinstance(action, Answer) and answer_prefix(action.result) != "IN_PROGRESS":
-                self.record(row, action.result)
+            first, result = None, self.final(row, action)
+            if result is not None:
+                self.record(row, result)
                 return
             try:
                 current = self.get(row.id)
@@ -10840,11 +10893,30 @@ class Tasks:
                 # A cancel that came while the call was being begun withdraws what it began.
                 self.withdraw(row)
                 return
-            if proxy.stopping.is_set() or current.follower != self.follower:
-                return                        # the next proxy to start follows it
-            if isinstance(action, Answer):    # another process executes it: look again
+            if current.answer is not None or proxy.stopping.is_set() or \
+                    current.follower != self.follower:
+                return                        # answered, or the next proxy to start follows it
+            if isinstance(action, Answer):    # executing elsewhere, or the store failed
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(proxy.stopping.wait(), TASK_LOOK)
+                    await asyncio.wait_for(proxy.stopping.wait(), look)
+                look = min(2 * look, TASK_LOOK_MAX)
+
+    def final(self, row: TaskRow, action: "Answer | Pending") -> dict | None:
+        """The task's answer, or None while its call still waits: for an approval the policy
+        asked, for the operator's question about an attempt made before the task (the task
+        is that question), or for a call that IN_PROGRESS or UNAVAILABLE says to try again.
+        A question about an attempt the task itself made (cut off, its proxy killed) ends
+        the task with the identical call's answer: the question is another task's."""
+        if isinstance(action, Answer):
+            return None if answer_prefix(action.result) in ("IN_PROGRESS", "UNAVAILABLE") \
+                else action.result
+        attempt = _interrupted_attempt(action.approval) \
+            if action.approval.kind == INTERRUPTED_KIND else None
+        try:
+            own = attempt is not None and parse_time(attempt.get("started_at")) >= row.created
+        except (ValueError, TypeError, AttributeError, OverflowError):
+            own = False                       # an edited record: the task waits on it
+        return self.proxy.hold.pending_answer(action.approval) if own else None
 
     def record(self, row: TaskRow, result: dict) -> None:
         """The call's answer, the task's: the first one recorded stands."""
@@ -10855,25 +10927,27 @@ class Tasks:
         except StoreError as exc:
             self.proxy.log(f"error: a task's answer was not recorded: {exc}")
 
-    def open_rows(self, limit: int) -> list[TaskRow]:
-        """The session's tasks with no answer, not cancelled, newest first."""
-        return list(map(TaskRow._make, self.store._read(
-            f"SELECT {_TASK_COLS} FROM proxy_tasks WHERE session=? AND answer IS NULL AND "
-            "cancelled=0 ORDER BY created_at DESC LIMIT ?", (self.session, limit))))
+    def open_rows(self) -> list[TaskRow]:
+        """The session's tasks with no answer, not cancelled and within their ttl, newest
+        first."""
+        now = self.proxy.clock()
+        return [row for row in map(TaskRow._make, self.store._read(
+            _OPEN_TASKS_SQL, (self.session, MAX_OPEN_TASKS))) if not _task_expired(row, now)]
 
     def open_lines(self) -> list[str]:
-        """The status tool's lines: each open task, its tool, status and what it waits on."""
-        return [f"task {row.id}: {clean(row.tool, TOOL_NAME_SHOWN)}, working: "
-                f"{self.waiting_on(row)}, since {fmt_time_s(row.created)}"
-                for row in self.open_rows(STATUS_ROWS)]
+        """The status tool's lines: each open task's tool and what its call waits on (not
+        its id: an id is the host's to read the task with)."""
+        return [f"{clean(row.tool, TOOL_NAME_SHOWN)}, working since "
+                f"{fmt_time_s(row.created)}: {self.waiting_on(row)}" for row in self.open_rows()]
 
     def take_over_gone(self) -> None:
-        """At start: each task of this session with no answer whose proxy is gone is
-        followed from here, claimed first so that two starting proxies never both do."""
-        now = self.proxy.clock()
-        for row in self.open_rows(MAX_TASKS_TAKEN):
-            if (row.ttl is not None and row.created + row.ttl < now) or \
-                    not _follower_gone(self.store.path, row.follower):
+        """At start: tasks past their ttl are forgotten, and each open task of this session
+        whose proxy is gone is followed from here, claimed first so that two starting
+        proxies never both do."""
+        with self.store.tx() as tx:
+            self._forget_expired(tx, self.proxy.clock())
+        for row in self.open_rows():
+            if not _follower_gone(self.store.path, row.follower):
                 continue
             with self.store.tx() as tx:
                 claimed = tx.exec("UPDATE proxy_tasks SET follower=? WHERE task_id=? AND "

@@ -23,7 +23,7 @@ import json
 
 import pytest
 
-from proxy_harness import ProxyHarness, ap
+from proxy_harness import ProxyHarness, ap, limit_rules
 
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
         "io.modelcontextprotocol/clientCapabilities": {},
@@ -33,9 +33,16 @@ DECLARED = {**META, "io.modelcontextprotocol/clientCapabilities": {
 PAY = {"to": "bob", "amount": 25}
 
 
+def initialized(h, version="2025-11-25"):
+    """The legacy handshake, as a host that agrees on ``version`` makes it."""
+    h.request("initialize", {"protocolVersion": version, "capabilities": {},
+                             "clientInfo": {"name": "t", "version": "1"}})
+    return h
+
+
 @pytest.fixture
 def h(tmp_path):
-    harness = ProxyHarness(tmp_path)
+    harness = initialized(ProxyHarness(tmp_path))
     yield harness
     harness.close()
 
@@ -158,7 +165,7 @@ def test_a_host_cancel_withdraws_the_request_and_the_operator_sees_it(h):
 def test_a_host_cancel_leaves_an_interruption_approval_to_the_operator(tmp_path):
     rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
              "pay": {"side_effect": "remote_mutation", "timeout": "1s", "outcome": "allow"}}
-    h = ProxyHarness(tmp_path, rules=rules)
+    h = initialized(ProxyHarness(tmp_path, rules=rules))
     try:
         cut = {**PAY, "mode": "block"}
         assert h.prefix(h.call("bank_pay", cut)) == "UNKNOWN_OUTCOME"
@@ -241,7 +248,7 @@ def test_a_host_that_declares_no_tasks_gets_todays_answers(h):
 
 
 def test_a_task_outlives_its_proxy_and_the_next_one_collects(tmp_path):
-    h = ProxyHarness(tmp_path)
+    h = initialized(ProxyHarness(tmp_path))
     try:
         task = legacy_task(h, "bank_pay", PAY)
         wait_for(h, lambda: len(h.pending()) == 1)
@@ -254,6 +261,7 @@ def test_a_task_outlives_its_proxy_and_the_next_one_collects(tmp_path):
         h.proxy = ap.Proxy(h.cfg, h.store, h.tools, h.log_lines.append, clock=h.clock,
                            poll=0.02)
         h.host = ap.HostServer(h.proxy, h.out.append)
+        initialized(h)
         h.proxy.take_over_gone()          # as a proxy starting does
         assert task["taskId"] in h.proxy.tasks.following
         result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
@@ -296,7 +304,7 @@ def test_the_task_row_is_on_disk_before_the_answer(h):
 def test_a_modern_mutating_call_still_executing_after_hold_is_a_task(tmp_path):
     rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
              "pay": {"side_effect": "remote_mutation", "timeout": "20s", "outcome": "allow"}}
-    h = ProxyHarness(tmp_path, rules=rules, hold="1s")
+    h = initialized(ProxyHarness(tmp_path, rules=rules, hold="1s"))
     try:
         first = h.call("bank_pay", {**PAY, "mode": "block"}, meta=DECLARED)
         assert first["resultType"] == "task" and first["status"] == "working"
@@ -324,10 +332,11 @@ def test_the_status_tool_lists_the_hosts_open_tasks(h):
     task = legacy_task(h, "bank_pay", PAY)
     wait_for(h, lambda: len(h.pending()) == 1)
     said = h.text(h.call("gate_status", {}))
-    line = next(x for x in said.splitlines() if task["taskId"] in x)
-    assert "bank_pay" in line and "working" in line and "approval" in line
+    line = next(x for x in said.splitlines() if "working since" in x)
+    assert "bank_pay" in line and "approval" in line
+    assert task["taskId"] not in said          # an id is the host's to read the task with
     h.request("tasks/cancel", {"taskId": task["taskId"]})
-    assert task["taskId"] not in h.text(h.call("gate_status", {}))
+    assert "working since" not in h.text(h.call("gate_status", {}))
 
 
 def test_a_cancel_that_comes_before_the_call_began_withdraws_what_it_began(h):
@@ -346,3 +355,152 @@ def test_a_cancel_that_comes_before_the_call_began_withdraws_what_it_began(h):
     assert all(r.status == "CANCELLED" and r.reason == "host_withdrawn" for r in h.runs())
     got = h.request("tasks/get", {"taskId": task["taskId"]})["result"]
     assert got["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("version", ["2025-06-18", "2025-03-26", "2024-11-05"])
+def test_an_older_legacy_host_is_offered_no_tasks_and_gets_todays_answers(tmp_path, version):
+    h = ProxyHarness(tmp_path)
+    try:
+        init = h.request("initialize", {"protocolVersion": version, "capabilities": {},
+                                        "clientInfo": {"name": "t", "version": "1"}})
+        assert "tasks" not in init["result"]["capabilities"]
+        assert all("execution" not in t for t in h.request("tools/list")["result"]["tools"])
+        msg = h.request("tools/call", {"name": "bank_pay", "arguments": PAY, "task": {}})
+        assert "task" not in msg["result"] and h.prefix(msg["result"]) == "PENDING_APPROVAL"
+    finally:
+        h.close()
+
+
+# ==== two proxies on one database, a host freezing its proxy, stale answers ===============
+
+def second_proxy(h):
+    """A second proxy on the same database and session, with a host of its own."""
+    store = ap.Store.open(h.cfg.database)
+    proxy = ap.Proxy(h.cfg, store, h.tools, h.log_lines.append, clock=h.clock, poll=0.02)
+    out = []
+    host = ap.HostServer(proxy, out.append)
+    host.handle(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}).encode())
+    return store, proxy, host, out
+
+
+def ask(h, host, out, ident, method, params):
+    async def go():
+        host.handle(json.dumps({"jsonrpc": "2.0", "id": ident, "method": method,
+                                "params": params}).encode())
+        while True:
+            for raw in out:
+                msg = json.loads(raw)
+                if msg.get("id") == ident:
+                    return msg
+            await ap.asyncio.sleep(0.01)
+    return h.run(go(), 20)
+
+
+def test_a_cancel_taken_by_another_proxy_stops_the_follower_and_nothing_begins_again(tmp_path):
+    rules = limit_rules({"calls": 1, "per": "3s", "over": "require_approval"}, timeout="10s")
+    h = initialized(ProxyHarness(tmp_path, rules=rules))
+    store, proxy, host, out = second_proxy(h)
+    try:
+        assert "paid" in h.text(h.call("bank_pay", {"to": "x", "amount": 1}))
+        task = legacy_task(h, "bank_pay", PAY)
+        wait_for(h, lambda: len(h.pending()) == 1)
+        h.run(ap.asyncio.sleep(3.5))          # the limit's window passes while it waits
+        got = ask(h, host, out, 1, "tasks/cancel", {"taskId": task["taskId"]})
+        assert got["result"]["status"] == "cancelled"
+        wait_for(h, lambda: not h.proxy.tasks.following)
+        assert h.payments() == 1               # the withdrawn request never ran
+        assert len(h.approvals()) == 1 and h.approvals()[0].decided_by == "host"
+    finally:
+        h.run(host.shutdown())
+        proxy.close()
+        store.close()
+        h.close()
+
+
+def test_a_host_cannot_freeze_its_proxy_with_tasks(h):
+    ids = [legacy_task(h, "bank_pay", PAY)["taskId"] for _ in range(ap.MAX_OPEN_TASKS)]
+    over = h.request("tools/call", {"name": "bank_pay", "arguments": PAY, "task": {}})
+    assert over["error"]["code"] == -32600 and "open" in over["error"]["message"]
+    # the host's input is still read: a get, a ping, a cancel are answered
+    assert h.request("ping")["result"] == {}
+    assert h.request("tasks/get", {"taskId": ids[0]})["result"]["status"] == "working"
+    h.request("tasks/cancel", {"taskId": ids[0]})
+    assert "task" in h.request("tools/call", {"name": "bank_pay", "arguments": PAY,
+                                              "task": {}})["result"]
+
+
+def test_a_modern_request_the_host_cancelled_is_not_made_a_task(tmp_path):
+    h = ProxyHarness(tmp_path, hold="2s")
+    try:
+        ident = h.request("tools/call", {"name": "bank_pay", "arguments": PAY,
+                                         "_meta": DECLARED}, wait=False)
+        wait_for(h, lambda: len(h.pending()) == 1)
+        h.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                           "params": {"requestId": ident}}).encode())
+        h.run(ap.asyncio.sleep(0.5))
+        assert not any(json.loads(m).get("id") == ident for m in h.out)
+        assert not h.proxy.tasks.following
+        assert h.store._read("SELECT COUNT(*) FROM proxy_tasks") == [(0,)]
+    finally:
+        h.close()
+
+
+def test_a_task_past_its_ttl_is_gone(h):
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    h.clock.skew += h.cfg.approval_ttl + 1
+    for method in ("tasks/get", "tasks/result", "tasks/cancel"):
+        assert h.request(method, {"taskId": task["taskId"]})["error"]["code"] == -32602
+    assert "working since" not in h.text(h.call("gate_status", {}))
+    wait_for(h, lambda: not h.proxy.tasks.following)
+    h.proxy.tasks.take_over_gone()            # as a proxy starting does: forgotten
+    assert h.store._read("SELECT COUNT(*) FROM proxy_tasks") == [(0,)]
+
+
+def test_a_store_failure_is_not_a_tasks_answer(h):
+    real = h.proxy.rules.decide
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ap.StoreError("disk I/O error")
+        return real(*args)
+    h.proxy.rules.decide = failing
+    task = legacy_task(h, "bank_balance", {"account": "A-9"})
+    result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
+    assert h.text(result) == "account A-9 holds 120.00 EUR" and len(calls) == 2
+
+
+def test_a_task_whose_own_attempt_was_cut_off_completes_with_the_unknown_outcome(tmp_path):
+    rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+             "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
+    h = initialized(ProxyHarness(tmp_path, rules=rules))
+    try:
+        cut = {**PAY, "mode": "block"}
+        task = legacy_task(h, "bank_pay", cut)
+        wait_for(h, lambda: h.payments() == 1)   # inside the server, waiting
+        # the proxy dies with it: its follower and its call are gone, its holder free
+        for t, _ in list(h.proxy.tasks.following.values()):
+            t.cancel()
+        wait_for(h, lambda: not h.proxy.tasks.following)
+        h.proxy.close()
+        h.proxy = ap.Proxy(h.cfg, h.store, h.tools, h.log_lines.append, clock=h.clock,
+                           poll=0.02)
+        h.host = ap.HostServer(h.proxy, h.out.append)
+        initialized(h)
+        h.proxy.take_over_gone()
+        result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
+        assert h.prefix(result) in ("INTERRUPTED", "UNKNOWN_OUTCOME")
+        assert len(h.pending()) == 1 and h.pending()[0].kind == "interrupted_side_effect"
+        # the question is another task's: the identical call made as a task waits on it
+        second = legacy_task(h, "bank_pay", cut)
+        h.run(ap.asyncio.sleep(0.3))
+        assert h.request("tasks/get", {"taskId": second["taskId"]})["result"]["status"] == \
+            "working"
+        assert h.payments() == 1
+    finally:
+        h.release()
+        h.close()

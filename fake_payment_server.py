@@ -56,14 +56,56 @@ other requests are ignored.
 
 Everywhere: a line that is not JSON gets -32700 (id null) and serving goes on; an unknown
 method gets -32601; notifications are ignored except ``notifications/cancelled``, which
-cancels the named in-flight call. Each ``tools/call`` runs in its own thread, so a blocked
-payment holds up nothing else; answers may come in any order, each written as one line.
+cancels the named in-flight call. Each ``tools/call`` and ``tasks/result`` runs in its own
+thread, so a blocked payment holds up nothing else; answers may come in any order, each
+written as one line.
 When stdin closes, calls still running are cancelled (``slow`` answers at once, ``block``
 answers the cancellation error), given up to 2 s to answer, and the process exits 0.
+
+Tasks mode
+----------
+Off unless ``FAKE_PAYMENTS_TASKS`` is ``optional`` or ``required``; off, nothing above changes.
+On, the server is a task receiver in both eras (the two are not wire-compatible):
+
+- it advertises: 2025-11-25 ``initialize`` ``capabilities.tasks = {cancel: {}, requests:
+  {tools: {call: {}}}}`` and ``execution.taskSupport`` (the mode) on ``pay`` and ``refund``;
+  2026-07-28 ``server/discover`` ``capabilities.extensions["io.modelcontextprotocol/tasks"] =
+  {}``. ``pay``'s mode enum gains ``input``.
+- A ``pay``/``refund`` call that asks for a task (2025-11-25: ``params.task`` present;
+  2026-07-28: the request's own client capabilities declare the extension) is answered a
+  CreateTaskResult (``{task: Task}``; ``{resultType: "task", ...Task}``) once the task is on
+  disk: a random ``taskId``, ``working``, ``createdAt``/``lastUpdatedAt`` (UTC, ms), ``ttl`` /
+  ``ttlMs`` (``FAKE_PAYMENTS_TASK_TTL_MS``, default 3600000), ``pollInterval`` /
+  ``pollIntervalMs`` 100. The call then runs in the background exactly as a plain one (same
+  ledger line, same modes); its result makes the task ``completed`` (an ``isError`` result
+  too), a JSON-RPC error makes it ``failed`` with ``error``. ``balance`` is never a task
+  (2025-11-25: asking is -32601). With ``required``, a plain ``pay``/``refund`` gets -32601
+  (2025-11-25) or -32021 with ``data.requiredCapabilities`` (2026-07-28).
+- ``pay`` mode ``input`` (tasks only; a plain call gets -32602): the task is
+  ``input_required`` (2026-07-28 with ``inputRequests`` holding one ``elicitation/create``)
+  until cancelled, and nothing is paid. Input sent back is not read.
+- ``tasks/get`` (2026-07-28: ``resultType: "complete"``, with ``result`` when completed,
+  ``error`` when failed, ``inputRequests`` when waiting for input); ``tasks/result``
+  (2025-11-25 only: blocks until terminal, answers the result with ``_meta`` related-task, or
+  the error; a cancelled task -32000); ``tasks/cancel`` (2025-11-25: the Task, ``cancelled``;
+  -32602 when already terminal; 2026-07-28: an empty acknowledgement). A cancel stops a
+  ``slow``/``block`` wait and undoes no ledger line. Unknown or expired ids: -32602. On
+  2026-07-28 a ``tasks/*`` request that does not declare the extension gets -32021.
+- Durable: every task is kept in ``FAKE_PAYMENTS_TASKS_FILE`` (default
+  ``<ledger>.tasks.json``; in memory without a ledger), rewritten whole (temp file, fsync,
+  rename) under an exclusive lock on ``<file>.lock``, so several servers may share it. Just
+  before a payment's ledger line is written, its task notes the result it will have and
+  where the ledger ended. A server answering for a task whose process is gone settles it:
+  its noted line in the ledger, it is ``completed`` with the noted result at once (``block``:
+  once ``<ledger>.release`` exists); otherwise ``failed``, the server having restarted before
+  running it. ``FAKE_PAYMENTS_TASKS_FORGET=1`` keeps tasks in memory only: a restarted
+  server knows none of the earlier ones (-32602).
 
 For reuse (tests/mcp_http_server.py serves the same tools over HTTP)::
 
     server = FakePayments(ledger=None, description=None)   # or FakePayments.from_env()
+    # tasks mode: FakePayments(ledger, description, tasks="optional"|"required",
+    #                          tasks_file=None, ttl_ms=TASK_TTL_MS, forget=False)
     server.handle(method, params, era="legacy"|"modern", raw_args=None, cancelled=None) -> dict
         # raises RPCError(code, message, data); raw_args: the bytes of params.arguments
     raw_arguments(message: bytes) -> bytes | None         # that span, taken from a message

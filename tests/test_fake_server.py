@@ -627,7 +627,7 @@ def test_http_redirect_and_huge_body():
         assert [t["name"] for t in json.loads(body)["result"]["tools"]][0] == "balance"
 
 
-# --- tasks mode (FAKE_PAYMENTS_TASKS) --------------------------------------------------------------
+# --- tasks mode (FAKE_PAYMENTS_TASKS) -----------------------------------------------------------
 
 TASKS = "io.modelcontextprotocol/tasks"
 RFC3339_MS = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$"

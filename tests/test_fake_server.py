@@ -7,6 +7,8 @@ import http.client
 import json
 import os
 import queue
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -623,3 +625,288 @@ def test_http_redirect_and_huge_body():
         status, headers, body = post(srv.url, rpc(1, "tools/list"))
         assert status == 200 and len(body) == size == int(headers["content-length"])
         assert [t["name"] for t in json.loads(body)["result"]["tools"]][0] == "balance"
+
+
+# --- tasks mode (FAKE_PAYMENTS_TASKS) -----------------------------------------------------------
+
+TASKS = "io.modelcontextprotocol/tasks"
+RFC3339_MS = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$"
+
+
+def declaring(**params):
+    """2026-07-28 params whose request declares the tasks extension."""
+    meta = modern_meta()
+    meta["io.modelcontextprotocol/clientCapabilities"] = {"extensions": {TASKS: {}}}
+    return dict(params, _meta=meta)
+
+
+def tasked(spawn, era, tasks="optional", **env):
+    """A server in tasks mode, past its handshake in the given era."""
+    s = spawn(FAKE_PAYMENTS_TASKS=tasks, **env)
+    if era == "legacy":
+        assert "result" in s.call("initialize", {"protocolVersion": "2025-11-25"})
+    else:
+        assert "result" in s.call("server/discover", modern_params())
+    return s
+
+
+def pay_task(s, era, **arguments):
+    """Start pay as a task; its CreateTaskResult's Task, with the era's names checked."""
+    params = {"name": "pay", "arguments": arguments}
+    if era == "legacy":
+        r = s.call("tools/call", dict(params, task={"ttl": 5}))["result"]
+        task = r["task"]
+        assert (task["ttl"], task["pollInterval"]) == (3600000, 100)
+    else:
+        r = s.call("tools/call", declaring(**params))["result"]
+        assert r.pop("resultType") == "task"
+        task = r
+        assert (task["ttlMs"], task["pollIntervalMs"]) == (3600000, 100)
+    assert task["status"] in ("working", "input_required")
+    assert re.match(RFC3339_MS, task["createdAt"]) and re.match(RFC3339_MS, task["lastUpdatedAt"])
+    assert len(task["taskId"]) >= 32
+    return task
+
+
+def task_get(s, era, task_id):
+    params = {"taskId": task_id}
+    return s.call("tasks/get", params if era == "legacy" else declaring(**params))
+
+
+def settled(s, era, task_id, status="completed"):
+    """tasks/get once the task has the given status."""
+    seen = {}
+
+    def reached():
+        seen["r"] = task_get(s, era, task_id)["result"]
+        return seen["r"]["status"] == status
+    wait_until(reached, what=f"task {status}")
+    return seen["r"]
+
+
+def test_tasks_mode_advertises_in_both_eras(spawn):
+    for tasks in ("optional", "required"):
+        s = tasked(spawn, "legacy", tasks)
+        r = s.call("initialize", {"protocolVersion": "2025-11-25"})["result"]
+        assert r["capabilities"] == {"tools": {}, "tasks": {
+            "cancel": {}, "requests": {"tools": {"call": {}}}}}
+        tools = {t["name"]: t for t in s.call("tools/list")["result"]["tools"]}
+        assert "execution" not in tools["balance"]
+        assert tools["pay"]["execution"] == tools["refund"]["execution"] == {"taskSupport": tasks}
+        assert tools["pay"]["inputSchema"]["properties"]["mode"]["enum"] == \
+            PAY_SCHEMA["properties"]["mode"]["enum"] + ["input"]
+        m = tasked(spawn, "modern", tasks)
+        r = m.call("server/discover", modern_params())["result"]
+        assert r["capabilities"] == {"tools": {}, "extensions": {TASKS: {}}}
+    # off: a legacy task request is ignored and tasks/* are unknown
+    plain = initialized(spawn())
+    r = plain.call("tools/call", {"name": "pay", "arguments": {"to": "b", "amount": 1},
+                                  "task": {}})
+    assert text(r) == "paid 1.00 to b"
+    assert plain.call("tasks/get", {"taskId": "x"})["error"]["code"] == -32601
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_task_is_stored_before_it_is_answered_and_completes_with_the_plain_result(
+        spawn, ledger, era):
+    s = tasked(spawn, era)
+    task = pay_task(s, era, to="ann", amount=12.5, mode="structured")
+    with open(ledger + ".tasks.json") as f:
+        assert task["taskId"] in json.load(f)["tasks"]     # on disk before the answer
+    r = settled(s, era, task["taskId"])
+    assert r["taskId"] == task["taskId"] and r["createdAt"] == task["createdAt"]
+    if era == "legacy":
+        assert "result" not in r
+        r = s.call("tasks/result", {"taskId": task["taskId"]})["result"]
+        assert r["_meta"] == {"io.modelcontextprotocol/related-task": {"taskId": task["taskId"]}}
+        assert r["structuredContent"] == {"paid": 12.5, "to": "ann"}
+    else:
+        assert r["resultType"] == "complete"
+        assert r["result"]["resultType"] == "complete"
+        assert r["result"]["structuredContent"] == {"paid": 12.5, "to": "ann"}
+        r = s.call("tasks/result", declaring(taskId=task["taskId"]))
+        assert r["error"]["code"] == -32601
+    assert count(ledger) == 1
+    # an isError result is completed too
+    task = pay_task(s, era, to="eve", amount=3, mode="error")
+    r = settled(s, era, task["taskId"])
+    if era == "legacy":
+        r = s.call("tasks/result", {"taskId": task["taskId"]})["result"]
+        assert r["isError"] is True and text({"result": r}) == "card declined for eve"
+    else:
+        assert r["result"]["isError"] is True
+    assert count(ledger) == 2
+    # refund runs as a task; balance is never one
+    params = {"name": "refund", "arguments": {"payment": "p"}}
+    if era == "legacy":
+        task = s.call("tools/call", dict(params, task={}))["result"]["task"]
+        settled(s, era, task["taskId"])
+        assert text(s.call("tasks/result", {"taskId": task["taskId"]})) == "refunded"
+        r = s.call("tools/call", {"name": "balance", "arguments": {"account": "a"}, "task": {}})
+        assert r["error"]["code"] == -32601
+    else:
+        r = s.call("tools/call", declaring(**params))["result"]
+        assert r["resultType"] == "task"
+        assert settled(s, era, r["taskId"])["result"]["content"][0]["text"] == "refunded"
+        r = s.call("tools/call", declaring(name="balance", arguments={"account": "a"}))
+        assert r["result"]["resultType"] == "complete"
+
+
+def test_modern_tasks_methods_need_the_declaration(spawn):
+    s = tasked(spawn, "modern")
+    task = pay_task(s, "modern", to="b", amount=1)
+    for method in ("tasks/get", "tasks/cancel"):
+        r = s.call(method, modern_params(taskId=task["taskId"]))
+        assert r["error"]["code"] == -32021
+        assert r["error"]["data"] == {"requiredCapabilities": {"extensions": {TASKS: {}}}}
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_block_task_stays_working_until_released(spawn, ledger, era):
+    s = tasked(spawn, era)
+    task = pay_task(s, era, to="plumber", amount=180, mode="block")
+    wait_until(lambda: count(ledger) == 1, what="the ledger line")
+    assert task_get(s, era, task["taskId"])["result"]["status"] == "working"
+    if era == "legacy":
+        waiting = s.start("tasks/result", {"taskId": task["taskId"]})
+        assert s.no_response(waiting, 0.2)        # blocks while the task works
+        assert s.call("ping")["result"] == {}      # and holds up nothing else
+    open(ledger + ".release", "w").close()
+    r = settled(s, era, task["taskId"])
+    if era == "legacy":
+        assert text(s.response(waiting)) == "paid 180.00 to plumber"
+    else:
+        assert r["result"]["content"][0]["text"] == "paid 180.00 to plumber"
+    assert count(ledger) == 1
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_json_rpc_error_makes_the_task_failed(spawn, tmp_path, era):
+    unwritable = tmp_path / "ledger-dir"
+    unwritable.mkdir()
+    s = tasked(spawn, era, FAKE_PAYMENTS_LEDGER=str(unwritable),
+               FAKE_PAYMENTS_TASKS_FILE=str(tmp_path / "tasks.json"))
+    task = pay_task(s, era, to="b", amount=1)
+    r = settled(s, era, task["taskId"], "failed")
+    if era == "legacy":
+        r = s.call("tasks/result", {"taskId": task["taskId"]})
+    assert r["error"]["code"] == -32603 and r["error"]["message"].startswith("ledger:")
+
+
+def test_required_tasks_refuse_a_plain_call(spawn, ledger):
+    s = tasked(spawn, "legacy", "required")
+    assert s.response(pay(s, to="b", amount=1))["error"]["code"] == -32601
+    r = s.call("tools/call", {"name": "balance", "arguments": {"account": "a"}})
+    assert text(r) == "account a holds 120.00 EUR"
+    m = tasked(spawn, "modern", "required")
+    r = m.response(pay(m, "modern", to="b", amount=1))["error"]
+    assert r["code"] == -32021
+    assert r["data"] == {"requiredCapabilities": {"extensions": {TASKS: {}}}}
+    assert count(ledger) == 0
+    o = tasked(spawn, "modern", "optional")      # optional: a plain call stays plain
+    assert text(o.response(pay(o, "modern", to="b", amount=1))) == "paid 1.00 to b"
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_cancel_a_task_and_unknown_ids(spawn, ledger, era):
+    s = tasked(spawn, era)
+    task = pay_task(s, era, to="plumber", amount=180, mode="block")
+    wait_until(lambda: count(ledger) == 1, what="the ledger line")
+    params = {"taskId": task["taskId"]}
+    r = s.call("tasks/cancel", params if era == "legacy" else declaring(**params))["result"]
+    if era == "legacy":
+        assert r["status"] == "cancelled" and r["taskId"] == task["taskId"]
+        assert s.call("tasks/cancel", params)["error"]["code"] == -32602   # now terminal
+        assert s.call("tasks/result", params)["error"]["code"] == -32000
+    else:
+        assert r == {"resultType": "complete"}
+    open(ledger + ".release", "w").close()
+    assert text(s.response(pay(s, era, to="x", amount=1))) == "paid 1.00 to x"
+    assert task_get(s, era, task["taskId"])["result"]["status"] == "cancelled"  # stays
+    assert count(ledger) == 2                      # the cancel undid nothing
+    for method in ("tasks/get", "tasks/cancel") + (("tasks/result",) if era == "legacy" else ()):
+        unknown = {"taskId": "no-such-task"}
+        r = s.call(method, unknown if era == "legacy" else declaring(**unknown))
+        assert r["error"]["code"] == -32602, method
+
+
+def test_tasks_expire_after_their_ttl(spawn):
+    s = tasked(spawn, "modern", FAKE_PAYMENTS_TASK_TTL_MS="300")
+    r = s.call("tools/call", declaring(name="pay", arguments={"to": "b", "amount": 1}))["result"]
+    assert r["ttlMs"] == 300
+    wait_until(lambda: "error" in task_get(s, "modern", r["taskId"]), what="the expiry")
+    assert task_get(s, "modern", r["taskId"])["error"]["code"] == -32602
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_input_mode_waits_for_input_until_cancelled(spawn, ledger, era):
+    s = tasked(spawn, era)
+    task = pay_task(s, era, to="b", amount=1, mode="input")
+    assert task["status"] == "input_required"
+    r = task_get(s, era, task["taskId"])["result"]
+    assert r["status"] == "input_required"
+    if era == "modern":
+        (request,) = r["inputRequests"].values()
+        assert request["method"] == "elicitation/create"
+        assert request["params"]["requestedSchema"]["type"] == "object"
+    else:
+        waiting = s.start("tasks/result", {"taskId": task["taskId"]})
+        assert s.no_response(waiting, 0.2)
+    params = {"taskId": task["taskId"]}
+    s.call("tasks/cancel", params if era == "legacy" else declaring(**params))
+    assert task_get(s, era, task["taskId"])["result"]["status"] == "cancelled"
+    if era == "legacy":
+        assert s.response(waiting)["error"]["code"] == -32000
+    assert s.response(pay(s, era, to="b", amount=1, mode="input"))["error"]["code"] == -32602
+    assert count(ledger) == 0
+
+
+def kill(s: Stdio) -> None:
+    """End the server at once, as a crash would: by its pid."""
+    os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(WAIT)
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_tasks_outlive_a_server_restart(spawn, ledger, era):
+    first = tasked(spawn, era)
+    blocked = pay_task(first, era, to="plumber", amount=180, mode="block")
+    slow = pay_task(first, era, to="bob", amount=2, mode="slow")
+    wait_until(lambda: count(ledger) == 2, what="the ledger lines")
+    kill(first)
+    second = tasked(spawn, era)
+    # the slow payment is in the ledger: completed at once with the result it would have had
+    r = task_get(second, era, slow["taskId"])["result"]
+    assert r["status"] == "completed" and r["createdAt"] == slow["createdAt"]
+    if era == "legacy":
+        assert text(second.call("tasks/result", {"taskId": slow["taskId"]})) == "paid 2.00 to bob"
+    else:
+        assert r["result"]["content"][0]["text"] == "paid 2.00 to bob"
+    # the blocked one still waits for the release file
+    assert task_get(second, era, blocked["taskId"])["result"]["status"] == "working"
+    open(ledger + ".release", "w").close()
+    r = settled(second, era, blocked["taskId"])
+    if era == "modern":
+        assert r["result"]["content"][0]["text"] == "paid 180.00 to plumber"
+    assert count(ledger) == 2
+
+
+def test_a_task_whose_payment_never_reached_the_ledger_fails_after_a_restart(spawn, ledger):
+    first = tasked(spawn, "modern")
+    task = pay_task(first, "modern", to="plumber", amount=180, mode="block")
+    wait_until(lambda: count(ledger) == 1, what="the ledger line")
+    kill(first)
+    open(ledger, "wb").close()  # as if the process died before its line was written
+    second = tasked(spawn, "modern")
+    r = task_get(second, "modern", task["taskId"])["result"]
+    assert r["status"] == "failed" and "restarted" in r["error"]["message"]
+
+
+def test_a_server_that_forgets_its_tasks(spawn, ledger):
+    first = tasked(spawn, "legacy", FAKE_PAYMENTS_TASKS_FORGET="1")
+    task = pay_task(first, "legacy", to="plumber", amount=180, mode="block")
+    wait_until(lambda: count(ledger) == 1, what="the ledger line")
+    assert task_get(first, "legacy", task["taskId"])["result"]["status"] == "working"
+    kill(first)
+    second = tasked(spawn, "legacy", FAKE_PAYMENTS_TASKS_FORGET="1")
+    assert task_get(second, "legacy", task["taskId"])["error"]["code"] == -32602

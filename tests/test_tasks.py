@@ -474,7 +474,9 @@ def test_a_store_failure_is_not_a_tasks_answer(h):
     assert h.text(result) == "account A-9 holds 120.00 EUR" and len(calls) == 2
 
 
-def test_a_task_whose_own_attempt_was_cut_off_completes_with_the_unknown_outcome(tmp_path):
+def test_a_task_whose_own_attempt_was_cut_off_completes_with_the_unknown_outcome(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(ap, "TASK_HOLD", 0.5)      # the follower's hold before it looks
     rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
              "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
     h = initialized(ProxyHarness(tmp_path, rules=rules))
@@ -482,10 +484,15 @@ def test_a_task_whose_own_attempt_was_cut_off_completes_with_the_unknown_outcome
         cut = {**PAY, "mode": "block"}
         task = legacy_task(h, "bank_pay", cut)
         wait_for(h, lambda: h.payments() == 1)   # inside the server, waiting
-        # the proxy dies with it: its follower and its call are gone, its holder free
+        # the proxy dies with it: its follower and its call are gone, its holder's lock
+        # let go of (the file stays, as after a kill)
         for t, _ in list(h.proxy.tasks.following.values()):
             t.cancel()
         wait_for(h, lambda: not h.proxy.tasks.following)
+        holder = h.proxy.holder
+        ap._HELD.discard(holder.name)
+        ap.os.close(holder.fd)
+        holder.fd = -1
         h.proxy.close()
         h.proxy = ap.Proxy(h.cfg, h.store, h.tools, h.log_lines.append, clock=h.clock,
                            poll=0.02)

@@ -511,3 +511,78 @@ def test_a_task_whose_own_attempt_was_cut_off_completes_with_the_unknown_outcome
     finally:
         h.release()
         h.close()
+
+
+# ==== toward a server: a server that answers a call with a task ============================
+
+ALLOW = {"balance": {"side_effect": "read_only", "timeout": "10s"},
+         "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
+
+
+def tasked(tmp_path, era, mode="optional", rules=ALLOW, **top):
+    """A proxy in front of the fake payment server in its tasks mode, of one era."""
+    return ProxyHarness(tmp_path, rules=rules, server_env=[
+        f"FAKE_PAYMENTS_TASKS={mode}", f"FAKE_PAYMENTS_ERA={era}"], **top)
+
+
+def task_events(h):
+    return [json.loads(p) for r in h.runs() for (_s, _r, _st, _a, typ, p, _h)
+            in h.store.list_events(r.id) if typ == "step.tool_task"]
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+@pytest.mark.parametrize("mode", ["optional", "required"])
+def test_a_server_task_is_recorded_and_followed_to_its_answer(tmp_path, era, mode):
+    h = tasked(tmp_path, era, mode)
+    try:
+        assert h.proxy.tools["bank_pay"].tasks
+        result = h.call("bank_pay", PAY)
+        assert h.text(result) == "paid 25.00 to bob" and not h.is_error(result)
+        assert h.payments() == 1
+        recorded = task_events(h)
+        assert len(recorded) == 1 and recorded[0]["task_id"]
+        step = h.store.list_steps(h.runs()[-1].id)[0]
+        assert recorded[0]["started_at"] == step.started_at
+        # a read the server does not run as a task is a plain call
+        assert "holds" in h.text(h.call("bank_balance", {"account": "A-9"}))
+        assert len(task_events(h)) == 1
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_failed_server_task_is_a_known_failure(tmp_path, era):
+    h = tasked(tmp_path, era)
+    try:
+        result = h.call("bank_pay", {**PAY, "mode": "error"})
+        assert h.is_error(result) and h.prefix(result) != "UNKNOWN_OUTCOME"
+        assert h.pending() == []                      # nothing to ask: it is known
+        again = h.call("bank_pay", {**PAY, "mode": "error"})
+        assert h.prefix(again) != "BLOCKED"
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_server_task_that_asks_for_input_is_cancelled_and_its_outcome_unknown(tmp_path, era):
+    h = tasked(tmp_path, era)
+    try:
+        result = h.call("bank_pay", {**PAY, "mode": "input"})
+        assert h.prefix(result) == "UNKNOWN_OUTCOME"
+        assert h.payments() == 0
+        assert len(task_events(h)) == 1
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_server_task_past_the_tools_timeout_is_an_unknown_outcome(tmp_path, era):
+    rules = {**ALLOW, "pay": {**ALLOW["pay"], "timeout": "1s"}}
+    h = tasked(tmp_path, era, rules=rules)
+    try:
+        result = h.call("bank_pay", {**PAY, "mode": "block"})
+        assert h.prefix(result) == "UNKNOWN_OUTCOME" and h.payments() == 1
+        assert len(task_events(h)) == 1              # what a take-over can ask about
+    finally:
+        h.release()
+        h.close()

@@ -4537,11 +4537,8 @@ class _StepExecution(_SessionPart):
         asking whether it runs again is answered by it, and its run ends (section 13)."""
         step, gate = self.session.current, self.gate
         known = bool(gate.known(finished["tool"], doc))
-        late = {"duration_ms": finished["duration_ms"], "known": known, "late": True,
-                "observation": RawJSON(obs.json_text.encode()), "started_at": step.started_at,
-                "tool": finished["tool"]}
-        if doc["kind"] == TOOL_RESULT:
-            late.update(content_hash=obs.content_hash, summary=doc["summary"])
+        late = late_event(obs, step.started_at, finished["tool"], finished["duration_ms"],
+                          known)
         at = gate.now()
         with self.store.tx() as tx:
             seq = tx.event(self.run_id, step.id, at, "step.tool_finished", late)
@@ -4564,6 +4561,18 @@ class _StepExecution(_SessionPart):
         if not cancelled:
             raise LateOutcome(f"run {self.run_id}: the tool returned after the run was "
                               "taken over; its outcome is recorded as a late event", doc)
+
+
+def late_event(obs: Observation, started_at: str, tool: str, duration_ms: int,
+               known: bool) -> dict:
+    """The payload of a late step.tool_finished event: what came of an attempt that was
+    cut off, naming its start (LateRecord reads it)."""
+    late = {"duration_ms": duration_ms, "known": known, "late": True,
+            "observation": RawJSON(obs.json_text.encode()), "started_at": started_at,
+            "tool": tool}
+    if obs.doc["kind"] == TOOL_RESULT:
+        late.update(content_hash=obs.content_hash, summary=obs.doc["summary"])
+    return late
 
 
 def _content_bytes(obs: Observation) -> bytes:
@@ -5675,18 +5684,8 @@ class Upstream:
             reply = await self.request("tasks/get", {"taskId": task_id}, left, task_id, True)
             got = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
             status = got.get("status")
-            if status in ("completed", "failed") and not self.modern:
-                return await self.request("tasks/result", {"taskId": task_id}, left, task_id)
-            if status == "completed":
-                embedded = reply.inner_spans("result").get("result")
-                if embedded is None:
-                    raise ProtocolError("the server's completed task holds no result")
-                return server_message(b'{"jsonrpc":"2.0","id":0,"result":%s}' % embedded)
-            if status == "failed":
-                err = got.get("error") if isinstance(got.get("error"), dict) else {}
-                code = _plain_int(err.get("code"), MAX_CODE_DIGITS, signed=True)
-                raise ProtocolError(sanitize(str(err.get("message", "the task failed"))),
-                                    INTERNAL_ERROR if code is None else code)
+            if status in ("completed", "failed"):
+                return await self._task_end(reply, task_id, left)
             if status == "cancelled" or (status == "input_required" and asked):
                 raise UpstreamError(f"the server's task ended {_quote(str(status))}: whether "
                                     "it took effect is not known")
@@ -5696,10 +5695,52 @@ class Upstream:
                     await self.request("tasks/cancel", {"taskId": task_id}, left, task_id,
                                        True)
                 continue
-            every = got.get("pollIntervalMs" if self.modern else "pollInterval")
+            every = got.get("pollIntervalMs" if self.modern else "pollInterval")  # a hint
             every = _plain_int(every, MAX_CODE_DIGITS) if isinstance(every, Num) else None
             await asyncio.sleep(min(left, max(TASK_POLL_MIN, min(
                 TASK_POLL_MAX, (every or TASK_POLL_MS) / 1000))))
+
+    async def _task_end(self, reply: Message, task_id: str, timeout: float) -> Message:
+        """The answer of a task a tasks/get ``reply`` says ended: completed, the server's
+        answer (2025-11-25 fetches it with tasks/result; 2026-07-28 embeds it); failed, its
+        JSON-RPC error, raised as ProtocolError, as the call would have raised it."""
+        if not self.modern:
+            return await self.request("tasks/result", {"taskId": task_id}, timeout, task_id)
+        got = reply.doc["result"]
+        if got.get("status") == "failed":
+            err = got.get("error") if isinstance(got.get("error"), dict) else {}
+            code = _plain_int(err.get("code"), MAX_CODE_DIGITS, signed=True)
+            raise ProtocolError(sanitize(str(err.get("message", "the task failed"))),
+                                INTERNAL_ERROR if code is None else code)
+        embedded = reply.inner_spans("result").get("result")
+        if embedded is None:
+            raise ProtocolError("the server's completed task holds no result")
+        return server_message(b'{"jsonrpc":"2.0","id":0,"result":%s}' % embedded)
+
+    async def ended_task(self, task_id: str, since: float, timeout: float,
+                         ) -> "Message | ProtocolError | None":
+        """What the server says its task ``task_id`` ended with, asked once, by a proxy
+        taking over an attempt cut off while the server ran it: its answer, or the JSON-RPC
+        error of a failed task (_task_end). None when the server cannot say: the task is
+        unknown to it or expired, has not ended, ended cancelled, was created before
+        ``since``, the attempt's start (a restarted server may give an old id again), or the
+        asking failed."""
+        deadline = time.monotonic() + timeout
+        try:
+            reply = await self.request("tasks/get", {"taskId": task_id}, timeout, task_id, True)
+            got = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
+            if parse_time(got.get("createdAt")) < since or \
+                    got.get("status") not in ("completed", "failed"):
+                return None
+        except (ProxyError, OSError, asyncio.TimeoutError, ValueError, TypeError,
+                AttributeError, OverflowError):
+            return None
+        try:
+            return await self._task_end(reply, task_id, max(0.0, deadline - time.monotonic()))
+        except ProtocolError as exc:
+            return exc
+        except (ProxyError, OSError, asyncio.TimeoutError):
+            return None
 
     def _route(self, msg: Message) -> bytes | None:
         """What to answer a message the server sent on its own: requests are refused (the
@@ -6603,10 +6644,16 @@ class UpstreamTool:
         refused = self.refused_param(value)
         if refused:
             raise ToolFailure(refused, NOT_SENT)
+        return await self.answer_of(self.conn.call_tool(
+            self.remote, wire_arguments(raw, value, self.rule.fixed), self.spec.timeout,
+            on_task))
+
+    async def answer_of(self, sent: Awaitable[Message]) -> ToolResult:
+        """What a call's answer, or its failure to come, is to the classifier (_observe):
+        the one reading of a server's answer, a call's or its task's (Proxy.ask_task)."""
+        name = self.spec.name
         try:
-            reply = await self.conn.call_tool(self.remote, wire_arguments(raw, value,
-                                                                          self.rule.fixed),
-                                              self.spec.timeout, on_task)
+            reply = await sent
         except asyncio.TimeoutError:
             raise
         except NotSent as exc:
@@ -9343,6 +9390,39 @@ class Retry:
     """A race was lost: decide again."""
 
 
+# A run to take over was cut off while its server ran the attempt as a task that nobody has
+# asked about: ask the server (Proxy.ask_task), then decide again.
+AskTask = collections.namedtuple("AskTask", "run_id step_id started_at task_id tool")
+TASK_ASKED = "step.tool_task_asked"    # the event that says the server was asked, and what
+TASK_ASK_TIMEOUT = 10.0                # the wait for a server's word on a task at a take-over
+
+
+def task_to_ask(q: Query, run_id: str, tool: str) -> AskTask | None:
+    """The server's task of the run's last attempt, when that attempt was cut off (its step
+    executing, or interrupted while executing), its server recorded a task for it (the
+    step.tool_task event naming its start), and that server was not yet asked about it nor
+    its outcome known. A read of the run's events, on the take-over path only."""
+    step = next(iter(q("SELECT id, status, started_at, observation_json FROM steps WHERE "
+                       "run_id=? ORDER BY idx DESC LIMIT 1", (run_id,))), None)
+    if step is None or not (step[1] == "executing" or (
+            step[1] == "interrupted" and '"previous_status":"executing"' in (step[3] or ""))):
+        return None
+    task = None
+    for typ, payload in q("SELECT type, payload_json FROM events WHERE run_id=? AND step_id=? "
+                          "AND type IN (?,?) ORDER BY seq", (run_id, step[0], TASK_EVENT,
+                                                             TASK_ASKED)):
+        doc = loads_own(payload) if payload else {}
+        if typ == TASK_ASKED:
+            return None
+        if isinstance(doc, dict) and doc.get("started_at") == step[2] and \
+                isinstance(doc.get("task_id"), str):
+            task = doc["task_id"]
+    attempt = {"run_id": run_id, "step_id": step[0], "started_at": step[2]}
+    if task is None or late_record(q, attempt, known=True) is not None:
+        return None
+    return AskTask(run_id, step[0], step[2], task, tool)
+
+
 def resolved_by_operator(run: Run) -> bool:
     """Whether an operator resolved the unknown outcome a finished run asked about, so that
     other calls to its tool are free: they rejected the re-run or cancelled the run, or
@@ -9480,6 +9560,9 @@ class Proxy:
             except ProxyError as exc:       # a record that cannot be read, or written
                 self.log(f"error: {sanitize(str(exc))}")
                 return Answer(unavailable("read its records"))
+            if isinstance(action, AskTask):
+                await self.ask_task(action)
+                continue
             if isinstance(action, Execute):
                 result = await self.executor.execute(action)
                 if result is not None:      # None: its attempt had a recorded outcome: decide again
@@ -9510,7 +9593,7 @@ class Proxy:
             return work(*args)
         return await asyncio.to_thread(work, *args)
 
-    def take_over_gone(self) -> None:
+    async def take_over_gone(self) -> None:
         """At start: each run of this session left running by a proxy that is gone (its
         holder's lock free, section 11, or its lease run out) is taken over now, as the next
         identical call would take it over (rule 3), so that the operator is asked about a
@@ -9523,13 +9606,54 @@ class Proxy:
                 tool = self.tools.get(row.tool)
                 if state is not None and state.run.status == RUNNING and tool is not None and \
                         not _lease_live(state.run, self.store.path):
-                    self.resume.recover(tool, row)
+                    ask = self.resume.recover(tool, row)
+                    if isinstance(ask, AskTask):     # its server is asked first, once
+                        await self.ask_task(ask)
+                        self.resume.recover(tool, row)
             except ProxyError as exc:        # the next identical call takes it over instead
                 self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
         try:
             self.tasks.take_over_gone()
         except StoreError as exc:            # the next proxy to start follows them
             self.log(f"error: following the tasks of a proxy that is gone: {exc}")
+
+    async def ask_task(self, ask: AskTask) -> None:
+        """Ask the server that ran a cut-off attempt as a task what came of it, before the
+        attempt is taken over (Resume.recover): a known outcome it tells is recorded as the
+        attempt's late outcome, so the take-over finds it and asks the operator nothing
+        (Session._pause, section 13); what it cannot tell leaves the question to the
+        operator. Either way a step.tool_task_asked event says it was asked, so that it is
+        asked once. Its word is read as the call's answer would have been (answer_of, then
+        the one classifier)."""
+        tool, began, found = self.tools.get(ask.tool), time.monotonic(), None
+        if tool is not None and tool.conn is not None:
+            with contextlib.suppress(ValueError, TypeError, AttributeError, OverflowError):
+                found = await tool.conn.ended_task(ask.task_id, parse_time(ask.started_at),
+                                                   TASK_ASK_TIMEOUT)
+        obs = None
+        if found is not None:
+            async def given() -> Message:
+                if isinstance(found, ProtocolError):
+                    raise found
+                return found
+            try:
+                obs = _observe(ask.tool, tool.spec.timeout, await tool.answer_of(given()))
+            except Exception as exc:          # an outcome, classified as a call's would be
+                obs = _observe(ask.tool, tool.spec.timeout, exc)
+        known = obs is not None and self.known(ask.tool, obs.doc)
+        said = obs.doc.get("summary", "") if known else "the server cannot say"
+        at = fmt_time(self.clock())
+        try:
+            with self.store.tx() as tx:
+                if known:
+                    tx.event(ask.run_id, ask.step_id, at, "step.tool_finished", late_event(
+                        obs, ask.started_at, ask.tool, int((time.monotonic() - began) * 1000),
+                        True))
+                tx.event(ask.run_id, ask.step_id, at, TASK_ASKED,
+                         {"known": known, "said": said, "task_id": ask.task_id})
+        except StoreError as exc:             # asked again at the next take-over
+            self.log(f"error: run {ask.run_id}: what its server's task said was not "
+                     f"recorded: {exc}")
 
     def reconcile(self, view: RunView) -> Reconciliation:
         """For the gate's take-over: a mutating call cut off while executing waits on an
@@ -9633,7 +9757,12 @@ class Resume:
 
     def recover(self, tool, row: CallRow):
         """A run left running by a call that is gone: take it over. A mutating step cut off
-        while executing waits for an operator; otherwise nothing is left to execute."""
+        while executing waits for an operator; otherwise nothing is left to execute. First,
+        when its server was running it as a task and has not been asked, the AskTask to ask
+        it (Proxy.ask_task), which the caller does before it decides again."""
+        ask = task_to_ask(self.store._read, row.run_id, tool.spec.name)
+        if ask is not None:
+            return ask
         attached = self._attach(row.run_id, "recover an earlier attempt of this request")
         if isinstance(attached, (Answer, Retry)):
             return attached
@@ -9837,6 +9966,8 @@ class Rules:
                     oldest = oldest or row.run_id
             elif same_tool and not _lease_live(state.run, self.store.path):
                 action = self.resume.recover(tool, row)
+                if isinstance(action, AskTask):
+                    return action
                 if isinstance(action, Pending):
                     return self.refused(row.run_id, key, blocked_interrupted(
                         tool.spec.name, action.approval.id))
@@ -11349,7 +11480,7 @@ async def _start_serving(cfg: Config, out: Out, stop: asyncio.Event,
                  else await asyncio.shield(opening))
         check_database_file(cfg.database, writer=True)
         proxy = Proxy(cfg, store, tools, out.log)
-        proxy.take_over_gone()
+        await proxy.take_over_gone()
     except BaseException:
         if store is None and opening is not None:   # done or not: a store it opened is closed
             opening.add_done_callback(_close_result)

@@ -147,7 +147,7 @@ def _cmdline(pid: int) -> bytes:
 class ProcessDir:
     """One temporary directory: the configuration, the manifest, the database, the ledger."""
 
-    def __init__(self, tmp, allow_pay=False, rules=None, pin=True, **top):
+    def __init__(self, tmp, allow_pay=False, rules=None, pin=True, server_env=(), **top):
         self.tmp = str(tmp)
         self.config = os.path.join(self.tmp, "proxy.json")
         self.db = os.path.join(self.tmp, "runs.db")
@@ -156,6 +156,7 @@ class ProcessDir:
         rules = json.loads(json.dumps(RULES if rules is None else rules))
         if allow_pay:
             rules["pay"]["outcome"] = "allow"
+        self.server_env = list(server_env)       # more of the fake server's environment
         self.write_config(rules, **top)
         self.procs: list["ProxyProcess"] = []
         if pin:
@@ -164,7 +165,7 @@ class ProcessDir:
 
     def write_config(self, rules, **top) -> None:
         server = {"name": "bank", "command": [PYTHON, FAKE_SERVER],
-                  "env": [f"FAKE_PAYMENTS_LEDGER={self.ledger}"],
+                  "env": [f"FAKE_PAYMENTS_LEDGER={self.ledger}", *self.server_env],
                   "manifest": "bank.manifest.json", "rules": rules}
         doc = {"database": "runs.db", "session": "laptop", "hold": "0s", "servers": [server]}
         doc.update(top)

@@ -23,6 +23,7 @@ import json
 
 import pytest
 
+from process_helpers import eventually, prefix, text
 from proxy_harness import ProxyHarness, ap, limit_rules
 
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
@@ -262,7 +263,7 @@ def test_a_task_outlives_its_proxy_and_the_next_one_collects(tmp_path):
                            poll=0.02)
         h.host = ap.HostServer(h.proxy, h.out.append)
         initialized(h)
-        h.proxy.take_over_gone()          # as a proxy starting does
+        h.run(h.proxy.take_over_gone())   # as a proxy starting does
         assert task["taskId"] in h.proxy.tasks.following
         result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
         assert "paid 25.00 to bob" in h.text(result) and h.payments() == 1
@@ -498,7 +499,7 @@ def test_a_task_whose_own_attempt_was_cut_off_completes_with_the_unknown_outcome
                            poll=0.02)
         h.host = ap.HostServer(h.proxy, h.out.append)
         initialized(h)
-        h.proxy.take_over_gone()
+        h.run(h.proxy.take_over_gone())
         result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
         assert h.prefix(result) in ("INTERRUPTED", "UNKNOWN_OUTCOME")
         assert len(h.pending()) == 1 and h.pending()[0].kind == "interrupted_side_effect"
@@ -586,3 +587,100 @@ def test_a_server_task_past_the_tools_timeout_is_an_unknown_outcome(tmp_path, er
     finally:
         h.release()
         h.close()
+
+
+# ==== toward a server: a crash while the server runs the attempt as a task ==================
+
+def crashed_inside_a_task(d, args):
+    """A proxy killed while its payment is inside the server, as a task the proxy recorded:
+    the run RUNNING under the dead proxy's lease. Returns the run id."""
+    victim = d.start("victim")
+    victim.send_call("bank_pay", args)
+    eventually(lambda: d.payments() == 1, 15, "the payment to reach the server")
+    run_id = [r for r in d.runs() if r["status"] == "RUNNING"][0]["id"]
+    eventually(lambda: "step.tool_task" in d.event_types(run_id), 15, "the task to be recorded")
+    victim.crash()
+    return run_id
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_crash_during_a_task_is_learned_from_the_server_and_asks_nobody(tmp_path, procs,
+                                                                          era):
+    d = procs(tmp_path, allow_pay=True, lease_ttl="1h", server_env=[
+        "FAKE_PAYMENTS_TASKS=optional", f"FAKE_PAYMENTS_ERA={era}"])
+    args = {"to": "rob", "amount": 5, "mode": "block"}
+    run_id = crashed_inside_a_task(d, args)
+    d.release()                       # the server's task completes (it keeps its tasks)
+    p = d.start("restarted")          # takes the dead proxy's run over as it starts
+    eventually(lambda: d.show(run_id)["run"]["status"] == "COMPLETED", 15,
+               "the run to end with what the server said")
+    assert d.approvals() == []        # the server could say: the operator is asked nothing
+    types = d.event_types(run_id)
+    assert "step.tool_task_asked" in types and "approval.requested" not in types
+    r = p.call("bank_pay", args)
+    assert prefix(r) == "DUPLICATE" and "paid 5.00 to rob" in text(r), text(r)
+    assert d.payments() == 1
+    p.stop()
+
+
+def test_a_server_that_cannot_say_leaves_the_question_to_the_operator(tmp_path, procs):
+    d = procs(tmp_path, allow_pay=True, lease_ttl="1h", server_env=[
+        "FAKE_PAYMENTS_TASKS=optional", "FAKE_PAYMENTS_ERA=modern",
+        "FAKE_PAYMENTS_TASKS_FORGET=1"])     # its tasks are gone with its restart
+    args = {"to": "rob", "amount": 5, "mode": "block"}
+    run_id = crashed_inside_a_task(d, args)
+    d.release()
+    p = d.start("restarted")
+    pending = eventually(d.pending, 15, "the operator to be asked")
+    assert len(pending) == 1 and pending[0]["kind"] == "interrupted_side_effect", pending
+    assert "step.tool_task_asked" in d.event_types(run_id)
+    assert prefix(p.call("bank_pay", args)) == "INTERRUPTED"
+    assert d.payments() == 1
+    p.stop()
+
+
+class CannedServer(ap.Upstream):
+    """An upstream whose tasks/get and tasks/result answers are given."""
+
+    def __init__(self, modern, answers):
+        super().__init__("canned")
+        self.modern, self.answers = modern, list(answers)
+
+    async def request(self, method, params, timeout, tool="", tasks=False):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return ap.server_message(json.dumps({"jsonrpc": "2.0", "id": 1,
+                                             "result": answer}).encode())
+
+
+SINCE = ap.parse_time("2026-01-01T00:00:00Z")
+DONE = {"content": [{"type": "text", "text": "paid"}], "isError": False}
+
+
+@pytest.mark.parametrize("modern", [False, True])
+@pytest.mark.parametrize("told,learned", [
+    ([ap.ProtocolError("unknown task", -32602)], None),              # unknown, or expired
+    ([{"taskId": "t", "status": "working", "createdAt": "2026-01-02T00:00:00Z"}], None),
+    ([{"taskId": "t", "status": "cancelled", "createdAt": "2026-01-02T00:00:00Z"}], None),
+    ([{"taskId": "t", "status": "completed", "createdAt": "2025-12-31T00:00:00Z",  # reused id
+       "result": DONE}, DONE], None),
+    ([{"taskId": "t", "status": "completed", "createdAt": "no time"}], None),
+    ([{"taskId": "t", "status": "completed", "createdAt": "2026-01-02T00:00:00Z",
+       "result": {**DONE, "resultType": "complete"}}, DONE], "paid"),
+])
+def test_what_a_server_says_of_a_task_at_a_take_over(modern, told, learned):
+    server = CannedServer(modern, told)
+    found = ap.asyncio.run(server.ended_task("t", SINCE, 5))
+    if learned is None:
+        assert found is None
+    else:
+        assert found.doc["result"]["content"][0]["text"] == learned
+
+
+def test_a_failed_task_at_a_take_over_is_its_error():
+    server = CannedServer(True, [{"taskId": "t", "status": "failed", "createdAt":
+                                  "2026-01-02T00:00:00Z", "error": {"code": -32603,
+                                                                    "message": "broke"}}])
+    found = ap.asyncio.run(server.ended_task("t", SINCE, 5))
+    assert isinstance(found, ap.ProtocolError) and found.code == -32603

@@ -48,6 +48,15 @@ each process's stderr. Processes are real, so a replay follows the same schedule
 choices, not the same interleaving to the millisecond. Every process is ended by the pid it
 was started under.
 
+The tasks trial runs one trial twice with the same seed and kill schedule: with both
+servers answering pay with a task they keep across their own restarts (the fake server's
+tasks mode), and without. Both books must balance, and with tasks the operator must be asked
+about fewer cut-off payments (a proxy taking over asks the server first); it prints both
+counts and how many outcomes were learned from the server.
+
+    python3 -m pytest -q -s tests/test_torture.py -k tasks     # CI: 12 kills each
+    TORTURE_TASK_KILLS=100 python3 -m pytest -q -s tests/test_torture.py -k tasks
+
 The budget trial: two proxies on one database pay through one tool under two sum limits of
 one 2 s window, `cap` (over it: deny) and `soft` (over it: an approval), and a condition
 that asks about large amounts. Each host keeps 16 calls in flight; a killer sends SIGKILL to
@@ -148,10 +157,13 @@ INTERRUPTED = "interrupted_side_effect"
 
 class TortureDir(ProcessDir):
     """`bank` (pay allowed) and `vault` (pay waits for an approval), both the fake payment
-    server writing one ledger; two proxies share the session and the database."""
+    server writing one ledger; two proxies share the session and the database. With
+    ``tasks``, both servers run pay as a task when asked and keep their tasks in one file
+    across their restarts (the fake server's tasks mode)."""
 
-    def __init__(self, tmp, **kw):
+    def __init__(self, tmp, tasks: bool = False, **kw):
         os.makedirs(str(tmp), exist_ok=True)
+        self.tasks = tasks
         super().__init__(tmp, **kw)
 
     def write_config(self, rules, **top) -> None:
@@ -160,7 +172,8 @@ class TortureDir(ProcessDir):
             if outcome:
                 pay["outcome"] = outcome
             return {"name": name, "command": [PYTHON, FAKE_SERVER],
-                    "env": [f"FAKE_PAYMENTS_LEDGER={self.ledger}"],
+                    "env": [f"FAKE_PAYMENTS_LEDGER={self.ledger}"] +
+                    (["FAKE_PAYMENTS_TASKS=optional"] if self.tasks else []),
                     "manifest": f"{name}.manifest.json",
                     "rules": {"balance": {"side_effect": "read_only", "timeout": "5s"},
                               "pay": pay}}
@@ -196,6 +209,7 @@ class Books:
     rerun_of_recorded: int = 0
     lost: int = 0
     unresolvable: int = 0
+    questions: int = 0          # interruption approvals: what the operator was asked
     to_resolve: list = dataclasses.field(default_factory=list)   # (run id, tool, args)
     problems: list = dataclasses.field(default_factory=list)
 
@@ -473,6 +487,7 @@ def check_books(db: str, ledger_path: str, seen=None, decided=(), told=(),
     """Read the ledger and the database (read-only) and judge them; see the module doc."""
     books = Books()
     rows = read_db(db)
+    books.questions = sum(1 for a in rows["approvals"] if a[2] == "interrupted_side_effect")
     check_payments(books, ledger_keys(ledger_path), attempts_by_key(rows["events"]),
                    approved_reruns(rows["approvals"]))
     check_reruns(books, rows["events"], rows["approvals"])
@@ -792,10 +807,11 @@ class Webhook:
 
 
 class Trial:
-    def __init__(self, tmp, number: int, seed: int, kills: int, stalls: int):
+    def __init__(self, tmp, number: int, seed: int, kills: int, stalls: int,
+                 tasks: bool = False):
         self.number, self.seed = number, seed
         self.rng = random.Random(seed)
-        self.d = TortureDir(tmp)
+        self.d = TortureDir(tmp, tasks)
         self.log = Timeline()
         self.stop = threading.Event()
         self.pool = Pool()
@@ -1395,6 +1411,38 @@ def test_torture_kills_proxies_and_the_books_balance(tmp_path, capsys):
     assert not failed, summary + "; the failing trials' timelines are printed above"
     assert totals["kills"] >= KILLS, summary
     assert totals["stalls"] >= STALLS, summary
+
+
+TASK_KILLS = int(os.environ.get("TORTURE_TASK_KILLS", "12"))
+
+
+def test_torture_with_a_server_that_runs_pay_as_tasks_asks_the_operator_less(tmp_path, capsys):
+    """The same trial twice, with the same seed and kill schedule: once with servers that
+    answer pay with a task and keep their tasks across their restarts, once without. Both
+    books balance; with tasks, a proxy taking over a killed one's payment asks the server
+    first, and the operator is asked about fewer payments."""
+    seed = random.Random(SEED).randrange(1 << 30)
+    counts = {}
+    for tasks in (True, False):
+        trial = Trial(tmp_path / f"tasks{int(tasks)}", 0, seed, TASK_KILLS, 1, tasks=tasks)
+        try:
+            books = trial.run()
+        finally:
+            trial.stop.set()
+            trial.d.cleanup()
+        learned = sum(1 for e in read_db(trial.d.db)["events"] if e[4] == "step.tool_task_asked"
+                      and json.loads(e[5]).get("known") is True)
+        counts[tasks] = (books.questions, learned, trial.kills, trial.kills_in_payment)
+        assert not books.problems and not trial.failures, trial.report(books)
+        assert (books.double, books.rerun_of_recorded, books.lost) == (0, 0, 0)
+    with capsys.disabled():
+        print(f"\ntorture with tasks: seed {SEED}: with tasks {counts[True][0]} operator "
+              f"questions ({counts[True][1]} outcomes learned from the server; "
+              f"{counts[True][2]} kills, {counts[True][3]} with a payment inside the server); "
+              f"without {counts[False][0]} ({counts[False][2]} kills, {counts[False][3]} "
+              "inside)")
+    assert counts[True][1] >= 1, counts
+    assert counts[True][0] < counts[False][0], counts
 
 
 def test_replay_cancel_of_a_waiting_run_cancels_its_approval(tmp_path):

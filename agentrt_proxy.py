@@ -32,7 +32,9 @@ that function, and the test that fails when that function gives the permissive a
    cancel through _StepExecution.call_started) and it records the ending from what happened;
    unknown_ending and _known_outcome read only that field (none recorded: unknown). A crash
    or stall is the take-over's (Gate._take_over_claimed): the step interrupted while
-   executing, read as cut off. tests/test_outcome_classifier.py::
+   executing, read as cut off; where the server ran that attempt as a task, Proxy.ask_task
+   asks it first (Resume.recover), and what it tells passes UpstreamTool.answer_of and
+   _observe as a call's answer does. tests/test_outcome_classifier.py::
    test_the_server_crashing_mid_call_is_unknown.
 3. Within the repeat window, a known outcome, on time or late, is not run again unless the
    operator approves a repeat; the window runs from the later of the run's end and the
@@ -68,6 +70,10 @@ that function, and the test that fails when that function gives the permissive a
 8. No limit is overspent, across processes and crashes; unknown outcomes count. Budgets.admit
    (20.1), inside the start's IMMEDIATE transaction: the Budgets docstring. tests/
    test_policy_limits.py::test_policy_sum_limit_asks_with_the_figures_and_names_the_limit.
+9. A task is answered what the identical call is answered, and executes nothing that call
+   would not. Proxy.outcome (22), the one path of every tools/call: HostServer.run_call and
+   a task's follower (Tasks._follow, 23.1) both go through it, and a task's row records only
+   its answer. tests/test_tasks.py::test_proxy_approval_round_trip_as_a_legacy_task.
 
 Trust boundaries
 ----------------
@@ -100,7 +106,7 @@ Sections, in dependency order
  6. Schema patterns (ECMA-262, linear)  20. Conditions and limits; 20.1 Limits: counting
  7. Schema validation                   21. The rules across calls: the call index
  8. Time and records                    22. Deciding a call; 22.1 Executing, holding
- 9. Policy                              23. The host-facing server
+ 9. Policy                              23. The host-facing server; 23.1 Tasks
 10. The store                           24. Serving, pinning, checking; 24.1 wrap
 11. The gate; 11.1 Leases, holder file  25. Tools that change while serving
 12. A run's session; 12.1 Executing     26. Re-checking recorded calls

@@ -5673,7 +5673,10 @@ class Upstream:
             raise ProtocolError("the server answered a task without a task id the proxy can "
                                 "keep")
         on_task(task_id, created if isinstance(created, str) else "")
-        return await self.follow_task(task_id, deadline)
+        try:
+            return await self.follow_task(task_id, deadline)
+        except NotSent as exc:          # the call was sent and answered: never "not sent"
+            raise UpstreamError(f"following task {_quote(task_id)}: {exc}") from None
 
     async def follow_task(self, task_id: str, deadline: float) -> Message:
         """Poll a server's task until it ends, by ``deadline`` (asyncio.TimeoutError past
@@ -5690,6 +5693,8 @@ class Upstream:
             reply = await self.request("tasks/get", {"taskId": task_id}, left, task_id, True)
             got = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
             status = got.get("status")
+            if got.get("taskId") != task_id:
+                raise ProtocolError(f"tasks/get for {_quote(task_id)} answered another task")
             if status in ("completed", "failed"):
                 return await self._task_end(reply, task_id, left)
             if status == "cancelled" or (status == "input_required" and asked):
@@ -5723,30 +5728,41 @@ class Upstream:
             raise ProtocolError("the server's completed task holds no result")
         return server_message(b'{"jsonrpc":"2.0","id":0,"result":%s}' % embedded)
 
-    async def ended_task(self, task_id: str, since: float, timeout: float,
-                         ) -> "Message | ProtocolError | None":
-        """What the server says its task ``task_id`` ended with, asked once, by a proxy
-        taking over an attempt cut off while the server ran it: its answer, or the JSON-RPC
-        error of a failed task (_task_end). None when the server cannot say: the task is
-        unknown to it or expired, has not ended, ended cancelled, was created before
-        ``since``, the attempt's start (a restarted server may give an old id again), or the
-        asking failed."""
+    async def ended_task(self, task_id: str, created: str, since: float, timeout: float,
+                         ) -> "Message | ProtocolError | str | None":
+        """What the server says its task ``task_id`` ended with, asked once about an attempt
+        cut off or timed out while the server ran it: its answer, or the JSON-RPC error of a
+        failed task (_task_end). Only the very task the attempt was told of counts: its id
+        and its creation time exactly as recorded then (``created``), not before ``since``,
+        the attempt's start, and in 2025-11-25 a result naming it. A restarted server may
+        give an old id to a new task, which this tells apart. None when the server cannot
+        say: the task unknown to it or expired, not ended, ended cancelled, not that task,
+        or the asking failed. TASK_WORKING_STILL when that very task has not ended yet."""
         deadline = time.monotonic() + timeout
         try:
             reply = await self.request("tasks/get", {"taskId": task_id}, timeout, task_id, True)
             got = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
-            if parse_time(got.get("createdAt")) < since or \
-                    got.get("status") not in ("completed", "failed"):
+            if got.get("taskId") != task_id or not created or got.get("createdAt") != created \
+                    or parse_time(created) < since:
+                return None
+            if got.get("status") in ("working", "input_required"):
+                return TASK_WORKING_STILL
+            if got.get("status") not in ("completed", "failed"):
                 return None
         except (ProxyError, OSError, asyncio.TimeoutError, ValueError, TypeError,
                 AttributeError, OverflowError):
             return None
         try:
-            return await self._task_end(reply, task_id, max(0.0, deadline - time.monotonic()))
+            end = await self._task_end(reply, task_id, max(0.0, deadline - time.monotonic()))
         except ProtocolError as exc:
-            return exc
+            return exc                        # a failed task's JSON-RPC error
         except (ProxyError, OSError, asyncio.TimeoutError):
             return None
+        meta = end.doc["result"].get("_meta") if isinstance(end.doc["result"], dict) else None
+        named = meta.get(META_RELATED_TASK) if isinstance(meta, dict) else None
+        if not self.modern and (not isinstance(named, dict) or named.get("taskId") != task_id):
+            return None
+        return end
 
     def _route(self, msg: Message) -> bytes | None:
         """What to answer a message the server sent on its own: requests are refused (the
@@ -5786,6 +5802,7 @@ class Upstream:
 MAX_TOOL_PAGES = 100
 MAX_TOOLS = 1000
 MAX_TASK_ID = 256                       # a server's task id the proxy records
+TASK_WORKING_STILL = "working"          # Upstream.ended_task: the task has not ended
 TASK_EVENT = "step.tool_task"           # the event that records it (section 12.1)
 TASK_POLL_MIN, TASK_POLL_MAX = 0.05, 5.0    # seconds between looks at a server's task
 # The notices that make the proxy list a server's tools again: the change itself, and a
@@ -6721,6 +6738,11 @@ def map_result(tool: UpstreamTool, reply: Message) -> ToolResult:
     if result.get("resultType") == "input_required":
         raise ToolFailure(f"{tool.spec.name}: the server asked for more input, which this "
                           "proxy does not support")
+    if result.get("resultType") == "task" or "task" in result:
+        # A task the proxy did not ask for, or could not follow: no answer to the call,
+        # whose outcome is unknown, never an empty result.
+        raise ToolFailure(f"{tool.spec.name}: the server answered with a task the proxy "
+                          "cannot follow", NO_ANSWER)
     cap, content, dropped, beside = tool.max_content, None, 0, None
     text = _joined_text(result.get("content"))
     structured = spans.get("structuredContent")
@@ -9396,37 +9418,55 @@ class Retry:
     """A race was lost: decide again."""
 
 
-# A run to take over was cut off while its server ran the attempt as a task that nobody has
-# asked about: ask the server (Proxy.ask_task), then decide again.
-AskTask = collections.namedtuple("AskTask", "run_id step_id started_at task_id tool")
+# An attempt whose outcome is unknown (cut off, timed out) was run by its server as a task
+# that nobody has asked about: ask the server (Proxy.ask_task), then decide again.
+AskTask = collections.namedtuple("AskTask", "run_id step_id started_at task_id created tool")
 TASK_ASKED = "step.tool_task_asked"    # the event that says the server was asked, and what
 TASK_ASK_TIMEOUT = 10.0                # the wait for a server's word on a task at a take-over
+START_ASK_BUDGET = 3 * TASK_ASK_TIMEOUT   # ... and for all of them as a proxy starts
+TASK_ASK_AGAIN = 30.0                  # a task still running then is asked about again after
 
 
-def task_to_ask(q: Query, run_id: str, tool: str) -> AskTask | None:
-    """The server's task of the run's last attempt, when that attempt was cut off (its step
-    executing, or interrupted while executing), its server recorded a task for it (the
-    step.tool_task event naming its start), and that server was not yet asked about it nor
-    its outcome known. A read of the run's events, on the take-over path only."""
+def last_cut_off(q: Query, run_id: str) -> dict | None:
+    """The run's last attempt when it was cut off: its step executing, or interrupted while
+    executing (what a take-over finds)."""
     step = next(iter(q("SELECT id, status, started_at, observation_json FROM steps WHERE "
                        "run_id=? ORDER BY idx DESC LIMIT 1", (run_id,))), None)
     if step is None or not (step[1] == "executing" or (
             step[1] == "interrupted" and '"previous_status":"executing"' in (step[3] or ""))):
         return None
+    return {"run_id": run_id, "step_id": step[0], "started_at": step[2]}
+
+
+def task_to_ask(q: Query, attempt: dict | None, tool: str) -> AskTask | None:
+    """The server's task of an attempt whose outcome is unknown, when its server recorded
+    one for it (the step.tool_task event naming the attempt's start), nobody asked that
+    server about it yet (step.tool_task_asked naming it), and no known outcome of it is
+    recorded. A read of the attempt's step's events, on the paths of an unknown outcome
+    only (a take-over, rule 6, a tool BLOCKED)."""
+    if attempt is None or not isinstance(attempt.get("started_at"), str):
+        return None
+    run_id, step_id, started = attempt["run_id"], attempt["step_id"], attempt["started_at"]
     task = None
-    for typ, payload in q("SELECT type, payload_json FROM events WHERE run_id=? AND step_id=? "
-                          "AND type IN (?,?) ORDER BY seq", (run_id, step[0], TASK_EVENT,
-                                                             TASK_ASKED)):
+    for typ, at, payload in q("SELECT type, at, payload_json FROM events WHERE run_id=? AND "
+                              "step_id=? AND type IN (?,?) ORDER BY seq",
+                              (run_id, step_id, TASK_EVENT, TASK_ASKED)):
         doc = loads_own(payload) if payload else {}
-        if typ == TASK_ASKED:
-            return None
-        if isinstance(doc, dict) and doc.get("started_at") == step[2] and \
-                isinstance(doc.get("task_id"), str):
-            task = doc["task_id"]
-    attempt = {"run_id": run_id, "step_id": step[0], "started_at": step[2]}
+        if not isinstance(doc, dict) or doc.get("started_at") != started:
+            continue                          # another attempt of the step
+        if typ == TASK_ASKED:                 # asked: never again, or once it may have ended
+            try:
+                again = doc.get("again") is True and \
+                    parse_time(at) + TASK_ASK_AGAIN <= time.time()
+            except (ValueError, TypeError, AttributeError, OverflowError):
+                again = False
+            if not again:
+                return None
+        elif isinstance(doc.get("task_id"), str):
+            task = (doc["task_id"], str(doc.get("created_at") or ""))
     if task is None or late_record(q, attempt, known=True) is not None:
         return None
-    return AskTask(run_id, step[0], step[2], task, tool)
+    return AskTask(run_id, step_id, started, task[0], task[1], tool)
 
 
 def resolved_by_operator(run: Run) -> bool:
@@ -9606,6 +9646,7 @@ class Proxy:
         call cut off while executing before the model calls anything. A run of a proxy
         that is alive, stopped included, keeps its lease. Then the tasks a gone proxy
         followed are followed from here (Tasks.take_over_gone)."""
+        asking_until = time.monotonic() + START_ASK_BUDGET
         for row in self.index.unsettled():
             try:
                 state = self.inspect(row.run_id)
@@ -9613,7 +9654,8 @@ class Proxy:
                 if state is not None and state.run.status == RUNNING and tool is not None and \
                         not _lease_live(state.run, self.store.path):
                     ask = self.resume.recover(tool, row)
-                    if isinstance(ask, AskTask):     # its server is asked first, once
+                    # its server is asked first, once; past the budget, by the next call
+                    if isinstance(ask, AskTask) and time.monotonic() < asking_until:
                         await self.ask_task(ask)
                         self.resume.recover(tool, row)
             except ProxyError as exc:        # the next identical call takes it over instead
@@ -9634,10 +9676,10 @@ class Proxy:
         tool, began, found = self.tools.get(ask.tool), time.monotonic(), None
         if tool is not None and tool.conn is not None:
             with contextlib.suppress(ValueError, TypeError, AttributeError, OverflowError):
-                found = await tool.conn.ended_task(ask.task_id, parse_time(ask.started_at),
-                                                   TASK_ASK_TIMEOUT)
+                found = await tool.conn.ended_task(ask.task_id, ask.created,
+                                                   parse_time(ask.started_at), TASK_ASK_TIMEOUT)
         obs = None
-        if found is not None:
+        if found is not None and found != TASK_WORKING_STILL:
             async def given() -> Message:
                 if isinstance(found, ProtocolError):
                     raise found
@@ -9647,17 +9689,24 @@ class Proxy:
             except Exception as exc:          # an outcome, classified as a call's would be
                 obs = _observe(ask.tool, tool.spec.timeout, exc)
         known = obs is not None and self.known(ask.tool, obs.doc)
-        said = obs.doc.get("summary", "") if known else "the server cannot say"
-        at = fmt_time(self.clock())
+        said = obs.doc.get("summary", "") if known else "it has not ended yet" \
+            if found == TASK_WORKING_STILL else "the server cannot say"
+        at, seq = fmt_time(self.clock()), 0
         try:
             with self.store.tx() as tx:
                 if known:
-                    tx.event(ask.run_id, ask.step_id, at, "step.tool_finished", late_event(
-                        obs, ask.started_at, ask.tool, int((time.monotonic() - began) * 1000),
-                        True))
+                    seq = tx.event(ask.run_id, ask.step_id, at, "step.tool_finished",
+                                   late_event(obs, ask.started_at, ask.tool,
+                                              int((time.monotonic() - began) * 1000), True))
                 tx.event(ask.run_id, ask.step_id, at, TASK_ASKED,
-                         {"known": known, "said": said, "task_id": ask.task_id})
-        except StoreError as exc:             # asked again at the next take-over
+                         {"again": found == TASK_WORKING_STILL, "known": known, "said": said,
+                          "started_at": ask.started_at, "task_id": ask.task_id})
+                if known:                     # an approval already asking about it is settled
+                    ended = settle_attempt(tx, LateRecord(
+                        seq, ask.run_id, ask.step_id, ask.started_at, at, True, obs.json_text,
+                        obs.doc), at)
+                    self._settled(tx, ended)
+        except (StoreError, RunStateError, NotPending) as exc:  # asked again at a later call
             self.log(f"error: run {ask.run_id}: what its server's task said was not "
                      f"recorded: {exc}")
 
@@ -9719,7 +9768,9 @@ class Resume:
         latest = state.latest()                                   # rule 1
         if latest is not None and latest.status == PENDING:
             if not _expired(latest, self.clock()):
-                return Pending(latest)
+                ask = task_to_ask(self.store._read, _interrupted_attempt(latest),
+                                  tool.spec.name) if latest.kind == INTERRUPTED_KIND else None
+                return ask or Pending(latest)
             self.attach_and_close(row.run_id)      # the gate expires it and ends the run
             return None
         if latest is not None and latest.status == APPROVED:
@@ -9766,7 +9817,8 @@ class Resume:
         while executing waits for an operator; otherwise nothing is left to execute. First,
         when its server was running it as a task and has not been asked, the AskTask to ask
         it (Proxy.ask_task), which the caller does before it decides again."""
-        ask = task_to_ask(self.store._read, row.run_id, tool.spec.name)
+        ask = task_to_ask(self.store._read, last_cut_off(self.store._read, row.run_id),
+                          tool.spec.name)
         if ask is not None:
             return ask
         attached = self._attach(row.run_id, "recover an earlier attempt of this request")
@@ -9826,6 +9878,9 @@ class Rules:
         if action is not None and repeat is None:
             return action
         prior = self.unresolved(key) if tool.spec.side_effect != "read_only" else None
+        ask = task_to_ask(self.store._read, prior, tool.spec.name)
+        if ask is not None:                   # its server may say what came of it first
+            return ask
         asks = prior is not None or repeat is not None  # an approval, whatever the policy
         # BLOCKED, max_pending
         action = self.session_rules(tool, key, asks, args, prior is not None)
@@ -9996,6 +10051,9 @@ class Rules:
                 self.index.unknown_for_tool(tool.spec.name, key)):
             if outcome != UNKNOWN or resolved_by_operator(state.run):
                 continue
+            ask = task_to_ask(self.store._read, at, tool.spec.name)
+            if ask is not None:
+                return ask
             args = _last_args(state)
             if self.policy.outcome_of(tool, args, unknown=True) == "deny":
                 # The class or the rule denies running it again (seed rule 6: short of

@@ -214,7 +214,7 @@ class _FakeProxy:
     def __init__(self, store):
         self.store, self.took_over = store, 0
 
-    def take_over_gone(self) -> None:
+    async def take_over_gone(self) -> None:
         self.took_over += 1
 
 

@@ -661,19 +661,22 @@ DONE = {"content": [{"type": "text", "text": "paid"}], "isError": False}
 @pytest.mark.parametrize("modern", [False, True])
 @pytest.mark.parametrize("told,learned", [
     ([ap.ProtocolError("unknown task", -32602)], None),              # unknown, or expired
-    ([{"taskId": "t", "status": "working", "createdAt": "2026-01-02T00:00:00Z"}], None),
+    ([{"taskId": "t", "status": "working", "createdAt": "2026-01-02T00:00:00Z"}], "working"),
     ([{"taskId": "t", "status": "cancelled", "createdAt": "2026-01-02T00:00:00Z"}], None),
-    ([{"taskId": "t", "status": "completed", "createdAt": "2025-12-31T00:00:00Z",  # reused id
+    ([{"taskId": "t", "status": "completed", "createdAt": "2026-01-03T00:00:00Z",  # reused id
+       "result": DONE}, DONE], None),
+    ([{"taskId": "u", "status": "completed", "createdAt": "2026-01-02T00:00:00Z",  # another
        "result": DONE}, DONE], None),
     ([{"taskId": "t", "status": "completed", "createdAt": "no time"}], None),
     ([{"taskId": "t", "status": "completed", "createdAt": "2026-01-02T00:00:00Z",
-       "result": {**DONE, "resultType": "complete"}}, DONE], "paid"),
+       "result": {**DONE, "resultType": "complete"}},
+      {**DONE, "_meta": {"io.modelcontextprotocol/related-task": {"taskId": "t"}}}], "paid"),
 ])
 def test_what_a_server_says_of_a_task_at_a_take_over(modern, told, learned):
     server = CannedServer(modern, told)
-    found = ap.asyncio.run(server.ended_task("t", SINCE, 5))
-    if learned is None:
-        assert found is None
+    found = ap.asyncio.run(server.ended_task("t", "2026-01-02T00:00:00Z", SINCE, 5))
+    if learned in (None, "working"):
+        assert found == (None if learned is None else ap.TASK_WORKING_STILL)
     else:
         assert found.doc["result"]["content"][0]["text"] == learned
 
@@ -682,5 +685,60 @@ def test_a_failed_task_at_a_take_over_is_its_error():
     server = CannedServer(True, [{"taskId": "t", "status": "failed", "createdAt":
                                   "2026-01-02T00:00:00Z", "error": {"code": -32603,
                                                                     "message": "broke"}}])
-    found = ap.asyncio.run(server.ended_task("t", SINCE, 5))
+    found = ap.asyncio.run(server.ended_task("t", "2026-01-02T00:00:00Z", SINCE, 5))
     assert isinstance(found, ap.ProtocolError) and found.code == -32603
+
+
+def test_a_legacy_result_that_names_no_task_or_another_says_nothing():
+    told = {"taskId": "t", "status": "completed", "createdAt": "2026-01-02T00:00:00Z"}
+    for meta in ({}, {"_meta": {"io.modelcontextprotocol/related-task": {"taskId": "u"}}}):
+        server = CannedServer(False, [told, {**DONE, **meta}])
+        assert ap.asyncio.run(server.ended_task("t", told["createdAt"], SINCE, 5)) is None
+
+
+def test_an_answer_shaped_as_a_task_the_proxy_did_not_ask_for_is_no_answer():
+    spec = ap.ToolSpec("bank_pay", "pays", b'{"type":"object"}', "remote_mutation", 5.0, True)
+    tool = ap.UpstreamTool(spec, "bank", "pay", ap.Rule(side_effect="remote_mutation"), None)
+    for result in ({"task": {"taskId": "t", "status": "working"}}, {"task": 7},
+                   {"resultType": "task", "taskId": "t", "status": "working"}):
+        msg = ap.server_message(json.dumps({"jsonrpc": "2.0", "id": 1,
+                                            "result": result}).encode())
+        with pytest.raises(ap.ToolFailure) as failed:
+            ap.map_result(tool, msg)
+        assert failed.value.ending == ap.NO_ANSWER
+        obs = ap._observe("bank_pay", 5.0, failed.value)
+        assert ap.unknown_ending(None, obs.doc) is not None   # an unknown outcome
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_server_that_dies_while_its_task_runs_leaves_the_outcome_unknown(tmp_path, era):
+    h = tasked(tmp_path, era)
+    try:
+        ident = h.request("tools/call", {"name": "bank_pay", "arguments": {
+            **PAY, "mode": "block"}}, wait=False)
+        wait_for(h, lambda: h.payments() == 1 and task_events(h))
+        ap.os.kill(h.proxy.tools["bank_pay"].conn.proc.pid, ap.signal.SIGKILL)
+        result = h.answer(ident)["result"]
+        assert h.prefix(result) == "UNKNOWN_OUTCOME", h.text(result)
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("era", ["legacy", "modern"])
+def test_a_task_that_timed_out_is_settled_by_what_its_server_says(tmp_path, era):
+    """At the timeout the server cannot say yet, so the operator is asked; the identical
+    call later asks the server first, and what it says settles the question."""
+    rules = {**ALLOW, "pay": {**ALLOW["pay"], "timeout": "1s"}}
+    h = tasked(tmp_path, era, rules=rules)
+    try:
+        cut = {**PAY, "mode": "block"}
+        assert h.prefix(h.call("bank_pay", cut)) == "UNKNOWN_OUTCOME"
+        h.release()                       # the server's task ends: the payment went through
+        h.run(ap.asyncio.sleep(0.5))
+        assert len(h.pending()) == 1           # asked at the timeout
+        again = h.call("bank_pay", cut)
+        assert h.prefix(again) == "DUPLICATE" and "paid 25.00 to bob" in h.text(again)
+        assert h.pending() == [] and h.payments() == 1
+        assert [a.status for a in h.approvals()] == [ap.SETTLED_APPROVAL]
+    finally:
+        h.close()

@@ -10772,28 +10772,38 @@ class HostServer:
             "notifications/progress", {"progressToken": token, "progress": Num(f"{done:.3f}"),
                                        "total": Num(f"{total:.3f}"),
                                        "message": "waiting for an operator's approval"}))
-        tasks, proxy = modern and declares_tasks(msg), self.proxy
+        proxy = self.proxy
         try:
-            # Its own task, which nothing cancels: a host's cancel sets ``cancelled``, which
-            # ends a hold, never the gate's work or an upstream call.
-            work = asyncio.ensure_future(proxy.outcome(name, args, progress, cancelled, value))
-            tool = proxy.tools.get(name)
-            # A declaring host's mutating call still executing once `hold` is over is a task.
-            mutating = tasks and tool is not None and tool.spec.side_effect != "read_only"
-            await asyncio.wait({work}, timeout=proxy.cfg.hold if mutating else None)
-            if tasks and not cancelled.is_set() and \
-                    (not work.done() or isinstance(work.result(), Pending)):
-                with contextlib.suppress(ProtocolError):    # too many tasks: as today
-                    start_task(self, msg, True, name, args, value,
-                               work if not work.done() else None)
-                    return
-            action = await work
+            # Awaited in this task, which nothing cancels: a host's cancel sets ``cancelled``,
+            # which ends a hold, never the gate's work or an upstream call.
+            if modern and declares_tasks(msg):
+                action = await self.call_or_task(msg, name, args, cancelled, value, progress)
+                if action is None:
+                    return                       # answered with a task
+            else:
+                action = await proxy.outcome(name, args, progress, cancelled, value)
             result = action.result if isinstance(action, Answer) else \
                 proxy.hold.pending_answer(action.approval)
         except Exception as exc:            # an answer is owed even when something broke
             result = broken_answer(proxy.log, exc)
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
+
+    async def call_or_task(self, msg: Message, name: str, args: bytes, cancelled: asyncio.Event,
+                           value: Any, progress) -> "Answer | Pending | None":
+        """A 2026-07-28 call that declared tasks: its outcome, or None once it was answered
+        with a task (start_task), which it is when it still waits for an operator, or its
+        mutating request still executes, once `hold` is over. The outcome goes on in a task
+        of its own, which nothing cancels, and the task's follower takes it over."""
+        work = asyncio.ensure_future(self.proxy.outcome(name, args, progress, cancelled, value))
+        tool = self.proxy.tools.get(name)
+        mutating = tool is not None and tool.spec.side_effect != "read_only"
+        await asyncio.wait({work}, timeout=self.proxy.cfg.hold if mutating else None)
+        if not cancelled.is_set() and (not work.done() or isinstance(work.result(), Pending)):
+            with contextlib.suppress(ProtocolError):    # too many tasks: answered as today
+                start_task(self, msg, True, name, args, value, None if work.done() else work)
+                return None
+        return await work
 
     # -- the offered tools changed (section 25) --
 

@@ -3318,9 +3318,9 @@ class AnswerUnreadable(Exception):
 class Tool:
     """A tool the gate can execute: its spec, and the call that runs it, handed the
     arguments' bytes and their strict parse (NOT_PARSED when the call has none), which it
-    only reads. A tool whose server may run it as a task (``tasks``) is handed a third
-    argument too: what to do with the server's task id once it is known (the attempt's
-    record of it, section 12.1)."""
+    only reads. A call that takes a third argument (``tasks``: every upstream tool's) is
+    handed what to do with a server's task id once it is known, should the server run it
+    as a task (the attempt's record of it, section 12.1)."""
     spec: ToolSpec
     call: Callable[..., Awaitable[ToolResult]]
     tasks: bool = False
@@ -5247,7 +5247,8 @@ def cancel_run(store: Store, run_id: str, by: str, note: str, now: float,
         if pending and tx.rows("SELECT status FROM approvals WHERE id=?", (pending,)) != \
                 [(PENDING,)]:
             raise RunStateError(f"approval {pending} is no longer pending")
-        obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note}, f"cancelled by operator: {note}")
+        obs = _obs(INTERRUPTED_OBS, {"by": by, "note": note},
+                   f"cancelled by operator: {note}" if reason == "operator_cancelled" else note)
         tx.exec("UPDATE steps SET status='failed', observation_json=?, observation_hash=?, "
                 "finished_at=? WHERE run_id=? AND status IN ('deciding','awaiting_approval',"
                 "'executing')", (obs.json_text, obs.content_hash, at, run_id))
@@ -5287,6 +5288,8 @@ META_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_CLIENT = "io.modelcontextprotocol/clientInfo"
 META_SERVER = "io.modelcontextprotocol/serverInfo"
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"           # MCP tasks, 2026-07-28 (23.1)
+META_RELATED_TASK = "io.modelcontextprotocol/related-task"
 PROXY_VERSION = "0.1.0"
 
 
@@ -5573,10 +5576,7 @@ class Upstream:
             raise
         err = reply.doc.get("error")
         if err is not None:
-            err = err if isinstance(err, dict) else {}
-            code = _plain_int(err.get("code"), MAX_CODE_DIGITS, signed=True)
-            raise ProtocolError(sanitize(str(err.get("message", "error"))),
-                                INTERNAL_ERROR if code is None else code, err.get("data"))
+            raise rpc_failure(err, "error")
         if "result" not in reply.doc:
             raise ProtocolError("the answer has neither a result nor an error")
         return reply
@@ -5648,7 +5648,7 @@ class Upstream:
         tasks = self.caps.get("tasks")
         call = tasks.get("requests", {}) if isinstance(tasks, dict) else None
         call = call.get("tools") if isinstance(call, dict) else None
-        return support in ("optional", "required") and isinstance(call, dict) and \
+        return support in TASK_SUPPORTS and isinstance(call, dict) and \
             isinstance(call.get("call"), dict)
 
     async def call_tool(self, remote: str, args: bytes, timeout: float,
@@ -5662,17 +5662,18 @@ class Upstream:
         if on_task is not None and not self.modern:
             params["task"] = {}
         reply = await self.request("tools/call", params, timeout, remote, on_task is not None)
-        result = reply.doc["result"]
-        task = (result if self.modern and result.get("resultType") == "task" else
-                result.get("task") if not self.modern else None) \
-            if on_task is not None and isinstance(result, dict) else None
+        result, task = reply.doc["result"], None
+        if on_task is not None and isinstance(result, dict):
+            task = result.get("task") if not self.modern else \
+                result if result.get("resultType") == "task" else None
         if not isinstance(task, dict):
-            return reply
+            return reply                    # an answer (map_result refuses a task's shape)
         task_id, created = task.get("taskId"), task.get("createdAt")
         if not isinstance(task_id, str) or not 0 < len(task_id) <= MAX_TASK_ID:
             raise ProtocolError("the server answered a task without a task id the proxy can "
                                 "keep")
-        on_task(task_id, created if isinstance(created, str) else "")
+        on_task(task_id, created if isinstance(created, str) and
+                len(created) <= MAX_TIME_TEXT else "")
         try:
             return await self.follow_task(task_id, deadline)
         except NotSent as exc:          # the call was sent and answered: never "not sent"
@@ -5686,30 +5687,33 @@ class Upstream:
         cancelled (the proxy gives a server none: it elicits nothing from the host), and
         what it ends as is its outcome, unknown unless that says otherwise."""
         asked = False
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise asyncio.TimeoutError()
-            reply = await self.request("tasks/get", {"taskId": task_id}, left, task_id, True)
+            return remaining
+        while True:
+            reply = await self.request("tasks/get", {"taskId": task_id}, left(), task_id, True)
             got = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
             status = got.get("status")
             if got.get("taskId") != task_id:
                 raise ProtocolError(f"tasks/get for {_quote(task_id)} answered another task")
             if status in ("completed", "failed"):
-                return await self._task_end(reply, task_id, left)
+                return await self._task_end(reply, task_id, left())
             if status == "cancelled" or (status == "input_required" and asked):
                 raise UpstreamError(f"the server's task ended {_quote(str(status))}: whether "
                                     "it took effect is not known")
             if status == "input_required":
                 asked = True
                 with contextlib.suppress(ProtocolError):
-                    await self.request("tasks/cancel", {"taskId": task_id}, left, task_id,
+                    await self.request("tasks/cancel", {"taskId": task_id}, left(), task_id,
                                        True)
                 continue
             every = got.get("pollIntervalMs" if self.modern else "pollInterval")  # a hint
-            every = _plain_int(every, MAX_CODE_DIGITS) if isinstance(every, Num) else None
-            await asyncio.sleep(min(left, max(TASK_POLL_MIN, min(
-                TASK_POLL_MAX, (every or TASK_POLL_MS) / 1000))))
+            every = _plain_int(every, MAX_POLL_DIGITS) if isinstance(every, Num) else None
+            await asyncio.sleep(min(left(), max(TASK_POLL_MIN, min(
+                TASK_POLL_MAX, every / 1000 if every else TASK_POLL_DEFAULT))))
 
     async def _task_end(self, reply: Message, task_id: str, timeout: float) -> Message:
         """The answer of a task a tasks/get ``reply`` says ended: completed, the server's
@@ -5719,16 +5723,13 @@ class Upstream:
             return await self.request("tasks/result", {"taskId": task_id}, timeout, task_id)
         got = reply.doc["result"]
         if got.get("status") == "failed":
-            err = got.get("error") if isinstance(got.get("error"), dict) else {}
-            code = _plain_int(err.get("code"), MAX_CODE_DIGITS, signed=True)
-            raise ProtocolError(sanitize(str(err.get("message", "the task failed"))),
-                                INTERNAL_ERROR if code is None else code)
+            raise rpc_failure(got.get("error"), "the task failed")
         embedded = reply.inner_spans("result").get("result")
         if embedded is None:
             raise ProtocolError("the server's completed task holds no result")
         return server_message(b'{"jsonrpc":"2.0","id":0,"result":%s}' % embedded)
 
-    async def ended_task(self, task_id: str, created: str, since: float, timeout: float,
+    async def ended_task(self, task_id: str, created: str, since: str, timeout: float,
                          ) -> "Message | ProtocolError | str | None":
         """What the server says its task ``task_id`` ended with, asked once about an attempt
         cut off or timed out while the server ran it: its answer, or the JSON-RPC error of a
@@ -5743,15 +5744,14 @@ class Upstream:
             reply = await self.request("tasks/get", {"taskId": task_id}, timeout, task_id, True)
             got = reply.doc["result"] if isinstance(reply.doc["result"], dict) else {}
             if got.get("taskId") != task_id or not created or got.get("createdAt") != created \
-                    or parse_time(created) < since:
+                    or parse_time(created) < parse_time(since):
                 return None
             if got.get("status") in ("working", "input_required"):
                 return TASK_WORKING_STILL
             if got.get("status") not in ("completed", "failed"):
                 return None
-        except (ProxyError, OSError, asyncio.TimeoutError, ValueError, TypeError,
-                AttributeError, OverflowError):
-            return None
+        except (ProxyError, OSError, asyncio.TimeoutError, ValueError, OverflowError):
+            return None                       # the asking failed, or a time not ours to read
         try:
             end = await self._task_end(reply, task_id, max(0.0, deadline - time.monotonic()))
         except ProtocolError as exc:
@@ -5799,12 +5799,26 @@ class Upstream:
         return True
 
 
+def rpc_failure(err: Any, said: str) -> ProtocolError:
+    """A server's JSON-RPC error object (a request's answer, or a failed task's) as the
+    ProtocolError it raises: its message sanitised (``said`` when it gives none), its code
+    when it is a plain integer."""
+    err = err if isinstance(err, dict) else {}
+    code = _plain_int(err.get("code"), MAX_CODE_DIGITS, signed=True)
+    return ProtocolError(sanitize(str(err.get("message", said))),
+                         INTERNAL_ERROR if code is None else code, err.get("data"))
+
+
 MAX_TOOL_PAGES = 100
 MAX_TOOLS = 1000
 MAX_TASK_ID = 256                       # a server's task id the proxy records
+MAX_TIME_TEXT = 64                      # ... and its creation time (longer: not recorded)
+MAX_POLL_DIGITS = 9                     # a server's poll interval hint, in ms
+TASK_SUPPORTS = ("optional", "required")    # a tool's taskSupport that lets it be a task
 TASK_WORKING_STILL = "working"          # Upstream.ended_task: the task has not ended
 TASK_EVENT = "step.tool_task"           # the event that records it (section 12.1)
 TASK_POLL_MIN, TASK_POLL_MAX = 0.05, 5.0    # seconds between looks at a server's task
+TASK_POLL_DEFAULT = 1.0                 # ... where the server gives no hint
 # The notices that make the proxy list a server's tools again: the change itself, and a
 # subscription's acknowledgement (a change between the first listing and the subscription
 # taking effect would otherwise go unseen).
@@ -5860,7 +5874,7 @@ def _page_tools(result_raw: bytes) -> list[LiveTool]:
         execution = entry.get("execution")
         support = execution.get("taskSupport") if isinstance(execution, dict) else None
         out.append(LiveTool(entry["name"], desc, schema, _annotations(ann),
-                            support if support in ("optional", "required") else "forbidden"))
+                            support if support in TASK_SUPPORTS else "forbidden"))
     return out
 
 
@@ -6652,8 +6666,8 @@ class UpstreamTool:
         """Send the call: denied or fixed parameters the model set are refused before
         anything is sent; fixed values are injected; the answer is mapped to content.
         ``value`` is the strict parse of ``args`` when the call has it: only read, and
-        copied before fixed values go in. ``on_task``: the call asks for a task, and is
-        told its id (Upstream.call_tool)."""
+        copied before fixed values go in. ``on_task``: where the server offers tasks
+        (tasks), the call asks for one, and is told its id (Upstream.call_tool)."""
         name = self.spec.name
         raw, value = empty_as_object(args, value)
         try:
@@ -6669,7 +6683,7 @@ class UpstreamTool:
             raise ToolFailure(refused, NOT_SENT)
         return await self.answer_of(self.conn.call_tool(
             self.remote, wire_arguments(raw, value, self.rule.fixed), self.spec.timeout,
-            on_task))
+            on_task if self.tasks else None))
 
     async def answer_of(self, sent: Awaitable[Message]) -> ToolResult:
         """What a call's answer, or its failure to come, is to the classifier (_observe):
@@ -9432,8 +9446,13 @@ def last_cut_off(q: Query, run_id: str) -> dict | None:
     executing (what a take-over finds)."""
     step = next(iter(q("SELECT id, status, started_at, observation_json FROM steps WHERE "
                        "run_id=? ORDER BY idx DESC LIMIT 1", (run_id,))), None)
-    if step is None or not (step[1] == "executing" or (
-            step[1] == "interrupted" and '"previous_status":"executing"' in (step[3] or ""))):
+    if step is None or step[1] not in ("executing", "interrupted"):
+        return None
+    if step[1] == "interrupted":
+        with contextlib.suppress(ValueError, AttributeError):      # an edited record
+            content = (loads_own(step[3] or "{}") or {}).get("content")
+            if isinstance(content, dict) and content.get("previous_status") == "executing":
+                return {"run_id": run_id, "step_id": step[0], "started_at": step[2]}
         return None
     return {"run_id": run_id, "step_id": step[0], "started_at": step[2]}
 
@@ -9451,7 +9470,10 @@ def task_to_ask(q: Query, attempt: dict | None, tool: str) -> AskTask | None:
     for typ, at, payload in q("SELECT type, at, payload_json FROM events WHERE run_id=? AND "
                               "step_id=? AND type IN (?,?) ORDER BY seq",
                               (run_id, step_id, TASK_EVENT, TASK_ASKED)):
-        doc = loads_own(payload) if payload else {}
+        try:
+            doc = loads_own(payload) if payload else {}
+        except ValueError:
+            continue                          # an edited record: verify reports it
         if not isinstance(doc, dict) or doc.get("started_at") != started:
             continue                          # another attempt of the step
         if typ == TASK_ASKED:                 # asked: never again, or once it may have ended
@@ -9508,7 +9530,7 @@ class Proxy:
                 "proxy dies, its calls are taken over only when their leases run out")
             self.holder = None
         try:
-            self.gate = Gate(store, [Tool(t.spec, t.call, t.tasks) for t in tools], self.policy,
+            self.gate = Gate(store, [Tool(t.spec, t.call, True) for t in tools], self.policy,
                              now=clock, lease_owner=f"agentrt-proxy:{cfg.session}",
                              holder=self.holder, lease_ttl=cfg.lease_ttl,
                              reconcile=self.reconcile, known=self.known,
@@ -9578,7 +9600,10 @@ class Proxy:
                    | None = None, cancelled: asyncio.Event | None = None,
                    value: Any = NOT_PARSED) -> dict:
         """One tools/call, answered: outcome(), a wait for an operator told as prose."""
-        action = await self.outcome(name, args, progress, cancelled, value)
+        return self.answer(await self.outcome(name, args, progress, cancelled, value))
+
+    def answer(self, action: "Answer | Pending") -> dict:
+        """What the host is told of a call's outcome: its answer, or the prose of a wait."""
         return action.result if isinstance(action, Answer) else \
             self.hold.pending_answer(action.approval)
 
@@ -9656,7 +9681,8 @@ class Proxy:
                     ask = self.resume.recover(tool, row)
                     # its server is asked first, once; past the budget, by the next call
                     if isinstance(ask, AskTask) and time.monotonic() < asking_until:
-                        await self.ask_task(ask)
+                        await self.ask_task(ask, min(TASK_ASK_TIMEOUT,
+                                                     asking_until - time.monotonic()))
                         self.resume.recover(tool, row)
             except ProxyError as exc:        # the next identical call takes it over instead
                 self.log(f"error: run {row.run_id}: taking it over at start: {exc}")
@@ -9665,19 +9691,19 @@ class Proxy:
         except StoreError as exc:            # the next proxy to start follows them
             self.log(f"error: following the tasks of a proxy that is gone: {exc}")
 
-    async def ask_task(self, ask: AskTask) -> None:
-        """Ask the server that ran a cut-off attempt as a task what came of it, before the
-        attempt is taken over (Resume.recover): a known outcome it tells is recorded as the
-        attempt's late outcome, so the take-over finds it and asks the operator nothing
-        (Session._pause, section 13); what it cannot tell leaves the question to the
-        operator. Either way a step.tool_task_asked event says it was asked, so that it is
-        asked once. Its word is read as the call's answer would have been (answer_of, then
-        the one classifier)."""
+    async def ask_task(self, ask: AskTask, timeout: float = TASK_ASK_TIMEOUT) -> None:
+        """Ask the server that ran an attempt of unknown outcome as a task what came of it,
+        before the operator is asked (task_to_ask): a known outcome it tells is recorded as
+        the attempt's late outcome, so that a take-over finds it and asks nothing
+        (Session._pause, section 13), and a question already asked is settled by it; what it
+        cannot tell leaves the question to the operator. Either way a step.tool_task_asked
+        event says it was asked (again later while the task still runs), written only if
+        nobody wrote one meanwhile. Its word is read as the call's answer would have been
+        (answer_of, then the one classifier)."""
         tool, began, found = self.tools.get(ask.tool), time.monotonic(), None
         if tool is not None and tool.conn is not None:
-            with contextlib.suppress(ValueError, TypeError, AttributeError, OverflowError):
-                found = await tool.conn.ended_task(ask.task_id, ask.created,
-                                                   parse_time(ask.started_at), TASK_ASK_TIMEOUT)
+            found = await tool.conn.ended_task(ask.task_id, ask.created, ask.started_at,
+                                               timeout)
         obs = None
         if found is not None and found != TASK_WORKING_STILL:
             async def given() -> Message:
@@ -9694,6 +9720,10 @@ class Proxy:
         at, seq = fmt_time(self.clock()), 0
         try:
             with self.store.tx() as tx:
+                attempt = {"run_id": ask.run_id, "step_id": ask.step_id,
+                           "started_at": ask.started_at}
+                if task_to_ask(tx.rows, attempt, ask.tool) is None:
+                    return                    # another call or process asked meanwhile
                 if known:
                     seq = tx.event(ask.run_id, ask.step_id, at, "step.tool_finished",
                                    late_event(obs, ask.started_at, ask.tool,
@@ -9768,8 +9798,8 @@ class Resume:
         latest = state.latest()                                   # rule 1
         if latest is not None and latest.status == PENDING:
             if not _expired(latest, self.clock()):
-                ask = task_to_ask(self.store._read, _interrupted_attempt(latest),
-                                  tool.spec.name) if latest.kind == INTERRUPTED_KIND else None
+                ask = task_to_ask(self.store._read, asked_attempt(latest, self.store._read),
+                                  tool.spec.name)
                 return ask or Pending(latest)
             self.attach_and_close(row.run_id)      # the gate expires it and ends the run
             return None
@@ -10554,10 +10584,10 @@ SERVER_INFO = {"name": "gated-tools", "version": PROXY_VERSION}
 # and in 2026-07-28 as the extension; to an older legacy host, what it was offered before.
 LEGACY_TASKS = "2025-11-25"
 SERVER_ABOUT = {"capabilities": {"tools": {"listChanged": True}}, "serverInfo": SERVER_INFO}
-LEGACY_ABOUT = {"capabilities": {"tools": {"listChanged": True}, "tasks": {
-    "cancel": {}, "requests": {"tools": {"call": {}}}}}, "serverInfo": SERVER_INFO}
-MODERN_ABOUT = {"capabilities": {"tools": {"listChanged": True}, "extensions": {
-    "io.modelcontextprotocol/tasks": {}}}, "serverInfo": SERVER_INFO}
+LEGACY_ABOUT = {**SERVER_ABOUT, "capabilities": {**SERVER_ABOUT["capabilities"], "tasks": {
+    "cancel": {}, "requests": {"tools": {"call": {}}}}}}
+MODERN_ABOUT = {**SERVER_ABOUT, "capabilities": {**SERVER_ABOUT["capabilities"],
+                                                 "extensions": {TASKS_EXTENSION: {}}}}
 UNCACHED = {"ttlMs": 0, "cacheScope": "private"}      # a modern host keeps no answer to reuse
 MAX_INFLIGHT_CALLS = 256               # calls in flight before the host's input waits
 READ_AHEAD_BYTES = 2 * MAX_FRAME       # the host's input read ahead of what is served
@@ -10668,13 +10698,19 @@ class HostServer:
     def dispatch(self, msg: Message) -> None:
         try:
             self.route(msg)
-        except ProtocolError as exc:
+        except Exception as exc:
+            self.failed(msg, exc)
+
+    def failed(self, msg: Message, exc: Exception) -> None:
+        """A request that failed: a protocol error is the host's answer; any other is a
+        fault of ours, logged, and the host still gets an answer."""
+        if isinstance(exc, ProtocolError):
             self.write(rpc_error(msg.id_value(), error_code(exc), str(exc), exc.data))
-        except Exception as exc:         # a fault of ours: the host still gets an answer
-            self.log(f"error: handling a {_quote(str(msg.method))} message: "
-                     f"{type(exc).__name__}: {sanitize(str(exc))}")
-            if msg.method is not None and msg.has_id:
-                self.write(rpc_error(msg.id_value(), INTERNAL_ERROR, "internal error"))
+            return
+        self.log(f"error: handling a {_quote(str(msg.method))} message: "
+                 f"{type(exc).__name__}: {sanitize(str(exc))}")
+        if msg.method is not None and msg.has_id:
+            self.write(rpc_error(msg.id_value(), INTERNAL_ERROR, "internal error"))
 
     def route(self, msg: Message) -> None:
         if "method" not in msg.doc:
@@ -10751,17 +10787,15 @@ class HostServer:
         _check_call_params(msg)
         args, value = empty_as_object(msg.raw("arguments", in_params=True) or b"",
                                       msg.parsed("arguments"))
-        task = msg.params.get("task")
-        if task is not None and self.tasks and not modern:    # the host asks for a task
-            if not isinstance(task, dict):
-                raise ProtocolError("params.task is not an object", INVALID_PARAMS)
-            start_task(self, msg, False, name, args, value)
-            return
+        task = msg.params.get("task") if self.tasks and not modern else None
+        if task is not None and not isinstance(task, dict):      # the host asks for a task
+            raise ProtocolError("params.task is not an object", INVALID_PARAMS)
         key, event = _id_key(msg.raw("id")), asyncio.Event()
         # Ids of calls in flight may repeat (a host's mistake): each call has its own event,
         # and a cancel naming the id reaches every call that carries it. Nothing between the
         # task's creation and its entry can fail: no call runs untracked.
-        task = asyncio.create_task(self.run_call(msg, modern, name, args, event, value))
+        task = asyncio.create_task(self.run_call(msg, modern, name, args, event, value)
+                                   if task is None else self.run_task(msg, name, args, value))
         self.inflight[task] = (key, event)
         task.add_done_callback(self.inflight.pop)
 
@@ -10782,12 +10816,18 @@ class HostServer:
                     return                       # answered with a task
             else:
                 action = await proxy.outcome(name, args, progress, cancelled, value)
-            result = action.result if isinstance(action, Answer) else \
-                proxy.hold.pending_answer(action.approval)
+            result = proxy.answer(action)
         except Exception as exc:            # an answer is owed even when something broke
             result = broken_answer(proxy.log, exc)
         if not cancelled.is_set():             # a cancelled request gets no answer
             self.reply(msg, result, modern)
+
+    async def run_task(self, msg: Message, name: str, args: bytes, value: Any) -> None:
+        """2025-11-25: a call that asks for a task is answered one at once (start_task)."""
+        try:
+            await start_task(self, msg, False, name, args, value, self.proxy.clock())
+        except Exception as exc:
+            self.failed(msg, exc)
 
     async def call_or_task(self, msg: Message, name: str, args: bytes, cancelled: asyncio.Event,
                            value: Any, progress) -> "Answer | Pending | None":
@@ -10795,14 +10835,19 @@ class HostServer:
         with a task (start_task), which it is when it still waits for an operator, or its
         mutating request still executes, once `hold` is over. The outcome goes on in a task
         of its own, which nothing cancels, and the task's follower takes it over."""
+        began = self.proxy.clock()
         work = asyncio.ensure_future(self.proxy.outcome(name, args, progress, cancelled, value))
         tool = self.proxy.tools.get(name)
         mutating = tool is not None and tool.spec.side_effect != "read_only"
         await asyncio.wait({work}, timeout=self.proxy.cfg.hold if mutating else None)
         if not cancelled.is_set() and (not work.done() or isinstance(work.result(), Pending)):
-            with contextlib.suppress(ProtocolError):    # too many tasks: answered as today
-                start_task(self, msg, True, name, args, value, None if work.done() else work)
+            try:
+                await start_task(self, msg, True, name, args, value, began,
+                                 None if work.done() else work)
                 return None
+            except ProxyError as exc:       # too many tasks, or the store: answered as today
+                if not isinstance(exc, ProtocolError):
+                    self.log(f"error: a task was not made: {sanitize(str(exc))}")
         return await work
 
     # -- the offered tools changed (section 25) --
@@ -10898,14 +10943,14 @@ def _id_key(raw: bytes | None) -> str:
 # removed at its exit), the next proxy to start follows it. A follower executes nothing the
 # identical call would not: the gate runs a request at most once, whoever asks.
 
-TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
-META_RELATED_TASK = "io.modelcontextprotocol/related-task"
 MISSING_CAPABILITY = -32021
 TASK_ID_BYTES = 24                     # random bytes of a task id: a bearer token
 TASK_POLL_MS = 1000                    # how often a host is asked to look at a task
 TASK_HOLD = 10.0                       # a follower's hold between looks at its task's row
 TASK_LOOK, TASK_LOOK_MAX = 1.0, 60.0   # its wait to look again at a call that is not held
 MAX_OPEN_TASKS = 64                    # a session's tasks with no answer yet
+TASK_TTL_SLACK = 60.0                  # a task's ttl past its approval's: the expiry is told
+TASK_TTL_CAP = 7 * 24 * 3600.0         # a task's ttl where approvals never expire
 TASK_OPTIONAL = {"taskSupport": "optional"}     # each tool, toward a 2025-11-25 host
 TASK_WAITING = "the call waits for an operator's approval"
 TASK_WORKING = "the call is being taken through the gate"
@@ -10936,7 +10981,7 @@ def _follower_gone(database: str, follower: str) -> bool:
     could each begin its request again after the other's answer (a repeat the rule asks
     about, for one call of the host), so its task waits for it, or for its ttl."""
     named = HOLDER_IN_OWNER.search(follower)
-    if named is None or named.group(1) in _HELD:
+    if named is None:
         return False
     return holder_gone(database, follower) or \
         not os.path.lexists(f"{database}.{named.group(1)}")
@@ -10976,16 +11021,21 @@ class Tasks:
         self.follower = "" if proxy.holder is None else ";" + proxy.holder.ident
         self.following: dict[str, tuple[asyncio.Task, _TaskCancel]] = {}
 
-    def create(self, name: str, args: bytes, key: str | None) -> TaskRow:
+    def create(self, name: str, args: bytes, key: str | None, began: float) -> TaskRow:
         """A new task for a call, durably: a tasks/get for it resolves before its id is
-        given. ``args``: the call's arguments as the gate records them (host_arguments).
-        ProtocolError when MAX_OPEN_TASKS of the session are open."""
-        now, ttl = self.proxy.clock(), self.proxy.cfg.approval_ttl or None
-        row = TaskRow(secrets.token_urlsafe(TASK_ID_BYTES), name, args, key, now, ttl,
+        given. ``args``: the call's arguments as the gate records them (host_arguments);
+        ``began``: when the host's call came, the task's creation (a 2026-07-28 task is made
+        once `hold` is over). Its ttl outlasts an approval the call asks for by
+        TASK_TTL_SLACK, so that an expiry is told, or is TASK_TTL_CAP where approvals never
+        expire. ProtocolError when MAX_OPEN_TASKS of the session are open."""
+        now, ttl = self.proxy.clock(), self.proxy.cfg.approval_ttl
+        ttl = ttl + TASK_TTL_SLACK if ttl > 0 else TASK_TTL_CAP
+        row = TaskRow(secrets.token_urlsafe(TASK_ID_BYTES), name, args, key, began, ttl,
                       self.follower, None, now, 0)
         with self.store.tx() as tx:
             self._forget_expired(tx, now)
-            if len(tx.rows(_OPEN_TASKS_SQL, (self.session, MAX_OPEN_TASKS))) >= MAX_OPEN_TASKS:
+            if tx.rows("SELECT COUNT(*) FROM proxy_tasks WHERE session=? AND answer IS NULL "
+                       "AND cancelled=0", (self.session,))[0][0] >= MAX_OPEN_TASKS:
                 raise ProtocolError(f"{MAX_OPEN_TASKS} tasks of this session are open, the "
                                     "most it may have: wait for one to end", INVALID_REQUEST)
             tx.exec(f"INSERT INTO proxy_tasks (session, {_TASK_COLS}) VALUES "
@@ -11080,7 +11130,7 @@ class Tasks:
 
     async def _follow(self, row: TaskRow, value: Any, first, stop: _TaskCancel) -> None:
         proxy, look = self.proxy, TASK_LOOK
-        while first is not None or not stop.is_set():
+        while first is not None or not (stop.is_set() or proxy.stopping.is_set()):
             try:
                 action = await (first if first is not None else proxy.outcome(
                     row.tool, row.args, None, stop, value, TASK_HOLD))
@@ -11094,7 +11144,9 @@ class Tasks:
                 current = self.get(row.id)
             except StoreError:
                 current = row                 # looked at again after the next hold
-            if current is None or current.cancelled or stop.is_set():
+            if current is None:
+                return                        # past its ttl: what it waits on expires alone
+            if current.cancelled or stop.here:
                 # A cancel that came while the call was being begun withdraws what it began.
                 self.withdraw(row)
                 return
@@ -11115,8 +11167,7 @@ class Tasks:
         if isinstance(action, Answer):
             return None if answer_prefix(action.result) in ("IN_PROGRESS", "UNAVAILABLE") \
                 else action.result
-        attempt = _interrupted_attempt(action.approval) \
-            if action.approval.kind == INTERRUPTED_KIND else None
+        attempt = asked_attempt(action.approval, self.store._read)
         try:
             own = attempt is not None and parse_time(attempt.get("started_at")) >= row.created
         except (ValueError, TypeError, AttributeError, OverflowError):
@@ -11161,12 +11212,14 @@ class Tasks:
                 self.follow(row._replace(follower=self.follower))
 
 
-def start_task(host: HostServer, msg: Message, modern: bool, name: str, args: bytes,
-               value: Any, first: "asyncio.Future | None" = None) -> None:
+async def start_task(host: HostServer, msg: Message, modern: bool, name: str, args: bytes,
+                     value: Any, began: float, first: "asyncio.Future | None" = None) -> None:
     """Answer a call with a new task, recorded first, and follow it: ``first``, the
-    call's outcome already under way (2026-07-28), else the call from its start."""
-    args, key, value = host_arguments(name, args, value)
-    row = host.proxy.tasks.create(name, args, key)
+    call's outcome already under way (2026-07-28), else the call from its start. The
+    arguments are made the gate's record of them as a call's are (host_arguments, on a
+    worker thread when they are long)."""
+    args, key, value = await host.proxy._offload(len(args), host_arguments, name, args, value)
+    row = host.proxy.tasks.create(name, args, key, began)
     task = host.proxy.tasks.doc(row, modern)
     host.reply(msg, {"resultType": "task", **task} if modern else {"task": task}, modern)
     host.proxy.tasks.follow(row, value, first)
@@ -11187,7 +11240,8 @@ def task_request(host: HostServer, msg: Message, modern: bool) -> None:
         if not tasks.cancel(row) and not modern:
             raise ProtocolError("the task has ended: it cannot be cancelled",
                                 INVALID_PARAMS)
-        host.reply(msg, {} if modern else tasks.doc(tasks.get(row.id), False), modern)
+        host.reply(msg, {} if modern else tasks.doc(row._replace(
+            cancelled=1, updated=host.proxy.clock()), False), modern)
     elif msg.method == "tasks/result":
         key, event = _id_key(msg.raw("id")), asyncio.Event()
         waiter = asyncio.ensure_future(task_result(host, msg, row, event))
@@ -12365,7 +12419,7 @@ class ServerWatch:
                 except ProxyError as exc:
                     withheld[name] = f"its spec could not be recorded: {exc}"
                     continue
-                proxy.gate.tools[name] = Tool(tool.spec, tool.call)
+                proxy.gate.tools[name] = Tool(tool.spec, tool.call, True)
             now[name] = tool
         proxy.order += [n for n in now if n not in proxy.order]
         tools = {**{n: t for n, t in proxy.tools.items() if t.server != server}, **now}

@@ -345,8 +345,11 @@ def test_a_cancel_that_comes_before_the_call_began_withdraws_what_it_began(h):
         "name": "bank_pay", "arguments": PAY, "task": {}}}).encode()
 
     async def both():
-        h.host.handle(call)               # answered at once; the follower has not run yet
-        task = json.loads(h.out[-1])["result"]["task"]
+        h.host.handle(call)               # answered at once, the follower scheduled
+        while not any(json.loads(m).get("id") == 900 for m in h.out):
+            await ap.asyncio.sleep(0)
+        task = next(json.loads(m) for m in h.out if json.loads(m).get("id") == 900)
+        task = task["result"]["task"]
         h.host.handle(json.dumps({"jsonrpc": "2.0", "id": 901, "method": "tasks/cancel",
                                   "params": {"taskId": task["taskId"]}}).encode())
         return task
@@ -448,10 +451,23 @@ def test_a_modern_request_the_host_cancelled_is_not_made_a_task(tmp_path):
         h.close()
 
 
+def test_an_expired_approval_completes_its_task_with_the_expiry(h):
+    task = legacy_task(h, "bank_pay", PAY)
+    wait_for(h, lambda: len(h.pending()) == 1)
+    assert h.request("tasks/get", {"taskId": task["taskId"]})["result"]["ttl"] == \
+        int((h.cfg.approval_ttl + ap.TASK_TTL_SLACK) * 1000)
+    h.clock.skew += h.cfg.approval_ttl + 1          # the approval's time is over, not the task's
+    result = h.request("tasks/result", {"taskId": task["taskId"]})["result"]
+    assert h.prefix(result) == "EXPIRED" and h.is_error(result)
+    run = h.runs()[-1]
+    assert run.reason == "approval_expired"        # never "withdrawn by the host"
+    assert h.payments() == 0
+
+
 def test_a_task_past_its_ttl_is_gone(h):
     task = legacy_task(h, "bank_pay", PAY)
     wait_for(h, lambda: len(h.pending()) == 1)
-    h.clock.skew += h.cfg.approval_ttl + 1
+    h.clock.skew += h.cfg.approval_ttl + ap.TASK_TTL_SLACK + 1
     for method in ("tasks/get", "tasks/result", "tasks/cancel"):
         assert h.request(method, {"taskId": task["taskId"]})["error"]["code"] == -32602
     assert "working since" not in h.text(h.call("gate_status", {}))
@@ -475,15 +491,19 @@ def test_a_store_failure_is_not_a_tasks_answer(h):
     assert h.text(result) == "account A-9 holds 120.00 EUR" and len(calls) == 2
 
 
+@pytest.mark.parametrize("modern", [False, True])
 def test_a_task_whose_own_attempt_was_cut_off_completes_with_the_unknown_outcome(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, modern):
     monkeypatch.setattr(ap, "TASK_HOLD", 0.5)      # the follower's hold before it looks
     rules = {"balance": {"side_effect": "read_only", "timeout": "10s"},
              "pay": {"side_effect": "remote_mutation", "timeout": "10s", "outcome": "allow"}}
-    h = initialized(ProxyHarness(tmp_path, rules=rules))
+    h = initialized(ProxyHarness(tmp_path, rules=rules, hold="1s"))
     try:
         cut = {**PAY, "mode": "block"}
-        task = legacy_task(h, "bank_pay", cut)
+        # 2026-07-28: the task is made once hold is over, the payment already inside
+        task = h.call("bank_pay", cut, meta=DECLARED) if modern else \
+            legacy_task(h, "bank_pay", cut)
+        assert task["status"] == "working"
         wait_for(h, lambda: h.payments() == 1)   # inside the server, waiting
         # the proxy dies with it: its follower and its call are gone, its holder's lock
         # let go of (the file stays, as after a kill)
@@ -654,7 +674,7 @@ class CannedServer(ap.Upstream):
                                              "result": answer}).encode())
 
 
-SINCE = ap.parse_time("2026-01-01T00:00:00Z")
+SINCE = "2026-01-01T00:00:00Z"
 DONE = {"content": [{"type": "text", "text": "paid"}], "isError": False}
 
 

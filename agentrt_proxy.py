@@ -10932,7 +10932,7 @@ def _id_key(raw: bytes | None) -> str:
 # the io.modelcontextprotocol/tasks extension and still waits for an operator, or still
 # executes a mutating request, once `hold` is over (the proxy decides). A task is a handle on
 # one call of the host, never a second state machine: its row in proxy_tasks holds the
-# request as the gate records it, its ttl (approval_ttl), the holder of the proxy that
+# request as the gate records it, its ttl (approval_ttl and a minute), the holder of the proxy that
 # follows it, and once the call has one, its answer: what the identical call is answered,
 # through Proxy.outcome, the one path of every call. Until then the task is working; with
 # its answer, completed, whatever the answer says (a refusal is completed with its isError
@@ -11256,6 +11256,14 @@ async def task_result(host: HostServer, msg: Message, row: TaskRow,
     """2025-11-25's tasks/result: the call's answer once the task has one, waited for
     until then, but never past the task's ttl, and answered at once when the proxy
     stops; a host's cancel of this request ends the wait unanswered."""
+    try:
+        await _task_result(host, msg, row, cancelled)
+    except Exception as exc:              # an edited answer, a fault of ours: still answered
+        host.failed(msg, exc)
+
+
+async def _task_result(host: HostServer, msg: Message, row: TaskRow,
+                       cancelled: asyncio.Event) -> None:
     stopping, tasks = host.proxy.stopping, host.proxy.tasks
     until = float("inf") if row.ttl is None else row.created + row.ttl
     while not cancelled.is_set():

@@ -762,3 +762,11 @@ def test_a_task_that_timed_out_is_settled_by_what_its_server_says(tmp_path, era)
         assert [a.status for a in h.approvals()] == [ap.SETTLED_APPROVAL]
     finally:
         h.close()
+
+
+def test_an_edited_task_answer_is_still_answered(h):
+    task = legacy_task(h, "bank_balance", {"account": "A-9"})
+    wait_for(h, lambda: h.proxy.tasks.get(task["taskId"]).answer is not None)
+    with h.store.tx() as tx:
+        tx.exec("UPDATE proxy_tasks SET answer='{not json' WHERE task_id=?", (task["taskId"],))
+    assert h.request("tasks/result", {"taskId": task["taskId"]})["error"]["code"] == -32603
